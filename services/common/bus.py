@@ -1,0 +1,228 @@
+"""Everything relay keeps in Redis: key names, the rollout stream, the service registry,
+the latest-weights key and the rollout ledger. Services never share memory; this is the contract.
+
+Synchronous redis-py throughout; asyncio callers wrap calls in `asyncio.to_thread`, so there is
+one implementation of each operation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from services.common.schemas import RolloutGroup, ServiceInfo, TrainerStepMetrics, WeightsInfo
+
+TRAINER_GROUP = "trainer"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+
+    @property
+    def rollouts(self) -> str:
+        return f"{self.prefix}:rollouts"
+
+    @property
+    def weights_latest(self) -> str:
+        return f"{self.prefix}:weights:latest"
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.prefix}:metrics"
+
+    @property
+    def started(self) -> str:
+        return f"{self.prefix}:ledger:started"
+
+    @property
+    def trained(self) -> str:
+        return f"{self.prefix}:ledger:trained"
+
+    @property
+    def dropped(self) -> str:
+        return f"{self.prefix}:ledger:dropped"
+
+    @property
+    def orchestrator_state(self) -> str:
+        return f"{self.prefix}:orchestrator"
+
+    @property
+    def trainer_state(self) -> str:
+        return f"{self.prefix}:trainer"
+
+    def service(self, kind: str, sid: str) -> str:
+        return f"{self.prefix}:svc:{kind}:{sid}"
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=30, health_check_interval=10)
+
+
+class Bus:
+    """A thin, typed view of one run's Redis state."""
+
+    def __init__(self, url: str, prefix: str):
+        self.url = url
+        self.r = connect(url)
+        self.k = Keys(prefix)
+
+    # ---------------------------------------------------------- rollouts stream
+
+    def push_group(self, group: RolloutGroup) -> str:
+        return self.r.xadd(self.k.rollouts, {"group": group.model_dump_json()})
+
+    def ensure_trainer_group(self) -> None:
+        try:
+            self.r.xgroup_create(self.k.rollouts, TRAINER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def read_groups(
+        self, consumer: str, count: int, block_ms: int, pending: bool = False
+    ) -> list[tuple[str, RolloutGroup]]:
+        """Read up to `count` groups. pending=True re-reads this consumer's unacked entries
+        (what a restarted trainer must finish first: at-least-once delivery)."""
+        start = "0" if pending else ">"
+        resp = self.r.xreadgroup(
+            TRAINER_GROUP, consumer, {self.k.rollouts: start}, count=count, block=None if pending else block_ms
+        )
+        out: list[tuple[str, RolloutGroup]] = []
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                if fields is None:  # deleted while pending
+                    continue
+                out.append((entry_id, RolloutGroup.model_validate_json(fields["group"])))
+        return out
+
+    def ack(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            self.r.xack(self.k.rollouts, TRAINER_GROUP, *entry_ids)
+
+    def queue_depth(self) -> int:
+        """Groups on the stream not yet delivered to the trainer."""
+        try:
+            for g in self.r.xinfo_groups(self.k.rollouts):
+                if g["name"] == TRAINER_GROUP:
+                    lag = g.get("lag")
+                    return int(lag) if lag is not None else 0
+        except redis.ResponseError:
+            pass
+        return int(self.r.xlen(self.k.rollouts)) if self.r.exists(self.k.rollouts) else 0
+
+    # ---------------------------------------------------------- weights
+
+    def publish_weights(self, info: WeightsInfo) -> None:
+        self.r.set(self.k.weights_latest, info.model_dump_json())
+
+    def latest_weights(self) -> WeightsInfo | None:
+        raw = self.r.get(self.k.weights_latest)
+        return WeightsInfo.model_validate_json(raw) if raw else None
+
+    # ---------------------------------------------------------- ledger
+
+    def mark_started(self, group_id: str) -> None:
+        self.r.sadd(self.k.started, group_id)
+
+    def mark_trained(self, group_ids: list[str]) -> None:
+        if group_ids:
+            pipe = self.r.pipeline()
+            for g in group_ids:
+                pipe.hincrby(self.k.trained, g, 1)
+            pipe.execute()
+
+    def mark_dropped(self, group_id: str, reason: str) -> None:
+        self.r.hset(self.k.dropped, group_id, reason)
+
+    def is_trained(self, group_id: str) -> bool:
+        return bool(self.r.hexists(self.k.trained, group_id))
+
+    def ledger(self) -> dict[str, object]:
+        started = self.r.smembers(self.k.started)
+        trained = {k: int(v) for k, v in self.r.hgetall(self.k.trained).items()}
+        dropped = self.r.hgetall(self.k.dropped)
+        return {"started": started, "trained": trained, "dropped": dropped}
+
+    # ---------------------------------------------------------- metrics
+
+    def push_metrics(self, m: TrainerStepMetrics) -> None:
+        self.r.xadd(self.k.metrics, {"m": m.model_dump_json()})
+
+    def read_metrics(self, after: str = "0", block_ms: int | None = None) -> list[tuple[str, TrainerStepMetrics]]:
+        resp = self.r.xread({self.k.metrics: after}, block=block_ms)
+        return [
+            (eid, TrainerStepMetrics.model_validate_json(f["m"])) for _s, entries in resp or [] for eid, f in entries
+        ]
+
+    # ---------------------------------------------------------- registry
+
+    def register(self, info: ServiceInfo, ttl_s: float) -> None:
+        self.r.set(self.k.service(info.kind, info.id), info.model_dump_json(), px=int(ttl_s * 1000))
+
+    def deregister(self, kind: str, sid: str) -> None:
+        self.r.delete(self.k.service(kind, sid))
+
+    def services(self, kind: str | None = None) -> list[ServiceInfo]:
+        pattern = self.k.service(kind or "*", "*")
+        keys = sorted(self.r.scan_iter(match=pattern, count=500))
+        vals = self.r.mget(keys) if keys else []
+        return [ServiceInfo.model_validate_json(v) for v in vals if v]
+
+
+class Heartbeat:
+    """Keeps a service's registry entry alive from a daemon thread; `info()` is re-read every
+    beat so a changing weight version shows up in the registry."""
+
+    def __init__(self, bus: Bus, info: Callable[[], ServiceInfo], interval_s: float, ttl_s: float):
+        self.bus, self.info, self.interval_s, self.ttl_s = bus, info, interval_s, ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.bus.register(self.info(), self.ttl_s)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.bus.register(self.info(), self.ttl_s)
+            except redis.RedisError:
+                pass  # Redis briefly away: the entry expires and comes back on the next beat
+
+    def stop(self) -> None:
+        self._stop.set()
+        info = self.info()
+        try:
+            self.bus.deregister(info.kind, info.id)
+        except redis.RedisError:
+            pass
+
+
+def service_id(kind: str, port: int) -> str:
+    return f"{kind}-{socket.gethostname()}-{port}-{os.getpid()}"
+
+
+def wait_for_redis(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    r = connect(url)
+    while True:
+        try:
+            r.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def dumps(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True)

@@ -1,0 +1,201 @@
+"""Wire messages between relay's services. Every HTTP body and every Redis record is one of these.
+
+Request models forbid unknown fields so a misspelt field is a 422 naming it, not a silent default.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- inference
+
+
+class SamplingParams(Wire):
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables")
+    max_tokens: int = Field(16, gt=0)
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1024, description="independent samples of the same prompt")
+
+
+class GenerateRequest(Wire):
+    """Token-in, token-out generation: what the orchestrator uses for rollouts."""
+
+    input_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    request_id: str | None = None
+
+
+class GenerateChoice(Wire):
+    output_ids: list[int]
+    # log-prob of each sampled token under the distribution it was sampled from
+    # (after temperature; before top-p/top-k truncation, which only restricts the support).
+    logprobs: list[float]
+    # weight version that produced each token (weights can change mid-sequence)
+    versions: list[int]
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class GenerateResponse(Wire):
+    request_id: str
+    prompt_tokens: int
+    choices: list[GenerateChoice]
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI /v1/completions subset. Extra OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    logprobs: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> CompletionRequest:
+        if not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class UpdateWeightsRequest(Wire):
+    path: str = Field(min_length=1, description="a weights/step_N directory")
+    version: int = Field(ge=0)
+
+
+class WeightsInfo(Wire):
+    version: int
+    path: str
+    published: float = Field(default_factory=time.time)
+
+
+# ---------------------------------------------------------------- sandbox
+
+
+class CreateSessionRequest(Wire):
+    env: str = Field(min_length=1)
+    seed: int = 0
+
+
+class CreateSessionResponse(Wire):
+    session_id: str
+    env: str
+    prompt: str
+    max_turns: int
+
+
+class StepRequest(Wire):
+    action: str
+
+
+class StepResponse(Wire):
+    observation: str
+    done: bool
+
+
+class ScoreResponse(Wire):
+    reward: float = Field(ge=0.0, le=1.0)
+    info: dict[str, float | int | str | bool] = {}
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+class Sample(Wire):
+    """One finished rollout, token-aligned. tokens = prompt + (completion/observation turns)."""
+
+    rollout_id: str
+    tokens: list[int]
+    # 1 where the policy sampled the token (trained), 0 for prompt and environment tokens.
+    loss_mask: list[int]
+    # inference log-prob per token (0.0 where loss_mask is 0)
+    logprobs: list[float]
+    # weight version per token (-1 where loss_mask is 0)
+    versions: list[int]
+    reward: float
+    advantage: float = 0.0
+    turns: int = 1
+    finish_reason: str = "stop"
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Sample:
+        n = len(self.tokens)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("tokens, loss_mask, logprobs and versions must have the same length")
+        return self
+
+    @property
+    def min_version(self) -> int:
+        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return min(vs) if vs else -1
+
+
+class RolloutGroup(Wire):
+    """One record on the rollout stream: the samples of one prompt, advantages filled in."""
+
+    group_id: str
+    env: str
+    seed: int
+    samples: list[Sample] = Field(min_length=1)
+    created: float = Field(default_factory=time.time)
+
+    @property
+    def min_version(self) -> int:
+        return min(s.min_version for s in self.samples)
+
+    @property
+    def mean_reward(self) -> float:
+        return sum(s.reward for s in self.samples) / len(self.samples)
+
+
+class TrainerStepMetrics(Wire):
+    """What the trainer reports after committing a step (Redis stream `metrics`)."""
+
+    step: int
+    version: int
+    groups: int
+    samples: int
+    tokens: int
+    loss: float
+    entropy: float
+    grad_norm: float
+    reward: float
+    reward_by_env: dict[str, float]
+    staleness_mean: float
+    staleness_max: int
+    masked_ratio_frac: float
+    dropped_stale: int
+    wait_data_s: float
+    step_s: float
+    publish_s: float
+    tokens_per_s: float
+    time: float = Field(default_factory=time.time)
+
+
+# ---------------------------------------------------------------- registry
+
+
+class ServiceInfo(Wire):
+    kind: str
+    id: str
+    url: str
+    version: int = -1
+    started: float = Field(default_factory=time.time)
+    host: str = ""
+    pid: int = 0
