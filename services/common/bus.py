@@ -58,6 +58,11 @@ class Keys:
     def trainer_state(self) -> str:
         return f"{self.prefix}:trainer"
 
+    @property
+    def control_stop(self) -> str:
+        """Set (any value) to ask the trainer to stop at the next batch boundary."""
+        return f"{self.prefix}:control:stop"
+
     def service(self, kind: str, sid: str) -> str:
         return f"{self.prefix}:svc:{kind}:{sid}"
 
@@ -93,7 +98,11 @@ class Bus:
         (what a restarted trainer must finish first: at-least-once delivery)."""
         start = "0" if pending else ">"
         resp = self.r.xreadgroup(
-            TRAINER_GROUP, consumer, {self.k.rollouts: start}, count=count, block=None if pending else block_ms
+            TRAINER_GROUP,
+            consumer,
+            {self.k.rollouts: start},
+            count=count,
+            block=None if pending else block_ms,
         )
         out: list[tuple[str, RolloutGroup]] = []
         for _stream, entries in resp or []:
@@ -156,10 +165,14 @@ class Bus:
     def push_metrics(self, m: TrainerStepMetrics) -> None:
         self.r.xadd(self.k.metrics, {"m": m.model_dump_json()})
 
-    def read_metrics(self, after: str = "0", block_ms: int | None = None) -> list[tuple[str, TrainerStepMetrics]]:
+    def read_metrics(
+        self, after: str = "0", block_ms: int | None = None
+    ) -> list[tuple[str, TrainerStepMetrics]]:
         resp = self.r.xread({self.k.metrics: after}, block=block_ms)
         return [
-            (eid, TrainerStepMetrics.model_validate_json(f["m"])) for _s, entries in resp or [] for eid, f in entries
+            (eid, TrainerStepMetrics.model_validate_json(f["m"]))
+            for _s, entries in resp or []
+            for eid, f in entries
         ]
 
     # ---------------------------------------------------------- registry

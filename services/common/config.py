@@ -58,8 +58,8 @@ class RunSection(Strict):
     dir: str = ""
     seed: int = 0
     max_steps: int = Field(120, gt=0)
-    # Stop early once every task's 10-step mean reward reaches its target (0 disables).
-    stop_at_reward: float = Field(0.0, ge=0.0, le=1.0)
+    # Stop early once every task's 10-step mean reward has reached its target.
+    stop_on_targets: bool = False
     timeout_s: float = Field(900.0, gt=0)
 
 
@@ -136,6 +136,8 @@ class TrainerSection(Strict):
     checkpoint_every: int = Field(20, gt=0)
     init_std: float = Field(0.02, gt=0)
     torch_threads: int = Field(1, ge=1)
+    # Padded tokens (rows x longest row) per forward/backward; a step is split into micro-batches.
+    micro_batch_tokens: int = Field(8192, gt=0)
 
 
 class RunConfig(Strict):

@@ -42,12 +42,18 @@ class RedisServer:
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         args = [
             server_binary(),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.workdir),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--protected-mode", "no",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--protected-mode",
+            "no",
         ]
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

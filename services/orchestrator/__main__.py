@@ -1,0 +1,3 @@
+from services.orchestrator.app import main
+
+main()

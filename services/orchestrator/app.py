@@ -1,0 +1,104 @@
+"""Orchestrator HTTP API (OpenAPI docs at /docs): status, metrics history, pause/resume and
+rollout transcripts. The rollout loop runs in the same event loop as the API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query
+
+from services.common.schemas import RolloutGroup
+from services.common.service import Service, create_app, load_service_config, service_args
+from services.common.tokenizer import load_tokenizer
+from services.orchestrator.loop import Orchestrator
+from services.orchestrator.rollout import render_sample
+
+
+def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with svc.registered():
+            task = asyncio.create_task(orch.run(), name="orchestrator")
+            try:
+                yield
+            finally:
+                await orch.shutdown()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    app = create_app("relay orchestrator", lambda: {"version": orch.version, "paused": orch.paused}, lifespan)
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        """Step, policy version, rollouts in flight, queue depth, last reward, live services."""
+        return await orch.status()
+
+    @app.get("/v1/metrics")
+    async def metrics(
+        last: int = Query(0, ge=0, description="only the last N steps (0: all)"),
+    ) -> list[dict[str, Any]]:
+        """Per-step history: trainer metrics merged with the orchestrator's view."""
+        return orch.history[-last:] if last else orch.history
+
+    @app.post("/v1/pause")
+    async def pause() -> dict[str, Any]:
+        """Stop starting new rollout groups; groups in flight finish."""
+        orch.paused = True
+        return {"paused": True}
+
+    @app.post("/v1/resume")
+    async def resume() -> dict[str, Any]:
+        orch.paused = False
+        orch._wake.set()
+        return {"paused": False}
+
+    @app.get("/v1/rollouts/{rollout_id}")
+    async def rollout(rollout_id: str) -> dict[str, Any]:
+        """A group (by group id) or one sample (`<group_id>.<i>`): tokens, masks, text, rewards."""
+        group_id, _, idx = rollout_id.partition(".")
+        raw = await asyncio.to_thread(orch.bus.r.get, orch.rollout_key(group_id))
+        if raw is None:
+            raise HTTPException(404, f"rollout_id: no finished rollout {rollout_id!r}")
+        group = RolloutGroup.model_validate_json(raw)
+        tok = orch.runner.tok if orch.runner else load_tokenizer(Path(orch.run_dir) / "weights" / "step_0")
+        samples = group.samples
+        if idx:
+            if not idx.isdigit() or int(idx) >= len(samples):
+                raise HTTPException(404, f"rollout_id: group {group_id} has no sample {idx!r}")
+            samples = [samples[int(idx)]]
+        return {
+            "group_id": group.group_id,
+            "env": group.env,
+            "seed": group.seed,
+            "samples": [
+                {**s.model_dump(), "segments": render_sample(s, tok), "min_version": s.min_version}
+                for s in samples
+            ],
+        }
+
+    return app
+
+
+def main() -> None:
+    args = service_args("relay orchestrator")
+    cfg = load_service_config(args)
+    o = cfg.orchestrator
+    svc = Service(
+        "orchestrator",
+        cfg,
+        args.redis_url or cfg.redis.url,
+        args.host or o.host,
+        o.port if args.port is None else args.port,
+    )
+    run_dir = Path(args.config).resolve().parent
+    orch = Orchestrator(cfg, svc.bus, run_dir)
+    svc.run(build_app(svc, orch))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""HTTP clients for the services the orchestrator drives, with routing over the live registry.
+
+A request that fails because its service vanished (connection error, 5xx, timeout) raises
+`ServiceUnavailable`; the rollout code re-issues the whole turn on another live replica, so a
+crashed decode or sandbox loses no rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import defaultdict
+
+import httpx
+
+from services.common.bus import Bus
+from services.common.schemas import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    ScoreResponse,
+    ServiceInfo,
+    StepRequest,
+    StepResponse,
+    UpdateWeightsRequest,
+)
+
+
+class ServiceUnavailable(RuntimeError):
+    """The chosen replica could not serve the request; retry elsewhere."""
+
+
+class NoLiveService(ServiceUnavailable):
+    pass
+
+
+class Registry:
+    """Cached view of live services, refreshed from Redis at most every `refresh_s`."""
+
+    def __init__(self, bus: Bus, refresh_s: float = 0.5, quarantine_s: float = 5.0):
+        self.bus = bus
+        self.refresh_s = refresh_s
+        self.quarantine_s = quarantine_s
+        self._cache: dict[str, list[ServiceInfo]] = {}
+        self._at: dict[str, float] = {}
+        self._down: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+
+    async def live(self, kind: str, force: bool = False) -> list[ServiceInfo]:
+        now = time.monotonic()
+        if force or now - self._at.get(kind, 0.0) > self.refresh_s:
+            async with self._lock:
+                if force or now - self._at.get(kind, 0.0) > self.refresh_s:
+                    self._cache[kind] = await asyncio.to_thread(self.bus.services, kind)
+                    self._at[kind] = time.monotonic()
+        now = time.monotonic()
+        return [i for i in self._cache.get(kind, []) if self._down.get(i.url, 0.0) < now]
+
+    def forget(self, url: str) -> None:
+        """A request to `url` failed: route around it until its registry entry has had time to
+        expire (or a restarted process re-registered at the same url)."""
+        self._down[url] = time.monotonic() + self.quarantine_s
+
+
+class Router:
+    """Least-outstanding-requests choice among live replicas of one kind."""
+
+    def __init__(self, registry: Registry, kind: str):
+        self.registry, self.kind = registry, kind
+        self.outstanding: dict[str, int] = defaultdict(int)
+        self._rr = itertools.count()
+
+    async def pick(self) -> str:
+        infos = await self.registry.live(self.kind)
+        if not infos:
+            infos = await self.registry.live(self.kind, force=True)
+        if not infos:
+            raise NoLiveService(f"no live {self.kind} service")
+        tie = next(self._rr)
+        best = min(range(len(infos)), key=lambda j: (self.outstanding[infos[j].url], (j - tie) % len(infos)))
+        return infos[best].url
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: object | None = None) -> httpx.Response:
+    try:
+        resp = await client.post(url, json=body)
+    except (httpx.TransportError, httpx.TimeoutException) as e:
+        raise ServiceUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+    if resp.status_code >= 500:
+        raise ServiceUnavailable(f"{url}: HTTP {resp.status_code}: {resp.text[:200]}")
+    if resp.status_code >= 400:
+        # A 4xx is our own bug (bad request), not a vanished service: never retry it blindly.
+        raise ValueError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
+    return resp
+
+
+class DecodeClient:
+    def __init__(self, client: httpx.AsyncClient, router: Router):
+        self.client, self.router = client, router
+
+    async def generate(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
+        url = await self.router.pick()
+        self.router.outstanding[url] += 1
+        try:
+            resp = await _post(self.client, f"{url}/v1/generate", req.model_dump(mode="json"))
+        except ServiceUnavailable:
+            self.router.registry.forget(url)
+            raise
+        finally:
+            self.router.outstanding[url] -= 1
+        return url, GenerateResponse.model_validate_json(resp.content)
+
+    async def update_weights(self, url: str, path: str, version: int) -> None:
+        body = UpdateWeightsRequest(path=path, version=version).model_dump()
+        await _post(self.client, f"{url}/update_weights", body)
+
+    async def health(self, url: str) -> dict[str, object]:
+        try:
+            resp = await self.client.get(f"{url}/health", timeout=5.0)
+            return dict(resp.json())
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+
+class SandboxSession:
+    """One environment episode, pinned to the sandbox replica that holds its state."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, created: CreateSessionResponse):
+        self.client, self.url, self.created = client, url, created
+
+    @property
+    def prompt(self) -> str:
+        return self.created.prompt
+
+    async def step(self, action: str, eos: bool) -> StepResponse:
+        sid = self.created.session_id
+        resp = await _post(
+            self.client,
+            f"{self.url}/v1/sessions/{sid}/step",
+            StepRequest(action=action, eos=eos).model_dump(),
+        )
+        return StepResponse.model_validate_json(resp.content)
+
+    async def score(self) -> ScoreResponse:
+        resp = await _post(self.client, f"{self.url}/v1/sessions/{self.created.session_id}/score")
+        return ScoreResponse.model_validate_json(resp.content)
+
+    async def close(self) -> None:
+        try:
+            await self.client.delete(f"{self.url}/v1/sessions/{self.created.session_id}")
+        except httpx.HTTPError:
+            pass  # the sandbox expires abandoned sessions itself
+
+
+class SandboxClient:
+    def __init__(self, client: httpx.AsyncClient, router: Router):
+        self.client, self.router = client, router
+
+    async def open(self, env: str, seed: int) -> SandboxSession:
+        url = await self.router.pick()
+        body = CreateSessionRequest(env=env, seed=seed).model_dump()
+        try:
+            resp = await _post(self.client, f"{url}/v1/sessions", body)
+        except ServiceUnavailable:
+            self.router.registry.forget(url)
+            raise
+        return SandboxSession(self.client, url, CreateSessionResponse.model_validate_json(resp.content))

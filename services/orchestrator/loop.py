@@ -1,0 +1,333 @@
+"""The rollout loop: keeps groups in flight, bounds staleness, streams finished groups to the
+trainer and rolls new weights out to every live decode service.
+
+State that must survive an orchestrator restart lives in Redis: the number of groups started,
+the groups in flight (re-issued on restart with the same id and seed), the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from services.common.bus import Bus
+from services.common.config import RunConfig
+from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
+from services.common.service import log_event
+from services.common.tokenizer import eos_id, load_tokenizer
+from services.orchestrator import metrics as prom
+from services.orchestrator.clients import (
+    DecodeClient,
+    Registry,
+    Router,
+    SandboxClient,
+    ServiceUnavailable,
+)
+from services.orchestrator.rollout import GroupSpec, RolloutRunner
+
+GROUP_ATTEMPTS = 3
+ROLLOUT_TTL_S = 7 * 24 * 3600
+
+log = logging.getLogger("orchestrator")
+
+
+class Orchestrator:
+    def __init__(self, cfg: RunConfig, bus: Bus, run_dir: Path):
+        self.cfg = cfg
+        self.o = cfg.orchestrator
+        self.bus = bus
+        self.run_dir = run_dir
+        self.k = bus.k
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.o.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self.registry = Registry(bus, quarantine_s=cfg.redis.ttl_s)
+        self.decode = DecodeClient(self.http, Router(self.registry, "decode"))
+        self.sandbox = SandboxClient(self.http, Router(self.registry, "sandbox"))
+        self.version = -1  # the version every live decode has been asked to serve
+        self.paused = False
+        self.stopping = False
+        self.inflight: dict[str, asyncio.Task[None]] = {}
+        self.rng = random.Random(cfg.run.seed)
+        self.history: list[dict[str, Any]] = []
+        self.recent_rewards: dict[str, deque[float]] = {t.env: deque(maxlen=64) for t in self.o.tasks}
+        self.decode_idle_prev: dict[str, float] = {}
+        self.decode_idle_s = 0.0
+        self.versions_served: set[int] = set()
+        self.runner: RolloutRunner | None = None
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ redis-backed counters
+
+    def _state(self) -> dict[str, str]:
+        return self.bus.r.hgetall(self.k.orchestrator_state)
+
+    @property
+    def inflight_key(self) -> str:
+        return f"{self.k.orchestrator_state}:inflight"
+
+    def rollout_key(self, group_id: str) -> str:
+        return f"{self.k.prefix}:rollout:{group_id}"
+
+    def _counts(self) -> tuple[int, int]:
+        pipe = self.bus.r.pipeline()
+        pipe.hget(self.k.orchestrator_state, "started")
+        pipe.hlen(self.k.dropped)
+        started, dropped = pipe.execute()
+        return int(started or 0), int(dropped or 0)
+
+    # ------------------------------------------------------------ weights
+
+    async def _wait_initial_weights(self) -> WeightsInfo:
+        while True:
+            info = await asyncio.to_thread(self.bus.latest_weights)
+            if info is not None:
+                return info
+            await asyncio.sleep(0.2)
+
+    async def _roll_out(self, info: WeightsInfo) -> None:
+        """Ask every live decode to load `info`; the producer only starts groups of the new
+        version once they all have (so staleness is bounded by what the trainer has published)."""
+        decodes = await self.registry.live("decode", force=True)
+        results = await asyncio.gather(
+            *(self.decode.update_weights(d.url, info.path, info.version) for d in decodes),
+            return_exceptions=True,
+        )
+        for d, r in zip(decodes, results, strict=True):
+            if isinstance(r, Exception):
+                log_event(log, "weight update failed", url=d.url, version=info.version, error=str(r))
+        self.version = info.version
+        prom.POLICY_VERSION.set(info.version)
+        self._wake.set()
+
+    async def weights_watcher(self) -> None:
+        while not self.stopping:
+            try:
+                info = await asyncio.to_thread(self.bus.latest_weights)
+                if info is not None and info.version > self.version:
+                    t0 = time.monotonic()
+                    await self._roll_out(info)
+                    log_event(
+                        log, "weights rolled out", version=info.version, s=round(time.monotonic() - t0, 3)
+                    )
+                else:
+                    # A decode that restarted may come back on an older version: bring it forward.
+                    for d in await self.registry.live("decode"):
+                        if info is not None and 0 <= d.version < info.version:
+                            await self.decode.update_weights(d.url, info.path, info.version)
+            except (redis.RedisError, ServiceUnavailable, ValueError) as e:
+                log_event(log, "weights watcher error", error=str(e))
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------ producing groups
+
+    def _allowance(self, started: int, dropped: int) -> int:
+        """How many more groups may start now. A group started while version v is live is
+        trained no later than step v + max_off_policy_steps (AReaL-style admission), and
+        production stops once max_steps worth of groups (plus replacements for drops) exist."""
+        b = self.o.batch_size
+        by_staleness = (self.version + self.o.max_off_policy_steps + 1) * b + dropped
+        by_budget = self.cfg.run.max_steps * b + dropped
+        return min(by_staleness, by_budget) - started
+
+    def _pick_task(self) -> str:
+        weights = [t.weight for t in self.o.tasks]
+        return self.rng.choices([t.env for t in self.o.tasks], weights=weights)[0]
+
+    async def producer(self) -> None:
+        while not self.stopping:
+            self._wake.clear()
+            if self.paused or len(self.inflight) >= self.o.max_inflight_groups:
+                await self._sleep_until_woken(0.5)
+                continue
+            started, dropped = await asyncio.to_thread(self._counts)
+            room = min(self._allowance(started, dropped), self.o.max_inflight_groups - len(self.inflight))
+            if room <= 0:
+                await self._sleep_until_woken(0.2)
+                continue
+            for _ in range(room):
+                spec = GroupSpec(
+                    group_id=uuid.uuid4().hex[:16], env=self._pick_task(), seed=self.rng.randrange(1 << 31)
+                )
+                await asyncio.to_thread(self._record_start, spec)
+                self._launch(spec)
+
+    async def _sleep_until_woken(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _record_start(self, spec: GroupSpec) -> None:
+        pipe = self.bus.r.pipeline()
+        pipe.hincrby(self.k.orchestrator_state, "started", 1)
+        pipe.sadd(self.k.started, spec.group_id)
+        pipe.hset(self.inflight_key, spec.group_id, json.dumps({"env": spec.env, "seed": spec.seed}))
+        pipe.execute()
+
+    def _launch(self, spec: GroupSpec) -> None:
+        task = asyncio.create_task(self._run_group(spec), name=f"group-{spec.group_id}")
+        self.inflight[spec.group_id] = task
+        prom.INFLIGHT.set(len(self.inflight))
+
+    async def _run_group(self, spec: GroupSpec) -> None:
+        assert self.runner is not None
+        try:
+            for attempt in range(GROUP_ATTEMPTS):
+                try:
+                    group = await self.runner.run(spec)
+                    await asyncio.to_thread(self._commit_group, group)
+                    return
+                except (ServiceUnavailable, httpx.HTTPError) as e:
+                    log_event(log, "group retry", group=spec.group_id, attempt=attempt, error=str(e))
+                    await asyncio.sleep(0.5 * 2**attempt)
+                except ValueError as e:
+                    await asyncio.to_thread(self._drop, spec, f"error: {e}")
+                    return
+            await asyncio.to_thread(self._drop, spec, f"failed after {GROUP_ATTEMPTS} attempts")
+        except asyncio.CancelledError:
+            raise  # shutting down: the group stays in the in-flight hash and is re-issued on restart
+        except Exception as e:  # noqa: BLE001 - any bug in one group must not kill the loop
+            log.exception("group crashed")
+            await asyncio.to_thread(self._drop, spec, f"crash: {type(e).__name__}: {e}")
+        finally:
+            self.inflight.pop(spec.group_id, None)
+            prom.INFLIGHT.set(len(self.inflight))
+            self._wake.set()
+
+    def _commit_group(self, group: RolloutGroup) -> None:
+        # Transcript first, then the stream record, then clear in-flight: a crash in between
+        # re-issues the group and the trainer's dedup by group id drops the duplicate.
+        self.bus.r.set(self.rollout_key(group.group_id), group.model_dump_json(), ex=ROLLOUT_TTL_S)
+        self.bus.push_group(group)
+        self.bus.r.hdel(self.inflight_key, group.group_id)
+        self.recent_rewards.setdefault(group.env, deque(maxlen=64)).extend(s.reward for s in group.samples)
+        for s in group.samples:
+            self.versions_served.update(v for v in s.versions if v >= 0)
+        prom.GROUPS.labels(env=group.env).inc()
+        prom.REWARD.labels(env=group.env).observe(group.mean_reward)
+
+    def _drop(self, spec: GroupSpec, reason: str) -> None:
+        self.bus.mark_dropped(spec.group_id, reason)
+        self.bus.r.hdel(self.inflight_key, spec.group_id)
+        prom.DROPPED.labels(reason=reason.split(":")[0]).inc()
+        log_event(log, "group dropped", group=spec.group_id, reason=reason)
+
+    async def resume_inflight(self) -> int:
+        """Re-issue groups a previous orchestrator process started but never pushed."""
+        pending = await asyncio.to_thread(self.bus.r.hgetall, self.inflight_key)
+        for gid, raw in pending.items():
+            d = json.loads(raw)
+            self._launch(GroupSpec(group_id=gid, env=d["env"], seed=int(d["seed"])))
+        return len(pending)
+
+    # ------------------------------------------------------------ metrics
+
+    async def metrics_tailer(self) -> None:
+        """Merge the trainer's per-step metrics with the orchestrator's view into metrics.jsonl."""
+        path = self.run_dir / "metrics.jsonl"
+        last = "0"
+        # On restart, rebuild history from the stream and rewrite the file so nothing is doubled.
+        seen = await asyncio.to_thread(self.bus.read_metrics, "0", None)
+        for eid, m in seen:
+            self.history.append(m.model_dump())
+            last = eid
+        if seen:
+            path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        while not self.stopping:
+            try:
+                new = await asyncio.to_thread(self.bus.read_metrics, last, 1000)
+            except redis.RedisError:
+                await asyncio.sleep(1.0)
+                continue
+            for eid, m in new:
+                last = eid
+                rec = self._merge(m)
+                self.history.append(rec)
+                with path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+    def _merge(self, m: TrainerStepMetrics) -> dict[str, Any]:
+        rec = m.model_dump()
+        started, dropped = self._counts()
+        rec.update(
+            decode_idle_s=round(self.decode_idle_s, 3),
+            inflight_groups=len(self.inflight),
+            queue_depth=self.bus.queue_depth(),
+            groups_started=started,
+            groups_dropped=dropped,
+            policy_version=self.version,
+        )
+        return rec
+
+    async def decode_poller(self) -> None:
+        """Accumulate how long decode sat idle (reported by each replica's /health)."""
+        while not self.stopping:
+            for d in await self.registry.live("decode"):
+                h = await self.decode.health(d.url)
+                idle = h.get("idle_s")
+                if isinstance(idle, int | float):
+                    prev = self.decode_idle_prev.get(d.id)
+                    if prev is not None and idle >= prev:
+                        self.decode_idle_s += idle - prev
+                    self.decode_idle_prev[d.id] = float(idle)
+            await asyncio.sleep(1.0)
+
+    async def status(self) -> dict[str, Any]:
+        started, dropped = await asyncio.to_thread(self._counts)
+        trainer = await asyncio.to_thread(self.bus.r.hgetall, self.k.trainer_state)
+        queue = await asyncio.to_thread(self.bus.queue_depth)
+        services = await asyncio.to_thread(self.bus.services)
+        last = self.history[-1] if self.history else {}
+        return {
+            "run": self.cfg.run.name,
+            "step": int(trainer.get("step", 0) or 0),
+            "max_steps": self.cfg.run.max_steps,
+            "policy_version": self.version,
+            "paused": self.paused,
+            "inflight_groups": len(self.inflight),
+            "queue_depth": queue,
+            "groups_started": started,
+            "groups_dropped": dropped,
+            "last_reward": last.get("reward"),
+            "last_reward_by_env": last.get("reward_by_env", {}),
+            "recent_rollout_reward": {
+                e: (sum(d) / len(d) if d else None) for e, d in self.recent_rewards.items()
+            },
+            "trainer_wait_s": last.get("wait_data_s"),
+            "decode_idle_s": round(self.decode_idle_s, 3),
+            "staleness_mean": last.get("staleness_mean"),
+            "services": [s.model_dump() for s in services],
+        }
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        info = await self._wait_initial_weights()
+        tok = load_tokenizer(info.path)
+        self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eos_id(tok))
+        await self._roll_out(info)
+        resumed = await self.resume_inflight()
+        log_event(log, "orchestrator running", version=self.version, resumed_groups=resumed)
+        await asyncio.gather(
+            self.producer(), self.weights_watcher(), self.metrics_tailer(), self.decode_poller()
+        )
+
+    async def shutdown(self) -> None:
+        self.stopping = True
+        self._wake.set()
+        for t in list(self.inflight.values()):
+            t.cancel()
+        await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+        await self.http.aclose()

@@ -1,0 +1,11 @@
+"""Prometheus metrics of the orchestrator (served at /metrics)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+GROUPS = Counter("relay_orchestrator_groups_total", "rollout groups pushed to the trainer", ["env"])
+DROPPED = Counter("relay_orchestrator_groups_dropped_total", "rollout groups dropped", ["reason"])
+INFLIGHT = Gauge("relay_orchestrator_inflight_groups", "rollout groups in flight")
+POLICY_VERSION = Gauge("relay_orchestrator_policy_version", "weight version served by decode")
+REWARD = Histogram(
+    "relay_orchestrator_group_reward", "mean reward per group", ["env"], buckets=[i / 10 for i in range(11)]
+)
