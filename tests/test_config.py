@@ -1,0 +1,50 @@
+import pytest
+
+from services.common.config import ConfigError, load_config, parse_overrides
+
+
+def test_debug_config_loads_with_model_arch():
+    cfg = load_config("debug")
+    assert cfg.model.dim == 64 and cfg.model.n_kv_heads == 2
+    assert {t.env for t in cfg.orchestrator.tasks} == {"reverse", "echo-turns"}
+
+
+def test_dotted_overrides_are_toml_values():
+    cfg = load_config("debug", ["--orchestrator.batch_size=64", "--trainer.betas=[0.8, 0.9]", "--run.name=x"])
+    assert cfg.orchestrator.batch_size == 64
+    assert cfg.trainer.betas == (0.8, 0.9)
+    assert cfg.run.name == "x"
+    assert parse_overrides(["--a.b.c=true"]) == {"a": {"b": {"c": True}}}
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "reason"),
+    [
+        (["--orchestrator.batchsize=64"], "orchestrator.batchsize", "unknown key"),
+        (["--trainer.lr=abc"], "trainer.lr", "valid number"),
+        (["--orchestrator.group_size=1"], "orchestrator.group_size", "greater than 1"),
+        (["--model.n_heads=3"], "model", "multiple of n_kv_heads"),
+    ],
+)
+def test_bad_values_name_the_key(override, key, reason):
+    with pytest.raises(ConfigError) as e:
+        load_config("debug", override)
+    assert key in str(e.value) and reason in str(e.value)
+
+
+def test_bad_files_fail_fast(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname = 1")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(str(bad))
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text("[trainer]\nlr = -1\n")
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        load_config(str(wrong))
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ConfigError, match="expected --section.key=value"):
+        load_config("debug", ["orchestrator.batch_size=3"])
