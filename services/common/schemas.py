@@ -39,8 +39,9 @@ class GenerateRequest(Wire):
 
 class GenerateChoice(Wire):
     output_ids: list[int]
-    # log-prob of each sampled token under the distribution it was sampled from
-    # (after temperature; before top-p/top-k truncation, which only restricts the support).
+    # log-prob of each sampled token under the distribution it was sampled from: logits /
+    # temperature, renormalised after top-k/top-p truncation (T=1 and no truncation: exactly
+    # log_softmax(logits), what the trainer computes). Greedy (T=0): untruncated log_softmax.
     logprobs: list[float]
     # weight version that produced each token (weights can change mid-sequence)
     versions: list[int]
@@ -101,7 +102,10 @@ class CreateSessionResponse(Wire):
 
 
 class StepRequest(Wire):
-    action: str
+    action: str = Field(description="the model's turn, decoded, with the EOS token stripped")
+    # False when the turn hit max_tokens instead of ending with EOS, so rewards can credit
+    # only properly terminated answers.
+    eos: bool = True
 
 
 class StepResponse(Wire):

@@ -1,0 +1,140 @@
+"""The environment interface and the registry that maps task names to environment classes.
+
+One `Environment` instance is one episode: the sandbox builds it, calls `reset(seed)` for the
+prompt, `step(action, eos)` once per model turn, and `score()` at the end. Environments are plain
+in-process Python objects; the service around them (sessions, expiry, limits, HTTP) lives in
+services/sandbox/sessions.py and server.py, so an environment never deals with any of that.
+
+Users add environments without touching this package: decorate a class with
+`@register_env("name")` in any importable module and list that module in `sandbox.plugins`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import ClassVar, TypeAlias, TypeVar
+
+InfoValue: TypeAlias = float | int | str | bool
+Info: TypeAlias = dict[str, InfoValue]
+ScoreResult: TypeAlias = float | tuple[float, Mapping[str, InfoValue]]
+
+
+class EnvError(RuntimeError):
+    """An environment broke its contract (bad reward, unimportable plugin, name clash)."""
+
+
+class Environment(ABC):
+    """One episode of one task.
+
+    Class attributes (read by `GET /v1/envs` before any instance exists):
+      name         set by `@register_env`
+      description  one line shown to users
+      max_turns    model turns per episode; the sandbox ends the episode after this many steps
+                   even if `step` never returns done=True (an instance may lower it in `reset`)
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    max_turns: int = 1
+
+    @abstractmethod
+    def reset(self, seed: int) -> str:
+        """Start the episode; everything random must come from `random.Random(seed)` so the
+        same seed replays the same episode. Returns the prompt text."""
+
+    @abstractmethod
+    def step(self, action: str, eos: bool = True) -> tuple[str, bool]:
+        """Take one model turn. `action` is the decoded completion with the EOS token stripped;
+        `eos` says whether the turn ended with EOS (False: it hit max_tokens). Returns
+        (observation, done); the observation is appended to the context and masked out of the
+        loss. Must not raise on malformed actions: score them low instead."""
+
+    @abstractmethod
+    def score(self) -> ScoreResult:
+        """Reward in [0, 1], or (reward, info) with scalar info values for logging. May be
+        called before the episode is done (e.g. the orchestrator ran out of turns)."""
+
+
+E = TypeVar("E", bound=type[Environment])
+
+_REGISTRY: dict[str, type[Environment]] = {}
+
+
+def register_env(name: str) -> Callable[[E], E]:
+    """Class decorator: make `cls` available as task `name` (what TaskSpec.env names)."""
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"environment name {name!r} must be non-empty and have no whitespace")
+
+    def deco(cls: E) -> E:
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"@register_env({name!r}) must decorate an Environment subclass, got {cls!r}")
+        old = _REGISTRY.get(name)
+        # The same class imported twice under two module names (e.g. pytest's importlib mode,
+        # then a plugin import) is a re-registration, not a clash; two different classes are.
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise EnvError(
+                f"environment {name!r} is registered twice: {old.__module__}.{old.__qualname__} "
+                f"and {cls.__module__}.{cls.__qualname__}"
+            )
+        if cls.max_turns < 1:
+            raise ValueError(f"environment {name!r}: max_turns must be >= 1, got {cls.max_turns}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def env_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_env_class(name: str) -> type[Environment]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown env {name!r}; known: {', '.join(env_names()) or '(none)'}") from None
+
+
+def make_env(name: str) -> Environment:
+    return get_env_class(name)()
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Import each module so its `@register_env` decorators run (SandboxSection.plugins)."""
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:
+            raise EnvError(f"sandbox.plugins: cannot import {mod!r}: {type(e).__name__}: {e}") from e
+
+
+def normalize_score(name: str, result: ScoreResult) -> tuple[float, Info]:
+    """Split `score()`'s result into (reward, info) and check the contract, so a plugin bug is
+    an error naming the env rather than a pydantic failure deep in the response."""
+    if isinstance(result, tuple):
+        reward, raw_info = result
+        info: Info = dict(raw_info)
+    else:
+        reward, info = result, {}
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise EnvError(f"env {name!r}: score() returned {type(reward).__name__}, expected a float")
+    reward = float(reward)
+    if math.isnan(reward) or not 0.0 <= reward <= 1.0:
+        raise EnvError(f"env {name!r}: score() returned reward {reward}, outside [0, 1]")
+    for k, v in info.items():
+        if not isinstance(k, str) or not isinstance(v, float | int | str | bool):
+            raise EnvError(f"env {name!r}: score() info[{k!r}] = {v!r} is not a str/int/float/bool")
+    return reward, info
+
+
+def positional_score(action: str, target: str, eos: bool) -> float:
+    """Share of the len(target)+1 answer positions right: each target character at its index,
+    plus the end-of-answer position, credited only for an answer of exactly len(target)
+    characters that ended with EOS. Token-positional, so partial credit guides early learning."""
+    right = sum(1 for a, t in zip(action, target, strict=False) if a == t)
+    right += int(eos and len(action) == len(target))
+    return right / (len(target) + 1)

@@ -1,0 +1,37 @@
+"""reverse: reverse three letters. The calibrated single-turn toy task (infra-facts: a ~100k-param
+model goes from ~0.02 to 0.9 in ~100 GRPO steps)."""
+
+from __future__ import annotations
+
+import random
+
+from services.sandbox.envs.base import Environment, Info, positional_score, register_env
+
+LETTERS = "abcde"
+LENGTH = 3
+
+
+@register_env("reverse")
+class Reverse(Environment):
+    description = (
+        "reverse 3 letters from a-e: 'rev bca:' -> 'acb' then EOS; reward = share of 4 positions right"
+    )
+    max_turns = 1
+
+    def reset(self, seed: int) -> str:
+        rng = random.Random(seed)
+        self.word = "".join(rng.choice(LETTERS) for _ in range(LENGTH))
+        self.target = self.word[::-1]
+        self.answer: str | None = None
+        self.eos = False
+        return f"rev {self.word}:"
+
+    def step(self, action: str, eos: bool = True) -> tuple[str, bool]:
+        self.answer, self.eos = action, eos
+        return "", True
+
+    def score(self) -> tuple[float, Info]:
+        if self.answer is None:  # scored without an answer (e.g. the model's turn failed)
+            return 0.0, {"answered": False, "exact": False}
+        reward = positional_score(self.answer, self.target, self.eos)
+        return reward, {"answered": True, "exact": reward == 1.0}

@@ -1,0 +1,208 @@
+"""The sandbox service: environment episodes over HTTP.
+
+    python -m services.sandbox --config RUN_DIR/config.json --redis-url redis://...
+
+GET  /v1/envs                        registered environments (name, max_turns, description)
+POST /v1/sessions                    {"env", "seed"} -> {"session_id", "env", "prompt", "max_turns"}
+GET  /v1/sessions/{id}               turns, done, idle time (debugging)
+POST /v1/sessions/{id}/step          {"action", "eos"} -> {"observation", "done"}
+POST /v1/sessions/{id}/score[?keep=true]  -> {"reward", "info"}; closes the session unless keep
+DELETE /v1/sessions/{id}             close without scoring
+GET  /health, GET /metrics           (services.common.service)
+
+Handlers are plain `def`s: Starlette runs them on its threadpool, so a slow plugin environment
+stalls only its own request; the built-in envs take microseconds, so the cost is the threadpool
+hop. Sessions live in a SessionStore (sessions.py) swept for idle ones by a background task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse
+from prometheus_client import Counter, Gauge, Histogram
+from starlette.requests import Request
+
+from services.common.config import RunConfig
+from services.common.schemas import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    ScoreResponse,
+    StepRequest,
+    StepResponse,
+)
+from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.sandbox.envs import EnvError, env_names, get_env_class, load_plugins
+from services.sandbox.sessions import EnvFailed, SandboxFull, SessionError, SessionStore
+
+# Module-level: prometheus_client's default registry allows one collector per name per process.
+SESSIONS_CREATED = Counter("relay_sandbox_sessions_created", "Sessions created", ["env"])
+SESSIONS_EXPIRED = Counter("relay_sandbox_sessions_expired", "Sessions ended by the idle sweep", ["env"])
+SESSIONS_CLOSED = Counter(
+    "relay_sandbox_sessions_closed", "Sessions closed by score or DELETE", ["env", "how"]
+)
+SESSIONS_REJECTED = Counter("relay_sandbox_sessions_rejected", "Session creations refused (sandbox full)")
+STEPS = Counter("relay_sandbox_steps", "Episode steps", ["env"])
+ERRORS = Counter("relay_sandbox_env_errors", "Environment code raised or broke its contract", ["env"])
+SESSIONS_OPEN = Gauge("relay_sandbox_sessions_open", "Sessions open now")
+REWARD = Histogram(
+    "relay_sandbox_reward", "Episode rewards at score time", ["env"], buckets=[i / 10 for i in range(11)]
+)
+
+
+def env_catalog() -> list[dict[str, Any]]:
+    out = []
+    for name in env_names():
+        cls = get_env_class(name)
+        out.append({"name": name, "max_turns": cls.max_turns, "description": cls.description})
+    return out
+
+
+def check_tasks(cfg: RunConfig) -> None:
+    """Fail at start, not mid-run, when the orchestrator's tasks name an env nobody registered."""
+    known = set(env_names())
+    for i, task in enumerate(cfg.orchestrator.tasks):
+        if task.env not in known:
+            raise EnvError(
+                f"orchestrator.tasks[{i}].env = {task.env!r} is not a registered environment "
+                f"(known: {', '.join(sorted(known))}); add the module that registers it to sandbox.plugins"
+            )
+
+
+def build_app(cfg: RunConfig, service: Service | None = None) -> FastAPI:
+    sec = cfg.sandbox
+    store = SessionStore(sec.max_sessions, sec.session_ttl_s)
+    # Sweep often enough that a session outlives its ttl by at most ~25%, but not busily.
+    sweep_every = min(max(sec.session_ttl_s / 4, 0.05), 5.0)
+
+    def sweep_once() -> None:
+        gone = store.sweep()
+        for s in gone:
+            SESSIONS_EXPIRED.labels(s.env_name).inc()
+        if gone:
+            SESSIONS_OPEN.set(len(store))
+            if service is not None:
+                log_event(service.log, "sessions expired", count=len(gone), open=len(store))
+
+    async def sweeper() -> None:
+        while True:
+            await asyncio.sleep(sweep_every)
+            try:
+                sweep_once()
+            except Exception:  # a dead sweeper would leak every session from here on
+                if service is not None:
+                    service.log.exception("session sweep failed")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            if service is not None:
+                await stack.enter_async_context(service.registered())
+            task = asyncio.create_task(sweeper(), name="session-sweeper")
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def health() -> dict[str, Any]:
+        return {"kind": "sandbox", **store.stats(), "envs": env_names()}
+
+    app = create_app("relay sandbox", health, lifespan)
+    app.state.store = store
+
+    @app.exception_handler(SessionError)
+    async def _session_error(_req: Request, exc: SessionError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if isinstance(exc, SandboxFull) else None
+        if isinstance(exc, EnvFailed):
+            ERRORS.labels(exc.env).inc()
+            if service is not None:
+                service.log.error(exc.message)
+        content: dict[str, Any] = {"detail": exc.message}
+        field = getattr(exc, "field", None)
+        if field:  # same shape as the 422s FastAPI produces for invalid bodies
+            content["errors"] = [{"type": "value_error", "loc": ["body", field], "msg": exc.message}]
+        return JSONResponse(status_code=exc.status, content=content, headers=headers)
+
+    @app.get("/v1/envs")
+    def list_envs() -> dict[str, list[dict[str, Any]]]:
+        return {"envs": env_catalog()}
+
+    @app.post("/v1/sessions")
+    def create_session(req: CreateSessionRequest) -> CreateSessionResponse:
+        try:
+            s, prompt = store.create(req.env, req.seed)
+        except SandboxFull:
+            SESSIONS_REJECTED.inc()
+            raise
+        SESSIONS_CREATED.labels(s.env_name).inc()
+        SESSIONS_OPEN.set(len(store))
+        return CreateSessionResponse(session_id=s.id, env=s.env_name, prompt=prompt, max_turns=s.max_turns)
+
+    @app.get("/v1/sessions/{session_id}")
+    def get_session(session_id: str) -> dict[str, Any]:
+        return store.get(session_id)
+
+    @app.post("/v1/sessions/{session_id}/step")
+    def step(session_id: str, req: StepRequest) -> StepResponse:
+        s, observation, done = store.step(session_id, req.action, req.eos)
+        STEPS.labels(s.env_name).inc()
+        return StepResponse(observation=observation, done=done)
+
+    @app.post("/v1/sessions/{session_id}/score")
+    def score(
+        session_id: str, keep: bool = Query(False, description="leave the session open after scoring")
+    ) -> ScoreResponse:
+        s, reward, info = store.score(session_id, keep)
+        REWARD.labels(s.env_name).observe(reward)
+        if not keep:
+            SESSIONS_CLOSED.labels(s.env_name, "score").inc()
+            SESSIONS_OPEN.set(len(store))
+        info = {"turns": s.turns, "done": s.done, **info}
+        return ScoreResponse(reward=reward, info=info)
+
+    @app.delete("/v1/sessions/{session_id}")
+    def delete_session(session_id: str) -> dict[str, Any]:
+        s = store.delete(session_id)
+        SESSIONS_CLOSED.labels(s.env_name, "delete").inc()
+        SESSIONS_OPEN.set(len(store))
+        return {"session_id": s.id, "closed": True}
+
+    return app
+
+
+def main() -> None:
+    args = service_args("relay sandbox: environment episodes over HTTP")
+    cfg = load_service_config(args)
+    sec = cfg.sandbox
+    redis_url = args.redis_url or cfg.redis.url
+    if not redis_url:
+        sys.exit("sandbox: no Redis URL; pass --redis-url or set REDIS_URL")
+    host = args.host or sec.host
+    # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
+    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
+    svc = Service("sandbox", cfg, redis_url, host, port)
+    try:
+        load_plugins(sec.plugins)
+        check_tasks(cfg)
+    except EnvError as e:
+        svc.log.error(str(e))
+        svc.sock.close()
+        sys.exit(2)
+    log_event(svc.log, "environments", envs=env_names(), plugins=sec.plugins)
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at start;
+    # with the default handler the process would die by signal (-15) after a clean shutdown.
+    # This handler makes that re-raise (or a SIGTERM before uvicorn takes over) exit 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    svc.run(build_app(cfg, svc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""The sandbox's session store: open episodes by id, with a capacity limit and idle expiry.
+
+Everything the HTTP layer does to an episode goes through `SessionStore`, so a later store that
+runs each episode in an isolated process (bubblewrap, for tool calls) replaces this class and
+leaves server.py alone. Errors are `SessionError`s carrying the HTTP status they map to.
+
+Locking: one store lock guards the id -> session map and the counters and is held only for
+dict operations; each session has its own lock around env calls, so a slow environment blocks
+its own episode, never the whole sandbox (handlers run on a threadpool).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.sandbox.envs.base import EnvError, Environment, Info, get_env_class, normalize_score
+
+# How many ended session ids to remember so a late request can be told *why* its id is gone.
+TOMBSTONES = 65536
+
+
+class SessionError(Exception):
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class UnknownEnv(SessionError):
+    status = 422
+    field = "env"  # reported like a validation error on the body field
+
+
+class UnknownSession(SessionError):
+    status = 404
+
+
+class EpisodeDone(SessionError):
+    status = 409
+
+
+class SandboxFull(SessionError):
+    status = 429
+
+
+class EnvFailed(SessionError):
+    """The environment's own code raised or broke its contract: a plugin bug, not a client error."""
+
+    status = 500
+
+    def __init__(self, env: str, message: str):
+        super().__init__(message)
+        self.env = env
+
+
+@dataclass
+class Session:
+    id: str
+    env_name: str
+    env: Environment
+    max_turns: int
+    created: float
+    last_used: float
+    turns: int = 0
+    done: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {
+            "session_id": self.id,
+            "env": self.env_name,
+            "turns": self.turns,
+            "max_turns": self.max_turns,
+            "done": self.done,
+            "age_s": round(now - self.created, 3),
+            "idle_s": round(now - self.last_used, 3),
+        }
+
+
+@dataclass
+class Counts:
+    created: int = 0
+    steps: int = 0
+    scored: int = 0
+    deleted: int = 0
+    expired: int = 0
+    rejected_full: int = 0
+
+
+class SessionStore:
+    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.counts = Counts()
+        self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lookup
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _full_message(self) -> str:
+        return (
+            f"sandbox is full: {len(self._sessions)} of sandbox.max_sessions={self.max_sessions} sessions are "
+            f"open; score or DELETE finished sessions (idle ones expire after {self.ttl_s:g} s), "
+            "or raise sandbox.max_sessions"
+        )
+
+    def _get(self, sid: str) -> Session:
+        """The session, touched (its idle clock restarts). Caller holds no lock."""
+        with self._lock:
+            s = self._sessions.get(sid)
+            if s is None:
+                why = self._ended.get(sid)
+                if why is None:
+                    raise UnknownSession(f"unknown session {sid!r}")
+                raise UnknownSession(f"session {sid!r} {why}")
+            s.last_used = self.clock()
+            return s
+
+    def get(self, sid: str) -> dict[str, Any]:
+        return self._get(sid).describe(self.clock())
+
+    def _end(self, sid: str, why: str) -> Session | None:
+        """Remove a session; caller holds the store lock."""
+        s = self._sessions.pop(sid, None)
+        if s is not None:
+            self._ended[sid] = why
+            if len(self._ended) > TOMBSTONES:
+                self._ended.popitem(last=False)
+        return s
+
+    # ------------------------------------------------------------------ episode
+
+    def create(self, env_name: str, seed: int) -> tuple[Session, str]:
+        try:
+            cls = get_env_class(env_name)
+        except KeyError as e:
+            raise UnknownEnv(f"env: {e.args[0]}") from None
+        # Cheap early reject, before building the env; re-checked under the lock below.
+        if len(self._sessions) >= self.max_sessions:
+            with self._lock:
+                self.counts.rejected_full += 1
+            raise SandboxFull(self._full_message())
+        try:
+            env = cls()
+            prompt = env.reset(seed)
+            max_turns = int(env.max_turns)
+        except Exception as e:
+            raise EnvFailed(
+                env_name, f"env {env_name!r}: reset({seed}) raised {type(e).__name__}: {e}"
+            ) from e
+        if not isinstance(prompt, str):
+            raise EnvFailed(
+                env_name, f"env {env_name!r}: reset() returned {type(prompt).__name__}, expected str"
+            )
+        now = self.clock()
+        s = Session(uuid.uuid4().hex, env_name, env, max(1, max_turns), now, now)
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                self.counts.rejected_full += 1
+                raise SandboxFull(self._full_message())
+            self._sessions[s.id] = s
+            self.counts.created += 1
+        return s, prompt
+
+    def step(self, sid: str, action: str, eos: bool) -> tuple[Session, str, bool]:
+        s = self._get(sid)
+        with s.lock:
+            if s.done:
+                raise EpisodeDone(
+                    f"session {sid!r} ({s.env_name}) is done after {s.turns} turn(s); score it instead of stepping"
+                )
+            try:
+                observation, done = s.env.step(action, eos)
+            except Exception as e:
+                raise EnvFailed(
+                    s.env_name, f"env {s.env_name!r}: step() raised {type(e).__name__}: {e}"
+                ) from e
+            if not isinstance(observation, str):
+                raise EnvFailed(
+                    f"env {s.env_name!r}: step() returned observation {observation!r}, expected str"
+                )
+            s.turns += 1
+            # The sandbox, not each env, guarantees an episode ends by max_turns.
+            s.done = bool(done) or s.turns >= s.max_turns
+            with self._lock:
+                self.counts.steps += 1
+            return s, observation, s.done
+
+    def score(self, sid: str, keep: bool = False) -> tuple[Session, float, Info]:
+        s = self._get(sid)
+        with s.lock:
+            try:
+                reward, info = normalize_score(s.env_name, s.env.score())
+            except EnvError as e:
+                raise EnvFailed(s.env_name, str(e)) from e
+            except Exception as e:
+                raise EnvFailed(
+                    s.env_name, f"env {s.env_name!r}: score() raised {type(e).__name__}: {e}"
+                ) from e
+        with self._lock:
+            self.counts.scored += 1
+            if not keep:
+                self._end(sid, "was closed when it was scored")
+        return s, reward, info
+
+    def delete(self, sid: str) -> Session:
+        with self._lock:
+            s = self._end(sid, "was deleted")
+            if s is None:
+                why = self._ended.get(sid)
+                raise UnknownSession(f"session {sid!r} {why}" if why else f"unknown session {sid!r}")
+            self.counts.deleted += 1
+            return s
+
+    def sweep(self) -> list[Session]:
+        """End sessions idle for longer than ttl_s; returns them (for metrics and logs)."""
+        cutoff = self.clock() - self.ttl_s
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+            gone = [
+                s
+                for sid in stale
+                if (s := self._end(sid, f"expired after {self.ttl_s:g} s idle")) is not None
+            ]
+            self.counts.expired += len(gone)
+        return gone
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            by_env: dict[str, int] = {}
+            for s in self._sessions.values():
+                by_env[s.env_name] = by_env.get(s.env_name, 0) + 1
+            return {
+                "sessions_open": len(self._sessions),
+                "sessions_open_by_env": by_env,
+                "max_sessions": self.max_sessions,
+                "session_ttl_s": self.ttl_s,
+                **{k: getattr(self.counts, k) for k in Counts.__dataclass_fields__},
+            }

@@ -1,0 +1,39 @@
+"""Shared pytest fixtures. Keep additions generic and additive: several areas use this file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis-protocol server (bundled valkey) for the whole test session; yields its URL.
+    Tests share it, so each one should use its own key prefix (e.g. a unique redis.prefix)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: str) -> str:
+    """The session Redis server's URL (alias of redis_server)."""
+    return redis_server
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF weights directory (version 0) of the debug model, initialised by the trainer with
+    seed 0. Session-scoped and shared: treat it as read-only."""
+    from services.common.config import load_config
+    from trainer.model import build_model, save_weights_dir  # imports torchtitan: only when used
+
+    m = load_config("debug").model
+    dest = tmp_path_factory.mktemp("model") / "step_0"
+    return save_weights_dir(m, build_model(m, seed=0).state_dict(), dest, {"version": 0})
