@@ -36,7 +36,21 @@ def model_args(m: ModelConfig) -> Qwen3ModelArgs:
     )
 
 
-def build_model(m: ModelConfig, seed: int | None = None, device: str | torch.device = "cpu") -> Qwen3Model:
+def build_model(
+    m: ModelConfig,
+    seed: int | None = None,
+    device: str | torch.device = "cpu",
+    init_std: float | None = None,
+) -> Qwen3Model:
+    """torchtitan's init; with `init_std`, tied embeddings are re-drawn with that std (see below).
+
+    Why: torchtitan gives the tied embedding/output matrix std dim**-0.5. At init the residual
+    stream is dominated by the input token's own embedding, so after the final RMSNorm the logit
+    of "repeat the last token" is sqrt(dim) times larger than the others: for the debug model
+    (dim 64) that is ~8 vs ~1 and the initial entropy is ~0.3 nats instead of ~log(vocab).
+    A near-deterministic initial policy gives zero-advantage groups and RL barely starts. With
+    std 0.02 the same ratio holds but all logits are small, so the policy starts near uniform.
+    """
     args = model_args(m)
     with torch.device(device):
         model = Qwen3Model(args)
@@ -44,6 +58,10 @@ def build_model(m: ModelConfig, seed: int | None = None, device: str | torch.dev
         torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(device))
+        if init_std is not None and m.tie_embeddings:
+            torch.nn.init.trunc_normal_(
+                model.tok_embeddings.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std
+            )
     return model
 
 

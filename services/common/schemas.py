@@ -101,6 +101,18 @@ class CreateSessionResponse(Wire):
     max_turns: int
 
 
+class CreateSessionsRequest(Wire):
+    """n episodes of the same task (a rollout group) in one call."""
+
+    env: str = Field(min_length=1)
+    seed: int = 0
+    n: int = Field(ge=1, le=1024)
+
+
+class CreateSessionsResponse(Wire):
+    sessions: list[CreateSessionResponse]
+
+
 class StepRequest(Wire):
     action: str = Field(description="the model's turn, decoded, with the EOS token stripped")
     # False when the turn hit max_tokens instead of ending with EOS, so rewards can credit
@@ -111,6 +123,9 @@ class StepRequest(Wire):
 class StepResponse(Wire):
     observation: str
     done: bool
+    # Filled when the step was sent with ?score=true and ended the episode: the session was
+    # scored and closed in the same call (saves a round trip per episode).
+    reward: float | None = Field(None, ge=0.0, le=1.0)
 
 
 class ScoreResponse(Wire):

@@ -16,8 +16,9 @@ import httpx
 
 from services.common.bus import Bus
 from services.common.schemas import (
-    CreateSessionRequest,
     CreateSessionResponse,
+    CreateSessionsRequest,
+    CreateSessionsResponse,
     GenerateRequest,
     GenerateResponse,
     ScoreResponse,
@@ -158,12 +159,14 @@ class SandboxClient:
     def __init__(self, client: httpx.AsyncClient, router: Router):
         self.client, self.router = client, router
 
-    async def open(self, env: str, seed: int) -> SandboxSession:
+    async def open_group(self, env: str, seed: int, n: int) -> list[SandboxSession]:
+        """n episodes of one task on one replica, in one round trip."""
         url = await self.router.pick()
-        body = CreateSessionRequest(env=env, seed=seed).model_dump()
+        body = CreateSessionsRequest(env=env, seed=seed, n=n).model_dump()
         try:
-            resp = await _post(self.client, f"{url}/v1/sessions", body)
+            resp = await _post(self.client, f"{url}/v1/sessions/batch", body)
         except ServiceUnavailable:
             self.router.registry.forget(url)
             raise
-        return SandboxSession(self.client, url, CreateSessionResponse.model_validate_json(resp.content))
+        created = CreateSessionsResponse.model_validate_json(resp.content).sessions
+        return [SandboxSession(self.client, url, c) for c in created]

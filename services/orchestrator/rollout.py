@@ -105,6 +105,8 @@ class RolloutRunner:
             step = await session.step(self.tok.decode(text_ids), eos=ended_eos)
             if step.done:
                 traj.finish_reason = "done"
+                if step.reward is not None:
+                    return step.reward
                 break
             if traj.turns >= self.cfg.orchestrator.max_turns:
                 traj.finish_reason = "max_turns"
@@ -119,7 +121,7 @@ class RolloutRunner:
 
     async def run(self, spec: GroupSpec) -> RolloutGroup:
         g = self.cfg.orchestrator.group_size
-        sessions = await asyncio.gather(*(self.sandbox.open(spec.env, spec.seed) for _ in range(g)))
+        sessions = await self.sandbox.open_group(spec.env, spec.seed, g)
         try:
             prompt_ids = self.tok.encode(sessions[0].prompt).ids
             if len(prompt_ids) + self.sampling.max_tokens > self.max_len:

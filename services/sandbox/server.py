@@ -4,8 +4,9 @@
 
 GET  /v1/envs                        registered environments (name, max_turns, description)
 POST /v1/sessions                    {"env", "seed"} -> {"session_id", "env", "prompt", "max_turns"}
+POST /v1/sessions/batch              {"env", "seed", "n"} -> {"sessions": [...]} (a rollout group)
 GET  /v1/sessions/{id}               turns, done, idle time (debugging)
-POST /v1/sessions/{id}/step          {"action", "eos"} -> {"observation", "done"}
+POST /v1/sessions/{id}/step[?score=true]  {"action", "eos"} -> {"observation", "done", "reward"}
 POST /v1/sessions/{id}/score[?keep=true]  -> {"reward", "info"}; closes the session unless keep
 DELETE /v1/sessions/{id}             close without scoring
 GET  /health, GET /metrics           (services.common.service)
@@ -33,6 +34,8 @@ from services.common.config import RunConfig
 from services.common.schemas import (
     CreateSessionRequest,
     CreateSessionResponse,
+    CreateSessionsRequest,
+    CreateSessionsResponse,
     ScoreResponse,
     StepRequest,
     StepResponse,
@@ -146,18 +149,30 @@ def build_app(cfg: RunConfig, service: Service | None = None) -> FastAPI:
         SESSIONS_OPEN.set(len(store))
         return CreateSessionResponse(session_id=s.id, env=s.env_name, prompt=prompt, max_turns=s.max_turns)
 
+    @app.post("/v1/sessions/batch")
+    def create_sessions(req: CreateSessionsRequest) -> CreateSessionsResponse:
+        """n episodes of one task (a rollout group): one round trip instead of n."""
+        return CreateSessionsResponse(
+            sessions=[create_session(CreateSessionRequest(env=req.env, seed=req.seed)) for _ in range(req.n)]
+        )
+
     @app.get("/v1/sessions/{session_id}")
     def get_session(session_id: str) -> dict[str, Any]:
         return store.get(session_id)
 
     @app.post("/v1/sessions/{session_id}/step")
-    def step(session_id: str, req: StepRequest) -> StepResponse:
+    def step(
+        session_id: str,
+        req: StepRequest,
+        score: bool = Query(False, description="if the step ends the episode, score and close it too"),
+    ) -> StepResponse:
         s, observation, done = store.step(session_id, req.action, req.eos)
         STEPS.labels(s.env_name).inc()
-        return StepResponse(observation=observation, done=done)
+        reward = score_session(session_id, False).reward if score and done else None
+        return StepResponse(observation=observation, done=done, reward=reward)
 
     @app.post("/v1/sessions/{session_id}/score")
-    def score(
+    def score_session(
         session_id: str, keep: bool = Query(False, description="leave the session open after scoring")
     ) -> ScoreResponse:
         s, reward, info = store.score(session_id, keep)

@@ -1,0 +1,393 @@
+"""The trainer against a real Redis: a full run, a SIGKILL + restart, and 1 vs 2 processes.
+
+A small in-test "orchestrator" (Feeder) samples groups from the published weights, exactly as
+the real one would (inference log-probs and versions recorded per token), and rewards
+completion tokens in a favoured set, so learning shows up as that set's probability rising.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.common.bus import TRAINER_GROUP, Bus
+from services.common.config import RunConfig
+from services.common.modeldir import step_dir
+from services.common.schemas import RolloutGroup, Sample
+from trainer.launch import trainer_command
+from trainer.model import build_model, load_weights_dir
+from trainer.train import Trainer, latest_checkpoint
+from trainer.train import run as run_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+FAVOURED = set(range(16))  # a quarter of the 64-token vocab
+PROMPT = [20, 21, 22]
+
+
+def make_cfg(run_dir: Path, **trainer: object) -> RunConfig:
+    cfg = RunConfig()
+    cfg.redis.prefix = f"t-{uuid.uuid4().hex[:8]}"
+    cfg.run.dir = str(run_dir)
+    cfg.run.max_steps = 6
+    cfg.orchestrator.batch_size = 4
+    cfg.orchestrator.group_size = 4
+    cfg.orchestrator.max_off_policy_steps = 1
+    cfg.trainer.lr = 1e-2
+    cfg.trainer.checkpoint_every = 2
+    for k, v in trainer.items():
+        setattr(cfg.trainer, k, v)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.dump())
+    return cfg
+
+
+def sample_group(
+    model: torch.nn.Module, version: int, group_size: int, n_new: int, seed: int
+) -> RolloutGroup:
+    """G completions of PROMPT sampled at T=1, reward = share of favoured tokens, A = r - mean."""
+    gen = torch.Generator().manual_seed(seed)
+    toks = torch.tensor([PROMPT] * group_size)
+    lps: list[torch.Tensor] = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            logp = model(toks).float().log_softmax(-1)[:, -1]
+            nxt = torch.multinomial(logp.exp(), 1, generator=gen)
+            lps.append(logp.gather(-1, nxt).squeeze(-1))
+            toks = torch.cat([toks, nxt], dim=1)
+    comp = toks[:, len(PROMPT) :]
+    rewards = [sum(int(t) in FAVOURED for t in row) / n_new for row in comp.tolist()]
+    mean = sum(rewards) / len(rewards)
+    p = len(PROMPT)
+    samples = [
+        Sample(
+            rollout_id=f"s{seed}-{i}",
+            tokens=toks[i].tolist(),
+            loss_mask=[0] * p + [1] * n_new,
+            logprobs=[0.0] * p + [float(lp[i]) for lp in lps],
+            versions=[-1] * p + [version] * n_new,
+            reward=rewards[i],
+            advantage=rewards[i] - mean,
+        )
+        for i in range(group_size)
+    ]
+    return RolloutGroup(group_id=f"g{seed}-v{version}", env="favour", seed=seed, samples=samples)
+
+
+def favoured_mass(weights: Path) -> float:
+    m, sd = load_weights_dir(weights)
+    model = build_model(m)
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        p = model(torch.tensor([PROMPT])).float().softmax(-1)[0, -1]
+    return float(p[sorted(FAVOURED)].sum())
+
+
+class Feeder(threading.Thread):
+    """Each time weights:latest changes to version v, push: one group sampled from v-2 (too
+    stale with max_off_policy_steps=1: must be dropped), one from v-1 (staleness 1: trained)
+    and batch_size-1 on-policy ones. If the trainer idles (nothing new for a while), top up."""
+
+    def __init__(self, cfg: RunConfig, redis_url: str, run_dir: Path):
+        super().__init__(daemon=True)
+        self.cfg, self.run_dir = cfg, run_dir
+        self.bus = Bus(redis_url, cfg.redis.prefix)
+        self.stop = threading.Event()
+        self.pushed: dict[str, str] = {}  # group_id -> kind ("fresh", "stale1", "stale2")
+        self.seed = 0
+        self.error: BaseException | None = None
+
+    def _group(self, version: int, kind: str) -> None:
+        for _ in range(50):  # the trainer may be rewriting this step dir after a rollback
+            try:
+                m, sd = load_weights_dir(step_dir(self.run_dir, version))
+                break
+            except (FileNotFoundError, OSError):
+                time.sleep(0.05)
+        model = build_model(m)
+        model.load_state_dict(sd)
+        self.seed += 1
+        g = sample_group(model, version, self.cfg.orchestrator.group_size, 4, self.seed)
+        self.pushed[g.group_id] = kind
+        self.bus.push_group(g)
+
+    def feed(self, v: int) -> None:
+        if v >= 2:
+            self._group(v - 2, "stale2")
+        n = self.cfg.orchestrator.batch_size
+        if v >= 1:
+            self._group(v - 1, "stale1")
+            n -= 1
+        for _ in range(n):
+            self._group(v, "fresh")
+
+    def run(self) -> None:
+        try:
+            last, last_t = -1, time.monotonic()
+            while not self.stop.is_set():
+                info = self.bus.latest_weights()
+                if info is not None and info.version < self.cfg.run.max_steps:
+                    if info.version != last or time.monotonic() - last_t > 8.0:
+                        last, last_t = info.version, time.monotonic()
+                        self.feed(info.version)
+                time.sleep(0.02)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+
+def metrics(bus: Bus) -> list[dict[str, object]]:
+    return [m.model_dump() for _, m in bus.read_metrics()]
+
+
+def unconsumed_groups(bus: Bus) -> set[str]:
+    """Groups whose entries were never acked: pending, or not yet delivered to the trainer."""
+    info = next(g for g in bus.r.xinfo_groups(bus.k.rollouts) if g["name"] == TRAINER_GROUP)
+    last = info["last-delivered-id"]
+    pending = {p["message_id"] for p in bus.r.xpending_range(bus.k.rollouts, TRAINER_GROUP, "-", "+", 10_000)}
+    out = set()
+    for eid, fields in bus.r.xrange(bus.k.rollouts):
+        if eid in pending or tuple(map(int, eid.split("-"))) > tuple(map(int, last.split("-"))):
+            out.add(json.loads(fields["group"])["group_id"])
+    return out
+
+
+def check_ledger(bus: Bus, feeder: Feeder) -> dict[str, int]:
+    """Every pushed group was trained exactly once, dropped (stale), or is still unacked."""
+    ledger = bus.ledger()
+    trained: dict[str, int] = ledger["trained"]  # type: ignore[assignment]
+    dropped: dict[str, str] = ledger["dropped"]  # type: ignore[assignment]
+    assert trained and all(c == 1 for c in trained.values()), trained
+    assert not set(trained) & set(dropped)
+    for gid in dropped:
+        assert feeder.pushed[gid] != "fresh" and dropped[gid].startswith("stale")
+    left = unconsumed_groups(bus)
+    lost = set(feeder.pushed) - set(trained) - set(dropped) - left
+    assert not lost, f"acked but neither trained nor dropped: {lost}"
+    return trained
+
+
+def test_full_run_publishes_acks_and_learns(redis_server: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir)
+    feeder = Feeder(cfg, redis_server, run_dir)
+    feeder.start()
+    try:
+        assert run_trainer(cfg, run_dir, redis_server) == 0
+    finally:
+        feeder.stop.set()
+        feeder.join(10)
+    assert feeder.error is None
+    bus = Bus(redis_server, cfg.redis.prefix)
+    n = cfg.run.max_steps
+    for v in range(n + 1):
+        assert (step_dir(run_dir, v) / "model.safetensors").is_file()
+        assert json.loads((step_dir(run_dir, v) / "relay.json").read_text())["version"] == v
+    latest = bus.latest_weights()
+    assert latest is not None and latest.version == n and latest.path == str(step_dir(run_dir, n))
+
+    ms = metrics(bus)
+    assert [m["step"] for m in ms] == list(range(1, n + 1))
+    assert all(m["groups"] == 4 and m["samples"] == 16 and m["tokens"] == 16 * 7 for m in ms)
+    assert all(m["entropy"] > 0 and m["tokens_per_s"] > 0 and m["step_s"] > 0 for m in ms)
+    assert all(m["reward_by_env"].keys() == {"favour"} for m in ms)
+    # Steps at v >= 1 train one staleness-1 group; from v >= 2 one staleness-2 group is dropped.
+    assert [m["staleness_max"] for m in ms] == [0] + [1] * (n - 1)
+    assert [m["dropped_stale"] for m in ms] == [0, 0] + [1] * (n - 2)
+
+    trained = check_ledger(bus, feeder)
+    assert len(trained) == 4 * n
+    assert len(bus.ledger()["dropped"]) == n - 2  # type: ignore[arg-type]
+    assert not bus.r.xpending(bus.k.rollouts, TRAINER_GROUP)["pending"]
+    state = bus.r.hgetall(bus.k.trainer_state)
+    assert state["version"] == str(n) and state["status"] == "done" and state["last_checkpoint"] == str(n)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]
+    # Learning: the favoured tokens gained probability mass after the prompt.
+    before, after = favoured_mass(step_dir(run_dir, 0)), favoured_mass(step_dir(run_dir, n))
+    assert after > before + 0.1, (before, after)
+
+
+def _start(cfg: RunConfig, run_dir: Path, url: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "ab") as fh:
+        return subprocess.Popen(trainer_command(cfg, run_dir, url), cwd=REPO, stdout=fh, stderr=fh, env=env)
+
+
+def _events(log: Path, msg: str) -> list[dict[str, object]]:
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("msg") == msg:
+                out.append(rec)
+    return out
+
+
+def test_sigkill_restart_resumes_from_checkpoint_without_double_training(
+    redis_server: str, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir)
+    cfg.run.max_steps = 7
+    (run_dir / "config.json").write_text(cfg.dump())
+    bus = Bus(redis_server, cfg.redis.prefix)
+    log = run_dir / "trainer.log"
+    feeder = Feeder(cfg, redis_server, run_dir)
+    feeder.start()
+    try:
+        proc = _start(cfg, run_dir, redis_server, log)
+        deadline = time.monotonic() + 60
+        while (w := bus.latest_weights()) is None or w.version < 3:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "trainer made no progress"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)  # usually: published 3, checkpoint at 2 (weights newer)
+        proc.wait(10)
+        ckpt = latest_checkpoint(run_dir)
+        assert ckpt is not None
+        proc = _start(cfg, run_dir, redis_server, log)
+        assert proc.wait(90) == 0, log.read_text()
+    finally:
+        feeder.stop.set()
+        feeder.join(10)
+        if proc.poll() is None:
+            proc.kill()
+    assert feeder.error is None
+    ready = _events(log, "trainer ready")
+    assert len(ready) == 2 and ready[0]["resumed_from"] is None
+    # It resumed from the newest checkpoint on disk and (re)published that version.
+    assert ready[1]["resumed_from"] == str(ckpt[1]) and ready[1]["version"] == ckpt[0] >= 2
+    check_ledger(bus, feeder)
+    w = bus.latest_weights()
+    assert w is not None and w.version == 7
+    assert (step_dir(run_dir, 7) / "model.safetensors").is_file()
+    state = bus.r.hgetall(bus.k.trainer_state)
+    assert state["status"] == "done" and state["last_checkpoint"] == "7"
+
+
+def test_resume_when_published_weights_are_newer_than_checkpoint(redis_server: str, tmp_path: Path) -> None:
+    """Crash window: step 3 published and committed, checkpoint only at 2. The trainer resumes
+    from checkpoint 2, republishes version 2, retrains step 3 on new data (overwriting
+    weights/step_3) and never trains a group twice."""
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir)
+    cfg.run.max_steps = 3
+    feeder = Feeder(cfg, redis_server, run_dir)
+    feeder.start()
+    try:
+        assert run_trainer(cfg, run_dir, redis_server) == 0
+    finally:
+        feeder.stop.set()
+        feeder.join(10)
+    shutil.rmtree(run_dir / "checkpoints" / "step_3")  # as if killed before checkpointing 3
+    first_step3 = (step_dir(run_dir, 3) / "model.safetensors").read_bytes()
+
+    cfg2 = cfg.model_copy(deep=True)
+    cfg2.run.max_steps = 4
+    bus = Bus(redis_server, cfg.redis.prefix)
+    trainer = Trainer(cfg2, run_dir, redis_server)
+    trainer.setup()
+    assert trainer.version == 2 and trainer.last_checkpoint == 2
+    w = bus.latest_weights()
+    assert w is not None and w.version == 2 and w.path == str(step_dir(run_dir, 2))
+    feeder2 = Feeder(cfg2, redis_server, run_dir)
+    feeder2.pushed = dict(feeder.pushed)
+    feeder2.seed = 1000
+    feeder2.start()
+    try:
+        assert trainer.run() == 0
+    finally:
+        feeder2.stop.set()
+        feeder2.join(10)
+        trainer.d.close()
+    assert feeder2.error is None
+    assert [m["step"] for m in metrics(bus)] == [1, 2, 3, 3, 4]
+    assert (step_dir(run_dir, 3) / "model.safetensors").read_bytes() != first_step3
+    check_ledger(bus, feeder2)
+    assert bus.latest_weights().version == 4  # type: ignore[union-attr]
+
+
+def test_stop_key_and_sigterm_exit_cleanly(redis_server: str, tmp_path: Path) -> None:
+    """No data arrives; the control:stop key stops an in-process trainer, SIGTERM a subprocess.
+    Both exit 0 with nothing acked."""
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir)
+    bus = Bus(redis_server, cfg.redis.prefix)
+    bus.r.set(bus.k.control_stop, "1")
+    assert run_trainer(cfg, run_dir, redis_server) == 0
+    assert bus.r.hgetall(bus.k.trainer_state)["status"] == "stopped"
+    bus.r.delete(bus.k.control_stop)
+
+    log = run_dir / "trainer.log"
+    proc = _start(cfg, run_dir, redis_server, log)
+    try:
+        deadline = time.monotonic() + 60
+        while bus.r.hget(bus.k.trainer_state, "pid") != str(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert bus.r.hgetall(bus.k.trainer_state)["status"] == "stopped"
+    assert _events(log, "trainer exit")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
+def test_two_processes_match_one(redis_server: str, tmp_path: Path) -> None:
+    """The same batch through 1 process and through torchrun --nproc_per_node=2 (gloo, FSDP2)
+    gives the same update. A small micro-batch budget makes the ranks run different numbers of
+    micro-batches (one runs a zero-weight filler)."""
+    base = RunConfig()
+    model = build_model(
+        base.model, seed=base.run.seed, init_std=base.trainer.init_std
+    )  # = the trainer's step_0
+    groups = []
+    for i in range(4):
+        g = sample_group(model, 0, 4, 3 + i, seed=100 + i)  # different lengths per group
+        groups.append(g.model_copy(update={"group_id": f"same-{i}"}))
+
+    outs = []
+    for nproc in (1, 2):
+        run_dir = tmp_path / f"run{nproc}"
+        cfg = make_cfg(run_dir, nproc=nproc, micro_batch_tokens=24, lr=1e-3)
+        cfg.run.max_steps = 1
+        (run_dir / "config.json").write_text(cfg.dump())
+        bus = Bus(redis_server, cfg.redis.prefix)
+        for g in groups:
+            bus.push_group(g)
+        if nproc == 1:
+            assert run_trainer(cfg, run_dir, redis_server) == 0
+        else:
+            log = run_dir / "trainer.log"
+            proc = _start(cfg, run_dir, redis_server, log)
+            try:
+                assert proc.wait(120) == 0, log.read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        assert bus.ledger()["trained"] == {f"same-{i}": 1 for i in range(4)}
+        (mt,) = metrics(bus)
+        outs.append((mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))))
+
+    (m1, w1), (m2, w2) = outs
+    assert m1["grad_norm"] > 0 and m1["masked_ratio_frac"] < 0.05
+    for k in ("loss", "entropy", "grad_norm", "masked_ratio_frac"):
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+    assert m1["tokens"] == m2["tokens"]
+    assert w1.keys() == w2.keys()
+    w0 = load_file(str(step_dir(tmp_path / "run1", 0) / "model.safetensors"))
+    for k in w1:
+        assert (w1[k] - w0[k]).abs().max() > 0 or k.endswith("norm.weight"), k
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)

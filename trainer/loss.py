@@ -1,0 +1,113 @@
+"""The trainer's loss as pure functions (docs/loss.md states it in full).
+
+Conventions: a logp/entropy/mask tensor of shape [B, T-1] is aligned with `tokens[:, 1:]`, i.e.
+column t scores the token tokens[:, t+1] given tokens[:, :t+1]. Everything here runs in float32
+whatever the model's dtype, because importance ratios exp(a - b) amplify rounding errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of `targets` and the entropy of the distribution (temperature 1).
+
+    logits [B, T, V], targets [B, T] -> (logp [B, T], entropy [B, T]). logp carries the gradient;
+    entropy is detached because it is only logged (no entropy bonus in the loss).
+    """
+    logp_all = logits.float().log_softmax(dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy
+
+
+def token_logprobs(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of every token after the first under `model`: tokens [B, T] -> (logp, entropy), each
+    [B, T-1], column t scoring tokens[:, t+1]. The last position's logits are never needed, so
+    the model only sees tokens[:, :-1] (identical values under causal attention). This is the
+    function the engine parity test compares the inference engine's log-probs against."""
+    logits = model(tokens[:, :-1])
+    return logprobs_from_logits(logits, tokens[:, 1:])
+
+
+@dataclass
+class LossStats:
+    """Sums over one micro-batch; summed again across micro-batches and ranks before reporting."""
+
+    loss_tokens: float = 0.0  # tokens with loss_mask 1
+    masked_tokens: float = 0.0  # of those, outside the ratio band (no gradient)
+    entropy_sum: float = 0.0  # entropy summed over loss tokens
+    loss_sum: float = 0.0  # this micro-batch's contribution to the step loss
+
+    def add(self, other: LossStats) -> None:
+        self.loss_tokens += other.loss_tokens
+        self.masked_tokens += other.masked_tokens
+        self.entropy_sum += other.entropy_sum
+        self.loss_sum += other.loss_sum
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [self.loss_tokens, self.masked_tokens, self.entropy_sum, self.loss_sum], dtype=torch.float64
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> LossStats:
+        a, b, c, d = (float(x) for x in t.tolist())
+        return cls(a, b, c, d)
+
+
+def count_loss_tokens(loss_mask: torch.Tensor) -> int:
+    """The normaliser: number of loss tokens. Summed over every micro-batch (and rank) of a step."""
+    return int(loss_mask.sum().item())
+
+
+def ratio_loss(
+    logp_train: torch.Tensor,
+    logp_infer: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    ratio_low: float,
+    ratio_high: float,
+    total_loss_tokens: int,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Importance-weighted policy-gradient loss with token masking outside a ratio band.
+
+    ratio_t = exp(logp_train_t - logp_infer_t); a loss token whose ratio lies outside
+    [ratio_low, ratio_high] is dropped (no gradient); the rest contribute -A * ratio_t. The sum is
+    divided by `total_loss_tokens`, the loss-token count of the whole STEP (all micro-batches, all
+    ranks), so that summing micro-batch losses/gradients gives the step's mean, independent of how
+    the step was split. The ratio, not logp, carries the gradient: d ratio = ratio * d logp, so
+    on-policy (ratio = 1) the gradient is exactly REINFORCE's -A * d logp / N.
+
+    Shapes: logp_*, loss_mask, entropy [B, T]; advantages [B] (one per sample) or [B, T].
+    """
+    if total_loss_tokens <= 0:
+        raise ValueError("total_loss_tokens must be positive")
+    mask = loss_mask.to(torch.float32)
+    adv = advantages.to(torch.float32)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    log_ratio = logp_train.float() - logp_infer.float()
+    with torch.no_grad():
+        raw = torch.exp(log_ratio)
+        in_band = ((raw >= ratio_low) & (raw <= ratio_high)).to(torch.float32)
+        masked = (mask * (1.0 - in_band)).sum()
+        weight = mask * in_band
+    # Masked and padded positions are replaced by log-ratio 0 before exp: their ratio could be
+    # inf, and inf * 0 would put NaN into the gradient. torch.where sends them zero gradient.
+    ratio = torch.exp(torch.where(weight > 0, log_ratio, torch.zeros_like(log_ratio)))
+    loss = -(adv * ratio * weight).sum() / float(total_loss_tokens)
+    stats = LossStats(
+        loss_tokens=float(mask.sum().item()),
+        masked_tokens=float(masked.item()),
+        entropy_sum=float((entropy.float() * mask).sum().item()) if entropy is not None else 0.0,
+        loss_sum=float(loss.detach().item()),
+    )
+    return loss, stats

@@ -1,0 +1,562 @@
+"""The relay trainer: reads rollout groups from Redis, trains one step per batch, publishes weights.
+
+    python -m trainer --config RUN_DIR/config.json --redis-url URL --run-dir RUN_DIR
+    torchrun --standalone --nproc_per_node=2 -m trainer ...   (same flags; see trainer/launch.py)
+
+One code path for 1 and N processes: under torchrun a gloo process group is initialised and the
+model is sharded with FSDP2; without it the collectives below are no-ops. Rank 0 alone talks to
+Redis and the weights directory; it broadcasts each batch to the other ranks.
+
+Step protocol (trainer holds version v):
+  1. collect: read groups until `orchestrator.batch_size` eligible ones; a group with staleness
+     v - min_version > max_off_policy_steps is acked + marked dropped at once.
+  2. compute: loss over the step (docs/loss.md), clip, AdamW step -> version v+1.
+  3. commit: write weights/step_{v+1} (atomic), publish it, mark the groups trained, record the
+     trainer state, THEN ack their stream entries (at-least-once: a crash before the ack leaves
+     them pending; the restarted trainer re-reads them and skips those already in the ledger).
+  4. every trainer.checkpoint_every steps (and at the last step / a graceful stop): checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from services.common.bus import Bus
+from services.common.config import RunConfig, load_resolved
+from services.common.modeldir import step_dir
+from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
+from services.common.service import log_event, setup_logging
+from trainer.batch import flatten, loss_token_count, micro_batches, split_for_ranks, truncate
+from trainer.loss import LossStats, ratio_loss, token_logprobs
+from trainer.model import build_model, load_weights_dir, save_weights_dir
+
+CONSUMER = "trainer"
+CKPT_RE = re.compile(r"^step_(\d+)$")
+CKPT_FILE = "state.pt"
+KEEP_CHECKPOINTS = 2
+READ_BLOCK_MS = 500
+# Non-zero ranks sit in a broadcast while rank 0 waits for rollouts, which can take long
+# (slow orchestrator, paused run). If rank 0 dies, torchrun tears the others down anyway.
+DIST_TIMEOUT = timedelta(hours=24)
+
+
+# ------------------------------------------------------------------ distributed helpers
+
+
+class Dist:
+    """The process group, or a stand-in of world size 1 when not launched by torchrun."""
+
+    def __init__(self) -> None:
+        self.enabled = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if self.enabled and not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+        self.rank = dist.get_rank() if self.enabled else 0
+        self.world = dist.get_world_size() if self.enabled else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.enabled:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shard_model(model: nn.Module, d: Dist) -> nn.Module:
+    """FSDP2: each transformer block is its own unit, the root holds embeddings/norm/output (so
+    tied embedding and output weights stay one parameter). No-op in a single process."""
+    if not d.enabled:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _to_float(x: torch.Tensor) -> float:
+    full = getattr(x, "full_tensor", None)  # a DTensor norm under FSDP2
+    return float((full() if callable(full) else x).item())
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint. Complete = renamed into place (only done after its file
+    was fully written and fsynced), so any step_N dir with state.pt is whole."""
+    root = run_dir / "checkpoints"
+    best: tuple[int, Path] | None = None
+    if root.is_dir():
+        for p in root.iterdir():
+            m = CKPT_RE.match(p.name)
+            if m and (p / CKPT_FILE).is_file() and (best is None or int(m.group(1)) > best[0]):
+                best = (int(m.group(1)), p)
+    return best
+
+
+def write_checkpoint(run_dir: Path, step: int, payload: dict[str, Any]) -> Path:
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / f"step_{step}"
+    tmp = root / f".step_{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    with open(tmp / CKPT_FILE, "wb") as fh:
+        torch.save(payload, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.rename(tmp, dest)
+    # Keep the newest few: one older than the latest covers a corrupt newest file.
+    steps = sorted(
+        int(m.group(1)) for p in root.iterdir() if (m := CKPT_RE.match(p.name)) and (p / CKPT_FILE).is_file()
+    )
+    for old in steps[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+    return dest
+
+
+# ------------------------------------------------------------------ the trainer
+
+
+@dataclass
+class Batch:
+    """What rank 0 broadcasts each step: the groups to train, or stop=True."""
+
+    stop: bool
+    groups: list[RolloutGroup]
+    dropped_stale: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass
+class StepResult:
+    loss: float
+    entropy: float
+    grad_norm: float
+    masked_ratio_frac: float
+    loss_tokens: int
+    tokens: int
+    compute_s: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        redis_url: str,
+        d: Dist | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.d = d or Dist()
+        self.log = log or logging.getLogger("trainer")
+        self.bus = Bus(redis_url, cfg.redis.prefix) if self.d.is_main else None
+        self.stop_requested = threading.Event()
+        self.version = 0
+        self.last_checkpoint = -1
+        self.backlog: list[tuple[str, RolloutGroup]] = []
+        self.model: nn.Module
+        self.opt: torch.optim.Optimizer
+
+    # -------------------------------------------------------------- setup / resume
+
+    def setup(self) -> None:
+        tc = self.cfg.trainer
+        torch.set_num_threads(tc.torch_threads)
+        model = build_model(self.cfg.model, seed=self.cfg.run.seed, init_std=tc.init_std)
+        ckpt = latest_checkpoint(self.run_dir)
+        state: dict[str, Any] | None = None
+        if ckpt is not None:
+            # Every rank reads the full checkpoint (shared filesystem assumed, as for weights/).
+            state = torch.load(ckpt[1] / CKPT_FILE, map_location="cpu", weights_only=True)
+            model.load_state_dict(state["model"])
+            self.version = self.last_checkpoint = int(state["step"])
+        elif step_dir(self.run_dir, 0).exists():
+            _, sd = load_weights_dir(step_dir(self.run_dir, 0))
+            model.load_state_dict(sd)
+            self.version = 0
+        # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
+        self.model = shard_model(model, self.d)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
+        )
+        if state is not None:
+            set_optimizer_state_dict(
+                self.model, self.opt, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
+            # The checkpoint restores Adam's moments; the hyper-parameters come from the config,
+            # so a restart with a changed lr/betas/weight_decay takes effect.
+            for group in self.opt.param_groups:
+                group.update(lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+            rng = state.get("rng") or []
+            if len(rng) == self.d.world:
+                torch.set_rng_state(rng[self.d.rank])
+
+        # Publish the version we hold. On a resume this may be OLDER than weights:latest (crash
+        # after publishing step M but before checkpoint M): we continue from the checkpoint and
+        # republish, so engines roll back to the lineage the trainer will extend (docs/loss.md).
+        # Rank 0 decides (another rank could see the directory appear mid-write and skip the
+        # collective inside _write_weights).
+        if self.d.broadcast(not step_dir(self.run_dir, self.version).exists()):
+            self._write_weights(self.version)
+        if self.bus is not None:
+            self.bus.ensure_trainer_group()
+            self.bus.publish_weights(
+                WeightsInfo(version=self.version, path=str(step_dir(self.run_dir, self.version)))
+            )
+            self._recover_pending()
+            self._record_state("running")
+        log_event(
+            self.log,
+            "trainer ready",
+            version=self.version,
+            resumed_from=str(ckpt[1]) if ckpt else None,
+            rank=self.d.rank,
+            world=self.d.world,
+            backlog=len(self.backlog),
+        )
+
+    def _recover_pending(self) -> None:
+        """Entries delivered to this consumer but never acked (the previous process died before
+        committing, or committed but died before acking). Trained ones are acked and skipped."""
+        assert self.bus is not None
+        pending = self.bus.read_groups(CONSUMER, count=1_000_000, block_ms=0, pending=True)
+        done = {eid for eid, g in pending if self.bus.is_trained(g.group_id)}
+        self.bus.ack(sorted(done))
+        self.backlog = [(eid, g) for eid, g in pending if eid not in done]
+
+    # -------------------------------------------------------------- weights / state
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        # Collective under FSDP2: every rank must call it; rank 0 gets full CPU tensors.
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def _write_weights(self, version: int) -> Path:
+        sd = self._full_state()
+        dest = step_dir(self.run_dir, version)
+        if self.d.is_main:
+            save_weights_dir(self.cfg.model, sd, dest, {"version": version, "step": version})
+        return dest
+
+    def _checkpoint(self) -> None:
+        """All ranks gather; rank 0 writes one full checkpoint (model, optimizer keyed by
+        parameter name, per-rank RNG), so it reloads under any world size."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(self.model, options=opts)
+        optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
+        rng = self.d.all_gather(torch.get_rng_state())
+        if self.d.is_main:
+            payload = {
+                "format": 1,
+                "step": self.version,
+                "version": self.version,
+                "model": model_sd,
+                "optimizer": optim_sd,
+                "rng": rng,
+                "world": self.d.world,
+                "time": time.time(),
+            }
+            path = write_checkpoint(self.run_dir, self.version, payload)
+            log_event(self.log, "checkpoint", step=self.version, path=str(path))
+        self.last_checkpoint = self.version
+        self.d.barrier()
+
+    def _record_state(self, status: str) -> None:
+        if self.bus is None:
+            return
+        self.bus.r.hset(
+            self.bus.k.trainer_state,
+            mapping={
+                "version": self.version,
+                "step": self.version,
+                "last_checkpoint": self.last_checkpoint,
+                "status": status,
+                "world": self.d.world,
+                "pid": os.getpid(),
+                "updated": time.time(),
+            },
+        )
+
+    # -------------------------------------------------------------- data
+
+    def _should_stop(self) -> bool:
+        if self.stop_requested.is_set():
+            return True
+        assert self.bus is not None
+        return bool(self.bus.r.exists(self.bus.k.control_stop))
+
+    def _collect(self) -> tuple[Batch, list[str]]:
+        """Rank 0: gather exactly batch_size eligible groups. Returns the batch and the stream
+        entry ids to ack once it is committed. On stop the partial batch stays unacked."""
+        assert self.bus is not None
+        oc = self.cfg.orchestrator
+        picked: list[tuple[str, RolloutGroup]] = []
+        seen: set[str] = set()
+        dropped = 0
+        t0 = time.monotonic()
+        while len(picked) < oc.batch_size:
+            if self._should_stop():
+                return Batch(stop=True, groups=[]), []
+            need = oc.batch_size - len(picked)
+            if self.backlog:
+                entries, self.backlog = self.backlog[:need], self.backlog[need:]
+            else:
+                entries = self.bus.read_groups(CONSUMER, count=need, block_ms=READ_BLOCK_MS)
+            for eid, g in entries:
+                if g.group_id in seen or self.bus.is_trained(g.group_id):
+                    self.bus.ack([eid])  # duplicate delivery: already trained once
+                    continue
+                if g.min_version < 0:
+                    self.bus.ack([eid])
+                    self.bus.mark_dropped(g.group_id, "empty: no loss tokens")
+                    continue
+                staleness = self.version - g.min_version
+                if staleness > oc.max_off_policy_steps:
+                    self.bus.ack([eid])
+                    self.bus.mark_dropped(
+                        g.group_id,
+                        f"stale: trainer v{self.version} - min_version {g.min_version} = {staleness}"
+                        f" > max_off_policy_steps {oc.max_off_policy_steps}",
+                    )
+                    dropped += 1
+                    continue
+                picked.append((eid, g))
+                seen.add(g.group_id)
+        batch = Batch(
+            stop=False, groups=[g for _, g in picked], dropped_stale=dropped, wait_s=time.monotonic() - t0
+        )
+        return batch, [eid for eid, _ in picked]
+
+    # -------------------------------------------------------------- compute
+
+    def train_step(self, groups: list[RolloutGroup]) -> StepResult:
+        """One optimizer step on `groups` (the full batch; every rank gets the same list and
+        trains its own share). Collective: all ranks call it together."""
+        t0 = time.monotonic()
+        tc = self.cfg.trainer
+        samples = [truncate(s, self.cfg.model.max_seq_len + 1) for s in flatten(groups)]
+        mine = split_for_ranks(samples, self.d.world)[self.d.rank]
+        mbs = micro_batches(mine, tc.micro_batch_tokens)
+        # The normaliser is the step's loss-token count summed over all ranks.
+        counts = self.d.all_reduce(torch.tensor([loss_token_count(mine)], dtype=torch.float64))
+        total_loss_tokens = max(1, int(counts[0].item()))
+        n_mb = int(self.d.all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)[0].item())
+        # FSDP2 averages gradients over ranks; the loss is a global sum / N, so scale it back.
+        scale = float(self.d.world)
+
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        stats = LossStats()
+        n_tokens = 0
+        for i in range(n_mb):
+            if i < len(mbs):
+                mb = mbs[i]
+                logp, ent = token_logprobs(self.model, mb.tokens)
+                loss, st = ratio_loss(
+                    logp,
+                    mb.logp_infer,
+                    mb.advantages,
+                    mb.loss_mask,
+                    ratio_low=tc.ratio_low,
+                    ratio_high=tc.ratio_high,
+                    total_loss_tokens=total_loss_tokens,
+                    entropy=ent,
+                )
+                (loss * scale).backward()
+                stats.add(st)
+                n_tokens += mb.n_tokens
+            else:
+                # This rank has fewer micro-batches than another: FSDP2 needs every rank in
+                # every forward/backward (all-gather, reduce-scatter), so run a zero-weight one.
+                out = self.model(torch.zeros((1, 1), dtype=torch.long))
+                (out.sum() * 0.0).backward()
+        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip))
+        self.opt.step()
+        tot = self.d.all_reduce(
+            torch.cat([stats.as_tensor(), torch.tensor([float(n_tokens)], dtype=torch.float64)])
+        )
+        g = LossStats.from_tensor(tot[:4])
+        return StepResult(
+            loss=g.loss_sum,
+            entropy=g.entropy_sum / max(1.0, g.loss_tokens),
+            grad_norm=grad_norm,
+            masked_ratio_frac=g.masked_tokens / max(1.0, g.loss_tokens),
+            loss_tokens=int(g.loss_tokens),
+            tokens=int(tot[4].item()),
+            compute_s=time.monotonic() - t0,
+        )
+
+    # -------------------------------------------------------------- main loop
+
+    def run(self) -> int:
+        if not hasattr(self, "opt"):
+            self.setup()
+        max_steps = self.cfg.run.max_steps
+        status = "done"
+        while self.version < max_steps:
+            if self.d.is_main:
+                if self.bus is not None:
+                    self._record_state("waiting")
+                batch, entry_ids = self._collect()
+            else:
+                batch, entry_ids = Batch(stop=True, groups=[]), []
+            batch = self.d.broadcast(batch)
+            if batch.stop:
+                status = "stopped"
+                break
+            v = self.version
+            res = self.train_step(batch.groups)
+            self.version = v + 1
+
+            t_pub = time.monotonic()
+            dest = self._write_weights(self.version)
+            if self.bus is not None:
+                self.bus.publish_weights(WeightsInfo(version=self.version, path=str(dest)))
+            publish_s = time.monotonic() - t_pub
+            if self.version % self.cfg.trainer.checkpoint_every == 0 or self.version >= max_steps:
+                self._checkpoint()
+            if self.bus is not None:
+                # Commit, then ack: a crash in between re-delivers entries the ledger already has.
+                self.bus.mark_trained([g.group_id for g in batch.groups])
+                self._record_state("running")
+                self.bus.ack(entry_ids)
+                m = self._metrics(v, batch, res, publish_s)
+                self.bus.push_metrics(m)
+                log_event(self.log, "step", **m.model_dump())
+        if self.version > self.last_checkpoint and self.version > 0:
+            # Graceful stop: a checkpoint of what is published means a restart loses nothing.
+            self._checkpoint()
+        self._record_state(status)
+        log_event(self.log, "trainer exit", status=status, version=self.version, rank=self.d.rank)
+        return 0
+
+    def _metrics(self, v: int, batch: Batch, res: StepResult, publish_s: float) -> TrainerStepMetrics:
+        samples = flatten(batch.groups)
+        stale = [v - g.min_version for g in batch.groups]
+        by_env: dict[str, list[float]] = {}
+        for g in batch.groups:
+            by_env.setdefault(g.env, []).extend(s.reward for s in g.samples)
+        return TrainerStepMetrics(
+            step=self.version,
+            version=self.version,
+            groups=len(batch.groups),
+            samples=len(samples),
+            tokens=res.tokens,
+            loss=res.loss,
+            entropy=res.entropy,
+            grad_norm=res.grad_norm,
+            reward=sum(s.reward for s in samples) / max(1, len(samples)),
+            reward_by_env={k: sum(r) / len(r) for k, r in by_env.items()},
+            staleness_mean=sum(stale) / max(1, len(stale)),
+            staleness_max=max(stale, default=0),
+            masked_ratio_frac=res.masked_ratio_frac,
+            dropped_stale=batch.dropped_stale,
+            wait_data_s=batch.wait_s,
+            step_s=res.compute_s,
+            publish_s=publish_s,
+            tokens_per_s=res.tokens / max(res.compute_s, 1e-9),
+        )
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _install_signals(trainer: Trainer) -> Callable[[], None]:
+    """SIGTERM/SIGINT ask for a graceful stop at the next batch boundary. Only rank 0 acts on
+    it (the others follow its broadcast); restores the previous handlers on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(_sig: int, _frame: FrameType | None) -> None:
+        trainer.stop_requested.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
+
+
+def run(cfg: RunConfig, run_dir: str | Path, redis_url: str, log: logging.Logger | None = None) -> int:
+    d = Dist()
+    trainer = Trainer(cfg, Path(run_dir), redis_url, d, log)
+    restore = _install_signals(trainer)
+    try:
+        return trainer.run()
+    finally:
+        restore()
+        d.close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="relay RL trainer")
+    p.add_argument("--config", required=True, help="resolved run config (RUN_DIR/config.json)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    p.add_argument("--run-dir", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.redis_url:
+        raise SystemExit("trainer: --redis-url (or REDIS_URL) is required")
+    log = setup_logging("trainer")
+    cfg = load_resolved(args.config)
+    return run(cfg, args.run_dir, args.redis_url, log)
