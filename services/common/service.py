@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -142,6 +143,11 @@ class Service:
     def run(self, app: FastAPI) -> None:
         log_event(self.log, "config", config=json.loads(self.cfg.dump()), url=self.url)
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=10, access_log=False)
+        # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at
+        # start; with the default handler the process would die by signal (-15) after a clean
+        # shutdown. This handler turns that re-raise (or a SIGTERM before uvicorn takes over)
+        # into exit 0.
+        signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
         uvicorn.Server(config).run(sockets=[self.sock])
 
 

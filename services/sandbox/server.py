@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -212,10 +211,6 @@ def main() -> None:
         svc.sock.close()
         sys.exit(2)
     log_event(svc.log, "environments", envs=env_names(), plugins=sec.plugins)
-    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at start;
-    # with the default handler the process would die by signal (-15) after a clean shutdown.
-    # This handler makes that re-raise (or a SIGTERM before uvicorn takes over) exit 0.
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
     svc.run(build_app(cfg, svc))
 
 
