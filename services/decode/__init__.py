@@ -1,0 +1,1 @@
+"""The decode service: HTTP front of one inference engine replica (`python -m services.decode`)."""

@@ -1,0 +1,55 @@
+"""Prometheus view of a decode replica's engine, built at scrape time from EngineStats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.engine import AsyncEngine
+from services.engine.stats import BATCH_BUCKETS
+
+
+class EngineCollector(Collector):
+    """Reads the current engine (None while weights load) on every scrape."""
+
+    def __init__(self, engine: Callable[[], AsyncEngine | None]):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        eng = self.engine()
+        if eng is None:
+            yield GaugeMetricFamily("relay_decode_weight_version", "Loaded weight version", value=-1)
+            return
+        s = eng.engine.stats
+        counters = [
+            ("relay_decode_requests", "Generate requests received", s.requests_total),
+            ("relay_decode_requests_finished", "Generate requests completed", s.requests_finished),
+            ("relay_decode_prompt_tokens", "Prompt tokens received", s.prompt_tokens_total),
+            ("relay_decode_generated_tokens", "Tokens generated", s.generated_tokens_total),
+            ("relay_decode_steps", "Engine steps (batched forwards)", s.steps_total),
+            ("relay_decode_step_seconds", "Seconds spent in engine steps", s.step_seconds_total),
+            ("relay_decode_idle_seconds", "Seconds with no work while not paused", s.idle_seconds_total),
+            ("relay_decode_weight_updates", "Weight updates applied", s.weight_updates_total),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("relay_decode_weight_version", "Loaded weight version", value=eng.version)
+        yield GaugeMetricFamily(
+            "relay_decode_queue_length", "Sequences waiting for a slot", value=eng.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "relay_decode_running", "Sequences in the running batch", value=eng.num_running
+        )
+        yield GaugeMetricFamily("relay_decode_paused", "1 while paused", value=int(eng.paused))
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, BATCH_BUCKETS), "+Inf"], s.batch_size_buckets, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(
+            "relay_decode_batch_size",
+            "Sequences per engine step",
+            buckets=buckets,
+            sum_value=s.batch_size_sum,
+        )

@@ -1,0 +1,236 @@
+"""The decode service: one engine replica behind HTTP.
+
+    python -m services.decode --config RUN_DIR/config.json --redis-url redis://host:port/0
+
+On start it registers itself (version -1, health "loading"), waits for the trainer's first weights
+to appear in Redis, loads them, and serves. Later versions arrive via POST /update_weights, which
+swaps them at a step boundary while requests keep running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+from fastapi import FastAPI, HTTPException
+from prometheus_client import REGISTRY
+from tokenizers import Tokenizer
+
+from services.common.config import ConfigError
+from services.common.schemas import CompletionRequest, GenerateRequest, GenerateResponse, UpdateWeightsRequest
+from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.decode.metrics import EngineCollector
+from services.decode.openai import PromptError, to_completion, to_generate_request
+from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
+
+WEIGHTS_POLL_S = 0.5
+
+
+class Decode:
+    """The replica's state: the engine appears once the first weights are loaded."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.cfg = service.cfg
+        self.log = service.log
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.paused = False  # remembered while loading, applied to the engine once it exists
+        self._load_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ weights
+
+    async def load(self, path: str, version: int, initial: bool = False) -> int:
+        """First call builds the engine; later ones swap weights between steps. Raises WeightsError.
+        initial=True (the Redis poller) does nothing once an engine exists: a POST /update_weights
+        that won the race may already have loaded a newer version."""
+        async with self._load_lock:
+            if initial and self.engine is not None:
+                return self.engine.version
+            if self.engine is None:
+                engine = await asyncio.to_thread(LLMEngine, path, self.cfg.decode.engine, version)
+                tok_file = Path(path) / "tokenizer.json"
+                self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
+                self.engine = AsyncEngine(engine).start()
+                if self.paused:
+                    self.engine.pause()
+                log_event(
+                    self.log,
+                    "engine ready",
+                    path=path,
+                    version=version,
+                    device=str(engine.device),
+                    dtype=self.cfg.decode.engine.dtype,
+                    max_batch_size=self.cfg.decode.engine.max_batch_size,
+                    max_seq_len=engine.max_seq_len,
+                )
+            else:
+                old = self.engine.version
+                await self.engine.load_weights(path, version)
+                log_event(self.log, "weights updated", path=path, version=version, previous=old)
+            self.service.version = version
+            return version
+
+    async def wait_for_weights(self) -> None:
+        """Poll Redis for the latest published weights until an engine is up (or another path,
+        POST /update_weights, built it first)."""
+        announced = False
+        while self.engine is None:
+            try:
+                info = await asyncio.to_thread(self.service.bus.latest_weights)
+            except redis.RedisError as e:
+                self.log.warning(f"redis unavailable while waiting for weights: {e}")
+                info = None
+            if info is not None:
+                try:
+                    await self.load(info.path, info.version, initial=True)
+                    return
+                except WeightsError as e:
+                    # Keep polling: the trainer may publish a usable version next.
+                    self.log.error(f"cannot load published weights: {e}")
+            elif not announced:
+                log_event(self.log, "waiting for weights", key=self.service.bus.k.weights_latest)
+                announced = True
+            await asyncio.sleep(WEIGHTS_POLL_S)
+
+    # ------------------------------------------------------------------ helpers
+
+    def ready(self) -> AsyncEngine:
+        if self.engine is None:
+            raise HTTPException(503, "loading: waiting for the first weights", headers={"Retry-After": "1"})
+        return self.engine
+
+    def health(self) -> dict[str, Any]:
+        eng = self.engine
+        return {
+            "status": "ok" if eng is not None else "loading",
+            "kind": self.service.kind,
+            "id": self.service.id,
+            "version": self.service.version,
+            "queue": eng.num_waiting if eng else 0,
+            "running": eng.num_running if eng else 0,
+            "paused": eng.paused if eng else self.paused,
+            "idle_s": round(eng.engine.stats.idle_seconds_total, 3) if eng else 0.0,
+        }
+
+    async def submit(self, req: GenerateRequest) -> GenerateResponse:
+        engine = self.ready()
+        try:
+            return await engine.submit(req)
+        except RuntimeError as e:  # engine stopping
+            raise HTTPException(503, str(e)) from None
+
+
+_collector: EngineCollector | None = None
+
+
+def build_app(service: Service) -> FastAPI:
+    global _collector
+    state = Decode(service)
+    # One collector per process (registering twice raises); it reports the latest app's engine.
+    if _collector is None:
+        _collector = EngineCollector(lambda: state.engine)
+        REGISTRY.register(_collector)
+    else:
+        _collector.engine = lambda: state.engine
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with service.registered():
+            loader = asyncio.create_task(state.wait_for_weights())
+            try:
+                yield
+            finally:
+                loader.cancel()
+                if state.engine is not None:
+                    await asyncio.to_thread(state.engine.stop)
+                log_event(service.log, "engine stopped")
+
+    app = create_app("relay-decode", state.health, lifespan)
+    app.state.decode = state
+
+    @app.post("/v1/generate", response_model=GenerateResponse)
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        try:
+            return await state.submit(req)
+        except InvalidRequest as e:
+            raise HTTPException(400, str(e)) from None
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict[str, Any]:
+        state.ready()
+        try:
+            greq = to_generate_request(req, state.tokenizer)
+            resp = await state.submit(greq)
+        except PromptError as e:
+            raise HTTPException(400, str(e)) from None
+        except InvalidRequest as e:
+            raise HTTPException(400, f"prompt: {e.reason}") from None
+        return to_completion(req, resp, state.tokenizer, service.cfg.run.name)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        eng = state.engine
+        card = {
+            "id": service.cfg.run.name,
+            "object": "model",
+            "created": int(service.started),
+            "owned_by": "relay",
+            "version": service.version,
+            "root": str(eng.engine.model_dir) if eng else None,
+            "max_model_len": eng.engine.max_seq_len if eng else None,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/update_weights")
+    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        try:
+            version = await state.load(req.path, req.version)
+        except WeightsError as e:
+            raise HTTPException(400, f"path: {e}") from None
+        return {"version": version, "path": req.path}
+
+    @app.post("/pause")
+    async def pause() -> dict[str, Any]:
+        state.paused = True
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.pause)  # returns once no step is in flight
+        log_event(service.log, "paused")
+        return {"paused": True, "version": service.version}
+
+    @app.post("/resume")
+    def resume() -> dict[str, Any]:
+        state.paused = False
+        if state.engine is not None:
+            state.engine.resume()
+        log_event(service.log, "resumed")
+        return {"paused": False, "version": service.version}
+
+    return app
+
+
+def main() -> None:
+    args = service_args("relay decode service: one inference engine replica")
+    try:
+        cfg = load_service_config(args)
+    except ConfigError as e:
+        sys.exit(f"decode: {e}")
+    redis_url = args.redis_url or cfg.redis.url
+    if not redis_url:
+        sys.exit("decode: no Redis URL; pass --redis-url or set REDIS_URL")
+    sec = cfg.decode
+    host = args.host or sec.host
+    # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
+    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
+    service = Service("decode", cfg, redis_url, host, port)
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at start;
+    # with the default handler the process would die by signal (-15) after a clean shutdown.
+    # This handler makes that re-raise (or a SIGTERM before uvicorn takes over) exit 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    service.run(build_app(service))

@@ -1,0 +1,194 @@
+"""AsyncEngine: drives an LLMEngine's step loop from a background thread for asyncio callers.
+
+Only the loop thread touches the engine's scheduler and weights. Callers hand it work through an
+inbox under a condition variable: new requests and weight updates are taken in at step
+boundaries, so a request arriving mid-step joins the next one and a weight swap never lands
+in the middle of a forward pass. Results come back through concurrent futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from pathlib import Path
+from typing import TypeVar
+
+from services.common.schemas import GenerateRequest, GenerateResponse
+from services.engine.engine import LLMEngine
+from services.engine.loader import Checkpoint
+from services.engine.sequence import RequestState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _resolve(fut: Future[T], value: T | None = None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)  # type: ignore[arg-type]
+    except InvalidStateError:
+        pass  # the caller gave up (cancelled) meanwhile
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[GenerateRequest, Future[GenerateResponse]]] = []
+        self._weights: list[tuple[Checkpoint, int, Future[int]]] = []
+        self._waiters: dict[RequestState, Future[GenerateResponse]] = {}
+        self._paused = False
+        self._stopping = False
+        # Held by the loop while it works on the engine; pause() takes it to wait out a step in flight.
+        self._busy = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------ control
+
+    def start(self) -> AsyncEngine:
+        self.engine.background = True
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; unfinished requests complete with finish_reason "abort"."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def pause(self) -> None:
+        """No steps run once this returns; requests queue. Weight updates still apply."""
+        with self._cv:
+            self._paused = True
+        with self._busy:
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet admitted (queued in the engine, or in the inbox, as 1 per sample)."""
+        inbox = sum(r.sampling.n for r, _ in list(self._inbox))
+        return inbox + self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    # ------------------------------------------------------------------ asyncio API
+
+    async def submit(self, req: GenerateRequest) -> GenerateResponse:
+        """Generate; raises InvalidRequest at once for a request the engine cannot serve."""
+        self.engine.validate(req)
+        fut: Future[GenerateResponse] = Future()
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is stopping")
+            self._inbox.append((req, fut))
+            self._cv.notify_all()
+        return await asyncio.wrap_future(fut)
+
+    async def load_weights(self, path: str | Path, version: int) -> int:
+        """Read the directory here (raises WeightsError), swap at the next step boundary, return
+        once the new weights are live."""
+        ckpt = await asyncio.to_thread(self.engine.read_weights, path)
+        fut: Future[int] = Future()
+        with self._cv:
+            self._weights.append((ckpt, version, fut))
+            self._cv.notify_all()
+        return await asyncio.wrap_future(fut)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._weights) or (not self._paused and self.engine.has_work())
+
+    def _run(self) -> None:
+        stats = self.engine.stats
+        while True:
+            with self._cv:
+                while not self._stopping and not self._has_work():
+                    idle = not self._paused
+                    t0 = time.monotonic()
+                    self._cv.wait(0.5)
+                    if idle:
+                        stats.idle_seconds_total += time.monotonic() - t0
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                weights, self._weights = self._weights, []
+                self._busy.acquire()
+            try:
+                self._work(inbox, weights)
+            finally:
+                self._busy.release()
+        self._shutdown()
+
+    def _work(
+        self,
+        inbox: list[tuple[GenerateRequest, Future[GenerateResponse]]],
+        weights: list[tuple[Checkpoint, int, Future[int]]],
+    ) -> None:
+        for ckpt, version, wfut in weights:
+            try:
+                self.engine.apply_weights(ckpt, version)
+                _resolve(wfut, version)
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                _resolve(wfut, error=e)
+        for req, rfut in inbox:
+            try:
+                self._waiters[self.engine.add_request(req)] = rfut
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                _resolve(rfut, error=e)
+        if self._paused:  # read while holding _busy, so pause() returns only after this check
+            return
+        try:
+            finished = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+            log.exception("engine step failed; aborting all requests")
+            for state in self.engine.abort_all():
+                fut = self._waiters.pop(state, None)
+                if fut is not None:
+                    _resolve(fut, error=RuntimeError(f"engine step failed: {e}"))
+            return
+        for state in finished:
+            _resolve(self._waiters.pop(state), state.response())
+        self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        """Free the slots of requests whose caller went away (e.g. HTTP client disconnected)."""
+        for state, fut in list(self._waiters.items()):
+            if fut.cancelled():
+                self.engine.abort(state)
+                del self._waiters[state]
+
+    def _shutdown(self) -> None:
+        for state in self.engine.abort_all():
+            fut = self._waiters.pop(state, None)
+            if fut is not None:
+                _resolve(fut, state.response())
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+            weights, self._weights = self._weights, []
+        for _req, rfut in inbox:
+            _resolve(rfut, error=RuntimeError("engine stopped"))
+        for _ckpt, _v, wfut in weights:
+            _resolve(wfut, error=RuntimeError("engine stopped"))

@@ -1,0 +1,74 @@
+"""Read and check an HF model directory (the weights contract in services/common/modeldir.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.config import ModelConfig
+from services.common.modeldir import model_config_from_hf, read_meta, read_model_dir
+
+
+class WeightsError(ValueError):
+    """A weights directory is missing or unusable; the message starts with its path."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    hf_config: dict[str, Any]
+    config: ModelConfig
+    state: dict[str, torch.Tensor]
+    version: int | None  # relay.json's version, if the directory has one
+    eos_token_ids: list[int]
+    attention_bias: bool  # Qwen2-style q/k/v biases
+
+    def same_architecture(self, other: ModelConfig) -> bool:
+        # max_seq_len only bounds positions; a checkpoint may advertise a different one.
+        def arch(m: ModelConfig) -> dict[str, Any]:
+            return m.model_dump(exclude={"max_seq_len"})
+
+        return arch(self.config) == arch(other)
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    p = Path(path)
+    if not p.is_dir():
+        raise WeightsError(f"{p}: not a directory")
+    if not (p / "config.json").is_file():
+        raise WeightsError(f"{p}: no config.json")
+    try:
+        hf, state = read_model_dir(p)
+        config = model_config_from_hf(hf)
+        meta = read_meta(p)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # incl. JSON and safetensors errors
+        raise WeightsError(f"{p}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own (non-ValueError) error type
+        raise WeightsError(f"{p}: unreadable weights ({type(e).__name__}: {e})") from e
+    # The tensors are the ground truth for two layout choices config.json may not state reliably
+    # (a "qwen3" model_type always implies QK-norm there, and tie_word_embeddings defaults vary).
+    config = config.model_copy(
+        update={
+            "qk_norm": any(k.endswith("self_attn.q_norm.weight") for k in state),
+            "tie_embeddings": "lm_head.weight" not in state,
+        }
+    )
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise WeightsError(f"{p}: rope_scaling {json.dumps(scaling)} is not supported")
+    eos = hf.get("eos_token_id")
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    version = meta.get("version")
+    return Checkpoint(
+        path=p,
+        hf_config=hf,
+        config=config,
+        state=state,
+        version=int(version) if version is not None else None,
+        eos_token_ids=eos_ids,
+        attention_bias=any(k.endswith("self_attn.q_proj.bias") for k in state),
+    )

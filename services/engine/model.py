@@ -1,0 +1,179 @@
+"""A Qwen3/Llama-style decoder in plain PyTorch, with HF parameter names, for inference.
+
+It computes the same function as the trainer's torchtitan Qwen3Model (same RoPE cache, same
+rotate_half convention, same RMSNorm and attention scale), so log-probs computed here match the
+trainer's up to float rounding. Module names follow HF (`model.layers.0.self_attn.q_proj`), so an
+HF state dict loads with `load_state_dict` and nothing to rename.
+
+The forward pass works on a *flat* batch of tokens (all sequences of a step concatenated), which
+keeps the linear layers free of padding; only attention needs per-sequence structure, which it
+gets from `ForwardBatch` and the KV cache (see batch.py and kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.config import ModelConfig
+from services.engine.batch import ForwardBatch
+from services.engine.kv_cache import KVCache
+
+
+def rope_cache(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [max_seq_len, head_dim], computed exactly like torchtitan's
+    precompute_rope_cache (float32, frequencies duplicated for the rotate_half layout)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    t = torch.arange(max_seq_len, dtype=freqs.dtype)
+    angles = torch.outer(t, freqs).float()
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] already gathered at each token's position."""
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same kernel as torch.nn.RMSNorm, which torchtitan uses.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelConfig, layer_idx: int, bias: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = m.n_heads, m.n_kv_heads, m.head_dim
+        self.scale = m.head_dim**-0.5
+        self.q_proj = nn.Linear(m.dim, m.n_heads * m.head_dim, bias=bias)
+        self.k_proj = nn.Linear(m.dim, m.n_kv_heads * m.head_dim, bias=bias)
+        self.v_proj = nn.Linear(m.dim, m.n_kv_heads * m.head_dim, bias=bias)
+        self.o_proj = nn.Linear(m.n_heads * m.head_dim, m.dim, bias=False)
+        # Qwen3 normalises each head's q and k before RoPE; Llama/Qwen2 do not.
+        self.q_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+        self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        # New keys/values go into the cache first, so every query reads its whole context
+        # (earlier steps' tokens and this step's) from one place.
+        kv.store(self.layer_idx, batch.token_slots, batch.positions, k, v)
+        out = torch.empty_like(q)
+        for g in batch.groups:
+            kc, vc = kv.load(self.layer_idx, g.slots, g.ctx_len)  # [B, ctx, n_kv, D]
+            qg = q[g.q_index]  # [B, Lq, H, D], padding rows read some real token and are dropped
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2),
+                kc.transpose(1, 2),
+                vc.transpose(1, 2),
+                attn_mask=g.mask,
+                scale=self.scale,
+                enable_gqa=self.n_heads != self.n_kv_heads,
+            )
+            out[g.out_index] = o.transpose(1, 2)[g.q_valid]
+        return self.o_proj(out.view(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(m.dim, m.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(m.dim, m.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(m.hidden_dim, m.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, m: ModelConfig, layer_idx: int, bias: bool):
+        super().__init__()
+        self.self_attn = Attention(m, layer_idx, bias)
+        self.mlp = MLP(m)
+        self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
+        self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, m: ModelConfig, bias: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.dim)
+        self.layers = nn.ModuleList(DecoderLayer(m, i, bias) for i in range(m.n_layers))
+        self.norm = RMSNorm(m.dim, m.norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Qwen3ForCausalLM / LlamaForCausalLM. `forward` returns final hidden states for the flat
+    batch; `logits` projects only the rows the caller needs (one per sequence when sampling)."""
+
+    def __init__(self, m: ModelConfig, max_seq_len: int, attention_bias: bool = False):
+        super().__init__()
+        self.config = m
+        self.model = DecoderStack(m, attention_bias)
+        self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
+        cos, sin = rope_cache(m.head_dim, max_seq_len, m.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, batch, kv)
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF state dict into the existing parameters (in place: no reallocation, so a
+        weight update between steps costs one copy per tensor and the module graph is unchanged).
+        Raises ValueError naming missing/unexpected/mis-shaped tensors."""
+        params = dict(self.named_parameters())
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.lm_head is None:
+            # Tied checkpoints may still carry a (redundant) lm_head copy.
+            state.pop("lm_head.weight", None)
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, p in params.items():
+            src = state[name]
+            if src.shape != p.shape:
+                raise ValueError(f"{name}: shape {tuple(src.shape)} != expected {tuple(p.shape)}")
+            p.copy_(src.to(dtype=p.dtype, device=p.device))

@@ -1,0 +1,32 @@
+"""Engine counters, read by the decode service's /metrics and /health. Plain numbers (no
+Prometheus objects) so several engines can live in one process, as they do in tests."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclass
+class EngineStats:
+    requests_total: int = 0
+    requests_finished: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    steps_total: int = 0
+    step_seconds_total: float = 0.0
+    weight_updates_total: int = 0
+    # Seconds the step loop had nothing to do while not paused: rollout starvation shows here.
+    idle_seconds_total: float = 0.0
+    # Sequences per step: counts per bucket of BATCH_BUCKETS (upper bounds), then +Inf.
+    batch_size_buckets: list[int] = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS) + 1))
+    batch_size_sum: float = 0.0
+
+    def observe_step(self, batch_size: int, generated: int, seconds: float) -> None:
+        self.steps_total += 1
+        self.generated_tokens_total += generated
+        self.step_seconds_total += seconds
+        self.batch_size_buckets[bisect.bisect_left(BATCH_BUCKETS, batch_size)] += 1
+        self.batch_size_sum += batch_size

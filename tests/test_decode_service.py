@@ -1,0 +1,225 @@
+"""The decode service as a real subprocess: registry discovery, waiting for the first weights,
+every endpoint over HTTP, 4xx errors naming the field, SIGTERM exit 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.bus import Bus
+from services.common.config import CONFIG_DIR, REPO_ROOT, EngineConfig, RunConfig, load_config
+from services.common.schemas import WeightsInfo
+from trainer.model import build_model, save_weights_dir
+
+
+@dataclass
+class Decode:
+    url: str
+    bus: Bus
+    proc: subprocess.Popen[bytes]
+    weights: list[Path]
+    log: Path
+    health_before_weights: dict[str, object]
+
+
+def wait_for(check, timeout_s: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def decode(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Decode]:
+    tmp = tmp_path_factory.mktemp("decode")
+    m = load_config(CONFIG_DIR / "debug.toml").model
+    weights = []
+    for v in (0, 1):
+        state = build_model(m, seed=v).state_dict()
+        state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions (see test_engine)
+        weights.append(save_weights_dir(m, state, tmp / f"step_{v}", {"version": v}))
+    cfg = RunConfig(model=m)
+    cfg.redis.prefix = f"test-decode-{uuid.uuid4().hex[:8]}"
+    cfg.redis.heartbeat_s = 0.2
+    cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64)
+    cfg.run.name = "relay-test"
+    (tmp / "config.json").write_text(cfg.dump())
+    bus = Bus(redis_url, cfg.redis.prefix)
+    log = tmp / "decode.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.decode",
+                "--config",
+                str(tmp / "config.json"),
+                "--redis-url",
+                redis_url,
+            ],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        info = wait_for(lambda: bus.services("decode"), what=f"decode registration (log: {log})")[0]
+        health = httpx.get(f"{info.url}/health").json()
+        bus.publish_weights(WeightsInfo(version=0, path=str(weights[0])))
+        wait_for(lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok", what="weights loaded")
+        yield Decode(info.url, bus, proc, weights, log, health)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def post(d: Decode, path: str, body: object) -> httpx.Response:
+    return httpx.post(f"{d.url}{path}", json=body, timeout=30)
+
+
+def test_waits_for_weights_then_serves(decode: Decode) -> None:
+    assert decode.health_before_weights["status"] == "loading"
+    assert decode.health_before_weights["version"] == -1
+    health = httpx.get(f"{decode.url}/health").json()
+    assert health["version"] == 0 and health["paused"] is False
+    assert {"queue", "running", "idle_s"} <= set(health)
+    wait_for(lambda: decode.bus.services("decode")[0].version == 0, what="registry version 0")
+    assert "waiting for weights" in decode.log.read_text()
+
+
+def test_generate(decode: Decode) -> None:
+    body = {"input_ids": [5, 6, 7], "sampling": {"max_tokens": 5, "n": 2, "seed": 3, "ignore_eos": True}}
+    r = post(decode, "/v1/generate", {**body, "request_id": "abc"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["request_id"] == "abc" and out["prompt_tokens"] == 3 and len(out["choices"]) == 2
+    for ch in out["choices"]:
+        assert len(ch["output_ids"]) == len(ch["logprobs"]) == 5 and ch["versions"] == [0] * 5
+        assert ch["finish_reason"] == "length" and all(lp <= 0 for lp in ch["logprobs"])
+    assert post(decode, "/v1/generate", body).json()["choices"] == out["choices"]  # seeded
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"sampling": {"max_tokens": 3}}, 422, "input_ids"),
+        ({"input_ids": []}, 422, "input_ids"),
+        ({"input_ids": ["x"]}, 422, "input_ids.0"),
+        ({"input_ids": [3], "sampling": {"temperature": -1}}, 422, "sampling.temperature"),
+        ({"input_ids": [3], "sampling": {"temprature": 1}}, 422, "sampling.temprature"),
+        ({"input_ids": [3, 64]}, 400, "input_ids: token id 64"),
+        ({"input_ids": [3] * 64}, 400, "input_ids: prompt has 64 tokens"),
+    ],
+)
+def test_generate_rejects_bad_bodies_naming_field(
+    decode: Decode, body: object, status: int, field: str
+) -> None:
+    r = post(decode, "/v1/generate", body)
+    assert r.status_code == status, r.text
+    assert field in r.json()["detail"]
+
+
+def test_completions(decode: Decode) -> None:
+    body = {
+        "model": "x",
+        "prompt": "abc",
+        "max_tokens": 6,
+        "n": 2,
+        "seed": 1,
+        "logprobs": 1,
+        "temperature": 1.0,
+    }
+    r = post(decode, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert (
+        out["object"] == "text_completion" and out["model"] == "relay-test" and out["id"].startswith("cmpl-")
+    )
+    assert out["usage"]["prompt_tokens"] == 3
+    assert out["usage"]["total_tokens"] == 3 + out["usage"]["completion_tokens"]
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for c in out["choices"]:
+        lp = c["logprobs"]
+        assert "".join(lp["tokens"]) == c["text"] and len(lp["token_logprobs"]) == len(lp["text_offset"])
+        assert c["finish_reason"] in ("stop", "length")
+
+    # a stop string cuts the text (greedy, so the text without it is known)
+    greedy = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+    full = post(decode, "/v1/completions", greedy).json()["choices"][0]["text"]
+    if len(full) >= 3:
+        stopped = post(decode, "/v1/completions", {**greedy, "stop": [full[2:4]]}).json()["choices"][0]
+        assert stopped["text"] == full[: full.find(full[2:4])] and stopped["finish_reason"] == "stop"
+
+    for bad, field in [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [3, 99]}, "prompt: token id 99"),
+        ({}, "prompt"),
+    ]:
+        r = post(decode, "/v1/completions", bad)
+        assert r.status_code in (400, 422) and field in r.json()["detail"], r.text
+
+
+def test_models(decode: Decode) -> None:
+    data = httpx.get(f"{decode.url}/v1/models").json()["data"]
+    assert data[0]["id"] == "relay-test" and data[0]["object"] == "model" and data[0]["max_model_len"] == 64
+
+
+def test_update_weights(decode: Decode) -> None:
+    missing = str(decode.weights[0].parent / "step_9")
+    r = post(decode, "/update_weights", {"path": missing, "version": 9})
+    assert r.status_code == 400 and missing in r.json()["detail"]
+    r = post(decode, "/update_weights", {"path": str(decode.weights[0])})
+    assert r.status_code == 422 and "version" in r.json()["detail"]
+
+    r = post(decode, "/update_weights", {"path": str(decode.weights[1]), "version": 1})
+    assert r.status_code == 200 and r.json()["version"] == 1
+    assert httpx.get(f"{decode.url}/health").json()["version"] == 1
+    out = post(decode, "/v1/generate", {"input_ids": [5], "sampling": {"max_tokens": 3, "ignore_eos": True}})
+    assert out.json()["choices"][0]["versions"] == [1, 1, 1]
+    wait_for(lambda: decode.bus.services("decode")[0].version == 1, what="registry version 1")
+
+
+def test_pause_resume(decode: Decode) -> None:
+    assert post(decode, "/pause", {}).json()["paused"] is True
+    result: dict[str, httpx.Response] = {}
+    body = {"input_ids": [5, 6], "sampling": {"max_tokens": 3}}
+    t = threading.Thread(target=lambda: result.setdefault("r", post(decode, "/v1/generate", body)))
+    t.start()
+    time.sleep(0.5)
+    health = httpx.get(f"{decode.url}/health").json()
+    assert health["paused"] is True and health["queue"] == 1 and "r" not in result
+    assert post(decode, "/resume", {}).json()["paused"] is False
+    t.join(10)
+    assert result["r"].status_code == 200
+
+
+def test_metrics(decode: Decode) -> None:
+    text = httpx.get(f"{decode.url}/metrics").text
+    for name in (
+        "relay_decode_requests_total",
+        "relay_decode_generated_tokens_total",
+        "relay_decode_batch_size_bucket",
+        "relay_decode_idle_seconds_total",
+        "relay_decode_weight_version 1.0",
+    ):
+        assert name in text, name
+
+
+def test_sigterm_exits_cleanly(decode: Decode) -> None:
+    decode.proc.send_signal(signal.SIGTERM)
+    assert decode.proc.wait(20) == 0
+    assert decode.bus.services("decode") == []
+    assert "engine stopped" in decode.log.read_text()
