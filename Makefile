@@ -6,8 +6,13 @@ STAMP := $(VENV)/.installed
 MODEL ?= debug
 ARGS ?=
 SERVICE ?=
+# DRY_RUN=1: print the plan (and, for Slurm runs, the het-job script) without starting anything.
+DRY_RUN ?=
+# RUN=<run dir>: which run status/stop/restart/logs act on (default runs/latest).
+RUN ?=
+RUN_ENV := $(if $(RUN),RELAY_RUN_DIR=$(RUN))
 
-.PHONY: install launch stop status test test-fast lint format clean
+.PHONY: install launch stop status restart logs cluster cluster-stop test test-fast lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,13 +26,28 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 launch: $(STAMP)
-	$(PY) -m sbatch.launch run $(MODEL) $(ARGS)
+	$(PY) -m sbatch.launch run $(MODEL) $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 stop: $(STAMP)
-	$(PY) -m sbatch.launch stop
+	$(RUN_ENV) $(PY) -m sbatch.launch stop
 
 status: $(STAMP)
-	$(PY) -m sbatch.launch status
+	$(RUN_ENV) $(PY) -m sbatch.launch status
+
+# make restart SERVICE=decode (every replica) | decode.1 | orchestrator | trainer
+restart: $(STAMP)
+	$(RUN_ENV) $(PY) -m sbatch.launch restart $(SERVICE)
+
+# make logs SERVICE=decode.0 (SERVICE=slurm: the job's per-task logs; no SERVICE: list them)
+logs: $(STAMP)
+	$(RUN_ENV) $(PY) -m sbatch.launch logs $(SERVICE)
+
+# A single-host Slurm cluster for tests and trying the Slurm launcher (sbatch/cluster.sh).
+cluster:
+	bash sbatch/cluster.sh start
+
+cluster-stop:
+	bash sbatch/cluster.sh stop
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra

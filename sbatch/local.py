@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from trainer.launch import trainer_command
 
 from sbatch.summary import StepLine, summarize
+from sbatch.supervisor import RestartPolicy, supervisor_argv
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, RunConfig
 from services.common.redis_server import RedisServer
+from trainer.launch import trainer_command
 
 RUNS_DIR = REPO_ROOT / "runs"
 
@@ -57,6 +58,23 @@ def make_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def read_metrics_after(path: Path, seen: int) -> list[dict[str, Any]]:
+    """Records of metrics.jsonl after its first `seen` lines. Re-read whole and counted in lines:
+    a restarted orchestrator rewrites the file (lines may change length), so a byte offset kept
+    across that would land mid-line. A line still being written ends the read."""
+    try:
+        lines = path.read_text().split("\n")[:-1]  # the last element is "" or a partial line
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in lines[seen:]:
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
 def service_argv(module: str, config_path: Path, redis_url: str, index: int = 0) -> list[str]:
     return [
         sys.executable,
@@ -69,6 +87,20 @@ def service_argv(module: str, config_path: Path, redis_url: str, index: int = 0)
         "--index",
         str(index),
     ]
+
+
+def process_plan(cfg: RunConfig, run_dir: Path, config_path: Path, url: str) -> list[Proc]:
+    plan = [
+        Proc(f"sandbox.{i}", service_argv("services.sandbox", config_path, url, i))
+        for i in range(cfg.sandbox.replicas)
+    ]
+    plan += [
+        Proc(f"decode.{i}", service_argv("services.decode", config_path, url, i))
+        for i in range(cfg.decode.replicas)
+    ]
+    plan.append(Proc("trainer", trainer_command(cfg, run_dir, url)))
+    plan.append(Proc("orchestrator", service_argv("services.orchestrator", config_path, url)))
+    return plan
 
 
 class LocalRun:
@@ -94,26 +126,29 @@ class LocalRun:
     # ------------------------------------------------------------ processes
 
     def _plan(self) -> list[Proc]:
-        url = self.cfg.redis.url
-        plan = [
-            Proc(f"sandbox.{i}", service_argv("services.sandbox", self.config_path, url, i))
-            for i in range(self.cfg.sandbox.replicas)
-        ]
-        plan += [
-            Proc(f"decode.{i}", service_argv("services.decode", self.config_path, url, i))
-            for i in range(self.cfg.decode.replicas)
-        ]
-        plan.append(Proc("trainer", trainer_command(self.cfg, self.run_dir, url)))
-        plan.append(Proc("orchestrator", service_argv("services.orchestrator", self.config_path, url)))
-        return plan
+        return process_plan(self.cfg, self.run_dir, self.config_path, self.cfg.redis.url)
+
+    @staticmethod
+    def describe(cfg: RunConfig) -> list[tuple[str, list[str]]]:
+        """The process plan with placeholder paths (dry run): what start() would run, unsupervised."""
+        run_dir = RUNS_DIR / f"{cfg.run.name}-<stamp>"
+        url = cfg.redis.url or "redis://127.0.0.1:<port>/0"
+        return [(p.name, p.argv) for p in process_plan(cfg, run_dir, run_dir / "config.json", url)]
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "REDIS_URL": self.cfg.redis.url}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        sp = self.cfg.slurm.supervisor
+        policy = RestartPolicy(
+            sp.max_restarts, sp.backoff_s, sp.backoff_max_s, sp.reset_after_s, sp.stop_timeout_s
+        )
         for p in self._plan():
             log = open(self.run_dir / "logs" / f"{p.name}.log", "ab")  # noqa: SIM115 - owned by the child
+            # Each service runs under a supervisor (restarts on failure, `make restart`); the pid
+            # below is the supervisor's, and it exits only when the service is done or given up.
+            argv = supervisor_argv(p.name, p.argv, policy, self.cfg.redis.url, self.cfg.redis.prefix)
             p.popen = subprocess.Popen(
-                p.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True
             )
             log.close()
             self.procs.append(p)
@@ -145,17 +180,16 @@ class LocalRun:
     # ------------------------------------------------------------ monitoring
 
     def _metrics(self) -> Iterator[dict[str, Any] | None]:
+        # Counted in lines, not bytes: a restarted orchestrator (`make restart`) rewrites the file.
         path = self.run_dir / "metrics.jsonl"
-        pos = 0
+        seen, size = 0, -1
         while True:
-            if path.exists():
-                with path.open() as f:
-                    f.seek(pos)
-                    while line := f.readline():
-                        if not line.endswith("\n"):
-                            break
-                        pos = f.tell()
-                        yield json.loads(line)
+            now = path.stat().st_size if path.exists() else -1
+            if now != size:
+                size = now
+                for rec in read_metrics_after(path, seen):
+                    seen += 1
+                    yield rec
             yield None
 
     def _targets_met(self, history: list[dict[str, Any]]) -> bool:
@@ -174,23 +208,28 @@ class LocalRun:
         history: list[dict[str, Any]] = []
         line = StepLine(self.cfg)
         self.console.print(line.header())
-        for rec in self._metrics():
+        feed = self._metrics()
+        for rec in feed:
             if rec is not None:
                 history.append(rec)
                 self.console.print(line.format(rec))
                 if self.cfg.run.stop_on_targets and self._targets_met(history):
                     self.console.print("[green]all task targets met: stopping the trainer[/]")
-                    self.bus.r.set(f"{self.bus.k.prefix}:control:stop", "targets met")
+                    self.bus.r.set(self.bus.k.control_stop, "targets met")
                 continue
             trainer = next(p for p in self.procs if p.name == "trainer")
             if not trainer.alive:
-                # drain the last lines the orchestrator may still be writing
-                time.sleep(1.0)
-                for rec2 in self._metrics():
-                    if rec2 is None:
+                # The orchestrator may still be writing the last steps' lines: drain them.
+                last_step = int(self.bus.r.hget(self.bus.k.trainer_state, "step") or 0)
+                drain_until = time.monotonic() + 10.0
+                for rec2 in feed:
+                    if rec2 is not None:
+                        history.append(rec2)
+                        self.console.print(line.format(rec2))
+                    elif (history and history[-1]["step"] >= last_step) or time.monotonic() > drain_until:
                         break
-                    history.append(rec2)
-                    self.console.print(line.format(rec2))
+                    else:
+                        time.sleep(0.1)
                 code = trainer.popen.returncode if trainer.popen else 1
                 if code != 0:
                     self.console.print(

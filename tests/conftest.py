@@ -37,3 +37,31 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     m = load_config("debug").model
     dest = tmp_path_factory.mktemp("model") / "step_0"
     return save_weights_dir(m, build_model(m, seed=0).state_dict(), dest, {"version": 0})
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[str]:
+    """A real single-host Slurm cluster (sbatch/cluster.sh: installs slurm-wlm + munge with apt when
+    missing, starts munged, slurmctld and virtual nodes; reuses a running one). Yields SLURM_CONF,
+    which is also exported for the session. Skips only when Slurm is absent and apt-get is too.
+    The cluster is left running: it is shared (other sessions may use it); `sbatch/cluster.sh stop`."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "sbatch" / "cluster.sh"
+    proc = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 3:
+        pytest.skip(f"no Slurm here and no apt-get to install it: {proc.stderr.strip()}")
+    assert proc.returncode == 0, f"sbatch/cluster.sh start failed:\n{proc.stdout}\n{proc.stderr}"
+    conf = subprocess.run(["bash", str(script), "env"], capture_output=True, text=True, check=True)
+    path = conf.stdout.strip().split("=", 1)[1]
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old

@@ -31,6 +31,15 @@ class MicroBatch:
     advantages: torch.Tensor  # [B] float32, one per sample
     n_tokens: int  # real (non-pad) tokens in the micro-batch
 
+    def to(self, device: torch.device) -> MicroBatch:
+        if device.type == "cpu":
+            return self
+        t = {
+            k: getattr(self, k).to(device, non_blocking=True)
+            for k in ("tokens", "loss_mask", "logp_infer", "advantages")
+        }
+        return MicroBatch(**t, n_tokens=self.n_tokens)
+
     @property
     def inputs(self) -> torch.Tensor:
         return self.tokens[:, :-1]

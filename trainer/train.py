@@ -69,10 +69,19 @@ DIST_TIMEOUT = timedelta(hours=24)
 class Dist:
     """The process group, or a stand-in of world size 1 when not launched by torchrun."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.enabled = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
         if self.enabled and not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=DIST_TIMEOUT)
+            backend = "nccl" if use_cuda else "gloo"
+            dist.init_process_group(
+                backend, timeout=DIST_TIMEOUT, device_id=self.device if use_cuda else None
+            )
         self.rank = dist.get_rank() if self.enabled else 0
         self.world = dist.get_world_size() if self.enabled else 1
 
@@ -88,8 +97,11 @@ class Dist:
         return box[0]
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce a small CPU tensor (through the device when the backend needs it)."""
         if self.enabled:
-            dist.all_reduce(t, op=op)
+            dev = t.to(self.device)
+            dist.all_reduce(dev, op=op)
+            t = dev.cpu()
         return t
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -201,7 +213,7 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.d = d or Dist()
+        self.d = d or Dist(cfg.trainer.device)
         self.log = log or logging.getLogger("trainer")
         self.bus = Bus(redis_url, cfg.redis.prefix) if self.d.is_main else None
         self.stop_requested = threading.Event()
@@ -229,7 +241,7 @@ class Trainer:
             model.load_state_dict(sd)
             self.version = 0
         # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
-        self.model = shard_model(model, self.d)
+        self.model = shard_model(model.to(self.d.device), self.d)
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
         )
@@ -405,7 +417,7 @@ class Trainer:
         n_tokens = 0
         for i in range(n_mb):
             if i < len(mbs):
-                mb = mbs[i]
+                mb = mbs[i].to(self.d.device)
                 logp, ent = token_logprobs(self.model, mb.tokens)
                 loss, st = ratio_loss(
                     logp,
@@ -423,7 +435,7 @@ class Trainer:
             else:
                 # This rank has fewer micro-batches than another: FSDP2 needs every rank in
                 # every forward/backward (all-gather, reduce-scatter), so run a zero-weight one.
-                out = self.model(torch.zeros((1, 1), dtype=torch.long))
+                out = self.model(torch.zeros((1, 1), dtype=torch.long, device=self.d.device))
                 (out.sum() * 0.0).backward()
         grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip))
         self.opt.step()
@@ -535,7 +547,7 @@ def _install_signals(trainer: Trainer) -> Callable[[], None]:
 
 
 def run(cfg: RunConfig, run_dir: str | Path, redis_url: str, log: logging.Logger | None = None) -> int:
-    d = Dist()
+    d = Dist(cfg.trainer.device)
     trainer = Trainer(cfg, Path(run_dir), redis_url, d, log)
     restore = _install_signals(trainer)
     try:

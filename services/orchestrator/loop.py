@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import redis
 
 from services.common.bus import Bus
@@ -42,19 +42,17 @@ log = logging.getLogger("orchestrator")
 
 
 class Orchestrator:
+    decode: DecodeClient  # set in run(): they need the aiohttp session of the running loop
+    sandbox: SandboxClient
+
     def __init__(self, cfg: RunConfig, bus: Bus, run_dir: Path):
         self.cfg = cfg
         self.o = cfg.orchestrator
         self.bus = bus
         self.run_dir = run_dir
         self.k = bus.k
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.o.request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        self._http: aiohttp.ClientSession | None = None
         self.registry = Registry(bus, quarantine_s=cfg.redis.ttl_s)
-        self.decode = DecodeClient(self.http, Router(self.registry, "decode"))
-        self.sandbox = SandboxClient(self.http, Router(self.registry, "sandbox"))
         self.version = -1  # the version every live decode has been asked to serve
         self.paused = False
         self.stopping = False
@@ -189,7 +187,7 @@ class Orchestrator:
                     group = await self.runner.run(spec)
                     await asyncio.to_thread(self._commit_group, group)
                     return
-                except (ServiceUnavailable, httpx.HTTPError) as e:
+                except ServiceUnavailable as e:
                     log_event(log, "group retry", group=spec.group_id, attempt=attempt, error=str(e))
                     await asyncio.sleep(0.5 * 2**attempt)
                 except ValueError as e:
@@ -314,6 +312,13 @@ class Orchestrator:
     # ------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
+        # The session must be created inside the running loop.
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.o.request_timeout_s, connect=5.0),
+            connector=aiohttp.TCPConnector(limit=256),
+        )
+        self.decode = DecodeClient(self._http, Router(self.registry, "decode"))
+        self.sandbox = SandboxClient(self._http, Router(self.registry, "sandbox"))
         info = await self._wait_initial_weights()
         tok = load_tokenizer(info.path)
         self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eos_id(tok))
@@ -330,4 +335,5 @@ class Orchestrator:
         for t in list(self.inflight.values()):
             t.cancel()
         await asyncio.gather(*self.inflight.values(), return_exceptions=True)
-        await self.http.aclose()
+        if self._http is not None:
+            await self._http.close()

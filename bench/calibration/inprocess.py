@@ -1,0 +1,126 @@
+"""The same model, engine, environments and loss as a relay run, but in ONE process with no
+HTTP, Redis or staleness: the baseline the distributed pipeline's learning speed is compared to.
+
+    python bench/calibration/inprocess.py --env reverse --steps 150 --out bench/calibration/inprocess-reverse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from services.common.config import EngineConfig, load_config
+from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams
+from services.common.tokenizer import eos_id, load_tokenizer
+from services.engine import LLMEngine
+from services.sandbox.envs import get_env_class
+from trainer.batch import flatten, loss_token_count, micro_batches
+from trainer.loss import ratio_loss, token_logprobs
+from trainer.model import build_model, save_weights_dir
+
+
+def episode(env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, max_tokens: int) -> RolloutGroup:
+    envs = [get_env_class(env_name)() for _ in range(g)]
+    prompt = [e.reset(seed) for e in envs][0]
+    ids = tok.encode(prompt).ids
+    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=g, seed=seed)
+    (resp,) = engine.generate([GenerateRequest(input_ids=ids, sampling=sp)])
+    trajs = [(list(ids), [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)) for _ in range(g)]
+    active = list(range(g))
+    choices = {i: resp.choices[i] for i in range(g)}
+    rewards = [0.0] * g
+    while active:
+        nxt = []
+        for i in active:
+            c = choices[i]
+            t = trajs[i]
+            t[0].extend(c.output_ids), t[1].extend([1] * len(c.output_ids))
+            t[2].extend(c.logprobs), t[3].extend(c.versions)
+            ended = bool(c.output_ids) and c.output_ids[-1] == eos
+            obs, done = envs[i].step(tok.decode(c.output_ids[:-1] if ended else c.output_ids), ended)
+            if done:
+                r = envs[i].score()
+                rewards[i] = r[0] if isinstance(r, tuple) else r
+                continue
+            o = tok.encode(obs).ids
+            t[0].extend(o), t[1].extend([0] * len(o)), t[2].extend([0.0] * len(o)), t[3].extend([-1] * len(o))
+            nxt.append(i)
+        if nxt:
+            reqs = [GenerateRequest(input_ids=trajs[i][0], sampling=sp.model_copy(update={"n": 1, "seed": None})) for i in nxt]
+            for i, r in zip(nxt, engine.generate(reqs), strict=True):
+                choices[i] = r.choices[0]
+        active = nxt
+    mean = sum(rewards) / g
+    samples = [
+        Sample(rollout_id=f"{seed}.{i}", tokens=t[0], loss_mask=t[1], logprobs=t[2], versions=t[3], reward=r, advantage=r - mean)
+        for i, (t, r) in enumerate(zip(trajs, rewards, strict=True))
+    ]
+    return RolloutGroup(group_id=str(seed), env=env_name, seed=seed, samples=samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--env", action="append", required=True)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--set", action="append", default=[], help="config override, e.g. --set=--trainer.lr=5e-4")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = load_config("debug", args.set)
+    tc, o = cfg.trainer, cfg.orchestrator
+    model = build_model(cfg.model, seed=cfg.run.seed, init_std=tc.init_std)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+    tmp = Path(tempfile.mkdtemp())
+    rng = random.Random(0)
+    hist = []
+    t_start = time.time()
+    for step in range(1, args.steps + 1):
+        d = save_weights_dir(cfg.model, model.state_dict(), tmp / f"step_{step}", {"version": step - 1})
+        engine = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=512, max_seq_len=256, torch_threads=2))
+        tok = load_tokenizer(d)
+        groups = [
+            episode(args.env[i % len(args.env)], rng.randrange(1 << 31), engine, tok, eos_id(tok), o.group_size, o.sampling.max_tokens)
+            for i in range(args.prompts)
+        ]
+        samples = flatten(groups)
+        n = loss_token_count(samples)
+        opt.zero_grad()
+        ent_sum = 0.0
+        for mb in micro_batches(samples, tc.micro_batch_tokens):
+            logp, ent = token_logprobs(model, mb.tokens)
+            loss, st = ratio_loss(logp, mb.logp_infer, mb.advantages, mb.loss_mask, ratio_low=tc.ratio_low,
+                                  ratio_high=tc.ratio_high, total_loss_tokens=n, entropy=ent)
+            loss.backward()
+            ent_sum += st.entropy_sum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        by_env = {}
+        for g in groups:
+            by_env.setdefault(g.env, []).append(g.mean_reward)
+        rec = {"step": step, "reward_by_env": {k: sum(v) / len(v) for k, v in by_env.items()}, "entropy": ent_sum / n}
+        hist.append(rec)
+        print(json.dumps(rec), flush=True)
+    out = {
+        "command": " ".join(sys.argv),
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": f"configs/debug.toml trainer + sampling settings, overrides {args.set}",
+        "wall_s": time.time() - t_start,
+        "history": hist,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
