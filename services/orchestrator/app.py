@@ -65,7 +65,13 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
         if raw is None:
             raise HTTPException(404, f"rollout_id: no finished rollout {rollout_id!r}")
         group = RolloutGroup.model_validate_json(raw)
-        tok = orch.runner.tok if orch.runner else load_tokenizer(Path(orch.run_dir) / "weights" / "step_0")
+        if orch.runner is not None:
+            tok = orch.runner.tok
+        else:  # not running yet (waiting for the first weights): the tokenizer ships with them
+            latest = await asyncio.to_thread(orch.bus.latest_weights)
+            if latest is None:
+                raise HTTPException(503, "no weights published yet: the tokenizer is not known")
+            tok = await asyncio.to_thread(load_tokenizer, latest.path)
         samples = group.samples
         if idx:
             if not idx.isdigit() or int(idx) >= len(samples):

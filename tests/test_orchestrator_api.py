@@ -1,0 +1,96 @@
+"""The orchestrator's control API over real HTTP (a real Redis, the orchestrator as a subprocess):
+status, pause/resume, metrics history, transcripts, and 4xx errors that name the bad field."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.bus import Bus
+from services.common.config import RedisSection, RunConfig
+from services.common.schemas import RolloutGroup, Sample
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def orchestrator(tmp_path: Path, redis_server: str) -> Iterator[tuple[str, Bus, subprocess.Popen[bytes]]]:
+    prefix = f"test-orch-{uuid.uuid4().hex[:8]}"
+    cfg = RunConfig(redis=RedisSection(url=redis_server, prefix=prefix))
+    (tmp_path / "config.json").write_text(cfg.dump())
+    bus = Bus(redis_server, prefix)
+    with open(tmp_path / "orchestrator.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.orchestrator", "--config", str(tmp_path / "config.json")],
+            cwd=REPO,
+            env={**os.environ, "REDIS_URL": redis_server},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while not bus.services("orchestrator"):
+        assert proc.poll() is None, (tmp_path / "orchestrator.log").read_text()
+        assert time.monotonic() < deadline, "orchestrator never registered"
+        time.sleep(0.1)
+    try:
+        yield bus.services("orchestrator")[0].url, bus, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(20)
+
+
+def test_status_pause_resume_and_errors(orchestrator: tuple[str, Bus, subprocess.Popen[bytes]]) -> None:
+    url, bus, proc = orchestrator
+    status = httpx.get(f"{url}/v1/status").json()
+    for key in ("step", "policy_version", "inflight_groups", "queue_depth", "last_reward", "services"):
+        assert key in status
+    assert any(s["kind"] == "orchestrator" for s in status["services"])
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert "relay_orchestrator_inflight_groups" in httpx.get(f"{url}/metrics").text
+    assert httpx.get(f"{url}/docs").status_code == 200
+
+    assert httpx.post(f"{url}/v1/pause").json() == {"paused": True}
+    assert httpx.get(f"{url}/v1/status").json()["paused"] is True
+    assert httpx.post(f"{url}/v1/resume").json() == {"paused": False}
+
+    r = httpx.get(f"{url}/v1/metrics", params={"last": -1})
+    assert r.status_code == 422 and "last" in r.json()["detail"]
+    r = httpx.get(f"{url}/v1/rollouts/nope")
+    assert r.status_code == 404 and "rollout_id" in r.json()["detail"]
+    assert httpx.get(f"{url}/v1/metrics").json() == []
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    assert not bus.services("orchestrator"), "deregistered on shutdown"
+
+
+def test_rollout_transcript_masks(
+    orchestrator: tuple[str, Bus, subprocess.Popen[bytes]], model_dir: Path
+) -> None:
+    url, bus, _ = orchestrator
+    from services.common.schemas import WeightsInfo
+
+    bus.publish_weights(WeightsInfo(version=0, path=str(model_dir)))  # gives the orchestrator its tokenizer
+    sample = Sample(
+        rollout_id="g1.0", tokens=[3, 4, 5, 1, 6, 7, 8, 1], loss_mask=[0, 0, 1, 1, 0, 0, 1, 1],
+        logprobs=[0, 0, -1.0, -0.5, 0, 0, -0.2, -0.1], versions=[-1, -1, 0, 0, -1, -1, 1, 1], reward=1.0,
+    )  # fmt: skip
+    group = RolloutGroup(group_id="g1", env="echo-turns", seed=3, samples=[sample])
+    bus.r.set(f"{bus.k.prefix}:rollout:g1", group.model_dump_json())
+    body = httpx.get(f"{url}/v1/rollouts/g1.0").json()
+    (s,) = body["samples"]
+    assert [seg["role"] for seg in s["segments"]] == ["prompt", "model", "env", "model"]
+    assert [seg["trained"] for seg in s["segments"]] == [False, True, False, True]
+    assert s["segments"][1]["text"] == "c<eos>" and s["segments"][3]["versions"] == [1, 1]
+    assert s["min_version"] == 0
+    assert httpx.get(f"{url}/v1/rollouts/g1.7").status_code == 404
