@@ -18,7 +18,7 @@ from services.sandbox.envs import (
     register_env,
 )
 
-BUILTINS = ["echo", "echo-turns", "guess", "reverse"]
+BUILTINS = ["echo", "echo-turns", "guess", "reverse", "reverse-turns"]
 MALFORMED = [
     "",
     "  ",
@@ -56,7 +56,9 @@ def play(name: str, seed: int, policy, max_turns: int | None = None) -> tuple[fl
 
 
 def reverse_solver(context: str) -> tuple[str, bool]:
-    return context[len("rev ") : len("rev ") + 3][::-1], True
+    """Reverse the latest 'rev xyz:' in the context (works for reverse and reverse-turns)."""
+    word = context[context.rindex("rev ") + 4 :][:3]
+    return word[::-1], True
 
 
 def echo_solver(context: str) -> tuple[str, bool]:
@@ -85,6 +87,21 @@ def test_correct_answers_score_one(seed: int) -> None:
     assert play("reverse", seed, reverse_solver)[0] == 1.0
     assert play("echo", seed, echo_solver)[0] == 1.0
     assert play("echo-turns", seed, echo_solver)[0] == 1.0
+    assert play("reverse-turns", seed, reverse_solver)[0] == 1.0
+
+
+def test_reverse_turns_scores_each_turn() -> None:
+    env = make_env("reverse-turns")
+    prompt = env.reset(3)
+    first = prompt[4:7][::-1]
+    obs, done = env.step(first, True)
+    assert not done and obs.startswith("\nrev ") and obs.endswith(":")
+    obs2, done = env.step("zzz", True)  # wrong letters, right length + EOS: 1 of 4 positions
+    assert not done
+    _, done = env.step(obs2[5:8][::-1], True)
+    assert done
+    reward, info = normalize_score("reverse-turns", env.score())
+    assert reward == pytest.approx((1.0 + 0.25 + 1.0) / 3) and info["exact_turns"] == 2
 
 
 def test_reverse_formats() -> None:
@@ -228,7 +245,13 @@ def random_policy(rng: random.Random, max_tokens: int = 6):  # noqa: ANN201
 # tokens; a real random-init model is less uniform, infra-facts measured ~0.02 for echo and reverse).
 @pytest.mark.parametrize(
     ("name", "lo", "hi"),
-    [("echo", 0.003, 0.04), ("reverse", 0.005, 0.04), ("echo-turns", 0.003, 0.04), ("guess", 0.005, 0.1)],
+    [
+        ("echo", 0.003, 0.04),
+        ("reverse", 0.005, 0.04),
+        ("echo-turns", 0.003, 0.04),
+        ("reverse-turns", 0.005, 0.04),
+        ("guess", 0.005, 0.1),
+    ],
 )
 def test_random_policy_reward_is_a_few_percent(name: str, lo: float, hi: float) -> None:
     rng = random.Random(0)

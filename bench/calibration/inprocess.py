@@ -22,7 +22,7 @@ from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams
 from services.common.tokenizer import eos_id, load_tokenizer
 from services.engine import LLMEngine
-from services.sandbox.envs import get_env_class
+from services.sandbox.envs import get_env_class, load_plugins
 from trainer.batch import flatten, loss_token_count, micro_batches
 from trainer.loss import ratio_loss, token_logprobs
 from trainer.model import build_model, save_weights_dir
@@ -73,9 +73,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--out", default="")
+    ap.add_argument("--plugin", action="append", default=[], help="module registering extra envs")
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. --set=--trainer.lr=5e-4")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    load_plugins(args.plugin)
     cfg = load_config("debug", args.set)
     tc, o = cfg.trainer, cfg.orchestrator
     model = build_model(cfg.model, seed=cfg.run.seed, init_std=tc.init_std)

@@ -35,3 +35,32 @@ class Reverse(Environment):
             return 0.0, {"answered": False, "exact": False}
         reward = positional_score(self.answer, self.target, self.eos)
         return reward, {"answered": True, "exact": reward == 1.0}
+
+
+@register_env("reverse-turns")
+class ReverseTurns(Environment):
+    description = (
+        "3 turns of reverse: 'rev bca:' -> 'acb' EOS, then observation '\\nrev dea:' -> 'aed' EOS, ...; "
+        "reward = mean over the 3 turns of share of 4 positions right"
+    )
+    max_turns = 3
+
+    def reset(self, seed: int) -> str:
+        rng = random.Random(seed)
+        self.words = ["".join(rng.choice(LETTERS) for _ in range(LENGTH)) for _ in range(self.max_turns)]
+        self.turn_scores: list[float] = []
+        return f"rev {self.words[0]}:"
+
+    def step(self, action: str, eos: bool = True) -> tuple[str, bool]:
+        turn = len(self.turn_scores)
+        if turn >= self.max_turns:  # the sandbox refuses this with 409; stay safe if called directly
+            return "", True
+        self.turn_scores.append(positional_score(action, self.words[turn][::-1], eos))
+        if turn + 1 == self.max_turns:
+            return "", True
+        return f"\nrev {self.words[turn + 1]}:", False
+
+    def score(self) -> tuple[float, Info]:
+        # Turns never taken (episode cut short) count as 0, so stopping early never pays.
+        exact = sum(1 for s in self.turn_scores if s == 1.0)
+        return sum(self.turn_scores) / self.max_turns, {"turns": len(self.turn_scores), "exact_turns": exact}
