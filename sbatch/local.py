@@ -50,11 +50,13 @@ def make_run_dir(cfg: RunConfig) -> Path:
         run_dir = RUNS_DIR / f"{cfg.run.name}-{stamp}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    latest = RUNS_DIR / "latest"
-    RUNS_DIR.mkdir(exist_ok=True)
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(run_dir)
+    # runs/latest follows runs made under runs/ only: a run placed elsewhere (tests, --run.dir)
+    # must not take `make status/stop` away from the user's own run.
+    if run_dir.parent == RUNS_DIR:
+        latest = RUNS_DIR / "latest"
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.symlink_to(run_dir)
     return run_dir
 
 

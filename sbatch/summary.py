@@ -17,14 +17,15 @@ from services.common.schemas import RolloutGroup
 class StepLine:
     def __init__(self, cfg: RunConfig):
         self.envs = [t.env for t in cfg.orchestrator.tasks]
+        self.w = max([10, *(len(e) for e in self.envs)])
 
     def header(self) -> str:
-        envs = " ".join(f"{e:>10.10}" for e in self.envs)
+        envs = " ".join(f"{e:>{self.w}}" for e in self.envs)
         return f"{'step':>5} {'reward':>6} {envs} {'stale':>5} {'tok/s':>7} {'wait_s':>6} {'idle_s':>6} {'entropy':>7}"
 
     def format(self, r: dict[str, Any]) -> str:
         by_env = r.get("reward_by_env", {})
-        envs = " ".join(f"{by_env[e]:>10.3f}" if e in by_env else f"{'-':>10}" for e in self.envs)
+        envs = " ".join(f"{by_env[e]:>{self.w}.3f}" if e in by_env else f"{'-':>{self.w}}" for e in self.envs)
         return (
             f"{r['step']:>5} {r['reward']:>6.3f} {envs} {r['staleness_mean']:>5.2f} {r['tokens_per_s']:>7.0f} "
             f"{r['wait_data_s']:>6.2f} {r.get('decode_idle_s', 0.0):>6.1f} {r['entropy']:>7.3f}"

@@ -21,21 +21,29 @@ pytestmark = pytest.mark.slow
 def test_debug_run_learns_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as redis:
-        steps = 60
+        # configs/debug.toml (reverse + reverse-turns, lr 7e-4) crosses 0.5 at ~140 steps
+        # (bench/calibration/README.md); 170 leaves margin for seed-to-seed spread.
+        steps = 170
         cmd = [
             sys.executable, "-m", "sbatch.launch", "run", "debug",
-            f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={steps}",
-            '--orchestrator.tasks=[{env="reverse", target=0.5}]', "--run.timeout_s=500",
+            f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={steps}", "--run.timeout_s=700", "--run.stop_on_targets=false",
         ]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=800)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
         hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [h["step"] for h in hist] == list(range(1, steps + 1))
-        rewards = [h["reward_by_env"]["reverse"] for h in hist]
-        first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-        assert first < 0.2, f"random-init reward should be a few percent, got {first}"
-        assert last > 0.5, f"reward did not rise: first {first:.3f} last10 {last:.3f}"
+
+        def curve(env: str) -> tuple[float, float]:
+            """(mean of the first 5 steps, best 10-step mean)."""
+            r = [h["reward_by_env"][env] for h in hist if env in h["reward_by_env"]]
+            return sum(r[:5]) / 5, max(sum(r[i - 10 : i]) / 10 for i in range(10, len(r) + 1))
+
+        first, last = curve("reverse")  # single-turn
+        assert first < 0.1, f"random-init reward should be a few percent, got {first}"
+        assert last > 0.5, f"single-turn reward did not rise: first {first:.3f} best10 {last:.3f}"
+        first_mt, last_mt = curve("reverse-turns")  # multi-turn, observations masked
+        assert last_mt > 5 * first_mt, f"multi-turn reward: first {first_mt:.3f} best10 {last_mt:.3f}"
 
         cfg = load_resolved(run_dir / "config.json")
         bound = cfg.orchestrator.max_off_policy_steps
