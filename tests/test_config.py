@@ -6,7 +6,7 @@ from services.common.config import ConfigError, load_config, parse_overrides
 def test_debug_config_loads_with_model_arch():
     cfg = load_config("debug")
     assert cfg.model.dim == 64 and cfg.model.n_kv_heads == 2
-    assert {t.env for t in cfg.orchestrator.tasks} == {"reverse", "echo-turns"}
+    assert {t.env for t in cfg.orchestrator.tasks} == {"reverse", "reverse-turns"}
 
 
 def test_dotted_overrides_are_toml_values():

@@ -214,6 +214,10 @@ def test_metrics(decode: Decode) -> None:
         "relay_decode_batch_size_bucket",
         "relay_decode_idle_seconds_total",
         "relay_decode_weight_version 1.0",
+        "relay_decode_prefix_cache_hit_tokens_total",
+        "relay_decode_prefix_cache_hit_rate",
+        "relay_decode_preemptions_total",
+        "relay_decode_kv_blocks_used",
     ):
         assert name in text, name
 

@@ -150,7 +150,7 @@ def test_capacity_overflow_queues(dirs: tuple[Path, Path]) -> None:
     for a, b in zip(out, big, strict=True):
         assert [c.output_ids for c in a.choices] == [c.output_ids for c in b.choices]
         assert all(c.output_ids == a.choices[0].output_ids for c in a.choices)  # greedy: n identical
-    assert small.kv.num_free == 2
+    assert small.kv.num_free == small.kv.num_blocks  # every page free or evictable
 
 
 def test_stop_conditions(engine: LLMEngine) -> None:

@@ -38,10 +38,16 @@ def reference(tt: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(tt(tokens).float(), dim=-1)
 
 
+def span(eng: LLMEngine, seq: int, start: int, tokens: list[int]) -> Span:
+    """Sequence `seq` holds the seq-th run of pages, enough for max_seq_len positions."""
+    n = eng.kv.blocks_for(eng.kv.max_seq_len)
+    return Span(list(range(seq * n, (seq + 1) * n)), start, tokens)
+
+
 def forward(eng: LLMEngine, spans: list[Span]) -> torch.Tensor:
     """Log-probs at every fed token of every span, concatenated in span order."""
     with torch.inference_mode():
-        batch = ForwardBatch.build(spans, eng.device, eng.kv.max_seq_len)
+        batch = ForwardBatch.build(spans, eng.device, eng.kv.max_seq_len, eng.kv.block_size)
         return torch.log_softmax(eng.model.logits(eng.model(batch, eng.kv)).float(), dim=-1)
 
 
@@ -55,7 +61,7 @@ def test_full_sequence_matches_torchtitan(pair) -> None:
     m, tt, eng = pair
     tokens = torch.randint(0, m.vocab_size, (3, 48), generator=torch.Generator().manual_seed(0))
     ref = reference(tt, tokens)
-    out = forward(eng, [Span(slot, 0, tokens[slot].tolist()) for slot in range(3)]).view(3, 48, -1)
+    out = forward(eng, [span(eng, i, 0, tokens[i].tolist()) for i in range(3)]).view(3, 48, -1)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
 
 
@@ -64,9 +70,9 @@ def test_incremental_decode_matches_torchtitan(pair) -> None:
     m, tt, eng = pair
     tokens = torch.randint(0, m.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     ref = reference(tt, tokens)
-    outs = [forward(eng, [Span(s, 0, tokens[s, :7].tolist()) for s in range(2)]).view(2, 7, -1)]
+    outs = [forward(eng, [span(eng, s, 0, tokens[s, :7].tolist()) for s in range(2)]).view(2, 7, -1)]
     for pos in range(7, 40):
-        outs.append(forward(eng, [Span(s, pos, [int(tokens[s, pos])]) for s in range(2)]).view(2, 1, -1))
+        outs.append(forward(eng, [span(eng, s, pos, [int(tokens[s, pos])]) for s in range(2)]).view(2, 1, -1))
     torch.testing.assert_close(torch.cat(outs, dim=1), ref, atol=TOL, rtol=0)
 
 
@@ -78,8 +84,10 @@ def test_mixed_prefill_and_decode_batch_matches_torchtitan(pair) -> None:
     a = torch.randint(0, m.vocab_size, (30,), generator=g)
     b = torch.randint(0, m.vocab_size, (11,), generator=g)
     c = torch.randint(0, m.vocab_size, (5,), generator=g)
-    forward(eng, [Span(0, 0, a[:29].tolist())])  # slot 0 holds a's first 29 tokens
-    out = forward(eng, [Span(1, 0, b.tolist()), Span(0, 29, [int(a[29])]), Span(2, 0, c.tolist())])
+    forward(eng, [span(eng, 0, 0, a[:29].tolist())])  # sequence 0 holds a's first 29 tokens
+    out = forward(
+        eng, [span(eng, 1, 0, b.tolist()), span(eng, 0, 29, [int(a[29])]), span(eng, 2, 0, c.tolist())]
+    )
     torch.testing.assert_close(out[:11], reference(tt, b[None])[0], atol=TOL, rtol=0)
     torch.testing.assert_close(out[11], reference(tt, a[None])[0, 29], atol=TOL, rtol=0)
     torch.testing.assert_close(out[12:], reference(tt, c[None])[0], atol=TOL, rtol=0)

@@ -32,6 +32,22 @@ class EngineCollector(Collector):
             ("relay_decode_step_seconds", "Seconds spent in engine steps", s.step_seconds_total),
             ("relay_decode_idle_seconds", "Seconds with no work while not paused", s.idle_seconds_total),
             ("relay_decode_weight_updates", "Weight updates applied", s.weight_updates_total),
+            (
+                "relay_decode_prefix_cache_queried_tokens",
+                "Tokens of admitted sequences looked up in the prefix cache",
+                s.prefix_cache_queried_tokens,
+            ),
+            (
+                "relay_decode_prefix_cache_hit_tokens",
+                "Tokens found in the prefix cache (KV reused, not computed)",
+                s.prefix_cache_hit_tokens,
+            ),
+            ("relay_decode_preemptions", "Sequences preempted for lack of KV pages", s.preemptions_total),
+            (
+                "relay_decode_requests_timed_out",
+                "Requests aborted by request_timeout_s",
+                s.requests_timed_out,
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
@@ -43,6 +59,18 @@ class EngineCollector(Collector):
             "relay_decode_running", "Sequences in the running batch", value=eng.num_running
         )
         yield GaugeMetricFamily("relay_decode_paused", "1 while paused", value=int(eng.paused))
+        yield GaugeMetricFamily(
+            "relay_decode_prefix_cache_hit_rate",
+            "Prefix-cache hit tokens / queried tokens since start",
+            value=s.prefix_cache_hit_rate,
+        )
+        kv = eng.engine.kv
+        yield GaugeMetricFamily("relay_decode_kv_blocks", "KV cache pages in the pool", value=kv.num_blocks)
+        yield GaugeMetricFamily(
+            "relay_decode_kv_blocks_used",
+            "KV cache pages held by sequences",
+            value=kv.num_blocks - kv.num_free,
+        )
         cumulative, buckets = 0, []
         for bound, count in zip([*map(str, BATCH_BUCKETS), "+Inf"], s.batch_size_buckets, strict=True):
             cumulative += count

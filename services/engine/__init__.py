@@ -1,4 +1,5 @@
-"""relay's inference engine: a plain-PyTorch Qwen3/Llama decoder with continuous batching.
+"""relay's inference engine: a plain-PyTorch Qwen3/Llama decoder with continuous batching, a paged
+KV cache with prefix caching, and chunked prefill.
 
 LLMEngine(model_dir, EngineConfig)   synchronous, in-process: generate(), step(), load_weights()
 AsyncEngine(engine).start()          background step loop: await submit(), await load_weights()

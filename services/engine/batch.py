@@ -1,7 +1,7 @@
 """One forward pass's inputs: a flat token batch plus what attention needs per sequence.
 
-A step feeds each scheduled sequence a *span* of new tokens (a whole prompt for a prefill, one
-token for a decode). Their tokens are concatenated into one flat batch, so embeddings, MLPs and
+A step feeds each scheduled sequence a *span* of new tokens (a prompt chunk for a prefill, one
+token for a decode); its K/V pages are named by the sequence's block table (kv_cache.py). Their tokens are concatenated into one flat batch, so embeddings, MLPs and
 projections see no padding. Attention is computed per *group* of spans with padded queries; the
 decodes (1 query each) and the prefills (many) form separate groups so that one long prompt does
 not pad hundreds of single-token decodes to its length.
@@ -21,34 +21,35 @@ import torch
 
 @dataclass(frozen=True)
 class Span:
-    """New tokens of one sequence for this step: `tokens` sit at positions start.. in cache `slot`."""
+    """New tokens of one sequence for this step: `tokens` sit at positions start.., and position p
+    lives in page block_table[p // block_size] (the table covers start + len(tokens) positions)."""
 
-    slot: int
+    block_table: list[int]
     start: int
     tokens: list[int]
 
 
 @dataclass
 class AttnGroup:
-    slots: torch.Tensor  # [B] cache slot of each sequence
+    block_tables: torch.Tensor  # [B, n_pages] KV pages of each sequence (padded with a valid page)
     q_index: torch.Tensor  # [B, Lq] flat index of each query token (padding: any valid index)
     q_valid: torch.Tensor  # [B, Lq] False on padding
     out_index: torch.Tensor  # [N] flat indices of the valid queries, in q_valid order
     mask: torch.Tensor  # [B, 1, Lq, ctx] key j visible to query i iff j <= position(i)
-    ctx_len: int  # keys to read from the cache (bucketed max over the group of start + len)
+    ctx_len: int  # keys read per sequence: n_pages * block_size (bucketed max of start + len)
 
 
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    token_slots: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat cache row of each token: page * block_size + offset
     groups: list[AttnGroup]
     last_index: torch.Tensor  # [S] flat index of each span's last token: its next-token logits
 
     @staticmethod
-    def build(spans: list[Span], device: torch.device, max_ctx: int) -> ForwardBatch:
-        """max_ctx: positions per cache slot (bucketed context lengths never exceed it)."""
+    def build(spans: list[Span], device: torch.device, max_ctx: int, block_size: int) -> ForwardBatch:
+        """max_ctx: the longest possible sequence (bucketed context lengths never exceed it)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -57,11 +58,14 @@ class ForwardBatch:
             offsets.append(len(ids))
             ids.extend(s.tokens)
             pos.extend(range(s.start, s.start + len(s.tokens)))
-            slots.extend([s.slot] * len(s.tokens))
+            slots.extend(
+                s.block_table[p // block_size] * block_size + p % block_size
+                for p in range(s.start, s.start + len(s.tokens))
+            )
         decode = [i for i, s in enumerate(spans) if len(s.tokens) == 1]
         prefill = [i for i, s in enumerate(spans) if len(s.tokens) > 1]
         groups = [
-            _group([spans[i] for i in g], [offsets[i] for i in g], device, max_ctx)
+            _group([spans[i] for i in g], [offsets[i] for i in g], device, max_ctx, block_size)
             for g in (decode, prefill)
             if g
         ]
@@ -83,7 +87,9 @@ def ctx_bucket(n: int, limit: int) -> int:
     return min(-(-n // step) * step, limit)
 
 
-def _group(spans: list[Span], offsets: list[int], device: torch.device, max_ctx: int) -> AttnGroup:
+def _group(
+    spans: list[Span], offsets: list[int], device: torch.device, max_ctx: int, block_size: int
+) -> AttnGroup:
     lq = next_pow2(max(len(s.tokens) for s in spans))
     index: list[list[int]] = []
     pos: list[list[int]] = []
@@ -93,22 +99,25 @@ def _group(spans: list[Span], offsets: list[int], device: torch.device, max_ctx:
         index.append(list(range(off, off + n)) + [off] * pad)  # padding reads a real token
         pos.append(list(range(s.start, s.start + n)) + [0] * pad)
         valid.append([True] * n + [False] * pad)
-    # Padding sequences: they re-read the first sequence's slot at position 0 and are dropped.
-    slots = [s.slot for s in spans]
+    ctx = ctx_bucket(max(s.start + len(s.tokens) for s in spans), max_ctx)
+    n_pages = -(-ctx // block_size)
+    # Tables padded with the sequence's first page: those positions lie past its length and are
+    # masked. Padding sequences re-read the first sequence's pages at position 0 and are dropped.
+    tables = [s.block_table[:n_pages] + [s.block_table[0]] * (n_pages - len(s.block_table)) for s in spans]
     for _ in range(next_pow2(len(spans)) - len(spans)):
         index.append([offsets[0]] * lq)
         pos.append([0] * lq)
         valid.append([False] * lq)
-        slots.append(spans[0].slot)
+        tables.append(tables[0])
     q_index = torch.tensor(index, dtype=torch.long)
     q_pos = torch.tensor(pos, dtype=torch.long, device=device)
     q_valid = torch.tensor(valid, dtype=torch.bool)
-    ctx = ctx_bucket(max(s.start + len(s.tokens) for s in spans), max_ctx)
+    ctx = n_pages * block_size
     # Causal mask over cache positions. Padding rows (at position 0) see key 0 only, so softmax
     # never meets an all-masked row (which would give NaN); their outputs are discarded anyway.
     mask = torch.arange(ctx, device=device)[None, None, None, :] <= q_pos[:, None, :, None]
     return AttnGroup(
-        slots=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         q_index=q_index.to(device),
         q_valid=q_valid.to(device),
         out_index=q_index[q_valid].to(device),

@@ -3,9 +3,10 @@
     engine = LLMEngine("runs/x/weights/step_3", EngineConfig(device="cpu"))
     [resp] = engine.generate([GenerateRequest(input_ids=[5, 6, 7])])
 
-One `step()` = schedule, one batched forward over every scheduled sequence's new tokens (prompts
-of newly admitted sequences, the last sampled token of running ones), sample one token per
-sequence, retire finished ones. The async service wrapper (async_engine.py) drives the same
+One `step()` = schedule, one batched forward over every scheduled sequence's new tokens (prompt
+chunks of prefilling sequences, the last sampled token of decoding ones), sample one token per
+sequence whose tokens are now all cached, publish newly full KV pages to the prefix cache, retire
+finished ones. The async service wrapper (async_engine.py) drives the same
 `step()` from a background thread.
 """
 
@@ -24,7 +25,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.model import CausalLM
 from services.engine.sampler import Sampler
-from services.engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Scheduler
+from services.engine.scheduler import Scheduler
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
 
@@ -49,7 +50,6 @@ class LLMEngine:
         model_dir: str | Path,
         cfg: EngineConfig,
         version: int | None = None,
-        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ):
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
@@ -63,21 +63,35 @@ class LLMEngine:
         self.model.load_hf_state(ckpt.state)
         self.kv = KVCache(
             m.n_layers,
-            cfg.max_batch_size,
+            self._num_kv_blocks(),
+            cfg.block_size,
             self.max_seq_len,
             m.n_kv_heads,
             m.head_dim,
             self.dtype,
             self.device,
         )
-        self.scheduler = Scheduler(self.kv, max_prefill_tokens)
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(
+            self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
+        )
         self.sampler = Sampler()
         self.eos_token_ids = set(ckpt.eos_token_ids)
         self.model_dir = ckpt.path
-        self.version = version if version is not None else (ckpt.version or 0)
-        self.stats = EngineStats()
+        self.version = self.scheduler.version = version if version is not None else (ckpt.version or 0)
         # Set by AsyncEngine: then only its thread may call step().
         self.background = False
+
+    def _num_kv_blocks(self) -> int:
+        cfg, m = self.cfg, self.model_config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_bytes is not None:
+            per_block = KVCache.bytes_per_block(
+                m.n_layers, cfg.block_size, m.n_kv_heads, m.head_dim, self.dtype
+            )
+            return max(1, cfg.kv_cache_bytes // per_block)
+        return cfg.max_batch_size * -(-self.max_seq_len // cfg.block_size)
 
     # ------------------------------------------------------------------ requests
 
@@ -94,6 +108,15 @@ class LLMEngine:
                 "input_ids",
                 f"prompt has {len(req.input_ids)} tokens; max_seq_len is {self.max_seq_len} "
                 "and at least one position must be left to generate",
+            )
+        # One sequence must fit the pool on its own, or preemption could never make room for it.
+        longest = min(len(req.input_ids) + req.sampling.max_tokens, self.max_seq_len)
+        if self.kv.blocks_for(longest) > self.kv.num_blocks:
+            raise InvalidRequest(
+                "input_ids",
+                f"prompt of {len(req.input_ids)} tokens plus up to {req.sampling.max_tokens} new ones needs "
+                f"{self.kv.blocks_for(longest)} KV pages of {self.kv.block_size} tokens; "
+                f"the pool has {self.kv.num_blocks}",
             )
 
     def add_request(self, req: GenerateRequest) -> RequestState:
@@ -135,25 +158,34 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestState]:
         """One batched forward + sample; returns the requests that finished in this step."""
+        expired = self._expire() if self.cfg.request_timeout_s is not None else []
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
+            return expired
         t0 = time.perf_counter()
-        spans = [Span(s.slot, s.num_cached, s.uncached_tokens()) for s in plan.compute]
-        batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len)
+        spans = [Span(s.block_table, s.num_cached, s.uncached_tokens()[:n]) for s, n in plan.compute]
+        batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
         hidden = self.model(batch, self.kv)
-        logits = self.model.logits(hidden[batch.last_index])  # one row per computed sequence
+        self.stats.computed_tokens_total += len(batch.input_ids)
 
-        row = {id(s): i for i, s in enumerate(plan.compute)}
-        for child, parent in plan.forks:
-            self.kv.copy(parent.slot, child.slot, len(parent.prompt))
-        seqs = plan.compute + [child for child, _ in plan.forks]
-        rows = list(range(len(plan.compute))) + [row[id(parent)] for _, parent in plan.forks]
-        tokens, logprobs = self.sampler(logits[rows], [s.params for s in seqs], [s.rng for s in seqs])
+        # Sequences whose tokens are now all cached sample; a partial prefill chunk does not.
+        row: dict[int, int] = {}
+        for i, (s, n) in enumerate(plan.compute):
+            done = s.num_cached + n == s.num_tokens
+            s.num_cached += n
+            self.scheduler.register_full_pages(s)
+            if done:
+                row[id(s)] = i
+        self.scheduler.finish_forks(plan)
+        seqs = [s for s, _ in plan.compute if id(s) in row] + [child for child, _ in plan.forks]
+        rows = [row[id(s)] for s, _ in plan.compute if id(s) in row] + [row[id(p)] for _, p in plan.forks]
+        tokens, logprobs = [], []
+        if seqs:
+            logits = self.model.logits(hidden[batch.last_index[rows]])
+            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.rng for s in seqs])
 
         finished: list[RequestState] = []
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            seq.num_cached = seq.num_tokens  # everything fed so far is now in the cache
             seq.append(token, logprob, self.version)
             reason = self._stop_reason(seq, token)
             if reason is not None:
@@ -162,8 +194,19 @@ class LLMEngine:
                     finished.append(seq.request)
         self.scheduler.release_finished()
         self.stats.requests_finished += len(finished)
-        self.stats.observe_step(len(seqs), len(seqs), time.perf_counter() - t0)
-        return finished
+        self.stats.observe_step(plan.num_seqs, len(seqs), time.perf_counter() - t0)
+        return expired + finished
+
+    def _expire(self) -> list[RequestState]:
+        """Abort requests older than request_timeout_s (their pages are freed at once)."""
+        assert self.cfg.request_timeout_s is not None
+        deadline = time.monotonic() - self.cfg.request_timeout_s
+        expired = [r for r in self.scheduler.requests() if r.arrival < deadline]
+        for r in expired:
+            self.scheduler.abort(r)
+        self.stats.requests_timed_out += len(expired)
+        self.stats.requests_finished += len(expired)
+        return expired
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -188,7 +231,8 @@ class LLMEngine:
         """Swap weights in place. Call between steps only. Running sequences keep their KV (computed
         by the old weights) and continue; tokens sampled from now on are tagged `version`."""
         self.model.load_hf_state(ckpt.state)
-        self.version = version
+        # New admissions hash under the new version: pages computed by the old weights never match.
+        self.version = self.scheduler.version = version
         self.model_dir = ckpt.path
         self.stats.weight_updates_total += 1
 

@@ -1,63 +1,159 @@
-"""The KV cache: one preallocated slot of max_seq_len positions per running sequence.
+"""The paged KV cache: a pool of fixed-size pages (blocks) plus the block manager that hands them out.
 
-Everything else talks to it through `allocate/free/copy` (the scheduler and engine) and
-`store/load` (attention), so replacing it with a paged cache and block manager only changes this
-module and what the scheduler hands to `Span.slot`.
+Each sequence owns a *block table*: the page ids holding its positions 0.., block_size per page.
+Pages are allocated as a sequence grows, so memory follows the tokens actually held rather than
+max_seq_len per sequence, and pages can be *shared*: the n samples of a request share their
+prompt's pages, and a full page whose tokens (and everything before them) match an earlier
+sequence's is reused from the prefix cache instead of being recomputed.
+
+Prefix cache: a full, computed page is registered under a chained hash
+h_i = H(h_{i-1}, tokens of page i) whose root is salted with the weight version, so a hit implies
+the same tokens at the same positions after the same prefix under the same weights. Pages with no
+users stay cached (ref count 0) and are evicted least-recently-released first, only when the
+free list of never-cached pages is empty.
+
+The attention side only sees `store(layer, slot_mapping, k, v)` and `load(layer, block_tables)`;
+a Triton/FlexAttention paged kernel can replace `load` + SDPA without touching the scheduler.
 """
 
 from __future__ import annotations
 
-import heapq
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 import torch
+
+
+def root_hash(version: int) -> bytes:
+    """Start of a hash chain: KV computed by other weights must never match."""
+    return hashlib.blake2b(f"relay-kv-v{version}".encode(), digest_size=16).digest()
+
+
+def block_hash(prev: bytes, tokens: list[int]) -> bytes:
+    """Chained page hash: covers this page's tokens and, through `prev`, every earlier one."""
+    return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    """Reference-counted pages with a free list, a hash -> page map and an LRU of cached pages.
+
+    allocate() -> page      a fresh page (ref 1); evicts the LRU cached page if no free one
+    lookup(hash) -> page?   a cached page holding exactly that chain, if any
+    acquire(page)           one more user of an existing page (a prefix hit or a shared prompt)
+    release(page)           one user fewer; at 0 a registered page stays cached, else is freed
+    register(page, hash)    a full, computed page becomes reusable under `hash`
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))  # unused and holding nothing reusable
+        self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0 but registered: LRU order
+
+    @property
+    def num_free(self) -> int:
+        """Pages allocate() can return now (free or evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)  # least recently released
+            self._unregister(block)
+        else:
+            raise RuntimeError("KV cache full: the scheduler must check num_free before allocating")
+        self.ref[block] = 1
+        return block
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.by_hash.get(h)
+
+    def acquire(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self._cached[block]
+        self.ref[block] += 1
+
+    def release(self, block: int) -> None:
+        assert self.ref[block] > 0, f"page {block} released more often than acquired"
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if self.hash_of[block] is not None:
+                self._cached[block] = None  # most recently released: evicted last
+            else:
+                self._free.append(block)
+
+    def register(self, block: int, h: bytes) -> None:
+        """Identical pages computed concurrently keep the first registration; the other stays
+        private and is freed normally."""
+        if h in self.by_hash or self.hash_of[block] is not None:
+            return
+        self.by_hash[h] = block
+        self.hash_of[block] = h
+
+    def _unregister(self, block: int) -> None:
+        h = self.hash_of[block]
+        if h is not None:
+            del self.by_hash[h]
+            self.hash_of[block] = None
 
 
 class KVCache:
     def __init__(
         self,
         n_layers: int,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int,
         max_seq_len: int,
         n_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        shape = (n_layers, num_slots, max_seq_len, n_kv_heads, head_dim)
+        self.num_blocks, self.block_size, self.max_seq_len = num_blocks, block_size, max_seq_len
+        self.blocks = BlockManager(num_blocks, block_size)
+        # Flat over (page, offset): a token's K/V live at row page * block_size + offset.
+        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # A min-heap: lowest slots first, so a lightly loaded engine reuses the same memory.
-        self._free = list(range(num_slots))
 
-    # ------------------------------------------------------------ allocation (scheduler side)
+    @staticmethod
+    def bytes_per_block(
+        n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.blocks.num_free
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("KV cache full: the scheduler must check num_free before allocating")
-        return heapq.heappop(self._free)
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def free(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
-
-    def copy(self, src: int, dst: int, length: int) -> None:
-        """Share a computed prefix: used to fork n samples from one prompt prefill."""
-        self.k[:, dst, :length] = self.k[:, src, :length]
-        self.v[:, dst, :length] = self.v[:, src, :length]
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one page (all layers): a forked sample's private copy of a partly filled page."""
+        bs = self.block_size
+        self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
+        self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
 
     # ------------------------------------------------------------ data (attention side)
 
-    def store(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Write per-token k/v [T, n_kv, D] at (slot, position) for each token."""
-        self.k[layer, slots, positions] = k.to(self.k.dtype)
-        self.v[layer, slots, positions] = v.to(self.v.dtype)
+    def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write per-token k/v [T, n_kv, D] at flat rows slot_mapping [T]."""
+        self.k[layer, slot_mapping] = k.to(self.k.dtype)
+        self.v[layer, slot_mapping] = v.to(self.v.dtype)
 
-    def load(self, layer: int, slots: torch.Tensor, ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of positions [0, ctx_len) for each slot: [B, ctx_len, n_kv, D]."""
-        return self.k[layer, slots, :ctx_len], self.v[layer, slots, :ctx_len]
+    def load(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather each sequence's pages in order: [B, n_pages * block_size, n_kv, D]. Positions past
+        a sequence's length read whatever page padded its table; the caller masks them."""
+        b, n = block_tables.shape
+        bs = self.block_size
+        rows = (block_tables[:, :, None] * bs + torch.arange(bs, device=block_tables.device)).view(b, n * bs)
+        return self.k[layer, rows], self.v[layer, rows]

@@ -81,10 +81,10 @@ class Attention(nn.Module):
 
         # New keys/values go into the cache first, so every query reads its whole context
         # (earlier steps' tokens and this step's) from one place.
-        kv.store(self.layer_idx, batch.token_slots, batch.positions, k, v)
+        kv.store(self.layer_idx, batch.slot_mapping, k, v)
         out = torch.empty_like(q)
         for g in batch.groups:
-            kc, vc = kv.load(self.layer_idx, g.slots, g.ctx_len)  # [B, ctx, n_kv, D]
+            kc, vc = kv.load(self.layer_idx, g.block_tables)  # [B, ctx, n_kv, D], gathered by page
             qg = q[g.q_index]  # [B, Lq, H, D], padding rows read some real token and are dropped
             o = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),

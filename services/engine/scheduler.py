@@ -1,11 +1,21 @@
-"""Continuous batching: which sequences run in the next step.
+"""Continuous batching with chunked prefill over the paged KV cache: what runs in the next step.
 
-Every step decodes all running sequences and admits waiting ones while the KV cache has free
-slots (and the step's prefill token budget lasts), so new requests join at the next step instead
-of waiting for a batch to drain. Requests beyond capacity simply stay queued.
+Every step has a budget of `max_num_batched_tokens` fed tokens. Running sequences go first, oldest
+first: a decode feeds 1 token, a prompt still being prefilled feeds its next chunk (as much as the
+budget and free pages allow), so a long prompt is split across steps instead of stalling every
+decode behind it. What budget is left admits waiting sequences in arrival order (FIFO: if the head
+does not fit, nobody behind it jumps the queue).
 
-The n samples of one request share their prompt: the first admitted sample prefills it and the
-others admitted in the same step *fork* from it (copy its prompt KV, sample from its logits).
+Pages run out as sequences grow. Then the newest running sequence is *preempted*: its pages are
+released and it re-queues at the front, to be recomputed (prompt + output so far) when pages free
+up; its full pages usually stay in the prefix cache, so the recompute is mostly cache hits. The
+oldest sequence therefore always progresses, and any request that fits the pool on its own (which
+validation guarantees) completes.
+
+On admission the sequence's full pages are looked up in the prefix cache (kv_cache.py); only the
+tokens after the longest cached prefix are computed. The n samples of one request share their
+prompt: the first prefills it and the others *fork* from it in the step its prefill completes
+(they share its full prompt pages, copy the partly filled last one, and sample from its logits).
 """
 
 from __future__ import annotations
@@ -13,17 +23,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, block_hash, root_hash
 from services.engine.sequence import RequestState, Sequence, Status
+from services.engine.stats import EngineStats
 
-# Prompt tokens admitted per step (a step always admits at least one prompt). Bounds one step's
-# latency and attention padding when many long prompts arrive together.
-DEFAULT_MAX_PREFILL_TOKENS = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
 class StepPlan:
-    compute: list[Sequence] = field(default_factory=list)  # feed tokens: new prefills, then decodes
+    # (sequence, how many of its uncached tokens are fed this step)
+    compute: list[tuple[Sequence, int]] = field(default_factory=list)
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (child, parent in compute)
 
     @property
@@ -36,11 +46,23 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+    def __init__(
+        self,
+        kv: KVCache,
+        max_batch_size: int,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        prefix_caching: bool = True,
+        stats: EngineStats | None = None,
+    ):
         self.kv = kv
-        self.max_prefill_tokens = max_prefill_tokens
+        self.blocks = kv.blocks
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix_caching = prefix_caching
+        self.stats = stats if stats is not None else EngineStats()
+        self.version = 0  # salts the prefix-cache hashes of sequences admitted from now on
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
 
     def add(self, request: RequestState) -> None:
         self.waiting.extend(request.seqs)
@@ -48,48 +70,172 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------ one step
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        decodes = list(self.running)
-        budget = self.max_prefill_tokens
-        prefilling: dict[RequestState, Sequence] = {}
-        while self.waiting and self.kv.num_free > 0:
+        budget = self.max_num_batched_tokens
+        bs = self.kv.block_size
+        # Requests whose prompt prefill completes in this step: their waiting samples fork.
+        completing: dict[RequestState, Sequence] = {}
+
+        def add(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            plan.compute.append((seq, n))
+            budget -= n
+            if not seq.output and seq.num_cached + n == len(seq.prompt):
+                completing[seq.request] = seq
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            want = min(seq.num_tokens - seq.num_cached, budget)
+            # Free pages first; a prefill chunk shrinks to what fits before anyone is preempted.
+            fit = (len(seq.block_table) + self.kv.num_free) * bs - seq.num_cached
+            while fit < 1 and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                fit = (len(seq.block_table) + self.kv.num_free) * bs - seq.num_cached
+            if fit < 1:
+                self._preempt(self.running.pop())  # it is the newest: it waits for older ones
+                break
+            n = min(want, fit)
+            self._grow(seq, seq.num_cached + n)
+            add(seq, n)
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            parent = prefilling.get(seq.request)
-            if parent is not None:
+            parent = completing.get(seq.request)
+            if parent is not None and not seq.output:
+                if not self._fork(seq, parent):
+                    break
                 plan.forks.append((seq, parent))
             else:
-                cost = len(seq.uncached_tokens())
-                if plan.compute and cost > budget:
+                if any(
+                    s.request is seq.request and not s.output and s.num_cached < len(s.prompt)
+                    for s in self.running
+                ):
+                    break  # a sibling is still prefilling this prompt: fork from it later
+                n = self._admit(seq, budget)
+                if n == 0:
                     break
-                budget -= cost
-                prefilling[seq.request] = seq
-                plan.compute.append(seq)
+                add(seq, n)
             self.waiting.popleft()
-            seq.slot = self.kv.allocate()
             seq.status = Status.RUNNING
             self.running.append(seq)
-        plan.compute.extend(decodes)
         return plan
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Allocate pages so the table covers num_tokens positions (the caller checked num_free)."""
+        while len(seq.block_table) < self.kv.blocks_for(num_tokens):
+            seq.block_table.append(self.blocks.allocate())
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give a waiting sequence its cached prefix and pages for its first chunk; return the
+        chunk's length, or 0 (touching nothing) if the pages are not there."""
+        bs = self.kv.block_size
+        seq.salt = self.version
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if self.prefix_caching:
+            tokens = seq.tokens()
+            prev = root_hash(seq.salt)
+            # At least the last token is computed: its logits give the next token.
+            for i in range((len(tokens) - 1) // bs):
+                prev = block_hash(prev, tokens[i * bs : (i + 1) * bs])
+                block = self.blocks.lookup(prev)
+                if block is None:
+                    break
+                hits.append(block)
+                hashes.append(prev)
+        cached = len(hits) * bs
+        n = min(seq.num_tokens - cached, budget)
+        # Cached pages nobody uses sit in the evictable pool: taking them costs free pages too.
+        cost = sum(self.blocks.ref[b] == 0 for b in hits) + self.kv.blocks_for(cached + n) - len(hits)
+        if cost > self.kv.num_free:
+            return 0
+        for b in hits:
+            self.blocks.acquire(b)
+        seq.block_table, seq.block_hashes, seq.num_cached = hits, hashes, cached
+        self._grow(seq, cached + n)
+        self.stats.prefix_cache_queried_tokens += seq.num_tokens
+        self.stats.prefix_cache_hit_tokens += cached
+        return n
+
+    def _fork(self, child: Sequence, parent: Sequence) -> bool:
+        """Reserve the child's private copy of the parent's partly filled last prompt page (the
+        engine fills it and shares the full pages after the forward)."""
+        partial = len(parent.prompt) % self.kv.block_size != 0
+        if partial and self.kv.num_free < 1:
+            return False
+        child.block_table = [self.blocks.allocate()] if partial else []
+        return True
+
+    def finish_forks(self, plan: StepPlan) -> None:
+        """After the forward: children share the parent's full prompt pages."""
+        bs = self.kv.block_size
+        for child, parent in plan.forks:
+            full = len(parent.prompt) // bs
+            shared = parent.block_table[:full]
+            for b in shared:
+                self.blocks.acquire(b)
+            if child.block_table:
+                self.kv.copy_block(parent.block_table[full], child.block_table[0])
+            child.block_table = shared + child.block_table
+            child.block_hashes = parent.block_hashes[:full]
+            child.salt = parent.salt
+            child.num_cached = len(parent.prompt)
+
+    def register_full_pages(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed pages in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        bs = self.kv.block_size
+        if len(seq.block_hashes) >= seq.num_cached // bs:
+            return
+        tokens = seq.tokens()
+        while len(seq.block_hashes) < seq.num_cached // bs:
+            i = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.salt)
+            h = block_hash(prev, tokens[i * bs : (i + 1) * bs])
+            self.blocks.register(seq.block_table[i], h)
+            seq.block_hashes.append(h)
+
+    # ------------------------------------------------------------------ releasing pages
+
+    def _free_pages(self, seq: Sequence) -> None:
+        # Last page first, so under LRU a prefix's tail is evicted before its head (a chain is
+        # useless without its head).
+        for b in reversed(seq.block_table):
+            self.blocks.release(b)
+        seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free_pages(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions_total += 1
 
     def release_finished(self) -> None:
         done = [s for s in self.running if s.status is Status.FINISHED]
         for s in done:
-            self.kv.free(s.slot)
-            s.slot = -1
+            self._free_pages(s)
         if done:
             self.running = [s for s in self.running if s.status is not Status.FINISHED]
 
     def abort(self, request: RequestState) -> None:
-        """Drop a request's sequences wherever they are (finish_reason "abort")."""
+        """Drop a request's sequences wherever they are (finish_reason "abort"); frees their pages."""
         for s in request.seqs:
             if s.status is not Status.FINISHED:
                 s.status, s.finish_reason = Status.FINISHED, "abort"
         self.waiting = deque(s for s in self.waiting if s.request is not request)
         self.release_finished()
 
+    def requests(self) -> list[RequestState]:
+        return list(dict.fromkeys(s.request for s in [*self.waiting, *self.running]))
+
     def abort_all(self) -> list[RequestState]:
-        requests = list(dict.fromkeys(s.request for s in [*self.waiting, *self.running]))
+        requests = self.requests()
         for r in requests:
             self.abort(r)
         return requests

@@ -43,14 +43,22 @@ class Sequence:
         self.versions: list[int] = []
         self.status = Status.WAITING
         self.finish_reason: str | None = None
-        self.slot = -1
-        # Tokens whose K/V are in the cache; the rest (prompt on admission, then the last sampled
-        # token) are fed in the next step.
+        # KV pages holding positions 0.. (kv_cache.py); empty while waiting.
+        self.block_table: list[int] = []
+        # Chained prefix-cache hashes of the first len(block_hashes) pages (full and computed),
+        # rooted at `salt`: the weight version when the sequence was (re)admitted.
+        self.block_hashes: list[bytes] = []
+        self.salt = 0
+        # Tokens whose K/V are in the cache; the rest (the prompt, fed in chunks, then the last
+        # sampled token) are fed in later steps. 0 again after a preemption: recomputed.
         self.num_cached = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
 
     def uncached_tokens(self) -> list[int]:
         if self.num_cached < len(self.prompt):

@@ -23,6 +23,18 @@ class EngineStats:
     # Sequences per step: counts per bucket of BATCH_BUCKETS (upper bounds), then +Inf.
     batch_size_buckets: list[int] = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS) + 1))
     batch_size_sum: float = 0.0
+    # Tokens fed through the model (prompt chunks + decodes): what the prefix cache saves shows here.
+    computed_tokens_total: int = 0
+    # Prefix cache: tokens of admitted sequences looked up, and those found cached (not computed).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    # Running sequences evicted for lack of KV pages (recomputed later).
+    preemptions_total: int = 0
+    requests_timed_out: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / max(self.prefix_cache_queried_tokens, 1)
 
     def observe_step(self, batch_size: int, generated: int, seconds: float) -> None:
         self.steps_total += 1
