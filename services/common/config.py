@@ -188,6 +188,17 @@ class EngineConfig(Strict):
     max_batch_size: int = Field(256, gt=0)
     max_seq_len: int = Field(256, gt=0)
     torch_threads: int = Field(1, ge=1)
+    # Paged KV cache: tokens per page, and the pool's size. num_kv_blocks wins over
+    # kv_cache_bytes; with neither, the pool holds max_batch_size sequences of max_seq_len.
+    block_size: int = Field(16, gt=0)
+    num_kv_blocks: int | None = Field(None, gt=0)
+    kv_cache_bytes: int | None = Field(None, gt=0)
+    # Tokens fed per step (prefill chunks + decodes): long prompts are split across steps.
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    # Reuse KV pages of identical prompt prefixes (same tokens, same weight version).
+    enable_prefix_caching: bool = True
+    # Requests still unfinished this long after arrival end with finish_reason "abort".
+    request_timeout_s: float | None = Field(None, gt=0)
 
 
 class DecodeSection(ServiceSection):
@@ -199,6 +210,23 @@ class SandboxSection(ServiceSection):
     max_sessions: int = Field(4096, gt=0)
     # Extra modules that register environments (plugins), imported at start.
     plugins: list[str] = []
+    # --- isolated execution (services/sandbox/isolation.py; needs bubblewrap)
+    # Session directories live under workdir_root ("": a fresh dir under the system temp dir,
+    # removed at exit). Its parents must be traversable by other users (o+x).
+    workdir_root: str = ""
+    # Each session runs as its own host uid from [uid_base, uid_base + max_sessions * replicas).
+    uid_base: int = Field(200_000, ge=1000)
+    max_concurrent_execs: int = Field(16, gt=0)  # past this, exec/file calls get 429
+    exec_timeout_s: float = Field(30.0, gt=0)  # default wall clock per command
+    exec_max_timeout_s: float = Field(600.0, gt=0)  # cap on a request's timeout_s
+    exec_cpu_s: int = Field(60, gt=0)
+    exec_memory_mb: int = Field(1024, gt=0)  # address space
+    exec_max_procs: int = Field(64, gt=0)
+    exec_max_file_mb: int = Field(64, gt=0)
+    exec_max_open_files: int = Field(256, gt=0)
+    exec_output_bytes: int = Field(65536, gt=0)  # per stream; the rest is dropped with a marker
+    exec_tmp_mb: int = Field(64, gt=0)
+    file_max_bytes: int = Field(1 << 20, gt=0)  # file read/write endpoints
 
 
 class TaskSpec(Strict):
@@ -245,6 +273,11 @@ class TrainerSection(Strict):
     torch_threads: int = Field(1, ge=1)
     # Padded tokens (rows x longest row) per forward/backward; a step is split into micro-batches.
     micro_batch_tokens: int = Field(8192, gt=0)
+    # Pack samples into one row per micro-batch (no padding; block-diagonal causal attention,
+    # RoPE restarting per sample); micro_batch_tokens is then the row's token budget.
+    packing: bool = False
+    # > 0: project to the vocabulary this many tokens at a time (no [tokens x vocab] tensor).
+    logprob_chunk_tokens: int = Field(0, ge=0)
 
 
 _SLURM_TIME = re.compile(
