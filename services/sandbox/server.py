@@ -9,11 +9,17 @@ GET  /v1/sessions/{id}               turns, done, idle time (debugging)
 POST /v1/sessions/{id}/step[?score=true]  {"action", "eos"} -> {"observation", "done", "reward"}
 POST /v1/sessions/{id}/score[?keep=true]  -> {"reward", "info"}; closes the session unless keep
 DELETE /v1/sessions/{id}             close without scoring
+POST /v1/sessions/{id}/exec          {"cmd", "timeout_s"} -> {exit_code, stdout, stderr, truncated, timed_out}
+GET  /v1/sessions/{id}/files?path=P  -> {"path", "content", "truncated"} (404: no such file)
+PUT  /v1/sessions/{id}/files         {"path", "content"} -> {"path", "bytes"}
 GET  /health, GET /metrics           (services.common.service)
 
 Handlers are plain `def`s: Starlette runs them on its threadpool, so a slow plugin environment
 stalls only its own request; the built-in envs take microseconds, so the cost is the threadpool
 hop. Sessions live in a SessionStore (sessions.py) swept for idle ones by a background task.
+Commands and file access run under bubblewrap in the session's own directory (isolation.py);
+the directory is created on first use (or at reset for envs with needs_workspace) and deleted
+when the session ends. More than sandbox.max_concurrent_execs commands at once: 429.
 """
 
 from __future__ import annotations
@@ -35,13 +41,18 @@ from services.common.schemas import (
     CreateSessionResponse,
     CreateSessionsRequest,
     CreateSessionsResponse,
+    ExecRequest,
+    ExecResponse,
+    FileResponse,
     ScoreResponse,
     StepRequest,
     StepResponse,
+    WriteFileRequest,
 )
 from services.common.service import Service, create_app, load_service_config, log_event, service_args
 from services.sandbox.envs import EnvError, env_names, get_env_class, load_plugins
-from services.sandbox.sessions import EnvFailed, SandboxFull, SessionError, SessionStore
+from services.sandbox.isolation import WorkspaceManager, enable_subreaper, reap_orphans
+from services.sandbox.sessions import EnvFailed, ExecsFull, SandboxFull, SessionError, SessionStore
 
 # Module-level: prometheus_client's default registry allows one collector per name per process.
 SESSIONS_CREATED = Counter("relay_sandbox_sessions_created", "Sessions created", ["env"])
@@ -53,6 +64,12 @@ SESSIONS_REJECTED = Counter("relay_sandbox_sessions_rejected", "Session creation
 STEPS = Counter("relay_sandbox_steps", "Episode steps", ["env"])
 ERRORS = Counter("relay_sandbox_env_errors", "Environment code raised or broke its contract", ["env"])
 SESSIONS_OPEN = Gauge("relay_sandbox_sessions_open", "Sessions open now")
+EXECS = Counter("relay_sandbox_execs", "Commands run through POST .../exec", ["outcome"])
+EXEC_SECONDS = Histogram(
+    "relay_sandbox_exec_seconds",
+    "Wall time of POST .../exec commands",
+    buckets=[0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300],
+)
 REWARD = Histogram(
     "relay_sandbox_reward", "Episode rewards at score time", ["env"], buckets=[i / 10 for i in range(11)]
 )
@@ -77,13 +94,17 @@ def check_tasks(cfg: RunConfig) -> None:
             )
 
 
-def build_app(cfg: RunConfig, service: Service | None = None) -> FastAPI:
+def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) -> FastAPI:
     sec = cfg.sandbox
-    store = SessionStore(sec.max_sessions, sec.session_ttl_s)
+    workspaces = WorkspaceManager.from_config(sec, replica)
+    store = SessionStore(
+        sec.max_sessions, sec.session_ttl_s, workspaces=workspaces, file_max_bytes=sec.file_max_bytes
+    )
     # Sweep often enough that a session outlives its ttl by at most ~25%, but not busily.
     sweep_every = min(max(sec.session_ttl_s / 4, 0.05), 5.0)
 
     def sweep_once() -> None:
+        reap_orphans()  # stragglers of finished commands (no-op unless enable_subreaper ran)
         gone = store.sweep()
         for s in gone:
             SESSIONS_EXPIRED.labels(s.env_name).inc()
@@ -113,6 +134,8 @@ def build_app(cfg: RunConfig, service: Service | None = None) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                store.close_all()
+                workspaces.shutdown()
 
     def health() -> dict[str, Any]:
         return {"kind": "sandbox", **store.stats(), "envs": env_names()}
@@ -122,7 +145,7 @@ def build_app(cfg: RunConfig, service: Service | None = None) -> FastAPI:
 
     @app.exception_handler(SessionError)
     async def _session_error(_req: Request, exc: SessionError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if isinstance(exc, SandboxFull) else None
+        headers = {"Retry-After": "1"} if isinstance(exc, SandboxFull | ExecsFull) else None
         if isinstance(exc, EnvFailed):
             ERRORS.labels(exc.env).inc()
             if service is not None:
@@ -189,6 +212,27 @@ def build_app(cfg: RunConfig, service: Service | None = None) -> FastAPI:
         SESSIONS_OPEN.set(len(store))
         return {"session_id": s.id, "closed": True}
 
+    @app.post("/v1/sessions/{session_id}/exec")
+    def exec_command(session_id: str, req: ExecRequest) -> ExecResponse:
+        try:
+            r = store.exec(session_id, req.cmd, req.timeout_s)
+        except ExecsFull:
+            EXECS.labels("busy").inc()
+            raise
+        EXECS.labels("timed_out" if r.timed_out else "ok" if r.exit_code == 0 else "nonzero").inc()
+        EXEC_SECONDS.observe(r.duration_s)
+        return ExecResponse(**r.as_dict())
+
+    @app.get("/v1/sessions/{session_id}/files")
+    def read_file(session_id: str, path: str = Query(..., min_length=1)) -> FileResponse:
+        content, truncated = store.read_file(session_id, path)
+        return FileResponse(path=path, content=content, truncated=truncated, bytes=len(content.encode()))
+
+    @app.put("/v1/sessions/{session_id}/files")
+    def write_file(session_id: str, req: WriteFileRequest) -> FileResponse:
+        n = store.write_file(session_id, req.path, req.content)
+        return FileResponse(path=req.path, bytes=n)
+
     return app
 
 
@@ -210,8 +254,8 @@ def main() -> None:
         svc.log.error(str(e))
         svc.sock.close()
         sys.exit(2)
-    log_event(svc.log, "environments", envs=env_names(), plugins=sec.plugins)
-    svc.run(build_app(cfg, svc))
+    log_event(svc.log, "environments", envs=env_names(), plugins=sec.plugins, subreaper=enable_subreaper())
+    svc.run(build_app(cfg, svc, replica=args.index))
 
 
 if __name__ == "__main__":

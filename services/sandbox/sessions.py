@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.sandbox.envs.base import EnvError, Environment, Info, get_env_class, normalize_score
+from services.sandbox.isolation import ExecBusy, ExecResult, IsolationError, Workspace, WorkspaceManager
 
 # How many ended session ids to remember so a late request can be told *why* its id is gone.
 TOMBSTONES = 65536
@@ -50,6 +51,26 @@ class SandboxFull(SessionError):
     status = 429
 
 
+class ExecsFull(SessionError):
+    """Every concurrent-exec slot is taken."""
+
+    status = 429
+
+
+class NoIsolation(SessionError):
+    """Commands cannot run: no workspace manager, or bubblewrap is missing."""
+
+    status = 503
+
+
+class BadFileRequest(SessionError):
+    status = 400
+
+
+class FileMissing(SessionError):
+    status = 404
+
+
 class EnvFailed(SessionError):
     """The environment's own code raised or broke its contract: a plugin bug, not a client error."""
 
@@ -70,7 +91,11 @@ class Session:
     last_used: float
     turns: int = 0
     done: bool = False
+    workspace: Workspace | None = None
+    execs: int = 0
+    running: int = 0  # execs/file calls in flight: the idle sweep leaves the session alone
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    ws_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def describe(self, now: float) -> dict[str, Any]:
         return {
@@ -81,6 +106,8 @@ class Session:
             "done": self.done,
             "age_s": round(now - self.created, 3),
             "idle_s": round(now - self.last_used, 3),
+            "execs": self.execs,
+            "workspace": self.workspace is not None,
         }
 
 
@@ -92,10 +119,22 @@ class Counts:
     deleted: int = 0
     expired: int = 0
     rejected_full: int = 0
+    execs: int = 0
+    execs_timed_out: int = 0
+    rejected_busy: int = 0
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        workspaces: WorkspaceManager | None = None,
+        file_max_bytes: int = 1 << 20,
+    ):
+        self.workspaces = workspaces
+        self.file_max_bytes = file_max_bytes
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.clock = clock
@@ -131,6 +170,17 @@ class SessionStore:
     def get(self, sid: str) -> dict[str, Any]:
         return self._get(sid).describe(self.clock())
 
+    def _release(self, sessions: list[Session]) -> None:
+        """Delete ended sessions' workspaces (kills their commands); caller holds no lock."""
+        for s in sessions:
+            if s.workspace is not None and self.workspaces is not None:
+                self.workspaces.release(s.workspace)
+
+    def close_all(self) -> None:
+        with self._lock:
+            gone = [s for sid in list(self._sessions) if (s := self._end(sid, "was closed at shutdown"))]
+        self._release(gone)
+
     def _end(self, sid: str, why: str) -> Session | None:
         """Remove a session; caller holds the store lock."""
         s = self._sessions.pop(sid, None)
@@ -152,27 +202,120 @@ class SessionStore:
             with self._lock:
                 self.counts.rejected_full += 1
             raise SandboxFull(self._full_message())
+        ws = None
+        if cls.needs_workspace:
+            ws = self._new_workspace(env_name)
         try:
             env = cls()
+            env.workspace = ws
             prompt = env.reset(seed)
             max_turns = int(env.max_turns)
+            if not isinstance(prompt, str):
+                raise EnvFailed(
+                    env_name, f"env {env_name!r}: reset() returned {type(prompt).__name__}, expected str"
+                )
+        except EnvFailed:
+            self._drop_workspace(ws)
+            raise
         except Exception as e:
+            self._drop_workspace(ws)
             raise EnvFailed(
                 env_name, f"env {env_name!r}: reset({seed}) raised {type(e).__name__}: {e}"
             ) from e
-        if not isinstance(prompt, str):
-            raise EnvFailed(
-                env_name, f"env {env_name!r}: reset() returned {type(prompt).__name__}, expected str"
-            )
         now = self.clock()
-        s = Session(uuid.uuid4().hex, env_name, env, max(1, max_turns), now, now)
+        s = Session(uuid.uuid4().hex, env_name, env, max(1, max_turns), now, now, workspace=ws)
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 self.counts.rejected_full += 1
-                raise SandboxFull(self._full_message())
-            self._sessions[s.id] = s
-            self.counts.created += 1
+                full = True
+            else:
+                full = False
+                self._sessions[s.id] = s
+                self.counts.created += 1
+        if full:
+            self._drop_workspace(ws)
+            raise SandboxFull(self._full_message())
         return s, prompt
+
+    def _new_workspace(self, what: str) -> Workspace:
+        if self.workspaces is None:
+            raise NoIsolation(f"{what}: this sandbox has no workspace manager (isolated execution is off)")
+        try:
+            return self.workspaces.create()
+        except (IsolationError, OSError) as e:
+            raise NoIsolation(f"{what}: cannot create a workspace: {e}") from e
+
+    def _drop_workspace(self, ws: Workspace | None) -> None:
+        if ws is not None and self.workspaces is not None:
+            self.workspaces.release(ws)
+
+    # ------------------------------------------------------------------ isolated execution
+
+    def workspace(self, sid: str) -> tuple[Session, Workspace]:
+        """The session's workspace, created on first use (any env can run commands)."""
+        s = self._get(sid)
+        with s.ws_lock:
+            if s.workspace is None:
+                s.workspace = self._new_workspace(f"session {sid!r}")
+        with self._lock:
+            ended = sid not in self._sessions
+        if ended:  # closed while we created it: do not leak the directory
+            self._drop_workspace(s.workspace)
+            raise UnknownSession(f"session {sid!r} {self._ended.get(sid, 'was closed')}")
+        return s, s.workspace
+
+    def _isolated(self, sid: str, fn: Callable[[Workspace], Any]) -> Any:
+        s, ws = self.workspace(sid)
+        with self._lock:
+            s.running += 1
+        try:
+            return fn(ws)
+        except ExecBusy as e:
+            with self._lock:
+                self.counts.rejected_busy += 1
+            raise ExecsFull(str(e)) from None
+        except IsolationError as e:
+            with self._lock:
+                gone = sid not in self._sessions
+            if gone:
+                raise UnknownSession(f"session {sid!r} {self._ended.get(sid, 'was closed')}") from None
+            raise NoIsolation(str(e)) from e
+        finally:
+            with self._lock:
+                s.running -= 1
+            s.last_used = self.clock()
+
+    def exec(self, sid: str, cmd: str, timeout_s: float | None) -> ExecResult:
+        r: ExecResult = self._isolated(sid, lambda ws: ws.run(cmd, timeout_s=timeout_s, wait=False))
+        with self._lock:
+            self.counts.execs += 1
+            self.counts.execs_timed_out += int(r.timed_out)
+            if (s := self._sessions.get(sid)) is not None:
+                s.execs += 1
+        return r
+
+    def read_file(self, sid: str, path: str) -> tuple[str, bool]:
+        if not path:
+            raise BadFileRequest("path must be non-empty")
+        try:
+            text, truncated, exists = self._isolated(
+                sid, lambda ws: ws.read_file(path, self.file_max_bytes, wait=False)
+            )
+        except OSError as e:
+            raise BadFileRequest(str(e)) from e
+        if not exists:
+            raise FileMissing(f"session {sid!r}: no file {path!r}")
+        return text, truncated
+
+    def write_file(self, sid: str, path: str, content: str) -> int:
+        if not path:
+            raise BadFileRequest("path must be non-empty")
+        if len(content.encode()) > self.file_max_bytes:
+            raise BadFileRequest(f"content is over sandbox.file_max_bytes={self.file_max_bytes}")
+        try:
+            return int(self._isolated(sid, lambda ws: ws.write_file(path, content, wait=False)))
+        except OSError as e:
+            raise BadFileRequest(str(e)) from e
 
     def step(self, sid: str, action: str, eos: bool) -> tuple[Session, str, bool]:
         s = self._get(sid)
@@ -211,8 +354,9 @@ class SessionStore:
                 ) from e
         with self._lock:
             self.counts.scored += 1
-            if not keep:
-                self._end(sid, "was closed when it was scored")
+            ended = self._end(sid, "was closed when it was scored") if not keep else None
+        if ended is not None:
+            self._release([ended])
         return s, reward, info
 
     def delete(self, sid: str) -> Session:
@@ -222,19 +366,25 @@ class SessionStore:
                 why = self._ended.get(sid)
                 raise UnknownSession(f"session {sid!r} {why}" if why else f"unknown session {sid!r}")
             self.counts.deleted += 1
-            return s
+        self._release([s])
+        return s
 
     def sweep(self) -> list[Session]:
         """End sessions idle for longer than ttl_s; returns them (for metrics and logs)."""
         cutoff = self.clock() - self.ttl_s
         with self._lock:
-            stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+            stale = [
+                sid
+                for sid, s in self._sessions.items()
+                if s.last_used < cutoff and not s.running and not s.lock.locked()
+            ]
             gone = [
                 s
                 for sid in stale
                 if (s := self._end(sid, f"expired after {self.ttl_s:g} s idle")) is not None
             ]
             self.counts.expired += len(gone)
+        self._release(gone)
         return gone
 
     def stats(self) -> dict[str, Any]:

@@ -15,7 +15,10 @@ import importlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import ClassVar, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeAlias, TypeVar
+
+if TYPE_CHECKING:
+    from services.sandbox.isolation import Workspace
 
 InfoValue: TypeAlias = float | int | str | bool
 Info: TypeAlias = dict[str, InfoValue]
@@ -34,11 +37,16 @@ class Environment(ABC):
       description  one line shown to users
       max_turns    model turns per episode; the sandbox ends the episode after this many steps
                    even if `step` never returns done=True (an instance may lower it in `reset`)
+      needs_workspace  give each episode an isolated working directory (see below)
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     max_turns: int = 1
+    # True: the sandbox gives each episode an isolated working directory (`self.workspace`, set
+    # before `reset`) whose `run(cmd)`, `read_file`, `write_file` execute under bubblewrap.
+    needs_workspace: ClassVar[bool] = False
+    workspace: Workspace | None = None
 
     @abstractmethod
     def reset(self, seed: int) -> str:

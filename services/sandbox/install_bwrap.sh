@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Make sure bubblewrap (bwrap), the sandbox's isolation boundary, is installed. Idempotent: a no-op
+# when `bwrap` is on PATH; otherwise `apt-get install bubblewrap` (after `apt-get update` if the
+# first try fails). Called by tests (tests/conftest.py fixture `bwrap`) and usable by hand or in CI:
+#
+#   bash services/sandbox/install_bwrap.sh     prints the bwrap path on stdout
+#
+# Exit status: 0 installed (or already there), 3 missing and no apt-get to install it (tests skip,
+# naming this reason), 1 apt-get failed. Several developers share a machine: apt runs under a lock.
+set -euo pipefail
+
+log() { echo "[install_bwrap] $*" >&2; }
+
+if command -v bwrap >/dev/null; then
+  command -v bwrap
+  exit 0
+fi
+if ! command -v apt-get >/dev/null; then
+  log "bubblewrap missing and apt-get unavailable: cannot install"
+  exit 3
+fi
+LOG=${TMPDIR:-/tmp}/relay-install-bwrap.log
+exec 9>"${TMPDIR:-/tmp}/relay-install-bwrap.lock"
+flock 9
+if ! command -v bwrap >/dev/null; then
+  log "installing bubblewrap with apt-get (log: $LOG)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq bubblewrap >"$LOG" 2>&1 || {
+    apt-get update -qq >>"$LOG" 2>&1 && apt-get install -y -qq bubblewrap >>"$LOG" 2>&1
+  } || { log "apt-get install failed, see $LOG"; tail -5 "$LOG" >&2; exit 1; }
+fi
+command -v bwrap

@@ -1,0 +1,543 @@
+"""Isolated command execution for sandbox sessions: bubblewrap + rlimits + a per-session uid.
+
+Every command a session runs (`exec`, file read/write, an environment's tools and hidden tests)
+goes through `Workspace.run`, which starts
+
+    prlimit --cpu --as --nproc --fsize --nofile --core -- bwrap --unshare-all --die-with-parent ...
+
+as the session's own host uid (when the sandbox runs as root), with:
+
+- **namespaces:** all of them unshared (net: only a loopback interface of its own, so nothing on
+  the host or outside is reachable; pid: the command is pid 1's child, so when it exits or is
+  killed the kernel kills everything it left behind), `--disable-userns`, `--new-session`.
+- **filesystem:** /usr read-only (plus the /bin /lib /lib64 /sbin links), a fresh /proc, a
+  minimal /dev, a size-capped tmpfs at /tmp, and the session's directory read-write at /work.
+  Nothing else of the host exists inside: no /etc, /home, /root, other sessions.
+  The sandbox root is mode 0711 (so each uid reaches only its own 0700 directory by name).
+- **a distinct host uid per session** (`sandbox.uid_base` + a slot): RLIMIT_NPROC is counted per
+  uid, so a fork bomb hits its own session's limit (root is exempt from it, hence never root),
+  and a session's directory is mode 0700 owned by its uid, so sessions cannot read each other.
+- **rlimits:** CPU seconds, address space, processes, file size, open files, no core dumps.
+- **wall clock:** past the timeout the process group is SIGKILLed; bwrap's pid namespace takes
+  every descendant down with it (a background grandchild included).
+- **output:** stdout and stderr are each kept up to a byte budget and drained (discarded) past
+  it, with a marker saying how much was dropped, so 1 GB of output costs time, not memory.
+
+Host-side code never follows paths inside a session directory after untrusted code has run
+there (symlinks could point anywhere on the host): file reads and writes run inside the sandbox
+too (`read_file` / `write_file`), and the directory is removed with `shutil.rmtree`, which does
+not follow symlinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKDIR = "/work"  # the session directory's path inside the sandbox
+HIDDEN = "/hidden"  # a workspace's private directory, mounted read-only only when asked for
+INSTALL_SCRIPT = Path(__file__).resolve().parent / "install_bwrap.sh"
+PATH_IN_SANDBOX = "/usr/local/bin:/usr/bin:/bin"
+
+
+class IsolationError(RuntimeError):
+    """The isolation layer itself cannot work here (no bwrap, no user namespaces)."""
+
+
+class ExecBusy(IsolationError):
+    """All `max_concurrent_execs` slots are taken (the HTTP layer answers 429)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-command limits (SandboxSection's exec_* knobs)."""
+
+    timeout_s: float = 30.0
+    cpu_s: int = 60
+    memory_mb: int = 1024  # address space (RLIMIT_AS)
+    max_procs: int = 64  # RLIMIT_NPROC for the session's uid
+    max_file_mb: int = 64  # RLIMIT_FSIZE
+    max_open_files: int = 256
+    output_bytes: int = 65536  # per stream
+    tmp_mb: int = 64  # size of the /tmp tmpfs
+
+
+@dataclass
+class ExecResult:
+    exit_code: int  # the command's status; 128+N when killed by signal N (shell convention)
+    stdout: str
+    stderr: str
+    truncated: bool = False
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "exit_code": self.exit_code,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "truncated": self.truncated,
+            "timed_out": self.timed_out,
+            "duration_s": round(self.duration_s, 4),
+        }
+
+
+def find_bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise IsolationError(
+            f"bubblewrap (bwrap) is not installed; run `bash {INSTALL_SCRIPT}` (apt-get install bubblewrap)"
+        )
+    return path
+
+
+def _truncate_marker(dropped: int) -> bytes:
+    return f"\n[... truncated: {dropped} more bytes not shown ...]\n".encode()
+
+
+class _Capture:
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.buf = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.budget - len(self.buf)
+        if room > 0:
+            self.buf += data[:room]
+        self.dropped += max(0, len(data) - max(room, 0))
+
+    def text(self) -> str:
+        out = bytes(self.buf) + (_truncate_marker(self.dropped) if self.dropped else b"")
+        return out.decode("utf-8", errors="replace")
+
+
+_SUBREAPER = False  # set by enable_subreaper()
+
+
+def enable_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (PR_SET_CHILD_SUBREAPER).
+
+    bwrap's outer process exits as soon as the command does, a moment before the sandbox's own
+    pid 1, which is then orphaned; without this it becomes a zombie of the host's init until that
+    reaps it (lazily in some containers), and zombies count against the session uid's process
+    limit. The sandbox service calls this at start; `Workspace.run` then reaps those orphans."""
+    global _SUBREAPER
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        _SUBREAPER = libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        _SUBREAPER = False
+    return _SUBREAPER
+
+
+_ACTIVE: set[int] = set()  # pids of our own Popen children (never reaped behind subprocess's back)
+_ACTIVE_LOCK = threading.Lock()
+
+
+def reap_orphans() -> None:
+    """waitpid() the zombie bwrap orphans reparented to us; leave our Popen children alone."""
+    if not _SUBREAPER:
+        return
+    me = os.getpid()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm_end = stat.rfind(")")
+        fields = stat[comm_end + 2 :].split()
+        if fields[0] != "Z" or int(fields[1]) != me or stat[stat.find("(") + 1 : comm_end] != "bwrap":
+            continue
+        pid = int(d)
+        with _ACTIVE_LOCK:
+            if pid in _ACTIVE:
+                continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
+class Workspace:
+    """One session's directory and uid. Create through `WorkspaceManager.create`."""
+
+    def __init__(self, manager: WorkspaceManager, name: str, uid: int | None):
+        self.manager = manager
+        self.name = name
+        self.uid = uid
+        self.path = manager.root / name
+        # Host-only directory for an environment's private files (hidden tests); never writable
+        # from the sandbox, visible read-only at /hidden only to runs that ask for it.
+        self.private = manager.root / f"{name}.private"
+        self.closed = False
+        self._procs: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ setup (host side)
+
+    def _setup(self) -> None:
+        self.path.mkdir(mode=0o700)
+        self.private.mkdir(mode=0o700)
+        if self.uid is not None:
+            os.chown(self.path, self.uid, self.uid)
+
+    def seed_files(self, files: dict[str, str]) -> None:
+        """Write the task's initial files. Host side, so only before any command has run."""
+        for rel, text in files.items():
+            p = (self.path / rel).resolve()
+            if not p.is_relative_to(self.path.resolve()):
+                raise ValueError(f"seed file {rel!r} is outside the workspace")
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        if self.uid is not None:
+            for dirpath, dirnames, filenames in os.walk(self.path):
+                for n in [*dirnames, *filenames]:
+                    os.lchown(os.path.join(dirpath, n), self.uid, self.uid)
+
+    def seed_private(self, files: dict[str, str]) -> None:
+        for rel, text in files.items():
+            p = self.private / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            p.chmod(0o644)
+        for dirpath, _dirs, _files in os.walk(self.private):
+            os.chmod(dirpath, 0o755)
+        if self.uid is not None:  # bwrap (as the session uid) must reach it to mount it read-only
+            os.chown(self.private, self.uid, self.uid)
+        self.private.chmod(0o500)
+
+    # ------------------------------------------------------------------ running
+
+    def _argv(self, bwrap: str, limits: Limits, cmd: list[str], hidden: bool) -> list[str]:
+        argv = [
+            "prlimit",
+            f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+            f"--as={limits.memory_mb << 20}",
+            f"--fsize={limits.max_file_mb << 20}",
+            f"--nofile={limits.max_open_files}",
+            "--core=0",
+        ]
+        if self.uid is not None:  # NPROC is per uid: only meaningful with the session's own uid
+            argv.append(f"--nproc={limits.max_procs}")
+        argv += [
+            "--",
+            bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",
+            "--new-session",
+            "--disable-userns",
+        ]
+        argv += ["--ro-bind", "/usr", "/usr"]
+        for d in ("bin", "lib", "lib64", "sbin"):
+            src = Path("/") / d
+            if src.is_symlink():
+                argv += ["--symlink", os.readlink(src), f"/{d}"]
+            elif src.exists():
+                argv += ["--ro-bind", str(src), f"/{d}"]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+        argv += ["--bind", str(self.path), WORKDIR]
+        if hidden:
+            argv += ["--ro-bind", str(self.private), HIDDEN]
+        # The root and /dev are bwrap's own tmpfs: read-only, so the only writable (and
+        # size-bounded) places are /work and /tmp. Device nodes (/dev/null) still work.
+        argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
+        argv += ["--chdir", WORKDIR, "--clearenv"]
+        env = {"PATH": PATH_IN_SANDBOX, "HOME": WORKDIR, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        argv += ["--", *cmd]
+        return argv
+
+    def run(
+        self,
+        cmd: str | list[str],
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        limits: Limits | None = None,
+        hidden: bool = False,
+        wait: bool = True,
+    ) -> ExecResult:
+        """Run `cmd` (a shell string for /bin/sh -c, or an argv) in the sandbox, in /work.
+        Takes one of the manager's concurrency slots: waits for it, or with wait=False raises
+        ExecBusy when none is free."""
+        if self.closed:
+            raise IsolationError(f"workspace {self.name} is closed")
+        if not self.manager.slots.acquire(blocking=wait):
+            raise ExecBusy(
+                f"all {self.manager.max_concurrent} exec slots are busy (sandbox.max_concurrent_execs); retry"
+            )
+        try:
+            return self._run(cmd, timeout_s, stdin, limits, hidden)
+        finally:
+            self.manager.slots.release()
+
+    def _run(
+        self,
+        cmd: str | list[str],
+        timeout_s: float | None,
+        stdin: bytes | None,
+        limits: Limits | None,
+        hidden: bool,
+    ) -> ExecResult:
+        limits = limits or self.manager.limits
+        timeout = limits.timeout_s if timeout_s is None else min(timeout_s, self.manager.max_timeout_s)
+        argv_cmd = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        bwrap = find_bwrap()
+        t0 = time.monotonic()
+        kw: dict[str, Any] = {}
+        if self.uid is not None:
+            kw = {"user": self.uid, "group": self.uid, "extra_groups": []}
+        with _ACTIVE_LOCK:  # registered before any reaper can see it exit
+            proc = subprocess.Popen(
+                self._argv(bwrap, limits, argv_cmd, hidden),
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                cwd="/",
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                **kw,
+            )
+            _ACTIVE.add(proc.pid)
+        with self._lock:
+            self._procs.add(proc)
+        try:
+            return self._communicate(proc, stdin, timeout, limits, t0)
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(proc.pid)
+            reap_orphans()
+
+    def _communicate(
+        self, proc: subprocess.Popen[bytes], stdin: bytes | None, timeout: float, limits: Limits, t0: float
+    ) -> ExecResult:
+        assert proc.stdout is not None and proc.stderr is not None
+        if stdin is not None:
+            assert proc.stdin is not None
+            pipe = proc.stdin
+
+            def feed() -> None:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    pipe.write(stdin)
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    pipe.close()
+
+            threading.Thread(target=feed, daemon=True).start()
+        out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
+        caps = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+        deadline = t0 + timeout
+        timed_out = False
+        with selectors.DefaultSelector() as sel:
+            for f in (proc.stdout, proc.stderr):
+                os.set_blocking(f.fileno(), False)
+                sel.register(f.fileno(), selectors.EVENT_READ)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if not timed_out:
+                        timed_out = True
+                        _kill_group(proc)
+                        # The pid namespace dies with bwrap; give the pipes a moment to close.
+                        deadline = time.monotonic() + 2.0
+                        continue
+                    break
+                for key, _ in sel.select(min(left, 0.5)):
+                    try:
+                        data = os.read(key.fd, 1 << 16)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        sel.unregister(key.fd)
+                    else:
+                        caps[key.fd].add(data)
+        try:
+            code = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            code = proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        if self.closed:  # deleted while running: report it like a kill
+            timed_out = timed_out or code < 0
+        return ExecResult(
+            exit_code=128 - code if code < 0 else code,
+            stdout=out.text(),
+            stderr=err.text(),
+            truncated=bool(out.dropped or err.dropped),
+            timed_out=timed_out,
+            duration_s=time.monotonic() - t0,
+        )
+
+    # ------------------------------------------------------------------ files (inside the sandbox)
+
+    def read_file(self, path: str, max_bytes: int, wait: bool = True) -> tuple[str, bool, bool]:
+        """(content, truncated, exists). Read inside the sandbox, so symlinks cannot escape."""
+        lim = self.manager.limits
+        r = self.run(
+            ["/bin/sh", "-c", 'test -f "$1" || exit 44; cat -- "$1"', "sh", path],
+            limits=Limits(**{**lim.__dict__, "output_bytes": max_bytes}),
+            wait=wait,
+        )
+        if r.exit_code == 44:
+            return "", False, False
+        if r.exit_code != 0:
+            raise OSError(f"cannot read {path!r}: {r.stderr.strip()[:500]}")
+        text = r.stdout
+        if r.truncated:  # drop the marker: the flag says it
+            text = text[: text.rfind("\n[... truncated:")]
+        return text, r.truncated, True
+
+    def write_file(self, path: str, content: str, wait: bool = True) -> int:
+        data = content.encode()
+        r = self.run(
+            ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
+            stdin=data,
+            wait=wait,
+        )
+        if r.exit_code != 0:
+            raise OSError(f"cannot write {path!r}: {r.stderr.strip()[:500]}")
+        return len(data)
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Kill anything still running, delete the directories (symlink-safe)."""
+        self.closed = True
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            _kill_group(p)
+        for d in (self.path, self.private):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class WorkspaceManager:
+    """Creates workspaces under `root` and hands out uids from [uid_base, uid_base + uid_count)."""
+
+    root: Path
+    limits: Limits = field(default_factory=Limits)
+    max_timeout_s: float = 600.0
+    uid_base: int = 200_000
+    uid_count: int = 65536
+    max_concurrent: int = 16
+    _free: list[int] = field(default_factory=list, repr=False)
+    _next: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _owned_root: bool = False
+
+    @classmethod
+    def temporary(cls, **kw: Any) -> WorkspaceManager:
+        base = Path(tempfile.gettempdir()) / "relay-sandbox"
+        m = cls(root=base / f"{os.getpid()}-{uuid.uuid4().hex[:8]}", **kw)
+        m._owned_root = True
+        return m
+
+    @classmethod
+    def from_config(cls, sec: Any, replica: int = 0) -> WorkspaceManager:
+        """From a SandboxSection; replica i of a service gets its own uid range."""
+        limits = Limits(
+            timeout_s=sec.exec_timeout_s,
+            cpu_s=sec.exec_cpu_s,
+            memory_mb=sec.exec_memory_mb,
+            max_procs=sec.exec_max_procs,
+            max_file_mb=sec.exec_max_file_mb,
+            max_open_files=sec.exec_max_open_files,
+            output_bytes=sec.exec_output_bytes,
+            tmp_mb=sec.exec_tmp_mb,
+        )
+        kw = {
+            "limits": limits,
+            "max_timeout_s": sec.exec_max_timeout_s,
+            "uid_base": sec.uid_base + replica * sec.max_sessions,
+            "uid_count": sec.max_sessions,
+            "max_concurrent": sec.max_concurrent_execs,
+        }
+        if sec.workdir_root:
+            m = cls(root=Path(sec.workdir_root) / f"replica-{replica}", **kw)
+            m._owned_root = True
+            return m
+        return cls.temporary(**kw)
+
+    def __post_init__(self) -> None:
+        self.slots = threading.BoundedSemaphore(self.max_concurrent)
+        self.root = Path(self.root)
+        self.as_root = os.geteuid() == 0
+        self._root_ready = False
+
+    def _ensure_root(self) -> None:
+        """Create the root on first use, so a service that never runs a command leaves nothing."""
+        if self._root_ready:
+            return
+        with self._lock:
+            if self._root_ready:
+                return
+            if self._owned_root and self.root.parent.name == "relay-sandbox":
+                self.root.parent.mkdir(exist_ok=True)
+                self.root.parent.chmod(0o711)
+            self.root.mkdir(parents=True, exist_ok=True)
+            # Traversable, not listable: bwrap, running as a session's uid, must reach its own
+            # directory by path; each session directory is 0700 and owned by that session's uid.
+            self.root.chmod(0o711)
+            for parent in self.root.resolve().parents:
+                if not os.stat(parent).st_mode & 0o001:
+                    raise IsolationError(
+                        f"sandbox.workdir_root {self.root}: its parent {parent} is not traversable by "
+                        "other users (o+x); session uids could not reach their directories"
+                    )
+            self._root_ready = True
+
+    def _alloc_uid(self) -> int | None:
+        if not self.as_root:
+            return None  # cannot switch uids: commands run as this user (weaker process limits)
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._next >= self.uid_count:
+                raise IsolationError(f"out of sandbox uids ({self.uid_count}); raise sandbox.uid_count")
+            self._next += 1
+            return self.uid_base + self._next - 1
+
+    def create(self) -> Workspace:
+        self._ensure_root()
+        ws = Workspace(self, uuid.uuid4().hex, self._alloc_uid())
+        ws._setup()
+        return ws
+
+    def release(self, ws: Workspace) -> None:
+        if ws.closed and not ws.path.exists():
+            return
+        ws.close()
+        if ws.uid is not None:
+            with self._lock:
+                self._free.append(ws.uid)
+
+    def shutdown(self) -> None:
+        if self._owned_root and self._root_ready:
+            shutil.rmtree(self.root, ignore_errors=True)
