@@ -97,6 +97,8 @@ MinJobAge=600
 SuspendProgram=/bin/true
 ResumeProgram=/bin/true
 SuspendTime=600
+# ... and only them: the virtual nodes must never be "powered down" (a job would wait for them).
+SuspendExcParts=debug
 EOF
   local i
   for ((i = 1; i <= NODES; i++)); do
@@ -121,17 +123,23 @@ running() {  # every daemon alive and the controller answering
 }
 
 stop_daemons() {
-  local f pid
+  # TERM everything at once, then wait for all together (one slow daemon should not serialize the rest).
+  local f pids=()
   for f in "$PREFIX"/run/slurmd-*.pid "$PREFIX/run/slurmctld.pid" "$PREFIX/munge/run/munged.pid"; do
     [[ -s $f ]] || continue
-    pid=$(cat "$f")
-    if kill -0 "$pid" 2>/dev/null; then
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -9 "$pid" 2>/dev/null || true
-    fi
+    pids+=("$(cat "$f")")
+    kill "${pids[-1]}" 2>/dev/null || true
     rm -f "$f"
   done
+  ((${#pids[@]})) || return 0
+  local p live
+  for _ in $(seq 100); do
+    live=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && live=1; done
+    ((live)) || return 0
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
 }
 
 start_munge() {

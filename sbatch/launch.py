@@ -85,9 +85,10 @@ def print_supervisors(bus: Bus) -> None:
     for s in states:
         up = f"{now - s['child_started']:.0f}s" if s.get("child_started") and s["state"] == "running" else "-"
         last = "-" if s.get("last_exit") is None else str(s["last_exit"])
+        pid = s.get("child_pid") or "-"
         console.print(
-            f"  {s['name']:<14} {s['state']:<9} host {s['host']:<12} pid {s.get('child_pid') or '-'!s:<8} "
-            f"up {up:<7} restarts {s['restarts']:<3} last exit {last}"
+            f"  {s['name']:<13} {s['state']:<8} {s['host']}:{pid} up {up} restarts {s['restarts']} last exit {last}",
+            soft_wrap=True,
         )
 
 
@@ -102,7 +103,8 @@ def cmd_status() -> int:
     if info is not None:
         states = job_states(str(info["job_id"]))
         console.print(
-            f"slurm job {info['job_id']}: " + ("; ".join(states) if states else "no longer in the queue")
+            f"slurm job {info['job_id']}: "
+            + ("squeue did not answer" if states is None else "; ".join(states) or "no longer in the queue")
         )
     summary = run_dir / "summary.json"
     if summary.exists():
@@ -125,7 +127,15 @@ def cmd_status() -> int:
             console.print(f"  {s.kind:<12} {s.url:<28} v{s.version}")
         print_supervisors(bus)
         return 1
-    status = httpx.get(f"{orch[0].url}/v1/status", timeout=10).json()
+    try:
+        status = httpx.get(f"{orch[0].url}/v1/status", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        # e.g. the orchestrator is restarting: still show what the registry and supervisors know
+        console.print(f"run {run_dir.name}: orchestrator at {orch[0].url} did not answer ({e!r})")
+        for s in bus.services():
+            console.print(f"  {s.kind:<12} {s.url:<28} v{s.version}")
+        print_supervisors(bus)
+        return 1
     services = status.pop("services")
     console.print(f"run {run_dir.name} ({run_dir})")
     console.print_json(json.dumps(status))

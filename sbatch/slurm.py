@@ -730,13 +730,24 @@ def slurm_info(run_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def job_states(job_id: str) -> list[str]:
-    """Per-component state lines of a job still known to squeue (empty once it has left)."""
+def job_states(job_id: str) -> list[str] | None:
+    """Per-component state lines of a job still known to squeue; [] once it has left the queue,
+    None when squeue could not tell (controller busy or unreachable: ask again later)."""
     ensure_slurm_conf()
-    out = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%i %T %M %N %R"], capture_output=True, text=True, timeout=30
-    )
-    return [line for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%i %T %M %R"], capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    if out.returncode == 0:
+        return [line for line in out.stdout.splitlines() if line.strip()]
+    # A job purged from the controller's memory (MinJobAge after it ended) is an "invalid job id".
+    return [] if "invalid job id" in out.stderr.lower() else None
+
+
+def job_gone(job_id: str) -> bool:
+    return job_states(job_id) == []
 
 
 def dry_run(cfg: RunConfig, console: Console) -> int:
@@ -788,7 +799,19 @@ def submit(cfg: RunConfig, console: Console) -> int:
     folder = submitit_folder(cfg, run_dir)
     ex = submitit.SlurmExecutor(folder=folder, python=shlex.quote(sys.executable))
     ex.update_parameters(**sbatch_parameters(cfg, plan))
-    job = ex.submit(run_component, plan)
+    try:
+        job = ex.submit(run_component, plan)
+    except (
+        subprocess.CalledProcessError,
+        submitit.core.utils.UncompletedJobError,
+        submitit.core.utils.FailedSubmissionError,
+    ) as e:
+        detail = getattr(e, "stderr", None) or getattr(e, "output", None) or e
+        if isinstance(detail, bytes):
+            detail = detail.decode(errors="replace")
+        console.print(f"[red]sbatch refused the job: {str(detail).strip()}[/]")
+        console.print(f"script: {folder}; SLURM_CONF={os.environ.get('SLURM_CONF', '(default)')}")
+        return 2
     (run_dir / "slurm.json").write_text(
         json.dumps({"job_id": job.job_id, "folder": str(folder), "submitted": time.time()}, indent=2)
     )
@@ -824,7 +847,7 @@ def follow(cfg: RunConfig, run_dir: Path, job_id: str, console: Console, t0: flo
                 if states and not started and all(" RUNNING " in s for s in states):
                     started = True
                     console.print(f"job {job_id} running after {time.time() - t0:.1f}s")
-                if not states:
+                if states == []:  # None (squeue did not answer) is not "gone"
                     break
                 if time.monotonic() > deadline:
                     console.print(
@@ -854,7 +877,7 @@ def stop_job(run_dir: Path, console: Console, reason: str = "stop requested (mak
         console.print(f"{run_dir.name} is not a Slurm run")
         return 1
     job_id = str(info["job_id"])
-    if not job_states(job_id):
+    if job_gone(job_id):
         console.print(f"job {job_id} is not in the queue any more")
         return 0
     try:
@@ -865,11 +888,11 @@ def stop_job(run_dir: Path, console: Console, reason: str = "stop requested (mak
             connect(cfg.redis.url).set(shutdown_key(cfg.redis.prefix), reason, nx=True)
             console.print(f"asked job {job_id} to stop ({reason})")
             deadline = time.monotonic() + cfg.slurm.supervisor.stop_timeout_s + 60
-            while job_states(job_id) and time.monotonic() < deadline:
+            while not job_gone(job_id) and time.monotonic() < deadline:
                 time.sleep(1.0)
     except (redis.RedisError, OSError, ValueError) as e:
         console.print(f"Redis unreachable ({e}); cancelling directly")
-    if job_states(job_id):
+    if not job_gone(job_id):
         subprocess.run(["scancel", job_id], check=False)
         console.print(f"scancel {job_id}")
     return 0

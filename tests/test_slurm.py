@@ -336,4 +336,20 @@ def test_cluster_script_is_idempotent(slurm_cluster: str) -> None:
     info = subprocess.run(
         ["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True, check=True
     )
-    assert info.stdout.split()[0] == os.environ.get("RELAY_SLURM_NODES", "4")
+    # every virtual node up: not powered down ("idle~"), down, drained or unresponsive ("*")
+    rows = [line.split() for line in info.stdout.splitlines()]
+    assert sum(int(n) for n, _ in rows) == int(os.environ.get("RELAY_SLURM_NODES", "4"))
+    assert all(state in ("idle", "plnd", "mix", "alloc", "comp") for _, state in rows), rows
+
+
+def test_refused_submission_names_the_reason(slurm_cluster: str, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sbatch.launch", "run", "debug", *SMALL, f"--run.dir={tmp_path / 'run'}"]
+        + ["--slurm.partition=nosuch"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "sbatch refused the job" in out.stdout and "invalid partition" in out.stdout.lower()

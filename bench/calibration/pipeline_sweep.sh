@@ -11,8 +11,16 @@ fi
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 run() { name=$1; shift; python3 -m sbatch.launch run debug --run.dir=/tmp/p_$name "$@" > "/tmp/p_$name.log" 2>&1 & }
-run base
-run sync --orchestrator.max_off_policy_steps=0
-run lr7e-4 --trainer.lr=7e-4
+# One configuration per line: name, then overrides. The default is the first sweep we ran.
+RUNS=${RUNS:-"base --trainer.lr=1e-3 --run.max_steps=250 --run.stop_on_targets=false
+sync --trainer.lr=1e-3 --orchestrator.max_off_policy_steps=0 --run.max_steps=250 --run.stop_on_targets=false
+lr7e-4 --trainer.lr=7e-4 --run.max_steps=250 --run.stop_on_targets=false"}
+names=()
+while read -r name args; do
+  [ -n "$name" ] || continue
+  names+=("$name")
+  # shellcheck disable=SC2086
+  run "$name" $args
+done <<< "$RUNS"
 wait
-for n in base sync lr7e-4; do cp /tmp/p_$n/metrics.jsonl "$OUT/$n.metrics.jsonl"; cp /tmp/p_$n/summary.json "$OUT/$n.summary.json"; tail -n 12 /tmp/p_$n.log; done
+for n in "${names[@]}"; do cp /tmp/p_$n/metrics.jsonl "$OUT/$n.metrics.jsonl"; cp /tmp/p_$n/summary.json "$OUT/$n.summary.json"; tail -n 12 /tmp/p_$n.log; done
