@@ -12,6 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.batch import MicroBatch
+from trainer.chunked import logprob_targets
+from trainer.packing import PackedMicroBatch, document_mask
+
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of `targets` and the entropy of the distribution (temperature 1).
@@ -26,13 +30,46 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return logp, entropy
 
 
-def token_logprobs(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model: nn.Module, tokens: torch.Tensor, chunk: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token after the first under `model`: tokens [B, T] -> (logp, entropy), each
     [B, T-1], column t scoring tokens[:, t+1]. The last position's logits are never needed, so
     the model only sees tokens[:, :-1] (identical values under causal attention). This is the
-    function the engine parity test compares the inference engine's log-probs against."""
-    logits = model(tokens[:, :-1])
-    return logprobs_from_logits(logits, tokens[:, 1:])
+    function the engine parity test compares the inference engine's log-probs against.
+
+    chunk > 0: the vocabulary projection runs `chunk` tokens at a time (trainer.chunked; the
+    model needs `enable_chunked_output`), so no [tokens x vocab] tensor is materialised."""
+    return sequence_logprobs(model, tokens[:, :-1], tokens[:, 1:], chunk=chunk)
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) of `targets` given `inputs` (same shape [B, T]); `positions` are the RoPE
+    positions (None = 0..T-1 per row), chunk as in token_logprobs."""
+    kw = {} if positions is None else {"positions": positions}
+    if chunk > 0:
+        with logprob_targets(model, targets, chunk):
+            logp, ent = model(inputs, **kw)
+        return logp, ent
+    return logprobs_from_logits(model(inputs, **kw), targets)
+
+
+def micro_batch_logprobs(
+    model: nn.Module, mb: MicroBatch | PackedMicroBatch, chunk: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) aligned with mb.loss_mask, for a padded or a packed micro-batch (the latter
+    needs `enable_document_masking`: attention stays within each sample, RoPE restarts)."""
+    if isinstance(mb, PackedMicroBatch):
+        with document_mask(model, mb.seq_lens, mb.inputs.device):
+            return sequence_logprobs(model, mb.inputs, mb.targets, positions=mb.positions, chunk=chunk)
+    return token_logprobs(model, mb.tokens, chunk=chunk)
 
 
 @dataclass

@@ -49,9 +49,18 @@ from services.common.config import RunConfig, load_resolved
 from services.common.modeldir import step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
-from trainer.batch import flatten, loss_token_count, micro_batches, split_for_ranks, truncate
-from trainer.loss import LossStats, ratio_loss, token_logprobs
+from trainer.batch import (
+    MicroBatch,
+    flatten,
+    loss_token_count,
+    micro_batches,
+    split_for_ranks,
+    truncate,
+)
+from trainer.chunked import enable_chunked_output
+from trainer.loss import LossStats, micro_batch_logprobs, ratio_loss
 from trainer.model import build_model, load_weights_dir, save_weights_dir
+from trainer.packing import PackedMicroBatch, enable_document_masking, packed_micro_batches
 
 CONSUMER = "trainer"
 CKPT_RE = re.compile(r"^step_(\d+)$")
@@ -241,6 +250,8 @@ class Trainer:
             model.load_state_dict(sd)
             self.version = 0
         # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
+        # Both swaps keep parameters and names; they only act when packing / chunking is used.
+        enable_chunked_output(enable_document_masking(model))
         self.model = shard_model(model.to(self.d.device), self.d)
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
@@ -257,11 +268,16 @@ class Trainer:
             if len(rng) == self.d.world:
                 torch.set_rng_state(rng[self.d.rank])
 
-        # Publish the version we hold. On a resume this may be OLDER than weights:latest (crash
-        # after publishing step M but before checkpoint M): we continue from the checkpoint and
-        # republish, so engines roll back to the lineage the trainer will extend (docs/loss.md).
-        # Rank 0 decides (another rank could see the directory appear mid-write and skip the
-        # collective inside _write_weights).
+        # Publish the version we hold. On a resume the checkpoint may be OLDER than weights:latest
+        # (a crash after publishing step M but before checkpointing it): the updates after the
+        # checkpoint are lost, and we publish the checkpoint's model as version M+1, so versions
+        # never go back and no published directory is ever rewritten (docs/loss.md). Rank 0
+        # decides (another rank could see a directory appear mid-write and skip the collective
+        # inside _write_weights).
+        latest = self.bus.latest_weights() if self.bus is not None else None
+        if ckpt is not None and latest is not None and latest.version > self.version:
+            self.version = latest.version + 1
+        self.version = int(self.d.broadcast(self.version))
         if self.d.broadcast(not step_dir(self.run_dir, self.version).exists()):
             self._write_weights(self.version)
         if self.bus is not None:
@@ -403,7 +419,11 @@ class Trainer:
         tc = self.cfg.trainer
         samples = [truncate(s, self.cfg.model.max_seq_len + 1) for s in flatten(groups)]
         mine = split_for_ranks(samples, self.d.world)[self.d.rank]
-        mbs = micro_batches(mine, tc.micro_batch_tokens)
+        mbs: list[MicroBatch] | list[PackedMicroBatch]
+        if tc.packing:
+            mbs = packed_micro_batches(mine, tc.micro_batch_tokens)
+        else:
+            mbs = micro_batches(mine, tc.micro_batch_tokens)
         # The normaliser is the step's loss-token count summed over all ranks.
         counts = self.d.all_reduce(torch.tensor([loss_token_count(mine)], dtype=torch.float64))
         total_loss_tokens = max(1, int(counts[0].item()))
@@ -418,7 +438,7 @@ class Trainer:
         for i in range(n_mb):
             if i < len(mbs):
                 mb = mbs[i].to(self.d.device)
-                logp, ent = token_logprobs(self.model, mb.tokens)
+                logp, ent = micro_batch_logprobs(self.model, mb, tc.logprob_chunk_tokens)
                 loss, st = ratio_loss(
                     logp,
                     mb.logp_infer,

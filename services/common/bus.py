@@ -118,14 +118,24 @@ class Bus:
 
     def queue_depth(self) -> int:
         """Groups on the stream not yet delivered to the trainer."""
+        return self._trainer_group_counts()[0]
+
+    def unconsumed(self) -> int:
+        """Groups on the stream the trainer has not finished with: undelivered, or delivered
+        but not yet acked (the batch it is collecting or training on)."""
+        lag, pending = self._trainer_group_counts()
+        return lag + pending
+
+    def _trainer_group_counts(self) -> tuple[int, int]:
         try:
             for g in self.r.xinfo_groups(self.k.rollouts):
                 if g["name"] == TRAINER_GROUP:
                     lag = g.get("lag")
-                    return int(lag) if lag is not None else 0
+                    return (int(lag) if lag is not None else 0), int(g.get("pending") or 0)
         except redis.ResponseError:
             pass
-        return int(self.r.xlen(self.k.rollouts)) if self.r.exists(self.k.rollouts) else 0
+        # No consumer group yet: the trainer has not started reading; everything is undelivered.
+        return (int(self.r.xlen(self.k.rollouts)) if self.r.exists(self.k.rollouts) else 0), 0
 
     # ---------------------------------------------------------- weights
 

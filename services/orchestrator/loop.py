@@ -54,6 +54,7 @@ class Orchestrator:
         self._http: aiohttp.ClientSession | None = None
         self.registry = Registry(bus, quarantine_s=cfg.redis.ttl_s)
         self.version = -1  # the version every live decode has been asked to serve
+        self.rolled_out: WeightsInfo | None = None
         self.paused = False
         self.stopping = False
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -85,6 +86,10 @@ class Orchestrator:
         started, dropped = pipe.execute()
         return int(started or 0), int(dropped or 0)
 
+    def _admission(self) -> tuple[int, int, int]:
+        started, dropped = self._counts()
+        return started, dropped, self.bus.unconsumed()
+
     # ------------------------------------------------------------ weights
 
     async def _wait_initial_weights(self) -> WeightsInfo:
@@ -106,6 +111,7 @@ class Orchestrator:
             if isinstance(r, Exception):
                 log_event(log, "weight update failed", url=d.url, version=info.version, error=str(r))
         self.version = info.version
+        self.rolled_out = info
         prom.POLICY_VERSION.set(info.version)
         self._wake.set()
 
@@ -113,16 +119,18 @@ class Orchestrator:
         while not self.stopping:
             try:
                 info = await asyncio.to_thread(self.bus.latest_weights)
-                if info is not None and info.version > self.version:
+                # Any change, not only a higher number: a trainer that resumed from an older
+                # checkpoint republishes that version, and later re-creates version numbers.
+                if info is not None and info != self.rolled_out:
                     t0 = time.monotonic()
                     await self._roll_out(info)
                     log_event(
                         log, "weights rolled out", version=info.version, s=round(time.monotonic() - t0, 3)
                     )
                 else:
-                    # A decode that restarted may come back on an older version: bring it forward.
+                    # A decode that restarted may come back on another version: bring it in line.
                     for d in await self.registry.live("decode"):
-                        if info is not None and 0 <= d.version < info.version:
+                        if info is not None and d.version >= 0 and d.version != info.version:
                             await self.decode.update_weights(d.url, info.path, info.version)
             except (redis.RedisError, ServiceUnavailable, ValueError) as e:
                 log_event(log, "weights watcher error", error=str(e))
@@ -130,14 +138,18 @@ class Orchestrator:
 
     # ------------------------------------------------------------ producing groups
 
-    def _allowance(self, started: int, dropped: int) -> int:
-        """How many more groups may start now. A group started while version v is live is
-        trained no later than step v + max_off_policy_steps (AReaL-style admission), and
-        production stops once max_steps worth of groups (plus replacements for drops) exist."""
+    def _allowance(self, started: int, dropped: int, unconsumed: int) -> int:
+        """How many more groups may start now.
+
+        Staleness (AReaL-style admission): a group started while version v is live is trained no
+        later than step v + max_off_policy_steps. Budget: no more groups than the trainer still
+        needs for its remaining steps, counting those on the stream and in flight. Counting what
+        is still needed, rather than what was started, keeps production going when the trainer
+        retrains steps after resuming from an older checkpoint, or drops stale groups."""
         b = self.o.batch_size
-        by_staleness = (self.version + self.o.max_off_policy_steps + 1) * b + dropped
-        by_budget = self.cfg.run.max_steps * b + dropped
-        return min(by_staleness, by_budget) - started
+        by_staleness = (self.version + self.o.max_off_policy_steps + 1) * b + dropped - started
+        by_budget = (self.cfg.run.max_steps - self.version) * b - unconsumed - len(self.inflight)
+        return min(by_staleness, by_budget)
 
     def _pick_task(self) -> str:
         weights = [t.weight for t in self.o.tasks]
@@ -149,8 +161,10 @@ class Orchestrator:
             if self.paused or len(self.inflight) >= self.o.max_inflight_groups:
                 await self._sleep_until_woken(0.5)
                 continue
-            started, dropped = await asyncio.to_thread(self._counts)
-            room = min(self._allowance(started, dropped), self.o.max_inflight_groups - len(self.inflight))
+            started, dropped, unconsumed = await asyncio.to_thread(self._admission)
+            room = min(
+                self._allowance(started, dropped, unconsumed), self.o.max_inflight_groups - len(self.inflight)
+            )
             if room <= 0:
                 await self._sleep_until_woken(0.2)
                 continue
