@@ -28,7 +28,9 @@ from trainer.loss import ratio_loss, token_logprobs
 from trainer.model import build_model, save_weights_dir
 
 
-def episode(env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, max_tokens: int) -> RolloutGroup:
+def episode(
+    env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, max_tokens: int
+) -> RolloutGroup:
     envs = [get_env_class(env_name)() for _ in range(g)]
     prompt = [e.reset(seed) for e in envs][0]
     ids = tok.encode(prompt).ids
@@ -55,13 +57,24 @@ def episode(env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, 
             t[0].extend(o), t[1].extend([0] * len(o)), t[2].extend([0.0] * len(o)), t[3].extend([-1] * len(o))
             nxt.append(i)
         if nxt:
-            reqs = [GenerateRequest(input_ids=trajs[i][0], sampling=sp.model_copy(update={"n": 1, "seed": None})) for i in nxt]
+            reqs = [
+                GenerateRequest(input_ids=trajs[i][0], sampling=sp.model_copy(update={"n": 1, "seed": None}))
+                for i in nxt
+            ]
             for i, r in zip(nxt, engine.generate(reqs), strict=True):
                 choices[i] = r.choices[0]
         active = nxt
     mean = sum(rewards) / g
     samples = [
-        Sample(rollout_id=f"{seed}.{i}", tokens=t[0], loss_mask=t[1], logprobs=t[2], versions=t[3], reward=r, advantage=r - mean)
+        Sample(
+            rollout_id=f"{seed}.{i}",
+            tokens=t[0],
+            loss_mask=t[1],
+            logprobs=t[2],
+            versions=t[3],
+            reward=r,
+            advantage=r - mean,
+        )
         for i, (t, r) in enumerate(zip(trajs, rewards, strict=True))
     ]
     return RolloutGroup(group_id=str(seed), env=env_name, seed=seed, samples=samples)
@@ -74,7 +87,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--out", default="")
     ap.add_argument("--plugin", action="append", default=[], help="module registering extra envs")
-    ap.add_argument("--set", action="append", default=[], help="config override, e.g. --set=--trainer.lr=5e-4")
+    ap.add_argument(
+        "--set", action="append", default=[], help="config override, e.g. --set=--trainer.lr=5e-4"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     load_plugins(args.plugin)
@@ -88,10 +103,20 @@ def main() -> None:
     t_start = time.time()
     for step in range(1, args.steps + 1):
         d = save_weights_dir(cfg.model, model.state_dict(), tmp / f"step_{step}", {"version": step - 1})
-        engine = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=512, max_seq_len=256, torch_threads=2))
+        engine = LLMEngine(
+            d, EngineConfig(device="cpu", max_batch_size=512, max_seq_len=256, torch_threads=2)
+        )
         tok = load_tokenizer(d)
         groups = [
-            episode(args.env[i % len(args.env)], rng.randrange(1 << 31), engine, tok, eos_id(tok), o.group_size, o.sampling.max_tokens)
+            episode(
+                args.env[i % len(args.env)],
+                rng.randrange(1 << 31),
+                engine,
+                tok,
+                eos_id(tok),
+                o.group_size,
+                o.sampling.max_tokens,
+            )
             for i in range(args.prompts)
         ]
         samples = flatten(groups)
@@ -100,8 +125,16 @@ def main() -> None:
         ent_sum = 0.0
         for mb in micro_batches(samples, tc.micro_batch_tokens):
             logp, ent = token_logprobs(model, mb.tokens)
-            loss, st = ratio_loss(logp, mb.logp_infer, mb.advantages, mb.loss_mask, ratio_low=tc.ratio_low,
-                                  ratio_high=tc.ratio_high, total_loss_tokens=n, entropy=ent)
+            loss, st = ratio_loss(
+                logp,
+                mb.logp_infer,
+                mb.advantages,
+                mb.loss_mask,
+                ratio_low=tc.ratio_low,
+                ratio_high=tc.ratio_high,
+                total_loss_tokens=n,
+                entropy=ent,
+            )
             loss.backward()
             ent_sum += st.entropy_sum
         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
@@ -109,7 +142,11 @@ def main() -> None:
         by_env = {}
         for g in groups:
             by_env.setdefault(g.env, []).append(g.mean_reward)
-        rec = {"step": step, "reward_by_env": {k: sum(v) / len(v) for k, v in by_env.items()}, "entropy": ent_sum / n}
+        rec = {
+            "step": step,
+            "reward_by_env": {k: sum(v) / len(v) for k, v in by_env.items()},
+            "entropy": ent_sum / n,
+        }
         hist.append(rec)
         print(json.dumps(rec), flush=True)
     out = {

@@ -36,12 +36,18 @@ def main() -> None:
     cfg = load_config("debug")
     model = build_model(cfg.model, seed=0, init_std=cfg.trainer.init_std)
     d = save_weights_dir(cfg.model, model.state_dict(), Path(tempfile.mkdtemp()) / "step_0", {"version": 0})
-    engine = LLMEngine(d, EngineConfig(device=args.device, dtype="float32", max_batch_size=1024, max_seq_len=256))
+    engine = LLMEngine(
+        d, EngineConfig(device=args.device, dtype="float32", max_batch_size=1024, max_seq_len=256)
+    )
     g = torch.Generator().manual_seed(0)
     reqs = [
         GenerateRequest(
-            input_ids=torch.randint(3, 60, (int(torch.randint(4, 64, (1,), generator=g)),), generator=g).tolist(),
-            sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=i, ignore_eos=True),
+            input_ids=torch.randint(
+                3, 60, (int(torch.randint(4, 64, (1,), generator=g)),), generator=g
+            ).tolist(),
+            sampling=SamplingParams(
+                temperature=1.0, max_tokens=args.max_tokens, n=args.n, seed=i, ignore_eos=True
+            ),
         )
         for i in range(args.prompts)
     ]
@@ -92,8 +98,16 @@ def main() -> None:
         t2 = time.perf_counter()
         opt.zero_grad()
         logp, ent = token_logprobs(model, tokens)
-        loss, st = ratio_loss(logp, lpi, adv, mask, ratio_low=0.5, ratio_high=2.0,
-                              total_loss_tokens=int(mask.sum()), entropy=ent)
+        loss, st = ratio_loss(
+            logp,
+            lpi,
+            adv,
+            mask,
+            ratio_low=0.5,
+            ratio_high=2.0,
+            total_loss_tokens=int(mask.sum()),
+            entropy=ent,
+        )
         loss.backward()
         opt.step()
         if dev.type == "cuda":
@@ -101,7 +115,9 @@ def main() -> None:
         step_s = time.perf_counter() - t2
     out = {
         "command": " ".join(sys.argv),
-        "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "machine": torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": str(dev),
