@@ -74,14 +74,19 @@ def supervisor_state(r: redis.Redis, prefix: str, name: str) -> dict[str, Any]:
     return json.loads(raw)
 
 
-def check_ledger(run_dir: Path, steps: int) -> dict[str, Any]:
+def check_ledger(run_dir: Path, steps: int, contiguous: bool = True) -> dict[str, Any]:
+    """contiguous=False: a trainer resumed from a checkpoint older than its last published
+    version numbers on after it, so step numbers skip ahead (never back)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed", summary
     assert summary["steps"] == steps
     led = summary["ledger"]
     assert led["lost"] == 0 and led["trained_twice"] == 0 and led["trained_and_dropped"] == 0, led
-    hist = steps_done(run_dir)
-    assert [h["step"] for h in hist] == list(range(1, steps + 1)), "step counter not intact"
+    done = [h["step"] for h in steps_done(run_dir)]
+    if contiguous:
+        assert done == list(range(1, steps + 1)), "step counter not intact"
+    else:
+        assert done == sorted(set(done)) and done[-1] == steps, f"steps went back or repeated: {done}"
     return summary
 
 
@@ -193,12 +198,6 @@ def test_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Pat
     check_ledger(run_dir, steps)
 
 
-@pytest.mark.xfail(
-    reason="trainer resume (trainer/, services/orchestrator/): resuming from checkpoint N after step N+1 "
-    "was published republishes v_N (versions go back) and re-trains step N+1 on new groups, while the "
-    "orchestrator stops starting groups at max_steps*batch_size, so the last step starves",
-    strict=False,
-)
 def test_trainer_killed_resumes_from_checkpoint_locally(tmp_path: Path) -> None:
     """The trainer is SIGKILLed mid-run (local launcher): restarted by its supervisor, it resumes from
     its last checkpoint; nothing is trained twice and the published weight versions never go back."""
@@ -223,7 +222,7 @@ def test_trainer_killed_resumes_from_checkpoint_locally(tmp_path: Path) -> None:
                 versions.append(v)
         time.sleep(0.1)
     finish(proc, run_dir)
-    check_ledger(run_dir, steps)
+    check_ledger(run_dir, steps, contiguous=False)
     assert versions == sorted(versions), f"weight versions went back: {versions}"
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert '"resumed_from"' in log and "checkpoints/step_" in log
