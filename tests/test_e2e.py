@@ -21,14 +21,15 @@ pytestmark = pytest.mark.slow
 def test_debug_run_learns_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as redis:
-        # configs/debug.toml (reverse + reverse-turns, lr 7e-4) crosses 0.5 at ~140 steps
-        # (bench/calibration/README.md); 170 leaves margin for seed-to-seed spread.
-        steps = 170
+        # configs/debug.toml (reverse + reverse-turns, lr 7e-4) crosses 0.5 between ~140 and
+        # ~230 steps depending on the run (bench/calibration/README.md; one run here was at 0.45
+        # after 170 steps), so 250.
+        steps = 250
         cmd = [
             sys.executable, "-m", "sbatch.launch", "run", "debug",
-            f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={steps}", "--run.timeout_s=700", "--run.stop_on_targets=false",
+            f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={steps}", "--run.timeout_s=900", "--run.stop_on_targets=false",
         ]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=800)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1000)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
         hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
