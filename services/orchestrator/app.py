@@ -19,6 +19,8 @@ from services.orchestrator.rollout import render_sample
 
 
 def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
+    orch.on_version = lambda v: setattr(svc, "version", v)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async with svc.registered():

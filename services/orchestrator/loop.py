@@ -14,6 +14,7 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ class Orchestrator:
         self.registry = Registry(bus, quarantine_s=cfg.redis.ttl_s)
         self.version = -1  # the version every live decode has been asked to serve
         self.rolled_out: WeightsInfo | None = None
+        # Called with each version rolled out (the service shows it in its registry entry).
+        self.on_version: Callable[[int], None] = lambda _v: None
         self.paused = False
         self.stopping = False
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -112,6 +115,7 @@ class Orchestrator:
                 log_event(log, "weight update failed", url=d.url, version=info.version, error=str(r))
         self.version = info.version
         self.rolled_out = info
+        self.on_version(info.version)
         prom.POLICY_VERSION.set(info.version)
         self._wake.set()
 
