@@ -7,7 +7,6 @@ one implementation of each operation.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -148,9 +147,6 @@ class Bus:
 
     # ---------------------------------------------------------- ledger
 
-    def mark_started(self, group_id: str) -> None:
-        self.r.sadd(self.k.started, group_id)
-
     def mark_trained(self, group_ids: list[str]) -> None:
         if group_ids:
             pipe = self.r.pipeline()
@@ -245,7 +241,3 @@ def wait_for_redis(url: str, timeout_s: float = 20.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def dumps(obj: object) -> str:
-    return json.dumps(obj, sort_keys=True)
