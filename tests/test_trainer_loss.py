@@ -212,3 +212,32 @@ def test_latest_checkpoint_ignores_partial(tmp_path: Path) -> None:
     found = latest_checkpoint(tmp_path)
     assert found is not None and found[0] == 6
     assert not (tmp_path / "checkpoints" / "step_2").exists()  # pruned: keep the newest two
+
+
+def test_entropy_bonus_adds_the_entropy_gradient() -> None:
+    """loss(entropy_coef=c) = policy loss - c * sum(entropy * mask) / N, with the entropy's own
+    gradient; without entropy_grad the bonus is refused rather than silently a no-op."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.float32)
+    adv = torch.tensor([0.5, -0.25])
+    kw = {"ratio_low": 0.5, "ratio_high": 2.0, "total_loss_tokens": 7}
+
+    logp, ent = logprobs_from_logits(logits, targets, entropy_grad=True)
+    assert ent.requires_grad
+    with_bonus, _ = ratio_loss(logp, logp.detach(), adv, mask, entropy=ent, entropy_coef=0.1, **kw)
+    (g_bonus,) = torch.autograd.grad(with_bonus, logits)
+
+    logp2, ent2 = logprobs_from_logits(logits, targets, entropy_grad=True)
+    plain, _ = ratio_loss(logp2, logp2.detach(), adv, mask, entropy=ent2, **kw)
+    (g_plain,) = torch.autograd.grad(plain, logits, retain_graph=True)
+    expected = plain - 0.1 * (ent2 * mask).sum() / 7
+    (g_expected,) = torch.autograd.grad(expected, logits)
+    assert torch.allclose(g_bonus, g_expected, atol=1e-7)
+    assert not torch.allclose(g_bonus, g_plain, atol=1e-4)
+
+    logp3, ent3 = logprobs_from_logits(logits, targets)  # logging-only entropy
+    assert not ent3.requires_grad
+    with pytest.raises(ValueError, match="entropy_grad"):
+        ratio_loss(logp3, logp3.detach(), adv, mask, entropy=ent3, entropy_coef=0.1, **kw)

@@ -17,21 +17,24 @@ from trainer.chunked import logprob_targets
 from trainer.packing import PackedMicroBatch, document_mask
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of `targets` and the entropy of the distribution (temperature 1).
 
     logits [B, T, V], targets [B, T] -> (logp [B, T], entropy [B, T]). logp carries the gradient;
-    entropy is detached because it is only logged (no entropy bonus in the loss).
+    entropy does only with entropy_grad (an entropy bonus in the loss), since keeping its graph
+    costs another [B, T, V] tensor.
     """
     logp_all = logits.float().log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
     return logp, entropy
 
 
 def token_logprobs(
-    model: nn.Module, tokens: torch.Tensor, chunk: int = 0
+    model: nn.Module, tokens: torch.Tensor, chunk: int = 0, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token after the first under `model`: tokens [B, T] -> (logp, entropy), each
     [B, T-1], column t scoring tokens[:, t+1]. The last position's logits are never needed, so
@@ -40,7 +43,7 @@ def token_logprobs(
 
     chunk > 0: the vocabulary projection runs `chunk` tokens at a time (trainer.chunked; the
     model needs `enable_chunked_output`), so no [tokens x vocab] tensor is materialised."""
-    return sequence_logprobs(model, tokens[:, :-1], tokens[:, 1:], chunk=chunk)
+    return sequence_logprobs(model, tokens[:, :-1], tokens[:, 1:], chunk=chunk, entropy_grad=entropy_grad)
 
 
 def sequence_logprobs(
@@ -50,26 +53,31 @@ def sequence_logprobs(
     *,
     positions: torch.Tensor | None = None,
     chunk: int = 0,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy) of `targets` given `inputs` (same shape [B, T]); `positions` are the RoPE
     positions (None = 0..T-1 per row), chunk as in token_logprobs."""
     kw = {} if positions is None else {"positions": positions}
+    if chunk > 0 and entropy_grad:
+        raise ValueError("an entropy bonus (trainer.entropy_coef > 0) needs trainer.logprob_chunk_tokens = 0")
     if chunk > 0:
         with logprob_targets(model, targets, chunk):
             logp, ent = model(inputs, **kw)
         return logp, ent
-    return logprobs_from_logits(model(inputs, **kw), targets)
+    return logprobs_from_logits(model(inputs, **kw), targets, entropy_grad=entropy_grad)
 
 
 def micro_batch_logprobs(
-    model: nn.Module, mb: MicroBatch | PackedMicroBatch, chunk: int = 0
+    model: nn.Module, mb: MicroBatch | PackedMicroBatch, chunk: int = 0, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy) aligned with mb.loss_mask, for a padded or a packed micro-batch (the latter
     needs `enable_document_masking`: attention stays within each sample, RoPE restarts)."""
     if isinstance(mb, PackedMicroBatch):
         with document_mask(model, mb.seq_lens, mb.inputs.device):
-            return sequence_logprobs(model, mb.inputs, mb.targets, positions=mb.positions, chunk=chunk)
-    return token_logprobs(model, mb.tokens, chunk=chunk)
+            return sequence_logprobs(
+                model, mb.inputs, mb.targets, positions=mb.positions, chunk=chunk, entropy_grad=entropy_grad
+            )
+    return token_logprobs(model, mb.tokens, chunk=chunk, entropy_grad=entropy_grad)
 
 
 @dataclass
@@ -113,6 +121,7 @@ def ratio_loss(
     ratio_high: float,
     total_loss_tokens: int,
     entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
     """Importance-weighted policy-gradient loss with token masking outside a ratio band.
 
@@ -141,10 +150,16 @@ def ratio_loss(
     # inf, and inf * 0 would put NaN into the gradient. torch.where sends them zero gradient.
     ratio = torch.exp(torch.where(weight > 0, log_ratio, torch.zeros_like(log_ratio)))
     loss = -(adv * ratio * weight).sum() / float(total_loss_tokens)
+    if entropy_coef > 0:
+        # Entropy bonus over every loss token (in band or not): keeps the policy from turning
+        # deterministic before the task is solved. Needs entropy computed with entropy_grad.
+        if entropy is None or not entropy.requires_grad:
+            raise ValueError("entropy_coef > 0 needs the entropy with its gradient (entropy_grad=True)")
+        loss = loss - entropy_coef * (entropy.float() * mask).sum() / float(total_loss_tokens)
     stats = LossStats(
         loss_tokens=float(mask.sum().item()),
         masked_tokens=float(masked.item()),
-        entropy_sum=float((entropy.float() * mask).sum().item()) if entropy is not None else 0.0,
+        entropy_sum=float((entropy.detach().float() * mask).sum().item()) if entropy is not None else 0.0,
         loss_sum=float(loss.detach().item()),
     )
     return loss, stats

@@ -438,7 +438,9 @@ class Trainer:
         for i in range(n_mb):
             if i < len(mbs):
                 mb = mbs[i].to(self.d.device)
-                logp, ent = micro_batch_logprobs(self.model, mb, tc.logprob_chunk_tokens)
+                logp, ent = micro_batch_logprobs(
+                    self.model, mb, tc.logprob_chunk_tokens, entropy_grad=tc.entropy_coef > 0
+                )
                 loss, st = ratio_loss(
                     logp,
                     mb.logp_infer,
@@ -448,6 +450,7 @@ class Trainer:
                     ratio_high=tc.ratio_high,
                     total_loss_tokens=total_loss_tokens,
                     entropy=ent,
+                    entropy_coef=tc.entropy_coef,
                 )
                 (loss * scale).backward()
                 stats.add(st)

@@ -124,7 +124,7 @@ def main() -> None:
         opt.zero_grad()
         ent_sum = 0.0
         for mb in micro_batches(samples, tc.micro_batch_tokens):
-            logp, ent = token_logprobs(model, mb.tokens)
+            logp, ent = token_logprobs(model, mb.tokens, entropy_grad=tc.entropy_coef > 0)
             loss, st = ratio_loss(
                 logp,
                 mb.logp_infer,
@@ -134,6 +134,7 @@ def main() -> None:
                 ratio_high=tc.ratio_high,
                 total_loss_tokens=n,
                 entropy=ent,
+                entropy_coef=tc.entropy_coef,
             )
             loss.backward()
             ent_sum += st.entropy_sum

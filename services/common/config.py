@@ -268,6 +268,9 @@ class TrainerSection(Strict):
     # are masked out of the loss (see docs/loss.md).
     ratio_low: float = Field(0.5, gt=0)
     ratio_high: float = Field(2.0, gt=1)
+    # Entropy bonus: loss -= entropy_coef * mean entropy over loss tokens (0: none, the calibrated
+    # GRPO-style loss). Needs logprob_chunk_tokens = 0.
+    entropy_coef: float = Field(0.0, ge=0)
     checkpoint_every: int = Field(20, gt=0)
     init_std: float = Field(0.02, gt=0)
     torch_threads: int = Field(1, ge=1)
