@@ -23,9 +23,8 @@ from services.common.schemas import GenerateRequest, RolloutGroup, Sample, Sampl
 from services.common.tokenizer import eos_id, load_tokenizer
 from services.engine import LLMEngine
 from services.sandbox.envs import get_env_class, load_plugins
-from trainer.batch import flatten, loss_token_count, micro_batches
-from trainer.loss import ratio_loss, token_logprobs
 from trainer.model import build_model, save_weights_dir
+from trainer.train import Dist, Trainer
 
 
 def episode(
@@ -99,6 +98,9 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
     tmp = Path(tempfile.mkdtemp())
     rng = random.Random(0)
+    # No Redis is reached: train_step only uses the model, optimizer and process group.
+    trainer = Trainer(cfg, tmp, "redis://127.0.0.1:1/0", d=Dist("cpu"))
+    trainer.model, trainer.opt = model, opt
     hist = []
     t_start = time.time()
     for step in range(1, args.steps + 1):
@@ -119,34 +121,15 @@ def main() -> None:
             )
             for i in range(args.prompts)
         ]
-        samples = flatten(groups)
-        n = loss_token_count(samples)
-        opt.zero_grad()
-        ent_sum = 0.0
-        for mb in micro_batches(samples, tc.micro_batch_tokens):
-            logp, ent = token_logprobs(model, mb.tokens, entropy_grad=tc.entropy_coef > 0)
-            loss, st = ratio_loss(
-                logp,
-                mb.logp_infer,
-                mb.advantages,
-                mb.loss_mask,
-                ratio_low=tc.ratio_low,
-                ratio_high=tc.ratio_high,
-                total_loss_tokens=n,
-                entropy=ent,
-                entropy_coef=tc.entropy_coef,
-            )
-            loss.backward()
-            ent_sum += st.entropy_sum
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
+        # The trainer's own step (same batching, loss, clipping and optimizer as a run).
+        res = trainer.train_step(groups)
         by_env = {}
         for g in groups:
             by_env.setdefault(g.env, []).append(g.mean_reward)
         rec = {
             "step": step,
             "reward_by_env": {k: sum(v) / len(v) for k, v in by_env.items()},
-            "entropy": ent_sum / n,
+            "entropy": res.entropy,
         }
         hist.append(rec)
         print(json.dumps(rec), flush=True)

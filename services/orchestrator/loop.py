@@ -269,7 +269,7 @@ class Orchestrator:
                 continue
             for eid, m in new:
                 last = eid
-                rec = self._merge(m)
+                rec = await asyncio.to_thread(self._merge, m)  # Redis reads: off the event loop
                 self.history.append(rec)
                 with path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
