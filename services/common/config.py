@@ -38,7 +38,10 @@ class ModelConfig(Strict):
     they exist so large runs are described, validated and sized (`param_counts`) by the launcher.
     """
 
-    arch: Literal["qwen3", "glm_moe_dsa"] = "qwen3"
+    # qwen3: dense Qwen3 (QK-norm); llama3: dense Llama-3 (no QK-norm); qwen3_moe: Qwen3-MoE;
+    # deepseek_v3: MLA + MoE with sigmoid/group-limited routing (DeepSeek-V3, Kimi-K2);
+    # glm_moe_dsa: GLM-5 (deepseek_v3 plus the DSA indexer).
+    arch: Literal["qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa"] = "qwen3"
     vocab_size: int = Field(64, gt=0)
     dim: int = Field(64, gt=0)
     n_layers: int = Field(2, gt=0)
@@ -61,6 +64,13 @@ class ModelConfig(Strict):
     first_k_dense: int = Field(0, ge=0)  # leading dense layers before the MoE ones
     routed_scaling_factor: float = Field(1.0, gt=0)
     router_score: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    # DeepSeek-V3 group-limited routing: experts split in n_group groups, tokens pick topk_group
+    # groups first (n_group = 1: plain top-k).
+    n_group: int = Field(1, ge=1)
+    topk_group: int = Field(1, ge=1)
+    # e_score_correction_bias: a per-expert bias added to the scores for *selection* only
+    expert_bias: bool = False
     # --- Multi-head latent attention (kv_lora_rank = 0: ordinary GQA with head_dim)
     q_lora_rank: int = Field(0, ge=0)
     kv_lora_rank: int = Field(0, ge=0)
@@ -116,8 +126,14 @@ class ModelConfig(Strict):
             raise ValueError(
                 "arch glm_moe_dsa needs MoE (n_routed_experts), MLA (kv_lora_rank) and DSA (index_topk)"
             )
-        if self.arch == "qwen3" and (self.is_mla or self.index_topk):
-            raise ValueError("arch qwen3 has no MLA/DSA attention: use arch glm_moe_dsa")
+        if self.arch in ("qwen3", "llama3", "qwen3_moe") and (self.is_mla or self.index_topk):
+            raise ValueError(f"arch {self.arch} has no MLA/DSA attention: use deepseek_v3 or glm_moe_dsa")
+        if self.arch in ("qwen3", "llama3") and self.is_moe:
+            raise ValueError(f"arch {self.arch} is dense: use qwen3_moe or deepseek_v3 for MoE")
+        if self.is_moe and (self.n_routed_experts % self.n_group or self.topk_group > self.n_group):
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide n_routed_experts and be >= topk_group ({self.topk_group})"
+            )
         return self
 
     def param_counts(self) -> dict[str, int]:

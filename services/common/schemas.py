@@ -29,12 +29,24 @@ class SamplingParams(Wire):
     n: int = Field(1, ge=1, le=1024, description="independent samples of the same prompt")
 
 
+class RoutedExperts(Wire):
+    """MoE expert ids chosen per token and MoE layer: a [tokens, moe_layers, top_k] array, its
+    little-endian bytes base64-encoded (pack/unpack: services/common/routing.py). The dtype's
+    maximum value marks a token whose routing was not recorded."""
+
+    dtype: Literal["uint8", "uint16"]
+    shape: list[int] = Field(min_length=3, max_length=3)
+    data: str
+
+
 class GenerateRequest(Wire):
     """Token-in, token-out generation: what the orchestrator uses for rollouts."""
 
     input_ids: list[int] = Field(min_length=1)
     sampling: SamplingParams = SamplingParams()
     request_id: str | None = None
+    # MoE models: return the expert ids of every prompt and generated token (Router Replay)
+    return_routed_experts: bool = False
 
 
 class GenerateChoice(Wire):
@@ -46,6 +58,9 @@ class GenerateChoice(Wire):
     # weight version that produced each token (weights can change mid-sequence)
     versions: list[int]
     finish_reason: Literal["stop", "length", "abort"]
+    # With return_routed_experts on an MoE model: one row per token of input_ids + output_ids
+    # (the last output token was never forwarded, so its row is unrecorded).
+    routed_experts: RoutedExperts | None = None
 
 
 class GenerateResponse(Wire):
@@ -151,12 +166,16 @@ class Sample(Wire):
     advantage: float = 0.0
     turns: int = 1
     finish_reason: str = "stop"
+    # MoE + Router Replay: the inference engine's expert ids for every token (one row per token)
+    routed_experts: RoutedExperts | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
         n = len(self.tokens)
         if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
             raise ValueError("tokens, loss_mask, logprobs and versions must have the same length")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != n:
+            raise ValueError("routed_experts must have one row per token")
         return self
 
     @property
