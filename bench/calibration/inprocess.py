@@ -22,13 +22,14 @@ from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams
 from services.common.tokenizer import eos_id, load_tokenizer
 from services.engine import LLMEngine
+from services.orchestrator.rollout import group_advantages
 from services.sandbox.envs import get_env_class, load_plugins
 from trainer.model import build_model, save_weights_dir
 from trainer.train import Dist, Trainer
 
 
 def episode(
-    env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, max_tokens: int
+    env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, max_tokens: int, std_norm: bool
 ) -> RolloutGroup:
     envs = [get_env_class(env_name)() for _ in range(g)]
     prompt = [e.reset(seed) for e in envs][0]
@@ -63,7 +64,7 @@ def episode(
             for i, r in zip(nxt, engine.generate(reqs), strict=True):
                 choices[i] = r.choices[0]
         active = nxt
-    mean = sum(rewards) / g
+    advantages = group_advantages(rewards, std_norm)
     samples = [
         Sample(
             rollout_id=f"{seed}.{i}",
@@ -72,9 +73,9 @@ def episode(
             logprobs=t[2],
             versions=t[3],
             reward=r,
-            advantage=r - mean,
+            advantage=a,
         )
-        for i, (t, r) in enumerate(zip(trajs, rewards, strict=True))
+        for i, (t, r, a) in enumerate(zip(trajs, rewards, advantages, strict=True))
     ]
     return RolloutGroup(group_id=str(seed), env=env_name, seed=seed, samples=samples)
 
@@ -118,6 +119,7 @@ def main() -> None:
                 eos_id(tok),
                 o.group_size,
                 o.sampling.max_tokens,
+                o.advantage_std_norm,
             )
             for i in range(args.prompts)
         ]

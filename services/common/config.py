@@ -268,6 +268,9 @@ class OrchestratorSection(ServiceSection):
     max_inflight_groups: int = Field(64, gt=0)
     max_turns: int = Field(8, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
+    # Group advantage: reward - group mean, divided by the group's reward std when true (GRPO);
+    # false is Dr. GRPO's unbiased form. A group with identical rewards gets advantage 0 either way.
+    advantage_std_norm: bool = False
     tasks: list[TaskSpec] = [TaskSpec(env="reverse")]
     sampling: SamplingConfig = SamplingConfig()
 

@@ -135,7 +135,7 @@ class RolloutRunner:
             )
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
-        mean = sum(rewards) / g
+        advantages = group_advantages(rewards, self.cfg.orchestrator.advantage_std_norm)
         samples = [
             Sample(
                 rollout_id=f"{spec.group_id}.{i}",
@@ -144,13 +144,23 @@ class RolloutRunner:
                 logprobs=t.logprobs,
                 versions=t.versions,
                 reward=r,
-                advantage=r - mean,
+                advantage=a,
                 turns=t.turns,
                 finish_reason=t.finish_reason,
             )
-            for i, (t, r) in enumerate(zip(trajs, rewards, strict=True))
+            for i, (t, r, a) in enumerate(zip(trajs, rewards, advantages, strict=True))
         ]
         return RolloutGroup(group_id=spec.group_id, env=spec.env, seed=spec.seed, samples=samples)
+
+
+def group_advantages(rewards: list[float], std_norm: bool) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    adv = [r - mean for r in rewards]
+    if not std_norm:
+        return adv
+    std = (sum(a * a for a in adv) / len(adv)) ** 0.5
+    # Below 1e-6 the group is (numerically) constant: no signal, not a huge one.
+    return [a / std if std > 1e-6 else 0.0 for a in adv]
 
 
 def render_sample(sample: Sample, tok: Tokenizer) -> list[dict[str, object]]:
