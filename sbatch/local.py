@@ -26,6 +26,7 @@ from sbatch.supervisor import RestartPolicy, supervisor_argv
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, RunConfig
 from services.common.redis_server import RedisServer
+from services.kvstore.launch import ensure_installed, kv_plan, resolve_ports
 from trainer.launch import trainer_command
 
 RUNS_DIR = REPO_ROOT / "runs"
@@ -96,6 +97,8 @@ def process_plan(cfg: RunConfig, run_dir: Path, config_path: Path, url: str) -> 
         Proc(f"sandbox.{i}", service_argv("services.sandbox", config_path, url, i))
         for i in range(cfg.sandbox.replicas)
     ]
+    # KV store side (when kvstore.enabled): Mooncake master, the gateway, prefill services.
+    plan += [Proc(name, service_argv(module, config_path, url, i)) for name, module, i in kv_plan(cfg)]
     plan += [
         Proc(f"decode.{i}", service_argv("services.decode", config_path, url, i))
         for i in range(cfg.decode.replicas)
@@ -116,7 +119,7 @@ class LocalRun:
             redis_url = self.redis.url
         # Namespacing by run keeps several runs (or a re-run) on one Redis apart.
         prefix = f"{cfg.redis.prefix}:{self.run_dir.name}"
-        self.cfg = cfg.model_copy(
+        self.cfg = resolve_ports(cfg).model_copy(
             update={"redis": cfg.redis.model_copy(update={"url": redis_url, "prefix": prefix})}
         )
         self.config_path = self.run_dir / "config.json"
@@ -138,6 +141,7 @@ class LocalRun:
         return [(p.name, p.argv) for p in process_plan(cfg, run_dir, run_dir / "config.json", url)]
 
     def start(self) -> None:
+        ensure_installed(self.cfg)  # the Mooncake extra, when the run uses that tier
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "REDIS_URL": self.cfg.redis.url}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         sp = self.cfg.slurm.supervisor
@@ -163,7 +167,7 @@ class LocalRun:
     def stop(self) -> None:
         # Orchestrator first so nothing new is generated, then the workers, the trainer last
         # but one (it may be committing a step), Redis last.
-        order = ["orchestrator", "decode", "sandbox", "trainer"]
+        order = ["orchestrator", "prefill", "decode", "sandbox", "kvstore", "mooncake_master", "trainer"]
         for prefix in order:
             group = [p for p in self.procs if p.name.startswith(prefix) and p.alive]
             for p in group:

@@ -49,6 +49,7 @@ from sbatch.supervisor import FINAL_STATES, RestartPolicy, read_states, supervis
 from services.common.bus import Bus, connect, wait_for_redis
 from services.common.config import REPO_ROOT, ConfigError, RunConfig, SlurmComponent, slurm_time_minutes
 from services.common.net import free_port
+from services.kvstore.launch import resolve_ports
 from trainer.launch import trainer_command
 
 ROLES = ("head", "decode", "trainer", "prefill")
@@ -141,8 +142,10 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> JobPlan:
     if not cfg.redis.url:
         head.append(ServiceSpec("redis", "redis"))
     head += [ServiceSpec(f"sandbox.{i}", "sandbox", i) for i in range(cfg.sandbox.replicas)]
-    if s.prefill.nodes:
-        # Prefill hands KV pages to decode through the KV store gateway (docs/architecture.md).
+    if s.prefill.nodes or cfg.kvstore.enabled:
+        # Prefill hands KV pages to decode through the KV store gateway (docs/kv.md).
+        if cfg.kvstore.mooncake.enabled:
+            head.append(ServiceSpec("mooncake_master", "kvstore.master"))  # the pool's master
         head.append(ServiceSpec("kvstore", "kvstore"))
     head.append(ServiceSpec("orchestrator", "orchestrator"))
 
@@ -210,9 +213,11 @@ def resolved_config(cfg: RunConfig, plan: JobPlan, redis_url: str) -> RunConfig:
     """The config every service reads: namespaced prefix, Redis URL, services bound on all interfaces
     (they advertise their hostname in the registry; 127.0.0.1 would be unreachable from other nodes)."""
     upd: dict[str, Any] = {"redis": cfg.redis.model_copy(update={"url": redis_url, "prefix": plan.prefix})}
-    for sec in ("decode", "sandbox", "orchestrator"):
+    for sec in ("decode", "sandbox", "orchestrator", "kvstore", "prefill"):
         upd[sec] = getattr(cfg, sec).model_copy(update={"host": "0.0.0.0"})
-    return cfg.model_copy(update=upd)
+    # Mooncake master ports left at 0 are picked here; the head rewrites config.json on its own
+    # node at start (it runs the master and the gateway), so the ports are free where they bind.
+    return resolve_ports(cfg.model_copy(update=upd))
 
 
 def multinode_trainer_argv(argv: list[str], nnodes: int, endpoint: str, rdzv_id: str) -> list[str]:

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torchtitan.models.moe import MoEArgs
+from torchtitan.models.moe.moe import TokenReorderer
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.model import Qwen3Model
+from torchtitan.models.qwen3.model.model import FeedForward, Qwen3Model
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from services.common.config import ModelConfig
@@ -16,7 +18,38 @@ from services.common.modeldir import hf_config, model_config_from_hf, read_model
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
 
 
+def moe_args(m: ModelConfig) -> MoEArgs:
+    """torchtitan MoE settings computing HF Qwen3-MoE's function (Qwen3MoeSparseMoeBlock)."""
+    if m.arch != "qwen3_moe":
+        raise ValueError(f"the trainer builds MoE only for arch qwen3_moe (got {m.arch!r})")
+    if m.n_shared_experts or m.expert_bias:
+        raise ValueError("qwen3_moe has no shared experts and no expert-score correction bias")
+    grouped = m.n_group > 1
+    return MoEArgs(
+        num_experts=m.n_routed_experts,
+        num_shared_experts=0,
+        score_func=m.router_score,
+        route_norm=m.norm_topk_prob,
+        route_scale=m.routed_scaling_factor,
+        gate_bias=False,
+        # HF weights each expert's OUTPUT by its score (the SwiGLU is not linear, so order matters).
+        score_before_experts=False,
+        top_k=m.n_experts_per_tok,
+        num_expert_groups=m.n_group if grouped else None,
+        num_limited_groups=m.topk_group if grouped else None,
+        # The for-loop path computes in the parameters' dtype on any device; torchtitan's grouped
+        # GEMM casts to bf16, which would add a trainer/inference mismatch of its own.
+        use_grouped_mm=False,
+        # No auxiliary-loss-free balancing bias: it is not part of Qwen3-MoE and, being a
+        # persistent buffer, would change the routing the published weights describe.
+        load_balance_coeff=None,
+    )
+
+
 def model_args(m: ModelConfig) -> Qwen3ModelArgs:
+    moe = (
+        {"moe_enabled": True, "moe_inter_dim": m.moe_hidden_dim, "moe_args": moe_args(m)} if m.is_moe else {}
+    )
     return Qwen3ModelArgs(
         dim=m.dim,
         n_layers=m.n_layers,
@@ -33,6 +66,7 @@ def model_args(m: ModelConfig) -> Qwen3ModelArgs:
         # SDPA: FlexAttention has no CPU backward.
         attn_type="sdpa",
         attn_mask_type="causal",
+        **moe,  # type: ignore[arg-type]
     )
 
 
@@ -54,6 +88,7 @@ def build_model(
     args = model_args(m)
     with torch.device(device):
         model = Qwen3Model(args)
+        _moe_blocks(model, m)
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
@@ -65,12 +100,62 @@ def build_model(
     return model
 
 
+class CountingReorderer(TokenReorderer):
+    """torchtitan's TokenReorderer with the per-expert token count from bincount: its histc has no
+    CPU kernel for integer expert ids (the same counts, as int64, on any device)."""
+
+    def forward(  # type: ignore[override]
+        self, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = selected_experts_indices.reshape(-1)
+        num_tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
+        order = torch.argsort(flat, stable=True)
+        return top_scores.reshape(-1)[order], order, num_tokens_per_expert
+
+
+def _moe_blocks(model: Qwen3Model, m: ModelConfig) -> None:
+    """Make torchtitan's MoE blocks compute HF Qwen3-MoE on any device (see below)."""
+    if not m.is_moe:
+        return
+    from trainer.replay import enable_router_replay  # (replay.py imports the batch modules)
+
+    _dense_leading_layers(model, m)
+    for block in model.layers.values():
+        if block.moe_enabled:
+            block.moe.reorderer = CountingReorderer(m.n_routed_experts, m.n_experts_per_tok)
+    # The router too counts with bincount; outside trainer.replay.routing(...) it is exactly
+    # torchtitan's token-choice top-k router.
+    enable_router_replay(model)
+
+
+def _dense_leading_layers(model: Qwen3Model, m: ModelConfig) -> None:
+    """torchtitan's Qwen3 makes every layer MoE; HF Qwen3-MoE keeps `mlp_only_layers` dense.
+    Swap the first `first_k_dense` blocks' MoE for a dense FeedForward (HF `mlp.*_proj` names)."""
+    if not m.is_moe:
+        return
+    for i in range(m.first_k_dense):
+        block = model.layers[str(i)]
+        del block.moe
+        block.moe_enabled = False
+        block.feed_forward = FeedForward(dim=m.dim, hidden_dim=m.hidden_dim)
+
+
+def moe_layer_ids(m: ModelConfig) -> list[int]:
+    """Indices of the MoE layers, in the order of a RoutedExperts array's layer axis."""
+    return list(range(m.first_k_dense, m.n_layers)) if m.is_moe else []
+
+
 def adapter(m: ModelConfig) -> Qwen3StateDictAdapter:
     return Qwen3StateDictAdapter(model_args(m), None)
 
 
 def to_hf_state(m: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return adapter(m).to_hf(state)
+    hf = adapter(m).to_hf(state)
+    if m.is_moe:
+        # The adapter splits each [experts, ...] tensor into views of one storage; safetensors
+        # refuses tensors that share memory, so every expert gets its own copy.
+        hf = {k: v.clone() if ".mlp.experts." in k else v for k, v in hf.items()}
+    return hf
 
 
 def from_hf_state(m: ModelConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

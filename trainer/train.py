@@ -11,9 +11,10 @@ Step protocol (trainer holds version v):
   1. collect: read groups until `orchestrator.batch_size` eligible ones; a group with staleness
      v - min_version > max_off_policy_steps is acked + marked dropped at once.
   2. compute: loss over the step (docs/loss.md), clip, AdamW step -> version v+1.
-  3. commit: write weights/step_{v+1} (atomic), publish it, mark the groups trained, record the
-     trainer state, THEN ack their stream entries (at-least-once: a crash before the ack leaves
-     them pending; the restarted trainer re-reads them and skips those already in the ledger).
+  3. commit: gather weights/step_{v+1} (written atomically and published by a background
+     thread, docs/trainer.md), mark the groups trained, record the trainer state, THEN ack their
+     stream entries (at-least-once: a crash before the ack leaves them pending; the restarted
+     trainer re-reads them and skips those already in the ledger).
   4. every trainer.checkpoint_every steps (and at the last step / a graceful stop): checkpoint.
 """
 
@@ -28,7 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -49,6 +50,7 @@ from services.common.config import RunConfig, load_resolved
 from services.common.modeldir import step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
+from trainer.attention import micro_batch_attention, packed_logprobs  # perf path (issue 9)
 from trainer.batch import (
     MicroBatch,
     flatten,
@@ -58,9 +60,14 @@ from trainer.batch import (
     truncate,
 )
 from trainer.chunked import enable_chunked_output
-from trainer.loss import LossStats, micro_batch_logprobs, ratio_loss
-from trainer.model import build_model, load_weights_dir, save_weights_dir
-from trainer.packing import PackedMicroBatch, enable_document_masking, packed_micro_batches
+from trainer.entropy import EntropyControl
+from trainer.loss import LossStats, ratio_loss
+from trainer.mismatch import MismatchStats, token_mismatch
+from trainer.model import build_model, load_weights_dir, moe_layer_ids, save_weights_dir
+from trainer.packing import PackedMicroBatch, packed_micro_batches
+from trainer.parallel import Degrees, autocast_context, cp_dummy_inputs, cp_micro_batch, parallelize
+from trainer.publish import Publisher  # perf path (issue 9)
+from trainer.replay import enable_router_replay, micro_batch_routes, routing
 
 CONSUMER = "trainer"
 CKPT_RE = re.compile(r"^step_(\d+)$")
@@ -127,19 +134,6 @@ class Dist:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def shard_model(model: nn.Module, d: Dist) -> nn.Module:
-    """FSDP2: each transformer block is its own unit, the root holds embeddings/norm/output (so
-    tied embedding and output weights stay one parameter). No-op in a single process."""
-    if not d.enabled:
-        return model
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.layers.values():  # type: ignore[union-attr]
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 def _to_float(x: torch.Tensor) -> float:
@@ -209,6 +203,9 @@ class StepResult:
     loss_tokens: int
     tokens: int
     compute_s: float
+    entropy_coef: float = 0.0  # the bonus's coefficient this step used
+    # trainer/inference mismatch (trainer.mismatch.MismatchStats.summary), TrainerStepMetrics fields
+    mismatch: dict[str, Any] = field(default_factory=dict)
 
 
 class Trainer:
@@ -231,6 +228,14 @@ class Trainer:
         self.backlog: list[tuple[str, RolloutGroup]] = []
         self.model: nn.Module
         self.opt: torch.optim.Optimizer
+        # perf path (issue 9): set by setup()
+        self.degrees: Degrees
+        self.meshes: dict[str, Any] = {}
+        self.publisher = Publisher(cfg.model, self.d.is_main)
+        tc = cfg.trainer
+        self.entropy = EntropyControl(
+            tc.entropy_coef, tc.entropy_target, tc.entropy_coef_lr, tc.entropy_coef_max
+        )
 
     # -------------------------------------------------------------- setup / resume
 
@@ -251,8 +256,19 @@ class Trainer:
             self.version = 0
         # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
         # Both swaps keep parameters and names; they only act when packing / chunking is used.
-        enable_chunked_output(enable_document_masking(model))
-        self.model = shard_model(model.to(self.d.device), self.d)
+        enable_chunked_output(model)
+        enable_router_replay(model)  # MoE: routers that can follow recorded expert ids
+        if tc.fp8:
+            # Same FP8 recipe as an engine with quantization="fp8"; master weights stay as they are.
+            from trainer.fp8 import Fp8BlockwiseConverter
+
+            Fp8BlockwiseConverter().convert(model)
+        # --- perf path (issue 9): attention kernel (document masking), cp, AC, compile, FSDP2
+        # with mixed precision, per trainer.* (trainer/parallel.py; docs/trainer.md)
+        self.model, self.degrees, self.meshes = parallelize(
+            model.to(self.d.device), tc, self.d.world, self.d.device, self.d.enabled
+        )
+        # --- end perf path
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
         )
@@ -264,6 +280,7 @@ class Trainer:
             # so a restart with a changed lr/betas/weight_decay takes effect.
             for group in self.opt.param_groups:
                 group.update(lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+            self.entropy.load_state_dict(state.get("entropy") or {})
             rng = state.get("rng") or []
             if len(rng) == self.d.world:
                 torch.set_rng_state(rng[self.d.rank])
@@ -321,6 +338,11 @@ class Trainer:
             save_weights_dir(self.cfg.model, sd, dest, {"version": version, "step": version})
         return dest
 
+    def _announce(self, dest: Path) -> None:
+        """perf path: called by the publisher's writer thread once `dest` is renamed into place."""
+        if self.bus is not None:
+            self.bus.publish_weights(WeightsInfo(version=int(dest.name.split("_")[1]), path=str(dest)))
+
     def _checkpoint(self) -> None:
         """All ranks gather; rank 0 writes one full checkpoint (model, optimizer keyed by
         parameter name, per-rank RNG), so it reloads under any world size."""
@@ -336,6 +358,7 @@ class Trainer:
                 "model": model_sd,
                 "optimizer": optim_sd,
                 "rng": rng,
+                "entropy": self.entropy.state_dict(),
                 "world": self.d.world,
                 "time": time.time(),
             }
@@ -418,47 +441,77 @@ class Trainer:
         t0 = time.monotonic()
         tc = self.cfg.trainer
         samples = [truncate(s, self.cfg.model.max_seq_len + 1) for s in flatten(groups)]
-        mine = split_for_ranks(samples, self.d.world)[self.d.rank]
+        # perf path: ranks of one cp group train the same samples (each its sequence shard).
+        deg = self.degrees
+        mine = split_for_ranks(samples, deg.dp)[deg.data_rank(self.d.rank)]
         mbs: list[MicroBatch] | list[PackedMicroBatch]
         if tc.packing:
             mbs = packed_micro_batches(mine, tc.micro_batch_tokens)
         else:
             mbs = micro_batches(mine, tc.micro_batch_tokens)
+        # MoE: the engine's expert ids per micro-batch (replayed, and compared for the metrics)
+        routes = micro_batch_routes(mine, self.cfg.model, tc.packing, tc.micro_batch_tokens)
+        if deg.cp > 1:  # a CP shard would need its routing sharded the same way: not wired
+            if self.cfg.model.is_moe and tc.router_replay:
+                raise ValueError(
+                    "trainer.router_replay needs trainer.cp = 1 (CP-sharded routing is not supported)"
+                )
+            routes = [None] * len(routes)
         # The normaliser is the step's loss-token count summed over all ranks.
         counts = self.d.all_reduce(torch.tensor([loss_token_count(mine)], dtype=torch.float64))
-        total_loss_tokens = max(1, int(counts[0].item()))
+        total_loss_tokens = max(1, int(counts[0].item()) // (deg.cp * deg.tp))  # shared samples once
         n_mb = int(self.d.all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)[0].item())
-        # FSDP2 averages gradients over ranks; the loss is a global sum / N, so scale it back.
-        scale = float(self.d.world)
+        # FSDP2 averages gradients over its dp * cp ranks; the loss is a global sum / N (each cp
+        # rank's loss covering its own shard), so scale it back.
+        scale = float(deg.dp * deg.cp)
+        amp = autocast_context(tc, self.d.device, self.d.enabled)
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         stats = LossStats()
+        mismatch = MismatchStats()
         n_tokens = 0
         for i in range(n_mb):
             if i < len(mbs):
                 mb = mbs[i].to(self.d.device)
-                logp, ent = micro_batch_logprobs(
-                    self.model, mb, tc.logprob_chunk_tokens, entropy_grad=tc.entropy_coef > 0
-                )
-                loss, st = ratio_loss(
-                    logp,
-                    mb.logp_infer,
-                    mb.advantages,
-                    mb.loss_mask,
-                    ratio_low=tc.ratio_low,
-                    ratio_high=tc.ratio_high,
-                    total_loss_tokens=total_loss_tokens,
-                    entropy=ent,
-                    entropy_coef=tc.entropy_coef,
-                )
-                (loss * scale).backward()
+                if deg.cp > 1:  # perf path: this rank's load-balanced sequence shard
+                    mb = cp_micro_batch(mb, self.meshes["cp"], deg.cp)
+                route = routes[i]
+                # Backward inside too: an activation-checkpoint recompute must route the same way.
+                with (
+                    routing(
+                        self.model, route.to(self.d.device) if route is not None else None, tc.router_replay
+                    ) as rec,
+                    micro_batch_attention(self.model, mb),
+                ):  # perf path: masks held over backward too
+                    with amp:  # perf path: packed_logprobs picks the attention kernel
+                        logp, ent = packed_logprobs(
+                            self.model, mb, tc.logprob_chunk_tokens, entropy_grad=self.entropy.needs_grad
+                        )
+                    loss, st = ratio_loss(
+                        logp,
+                        mb.logp_infer,
+                        mb.advantages,
+                        mb.loss_mask,
+                        ratio_low=tc.ratio_low,
+                        ratio_high=tc.ratio_high,
+                        total_loss_tokens=total_loss_tokens,
+                        entropy=ent,
+                        entropy_coef=self.entropy.coef,
+                    )
+                    (loss * scale).backward()
                 stats.add(st)
+                mismatch.add(token_mismatch(logp, mb.logp_infer, mb.loss_mask))
+                mismatch.add_routing(rec.agree, rec.total, rec.replayed)
                 n_tokens += mb.n_tokens
             else:
                 # This rank has fewer micro-batches than another: FSDP2 needs every rank in
                 # every forward/backward (all-gather, reduce-scatter), so run a zero-weight one.
-                out = self.model(torch.zeros((1, 1), dtype=torch.long, device=self.d.device))
+                dummy = torch.zeros((1, 1), dtype=torch.long, device=self.d.device)
+                if deg.cp > 1:
+                    dummy = cp_dummy_inputs(self.meshes["cp"], deg.cp, self.d.device)
+                with amp:
+                    out = self.model(dummy)
                 (out.sum() * 0.0).backward()
         grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip))
         self.opt.step()
@@ -466,14 +519,25 @@ class Trainer:
             torch.cat([stats.as_tensor(), torch.tensor([float(n_tokens)], dtype=torch.float64)])
         )
         g = LossStats.from_tensor(tot[:4])
+        n_moe = len(moe_layer_ids(self.cfg.model))
+        mismatch = MismatchStats.from_tensors(
+            self.d.all_reduce(mismatch.sum_tensor(n_moe)),
+            self.d.all_reduce(mismatch.max_tensor(), dist.ReduceOp.MAX),
+            n_moe,
+        )
+        entropy = g.entropy_sum / max(1.0, g.loss_tokens)
+        coef = self.entropy.coef
+        self.entropy.update(entropy)  # every rank sees the same all-reduced entropy
         return StepResult(
             loss=g.loss_sum,
-            entropy=g.entropy_sum / max(1.0, g.loss_tokens),
+            entropy=entropy,
+            entropy_coef=coef,
             grad_norm=grad_norm,
             masked_ratio_frac=g.masked_tokens / max(1.0, g.loss_tokens),
             loss_tokens=int(g.loss_tokens),
-            tokens=int(tot[4].item()),
+            tokens=int(tot[4].item()) // deg.cp,  # every cp rank counted the whole sample
             compute_s=time.monotonic() - t0,
+            mismatch=mismatch.summary(),
         )
 
     # -------------------------------------------------------------- main loop
@@ -498,11 +562,13 @@ class Trainer:
             res = self.train_step(batch.groups)
             self.version = v + 1
 
-            t_pub = time.monotonic()
-            dest = self._write_weights(self.version)
-            if self.bus is not None:
-                self.bus.publish_weights(WeightsInfo(version=self.version, path=str(dest)))
-            publish_s = time.monotonic() - t_pub
+            # perf path: gather now, write + set weights:latest in the background (trainer/publish.py);
+            # publish_s is the time the loop was blocked (the gather, waiting on the last write).
+            publish_s = self.publisher.publish(
+                self.model, self.version, step_dir(self.run_dir, self.version), on_done=self._announce
+            )
+            if (p := self.publisher.last) is not None:  # the newest write that has finished
+                log_event(self.log, "weights written", **vars(p))
             if self.version % self.cfg.trainer.checkpoint_every == 0 or self.version >= max_steps:
                 self._checkpoint()
             if self.bus is not None:
@@ -513,6 +579,7 @@ class Trainer:
                 m = self._metrics(v, batch, res, publish_s)
                 self.bus.push_metrics(m)
                 log_event(self.log, "step", **m.model_dump())
+        self.publisher.wait()  # perf path: the last version is on disk and published before exit
         if self.version > self.last_checkpoint and self.version > 0:
             # Graceful stop: a checkpoint of what is published means a restart loses nothing.
             self._checkpoint()
@@ -545,6 +612,8 @@ class Trainer:
             step_s=res.compute_s,
             publish_s=publish_s,
             tokens_per_s=res.tokens / max(res.compute_s, 1e-9),
+            entropy_coef=res.entropy_coef,
+            **res.mismatch,
         )
 
 

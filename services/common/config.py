@@ -28,6 +28,18 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeScaling(Strict):
+    """Llama-3.1 RoPE frequency scaling (HF rope_type "llama3"): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, shorter than
+    .../high_freq_factor are kept, and the band between is interpolated smoothly."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, gt=0)
+
+
 class ModelConfig(Strict):
     """A decoder-only transformer. Field names follow HF config.json semantics.
 
@@ -51,6 +63,7 @@ class ModelConfig(Strict):
     hidden_dim: int = Field(256, gt=0)  # FFN width of dense layers
     max_seq_len: int = Field(256, gt=0)
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-6
     qk_norm: bool = True
     tie_embeddings: bool = True
@@ -215,10 +228,69 @@ class EngineConfig(Strict):
     enable_prefix_caching: bool = True
     # Requests still unfinished this long after arrival end with finish_reason "abort".
     request_timeout_s: float | None = Field(None, gt=0)
+    # Attention: "torch" gathers pages and runs SDPA (the CPU path); "triton" runs the paged
+    # kernels (services/engine/kernels/) on the page pool; "flex" is FlexAttention over the pool
+    # (for comparison); "auto" is triton on CUDA, else torch.
+    attention_backend: Literal["auto", "torch", "triton", "flex"] = "auto"
+    # With the triton backend on CUDA: capture decode-only steps as CUDA graphs for batch sizes up
+    # to min(max_batch_size, cuda_graph_max_batch_size) (services/engine/cuda_graphs.py).
+    cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = Field(512, gt=0)
+    # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
+    # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.
+    # lm_head, router and norms stay in `dtype` (services/engine/fp8_linear.py, docs/fp8.md).
+    quantization: Literal["none", "fp8"] = "none"
 
 
 class DecodeSection(ServiceSection):
     engine: EngineConfig = EngineConfig()
+
+
+class MooncakeSection(Strict):
+    """The pooled bottom tier of the KV store: a real `mooncake_master` (started by the launcher)
+    and one store client per gateway, over TCP (docs/kv.md). Needs the `kv` extra."""
+
+    enabled: bool = False
+    # Where the master listens; the launcher picks free ports for 0 and writes them to config.json.
+    master_host: str = "127.0.0.1"
+    rpc_port: int = Field(0, ge=0, le=65535)
+    metadata_port: int = Field(0, ge=0, le=65535)  # the master's HTTP metadata server
+    metrics_port: int = Field(0, ge=0, le=65535)
+    # Memory each gateway contributes to the pool, and its client-side transfer buffer.
+    segment_bytes: int = Field(256 << 20, gt=0)
+    buffer_bytes: int = Field(64 << 20, gt=0)
+    # This gateway's byte budget in the pool (LRU over the pages it put).
+    budget_bytes: int = Field(192 << 20, ge=0)
+
+
+class KVStoreSection(ServiceSection):
+    """The KV store gateway (services/kvstore): content-addressed KV pages in tiers RAM -> disk ->
+    Mooncake. Disabled by default: the debug run neither starts nor uses it."""
+
+    enabled: bool = False
+    # Empty: services find the gateway through the registry (kind "kvstore").
+    url: str = ""
+    ram_bytes: int = Field(1 << 30, ge=0)
+    disk_bytes: int = Field(0, ge=0)  # 0: no disk tier
+    disk_dir: str = ""  # empty: RUN_DIR/kvstore/disk
+    max_request_bytes: int = Field(512 << 20, gt=0)  # one batched put/get body
+    # Client side (decode, prefill): per-call timeout, and how long a failed gateway is skipped.
+    timeout_s: float = Field(10.0, gt=0)
+    retry_after_s: float = Field(5.0, ge=0)
+    mooncake: MooncakeSection = MooncakeSection()
+
+
+class PrefillSection(ServiceSection):
+    """Prefill services (services/prefill): compute a long prompt's KV pages, publish them to the
+    KV store, return the first token; decode continues from there. 0 replicas: none started."""
+
+    replicas: int = Field(0, ge=0)
+    # None: decode's engine config (pages must have decode's layout to be reusable there).
+    engine: EngineConfig | None = None
+    # Routing (in decode): prompts with at least this many tokens not already cached go to a
+    # prefill service; shorter ones are prefilled locally.
+    min_new_tokens: int = Field(1024, gt=0)
+    timeout_s: float = Field(120.0, gt=0)
 
 
 class SandboxSection(ServiceSection):
@@ -243,6 +315,10 @@ class SandboxSection(ServiceSection):
     exec_output_bytes: int = Field(65536, gt=0)  # per stream; the rest is dropped with a marker
     exec_tmp_mb: int = Field(64, gt=0)
     file_max_bytes: int = Field(1 << 20, gt=0)  # file read/write endpoints
+    # Per-session disk quota: each session directory is its own size-capped tmpfs (needs root;
+    # isolation.py). Bytes and files written into /work in total; 0 turns the quota off.
+    disk_quota_mb: int = Field(1024, ge=0)
+    disk_quota_inodes: int = Field(32768, gt=0)
 
 
 class TaskSpec(Strict):
@@ -268,6 +344,15 @@ class OrchestratorSection(ServiceSection):
     max_inflight_groups: int = Field(64, gt=0)
     max_turns: int = Field(8, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
+    # Wall clock of one turn of one sample (its generation + its env step) and of a whole group's
+    # episode; None: unbounded. A sample past either ends with finish_reason "turn_timeout" /
+    # "rollout_timeout" and is scored on what it did (docs/environments.md, "Agent loop budgets").
+    turn_timeout_s: float | None = Field(None, gt=0)
+    rollout_timeout_s: float | None = Field(None, gt=0)
+    # An observation that does not fit the context with a full next turn: "stop" ends the sample
+    # (finish_reason "context"); "truncate_observation" cuts it to fit with a "[truncated N tokens]"
+    # marker and ends the sample ("context_truncated") only when not even the marker fits.
+    context_overflow: Literal["stop", "truncate_observation"] = "stop"
     # Group advantage: reward - group mean, divided by the group's reward std when true (GRPO);
     # false is Dr. GRPO's unbiased form. A group with identical rewards gets advantage 0 either way.
     advantage_std_norm: bool = False
@@ -290,6 +375,12 @@ class TrainerSection(Strict):
     # Entropy bonus: loss -= entropy_coef * mean entropy over loss tokens (0: none, the calibrated
     # GRPO-style loss). Needs logprob_chunk_tokens = 0.
     entropy_coef: float = Field(0.0, ge=0)
+    # entropy_target > 0: steer the coefficient (starting at entropy_coef) towards keeping the mean
+    # loss-token entropy at or above this many nats: += entropy_coef_lr * (target - entropy) per
+    # step, within [0, entropy_coef_max] (trainer/entropy.py says why).
+    entropy_target: float = Field(0.0, ge=0)
+    entropy_coef_lr: float = Field(0.01, gt=0)
+    entropy_coef_max: float = Field(0.05, ge=0)
     checkpoint_every: int = Field(20, gt=0)
     init_std: float = Field(0.02, gt=0)
     torch_threads: int = Field(1, ge=1)
@@ -300,6 +391,50 @@ class TrainerSection(Strict):
     packing: bool = False
     # > 0: project to the vocabulary this many tokens at a time (no [tokens x vocab] tensor).
     logprob_chunk_tokens: int = Field(0, ge=0)
+    # MoE: route every token to the experts inference recorded for it (Sample.routed_experts)
+    # instead of the trainer's own top-k; the gate still learns through its scores at those ids.
+    router_replay: bool = True
+    # FP8 linears with the engine's recipe (1x128 activations, 128x128 weights) in the forward;
+    # master weights, gradients and optimizer state stay in high precision (trainer/fp8.py).
+    fp8: bool = False
+    # --- performance path (trainer/parallel.py, docs/trainer.md)
+    # bfloat16: FSDP2 mixed precision (bf16 params/compute, float32 master weights, optimizer
+    # state and gradient reduction). A single process without FSDP trains in float32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # torchtitan activation checkpointing per transformer block ("selective" = per-op SAC).
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    compile: bool = False  # torch.compile each transformer block
+    # Attention kernel; flex/varlen (CUDA only) apply document masking without a [T, T] mask.
+    attention: Literal["sdpa", "flex", "varlen"] = "sdpa"
+    # Parallel degrees: nproc = dp * tp * cp (dp is what is left); ep splits the experts over
+    # ranks of dp * cp * tp and must divide it.
+    tp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _parallel(self) -> TrainerSection:
+        if self.nproc % (self.tp * self.cp):
+            raise ValueError(
+                f"trainer.nproc ({self.nproc}) must be a multiple of trainer.tp * trainer.cp"
+                f" ({self.tp} * {self.cp}); dp = nproc / (tp * cp)"
+            )
+        if self.fp8 and self.tp > 1:
+            # Block scales are computed on whole 128x128 weight tiles; a TP shard sees only part.
+            raise ValueError("trainer.fp8 needs trainer.tp = 1")
+        if self.nproc % self.ep:
+            raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.nproc ({self.nproc})")
+        if self.attention != "sdpa" and self.device == "cpu":
+            raise ValueError(f"trainer.attention {self.attention!r} needs CUDA (trainer.device cpu)")
+        if self.cp > 1 and self.attention != "sdpa":
+            raise ValueError("trainer.cp > 1 needs trainer.attention 'sdpa' (torchtitan's CP)")
+        if self.entropy_target > 0 and self.entropy_coef_max <= 0:
+            raise ValueError("trainer.entropy_target > 0 needs trainer.entropy_coef_max > 0")
+        if (self.entropy_coef > 0 or self.entropy_target > 0) and self.logprob_chunk_tokens:
+            raise ValueError(
+                "an entropy bonus (trainer.entropy_coef / entropy_target) needs trainer.logprob_chunk_tokens = 0"
+            )
+        return self
 
 
 _SLURM_TIME = re.compile(
@@ -410,6 +545,8 @@ class RunConfig(Strict):
     model: ModelConfig = ModelConfig()
     redis: RedisSection = RedisSection()
     decode: DecodeSection = DecodeSection()
+    kvstore: KVStoreSection = KVStoreSection()
+    prefill: PrefillSection = PrefillSection()
     sandbox: SandboxSection = SandboxSection()
     orchestrator: OrchestratorSection = OrchestratorSection()
     trainer: TrainerSection = TrainerSection()

@@ -22,7 +22,8 @@ one 128-wide K block at a time with both scales applied per block (what the Hopp
 With ``backend="auto"`` a CUDA input goes to ``torch.nn.functional.scaled_mm`` with
 ``ScalingType.BlockWise1x128`` / ``BlockWise128x128``. **That GPU dispatch is untested on GPU**
 (written against the scale layouts in shared/notes/infra-facts.md; CI covers only the CPU
-reference path). See docs/fp8.md.
+reference path). The engine and trainer reach these through services/engine/fp8_linear.py, whose
+dispatch adds relay's Triton kernels (services/engine/kernels/fp8_gemm.py). See docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def _scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     scale = amax.float().clamp(min=AMAX_EPS) / FP8_MAX
     if pow2:
         # Round up so |x / scale| <= 448 still holds; then the largest value lands in [224, 448].
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        # Exactly, through the float's exponent: exp2(ceil(log2(s))) misses by one power for s a
+        # hair above a power of two (float32 log2 rounds 2^k * (1 + 2^-23) to k). The Triton
+        # quantiser does the same bit-exact rounding.
+        mant, exp = torch.frexp(scale)  # scale = mant * 2^exp, mant in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(scale), torch.where(mant == 0.5, exp - 1, exp))
     return scale
 
 
@@ -300,7 +305,7 @@ class Fp8Linear(nn.Module):
         out = fp8_gemm(xq, xs, self.weight_fp8, self.weight_scale, self.out_dtype, self.backend)
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*lead, self.out_features)
+        return out.reshape(*lead, self.out_features)  # GPU path: N-sliced, not contiguous
 
     def extra_repr(self) -> str:
         return (
@@ -324,16 +329,18 @@ def convert_to_fp8(
     skip: Callable[[str], bool] = default_skip,
     pow2_scales: bool = False,
     backend: str = "auto",
+    linear_cls: type[Fp8Linear] = Fp8Linear,
 ) -> list[str]:
     """Replace, in place, every nn.Linear of `model` whose qualified name `skip` does not match by
     an Fp8Linear quantised from its current weight. Returns the converted names. By default
     lm_head, routers (`...gate`, `...router`), embeddings and norms stay in high precision;
-    `gate_proj` (an MLP projection) is converted."""
+    `gate_proj` (an MLP projection) is converted. `linear_cls`: the Fp8Linear (sub)class to build
+    (the engine's services.engine.fp8_linear.Fp8Linear adds the GPU kernel dispatch)."""
     targets = [
         (name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and not skip(name)
     ]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(mod, pow2_scales=pow2_scales, backend=backend))
+        setattr(parent, child, linear_cls.from_linear(mod, pow2_scales=pow2_scales, backend=backend))
     return [name for name, _ in targets]

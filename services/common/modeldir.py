@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.config import ModelConfig
+from services.common.config import ModelConfig, RopeScaling
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -32,9 +32,14 @@ def step_dir(run_dir: str | Path, version: int) -> Path:
 
 
 def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[str, Any]:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+    llama = m.arch == "llama3"
+    extra: dict[str, Any] = {}
+    if m.rope_scaling is not None:
+        # The pre-5.0 HF key, which transformers 5 still reads (it folds it into rope_parameters).
+        extra["rope_scaling"] = m.rope_scaling.model_dump()
+    base = extra | {
+        "architectures": ["LlamaForCausalLM" if llama else "Qwen3ForCausalLM"],
+        "model_type": "llama" if llama else "qwen3",
         "vocab_size": m.vocab_size,
         "hidden_size": m.dim,
         "intermediate_size": m.hidden_dim,
@@ -52,14 +57,34 @@ def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[
         "pad_token_id": pad_token_id,
         "torch_dtype": "float32",
     }
+    return base | _moe_mla_hf(m)
 
 
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Inverse of hf_config, for loading any Qwen3-family HF directory."""
+    if cfg.get("model_type") in MOE_MODEL_TYPES:
+        return _moe_mla_from_hf(cfg)
     if cfg.get("model_type") not in ("qwen3", "llama", "qwen2"):
         raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
     n_heads = cfg["num_attention_heads"]
+    # transformers >= 5 writes rope_theta and the scaling into "rope_parameters"; older configs
+    # (and most Hub snapshots) have top-level rope_theta and "rope_scaling".
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only llama3)")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope.get(
+                "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)
+            ),
+        )
     return ModelConfig(
+        arch="llama3" if cfg.get("model_type") == "llama" else "qwen3",
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
@@ -68,10 +93,179 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         hidden_dim=cfg["intermediate_size"],
         max_seq_len=cfg.get("max_position_embeddings", 4096),
-        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         qk_norm=cfg.get("model_type") == "qwen3",
         tie_embeddings=cfg.get("tie_word_embeddings", False),
+    )
+
+
+# --------------------------------------------------------------------------- MoE / MLA (HF names)
+
+# Kimi-K2 ships DeepSeek-V3's architecture under its own model_type.
+MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "glm_moe_dsa")
+
+
+def _moe_mla_hf(m: ModelConfig) -> dict[str, Any]:
+    """config.json keys of Qwen3MoeForCausalLM / DeepseekV3ForCausalLM (empty for dense archs)."""
+    if m.arch == "qwen3_moe":
+        # HF Qwen3-MoE: softmax top-k, no shared experts, no bias, no groups, no output scaling.
+        fixed = {
+            "n_shared_experts": 0,
+            "expert_bias": False,
+            "router_score": "softmax",
+            "n_group": 1,
+            "routed_scaling_factor": 1.0,
+        }
+        for key, value in fixed.items():
+            if getattr(m, key) != value:
+                raise ValueError(
+                    f"model.{key}: qwen3_moe (HF Qwen3-MoE) needs {value!r}, got {getattr(m, key)!r}"
+                )
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": m.n_routed_experts,
+            "num_experts_per_tok": m.n_experts_per_tok,
+            "moe_intermediate_size": m.moe_hidden_dim,
+            "norm_topk_prob": m.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(m.first_k_dense)),
+        }
+    if m.arch in ("deepseek_v3", "glm_moe_dsa"):
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "num_key_value_heads": m.n_heads,
+            # HF's DeepseekV3Config: head_dim is the RoPE width (what its rotary embedding spans).
+            "head_dim": m.qk_rope_head_dim,
+            "n_routed_experts": m.n_routed_experts,
+            "n_shared_experts": m.n_shared_experts,
+            "num_experts_per_tok": m.n_experts_per_tok,
+            "moe_intermediate_size": m.moe_hidden_dim,
+            "first_k_dense_replace": m.first_k_dense,
+            "routed_scaling_factor": m.routed_scaling_factor,
+            "scoring_func": m.router_score,
+            "topk_method": "noaux_tc" if m.expert_bias else "greedy",
+            "n_group": m.n_group,
+            "topk_group": m.topk_group,
+            "norm_topk_prob": m.norm_topk_prob,
+            "q_lora_rank": m.q_lora_rank or None,
+            "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_nope_head_dim,
+            "qk_rope_head_dim": m.qk_rope_head_dim,
+            "v_head_dim": m.v_head_dim,
+            "rope_interleave": True,
+            "num_nextn_predict_layers": m.n_mtp_layers,
+        }
+        if m.arch == "glm_moe_dsa":
+            # GLM-5: DeepSeek-V3's layout plus the DSA indexer; every layer runs its own indexer.
+            out |= {
+                "architectures": ["GlmMoeDsaForCausalLM"],
+                "model_type": "glm_moe_dsa",
+                "index_topk": m.index_topk,
+                "index_n_heads": m.index_n_heads,
+                "index_head_dim": m.index_head_dim,
+                "indexer_types": ["full"] * m.n_layers,
+                "mlp_layer_types": ["dense"] * m.first_k_dense + ["sparse"] * (m.n_layers - m.first_k_dense),
+            }
+        return out
+    if m.is_moe or m.is_mla:
+        raise ValueError(f"model.arch: no HF config.json mapping for {m.arch!r}")
+    return {}
+
+
+def _moe_mla_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Inverse of _moe_mla_hf (plus Hub DeepSeek-V3 / Kimi-K2 configs)."""
+    mt = cfg["model_type"]
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported for model_type {mt!r}")
+    n_heads = cfg["num_attention_heads"]
+    common: dict[str, Any] = {
+        "vocab_size": cfg["vocab_size"],
+        "dim": cfg["hidden_size"],
+        "n_layers": cfg["num_hidden_layers"],
+        "n_heads": n_heads,
+        "hidden_dim": cfg["intermediate_size"],
+        "max_seq_len": cfg.get("max_position_embeddings", 4096),
+        "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "tie_embeddings": cfg.get("tie_word_embeddings", False),
+        "moe_hidden_dim": cfg["moe_intermediate_size"],
+        "n_experts_per_tok": cfg["num_experts_per_tok"],
+        "norm_topk_prob": cfg.get("norm_topk_prob", mt != "qwen3_moe"),
+    }
+    if mt == "qwen3_moe":
+        n_layers = cfg["num_hidden_layers"]
+        dense = sorted(cfg.get("mlp_only_layers") or [])
+        if cfg.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+            raise ValueError(
+                "qwen3_moe: only leading dense layers are supported (decoder_sparse_step 1, "
+                f"mlp_only_layers 0..k-1; got {cfg.get('decoder_sparse_step')}, {dense})"
+            )
+        if len(dense) >= n_layers:
+            raise ValueError("qwen3_moe: mlp_only_layers covers every layer (a dense model)")
+        return ModelConfig(
+            arch="qwen3_moe",
+            n_kv_heads=cfg.get("num_key_value_heads", n_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            qk_norm=True,
+            # transformers 5 writes num_local_experts, older configs num_experts.
+            n_routed_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
+            first_k_dense=len(dense),
+            router_score="softmax",
+            **common,
+        )
+    nope, rope_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    if not cfg.get("rope_interleave", True):
+        # The engine's MLA RoPE is DeepSeek's interleaved one (HF's default, torchtitan's).
+        raise ValueError(f"{mt}: rope_interleave false is not supported")
+    method = cfg.get("topk_method", "noaux_tc")
+    first_k_dense = cfg.get("first_k_dense_replace", 0)
+    dsa: dict[str, Any] = {}
+    if mt == "glm_moe_dsa":
+        n = cfg["num_hidden_layers"]
+        first_k_dense = min(first_k_dense, n)
+        types = cfg.get("mlp_layer_types") or ["dense"] * first_k_dense + ["sparse"] * (n - first_k_dense)
+        first_k_dense = types.count("dense")
+        if types != ["dense"] * first_k_dense + ["sparse"] * (n - first_k_dense):
+            raise ValueError(
+                f"glm_moe_dsa: only leading dense layers are supported (mlp_layer_types {types})"
+            )
+        if any(t != "full" for t in cfg.get("indexer_types") or []):
+            # "shared" layers reuse another layer's top-k selection: not implemented in the engine.
+            raise ValueError(
+                f"glm_moe_dsa: indexer_types {cfg['indexer_types']} (only 'full') is not supported"
+            )
+        dsa = {
+            "index_topk": cfg["index_topk"],
+            "index_n_heads": cfg["index_n_heads"],
+            "index_head_dim": cfg["index_head_dim"],
+        }
+    return ModelConfig(
+        arch="glm_moe_dsa" if mt == "glm_moe_dsa" else "deepseek_v3",
+        n_kv_heads=n_heads,  # MLA: every head has its own (decompressed) K and V
+        head_dim=nope + rope_dim,
+        qk_norm=False,
+        n_routed_experts=cfg["n_routed_experts"],
+        n_shared_experts=cfg.get("n_shared_experts") or 0,
+        first_k_dense=first_k_dense,
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+        router_score=cfg.get("scoring_func", "sigmoid"),
+        n_group=cfg.get("n_group") or 1,
+        topk_group=cfg.get("topk_group") or 1,
+        expert_bias=method == "noaux_tc",
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=cfg["v_head_dim"],
+        n_mtp_layers=cfg.get("num_nextn_predict_layers", 0),
+        **dsa,
+        **common,
     )
 
 

@@ -6,7 +6,7 @@ Request models forbid unknown fields so a misspelt field is a 422 naming it, not
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,11 +22,26 @@ class SamplingParams(Wire):
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables")
+    # Drop tokens less likely than min_p times the most likely one (after temperature); 0 disables.
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     max_tokens: int = Field(16, gt=0)
     stop_token_ids: list[int] = []
+    # Stop strings, matched on the detokenised output as it is generated: the sequence ends with
+    # finish_reason "stop" at the token that completes one, and `text` ends before it.
+    stop: list[str] = Field([], max_length=16)
     ignore_eos: bool = False
     seed: int | None = None
     n: int = Field(1, ge=1, le=1024, description="independent samples of the same prompt")
+    # Also return the n most likely ids and their log-probs at every sampled position.
+    logprobs: int | None = Field(None, ge=0, le=64)
+    # Return the output text (GenerateChoice.text); implied by stop strings.
+    detokenize: bool = False
+
+    @model_validator(mode="after")
+    def _stops(self) -> SamplingParams:
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        return self
 
 
 class RoutedExperts(Wire):
@@ -58,6 +73,13 @@ class GenerateChoice(Wire):
     # weight version that produced each token (weights can change mid-sequence)
     versions: list[int]
     finish_reason: Literal["stop", "length", "abort"]
+    # With sampling.logprobs = n: per output token, the n most likely [id, log-prob] pairs, most
+    # likely first, under the model's untempered distribution log_softmax(logits).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With sampling.detokenize or stop strings: the decoded output (special tokens skipped),
+    # ending before the stop string that finished it.
+    text: str | None = None
+    stop_str: str | None = None  # the stop string that ended the sequence, if one did
     # With return_routed_experts on an MoE model: one row per token of input_ids + output_ids
     # (the last output token was never forwarded, so its row is unrecorded).
     routed_experts: RoutedExperts | None = None
@@ -69,24 +91,76 @@ class GenerateResponse(Wire):
     choices: list[GenerateChoice]
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI /v1/completions subset. Extra OpenAI fields are accepted and ignored."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+class OpenAISampling(BaseModel):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions
+    top_k, min_p, ignore_eos, stop_token_ids included). Extra OpenAI fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: disabled
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
     seed: int | None = None
     stop: list[str] | str | None = None
-    logprobs: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionRequest(OpenAISampling):
+    """OpenAI /v1/completions subset."""
+
+    prompt: str | list[int]
+    max_tokens: int = Field(16, gt=0)
+    logprobs: int | None = Field(None, ge=0, le=20)  # top-n log-probs per token
 
     @model_validator(mode="after")
     def _non_empty(self) -> CompletionRequest:
         if not self.prompt:
             raise ValueError("prompt must not be empty")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI chat message. Fields beyond role/content (tool_calls, tool_call_id, name,
+    reasoning_content) pass through to the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    """OpenAI /v1/chat/completions subset: messages rendered by the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    # None: up to the end of the context window
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    # Extra template variables, e.g. {"enable_thinking": false} for Qwen3 (vLLM's extension).
+    chat_template_kwargs: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
         return self
 
 
@@ -223,6 +297,19 @@ class TrainerStepMetrics(Wire):
     step_s: float
     publish_s: float
     tokens_per_s: float
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient in this step (trainer/entropy.py)
+    # Trainer/inference mismatch over the step's trained tokens (trainer/mismatch.py, docs/loss.md):
+    # k3 KL(pi_infer || pi_train), max/mean |p_train - p_infer|, share of ratios outside [0.5, 2].
+    mismatch_kl_k3: float = 0.0
+    mismatch_p_abs_max: float = 0.0
+    mismatch_p_abs_mean: float = 0.0
+    mismatch_ratio_out_frac: float = 0.0
+    # MoE only (empty / None for dense): per MoE layer, the share of recorded tokens whose trainer
+    # top-k expert set equals inference's (None: the layer saw no recorded token), its token-weighted
+    # mean, and the share of recorded (token, layer) pairs routed by the recorded ids (Router Replay).
+    routing_agreement: list[float | None] = []
+    routing_agreement_mean: float | None = None
+    routing_replayed_frac: float | None = None
     time: float = Field(default_factory=time.time)
 
 

@@ -1,90 +1,386 @@
-"""OpenAI /v1/completions subset on top of token-level generation: text in and out through the
-model directory's tokenizer, stop strings applied to the decoded text."""
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of token-level generation.
+
+Requests become a GenerateRequest (text encoded with the model directory's tokenizer; chat
+messages rendered with its chat template first); the engine detokenises the output and applies
+stop strings as it generates (services/engine/detokenizer.py), so this module only shapes the
+JSON: whole responses, or SSE chunks built from the progress the engine reports after each step.
+"""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from services.common.chat import ChatTemplate, ChatTemplateError
 from services.common.schemas import (
+    ChatCompletionRequest,
     CompletionRequest,
     GenerateChoice,
     GenerateRequest,
     GenerateResponse,
+    OpenAISampling,
     SamplingParams,
 )
+from services.engine.sequence import RequestState
 
 
 class PromptError(ValueError):
-    """The prompt cannot be turned into token ids; the message names the "prompt" field."""
+    """The request cannot be turned into token ids; `field` names the offending field."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+def api_field(engine_field: str, prompt_field: str) -> str:
+    """The request field an engine InvalidRequest is about: input_ids is the prompt (or the
+    messages), sampling.<x> is the top-level <x>."""
+    if engine_field == "input_ids":
+        return prompt_field
+    return engine_field.removeprefix("sampling.")
+
+
+def _sampling(req: OpenAISampling, max_tokens: int, logprobs: int | None, detokenize: bool) -> SamplingParams:
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        min_p=req.min_p,
+        max_tokens=max_tokens,
+        stop_token_ids=req.stop_token_ids,
+        stop=req.stop_strings,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        n=req.n,
+        logprobs=logprobs,
+        detokenize=detokenize,
+    )
 
 
 def to_generate_request(req: CompletionRequest, tokenizer: Tokenizer | None) -> GenerateRequest:
     if isinstance(req.prompt, str):
         if tokenizer is None:
-            raise PromptError("prompt: this model directory has no tokenizer.json; send token ids")
+            raise PromptError("prompt", "this model directory has no tokenizer.json; send token ids")
         ids = tokenizer.encode(req.prompt, add_special_tokens=False).ids
         if not ids:
-            raise PromptError("prompt: encodes to no tokens")
+            raise PromptError("prompt", "encodes to no tokens")
     else:
         ids = list(req.prompt)
-    sampling = SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens, n=req.n, seed=req.seed
-    )
+    if req.stop_strings and tokenizer is None:
+        raise PromptError("stop", "this model directory has no tokenizer.json to match stop strings")
+    sampling = _sampling(req, req.max_tokens, req.logprobs, detokenize=tokenizer is not None)
     return GenerateRequest(input_ids=ids, sampling=sampling)
 
 
-def _token_texts(tokenizer: Tokenizer | None, ids: list[int]) -> list[str]:
+def _message_dict(index: int, msg: Any) -> dict[str, Any]:
+    d: dict[str, Any] = msg.model_dump()
+    content = d.get("content")
+    if isinstance(content, list):
+        # OpenAI content parts: the templates we serve take text only.
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise PromptError(f"messages.{index}.content", "only text content parts are supported")
+            texts.append(part["text"])
+        d["content"] = "".join(texts)
+    return d
+
+
+def chat_prompt(req: ChatCompletionRequest, template: ChatTemplate | None) -> str:
+    if template is None:
+        raise PromptError("messages", "this model directory has no chat template; use /v1/completions")
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    try:
+        return template.render(
+            messages, req.tools, add_generation_prompt=req.add_generation_prompt, **req.chat_template_kwargs
+        )
+    except ChatTemplateError as e:
+        raise PromptError("messages", f"the chat template rejected them: {e}") from None
+
+
+def to_chat_generate_request(
+    req: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer | None, max_seq_len: int
+) -> GenerateRequest:
     if tokenizer is None:
-        return ["" for _ in ids]
-    return [tokenizer.decode([t], skip_special_tokens=True) for t in ids]
+        raise PromptError("messages", "this model directory has no tokenizer.json")
+    ids = tokenizer.encode(chat_prompt(req, template), add_special_tokens=False).ids
+    if not ids:
+        raise PromptError("messages", "render to no tokens")
+    # OpenAI's default is "until the context is full"; the engine rejects a prompt that fills it.
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, max_seq_len - len(ids))
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return GenerateRequest(input_ids=ids, sampling=_sampling(req, max_tokens, top, detokenize=True))
 
 
-def _choice(
-    index: int, ch: GenerateChoice, tokenizer: Tokenizer | None, stops: list[str], want_logprobs: bool
+# ------------------------------------------------------------------ token-level log-probs
+
+
+def _token_text(tokenizer: Tokenizer | None, token: int) -> str:
+    # Special tokens (EOS) render as "", so the tokens join to exactly the returned text.
+    return "" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=True)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer | None,
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[list[tuple[int, float]]] | None,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    pieces = _token_texts(tokenizer, ch.output_ids)
+    """The legacy completions `logprobs` object for these tokens; text offsets start at `offset`."""
+    pieces = [_token_text(tokenizer, t) for t in ids]
+    starts = [offset + s for s in [0, *accumulate(len(p) for p in pieces)][: len(pieces)]]
+    top_dicts = None
+    if tops is not None:
+        top_dicts = [{_token_text(tokenizer, t): lp for t, lp in top} for top in tops]
+    return {
+        "tokens": pieces,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top_dicts,
+        "text_offset": starts,
+    }
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer | None,
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[list[tuple[int, float]]] | None,
+) -> dict[str, Any]:
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = []
+    for i, (t, lp) in enumerate(zip(ids, logprobs, strict=True)):
+        item = entry(t, lp)
+        item["top_logprobs"] = [entry(tt, tlp) for tt, tlp in (tops[i] if tops is not None else [])]
+        content.append(item)
+    return {"content": content}
+
+
+def _kept_tokens(tokenizer: Tokenizer | None, ch: GenerateChoice) -> int:
+    """Output tokens whose text starts before the end of the returned text: with a stop string,
+    the tokens that make it up are generated but not part of the text."""
+    if ch.stop_str is None or ch.text is None:
+        return len(ch.output_ids)
+    pieces = [_token_text(tokenizer, t) for t in ch.output_ids]
     starts = [0, *accumulate(len(p) for p in pieces)][: len(pieces)]
-    text = "".join(pieces)
-    finish = ch.finish_reason
-    n_tokens = len(pieces)
-    # Cut at the earliest stop string (excluded from the text, as OpenAI does), keeping the
-    # tokens that start before the cut.
-    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    if cuts:
-        cut = min(cuts)
-        text, finish = text[:cut], "stop"
-        n_tokens = sum(1 for s in starts if s < cut)
-    logprobs = None
-    if want_logprobs:
-        logprobs = {
-            "tokens": pieces[:n_tokens],
-            "token_logprobs": ch.logprobs[:n_tokens],
-            "top_logprobs": None,
-            "text_offset": starts[:n_tokens],
-        }
-    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+    return sum(1 for s in starts if s < len(ch.text))
+
+
+def usage(resp: GenerateResponse) -> dict[str, int]:
+    completion_tokens = sum(len(c.output_ids) for c in resp.choices)
+    return {
+        "prompt_tokens": resp.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": resp.prompt_tokens + completion_tokens,
+    }
+
+
+# ------------------------------------------------------------------ whole responses
 
 
 def to_completion(
     req: CompletionRequest, resp: GenerateResponse, tokenizer: Tokenizer | None, model: str
 ) -> dict[str, Any]:
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    want = req.logprobs is not None
-    choices = [_choice(i, ch, tokenizer, stops, want) for i, ch in enumerate(resp.choices)]
-    completion_tokens = sum(len(c.output_ids) for c in resp.choices)
+    choices = []
+    for i, ch in enumerate(resp.choices):
+        lp = None
+        if req.logprobs is not None:
+            n = _kept_tokens(tokenizer, ch)
+            tops = None if ch.top_logprobs is None else ch.top_logprobs[:n]
+            lp = completion_logprobs(tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops)
+        choices.append({"text": ch.text or "", "index": i, "logprobs": lp, "finish_reason": ch.finish_reason})
     return {
         "id": f"cmpl-{resp.request_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": resp.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": resp.prompt_tokens + completion_tokens,
-        },
+        "usage": usage(resp),
     }
+
+
+def to_chat_completion(
+    req: ChatCompletionRequest, resp: GenerateResponse, tokenizer: Tokenizer | None, model: str
+) -> dict[str, Any]:
+    choices = []
+    for i, ch in enumerate(resp.choices):
+        lp = None
+        if req.logprobs:
+            n = _kept_tokens(tokenizer, ch)
+            tops = None if ch.top_logprobs is None else ch.top_logprobs[:n]
+            lp = chat_logprobs(tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops)
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": ch.text or ""},
+                "logprobs": lp,
+                "finish_reason": ch.finish_reason,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{resp.request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(resp),
+    }
+
+
+# ------------------------------------------------------------------ streaming
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last report."""
+
+    index: int
+    ids: list[int]
+    logprobs: list[float]
+    tops: list[list[tuple[int, float]]] | None
+    text: str  # the whole text so far (strings are immutable: safe to hand across threads)
+    finish_reason: str | None
+
+
+class Progress:
+    """Called on the engine thread after each step (LLMEngine.watchers): copies what each choice
+    gained, so the asyncio side never reads engine state."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+
+    def __call__(self, state: RequestState) -> list[Delta]:
+        deltas = []
+        for seq in state.seqs:
+            start = self.sent.get(seq.index, 0)
+            end = len(seq.output)
+            if end == start and seq.finish_reason is None:
+                continue
+            self.sent[seq.index] = end
+            tops = None if seq.top_logprobs is None else [list(t) for t in seq.top_logprobs[start:end]]
+            deltas.append(
+                Delta(
+                    seq.index,
+                    seq.output[start:end],
+                    seq.logprobs[start:end],
+                    tops,
+                    seq.text.text if seq.text is not None else "",
+                    seq.finish_reason,
+                )
+            )
+        return deltas
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class Stream:
+    """Turns progress deltas (and, at the end, the whole response) into OpenAI stream chunks.
+
+    Text that could still turn out to be the start of a stop string (the last len(stop) - 1
+    characters) is held back until more text rules it out or the choice finishes, so the streamed
+    text always equals the non-streamed one."""
+
+    def __init__(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        tokenizer: Tokenizer | None,
+        model: str,
+        request_id: str,
+    ):
+        self.chat = isinstance(req, ChatCompletionRequest)
+        self.req = req
+        self.tokenizer = tokenizer
+        self.model = model
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+        self.want_logprobs = bool(req.logprobs) if self.chat else req.logprobs is not None
+        self.holdback = max((len(s) for s in req.stop_strings), default=1) - 1
+        self.emitted: dict[int, int] = {}  # chars of text sent per choice
+        self.finished: set[int] = set()
+        self.started: set[int] = set()  # chat: choices whose role chunk went out
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _choice(self, index: int, text: str, lp: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "delta": {"content": text} if text else {},
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def _logprobs(self, d: Delta) -> dict[str, Any] | None:
+        if not self.want_logprobs or not d.ids:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, d.ids, d.logprobs, d.tops)
+        return completion_logprobs(
+            self.tokenizer, d.ids, d.logprobs, d.tops, offset=self.emitted.get(d.index, 0)
+        )
+
+    def start(self) -> list[str]:
+        """Chat streams open each choice with the assistant role, as OpenAI does."""
+        if not self.chat:
+            return []
+        out = []
+        for i in range(self.req.n):
+            self.started.add(i)
+            delta = {"role": "assistant", "content": ""}
+            out.append(
+                sse(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            )
+        return out
+
+    def progress(self, deltas: list[Delta]) -> list[str]:
+        out = []
+        for d in deltas:
+            if d.index in self.finished:
+                continue
+            done = d.finish_reason is not None
+            end = len(d.text) if done else max(len(d.text) - self.holdback, self.emitted.get(d.index, 0))
+            text = d.text[self.emitted.get(d.index, 0) : end]
+            lp = self._logprobs(d)
+            if not text and lp is None and not done:
+                continue
+            self.emitted[d.index] = end
+            if done:
+                self.finished.add(d.index)
+            out.append(sse(self._chunk([self._choice(d.index, text, lp, d.finish_reason)])))
+        return out
+
+    def finish(self, resp: GenerateResponse) -> list[str]:
+        """Whatever the progress reports did not cover (e.g. a request aborted by timeout), the
+        usage chunk if asked for, and the terminator."""
+        out = []
+        for i, ch in enumerate(resp.choices):
+            if i in self.finished:
+                continue
+            text = (ch.text or "")[self.emitted.get(i, 0) :]
+            out.append(sse(self._chunk([self._choice(i, text, None, ch.finish_reason)])))
+        opts = self.req.stream_options
+        if opts is not None and opts.include_usage:
+            out.append(sse({**self._chunk([]), "usage": usage(resp)}))
+        out.append(sse("[DONE]"))
+        return out
+
+    def error(self, message: str) -> list[str]:
+        return [sse({"error": {"message": message, "type": "server_error"}}), sse("[DONE]")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,15 +20,33 @@ from typing import Any
 
 import redis
 from fastapi import FastAPI, HTTPException
+from fastapi.responses import StreamingResponse
 from prometheus_client import REGISTRY
 from tokenizers import Tokenizer
 
+from services.common.chat import ChatTemplate, ChatTemplateError
 from services.common.config import ConfigError
-from services.common.schemas import CompletionRequest, GenerateRequest, GenerateResponse, UpdateWeightsRequest
+from services.common.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    UpdateWeightsRequest,
+)
 from services.common.service import Service, create_app, load_service_config, log_event, service_args
 from services.decode.metrics import EngineCollector
-from services.decode.openai import PromptError, to_completion, to_generate_request
+from services.decode.openai import (
+    PromptError,
+    Stream,
+    api_field,
+    to_chat_completion,
+    to_chat_generate_request,
+    to_completion,
+    to_generate_request,
+)
+from services.decode.streaming import sse_events
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
+from services.prefill.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
 
@@ -41,7 +60,13 @@ class Decode:
         self.log = service.log
         self.engine: AsyncEngine | None = None
         self.tokenizer: Tokenizer | None = None
+        self.chat_template: ChatTemplate | None = None  # the model directory's, for /v1/chat/completions
         self.paused = False  # remembered while loading, applied to the engine once it exists
+        # kvstore.enabled: pull prompt pages from the KV store / route long prompts to prefill
+        # services before the engine prefills (services/prefill/router.py).
+        self.kv: KVRouter | None = (
+            KVRouter(self.cfg, service.bus.services) if self.cfg.kvstore.enabled else None
+        )
         self._load_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ weights
@@ -57,6 +82,12 @@ class Decode:
                 engine = await asyncio.to_thread(LLMEngine, path, self.cfg.decode.engine, version)
                 tok_file = Path(path) / "tokenizer.json"
                 self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
+                try:
+                    self.chat_template = ChatTemplate.from_model_dir(path)
+                except ChatTemplateError as e:  # completions still work; chat answers 400
+                    self.log.error(f"{path}: {e}")
+                if self.kv is not None:
+                    self.kv.attach(engine)
                 self.engine = AsyncEngine(engine).start()
                 if self.paused:
                     self.engine.pause()
@@ -117,11 +148,14 @@ class Decode:
             "running": eng.num_running if eng else 0,
             "paused": eng.paused if eng else self.paused,
             "idle_s": round(eng.engine.stats.idle_seconds_total, 3) if eng else 0.0,
+            **({"kv": self.kv.stats()} if self.kv is not None else {}),
         }
 
     async def submit(self, req: GenerateRequest) -> GenerateResponse:
         engine = self.ready()
         try:
+            if self.kv is not None:
+                return await self.kv.generate(engine, req)
             return await engine.submit(req)
         except RuntimeError as e:  # engine stopping
             raise HTTPException(503, str(e)) from None
@@ -150,6 +184,8 @@ def build_app(service: Service) -> FastAPI:
                 loader.cancel()
                 if state.engine is not None:
                     await asyncio.to_thread(state.engine.stop)
+                if state.kv is not None:
+                    await state.kv.close()
                 log_event(service.log, "engine stopped")
 
     app = create_app("relay-decode", state.health, lifespan)
@@ -162,17 +198,48 @@ def build_app(service: Service) -> FastAPI:
         except InvalidRequest as e:
             raise HTTPException(400, str(e)) from None
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> dict[str, Any]:
+    async def openai_call(
+        req: CompletionRequest | ChatCompletionRequest, greq: GenerateRequest, prompt_field: str
+    ) -> GenerateResponse | StreamingResponse:
+        """Run an OpenAI request: the whole response, or (stream: true) an SSE stream."""
+        engine = state.ready()
+        greq.request_id = uuid.uuid4().hex
+        try:
+            # Checked before answering 200, so bad input is a 4xx even when streaming.
+            engine.engine.validate(greq)
+            if req.stream:
+                stream = Stream(req, state.tokenizer, service.cfg.run.name, greq.request_id)
+                events = sse_events(engine.engine, state.submit, greq, stream)
+                return StreamingResponse(events, media_type="text/event-stream")
+            return await state.submit(greq)
+        except InvalidRequest as e:
+            raise HTTPException(400, f"{api_field(e.field, prompt_field)}: {e.reason}") from None
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
         state.ready()
         try:
             greq = to_generate_request(req, state.tokenizer)
-            resp = await state.submit(greq)
         except PromptError as e:
             raise HTTPException(400, str(e)) from None
-        except InvalidRequest as e:
-            raise HTTPException(400, f"prompt: {e.reason}") from None
-        return to_completion(req, resp, state.tokenizer, service.cfg.run.name)
+        out = await openai_call(req, greq, "prompt")
+        if isinstance(out, StreamingResponse):
+            return out
+        return to_completion(req, out, state.tokenizer, service.cfg.run.name)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+        engine = state.ready()
+        try:
+            greq = to_chat_generate_request(
+                req, state.chat_template, state.tokenizer, engine.engine.max_seq_len
+            )
+        except PromptError as e:
+            raise HTTPException(400, str(e)) from None
+        out = await openai_call(req, greq, "messages")
+        if isinstance(out, StreamingResponse):
+            return out
+        return to_chat_completion(req, out, state.tokenizer, service.cfg.run.name)
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:

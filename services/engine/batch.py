@@ -10,13 +10,23 @@ Attention shapes are rounded up to buckets (batch and query length to powers of 
 1/8-octave steps of at least 64). Kernels such as cuDNN's build an execution plan per shape, which
 costs tens of ms; with exact shapes the context grows every decode step and every step would pay
 it. Padding rows and positions are masked and their outputs dropped.
+
+The GPU path (attention backend "triton") builds a different batch: no groups and no gathered
+copies, but per-sequence metadata (`PagedMeta`: block tables, context lengths, query rows) that the
+paged kernels (kernels/paged_attention.py) read directly. It is built with numpy from a handful of
+per-span values and moved to the device in one copy (`HostBatch`), since at a batch of 256 a decode
+step is a few ms and per-token Python would be a visible share of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
+
+DECODE_BLOCK_N = 64  # keys per tile in the paged decode kernel (4 pages of 16)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] flat cache row of each token: page * block_size + offset
     groups: list[AttnGroup]
     last_index: torch.Tensor  # [S] flat index of each span's last token: its next-token logits
+    paged: PagedMeta | None = None  # set: attention runs the paged kernels instead of groups
 
     @staticmethod
     def build(spans: list[Span], device: torch.device, max_ctx: int, block_size: int) -> ForwardBatch:
@@ -124,3 +135,197 @@ def _group(
         mask=mask,
         ctx_len=ctx,
     )
+
+
+# ----------------------------------------------------------------------------- GPU (paged kernels)
+
+
+@dataclass
+class DecodeMeta:
+    """Sequences feeding one token this step."""
+
+    q_loc: torch.Tensor  # [B] flat row of each sequence's query (and output)
+    block_tables: torch.Tensor  # [B, P] page ids; entries past a sequence's pages are never read
+    ctx_lens: torch.Tensor  # [B] keys of each sequence, this step's token included (0: padding row)
+    num_splits: int  # context partitions per sequence (static: part of a CUDA graph's shape)
+    partition: int  # keys per partition, a multiple of DECODE_BLOCK_N
+
+
+@dataclass
+class PrefillMeta:
+    """Sequences feeding several tokens this step: each one's queries are contiguous flat rows."""
+
+    q_start: torch.Tensor  # [S] flat row of each sequence's first query
+    q_lens: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [S, P]
+    ctx_lens: torch.Tensor  # [S] keys after this step: the last query sits at position ctx - 1
+    max_q_len: int  # host copy: sizes the grid
+
+
+@dataclass
+class PagedMeta:
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
+    flex: object | None = None  # kernels.flex_attention.FlexMeta: backend "flex" instead of both
+
+
+def decode_splits(batch: int, n_kv_heads: int, max_ctx: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, partition) for the decode kernel: enough (sequence, KV head, split) programs to
+    fill the GPU about twice, never a partition shorter than one tile. A large batch gets one
+    split, which skips the merge kernel."""
+    tiles = max(1, -(-max_ctx // DECODE_BLOCK_N))
+    want = -(-2 * num_sms // max(1, batch * n_kv_heads))
+    splits = max(1, min(want, tiles))
+    partition = -(-tiles // splits) * DECODE_BLOCK_N
+    return max(1, -(-max_ctx // partition)), partition
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors: sizes the decode split."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton interpreter (CPU): small, so tests exercise several splits and the merge
+
+
+@dataclass
+class HostBatch:
+    """A step's inputs as host int64 arrays (what the device copies are made from)."""
+
+    ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    q_start: np.ndarray  # [S] flat row of each span's first token
+    q_lens: np.ndarray  # [S]
+    ctx_lens: np.ndarray  # [S] start + len
+    tables: np.ndarray  # [S, P] block tables, zero-padded
+
+    @property
+    def decode_only(self) -> bool:
+        return bool(len(self.ids) == len(self.q_lens))
+
+    @staticmethod
+    def build(spans: list[Span], block_size: int, tables: BlockTables | None = None) -> HostBatch:
+        """tables: the engine's persistent host copy of block tables (only new pages are copied);
+        without it every entry is converted, ~0.1 us each (10k+ entries at a batch of 256)."""
+        n = len(spans)
+        lens = np.fromiter((len(s.tokens) for s in spans), np.int64, n)
+        starts = np.fromiter((s.start for s in spans), np.int64, n)
+        total = int(lens.sum())
+        ids = np.fromiter(chain.from_iterable(s.tokens for s in spans), np.int64, total)
+        q_start = np.zeros(n, np.int64)
+        np.cumsum(lens[:-1], out=q_start[1:])
+        if tables is not None:
+            table = tables.gather([s.block_table for s in spans])
+        else:
+            tlens = np.fromiter((len(s.block_table) for s in spans), np.int64, n)
+            table = np.zeros((n, int(tlens.max())), np.int64)
+            flat = np.fromiter(chain.from_iterable(s.block_table for s in spans), np.int64, int(tlens.sum()))
+            table[np.arange(table.shape[1])[None, :] < tlens[:, None]] = flat
+        if total == n:  # decode-only: one token per span, no per-token expansion needed
+            seq, positions = np.arange(n), starts
+        else:
+            seq = np.repeat(np.arange(n), lens)
+            positions = starts[seq] + np.arange(total) - q_start[seq]
+        slots = table[seq, positions // block_size] * block_size + positions % block_size
+        return HostBatch(ids, positions, slots, q_start, lens, starts + lens, table)
+
+    def to_forward_batch(self, device: torch.device, n_kv_heads: int, num_sms: int) -> ForwardBatch:
+        """The eager paged batch: decode spans (1 token) go to the decode kernel, the rest to the
+        prefill kernel; everything reaches the device in one copy."""
+        dec = np.flatnonzero(self.q_lens == 1)
+        pre = np.flatnonzero(self.q_lens > 1)
+        parts = [
+            self.ids,
+            self.positions,
+            self.slots,
+            self.q_start + self.q_lens - 1,  # last_index
+            self.q_start[dec],
+            self.ctx_lens[dec],
+            self.tables[dec].ravel(),
+            self.q_start[pre],
+            self.q_lens[pre],
+            self.ctx_lens[pre],
+            self.tables[pre].ravel(),
+        ]
+        buf = torch.from_numpy(np.concatenate(parts)).to(device)
+        views = torch.split(buf, [len(x) for x in parts])
+        t, s, p = len(self.ids), len(self.q_lens), self.tables.shape[1]
+        decode = prefill = None
+        if len(dec):
+            splits, partition = decode_splits(len(dec), n_kv_heads, int(self.ctx_lens[dec].max()), num_sms)
+            decode = DecodeMeta(views[4], views[6].view(len(dec), p), views[5], splits, partition)
+        if len(pre):
+            prefill = PrefillMeta(
+                views[7], views[8], views[10].view(len(pre), p), views[9], int(self.q_lens[pre].max())
+            )
+        assert len(views[0]) == t and len(views[3]) == s
+        return ForwardBatch(views[0], views[1], views[2], [], views[3], PagedMeta(decode, prefill))
+
+
+class BlockTables:
+    """A persistent host copy of the block tables of the sequences in recent steps.
+
+    A decode step adds at most one page per sequence, so re-converting every table entry each step
+    (~0.1 us per Python int) is waste; this keeps one numpy row per live table and copies only the
+    entries appended since the last step. Keyed by the identity of the table's list, which stays
+    alive as long as it is cached here (so its id cannot be reused). The scheduler only ever appends
+    to a table in place and replaces it otherwise (new list object); a table that shrank or whose
+    last synced entry changed is re-copied whole, as a guard against in-place edits.
+    """
+
+    def __init__(self, width: int, rows: int = 64):
+        self.width = width
+        self.table = np.zeros((rows, width), np.int64)
+        self.entries: dict[int, list] = {}  # id(list) -> [list, row, entries synced, last entry]
+        self.free = list(range(rows - 1, -1, -1))
+
+    def gather(self, tables: list[list[int]]) -> np.ndarray:
+        """[len(tables), longest] copy of the given tables (zero past each one's end); entries
+        of tables absent from this call are dropped."""
+        live: dict[int, list] = {}
+        rows: list[int] = []
+        lens: list[int] = []
+        get = self.entries.get
+        for bt in tables:
+            key = id(bt)
+            e = get(key)
+            k = len(bt)
+            # Fast path (most tables, most steps): same length and last entry as last time.
+            if e is None or e[2] != k or (k and bt[-1] != e[3]):
+                e = self._sync(bt, e)
+            live[key] = e
+            rows.append(e[1])
+            lens.append(k)
+        for key, e in self.entries.items():
+            if key not in live:
+                self.free.append(e[1])
+        self.entries = live
+        n = np.array(lens, np.int64)
+        longest = max(1, int(n.max())) if lens else 1
+        out = self.table[np.array(rows, np.int64), :longest]
+        # Rows are reused: zero what lies past each table's end (never read, but deterministic).
+        out[np.arange(longest)[None, :] >= n[:, None]] = 0
+        return out
+
+    def _sync(self, bt: list[int], e: list | None) -> list:
+        """Copy the entries appended since the last sync (all of them for a new or edited table)."""
+        k = len(bt)
+        if k > self.width:
+            raise ValueError(f"block table of {k} pages exceeds the width {self.width}")
+        if e is None:
+            e = [bt, self._alloc(), 0, None]
+        synced = e[2]
+        if k < synced or (synced and self.table[e[1], synced - 1] != bt[synced - 1]):
+            synced = 0  # shrunk or edited in place: copy it whole
+        if k > synced:
+            self.table[e[1], synced:k] = bt[synced:k]
+        e[2], e[3] = k, (bt[-1] if k else None)
+        return e
+
+    def _alloc(self) -> int:
+        if not self.free:
+            # Rows held by entries not yet seen in this call may be freed at its end; grow instead.
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.free = list(range(2 * old - 1, old - 1, -1))
+        return self.free.pop()

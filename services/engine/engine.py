@@ -12,22 +12,31 @@ finished ones. The async service wrapper (async_engine.py) drives the same
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
+from services.common import routing
 from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, GenerateResponse
-from services.engine.batch import ForwardBatch, Span
+from services.engine import fp8_linear
+from services.engine.batch import BlockTables, ForwardBatch, HostBatch, PagedMeta, Span, num_sms
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.kv_cache import KVCache
+from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.model import CausalLM
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
@@ -61,15 +70,13 @@ class LLMEngine:
         self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
         self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype).eval()
         self.model.load_hf_state(ckpt.state)
-        self.kv = KVCache(
-            m.n_layers,
-            self._num_kv_blocks(),
-            cfg.block_size,
-            self.max_seq_len,
-            m.n_kv_heads,
-            m.head_dim,
-            self.dtype,
-            self.device,
+        if cfg.quantization == "fp8":
+            # After the load and the dtype cast: attention/MLP linears become Fp8Linear (weights
+            # quantised 128x128 from the loaded ones); lm_head, norms, embeddings stay in dtype.
+            fp8_linear.convert_model(self.model)
+        # GQA or MLA-latent layout, plus the routed-expert store of an MoE model (kv_cache.py).
+        self.kv = KVCache.for_model(
+            m, self._num_kv_blocks(), cfg.block_size, self.max_seq_len, self.dtype, self.device
         )
         self.stats = EngineStats()
         self.scheduler = Scheduler(
@@ -77,19 +84,72 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.eos_token_ids = set(ckpt.eos_token_ids)
+        # Stop strings and output text (sequence.py) need it; None when the directory has none.
+        tok_file = ckpt.path / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
+        # request_id -> callback(state), called on the stepping thread after every step that added
+        # tokens to that request: the decode service streams (SSE) through it.
+        self.watchers: dict[str, Callable[[RequestState], None]] = {}
         self.model_dir = ckpt.path
         self.version = self.scheduler.version = version if version is not None else (ckpt.version or 0)
+        # Pages travel between engines (prefill -> KV store -> decode) keyed by hash chains rooted
+        # at (weight version, layout): kv_transfer.py.
+        self.layout = self.scheduler.layout = layout_id(m.arch, self.kv)
+        self.pages = PageExchange(self.kv)
+        self._born_finished: list[RequestState] = []  # every sample ended on its prefilled token
         # Set by AsyncEngine: then only its thread may call step().
         self.background = False
+        # GPU fast path (docs/architecture.md "GPU path"): paged kernels, CUDA-graph decode steps.
+        self.attention_backend = self._attention_backend()
+        self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
+        self.num_sms = num_sms(self.device)
+        self.graphs = self._capture_graphs()
+
+    def _attention_backend(self) -> str:
+        want = self.cfg.attention_backend
+        # The paged kernels cover standard (GQA) attention; MLA keeps its torch path (mla.py).
+        plain = not self.model_config.is_mla
+        if want == "auto":
+            want = "triton" if self.device.type == "cuda" and plain else "torch"
+        if want in ("triton", "flex") and not plain:
+            raise ValueError(f"attention_backend: {want!r} supports standard attention only, not MLA")
+        return want
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if not (self.cfg.cuda_graphs and self.attention_backend == "triton" and self.device.type == "cuda"):
+            return None
+        size = min(self.cfg.max_batch_size, self.cfg.cuda_graph_max_batch_size)
+        graphs = DecodeGraphs(self.model, self.kv, size, self.num_sms, self.device)
+        try:
+            graphs.capture()
+        except RuntimeError:
+            # E.g. a model whose forward syncs with the host; decode then runs eagerly (slower).
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        return graphs
+
+    def _forward(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states of the flat batch and the row of each span's last token."""
+        if self.attention_backend == "torch":
+            batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
+            return self.model(batch, self.kv), batch.last_index
+        hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
+        if self.graphs is not None and self.graphs.can_run(hb):
+            return self.graphs.run(hb), self.graphs.arange[: len(spans)]
+        batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
+        if self.attention_backend == "flex":
+            from services.engine.kernels.flex_attention import build_flex_meta
+
+            flex = build_flex_meta(hb, self.device, self.kv.num_blocks, self.kv.block_size)
+            batch.paged = PagedMeta(None, None, flex)
+        return self.model(batch, self.kv), batch.last_index
 
     def _num_kv_blocks(self) -> int:
         cfg, m = self.cfg, self.model_config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_cache_bytes is not None:
-            per_block = KVCache.bytes_per_block(
-                m.n_layers, cfg.block_size, m.n_kv_heads, m.head_dim, self.dtype
-            )
+            per_block = KVCache.bytes_per_block_for(m, cfg.block_size, self.dtype)
             return max(1, cfg.kv_cache_bytes // per_block)
         return cfg.max_batch_size * -(-self.max_seq_len // cfg.block_size)
 
@@ -109,6 +169,9 @@ class LLMEngine:
                 f"prompt has {len(req.input_ids)} tokens; max_seq_len is {self.max_seq_len} "
                 "and at least one position must be left to generate",
             )
+        if (req.sampling.stop or req.sampling.detokenize) and self.tokenizer is None:
+            field = "sampling.stop" if req.sampling.stop else "sampling.detokenize"
+            raise InvalidRequest(field, "this model directory has no tokenizer.json to detokenise with")
         # One sequence must fit the pool on its own, or preemption could never make room for it.
         longest = min(len(req.input_ids) + req.sampling.max_tokens, self.max_seq_len)
         if self.kv.blocks_for(longest) > self.kv.num_blocks:
@@ -121,7 +184,12 @@ class LLMEngine:
 
     def add_request(self, req: GenerateRequest) -> RequestState:
         self.validate(req)
-        state = RequestState(req.request_id or uuid.uuid4().hex, req)
+        state = RequestState(req.request_id or uuid.uuid4().hex, req, self.tokenizer)
+        first = self.pages.take_first(state.request_id)
+        if first is not None:
+            self._seed_first_tokens(state, first)
+            if state.finished:
+                self._born_finished.append(state)  # the next step() reports it
         self.scheduler.add(state)
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += len(state.prompt)
@@ -159,14 +227,17 @@ class LLMEngine:
     def step(self) -> list[RequestState]:
         """One batched forward + sample; returns the requests that finished in this step."""
         expired = self._expire() if self.cfg.request_timeout_s is not None else []
+        if self._born_finished:
+            expired, self._born_finished = self._born_finished + expired, []
+        if self.pages.pending:
+            self.pages.drain()  # pages pulled from the KV store: prefix hits for this admission
         plan = self.scheduler.schedule()
         if plan.empty:
             return expired
         t0 = time.perf_counter()
         spans = [Span(s.block_table, s.num_cached, s.uncached_tokens()[:n]) for s, n in plan.compute]
-        batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
-        hidden = self.model(batch, self.kv)
-        self.stats.computed_tokens_total += len(batch.input_ids)
+        hidden, last_index = self._forward(spans)
+        self.stats.computed_tokens_total += sum(len(sp.tokens) for sp in spans)
 
         # Sequences whose tokens are now all cached sample; a partial prefill chunk does not.
         row: dict[int, int] = {}
@@ -179,23 +250,61 @@ class LLMEngine:
         self.scheduler.finish_forks(plan)
         seqs = [s for s, _ in plan.compute if id(s) in row] + [child for child, _ in plan.forks]
         rows = [row[id(s)] for s, _ in plan.compute if id(s) in row] + [row[id(p)] for _, p in plan.forks]
-        tokens, logprobs = [], []
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        tops: list[list[tuple[int, float]] | None] = []
         if seqs:
-            logits = self.model.logits(hidden[batch.last_index[rows]])
-            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.rng for s in seqs])
+            logits = self.model.logits(hidden[last_index[rows]])
+            out = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
+            tokens, logprobs, tops = out.tokens, out.logprobs, out.top
 
         finished: list[RequestState] = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            seq.append(token, logprob, self.version)
+        done: list[Sequence] = []
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
+            seq.append(token, logprob, self.version, top)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 seq.status, seq.finish_reason = Status.FINISHED, reason
+                done.append(seq)
+                if seq.request.return_routed_experts and self.kv.routing is not None:
+                    # Every forwarded token's expert ids, read from its pages before they are freed.
+                    ids = self.kv.read_routing(seq.block_table, seq.num_cached, seq.num_tokens)
+                    seq.routed_experts = routing.encode(ids)
                 if seq.request.finished:
                     finished.append(seq.request)
+        if self.pages.sink is not None and done:
+            self.pages.export(done, [r.request_id for r in finished])  # before the pages are freed
         self.scheduler.release_finished()
         self.stats.requests_finished += len(finished)
         self.stats.observe_step(plan.num_seqs, len(seqs), time.perf_counter() - t0)
+        if self.watchers:
+            self._notify_watchers(seqs)
         return expired + finished
+
+    def _notify_watchers(self, seqs: list[Sequence]) -> None:
+        for state in {id(s.request): s.request for s in seqs}.values():
+            watcher = self.watchers.get(state.request_id)
+            if watcher is None:
+                continue
+            try:
+                watcher(state)
+            except Exception:  # noqa: BLE001 - one broken stream must not fail the whole step
+                log.exception("watcher of request %s failed; dropped", state.request_id)
+                self.watchers.pop(state.request_id, None)
+
+    def _seed_first_tokens(self, state: RequestState, first: list[tuple[int, float, int]]) -> None:
+        """Start each sample from a first token sampled elsewhere (a prefill service, same weights,
+        same seed): append it and advance the sample's RNG past the draw it used, so the rest of the
+        sequence is what this engine would have sampled itself."""
+        if len(first) != len(state.seqs):
+            raise InvalidRequest("request_id", f"{len(first)} prefilled tokens for {len(state.seqs)} samples")
+        for seq, (token, logprob, version) in zip(state.seqs, first, strict=True):
+            if seq.params.temperature > 0:
+                seq.rng.random()
+            seq.append(token, logprob, version)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def _expire(self) -> list[RequestState]:
         """Abort requests older than request_timeout_s (their pages are freed at once)."""
@@ -211,9 +320,13 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if seq.text is not None:
+                seq.text.finish()  # the stop token's own text is not part of the output
             return "stop"
+        if seq.text is not None and seq.text.push(token):
+            return "stop"  # a stop string completed; seq.text is cut before it
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
-            return "length"
+            return "stop" if seq.text is not None and seq.text.finish() else "length"
         return None
 
     # ------------------------------------------------------------------ weights
@@ -230,7 +343,10 @@ class LLMEngine:
     def apply_weights(self, ckpt: Checkpoint, version: int) -> None:
         """Swap weights in place. Call between steps only. Running sequences keep their KV (computed
         by the old weights) and continue; tokens sampled from now on are tagged `version`."""
-        self.model.load_hf_state(ckpt.state)
+        if self.cfg.quantization == "fp8":
+            fp8_linear.load_hf_state(self.model, ckpt.state)  # re-quantises into the fp8 buffers
+        else:
+            self.model.load_hf_state(ckpt.state)
         # New admissions hash under the new version: pages computed by the old weights never match.
         self.version = self.scheduler.version = version
         self.model_dir = ckpt.path

@@ -14,6 +14,13 @@ free list of never-cached pages is empty.
 
 The attention side only sees `store(layer, slot_mapping, k, v)` and `load(layer, block_tables)`;
 a Triton/FlexAttention paged kernel can replace `load` + SDPA without touching the scheduler.
+
+Layouts (`KVCache.for_model`): GQA keeps K and V per KV head. MLA (mla.py) keeps one latent "head"
+of kv_lora_rank + qk_rope_head_dim values per token in the K pool and has a V pool of width 0.
+MoE models add a routing store next to the pages: the expert ids each MoE layer chose for the
+token in that slot, [moe_layers, slots, top_k] (uint8, or int16 read back as uint16, past 254
+experts; unwritten slots hold the "unrecorded" sentinel). A prefix-cache hit skips the forward,
+so the ids must live with the page for a request to get ids for every prompt token.
 """
 
 from __future__ import annotations
@@ -22,12 +29,19 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
+import numpy as np
 import torch
 
+from services.common.config import ModelConfig
+from services.common.routing import routing_dtype, unrecorded
 
-def root_hash(version: int) -> bytes:
-    """Start of a hash chain: KV computed by other weights must never match."""
-    return hashlib.blake2b(f"relay-kv-v{version}".encode(), digest_size=16).digest()
+
+def root_hash(version: int, layout: str = "") -> bytes:
+    """Start of a hash chain: KV computed by other weights must never match, nor (through `layout`,
+    kv_transfer.layout_id: model shape, KV dtype, page size) KV of another model or page layout,
+    which matters once pages travel between engines through the KV store (services/kvstore)."""
+    salt = f"relay-kv-v{version}" + (f"|{layout}" if layout else "")
+    return hashlib.blake2b(salt.encode(), digest_size=16).digest()
 
 
 def block_hash(prev: bytes, tokens: list[int]) -> bytes:
@@ -116,19 +130,73 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        v_head_dim: int | None = None,
+        moe_layers: int = 0,
+        top_k: int = 0,
+        n_experts: int = 0,
+        index_head_dim: int = 0,
     ):
+        """v_head_dim: V width (None: head_dim; 0: no V, the MLA latent layout). moe_layers, top_k,
+        n_experts: the routing store's shape (0 layers: no store, a dense model). index_head_dim:
+        the DSA indexer's key per token and layer (0: no indexer)."""
         self.num_blocks, self.block_size, self.max_seq_len = num_blocks, block_size, max_seq_len
         self.blocks = BlockManager(num_blocks, block_size)
         # Flat over (page, offset): a token's K/V live at row page * block_size + offset.
         shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        self.v = torch.zeros((*shape[:3], v_dim), dtype=dtype, device=device)
+        self.index_k: torch.Tensor | None = None
+        if index_head_dim:
+            self.index_k = torch.zeros((n_layers, shape[1], index_head_dim), dtype=dtype, device=device)
+        self.routing: torch.Tensor | None = None
+        self.routing_dtype = np.dtype(np.uint8)
+        if moe_layers:
+            self.routing_dtype = routing_dtype(n_experts)
+            # torch's uint16 lacks indexing kernels; int16 holds the same bits (ids < 32767, the
+            # sentinel 65535 is -1) and is viewed as uint16 when read back.
+            tdtype = torch.uint8 if self.routing_dtype == np.uint8 else torch.int16
+            fill = unrecorded(self.routing_dtype) if tdtype == torch.uint8 else -1
+            # One row past the pages: padding tokens of a CUDA-graph decode step carry slot -1,
+            # which lands there instead of in a real page's last slot.
+            self.routing = torch.full(
+                (moe_layers, num_blocks * block_size + 1, top_k), fill, dtype=tdtype, device=device
+            )
+
+    @classmethod
+    def for_model(
+        cls,
+        m: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        """The cache layout model `m` needs (GQA or MLA latent, plus routing for MoE)."""
+        return cls(m.n_layers, num_blocks, block_size, max_seq_len, dtype=dtype, device=device, **_layout(m))
+
+    @staticmethod
+    def bytes_per_block_for(m: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        lay = _layout(m)
+        v_dim = lay["v_head_dim"] if lay["v_head_dim"] is not None else lay["head_dim"]
+        kv = m.n_layers * block_size * lay["n_kv_heads"] * (lay["head_dim"] + v_dim) * dtype.itemsize
+        kv += m.n_layers * block_size * lay["index_head_dim"] * dtype.itemsize
+        ids = lay["moe_layers"] * block_size * lay["top_k"] * routing_dtype(lay["n_experts"]).itemsize
+        return kv + ids
 
     @staticmethod
     def bytes_per_block(
         n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
+
+    def pools(self) -> list[torch.Tensor]:
+        """Every per-slot tensor, each [layers, num_blocks * block_size, ...]: what a page is made
+        of (copy_block, kv_transfer's page bytes). Empty V pools (MLA) are left out."""
+        out = [self.k] + ([self.v] if self.v.shape[-1] else [])
+        out += [self.index_k] if self.index_k is not None else []
+        return out + ([self.routing[:, :-1]] if self.routing is not None else [])
 
     @property
     def num_free(self) -> int:
@@ -140,8 +208,8 @@ class KVCache:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one page (all layers): a forked sample's private copy of a partly filled page."""
         bs = self.block_size
-        self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
-        self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
+        for t in self.pools():
+            t[:, dst * bs : (dst + 1) * bs] = t[:, src * bs : (src + 1) * bs]
 
     # ------------------------------------------------------------ data (attention side)
 
@@ -157,3 +225,50 @@ class KVCache:
         bs = self.block_size
         rows = (block_tables[:, :, None] * bs + torch.arange(bs, device=block_tables.device)).view(b, n * bs)
         return self.k[layer, rows], self.v[layer, rows]
+
+    # ------------------------------------------------------------ DSA indexer keys (GLM-5)
+
+    def store_index(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor) -> None:
+        assert self.index_k is not None, "this cache has no indexer pool"
+        self.index_k[layer, slot_mapping] = k.to(self.index_k.dtype)
+
+    def load_index(self, layer: int, block_tables: torch.Tensor) -> torch.Tensor:
+        """[B, n_pages * block_size, index_head_dim], gathered by page like `load`."""
+        assert self.index_k is not None, "this cache has no indexer pool"
+        b, n = block_tables.shape
+        bs = self.block_size
+        rows = (block_tables[:, :, None] * bs + torch.arange(bs, device=block_tables.device)).view(b, n * bs)
+        return self.index_k[layer, rows]
+
+    # ------------------------------------------------------------ routed experts (MoE)
+
+    def store_routing(self, moe_layer: int, slot_mapping: torch.Tensor, ids: torch.Tensor) -> None:
+        """Record the expert ids [T, top_k] one MoE layer chose for the tokens at slot_mapping [T]."""
+        assert self.routing is not None, "a dense model's cache has no routing store"
+        self.routing[moe_layer, slot_mapping] = ids.to(self.routing.dtype)
+
+    def read_routing(self, block_table: list[int], num_cached: int, num_tokens: int) -> np.ndarray:
+        """[num_tokens, moe_layers, top_k] ids of a sequence's positions 0..num_tokens-1 in the wire
+        dtype (services/common/routing.py); positions from num_cached on were never forwarded and
+        hold the unrecorded sentinel."""
+        assert self.routing is not None, "a dense model's cache has no routing store"
+        bs = self.block_size
+        layers, _, k = self.routing.shape
+        out = np.full((num_tokens, layers, k), unrecorded(self.routing_dtype), dtype=self.routing_dtype)
+        if num_cached:
+            pos = torch.arange(num_cached)
+            pages = torch.tensor(block_table[: self.blocks_for(num_cached)], dtype=torch.long)
+            rows = (pages[pos // bs] * bs + pos % bs).to(self.routing.device)
+            ids = self.routing[:, rows].permute(1, 0, 2).cpu().numpy()
+            out[:num_cached] = ids.view(self.routing_dtype)
+        return out
+
+
+def _layout(m: ModelConfig) -> dict[str, int | None]:
+    """KVCache constructor arguments (past n_layers) for model m."""
+    moe_layers = m.n_layers - m.first_k_dense if m.is_moe else 0
+    routing = {"moe_layers": moe_layers, "top_k": m.n_experts_per_tok, "n_experts": m.n_routed_experts}
+    routing["index_head_dim"] = m.index_head_dim if m.index_topk else 0
+    if m.is_mla:
+        return {"n_kv_heads": 1, "head_dim": m.kv_lora_rank + m.qk_rope_head_dim, "v_head_dim": 0, **routing}
+    return {"n_kv_heads": m.n_kv_heads, "head_dim": m.head_dim, "v_head_dim": None, **routing}

@@ -12,6 +12,13 @@ import torch
 from services.common.config import ModelConfig
 from services.common.modeldir import model_config_from_hf, read_meta, read_model_dir
 
+# Biases of the attention input projections: Qwen2-style q/k/v, MLA's q_a / kv_a (HF attention_bias).
+ATTENTION_BIAS_KEYS = (
+    "self_attn.q_proj.bias",
+    "self_attn.q_a_proj.bias",
+    "self_attn.kv_a_proj_with_mqa.bias",
+)
+
 
 class WeightsError(ValueError):
     """A weights directory is missing or unusable; the message starts with its path."""
@@ -51,14 +58,16 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise WeightsError(f"{p}: unreadable weights ({type(e).__name__}: {e})") from e
     # The tensors are the ground truth for two layout choices config.json may not state reliably
     # (a "qwen3" model_type always implies QK-norm there, and tie_word_embeddings defaults vary).
-    config = config.model_copy(
-        update={
-            "qk_norm": any(k.endswith("self_attn.q_norm.weight") for k in state),
-            "tie_embeddings": "lm_head.weight" not in state,
-        }
-    )
+    update = {
+        "qk_norm": any(k.endswith("self_attn.q_norm.weight") for k in state),
+        "tie_embeddings": "lm_head.weight" not in state,
+    }
+    if config.is_moe:
+        # DeepSeek-V3's config names the selection bias only through topk_method; the tensor decides.
+        update["expert_bias"] = any(k.endswith("mlp.gate.e_score_correction_bias") for k in state)
+    config = config.model_copy(update=update)
     scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default", "llama3"):
         raise WeightsError(f"{p}: rope_scaling {json.dumps(scaling)} is not supported")
     eos = hf.get("eos_token_id")
     eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
@@ -70,5 +79,5 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         state=state,
         version=int(version) if version is not None else None,
         eos_token_ids=eos_ids,
-        attention_bias=any(k.endswith("self_attn.q_proj.bias") for k in state),
+        attention_bias=any(k.endswith(ATTENTION_BIAS_KEYS) for k in state),
     )

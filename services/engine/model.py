@@ -16,15 +16,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.config import ModelConfig
+from services.common.config import ModelConfig, RopeScaling
 from services.engine.batch import ForwardBatch
 from services.engine.kv_cache import KVCache
+from services.engine.mla import MLAttention
+from services.engine.moe import PER_EXPERT, ExpertWeights, MoE
+from services.engine.rope_scaling import llama3_scale_freqs
 
 
-def rope_cache(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cache(
+    head_dim: int, max_seq_len: int, base: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_seq_len, head_dim], computed exactly like torchtitan's
-    precompute_rope_cache (float32, frequencies duplicated for the rotate_half layout)."""
+    precompute_rope_cache (float32, frequencies duplicated for the rotate_half layout).
+    `scaling`: Llama-3.1 frequency scaling, as HF's rope_type "llama3" (rope_scaling.py)."""
     freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    if scaling is not None:
+        freqs = llama3_scale_freqs(freqs, scaling)
     t = torch.arange(max_seq_len, dtype=freqs.dtype)
     angles = torch.outer(t, freqs).float()
     emb = torch.cat([angles, angles], dim=-1)
@@ -79,6 +87,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+        if batch.paged is not None:
+            # GPU path (attention_backend "triton"): kernels store k/v and read the page pool
+            # directly, with no gathered copy. Imported here so the CPU path never loads Triton.
+            from services.engine.kernels.paged_attention import paged_attention
+
+            o = paged_attention(
+                q, k, v, kv.k[self.layer_idx], kv.v[self.layer_idx], batch.slot_mapping,
+                batch.paged, self.scale, kv.block_size,
+            )  # fmt: skip
+            return self.o_proj(o.view(t, -1))
+
         # New keys/values go into the cache first, so every query reads its whole context
         # (earlier steps' tokens and this step's) from one place.
         kv.store(self.layer_idx, batch.slot_mapping, k, v)
@@ -112,8 +131,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, m: ModelConfig, layer_idx: int, bias: bool):
         super().__init__()
-        self.self_attn = Attention(m, layer_idx, bias)
-        self.mlp = MLP(m)
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(m, layer_idx, bias) if m.is_mla else Attention(m, layer_idx, bias)
+        )
+        # MoE layers follow the first_k_dense dense ones (moe.py); their routing goes to the cache.
+        moe = m.is_moe and layer_idx >= m.first_k_dense
+        self.mlp: MLP | MoE = MoE(m, layer_idx - m.first_k_dense) if moe else MLP(m)
         self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
         self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
 
@@ -121,7 +144,11 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(self.post_attention_layernorm(x))
+        out, ids = self.mlp(self.post_attention_layernorm(x))
+        kv.store_routing(self.mlp.moe_index, batch.slot_mapping, ids)
+        return x + out
 
 
 class DecoderStack(nn.Module):
@@ -135,15 +162,18 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Qwen3ForCausalLM / LlamaForCausalLM. `forward` returns final hidden states for the flat
-    batch; `logits` projects only the rows the caller needs (one per sequence when sampling)."""
+    """Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM / DeepseekV3ForCausalLM /
+    GlmMoeDsaForCausalLM (MoE: moe.py, MLA and DSA: mla.py). `forward` returns final hidden states for the flat batch; `logits`
+    projects only the rows the caller needs (one per sequence when sampling)."""
 
     def __init__(self, m: ModelConfig, max_seq_len: int, attention_bias: bool = False):
         super().__init__()
         self.config = m
         self.model = DecoderStack(m, attention_bias)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
-        cos, sin = rope_cache(m.head_dim, max_seq_len, m.rope_theta)
+        # MLA rotates only the qk_rope_head_dim part of each head.
+        rope_dim = m.qk_rope_head_dim if m.is_mla else m.head_dim
+        cos, sin = rope_cache(rope_dim, max_seq_len, m.rope_theta, m.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -168,12 +198,59 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             # Tied checkpoints may still carry a (redundant) lm_head copy.
             state.pop("lm_head.weight", None)
+        state, per_expert = _split_experts(_drop_mtp_layers(state, self.config), self)
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:
             raise ValueError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for name, p in params.items():
             src = state[name]
+            if src is p:
+                continue  # fused experts given per expert: filled below
             if src.shape != p.shape:
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != expected {tuple(p.shape)}")
             p.copy_(src.to(dtype=p.dtype, device=p.device))
+        for experts, index, proj, w in per_expert:
+            experts.load_expert(index, proj, w)
+
+
+def _drop_mtp_layers(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """DeepSeek-style checkpoints ship their multi-token-prediction layers as model.layers.<n_layers
+    + i>; the engine does not run them (HF ignores them too)."""
+    if not m.n_mtp_layers:
+        return state
+    mtp = tuple(f"model.layers.{i}." for i in range(m.n_layers, m.n_layers + m.n_mtp_layers))
+    return {k: v for k, v in state.items() if not k.startswith(mtp)}
+
+
+def _split_experts(
+    state: dict[str, torch.Tensor], model: nn.Module
+) -> tuple[dict[str, torch.Tensor], list[tuple[ExpertWeights, int, str, torch.Tensor]]]:
+    """Take per-expert tensors (mlp.experts.<e>.{gate,up,down}_proj.weight) out of `state`. A module
+    whose experts are all there counts as providing its fused gate_up_proj/down_proj; a partial
+    set leaves those missing (an error). Fused tensors (transformers' in-memory names) pass as is."""
+    modules = dict(model.named_modules())
+    found: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        hit = PER_EXPERT.match(k)
+        if hit is None or not isinstance(modules.get(hit[1]), ExpertWeights):
+            rest[k] = v  # unknown names stay, so the mismatch check reports them
+        else:
+            found.setdefault(hit[1], []).append((int(hit[2]), hit[3], v))
+    loads: list[tuple[ExpertWeights, int, str, torch.Tensor]] = []
+    for prefix, items in found.items():
+        experts = modules[prefix]
+        assert isinstance(experts, ExpertWeights)
+        have = {(e, proj) for e, proj, _ in items}
+        want = {(e, proj) for e in range(experts.n_experts) for proj in ("gate_proj", "up_proj", "down_proj")}
+        if have != want:
+            missing = sorted(want - have)[:3]
+            raise ValueError(f"{prefix}: per-expert tensors incomplete (missing {missing}, of {len(want)})")
+        for name in ("gate_up_proj", "down_proj"):
+            if f"{prefix}.{name}" in rest:
+                raise ValueError(f"{prefix}: both fused and per-expert tensors given")
+            # Stand-ins of the right shape: the fused parameters are filled slice by slice after.
+            rest[f"{prefix}.{name}"] = getattr(experts, name)
+        loads.extend((experts, e, proj, w) for e, proj, w in items)
+    return rest, loads

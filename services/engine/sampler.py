@@ -1,11 +1,14 @@
 """Token sampling with per-sequence parameters and RNG, returning the log-prob of each sampled token.
 
 The log-prob is that of the distribution the token was actually drawn from: logits / temperature,
-restricted to the top-k / top-p support and renormalised over it. With temperature 1 and no
+restricted to the top-k / min-p / top-p support and renormalised over it. With temperature 1 and no
 truncation that is exactly log_softmax(logits), the quantity the trainer recomputes, so the
 importance ratio pi_train / pi_infer is 1 up to float rounding when the weights agree.
 Greedy rows (temperature 0) report the untruncated log_softmax(logits): the distribution they
 "sample" from is a point mass, whose log-prob (0) carries no information.
+
+Optional top-n log-probs (SamplingParams.logprobs = n) are those of the model's own distribution,
+log_softmax(logits) before temperature and truncation, as OpenAI and vLLM report them.
 
 Everything is float32 (whatever the model dtype) and guarded against inf/NaN logits.
 """
@@ -13,10 +16,14 @@ Everything is float32 (whatever the model dtype) and guarded against inf/NaN log
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
 from services.common.schemas import SamplingParams
+
+# -inf (a masked or NaN logit) is not valid JSON; top-n log-probs report it as this instead.
+LOWEST = torch.finfo(torch.float32).min
 
 
 def sanitize(x: torch.Tensor) -> torch.Tensor:
@@ -27,13 +34,21 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, torch.zeros_like(x), x)
 
 
-def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside the smallest set whose
-    probability (after top-k) reaches top_p. top_k = vocab and top_p = 1 leave a row unchanged."""
+def truncate(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then those less likely than min_p times the
+    most likely token, then those outside the smallest set whose probability (after top-k and
+    min-p) reaches top_p. top_k = vocab, min_p = 0 and top_p = 1 leave a row unchanged."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)
     remove = ranks[None, :] >= top_k[:, None]
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p), with no softmax needed
+        # (and no underflow for extreme logits). log(0) = -inf keeps everything.
+        floor = sorted_logits[:, :1] + torch.log(min_p)[:, None]
+        remove |= sorted_logits < floor
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -44,11 +59,27 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     return logits.masked_fill(mask, float("-inf"))
 
 
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float]  # of each sampled token, under the distribution it was drawn from
+    # Per row: the n most likely (id, log-prob) under log_softmax(logits), most likely first;
+    # None for rows that did not ask (SamplingParams.logprobs is None).
+    top: list[list[tuple[int, float]] | None]
+
+
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> tuple[list[int], list[float]]:
         """logits [B, V] (any dtype/device); one params and RNG per row. Greedy rows draw nothing."""
+        out = self.sample(logits, params, rngs)
+        return out.tokens, out.logprobs
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
+    ) -> SampleOutput:
+        """As __call__, plus the top-n log-probs of the rows that asked for them."""
         logits = logits.float()
         batch, vocab = logits.shape
         device = logits.device
@@ -56,12 +87,19 @@ class Sampler:
         greedy = temps == 0
         scaled = sanitize(logits / torch.where(greedy, 1.0, temps)[:, None])
 
-        rows = [i for i, p in enumerate(params) if p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1)]
+        rows = [
+            i
+            for i, p in enumerate(params)
+            if p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)
+        ]
         if rows:
             idx = torch.tensor(rows, device=device)
             top_k = torch.tensor([params[i].top_k or vocab for i in rows], device=device).clamp(max=vocab)
             top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
-            scaled[idx] = truncate(scaled[idx], top_k, top_p)
+            min_p = None
+            if any(params[i].min_p > 0 for i in rows):
+                min_p = torch.tensor([params[i].min_p for i in rows], dtype=torch.float32, device=device)
+            scaled[idx] = truncate(scaled[idx], top_k, top_p, min_p)
         logp = torch.log_softmax(scaled, dim=-1)
 
         # Inverse-CDF sampling: one uniform per row from the row's own RNG (host side, so the
@@ -79,4 +117,22 @@ class Sampler:
         tokens = torch.where(greedy[:, None], best, drawn)
         chosen = logp.gather(1, tokens)
         assert tokens.shape == (batch, 1)
-        return tokens[:, 0].tolist(), chosen[:, 0].tolist()
+        return SampleOutput(tokens[:, 0].tolist(), chosen[:, 0].tolist(), self._top(logits, params))
+
+    @staticmethod
+    def _top(logits: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+        want = [p.logprobs for p in params]
+        top: list[list[tuple[int, float]] | None] = [None] * len(params)
+        rows = [i for i, n in enumerate(want) if n is not None]
+        if not rows:
+            return top  # the common (RL) case costs nothing
+        n = min(max(want[i] or 0 for i in rows), logits.shape[-1])
+        idx = torch.tensor(rows, device=logits.device)
+        raw = torch.log_softmax(sanitize(logits[idx]), dim=-1)
+        values, ids = raw.topk(n, dim=-1) if n > 0 else (raw[:, :0], raw[:, :0].long())
+        values_l, ids_l = values.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            k = want[i] or 0
+            # -inf (a masked/NaN logit) is not JSON; report it as the most negative float.
+            top[i] = [(t, max(v, LOWEST)) for t, v in zip(ids_l[j][:k], values_l[j][:k], strict=True)]
+        return top

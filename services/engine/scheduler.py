@@ -61,11 +61,14 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.stats = stats if stats is not None else EngineStats()
         self.version = 0  # salts the prefix-cache hashes of sequences admitted from now on
+        # Model/page-layout id in every hash chain's root (kv_transfer.layout_id; "" in tests).
+        self.layout = ""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
 
     def add(self, request: RequestState) -> None:
-        self.waiting.extend(request.seqs)
+        # Samples already finished (their first token came from a prefill service) never run.
+        self.waiting.extend(s for s in request.seqs if s.status is not Status.FINISHED)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -139,7 +142,7 @@ class Scheduler:
         hashes: list[bytes] = []
         if self.prefix_caching:
             tokens = seq.tokens()
-            prev = root_hash(seq.salt)
+            prev = root_hash(seq.salt, self.layout)
             # At least the last token is computed: its logits give the next token.
             for i in range((len(tokens) - 1) // bs):
                 prev = block_hash(prev, tokens[i * bs : (i + 1) * bs])
@@ -196,7 +199,7 @@ class Scheduler:
         tokens = seq.tokens()
         while len(seq.block_hashes) < seq.num_cached // bs:
             i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.salt)
+            prev = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.salt, self.layout)
             h = block_hash(prev, tokens[i * bs : (i + 1) * bs])
             self.blocks.register(seq.block_table[i], h)
             seq.block_hashes.append(h)

@@ -9,7 +9,16 @@ import secrets
 import time
 from enum import Enum, auto
 
-from services.common.schemas import GenerateChoice, GenerateRequest, GenerateResponse, SamplingParams
+from tokenizers import Tokenizer
+
+from services.common.schemas import (
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    RoutedExperts,
+    SamplingParams,
+)
+from services.engine.detokenizer import OutputText
 
 
 class Status(Enum):
@@ -41,6 +50,13 @@ class Sequence:
         self.output: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        # Only for requests that asked for top-n log-probs / text (the RL hot path needs neither).
+        self.top_logprobs: list[list[tuple[int, float]]] | None = (
+            [] if self.params.logprobs is not None else None
+        )
+        self.text: OutputText | None = None
+        if request.tokenizer is not None and (self.params.stop or self.params.detokenize):
+            self.text = OutputText(request.tokenizer, self.prompt, self.params.stop)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         # KV pages holding positions 0.. (kv_cache.py); empty while waiting.
@@ -52,6 +68,8 @@ class Sequence:
         # Tokens whose K/V are in the cache; the rest (the prompt, fed in chunks, then the last
         # sampled token) are fed in later steps. 0 again after a preemption: recomputed.
         self.num_cached = 0
+        # Set by the engine when the sample finishes, if the request asked for routed experts.
+        self.routed_experts: RoutedExperts | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +83,14 @@ class Sequence:
             return self.prompt[self.num_cached :] + self.output
         return self.output[self.num_cached - len(self.prompt) :]
 
-    def append(self, token: int, logprob: float, version: int) -> None:
+    def append(
+        self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None
+    ) -> None:
         self.output.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or [])
 
     def choice(self) -> GenerateChoice:
         return GenerateChoice(
@@ -76,14 +98,20 @@ class Sequence:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             finish_reason=self.finish_reason or "abort",  # type: ignore[arg-type]
+            top_logprobs=None if self.top_logprobs is None else [list(t) for t in self.top_logprobs],
+            text=None if self.text is None else self.text.text,
+            stop_str=None if self.text is None else self.text.stop_str,
+            routed_experts=self.routed_experts,
         )
 
 
 class RequestState:
-    def __init__(self, request_id: str, req: GenerateRequest):
+    def __init__(self, request_id: str, req: GenerateRequest, tokenizer: Tokenizer | None = None):
         self.request_id = request_id
         self.prompt: list[int] = list(req.input_ids)
         self.params: SamplingParams = req.sampling
+        self.return_routed_experts = req.return_routed_experts
+        self.tokenizer = tokenizer  # for stop strings / output text
         self.arrival = time.monotonic()
         self.seqs = [Sequence(self, i) for i in range(req.sampling.n)]
 

@@ -22,6 +22,7 @@ import aiohttp
 import redis
 
 from services.common.bus import Bus
+from services.common.chat import ChatTemplate
 from services.common.config import RunConfig
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
@@ -34,7 +35,7 @@ from services.orchestrator.clients import (
     SandboxClient,
     ServiceUnavailable,
 )
-from services.orchestrator.rollout import GroupSpec, RolloutRunner
+from services.orchestrator.rollout import GroupSpec, GroupTimedOut, RolloutRunner
 
 GROUP_ATTEMPTS = 3
 ROLLOUT_TTL_S = 7 * 24 * 3600
@@ -211,6 +212,9 @@ class Orchestrator:
                 except ValueError as e:
                     await asyncio.to_thread(self._drop, spec, f"error: {e}")
                     return
+                except GroupTimedOut as e:  # no sample got a turn in time: nothing to train on
+                    await asyncio.to_thread(self._drop, spec, str(e))
+                    return
             await asyncio.to_thread(self._drop, spec, f"failed after {GROUP_ATTEMPTS} attempts")
         except asyncio.CancelledError:
             raise  # shutting down: the group stays in the in-flight hash and is re-issued on restart
@@ -231,6 +235,7 @@ class Orchestrator:
         self.recent_rewards.setdefault(group.env, deque(maxlen=64)).extend(s.reward for s in group.samples)
         for s in group.samples:
             self.versions_served.update(v for v in s.versions if v >= 0)
+            prom.SAMPLES.labels(env=group.env, finish_reason=s.finish_reason).inc()
         prom.GROUPS.labels(env=group.env).inc()
         prom.REWARD.labels(env=group.env).observe(group.mean_reward)
 
@@ -339,7 +344,9 @@ class Orchestrator:
         self.sandbox = SandboxClient(self._http, Router(self.registry, "sandbox"))
         info = await self._wait_initial_weights()
         tok = load_tokenizer(info.path)
-        self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eos_id(tok))
+        # With a chat template, tool environments' turns are rendered through it (chat_turns.py).
+        chat = ChatTemplate.from_model_dir(info.path)
+        self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eos_id(tok), chat=chat)
         await self._roll_out(info)
         resumed = await self.resume_inflight()
         log_event(log, "orchestrator running", version=self.version, resumed_groups=resumed)

@@ -3,20 +3,62 @@
 Token bookkeeping is exact: the sample's tokens are the prompt ids, then for each turn the ids
 the engine produced (trained, mask 1) followed by the tokenised observation (mask 0). Model
 output is never re-tokenised, so what the trainer scores is exactly what the engine sampled.
+
+Budgets (docs/environments.md, "Agent loop budgets"): `max_turns`; the context (`max_len`: an
+observation that does not fit with a full next turn stops the sample, or is truncated with a
+marker under `context_overflow = "truncate_observation"`); `turn_timeout_s` (one generation + one
+env step of one sample) and `rollout_timeout_s` (the whole group). A sample that hits a budget
+ends with a finish reason naming it and is scored on what it did; a group in which no sample got
+a model turn before its deadline has nothing to train on and is dropped (`GroupTimedOut`).
+
+Cost per turn is O(new tokens) in the trajectory (list appends) plus one O(context) pass to
+build and serialise the request, which must carry the whole context (token-in decode).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
+import numpy as np
 from tokenizers import Tokenizer
 
+from services.common import routing as routing_wire
+from services.common.chat import ChatTemplate
 from services.common.config import RunConfig
-from services.common.schemas import GenerateChoice, GenerateRequest, RolloutGroup, Sample, SamplingParams
+from services.common.schemas import (
+    GenerateChoice,
+    GenerateRequest,
+    RolloutGroup,
+    RoutedExperts,
+    Sample,
+    SamplingParams,
+)
+from services.orchestrator.chat_turns import (
+    ChatConversation,
+    TemplateMismatch,
+    observation_messages,
+    parse_tools_prompt,
+)
 from services.orchestrator.clients import DecodeClient, SandboxClient, SandboxSession, ServiceUnavailable
+
+log = logging.getLogger("orchestrator")
+
+# Appended to an observation cut by context_overflow = "truncate_observation".
+TRUNCATION_MARKER = "[truncated {n} tokens]"
+
+TimeoutReason = Literal["turn_timeout", "rollout_timeout"]
+
+
+class GroupTimedOut(Exception):
+    """A deadline passed before any sample of the group had a model turn (or while its episodes
+    could not be scored): nothing to train on. The message starts with the finish reason
+    ("turn_timeout: ..." / "rollout_timeout: ..."); the loop drops the group with it."""
 
 
 @dataclass
@@ -24,6 +66,43 @@ class GroupSpec:
     group_id: str
     env: str
     seed: int
+
+
+class RoutingTrace:
+    """MoE: a sample's routed expert ids (Router Replay), one row per token, built over turns.
+
+    Each turn's choice carries rows for its whole input + output. A turn contributes the rows of
+    the tokens it appended, and the row of the previous turn's last sampled token, which that turn
+    never forwarded (unrecorded) and this one did. Rows already recorded are kept: they are the
+    routing under which the earlier turns' tokens were sampled."""
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
+        self.n = 0  # rows held
+
+    def add(self, choice: GenerateChoice) -> None:
+        if choice.routed_experts is None:
+            return
+        arr = routing_wire.decode(choice.routed_experts)
+        if self.n and len(arr) >= self.n:
+            last = self.chunks[-1]
+            if (last[-1] == routing_wire.unrecorded(last.dtype)).all():
+                last[-1] = arr[self.n - 1]
+        new = np.array(arr[self.n :])  # a writable copy of the new rows only
+        if len(new):
+            self.chunks.append(new)
+            self.n += len(new)
+
+    def finish(self, num_tokens: int) -> RoutedExperts | None:
+        """Exactly `num_tokens` rows (tokens the engine never saw, e.g. a final observation, are
+        unrecorded); None when no turn returned routing (a dense model)."""
+        if not self.chunks:
+            return None
+        arr = np.concatenate(self.chunks)[:num_tokens]
+        if len(arr) < num_tokens:
+            pad = routing_wire.blank(num_tokens - len(arr), arr.shape[1], arr.shape[2], arr.dtype)
+            arr = np.concatenate([arr, pad])
+        return routing_wire.encode(arr)
 
 
 @dataclass
@@ -35,6 +114,7 @@ class Trajectory:
     turns: int = 0
     finish_reason: str = "stop"
     decode_urls: set[str] = field(default_factory=set)
+    routing: RoutingTrace = field(default_factory=RoutingTrace)
 
     @classmethod
     def start(cls, prompt_ids: list[int]) -> Trajectory:
@@ -46,6 +126,7 @@ class Trajectory:
         self.mask += [1] * len(choice.output_ids)
         self.logprobs += choice.logprobs
         self.versions += choice.versions
+        self.routing.add(choice)
         self.turns += 1
 
     def add_env(self, ids: list[int]) -> None:
@@ -54,16 +135,47 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
+    def drop_env(self, n: int) -> None:
+        """Remove the last `n` (environment) tokens: an observation whose answer never came is
+        dead weight in the sample. O(n), like the append it undoes."""
+        if n:
+            del self.tokens[-n:], self.mask[-n:], self.logprobs[-n:], self.versions[-n:]
+
+
+class _Deadline:
+    """The earlier of a turn's and the group's deadline, and which budget it is (loop.time())."""
+
+    at: float | None
+    reason: TimeoutReason
+
+    def __init__(self, turn_s: float | None, rollout_at: float | None):
+        now = asyncio.get_running_loop().time()
+        turn_at = None if turn_s is None else now + turn_s
+        if rollout_at is not None and (turn_at is None or rollout_at <= turn_at):
+            self.at, self.reason = rollout_at, "rollout_timeout"
+        else:
+            self.at, self.reason = turn_at, "turn_timeout"
+
 
 class RolloutRunner:
     def __init__(
-        self, cfg: RunConfig, decode: DecodeClient, sandbox: SandboxClient, tok: Tokenizer, eos: int
+        self,
+        cfg: RunConfig,
+        decode: DecodeClient,
+        sandbox: SandboxClient,
+        tok: Tokenizer,
+        eos: int,
+        chat: ChatTemplate | None = None,
     ):
         self.cfg = cfg
         self.decode = decode
         self.sandbox = sandbox
         self.tok = tok
         self.eos = eos
+        # The model's chat template: tool environments' prompts and observations go through it
+        # (chat_turns.py). None (the char debug tokenizer): text exactly as the env wrote it.
+        self.chat = chat
+        self.eos_text = tok.decode([eos], skip_special_tokens=False)
         o = cfg.orchestrator
         self.sampling = SamplingParams(
             temperature=o.sampling.temperature,
@@ -72,11 +184,22 @@ class RolloutRunner:
             max_tokens=o.sampling.max_tokens,
         )
         self.max_len = min(cfg.model.max_seq_len, cfg.decode.engine.max_seq_len)
+        self.truncate = o.context_overflow == "truncate_observation"
 
     async def _generate(self, ids: list[int], n: int, seed: int | None) -> list[GenerateChoice]:
         """One turn's generation, re-issued on another replica if the serving one vanishes."""
-        sampling = self.sampling.model_copy(update={"n": n, "seed": seed})
-        req = GenerateRequest(input_ids=ids, sampling=sampling)
+        # max_tokens never asks for more than the context has left, so the engine never
+        # rejects a turn (the budget checks below normally leave a full turn anyway).
+        max_tokens = min(self.sampling.max_tokens, self.max_len - len(ids))
+        sampling = self.sampling.model_copy(update={"n": n, "seed": seed, "max_tokens": max_tokens})
+        # model_construct: ids are our own token lists (prompt, engine output, tokenizer ids), so
+        # validating every int again per turn would be a second O(context) pass for nothing; decode
+        # validates the request it receives. The list is not copied: it is serialised before this
+        # sample's trajectory can change (the sample waits on this call).
+        # MoE: ask for the expert ids of every token (Router Replay, routing agreement metric).
+        req = GenerateRequest.model_construct(
+            input_ids=ids, sampling=sampling, return_routed_experts=self.cfg.model.is_moe
+        )
         deadline = time.monotonic() + self.cfg.orchestrator.request_timeout_s
         attempt = 0
         while True:
@@ -94,15 +217,82 @@ class RolloutRunner:
     def _budget_left(self, traj: Trajectory) -> int:
         return self.max_len - len(traj.tokens)
 
+    def _fit_observation(self, traj: Trajectory, obs_ids: list[int]) -> list[int] | None:
+        """The observation ids to append so that a full next turn still fits, or None when the
+        sample must stop for context. Truncation keeps the head and appends the marker."""
+        room = self._budget_left(traj) - self.sampling.max_tokens
+        if len(obs_ids) <= room:
+            return obs_ids
+        if not self.truncate:
+            return None
+        # The marker's length depends on the count it reports: iterate to the fixed point
+        # (it moves by at most a digit or two, so this ends in a few rounds).
+        keep = room
+        for _ in range(8):
+            marker = self.tok.encode(TRUNCATION_MARKER.format(n=len(obs_ids) - max(keep, 0))).ids
+            new_keep = room - len(marker)
+            if new_keep == keep:
+                break
+            keep = new_keep
+        if keep < 0:
+            return None  # not even the marker fits with a full turn: the context is full
+        return obs_ids[:keep] + marker
+
+    def _fit_chat_observation(
+        self, traj: Trajectory, conv: ChatConversation, text_ids: list[int], ended_eos: bool, observation: str
+    ) -> list[int] | None:
+        """Like _fit_observation, through the chat template: the observation is the template's
+        continuation after the model's turn; truncation cuts the last message's content (never
+        the template's own turn markers) and re-renders. Commits the turn to `conv` when it fits."""
+        model_text = self.tok.decode(text_ids, skip_special_tokens=False)
+        messages = observation_messages(observation)
+        original = messages[-1]
+        room = self._budget_left(traj) - self.sampling.max_tokens
+        content_ids: list[int] = []
+        cut = -1  # tokens of the last message's content kept; -1: not cut yet
+        for _ in range(8):  # a cut rarely needs a second round (re-encoding may shift a token)
+            text = conv.continuation(model_text, ended_eos, messages)
+            ids = self.tok.encode(text, add_special_tokens=False).ids
+            if len(ids) <= room:
+                conv.commit(model_text, ended_eos, messages, text)
+                return ids
+            if not self.truncate or cut == 0:
+                return None  # stop mode, or only the marker is left and it still does not fit
+            over = len(ids) - room
+            if cut < 0:
+                content_ids = self.tok.encode(original["content"], add_special_tokens=False).ids
+                marker = TRUNCATION_MARKER.format(n=over)
+                cut = len(content_ids) - len(self.tok.encode(marker, add_special_tokens=False).ids)
+            cut = max(cut - over, 0)
+            content = self.tok.decode(content_ids[:cut], skip_special_tokens=False)
+            marked = content + TRUNCATION_MARKER.format(n=len(content_ids) - cut)
+            messages = [*messages[:-1], {**original, "content": marked}]
+        return None
+
     async def _finish_sample(
-        self, session: SandboxSession, traj: Trajectory, choice: GenerateChoice
+        self,
+        session: SandboxSession,
+        traj: Trajectory,
+        choice: GenerateChoice,
+        turn: _Deadline,
+        rollout_at: float | None,
+        conv: ChatConversation | None = None,
     ) -> float:
-        """Play the rest of one sample's episode after its first model turn; returns the reward."""
+        """Play the rest of one sample's episode after its first model turn; returns the reward.
+        `turn` is the deadline of the turn whose generation produced `choice`."""
+        turn_timeout_s = self.cfg.orchestrator.turn_timeout_s
         while True:
             traj.add_model(choice)
             ended_eos = bool(choice.output_ids) and choice.output_ids[-1] == self.eos
             text_ids = choice.output_ids[:-1] if ended_eos else choice.output_ids
-            step = await session.step(self.tok.decode(text_ids), eos=ended_eos)
+            try:
+                async with asyncio.timeout_at(turn.at):
+                    step = await session.step(self.tok.decode(text_ids), eos=ended_eos)
+            except TimeoutError:
+                # The sandbox still finishes the step (env code is not interruptible); score()
+                # below waits for it server-side, so the reward sees the action's effect.
+                traj.finish_reason = turn.reason
+                break
             if step.done:
                 traj.finish_reason = "done"
                 if step.reward is not None:
@@ -111,27 +301,85 @@ class RolloutRunner:
             if traj.turns >= self.cfg.orchestrator.max_turns:
                 traj.finish_reason = "max_turns"
                 break
-            obs_ids = self.tok.encode(step.observation).ids
-            if self._budget_left(traj) < len(obs_ids) + self.sampling.max_tokens:
-                traj.finish_reason = "context"
+            if conv is None:
+                obs_ids = self._fit_observation(traj, self.tok.encode(step.observation).ids)
+            else:
+                try:
+                    obs_ids = self._fit_chat_observation(traj, conv, text_ids, ended_eos, step.observation)
+                except TemplateMismatch as e:
+                    # Continuing would feed the model a history its template never renders.
+                    log.warning("chat template mismatch, sample ends: %s", e)
+                    traj.finish_reason = "template_mismatch"
+                    break
+            if obs_ids is None:
+                traj.finish_reason = "context_truncated" if self.truncate else "context"
                 break
+            turn = _Deadline(turn_timeout_s, rollout_at)
             traj.add_env(obs_ids)
-            (choice,) = await self._generate(traj.tokens, 1, None)
-        return (await session.score()).reward
+            try:
+                async with asyncio.timeout_at(turn.at):
+                    (choice,) = await self._generate(traj.tokens, 1, None)
+            except TimeoutError:
+                # asyncio.timeout_at raises TimeoutError only for its own deadline; transport
+                # timeouts below it arrive as ServiceUnavailable (clients._post).
+                traj.drop_env(len(obs_ids))  # the sample ends on its last model turn
+                traj.finish_reason = turn.reason
+                break
+        return await self._score(session, traj)
+
+    async def _score(self, session: SandboxSession, traj: Trajectory) -> float:
+        try:
+            return (await session.score()).reward
+        except ServiceUnavailable as e:
+            if traj.finish_reason in ("turn_timeout", "rollout_timeout"):
+                # The step that timed out is still running (or hung) in the sandbox: re-running
+                # the group would most likely time out again, so it is dropped, and counted.
+                raise GroupTimedOut(f"{traj.finish_reason}: scoring after the timeout failed: {e}") from e
+            raise
 
     async def run(self, spec: GroupSpec) -> RolloutGroup:
-        g = self.cfg.orchestrator.group_size
-        sessions = await self.sandbox.open_group(spec.env, spec.seed, g)
+        o = self.cfg.orchestrator
+        g = o.group_size
+        loop = asyncio.get_running_loop()
+        rollout_at = None if o.rollout_timeout_s is None else loop.time() + o.rollout_timeout_s
         try:
-            prompt_ids = self.tok.encode(sessions[0].prompt).ids
+            async with asyncio.timeout_at(rollout_at):
+                sessions = await self.sandbox.open_group(spec.env, spec.seed, g)
+        except TimeoutError:
+            raise GroupTimedOut(
+                f"rollout_timeout: opening {g} {spec.env} sessions took longer than "
+                f"orchestrator.rollout_timeout_s={o.rollout_timeout_s:g} s"
+            ) from None
+        try:
+            prompt = sessions[0].prompt
+            parsed = parse_tools_prompt(prompt) if self.chat is not None else None
+            convs: list[ChatConversation | None] = [None] * g
+            if self.chat is not None and parsed is not None:
+                convs = [ChatConversation(self.chat, *parsed, self.eos_text) for _ in range(g)]
+                # The template's text carries its own special tokens (BOS included, if any).
+                prompt_ids = self.tok.encode(convs[0].text, add_special_tokens=False).ids  # type: ignore[union-attr]
+            else:
+                prompt_ids = self.tok.encode(prompt).ids
             if len(prompt_ids) + self.sampling.max_tokens > self.max_len:
                 raise ValueError(f"{spec.env} prompt of {len(prompt_ids)} tokens exceeds the context budget")
             # The first turn shares one prompt: one request with n samples lets decode prefill once.
             seed = zlib.crc32(f"{spec.group_id}:{spec.seed}".encode())
-            first = await self._generate(prompt_ids, g, seed)
+            turn = _Deadline(o.turn_timeout_s, rollout_at)
+            try:
+                async with asyncio.timeout_at(turn.at):
+                    first = await self._generate(prompt_ids, g, seed)
+            except TimeoutError:
+                budget = "turn_timeout_s" if turn.reason == "turn_timeout" else "rollout_timeout_s"
+                raise GroupTimedOut(
+                    f"{turn.reason}: the group's first generation outlasted "
+                    f"orchestrator.{budget}={getattr(o, budget):g} s; no sample has a model turn"
+                ) from None
             trajs = [Trajectory.start(prompt_ids) for _ in range(g)]
-            rewards = await asyncio.gather(
-                *(self._finish_sample(s, t, c) for s, t, c in zip(sessions, trajs, first, strict=True))
+            rewards = await _gather_or_cancel(
+                [
+                    self._finish_sample(s, t, c, turn, rollout_at, conv)
+                    for s, t, c, conv in zip(sessions, trajs, first, convs, strict=True)
+                ]
             )
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
@@ -147,10 +395,24 @@ class RolloutRunner:
                 advantage=a,
                 turns=t.turns,
                 finish_reason=t.finish_reason,
+                routed_experts=t.routing.finish(len(t.tokens)),
             )
             for i, (t, r, a) in enumerate(zip(trajs, rewards, advantages, strict=True))
         ]
         return RolloutGroup(group_id=spec.group_id, env=spec.env, seed=spec.seed, samples=samples)
+
+
+async def _gather_or_cancel(coros: list[Coroutine[Any, Any, float]]) -> list[float]:
+    """asyncio.gather, except that the first failure cancels the other samples (their sessions
+    are closed next, so they could only fail later, unobserved) and is re-raised as itself."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def group_advantages(rewards: list[float], std_norm: bool) -> list[float]:

@@ -22,6 +22,19 @@ as the session's own host uid (when the sandbox runs as root), with:
   every descendant down with it (a background grandchild included).
 - **output:** stdout and stderr are each kept up to a byte budget and drained (discarded) past
   it, with a marker saying how much was dropped, so 1 GB of output costs time, not memory.
+- **disk quota:** with `disk_quota_mb` the session directory is its own tmpfs mount of that
+  size (and `disk_quota_inodes` files), mounted by the host (root) before any command runs. The
+  kernel enforces it at write time: a write past it fails with ENOSPC inside the command (which
+  keeps running and sees an ordinary "No space left on device"), nothing else on the host fills,
+  and deleting files frees the space at once. A command that leaves /work full gets a note on
+  its stderr saying so; `write_file` checks the free space first and writes through a temporary
+  file, so a write that does not fit fails with `QuotaExceeded` and leaves the old file intact.
+  Tradeoff: tmpfs pages are memory (and swap), not disk, so `max_sessions * disk_quota_mb`
+  bounds the memory files can take; a loop-mounted disk image per session would put them on disk
+  but costs an image, a mkfs and a loop device per session. RLIMIT_FSIZE plus a `du` after each
+  command was the other option, but it bounds single files, not the total, and cannot stop a
+  command mid-way. Without root nothing can be mounted: the quota is then not enforced
+  (`WorkspaceManager.quota_enforced` is false and the service says so at start).
 
 Host-side code never follows paths inside a session directory after untrusted code has run
 there (symlinks could point anywhere on the host): file reads and writes run inside the sandbox
@@ -32,7 +45,10 @@ not follow symlinks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -59,6 +75,70 @@ class ExecBusy(IsolationError):
     """All `max_concurrent_execs` slots are taken (the HTTP layer answers 429)."""
 
 
+class QuotaExceeded(OSError):
+    """A file write does not fit in what is left of the session's disk quota."""
+
+
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount_tmpfs(path: Path, size_bytes: int, inodes: int, uid: int) -> None:
+    """Mount a fresh tmpfs of `size_bytes` (and `inodes` files) at `path`, owned by `uid`, mode
+    0700. nosuid/nodev: nothing inside can gain privileges; exec stays allowed (scripts, tests)."""
+    opts = f"size={size_bytes},nr_inodes={inodes},mode=0700,uid={uid},gid={uid}"
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+        e = ctypes.get_errno()
+        raise IsolationError(
+            f"cannot mount the session's tmpfs for sandbox.disk_quota_mb at {path}: {os.strerror(e)} "
+            "(needs root with CAP_SYS_ADMIN); set sandbox.disk_quota_mb = 0 to run without a disk quota"
+        )
+
+
+def unmount(path: Path) -> None:
+    """Detach a mount (lazily: processes still inside keep their view until they exit)."""
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0:
+        e = ctypes.get_errno()
+        if e not in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more), or gone
+            raise OSError(e, f"umount {path}: {os.strerror(e)}")
+
+
+def mounts_under(root: Path) -> list[Path]:
+    """Mount points strictly under `root` (from /proc/self/mountinfo), deepest first."""
+    prefix = str(root.resolve()).rstrip("/") + "/"
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            # field 5 is the mount point, with space, tab, newline and backslash octal-escaped
+            mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if mp.startswith(prefix):
+                out.append(Path(mp))
+    return sorted(out, key=lambda p: len(p.parts), reverse=True)
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    used_bytes: int
+    quota_bytes: int
+    used_inodes: int
+    quota_inodes: int
+
+    @property
+    def free_bytes(self) -> int:
+        return self.quota_bytes - self.used_bytes
+
+    @property
+    def full(self) -> bool:
+        # Less than one page left, or no inode: the next write of anything fails.
+        return self.free_bytes < 4096 or self.used_inodes >= self.quota_inodes
+
+    def describe(self) -> str:
+        return (
+            f"{self.used_bytes / 2**20:.1f} of {self.quota_bytes / 2**20:.0f} MiB and "
+            f"{self.used_inodes} of {self.quota_inodes} files used"
+        )
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-command limits (SandboxSection's exec_* knobs)."""
@@ -81,6 +161,7 @@ class ExecResult:
     truncated: bool = False
     timed_out: bool = False
     duration_s: float = 0.0
+    disk_full: bool = False  # /work was at its disk quota when the command ended (not on the wire)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +254,21 @@ def reap_orphans() -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+# Atomic write inside the sandbox: the content goes to a temporary file next to the target (the
+# target resolved first, so writing through a symlink still writes where it points), which is
+# renamed over it only once complete; on failure (e.g. ENOSPC) the temporary file is removed and
+# the old file is untouched. A new file gets mode 0644; an existing one keeps its mode.
+_WRITE_SCRIPT = """
+p=$(readlink -m -- "$1") && d=$(dirname -- "$p") && mkdir -p -- "$d" || exit 1
+[ -d "$p" ] && { echo "$1 is a directory" >&2; exit 1; }
+t=$(mktemp -p "$d" .relay-write.XXXXXX) || exit 1
+if [ -e "$p" ]; then chmod --reference="$p" -- "$t"; else chmod 0644 -- "$t"; fi
+if cat > "$t" && mv -f -T -- "$t" "$p"; then exit 0; fi
+rm -f -- "$t"
+exit 1
+"""
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -192,6 +288,7 @@ class Workspace:
         # from the sandbox, visible read-only at /hidden only to runs that ask for it.
         self.private = manager.root / f"{name}.private"
         self.closed = False
+        self.quota = False  # the directory is a size-capped tmpfs of its own
         self._procs: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
 
@@ -200,8 +297,44 @@ class Workspace:
     def _setup(self) -> None:
         self.path.mkdir(mode=0o700)
         self.private.mkdir(mode=0o700)
+        if self.uid is not None and self.manager.disk_quota_mb:
+            try:
+                mount_tmpfs(
+                    self.path, self.manager.disk_quota_mb << 20, self.manager.disk_quota_inodes, self.uid
+                )
+            except IsolationError:
+                shutil.rmtree(self.path, ignore_errors=True)
+                shutil.rmtree(self.private, ignore_errors=True)
+                raise
+            self.quota = True
         if self.uid is not None:
             os.chown(self.path, self.uid, self.uid)
+
+    def disk_usage(self) -> DiskUsage | None:
+        """What the session has written into /work, against its quota (None: no quota).
+        statvfs of the mount root: safe whatever the sandboxed code did inside it."""
+        if not self.quota or self.closed:
+            return None
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        return DiskUsage(
+            used_bytes=(st.f_blocks - st.f_bfree) * st.f_frsize,
+            quota_bytes=st.f_blocks * st.f_frsize,
+            used_inodes=st.f_files - st.f_ffree,
+            quota_inodes=st.f_files,
+        )
+
+    def _quota_note(self) -> str:
+        u = self.disk_usage()
+        if u is None or not u.full:
+            return ""
+        return (
+            f"\n[sandbox: /work is full: {u.describe()} (the session's disk quota, "
+            "sandbox.disk_quota_mb / disk_quota_inodes); writes fail with 'No space left on device' "
+            "until files are deleted]\n"
+        )
 
     def seed_files(self, files: dict[str, str]) -> None:
         """Write the task's initial files. Host side, so only before any command has run."""
@@ -291,9 +424,14 @@ class Workspace:
                 f"all {self.manager.max_concurrent} exec slots are busy (sandbox.max_concurrent_execs); retry"
             )
         try:
-            return self._run(cmd, timeout_s, stdin, limits, hidden)
+            r = self._run(cmd, timeout_s, stdin, limits, hidden)
         finally:
             self.manager.slots.release()
+        # The command itself saw ENOSPC; this tells the reader (often a model) why and what to do.
+        note = self._quota_note()
+        r.stderr += note
+        r.disk_full = bool(note)
+        return r
 
     def _run(
         self,
@@ -414,25 +552,43 @@ class Workspace:
         return text, r.truncated, True
 
     def write_file(self, path: str, content: str, wait: bool = True) -> int:
+        """Write `content` to `path` (created with its parents), inside the sandbox. With a quota,
+        a write that does not fit raises QuotaExceeded and leaves any old file untouched."""
         data = content.encode()
-        r = self.run(
-            ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
-            stdin=data,
-            wait=wait,
-        )
+        u = self.disk_usage()
+        # tmpfs allocates whole pages, plus an inode for the new file.
+        need = -(-len(data) // 4096) * 4096
+        if u is not None and (need > u.free_bytes or u.used_inodes + 1 > u.quota_inodes):
+            raise QuotaExceeded(
+                f"cannot write {len(data)} bytes to {path!r}: the session's disk quota has "
+                f"{max(u.free_bytes, 0)} bytes free ({u.describe()}); delete files first"
+            )
+        r = self.run(["/bin/sh", "-c", _WRITE_SCRIPT, "sh", path], stdin=data, wait=wait)
         if r.exit_code != 0:
-            raise OSError(f"cannot write {path!r}: {r.stderr.strip()[:500]}")
+            err = r.stderr.strip()
+            if "No space left on device" in err or "Disk quota exceeded" in err:
+                u = self.disk_usage()
+                raise QuotaExceeded(
+                    f"cannot write {len(data)} bytes to {path!r}: the session's disk quota is full"
+                    + (f" ({u.describe()})" if u else "")
+                    + "; delete files first"
+                )
+            raise OSError(f"cannot write {path!r}: {err[:500]}")
         return len(data)
 
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
-        """Kill anything still running, delete the directories (symlink-safe)."""
+        """Kill anything still running, unmount the quota tmpfs (frees its pages at once), delete
+        the directories (symlink-safe)."""
         self.closed = True
         with self._lock:
             procs = list(self._procs)
         for p in procs:
             _kill_group(p)
+        if self.quota:
+            with contextlib.suppress(OSError):
+                unmount(self.path)
         for d in (self.path, self.private):
             shutil.rmtree(d, ignore_errors=True)
 
@@ -447,6 +603,8 @@ class WorkspaceManager:
     uid_base: int = 200_000
     uid_count: int = 65536
     max_concurrent: int = 16
+    disk_quota_mb: int = 0  # 0: no quota (session directories are plain directories)
+    disk_quota_inodes: int = 32768
     _free: list[int] = field(default_factory=list, repr=False)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -478,6 +636,8 @@ class WorkspaceManager:
             "uid_base": sec.uid_base + replica * sec.max_sessions,
             "uid_count": sec.max_sessions,
             "max_concurrent": sec.max_concurrent_execs,
+            "disk_quota_mb": sec.disk_quota_mb,
+            "disk_quota_inodes": sec.disk_quota_inodes,
         }
         if sec.workdir_root:
             m = cls(root=Path(sec.workdir_root) / f"replica-{replica}", **kw)
@@ -491,6 +651,11 @@ class WorkspaceManager:
         self.as_root = os.geteuid() == 0
         self._root_ready = False
 
+    @property
+    def quota_enforced(self) -> bool:
+        """Whether session directories get their size-capped tmpfs (needs root to mount)."""
+        return bool(self.disk_quota_mb) and self.as_root
+
     def _ensure_root(self) -> None:
         """Create the root on first use, so a service that never runs a command leaves nothing."""
         if self._root_ready:
@@ -502,6 +667,9 @@ class WorkspaceManager:
                 self.root.parent.mkdir(exist_ok=True)
                 self.root.parent.chmod(0o711)
             self.root.mkdir(parents=True, exist_ok=True)
+            # A previous process on this root that died without closing its sessions left their
+            # tmpfs mounts (memory) behind: detach them before anything else uses the root.
+            self._unmount_all()
             # Traversable, not listable: bwrap, running as a session's uid, must reach its own
             # directory by path; each session directory is 0700 and owned by that session's uid.
             self.root.chmod(0o711)
@@ -538,6 +706,15 @@ class WorkspaceManager:
             with self._lock:
                 self._free.append(ws.uid)
 
+    def _unmount_all(self) -> None:
+        if not self.as_root or not self.root.exists():
+            return
+        for mp in mounts_under(self.root):
+            with contextlib.suppress(OSError):
+                unmount(mp)
+
     def shutdown(self) -> None:
         if self._owned_root and self._root_ready:
+            # rmtree would empty a still-mounted tmpfs, fail on its mount point and leak it.
+            self._unmount_all()
             shutil.rmtree(self.root, ignore_errors=True)

@@ -11,7 +11,7 @@ POST /v1/sessions/{id}/score[?keep=true]  -> {"reward", "info"}; closes the sess
 DELETE /v1/sessions/{id}             close without scoring
 POST /v1/sessions/{id}/exec          {"cmd", "timeout_s"} -> {exit_code, stdout, stderr, truncated, timed_out}
 GET  /v1/sessions/{id}/files?path=P  -> {"path", "content", "truncated"} (404: no such file)
-PUT  /v1/sessions/{id}/files         {"path", "content"} -> {"path", "bytes"}
+PUT  /v1/sessions/{id}/files         {"path", "content"} -> {"path", "bytes"} (413: over the disk quota)
 GET  /health, GET /metrics           (services.common.service)
 
 Handlers are plain `def`s: Starlette runs them on its threadpool, so a slow plugin environment
@@ -52,7 +52,14 @@ from services.common.schemas import (
 from services.common.service import Service, create_app, load_service_config, log_event, service_args
 from services.sandbox.envs import EnvError, env_names, get_env_class, load_plugins
 from services.sandbox.isolation import WorkspaceManager, enable_subreaper, reap_orphans
-from services.sandbox.sessions import EnvFailed, ExecsFull, SandboxFull, SessionError, SessionStore
+from services.sandbox.sessions import (
+    DiskQuotaExceeded,
+    EnvFailed,
+    ExecsFull,
+    SandboxFull,
+    SessionError,
+    SessionStore,
+)
 
 # Module-level: prometheus_client's default registry allows one collector per name per process.
 SESSIONS_CREATED = Counter("relay_sandbox_sessions_created", "Sessions created", ["env"])
@@ -69,6 +76,11 @@ EXEC_SECONDS = Histogram(
     "relay_sandbox_exec_seconds",
     "Wall time of POST .../exec commands",
     buckets=[0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300],
+)
+DISK_FULL = Counter(
+    "relay_sandbox_disk_quota_full",
+    "Commands that left /work at the session's disk quota, and file writes refused by it",
+    ["via"],
 )
 REWARD = Histogram(
     "relay_sandbox_reward", "Episode rewards at score time", ["env"], buckets=[i / 10 for i in range(11)]
@@ -127,6 +139,17 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
         async with contextlib.AsyncExitStack() as stack:
             if service is not None:
                 await stack.enter_async_context(service.registered())
+                log_event(
+                    service.log,
+                    "workspaces",
+                    disk_quota_mb=sec.disk_quota_mb,
+                    disk_quota_enforced=workspaces.quota_enforced,
+                )
+                if sec.disk_quota_mb and not workspaces.quota_enforced:
+                    service.log.warning(
+                        "sandbox.disk_quota_mb is set but not enforced: mounting the per-session "
+                        "tmpfs needs root; session directories are plain directories"
+                    )
             task = asyncio.create_task(sweeper(), name="session-sweeper")
             try:
                 yield
@@ -138,7 +161,12 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
                 workspaces.shutdown()
 
     def health() -> dict[str, Any]:
-        return {"kind": "sandbox", **store.stats(), "envs": env_names()}
+        return {
+            "kind": "sandbox",
+            **store.stats(),
+            "envs": env_names(),
+            "disk_quota_mb": sec.disk_quota_mb if workspaces.quota_enforced else 0,
+        }
 
     app = create_app("relay sandbox", health, lifespan)
     app.state.store = store
@@ -220,6 +248,8 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
             EXECS.labels("busy").inc()
             raise
         EXECS.labels("timed_out" if r.timed_out else "ok" if r.exit_code == 0 else "nonzero").inc()
+        if r.disk_full:
+            DISK_FULL.labels("exec").inc()
         EXEC_SECONDS.observe(r.duration_s)
         return ExecResponse(**r.as_dict())
 
@@ -230,7 +260,11 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
 
     @app.put("/v1/sessions/{session_id}/files")
     def write_file(session_id: str, req: WriteFileRequest) -> FileResponse:
-        n = store.write_file(session_id, req.path, req.content)
+        try:
+            n = store.write_file(session_id, req.path, req.content)
+        except DiskQuotaExceeded:
+            DISK_FULL.labels("write_file").inc()
+            raise
         return FileResponse(path=req.path, bytes=n)
 
     return app

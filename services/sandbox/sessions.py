@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.sandbox.envs.base import EnvError, Environment, Info, get_env_class, normalize_score
-from services.sandbox.isolation import ExecBusy, ExecResult, IsolationError, Workspace, WorkspaceManager
+from services.sandbox.isolation import (
+    ExecBusy,
+    ExecResult,
+    IsolationError,
+    QuotaExceeded,
+    Workspace,
+    WorkspaceManager,
+)
 
 # How many ended session ids to remember so a late request can be told *why* its id is gone.
 TOMBSTONES = 65536
@@ -71,6 +78,13 @@ class FileMissing(SessionError):
     status = 404
 
 
+class DiskQuotaExceeded(SessionError):
+    """A file write does not fit in the session's disk quota (sandbox.disk_quota_mb)."""
+
+    status = 413
+    field = "content"
+
+
 class EnvFailed(SessionError):
     """The environment's own code raised or broke its contract: a plugin bug, not a client error."""
 
@@ -98,6 +112,7 @@ class Session:
     ws_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def describe(self, now: float) -> dict[str, Any]:
+        usage = self.workspace.disk_usage() if self.workspace is not None else None
         return {
             "session_id": self.id,
             "env": self.env_name,
@@ -108,6 +123,15 @@ class Session:
             "idle_s": round(now - self.last_used, 3),
             "execs": self.execs,
             "workspace": self.workspace is not None,
+            # None without a workspace or without a quota (sandbox.disk_quota_mb = 0, not root)
+            "disk": None
+            if usage is None
+            else {
+                "used_bytes": usage.used_bytes,
+                "quota_bytes": usage.quota_bytes,
+                "used_files": usage.used_inodes,
+                "quota_files": usage.quota_inodes,
+            },
         }
 
 
@@ -314,6 +338,8 @@ class SessionStore:
             raise BadFileRequest(f"content is over sandbox.file_max_bytes={self.file_max_bytes}")
         try:
             return int(self._isolated(sid, lambda ws: ws.write_file(path, content, wait=False)))
+        except QuotaExceeded as e:
+            raise DiskQuotaExceeded(f"content: {e}") from e
         except OSError as e:
             raise BadFileRequest(str(e)) from e
 

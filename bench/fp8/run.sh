@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# FP8 benchmarks on the lent H200 (device tool), with the small wheels from .whl carried along
+# (pydantic, torchtitan, safetensors' friends: the engine and trainer imports need them), as
+# bench/gpu_debug/run.sh does. Each script stays under 6 minutes; run them as two device calls:
+#   bash bench/fp8/run.sh gemm        -> $OUT/fp8_gemm.json (+ .txt)
+#   bash bench/fp8/run.sh mismatch    -> $OUT/fp8_mismatch.json (+ .txt)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+for what in "${@:-gemm}"; do
+  case "$what" in
+    gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
+    mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
+    *) echo "unknown benchmark $what (gemm | mismatch)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,172 @@
+"""Shared pieces of the KV benchmarks: random-weight model directories (no torchtitan or transformers
+needed, so they run on the GPU machine as is), the real Redis + KV store gateway (+ prefill service)
+processes, and result files with command, machine and date."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.bus import Bus
+from services.common.config import REPO_ROOT, EngineConfig, ModelConfig, RunConfig
+from services.common.modeldir import hf_config, write_model_dir
+from services.common.redis_server import RedisServer
+from services.common.schemas import WeightsInfo
+from services.engine.model import CausalLM
+
+# "tiny": a CPU-sized Qwen3-style model with a long context. "qwen3-0.6b-shape": Qwen3-0.6B's shapes
+# (28 layers, 16 q / 8 kv heads of 128, KV 112 KiB per token in bf16), random weights.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=1024,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=384,
+        max_seq_len=40960,
+    ),
+    "qwen3-0.6b-shape": dict(
+        vocab_size=151936,
+        dim=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=3072,
+        max_seq_len=40960,
+        rope_theta=1_000_000.0,
+    ),
+}
+
+
+def model_config(shape: str) -> ModelConfig:
+    return ModelConfig(arch="qwen3", tie_embeddings=True, qk_norm=True, **SHAPES[shape])
+
+
+def make_model_dir(shape: str, dest: Path, seed: int = 0) -> Path:
+    """An HF model directory (version 0) of random weights: normal(0, 0.02) matrices, unit norms."""
+    if (dest / "config.json").exists():
+        return dest
+    m = model_config(shape)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = CausalLM(m, m.max_seq_len)
+    state = {}
+    for name, p in model.named_parameters():
+        state[name] = torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) * 0.02
+    return write_model_dir(dest, state, hf_config(m, eos_token_id=m.vocab_size - 1), None, {"version": 0})
+
+
+def pythonpath() -> str:
+    """The repo first, then whatever the caller had (e.g. wheels unpacked into /tmp/site)."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def engine_config(device: str, dtype: str, max_seq_len: int, **kw: Any) -> EngineConfig:
+    return EngineConfig(device=device, dtype=dtype, max_seq_len=max_seq_len, **kw)  # type: ignore[arg-type]
+
+
+def machine() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpus"] = torch.cuda.device_count()
+    return out
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **result,
+    }
+    path.write_text(json.dumps(full, indent=2))
+    print(f"wrote {path}")
+
+
+@dataclass
+class Services:
+    """Real Redis + KV store gateway (+ prefill services) processes for one benchmark."""
+
+    workdir: Path
+    cfg: RunConfig
+    redis: RedisServer
+    bus: Bus
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, module: str, env: dict[str, str] | None = None) -> None:
+        path = self.workdir / "config.json"
+        with open(self.workdir / f"{name}.log", "ab") as out:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", module, "--config", str(path), "--redis-url", self.redis.url],
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": pythonpath(), **(env or {})},
+            )
+
+    def url(self, kind: str, name: str, timeout_s: float = 600.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {(self.workdir / f'{name}.log').read_text()[-3000:]}")
+            for s in self.bus.services(kind):
+                if s.pid == proc.pid and s.version >= 0:
+                    return s.url
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not ready")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.redis.stop()
+
+
+@contextmanager
+def services(workdir: Path, cfg: RunConfig, weights: Path | None = None) -> Any:
+    """Redis, then the gateway; the caller starts prefill services with `start` if it needs them."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    redis = RedisServer(workdir / "redis").start()
+    cfg = cfg.model_copy(deep=True)
+    cfg.redis.prefix = f"bench-kv-{uuid.uuid4().hex[:8]}"
+    cfg.redis.url = redis.url
+    cfg.kvstore.enabled = True
+    (workdir / "config.json").write_text(cfg.dump())
+    svc = Services(workdir, cfg, redis, Bus(redis.url, cfg.redis.prefix))
+    if weights is not None:
+        svc.bus.publish_weights(WeightsInfo(version=0, path=str(weights)))
+    try:
+        svc.start("kvstore", "services.kvstore")
+        svc.url("kvstore", "kvstore")
+        yield svc
+    finally:
+        svc.stop()

@@ -1,0 +1,232 @@
+"""Benchmark 2: decode inter-token latency (ITL) of `--streams` running streams while long prompts
+(`--long-tokens`, default 16k) arrive, colocated vs disaggregated.
+
+  colocated      the long prompts are prefilled by the decode engine itself, in chunks of
+                 max_num_batched_tokens inside the same steps as the streams' decodes
+  disaggregated  a real prefill service (its own process and device) prefills them and publishes
+                 the pages to a real KV store gateway; the decode engine pulls the pages in a
+                 background thread, imports them between steps and continues from the prefill's
+                 first token (the same path as services/prefill/router.py)
+
+ITL is measured per stream between consecutive tokens, from the engine's own step loop, over the
+window in which the long prompts arrive and are served. CPU:
+    .venv/bin/python -m bench.kv.interference --out bench/kv/results/interference_cpu.json
+GPU (the lead; 2 GPUs: decode on GPU 0, prefill service on GPU 1):
+    python -m bench.kv.interference --device cuda --model qwen3-0.6b-shape --dtype bfloat16 \\
+        --prefill-gpu 1 --long-count 8 --long-every-s 0.5 --stream-tokens 512 --out $OUT/interference_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from bench.kv.common import engine_config, make_model_dir, services, write_result
+from services.common.config import RunConfig
+from services.common.schemas import GenerateRequest, SamplingParams
+from services.engine import LLMEngine
+from services.engine.kv_transfer import chain_hashes, reusable_pages
+from services.kvstore.client import KVStoreClient
+from services.prefill.schemas import PrefillRequest, PrefillResponse
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+def build_engine(args: argparse.Namespace, model_dir: Path) -> LLMEngine:
+    bs = args.block_size
+    stream_pages = args.streams * -(-(args.stream_prompt + args.stream_tokens) // bs)
+    long_pages = (args.long_count + 1) * -(-(args.long_tokens + args.long_out) // bs)
+    cfg = engine_config(
+        args.device,
+        args.dtype,
+        args.long_tokens + args.long_out + 64,
+        block_size=bs,
+        num_kv_blocks=stream_pages + long_pages,
+        max_batch_size=args.streams + args.long_count + 1,
+        max_num_batched_tokens=args.chunk,
+    )
+    return LLMEngine(model_dir, cfg, version=0)
+
+
+def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> dict[str, Any]:
+    eng = build_engine(args, model_dir)
+    rng = random.Random(args.seed)
+    vocab = eng.model_config.vocab_size - 1
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    streams = [
+        eng.add_request(
+            GenerateRequest(
+                input_ids=[rng.randrange(vocab) for _ in range(args.stream_prompt)],
+                sampling=SamplingParams(
+                    temperature=1.0, seed=i, max_tokens=args.stream_tokens, ignore_eos=True
+                ),
+            )
+        )
+        for i in range(args.streams)
+    ]
+    # Warm up: every stream prefilled and decoding before the window opens.
+    while any(not s.seqs[0].output for s in streams):
+        eng.step()
+    longs = [[rng.randrange(vocab) for _ in range(args.long_tokens)] for _ in range(args.long_count)]
+    ready: queue.Queue[tuple[int, GenerateRequest]] = queue.Queue()
+    pull_ms: list[float] = []
+    store = KVStoreClient(svc.url("kvstore", "kvstore"), timeout_s=600) if mode == "disaggregated" else None
+    prefill_url = svc.url("prefill", "prefill") if mode == "disaggregated" else None
+
+    def remote(i: int, req: GenerateRequest) -> None:
+        """Prefill service, then pull the pages and stage them: a decode router's work, off-loop."""
+        assert store is not None and prefill_url is not None
+        t0 = time.perf_counter()
+        body = PrefillRequest(input_ids=req.input_ids, sampling=req.sampling, request_id=f"long-{i}")
+        r = httpx.post(
+            f"{prefill_url}/v1/prefill",
+            content=body.model_dump_json(),
+            headers={"content-type": "application/json"},
+            timeout=600,
+        )
+        r.raise_for_status()
+        resp = PrefillResponse.model_validate_json(r.content)
+        bs = eng.kv.block_size
+        keys = chain_hashes(
+            req.input_ids, eng.version, eng.layout, bs, reusable_pages(len(req.input_ids), bs)
+        )
+        got, data = store.get_prefix(keys)
+        eng.pages.stage(got, data)
+        eng.pages.stage_first(f"long-{i}", [(c.token, c.logprob, c.version) for c in resp.choices])
+        pull_ms.append((time.perf_counter() - t0) * 1000)
+        ready.put((i, req.model_copy(update={"request_id": f"long-{i}"})))
+
+    last = {id(s): time.perf_counter() for s in streams}
+    count = {id(s): len(s.seqs[0].output) for s in streams}
+    itl: list[float] = []
+    step_ms: list[float] = []
+    arrivals: dict[int, float] = {}
+    firsts: dict[int, float] = {}
+    long_states: dict[int, Any] = {}
+    t_start = time.perf_counter()
+    sent = 0
+    threads = []
+    while True:
+        now = time.perf_counter()
+        while sent < args.long_count and now - t_start >= sent * args.long_every_s:
+            req = GenerateRequest(
+                input_ids=longs[sent],
+                sampling=SamplingParams(
+                    temperature=1.0, seed=1000 + sent, max_tokens=args.long_out, ignore_eos=True
+                ),
+            )
+            arrivals[sent] = now
+            if mode == "colocated":
+                long_states[sent] = eng.add_request(req)
+            else:
+                th = threading.Thread(target=remote, args=(sent, req), daemon=True)
+                th.start()
+                threads.append(th)
+            sent += 1
+        while not ready.empty():
+            i, req = ready.get()
+            long_states[i] = eng.add_request(req)
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        now = time.perf_counter()
+        step_ms.append((now - t0) * 1000)
+        for s in streams:
+            n = len(s.seqs[0].output)
+            if n > count[id(s)]:
+                if sent:  # inside the window: long prompts have started arriving
+                    itl.append((now - last[id(s)]) * 1000 / (n - count[id(s)]))
+                count[id(s)], last[id(s)] = n, now
+        for i, st in long_states.items():
+            if i not in firsts and st.seqs[0].output:
+                firsts[i] = now
+        done_longs = sent == args.long_count and len(long_states) == args.long_count
+        if done_longs and all(st.finished for st in long_states.values()):
+            break
+        if all(s.finished for s in streams):
+            break
+    ttft = [(firsts[i] - arrivals[i]) * 1000 for i in sorted(firsts)]
+    out = {
+        "itl_ms_p50": percentile(itl, 50),
+        "itl_ms_p99": percentile(itl, 99),
+        "itl_ms_max": max(itl) if itl else float("nan"),
+        "itl_samples": len(itl),
+        "step_ms_p50": percentile(step_ms, 50),
+        "long_ttft_ms": ttft,
+        "long_served": len(firsts),
+        "streams_unfinished_at_end": sum(not s.finished for s in streams),
+    }
+    if pull_ms:
+        out["prefill_and_pull_ms"] = pull_ms
+    print(mode, {k: v for k, v in out.items() if not isinstance(v, list)}, flush=True)
+    for th in threads:
+        th.join()
+    if store is not None:
+        store.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="tiny", help="tiny | qwen3-0.6b-shape")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--stream-prompt", type=int, default=128)
+    p.add_argument("--stream-tokens", type=int, default=256)
+    p.add_argument("--long-tokens", type=int, default=16384)
+    p.add_argument("--long-out", type=int, default=4)
+    p.add_argument("--long-count", type=int, default=2)
+    p.add_argument("--long-every-s", type=float, default=2.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk budget)")
+    p.add_argument("--prefill-gpu", default="", help="CUDA_VISIBLE_DEVICES of the prefill service")
+    p.add_argument("--modes", default="colocated,disaggregated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="")
+    p.add_argument("--out", default="bench/kv/results/interference_cpu.json")
+    args = p.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-kv-"))
+    model_dir = make_model_dir(args.model, work / f"model-{args.model}")
+    modes = args.modes.split(",")
+    cfg = RunConfig()
+    cfg.kvstore.ram_bytes = 64 << 30
+    cfg.prefill.engine = engine_config(
+        args.device,
+        args.dtype,
+        args.long_tokens + args.long_out + 64,
+        block_size=args.block_size,
+        num_kv_blocks=2 * -(-(args.long_tokens + 64) // args.block_size),
+        max_batch_size=2,
+        max_num_batched_tokens=max(args.chunk, 8192),
+    )
+    results: dict[str, Any] = {}
+    with services(work / "services", cfg, weights=model_dir) as svc:
+        if "disaggregated" in modes:
+            env = {"CUDA_VISIBLE_DEVICES": args.prefill_gpu} if args.prefill_gpu else {}
+            svc.start("prefill", "services.prefill", env)
+            svc.url("prefill", "prefill")
+        for mode in modes:
+            results[mode] = run_mode(mode, args, model_dir, svc)
+    summary = {f"{m}_{k}": results[m][k] for m in modes for k in ("itl_ms_p50", "itl_ms_p99")}
+    print(summary)
+    write_result(
+        Path(args.out),
+        {"benchmark": "interference", "params": vars(args), "summary": summary, "modes": results},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Two-GPU trainer benchmarks (a later session; needs the nvidia-h200-x2 machine):
+#   bash bench/trainer/multi.sh            (writes $OUT/trainer_multi_*.json)
+# 1. FSDP2 over 2 GPUs, Qwen3-4B shape, 16k tokens per GPU (dp = 2), bf16 mixed precision.
+# 2. ONE 131,072-token sequence, Qwen3-4B shape, context parallel over the 2 GPUs (cp = 2,
+#    torchtitan's ring SDPA, head-tail load balancing), full / selective activation checkpointing.
+# Not here: expert parallel for the Qwen3-30B-A3B-shaped MoE. trainer.ep > 1 is refused by
+# trainer/parallel.py (not wired yet; see docs/trainer.md).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# The carried wheels (torchtitan 0.2.2, pydantic, ...) once, as step.py would do by itself.
+python3 -c "import torchtitan, pydantic" 2>/dev/null || {
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+}
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+RUN="python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/trainer/step.py --no-baseline --no-check"
+$RUN --shapes 4b --tokens 16384 --variants "bf16+sac,bf16+sac+compile,packed+varlen+sac" \
+  --budget-s 420 --out "$OUT/trainer_multi_fsdp4b.json" 2>&1 | tail -n 30
+$RUN --shapes 4b --tokens 131072 --cp 2 --steps 4 --no-publish --variants "bf16+full_ac,bf16+sac" \
+  --budget-s 420 --out "$OUT/trainer_multi_cp131k.json" 2>&1 | tail -n 30

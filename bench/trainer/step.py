@@ -1,0 +1,550 @@
+"""Trainer step benchmark on H200: our torchtitan path vs plain HF transformers + PyTorch.
+
+    python3 bench/trainer/step.py --out $OUT/trainer.json                 # one GPU, < 8 min
+    torchrun --standalone --nproc_per_node=2 bench/trainer/step.py ...    # see multi.sh
+
+One RL step = forward -> per-token log-probs -> loss -> backward -> clip -> optimizer step, on
+random weights of a Qwen3-0.6B / Qwen3-4B shape (vocabulary 151936, tied embeddings).
+
+(a) baseline: HF transformers Qwen3ForCausalLM, bf16 weights, fused AdamW, SDPA, full logits
+    + log_softmax in float32, gradient checkpointing for 4B (the method of the "Trainer
+    baseline" in /work/shared/notes/infra-facts.md).
+(b) ours: the functions trainer/train.py's train_step uses (trainer.parallel.parallelize:
+    FSDP2 mixed precision bf16 / float32 master weights and reductions, AC, compile, attention
+    kernel; trainer.attention micro_batch_attention + packed_logprobs with the chunked log-prob
+    head; trainer.loss.ratio_loss; clip_grad_norm_; AdamW as the trainer builds it).
+    One process still runs FSDP2 over a 1-rank NCCL group: that is the trainer's bf16 path.
+
+First a correctness check on a tiny shape: our bf16 path (sdpa / flex / varlen, packed documents)
+against a float32 reference (no FSDP, dense document mask): loss and gradient norm must agree.
+
+MFU = (6 * N * T + 6 * L * H * Q * sum_docs t^2) / step_s / 989e12 per GPU (N = parameters,
+tied embedding once; the attention term is causal attention within each document; recompute
+not counted), as the notes' baseline. Reported per variant: tokens/s, MFU, peak memory, step
+times; and the time to publish 4B weights (gather blocking + background write).
+
+Every variant is in try/except: a failure (OOM, a kernel missing) is recorded, the rest runs.
+A time budget (--budget-s) skips what would not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ensure_wheels() -> None:
+    """The GPU machine lacks torchtitan/pydantic: install the carried .whl/ into /tmp/site once."""
+    try:
+        import pydantic  # noqa: F401
+        import torchtitan  # noqa: F401
+    except ImportError:
+        whl = REPO / ".whl"
+        site = Path("/tmp/site")
+        if not site.exists():
+            wheels = [str(p) for p in whl.glob("*.whl")]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--target",
+                str(site),
+            ]
+            subprocess.run([*cmd, *wheels], check=True)
+        sys.path.insert(0, str(site))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+_ensure_wheels()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from services.common.config import ModelConfig, TrainerSection  # noqa: E402
+from services.common.schemas import Sample  # noqa: E402
+from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E402
+from trainer.batch import loss_token_count  # noqa: E402
+from trainer.chunked import enable_chunked_output  # noqa: E402
+from trainer.loss import ratio_loss  # noqa: E402
+from trainer.model import build_model  # noqa: E402
+from trainer.packing import PackedMicroBatch, pack  # noqa: E402
+from trainer.parallel import Degrees, cp_micro_batch, parallelize  # noqa: E402
+from trainer.publish import Publisher  # noqa: E402
+
+PEAK = 989e12  # H200 dense bf16 TFLOP/s
+VOCAB = 151936
+SHAPES = {
+    # Qwen3-0.6B / Qwen3-4B (HF config.json of the released models)
+    "0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072),
+    "4b": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=9728),
+    "tiny": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256),
+}
+# name -> trainer knobs (+ "pack": packed mixed-length documents instead of one sequence)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": dict(),
+    "bf16+sac": dict(activation_checkpoint="selective"),
+    "bf16+full_ac": dict(activation_checkpoint="full"),
+    "bf16+compile": dict(compile=True),
+    "bf16+sac+compile": dict(activation_checkpoint="selective", compile=True),
+    "packed+sdpa(dense mask)": dict(pack=True),
+    "packed+varlen": dict(pack=True, attention="varlen"),
+    "packed+flex": dict(pack=True, attention="flex"),
+    "packed+varlen+sac": dict(pack=True, attention="varlen", activation_checkpoint="selective"),
+    "packed+varlen+sac+compile": dict(
+        pack=True, attention="varlen", activation_checkpoint="selective", compile=True
+    ),
+    "packed+varlen+full_ac": dict(pack=True, attention="varlen", activation_checkpoint="full"),
+}
+DEFAULT_VARIANTS = {
+    "0.6b": ["bf16", "bf16+sac", "bf16+compile", "packed+sdpa(dense mask)", "packed+varlen", "packed+flex"],
+    "4b": ["bf16+sac", "bf16+full_ac", "bf16+sac+compile", "packed+varlen+sac"],
+}
+CHUNK = 4096  # trainer.logprob_chunk_tokens: 4096 x 151936 float32 logits = 2.5 GB per chunk
+
+
+# ------------------------------------------------------------------ setup
+
+
+class Ctx:
+    def __init__(self, device: str) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.cuda = device == "cuda"
+        self.device = torch.device("cuda", local) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        if "RANK" not in os.environ:  # one process: a 1-rank group, so FSDP2 (our bf16 path) applies
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if self.cuda:
+            dist.init_process_group("nccl", device_id=self.device)
+        else:  # --device cpu: a smoke run of this script's logic (tiny shape, sdpa only)
+            dist.init_process_group("gloo")
+        self.t0 = time.monotonic()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def model_config(shape: str, max_len: int) -> ModelConfig:
+    vocab = 512 if shape == "tiny" else VOCAB
+    return ModelConfig(
+        vocab_size=vocab, max_seq_len=max_len, rope_theta=1e6, tie_embeddings=True, **SHAPES[shape]
+    )
+
+
+def n_params(m: ModelConfig) -> int:
+    per_layer = (
+        m.dim * m.n_heads * m.head_dim * 2  # wq, wo
+        + m.dim * m.n_kv_heads * m.head_dim * 2  # wk, wv
+        + 3 * m.dim * m.hidden_dim
+        + 2 * m.dim
+        + 2 * m.head_dim
+    )
+    return m.vocab_size * m.dim + m.n_layers * per_layer + m.dim
+
+
+def step_flops(m: ModelConfig, doc_lens: list[int]) -> float:
+    t = sum(doc_lens)
+    return 6.0 * n_params(m) * t + 6.0 * m.n_layers * m.n_heads * m.head_dim * sum(x * x for x in doc_lens)
+
+
+def make_samples(lens: list[int], vocab: int, seed: int, jitter: float = 0.0) -> list[Sample]:
+    """Samples whose packed inputs have exactly `lens` tokens each (len(tokens) = l + 1)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lens):
+        toks = torch.randint(0, vocab, (n + 1,), generator=g).tolist()
+        prompt = max(1, n // 10)  # prompt tokens: no loss
+        out.append(
+            Sample(
+                rollout_id=f"s{seed}-{i}",
+                tokens=toks,
+                loss_mask=[0] * prompt + [1] * (n + 1 - prompt),
+                # near the random model's own, so ratios are ~1 (exp(+-jitter))
+                logprobs=(-math.log(vocab) + jitter * (2 * torch.rand(n + 1, generator=g) - 1)).tolist(),
+                versions=[0] * (n + 1),
+                reward=0.0,
+                advantage=1.0 if i % 2 else -1.0,
+            )
+        )
+    return out
+
+
+def mixed_lengths(total: int, seed: int, lo: int = 256, hi: int = 4096) -> list[int]:
+    rng = random.Random(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        lens.append(min(rng.randint(lo, hi), total - sum(lens)))
+    return lens
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        sync()
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ------------------------------------------------------------------ our path
+
+
+def build_ours(
+    m: ModelConfig, knobs: dict[str, Any], ctx: Ctx, dtype: str = "bfloat16", cp: int = 1
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Degrees, dict[str, Any]]:
+    tc = TrainerSection(
+        nproc=ctx.world,
+        device="cuda" if ctx.cuda else "cpu",
+        dtype=dtype,  # type: ignore[arg-type]
+        cp=cp,
+        logprob_chunk_tokens=CHUNK,
+        packing=True,
+        **{k: v for k, v in knobs.items() if k != "pack"},
+    )
+    model = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
+    model, deg, meshes = parallelize(model, tc, ctx.world, ctx.device, distributed=True)
+    # As trainer/train.py builds it.
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+    return model, opt, deg, meshes
+
+
+def our_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    mbs: list[PackedMicroBatch],
+    total_loss_tokens: int,
+    deg: Degrees,
+    meshes: dict[str, Any],
+    device: torch.device,
+) -> tuple[float, float]:
+    """trainer/train.py train_step's compute, for pre-built micro-batches. Returns (loss, grad norm)."""
+    scale = float(deg.dp * deg.cp)
+    opt.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
+    for mb in mbs:
+        mb = mb.to(device)
+        if deg.cp > 1:
+            mb = cp_micro_batch(mb, meshes["cp"], deg.cp)
+        with micro_batch_attention(model, mb):
+            logp, ent = packed_logprobs(model, mb, CHUNK)
+            loss, _ = ratio_loss(
+                logp,
+                mb.logp_infer,
+                mb.advantages,
+                mb.loss_mask,
+                ratio_low=1e-30,  # nothing masked: every token's gradient is computed
+                ratio_high=1e30,
+                total_loss_tokens=total_loss_tokens,
+            )
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    opt.step()
+    full = getattr(norm, "full_tensor", None)
+    gn = float((full() if callable(full) else norm).item())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(loss_sum)
+    return float(loss_sum.item()), gn
+
+
+def rank_data(
+    lens_per_rank: list[list[int]], vocab: int, deg: Degrees, rank: int, seed: int
+) -> tuple[list[Sample], int]:
+    """Every data-parallel rank its own samples (cp ranks share theirs, as train_step splits);
+    the normaliser is the loss-token count over all of them."""
+    by_dp = [make_samples(lens, vocab, seed + i) for i, lens in enumerate(lens_per_rank)]
+    return by_dp[deg.data_rank(rank)], sum(loss_token_count(s) for s in by_dp)
+
+
+# ------------------------------------------------------------------ baseline (HF transformers)
+
+
+def build_hf(
+    m: ModelConfig, device: torch.device, ac: bool, fused: bool
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=m.vocab_size,
+        hidden_size=m.dim,
+        intermediate_size=m.hidden_dim,
+        num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_seq_len,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    if ac:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fused)
+    return model, opt
+
+
+def hf_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, n_loss: int) -> float:
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(input_ids=inputs, use_cache=False).logits
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - (-math.log(model.config.vocab_size)))
+    loss = -(ratio).sum() / n_loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.item())
+
+
+# ------------------------------------------------------------------ timing
+
+
+def timed(fn: Any, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        sync()
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def summarise(times: list[float], flops: float, tokens: int, world: int) -> dict[str, Any]:
+    warm = sorted(times[2:] if len(times) > 3 else times[-1:])
+    med = warm[len(warm) // 2] if len(warm) % 2 else 0.5 * (warm[len(warm) // 2 - 1] + warm[len(warm) // 2])
+    return {
+        "step_s": med,
+        "step_times_s": [round(t, 4) for t in times],
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / med,
+        "tokens_per_s_per_gpu": tokens / med / world,
+        "mfu": flops / med / (PEAK * world),
+        "peak_mem_gib": peak_gib(),
+    }
+
+
+# ------------------------------------------------------------------ sections
+
+
+def correctness(ctx: Ctx) -> dict[str, Any]:
+    """Tiny shape, packed documents: our bf16 path (each kernel) vs a float32 dense-mask reference."""
+    m = model_config("tiny", 1024)
+    lens = [100, 37, 260, 120, 3, 211, 293]  # 1024 tokens in 7 documents
+    samples = make_samples(lens, m.vocab_size, seed=7, jitter=0.3)  # a spread of ratios
+    n = loss_token_count(samples)
+    mb = pack(samples)
+    # The reference: float32, no FSDP, the dense block-causal mask (DocumentSDPA).
+    ref = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
+    ref_model, ref_deg, _ = parallelize(ref, TrainerSection(), 1, ctx.device, distributed=False)
+    ref_opt = torch.optim.AdamW(ref_model.parameters())
+    ref_loss, ref_gn = our_step(ref_model, ref_opt, [mb], n, ref_deg, {}, ctx.device)
+    out: dict[str, Any] = {"reference_fp32": {"loss": ref_loss, "grad_norm": ref_gn}}
+    for attention in ("sdpa", "flex", "varlen") if ctx.cuda else ("sdpa",):
+        try:
+            model, opt, deg, meshes = build_ours(m, {"attention": attention}, ctx)
+            loss, gn = our_step(model, opt, [mb], n, deg, meshes, ctx.device)
+            ok = abs(loss - ref_loss) <= 2e-2 * abs(ref_loss) + 1e-3 and abs(gn - ref_gn) <= 5e-2 * ref_gn
+            out[f"bf16_{attention}"] = {"loss": loss, "grad_norm": gn, "agrees": ok}
+            del model, opt
+        except Exception as e:  # recorded, the benchmark goes on
+            out[f"bf16_{attention}"] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+        free()
+    return out
+
+
+def run_ours(
+    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, publish: bool
+) -> dict[str, Any]:
+    knobs = VARIANTS[variant]
+    m = model_config(shape, max(tokens, 4096))
+    model, opt, deg, meshes = build_ours(m, knobs, ctx, cp=cp)
+    if knobs.get("pack"):
+        lens_per_rank = [mixed_lengths(tokens, seed=r) for r in range(deg.dp)]
+    else:
+        lens_per_rank = [[tokens] for _ in range(deg.dp)]
+    mine, total = rank_data(lens_per_rank, m.vocab_size, deg, ctx.rank, seed=11)
+    mbs = [pack(mine)]
+    assert mbs[0].inputs.shape[1] == tokens
+    losses: list[float] = []
+
+    def one() -> None:
+        losses.append(our_step(model, opt, mbs, total, deg, meshes, ctx.device)[0])
+
+    times = timed(one, steps)
+    docs = [x for lens in lens_per_rank for x in lens]
+    res = summarise(times, step_flops(m, docs), sum(sum(x) for x in lens_per_rank), ctx.world)
+    res.update(variant=variant, knobs=knobs, docs_per_rank=len(lens_per_rank[0]), losses=losses[:3])
+    res["degrees"] = vars(deg)
+    if publish:
+        res["publish"] = publish_time(model, m, ctx, one)
+    return res  # model and optimizer go with this frame
+
+
+def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) -> dict[str, Any]:
+    """Publish twice (the first allocates the pinned buffers): blocked seconds, background write
+    seconds, and one training step run while the write is in flight."""
+    root = Path(tempfile.mkdtemp(prefix="relay-publish-", dir=os.environ.get("PUBLISH_DIR", "/tmp")))
+    pub = Publisher(m, ctx.main)
+    out: dict[str, Any] = {"dir": str(root)}
+    try:
+        for i in (1, 2):
+            blocked = pub.publish(model, i, root / "weights" / f"step_{i}")
+            if i == 2:
+                sync()
+                t = time.perf_counter()
+                step()
+                sync()
+                out["step_during_write_s"] = time.perf_counter() - t
+            pub.wait()
+            last = pub.last
+            out[f"publish_{i}"] = {
+                "blocked_s": blocked,
+                "gather_s": last.gather_s if last else None,
+                "write_s": last.write_s if last else None,
+                "bytes": last.bytes if last else None,
+            }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def run_baseline(ctx: Ctx, shape: str, tokens: int, steps: int) -> dict[str, Any]:
+    m = model_config(shape, max(tokens, 4096))
+    model, opt = build_hf(m, ctx.device, ac=shape != "0.6b", fused=ctx.cuda)
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, m.vocab_size, (1, tokens + 1), generator=g).to(ctx.device)
+    times = timed(lambda: hf_step(model, opt, toks, tokens), steps)
+    res = summarise(times, step_flops(m, [tokens]), tokens, 1)
+    res.update(variant="hf_transformers", gradient_checkpointing=shape != "0.6b")
+    return res
+
+
+def machine() -> dict[str, Any]:
+    def sh(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception as e:
+            return repr(e)
+
+    versions: dict[str, str] = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "transformers", "torchtitan", "pydantic"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception as e:
+            versions[mod] = repr(e)
+    return {
+        "nvidia_smi": sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
+        "hostname": platform.node(),
+        "versions": versions,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "trainer.json"))
+    p.add_argument("--shapes", default="0.6b,4b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per variant; median of the 3rd..")
+    p.add_argument("--variants", default="", help="comma list (default: per shape, see DEFAULT_VARIANTS)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (torchrun)")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--no-publish", action="store_true")
+    p.add_argument("--publish-shape", default="4b", help="time publishing after its first variant")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a logic smoke run")
+    p.add_argument("--budget-s", type=float, default=450.0, help="skip variants once this is spent")
+    args = p.parse_args()
+
+    ctx = Ctx(args.device)
+    report: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "world": ctx.world,
+        "machine": machine(),
+        "method": "MFU = (6*N*T + 6*L*H*Q*sum(doc_len^2)) / step_s / (989e12 * gpus); median of steps 3..",
+        "results": {},
+    }
+
+    def save() -> None:
+        if ctx.main:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2))
+
+    def attempt(key: str, fn: Any) -> None:
+        if time.monotonic() - ctx.t0 > args.budget_s:
+            report["results"][key] = {"skipped": f"time budget {args.budget_s}s spent"}
+            return
+        t = time.monotonic()
+        try:
+            report["results"][key] = fn()
+        except Exception as e:
+            report["results"][key] = {"error": repr(e), "trace": traceback.format_exc()[-3000:]}
+        report["results"][key]["wall_s"] = time.monotonic() - t
+        free()
+        save()
+        if ctx.main:
+            r = report["results"][key]
+            brief = {k: r[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "error") if k in r}
+            print(f"[{time.monotonic() - ctx.t0:6.0f}s] {key}: {brief}", flush=True)
+
+    if not args.no_check:
+        attempt("check_tiny_vs_fp32", lambda: correctness(ctx))
+    for shape in args.shapes.split(","):
+        if not args.no_baseline and ctx.world == 1:
+            attempt(f"{shape}/baseline_hf", lambda s=shape: run_baseline(ctx, s, args.tokens, args.steps))
+        names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[shape]
+        for i, v in enumerate(names):
+            pub = shape == args.publish_shape and i == 0 and not args.no_publish
+            attempt(
+                f"{shape}/ours/{v}",
+                lambda s=shape, v=v, pub=pub: run_ours(ctx, s, v, args.tokens, args.steps, args.cp, pub),
+            )
+    report["total_s"] = time.monotonic() - ctx.t0
+    save()
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,338 @@
+"""FP8 (DeepSeek-V3 block-scaled) linear layers for the engine, and the kernel dispatch the trainer
+shares (trainer/fp8.py calls `quantize_activation` and `fp8_gemm_dispatch` so both sides compute
+the same bits for the same weights and inputs).
+
+Weights are quantised 128x128 at load / weight-update time (services/common/fp8.quantize_weight);
+activations 1x128 on every call. GEMM backends:
+
+- "reference": services/common/fp8.fp8_gemm_reference (float32 block accumulation; CPU, tests);
+- "torch": torch.nn.functional.scaled_mm block-wise (cuBLAS), best at large M;
+- "triton": services/engine/kernels/fp8_gemm.py, small BLOCK_M + split-K, for decode-sized M;
+- "auto": CPU -> reference; CUDA -> triton when M <= TRITON_MAX_M, else torch.
+
+TRITON_MAX_M is the crossover measured by bench/fp8/gemm.py ("crossover" in its JSON).
+lm_head, routers and norms stay in high precision (services/common/fp8.default_skip).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common import fp8 as ref
+from services.engine.kernels import fp8_gemm as kern
+from services.engine.moe import PER_EXPERT, ExpertWeights
+
+Backend = Literal["auto", "reference", "torch", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
+# M at or below which "auto" picks the Triton kernel on CUDA (torch's block-wise scaled_mm is
+# 0.70-1.20x bf16 at M = 128 and ~1.5x at M >= 4096; see docs/fp8.md for the measured crossover).
+TRITON_MAX_M = 1024
+# Triton configs that failed to compile/launch here (name -> error); "auto" then uses torch.
+TRITON_FAILURES: dict[str, str] = {}
+log = logging.getLogger(__name__)
+
+
+def has_scaled_mm() -> bool:
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str, m: int, device: torch.device) -> str:
+    """The concrete backend ("reference", "torch" or "triton") for an M-row GEMM on `device`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
+    if backend == "reference":
+        return "reference"
+    if device.type != "cuda":
+        if backend == "triton" and kern.HAS_TRITON and _interpreting():
+            return "triton"  # CPU check of the kernel under the Triton interpreter
+        if backend in ("torch", "triton"):
+            raise RuntimeError(f"fp8 backend {backend!r} needs CUDA tensors")
+        return "reference"
+    if backend != "auto":
+        return backend
+    if kern.HAS_TRITON and (m <= TRITON_MAX_M or not has_scaled_mm()):
+        return "triton"
+    return "torch" if has_scaled_mm() else "reference"
+
+
+def quantize_activation(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 quantisation of x (M, K): one Triton launch on CUDA, the torch reference elsewhere.
+    Both round the same way (IEEE divisions, round-to-nearest-even fp8), so the bits agree; the
+    CPU interpreter's fp8 conversion is faulty, hence reference there even under TRITON_INTERPRET."""
+    if x.is_cuda and kern.HAS_TRITON:
+        return kern.triton_quantize_act(x, pow2)
+    return ref.quantize_act(x, pow2)
+
+
+def fp8_gemm_dispatch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """(M, K) fp8 x (N, K) fp8 block-scaled GEMM -> (M, N) out_dtype, on the backend for this M."""
+    which = resolve_backend(backend, a.shape[0], a.device)
+    if which == "triton" and backend == "auto" and has_scaled_mm():
+        # "auto" survives a Triton config that does not compile on this GPU/Triton version: that
+        # config is remembered (TRITON_FAILURES, logged once) and cuBLAS serves those shapes.
+        cfg = kern.pick_config(a.shape[0], w.shape[0], a.shape[1], kern.num_sms(a.device))
+        if cfg.name() not in TRITON_FAILURES:
+            try:
+                return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype, cfg)
+            except Exception as e:  # noqa: BLE001 - compile errors come in many types
+                TRITON_FAILURES[cfg.name()] = f"{type(e).__name__}: {e}"
+                log.warning("fp8 triton config %s failed, using torch scaled_mm: %s", cfg.name(), e)
+        which = "torch"
+    if which == "triton":
+        return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype)
+    if which == "torch":
+        return ref.fp8_gemm(a, a_scale, w, w_scale, out_dtype, backend="torch")
+    return ref.fp8_gemm_reference(a, a_scale, w, w_scale, out_dtype)
+
+
+def grouped_fp8_gemm_dispatch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """MoE grouped GEMM (rows sorted by expert, offs = cumulative ends): one Triton launch on CUDA
+    (no host sync); "reference"/"torch" loop over experts (services/common/fp8.grouped_fp8_gemm)."""
+    which = resolve_backend(backend, 0, a.device)  # M = 0: "auto" picks triton when it exists
+    if which == "triton" and backend == "auto" and has_scaled_mm():
+        key = f"grouped m{kern.pick_grouped_block_m(a.shape[0], w.shape[0])}"
+        if key not in TRITON_FAILURES:
+            try:
+                return kern.triton_grouped_fp8_gemm(a, a_scale, w, w_scale, offs, out_dtype)
+            except Exception as e:  # noqa: BLE001 - as in fp8_gemm_dispatch
+                TRITON_FAILURES[key] = f"{type(e).__name__}: {e}"
+                log.warning("fp8 triton %s failed, looping torch scaled_mm per expert: %s", key, e)
+        which = "torch"  # a host sync per call: no CUDA-graph capture on this path
+    if which == "triton":
+        return kern.triton_grouped_fp8_gemm(a, a_scale, w, w_scale, offs, out_dtype)
+    return ref.grouped_fp8_gemm(a, a_scale, w, w_scale, offs, out_dtype, backend=which)
+
+
+def fp8_matmul(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    pow2: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """x (..., K) high precision -> (..., N): quantise x 1x128, block-scaled GEMM with the weight."""
+    k = x.shape[-1]
+    xq, xs = quantize_activation(x.reshape(-1, k), pow2)
+    out = fp8_gemm_dispatch(xq, xs, w_fp8, w_scale, out_dtype, backend)
+    return out.reshape(*x.shape[:-1], w_fp8.shape[0])  # torch path: N-sliced, not contiguous
+
+
+class Fp8Linear(ref.Fp8Linear):
+    """The engine's FP8 linear: services/common/fp8.Fp8Linear (fp8 weight + 128x128 scales as
+    buffers, `load_weight` re-quantises in place) with the CPU/Triton/cuBLAS dispatch above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fp8_matmul(
+            x, self.weight_fp8, self.weight_scale, self.out_dtype, self.pow2_scales, self.backend
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class Fp8Experts(nn.Module):
+    """MoE experts (services/engine/moe.ExpertWeights' interface and function) with fp8 weights:
+    gate_up [E, 2I, D] and down [E, D, I], each expert quantised 128x128 on its own; per call the
+    expert inputs are quantised 1x128 and both GEMMs run grouped (one Triton launch each on CUDA,
+    no host sync, so CUDA-graph capturable; a per-expert loop on the CPU reference path)."""
+
+    def __init__(
+        self,
+        n_experts: int,
+        inter: int,
+        dim: int,
+        pow2_scales: bool = False,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.n_experts, self.inter, self.dim = n_experts, inter, dim
+        self.pow2_scales, self.backend = pow2_scales, backend
+        for name, (n, k) in (("gate_up", (2 * inter, dim)), ("down", (dim, inter))):
+            q = torch.zeros(n_experts, n, k, dtype=ref.FP8_DTYPE, device=device)
+            self.register_buffer(f"{name}_fp8", q)
+            shape = (n_experts, ref._cdiv(n, ref.BLOCK), ref._cdiv(k, ref.BLOCK))
+            self.register_buffer(f"{name}_scale", torch.ones(shape, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_experts(
+        cls, experts: ExpertWeights, pow2_scales: bool = False, backend: str = "auto"
+    ) -> Fp8Experts:
+        e, two_i, d = experts.gate_up_proj.shape
+        mod = cls(e, two_i // 2, d, pow2_scales, backend, experts.gate_up_proj.device)
+        mod.load_fused("gate_up_proj", experts.gate_up_proj)
+        mod.load_fused("down_proj", experts.down_proj)
+        return mod
+
+    def expected_shape(self, proj: str) -> tuple[int, int, int]:
+        n, k = (2 * self.inter, self.dim) if proj == "gate_up_proj" else (self.dim, self.inter)
+        return (self.n_experts, n, k)
+
+    @torch.no_grad()
+    def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
+        """Quantise one expert's fused weight (gate_up_proj [2I, D] or down_proj [D, I]) in place."""
+        dst = "gate_up" if proj == "gate_up_proj" else "down"
+        q, s = ref.quantize_weight(w.to(getattr(self, f"{dst}_fp8").device), self.pow2_scales)
+        getattr(self, f"{dst}_fp8")[index].copy_(q)
+        getattr(self, f"{dst}_scale")[index].copy_(s)
+
+    @torch.no_grad()
+    def load_fused(self, proj: str, w: torch.Tensor) -> None:
+        if tuple(w.shape) != self.expected_shape(proj):
+            raise ValueError(f"{proj}: shape {tuple(w.shape)} != expected {self.expected_shape(proj)}")
+        for e in range(self.n_experts):
+            self.load_expert(e, proj, w[e])
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, grouped: bool | None = None
+    ) -> torch.Tensor:
+        """x [T, D], ids/weights [T, k] -> sum_k weights * expert_ids(x), as ExpertWeights.forward.
+        `grouped` is accepted for that interface; the fp8 path is always grouped."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # each expert's rows contiguous
+        token = order // k
+        xs = x[token]
+        # scatter_add, not bincount: no host sync (CUDA-graph capture), as in moe.py.
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        offs = counts.cumsum(0).to(torch.int32)
+        xq, xsc = quantize_activation(xs, self.pow2_scales)
+        h = grouped_fp8_gemm_dispatch(
+            xq, xsc, self.gate_up_fp8, self.gate_up_scale, offs, x.dtype, self.backend
+        )
+        gate, up = h.chunk(2, dim=-1)
+        aq, asc = quantize_activation((F.silu(gate) * up).contiguous(), self.pow2_scales)
+        ys = grouped_fp8_gemm_dispatch(aq, asc, self.down_fp8, self.down_scale, offs, x.dtype, self.backend)
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+def engine_skip(name: str) -> bool:
+    """Linears kept in high precision: services/common/fp8.default_skip (lm_head, routers,
+    embeddings, norms) plus MLA's kv_b_proj, whose weight the absorbed decode path reads directly
+    (services/engine/mla.py) rather than calling the module."""
+    return ref.default_skip(name) or name.split(".")[-1] == "kv_b_proj"
+
+
+def convert_model(model: nn.Module, pow2_scales: bool = False, backend: str = "auto") -> list[str]:
+    """Quantise every attention/MLP nn.Linear of an engine model in place (see engine_skip for
+    what stays) and every MoE ExpertWeights into Fp8Experts. Returns the converted names. Call
+    after the weights are loaded and after any `.to(dtype)`: a later dtype cast would turn the fp8
+    buffers into that dtype."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
+    names = ref.convert_to_fp8(
+        model, skip=engine_skip, pow2_scales=pow2_scales, backend=backend, linear_cls=Fp8Linear
+    )
+    experts = [(n, mod) for n, mod in model.named_modules() if isinstance(mod, ExpertWeights)]
+    for name, mod in experts:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Fp8Experts.from_experts(mod, pow2_scales, backend))
+    return names + [n for n, _ in experts]
+
+
+def fp8_modules(model: nn.Module) -> dict[str, ref.Fp8Linear]:
+    return {name: mod for name, mod in model.named_modules() if isinstance(mod, ref.Fp8Linear)}
+
+
+@torch.no_grad()
+def load_hf_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Weight load/update for a model with Fp8Linear / Fp8Experts layers: their tensors (bf16 or
+    fp32, HF names; experts fused or per expert) are quantised 128x128 into the fp8 buffers in
+    place; everything else (embeddings, norms, lm_head, router, biases) goes through the model's
+    own `load_hf_state` (which checks names and shapes). All names and shapes are checked before
+    anything is written."""
+    mods = fp8_modules(model)
+    rest = dict(state)
+    weights: dict[str, torch.Tensor] = {}
+    for name, mod in mods.items():
+        key = f"{name}.weight"
+        if key not in rest:
+            raise ValueError(f"state dict mismatch: missing ['{key}']")
+        w = rest.pop(key)
+        if tuple(w.shape) != (mod.out_features, mod.in_features):
+            raise ValueError(
+                f"{key}: shape {tuple(w.shape)} != expected {(mod.out_features, mod.in_features)}"
+            )
+        weights[name] = w
+    expert_loads = [
+        (mod, e, proj, w)
+        for prefix, mod in model.named_modules()
+        if isinstance(mod, Fp8Experts)
+        for e, proj, w in _take_expert_weights(prefix, mod, rest)
+    ]
+    model.load_hf_state(rest)  # type: ignore[operator]
+    for name, w in weights.items():
+        mods[name].load_weight(w)
+    for mod, e, proj, w in expert_loads:
+        mod.load_expert(e, proj, w)
+
+
+def _take_expert_weights(
+    prefix: str, mod: Fp8Experts, rest: dict[str, torch.Tensor]
+) -> list[tuple[int, str, torch.Tensor]]:
+    """Pop one Fp8Experts' tensors out of `rest` (fused `<prefix>.gate_up_proj`/`.down_proj`, or
+    per-expert `<prefix>.<e>.{gate,up,down}_proj.weight`), checked, as (expert, fused proj, weight)."""
+    per: dict[tuple[int, str], torch.Tensor] = {}
+    for key in [k for k in rest if k.startswith(prefix + ".")]:
+        hit = PER_EXPERT.match(key)
+        if hit is not None and hit[1] == prefix:
+            per[(int(hit[2]), hit[3])] = rest.pop(key)
+    fused = {p: rest.pop(f"{prefix}.{p}") for p in ("gate_up_proj", "down_proj") if f"{prefix}.{p}" in rest}
+    if per and fused:
+        raise ValueError(f"{prefix}: both fused and per-expert tensors given")
+    out: list[tuple[int, str, torch.Tensor]] = []
+    if per:
+        want = {(e, p) for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+        if set(per) != want:
+            raise ValueError(
+                f"{prefix}: per-expert tensors incomplete (missing {sorted(want - set(per))[:3]})"
+            )
+        for e in range(mod.n_experts):
+            # Gate rows then up rows, as moe.ExpertWeights fuses them (a 128-row tile may span both).
+            gate_up = torch.cat([per[(e, "gate_proj")], per[(e, "up_proj")]])
+            for p, w in (("gate_up_proj", gate_up), ("down_proj", per[(e, "down_proj")])):
+                if tuple(w.shape) != mod.expected_shape(p)[1:]:
+                    raise ValueError(
+                        f"{prefix}.{e}.{p}: shape {tuple(w.shape)} != {mod.expected_shape(p)[1:]}"
+                    )
+                out.append((e, p, w))
+        return out
+    for p in ("gate_up_proj", "down_proj"):
+        if p not in fused:
+            raise ValueError(f"state dict mismatch: missing ['{prefix}.{p}']")
+        if tuple(fused[p].shape) != mod.expected_shape(p):
+            raise ValueError(
+                f"{prefix}.{p}: shape {tuple(fused[p].shape)} != expected {mod.expected_shape(p)}"
+            )
+        out.extend((e, p, fused[p][e]) for e in range(mod.n_experts))
+    return out

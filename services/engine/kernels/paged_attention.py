@@ -1,0 +1,424 @@
+"""Paged attention in Triton: every kernel reads K/V straight from the page pool through block tables.
+
+The torch path (model.py) gathers each sequence's pages into a dense [B, ctx, heads, D] copy per
+layer and step and runs SDPA over it; at a batch of 256 that copy is as large as the KV itself, so
+on a GPU it doubles the memory traffic of a memory-bound decode. These kernels never copy:
+
+- `store_kv`: writes this step's K/V rows at their slots; a negative slot is skipped, which is how
+  padding rows of a CUDA-graph batch write nothing (torch indexing would wrap -1 to the last row).
+- decode (one query per sequence): one program per (sequence, KV head, split). The G query heads
+  sharing a KV head are one tile (padded to 16 rows for tl.dot), so each K/V row is read once per
+  split. Long contexts are cut into `num_splits` partitions (flash-decoding) when the batch alone
+  would leave SMs idle; a second kernel merges the partial results by their log-sum-exp.
+- prefill / mixed steps (any number of queries per sequence): one program per (sequence, block of
+  BLOCK_M queries, query head), causal over absolute positions, keys read page by page.
+
+Layouts (kv_cache.py): a layer's cache is [num_blocks * block_size, n_kv_heads, D], a token at
+position p of a sequence lives at row block_table[p // block_size] * block_size + p % block_size.
+Softmax runs in float32 with exp2 (the scale is pre-multiplied by log2(e)); P is cast to the
+cache dtype for the P @ V product, as in flash attention.
+
+Under TRITON_INTERPRET=1 (set before this module is imported) the kernels run on CPU, which is
+how CI checks them against the torch reference (tests/test_engine_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.batch import DECODE_BLOCK_N, DecodeMeta, PagedMeta, PrefillMeta
+
+# Launch settings: reasonable first choices, not tuned on the H200 yet (bench/engine/w1.py's
+# "kernels" phase times alternatives; keys: tile sizes, warps, software-pipelining stages).
+DECODE_TUNING: dict[str, int] = {"block_n": DECODE_BLOCK_N, "num_warps": 4, "num_stages": 3}
+PREFILL_TUNING: dict[str, int] = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+LOG2E = 1.4426950408889634
+
+
+# Triton's CPU interpreter computes tl.dot on bfloat16 operands wrongly (triton 3.9: garbage of
+# order 1e9), so under the interpreter operands are widened to float32 first. On a GPU they are
+# not: bf16 tensor-core MMAs with float32 accumulation are the point.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_ct,
+    H_KV: tl.constexpr,
+    D: tl.constexpr,
+    HD_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, HD_PAD)  # heads and dims flattened: rows are [n_kv * D] contiguous
+    mask = offs < tl.where(slot >= 0, H_KV * D, 0)
+    k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    tl.store(kc_ptr + slot * stride_ct + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    q_loc_ptr,
+    bt_ptr,
+    ctx_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    scale,
+    partition,
+    splits,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    row = tl.load(q_loc_ptr + b).to(tl.int64)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g
+    gmask = offs_g < G
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None],
+        other=0.0,
+    )
+    start = sp * partition
+    end = tl.minimum(start + partition, ctx)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        nmask = pos < end
+        page = tl.load(bt_row + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        rows = page * PAGE + pos % PAGE
+        kv_off = rows[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    # l_i == 0: an empty partition or a padding row (ctx 0); it contributes nothing.
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    if SINGLE:
+        tl.store(
+            out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=gmask[:, None],
+        )
+    else:
+        idx = (b.to(tl.int64) * H + heads) * splits + sp
+        tl.store(part_o_ptr + idx[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse_ptr + idx, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    q_loc_ptr,
+    stride_ot,
+    stride_oh,
+    splits,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(q_loc_ptr + b).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D)
+    base = (b.to(tl.int64) * H + h) * splits
+    smask = offs_s < splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty partitions (-inf) weigh 0
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    q_start_ptr,
+    q_len_ptr,
+    bt_ptr,
+    ctx_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ct,
+    stride_ch,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    s_idx = tl.program_id(0)
+    mb = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // G
+    q_len = tl.load(q_len_ptr + s_idx)
+    q0 = tl.load(q_start_ptr + s_idx).to(tl.int64)
+    ctx = tl.load(ctx_ptr + s_idx)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mmask = offs_m < q_len
+    q_pos = ctx - q_len + offs_m  # absolute position of each query
+    q = tl.load(
+        q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mmask[:, None],
+        other=0.0,
+    )
+    # Keys up to the block's last query (causal); a block past the sequence's queries does nothing.
+    hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)
+    hi = tl.where(mb * BLOCK_M < q_len, hi, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    bt_row = bt_ptr + s_idx.to(tl.int64) * stride_bt
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + offs_n
+        nmask = pos < hi
+        page = tl.load(bt_row + pos // PAGE, mask=nmask, other=0).to(tl.int64)
+        rows = page * PAGE + pos % PAGE
+        kv_off = rows[:, None] * stride_ct + kvh * stride_ch + offs_d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * scale
+        s = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that see no key yet (only padding rows can) keep m = -inf: avoid -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mmask[:, None],
+    )
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # float32 caches (CPU tests, debug runs) must not silently drop to TF32 on a GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k, v: [T, n_kv, D]; caches: one layer, [rows, n_kv, D] contiguous; slots [T] (< 0: skip)."""
+    t, h_kv, d = k.shape
+    if t == 0:
+        return
+    k, v = k.contiguous(), v.contiguous()
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
+        H_KV=h_kv, D=d, HD_PAD=triton.next_power_of_2(h_kv * d),
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: DecodeMeta,
+    scale: float,
+    page_size: int,
+    tuning: dict[str, int] | None = None,
+) -> None:
+    """q, out: [T, H, D] (rows meta.q_loc are read and written); caches [rows, n_kv, D].
+    tuning: overrides of DECODE_TUNING (any block_n is correct: partitions are masked)."""
+    cfg = {**DECODE_TUNING, **(tuning or {})}
+    b = meta.q_loc.shape[0]
+    _, h, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = h // n_kv
+    splits = meta.num_splits
+    if splits > 1:
+        part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(b, n_kv, splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, meta.q_loc, meta.block_tables, meta.ctx_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), scale * LOG2E, meta.partition, splits,
+        H=h, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, PAGE=page_size,
+        BLOCK_N=cfg["block_n"], SINGLE=splits == 1, PREC=_prec(k_cache.dtype), UPCAST=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(b, h)](
+            out, part_o, part_lse, meta.q_loc, out.stride(0), out.stride(1), splits,
+            H=h, D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        )  # fmt: skip
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: PrefillMeta,
+    scale: float,
+    page_size: int,
+    tuning: dict[str, int] | None = None,
+) -> None:
+    cfg = {**PREFILL_TUNING, **(tuning or {})}
+    s = meta.q_start.shape[0]
+    _, h, d = q.shape
+    g = h // k_cache.shape[1]
+    grid = (s, -(-meta.max_q_len // cfg["block_m"]), h)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.q_start, meta.q_lens, meta.block_tables, meta.ctx_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), scale * LOG2E,
+        G=g, D=d, PAGE=page_size, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_prec(k_cache.dtype),
+        UPCAST=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    meta: PagedMeta,
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
+    """One layer: store this step's k/v, then attend every query over its sequence's pages.
+    q [T, H, D], k/v [T, n_kv, D] -> [T, H, D]."""
+    if meta.flex is not None:  # attention_backend "flex": the comparison path, no Triton of ours
+        from services.engine.kernels.flex_attention import FlexMeta, flex_paged_attention
+
+        assert isinstance(meta.flex, FlexMeta)
+        k_cache[slots] = k.to(k_cache.dtype)
+        v_cache[slots] = v.to(v_cache.dtype)
+        return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
+    store_kv(k, v, k_cache, v_cache, slots)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        decode_attention(q, k_cache, v_cache, out, meta.decode, scale, page_size)
+    if meta.prefill is not None:
+        prefill_attention(q, k_cache, v_cache, out, meta.prefill, scale, page_size)
+    return out
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_start: list[int],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
+    """Plain torch, one sequence at a time (float32): what the kernels must compute. For tests."""
+    out = torch.zeros_like(q, dtype=torch.float32)
+    h = q.shape[1]
+    for s0, n, ctx, table in zip(q_start, q_lens, ctx_lens, tables, strict=True):
+        rows = torch.tensor(
+            [table[p // page_size] * page_size + p % page_size for p in range(ctx)], device=k_cache.device
+        )
+        kk = k_cache[rows].float().repeat_interleave(h // k_cache.shape[1], dim=1)  # [ctx, H, D]
+        vv = v_cache[rows].float().repeat_interleave(h // k_cache.shape[1], dim=1)
+        qq = q[s0 : s0 + n].float()  # [n, H, D]
+        scores = torch.einsum("nhd,chd->hnc", qq, kk) * scale
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        out[s0 : s0 + n] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), vv)
+    return out
+
+
+__all__ = [
+    "DecodeMeta",
+    "PagedMeta",
+    "PrefillMeta",
+    "decode_attention",
+    "paged_attention",
+    "prefill_attention",
+    "reference_attention",
+    "store_kv",
+]

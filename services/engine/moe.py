@@ -1,0 +1,204 @@
+"""Mixture-of-Experts feed-forward for the engine: router, grouped expert GEMMs, shared experts.
+
+One module covers the routing variants of Qwen3-MoE, GLM-4.5/GLM-5, DeepSeek-V3 and Kimi-K2:
+
+    scores  = softmax(logits) | sigmoid(logits)           (router_score)
+    choice  = scores + e_score_correction_bias            (expert_bias; selection only)
+    groups  : keep the topk_group groups whose top-2 choice scores sum highest (n_group > 1)
+    ids     = top-k of choice                             (n_experts_per_tok)
+    weights = scores[ids] (/ their sum if norm_topk_prob) * routed_scaling_factor
+    out     = sum_k weights_k * expert_{ids_k}(x) + shared_experts(x)
+
+which is HF's Qwen3MoeSparseMoeBlock / DeepseekV3MoE function. The router runs in float32 whatever
+the engine dtype (HF keeps DeepSeek's gate in float32 too): top-k over bf16 logits flips near-ties,
+and the ids are what Router Replay hands to the trainer.
+
+Expert weights are held fused, as transformers >= 5 holds them in memory: `experts.gate_up_proj`
+[E, 2*I, D] (gate rows then up rows) and `experts.down_proj` [E, D, I]. Checkpoints with per-expert
+names (`mlp.experts.<e>.{gate,up,down}_proj.weight`, what save_pretrained and the trainer write)
+are copied into those slices by `ExpertWeights.load` (see CausalLM.load_hf_state).
+
+Expert compute (`ExpertWeights.forward`, three kernels computing the same function):
+  * "grouped": tokens sorted by expert, `torch._grouped_mm` (one CUTLASS kernel for all experts, no
+    host sync, CUDA-graph capturable). Used on CUDA with bf16: torch's fast path needs bf16 on
+    sm90/sm100; for other dtypes its fallback reads the offsets on the host.
+  * "gather": each (token, expert) pair multiplies its expert's weights gathered per pair (bmm).
+    No host sync either, so CUDA-graph safe; it reads one weight copy per pair, fine for the
+    float32/small models it serves (CUDA with a dtype other than bf16).
+  * "loop": tokens sorted by expert, a matmul per expert that got tokens (CPU).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from typing import Literal
+
+from services.common.config import ModelConfig
+
+Kernel = Literal["grouped", "gather", "loop"]
+
+# Per-expert HF names: model.layers.<L>.mlp.experts.<E>.<proj>.weight
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def route(
+    logits: torch.Tensor,
+    m: ModelConfig,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64), ids in descending
+    order of their selection score."""
+    scores = logits.softmax(dim=-1) if m.router_score == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if m.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, m.n_group, e // m.n_group)
+        # DeepSeek-V3's group score: the sum of the group's two best experts (its best alone when
+        # a group holds a single expert).
+        group_scores = grouped.topk(min(2, e // m.n_group), dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(m.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~mask[:, :, None], float("-inf")).view(t, e)
+    ids = choice.topk(m.n_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * m.routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """HF `mlp.gate`: weight [E, D] and, with expert_bias, `e_score_correction_bias` [E]."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.m = m
+        self.weight = nn.Parameter(torch.zeros(m.n_routed_experts, m.dim))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(m.n_routed_experts)) if m.expert_bias else None
+        )
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # Stay float32 when the model is cast to bf16 (see the module docstring); device moves apply.
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            p.data = p.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)
+        return route(logits, self.m, self.e_score_correction_bias)
+
+
+class ExpertWeights(nn.Module):
+    """HF `mlp.experts`, fused: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        e, d, i = m.n_routed_experts, m.dim, m.moe_hidden_dim
+        self.n_experts, self.inter = e, i
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.zeros(e, d, i))
+
+    @torch.no_grad()
+    def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
+        """Copy one per-expert HF tensor into its slice (no [E, ...] temporary)."""
+        i = self.inter
+        if proj == "down_proj":
+            dst = self.down_proj[index]
+        else:
+            dst = self.gate_up_proj[index, :i] if proj == "gate_proj" else self.gate_up_proj[index, i:]
+        if w.shape != dst.shape:
+            raise ValueError(f"expert {index} {proj}: shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
+        dst.copy_(w.to(dtype=dst.dtype, device=dst.device))
+
+    def kernel_for(self, x: torch.Tensor) -> Kernel:
+        if not x.is_cuda:
+            return "loop"
+        # _grouped_mm's CUDA kernel wants 16-byte aligned rows: dims that are multiples of 8.
+        aligned = x.shape[1] % 8 == 0 and self.inter % 8 == 0
+        return "grouped" if x.dtype == torch.bfloat16 and aligned else "gather"
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, kernel: Kernel | None = None
+    ) -> torch.Tensor:
+        """x [T, D], ids/weights [T, k] -> sum_k weights * expert_ids(x): [T, D].
+
+        `kernel` forces one (tests compare them); None picks by device and dtype (kernel_for)."""
+        t, k = ids.shape
+        kernel = kernel or self.kernel_for(x)
+        if kernel == "gather":
+            xk = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])
+            flat = ids.reshape(-1)
+            gate, up = torch.bmm(xk, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, dim=-1)
+            y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2)).view(t, k, -1)
+            return (y * weights[..., None].to(y.dtype)).sum(dim=1)
+        flat = ids.reshape(-1)
+        # Sort the T*k (token, expert) assignments by expert: each expert's rows are contiguous.
+        order = flat.argsort(stable=True)
+        token = order // k
+        xs = x[token]
+        # scatter_add, not bincount: bincount sizes its output from the data (a host sync), which
+        # a CUDA-graph capture of the decode step cannot contain.
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        if kernel == "grouped":
+            offs = counts.cumsum(0).to(torch.int32)
+            h = torch._grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs)
+            gate, up = h.chunk(2, dim=-1)
+            ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(counts.tolist()):  # a host sync: CPU only
+                if n:
+                    gate, up = F.linear(xs[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                    ys[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                    start += n
+        # HF weights each expert's output (the SwiGLU is not linear, so the order matters).
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class SharedExperts(nn.Module):
+    """HF `mlp.shared_experts`: one SwiGLU of width moe_hidden_dim * n_shared_experts."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        width = m.moe_hidden_dim * m.n_shared_experts
+        self.gate_proj = nn.Linear(m.dim, width, bias=False)
+        self.up_proj = nn.Linear(m.dim, width, bias=False)
+        self.down_proj = nn.Linear(width, m.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """HF `mlp` of an MoE layer. `moe_index` is the layer's row in the routing store (the layer
+    axis of a RoutedExperts array): MoE layers in order, dense ones skipped."""
+
+    def __init__(self, m: ModelConfig, moe_index: int):
+        super().__init__()
+        self.moe_index = moe_index
+        self.gate = Router(m)
+        self.experts = ExpertWeights(m)
+        self.shared_experts = SharedExperts(m) if m.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (output [T, D], expert ids [T, k])."""
+        weights, ids = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, ids
+
+
+def moe_layer_ids(m: ModelConfig) -> list[int]:
+    """Indices of the MoE layers, in the order of the routing arrays' layer axis."""
+    return list(range(m.first_k_dense, m.n_layers)) if m.is_moe else []

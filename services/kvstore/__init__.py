@@ -1,0 +1,1 @@
+"""The KV store gateway: content-addressed KV pages in tiers (RAM -> disk -> Mooncake); docs/kv.md."""

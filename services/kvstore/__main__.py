@@ -1,0 +1,3 @@
+from services.kvstore.server import main
+
+main()

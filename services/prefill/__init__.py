@@ -1,0 +1,1 @@
+"""Prefill services and the decode-side routing to them (prefill/decode disaggregation); docs/kv.md."""

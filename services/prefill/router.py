@@ -1,0 +1,205 @@
+"""Where a request's prompt KV comes from: the local prefix cache, the KV store, or a prefill service.
+
+Decode calls `KVRouter.generate` instead of submitting straight to its engine:
+  1. the prompt's full-page keys (hash chain rooted at the engine's weight version and layout) are
+     checked against the local prefix cache;
+  2. if what is left to compute is at least prefill.min_new_tokens and a prefill service with the
+     same weight version is registered, that service prefills the prompt (publishing its pages to
+     the store) and returns each sample's first token; short prompts are prefilled locally;
+  3. the pages still missing locally are pulled from the store (the longest cached prefix) and
+     staged into the engine, which imports them before its next admission;
+  4. the request is submitted, with the first tokens from step 2 if any: decode continues from
+     there (same seed, same per-sample RNG stream, so the tokens equal a colocated run's).
+Every remote step is best effort: a gateway or prefill service that is down, slow, or on other
+weights only means those tokens are computed here. Multi-turn rollouts re-send the previous turn's
+prompt + output as the prefix of the next prompt; those pages are in the local cache or the store
+(decode publishes the pages of every finished sequence), so only the new tokens are computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from prometheus_client import Counter
+
+from services.common.config import RunConfig
+from services.common.schemas import GenerateRequest, GenerateResponse, ServiceInfo
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import LLMEngine
+from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
+from services.kvstore.client import KVStoreClient, PagePublisher
+from services.prefill.schemas import PrefillRequest, PrefillResponse
+
+log = logging.getLogger(__name__)
+
+PULLED_PAGES = Counter("relay_kv_pulled_pages", "KV pages pulled from the KV store into the engine")
+REMOTE_PREFILLS = Counter("relay_kv_remote_prefills", "prompts prefilled by a prefill service", ["outcome"])
+DISCOVERY_TTL_S = 1.0
+JSON = {"content-type": "application/json"}
+
+
+class Registry:
+    """Live services of one kind from the Redis registry, re-read at most every DISCOVERY_TTL_S."""
+
+    def __init__(self, lookup: Callable[[str], list[ServiceInfo]], kind: str):
+        self.lookup, self.kind = lookup, kind
+        self._cache: list[ServiceInfo] = []
+        self._at = -1e9
+
+    def get(self) -> list[ServiceInfo]:
+        now = time.monotonic()
+        if now - self._at > DISCOVERY_TTL_S:
+            try:
+                self._cache = self.lookup(self.kind)
+            except Exception as e:  # noqa: BLE001 - Redis away: keep what we knew
+                log.warning(f"registry lookup of {self.kind} failed: {e}")
+            self._at = now
+        return self._cache
+
+
+def store_client(cfg: RunConfig, lookup: Callable[[str], list[ServiceInfo]] | None) -> KVStoreClient:
+    """A client of the run's gateway: kvstore.url, else the first one registered."""
+    sec = cfg.kvstore
+    if sec.url:
+        return KVStoreClient(sec.url, sec.timeout_s, sec.retry_after_s, sec.max_request_bytes)
+    if lookup is None:
+        raise ValueError("kvstore.url is empty and there is no registry to find the gateway in")
+    reg = Registry(lookup, "kvstore")
+    return KVStoreClient(
+        lambda: next((s.url for s in reg.get()), None),
+        sec.timeout_s,
+        sec.retry_after_s,
+        sec.max_request_bytes,
+    )
+
+
+def local_prefix_pages(engine: LLMEngine, keys: list[bytes]) -> int:
+    """Leading pages of `keys` in the engine's prefix cache. Read from outside the loop thread, so
+    only a hint (a page may be evicted before admission; the engine then computes it)."""
+    n = 0
+    by_hash = engine.kv.blocks.by_hash
+    for k in keys:
+        if k not in by_hash:
+            break
+        n += 1
+    return n
+
+
+def prompt_keys(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
+    bs = engine.kv.block_size
+    return chain_hashes(prompt, engine.version, engine.layout, bs, limit=reusable_pages(len(prompt), bs))
+
+
+async def pull_pages(engine: LLMEngine, store: KVStoreClient, keys: list[bytes]) -> int:
+    """Stage the longest prefix of `keys` the store has and the local cache lacks; returns pages staged."""
+    have = local_prefix_pages(engine, keys)
+    missing = keys[have:]
+    if not missing:
+        return 0
+    got, data = await asyncio.to_thread(store.get_prefix, missing)
+    if got:
+        engine.pages.stage(got, data, pin=keys[:have])
+        PULLED_PAGES.inc(len(got))
+    return len(got)
+
+
+class KVRouter:
+    def __init__(self, cfg: RunConfig, lookup: Callable[[str], list[ServiceInfo]] | None):
+        self.cfg = cfg
+        self.store = store_client(cfg, lookup)
+        self.prefills = Registry(lookup, "prefill") if lookup is not None else None
+        self.http = httpx.AsyncClient(timeout=cfg.prefill.timeout_s)
+        self.publisher: PagePublisher | None = None
+        self.engine: LLMEngine | None = None
+        self._rr = itertools.count()
+        self._quarantine: dict[str, float] = {}
+        self.counts = {"local": 0, "remote": 0, "remote_failed": 0, "pulled_pages": 0}
+
+    def attach(self, engine: LLMEngine) -> None:
+        """Publish the pages of every sequence the engine finishes (multi-turn reuse, restarts)."""
+        self.engine = engine
+        self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
+        engine.pages.sink = self.publisher
+
+    def _prefill_url(self, version: int) -> str | None:
+        if self.prefills is None:
+            return None
+        now = time.monotonic()
+        live = [
+            s.url
+            for s in self.prefills.get()
+            if s.version == version and self._quarantine.get(s.url, 0) < now
+        ]
+        return live[next(self._rr) % len(live)] if live else None
+
+    async def _remote_prefill(self, url: str, req: GenerateRequest, rid: str) -> PrefillResponse | None:
+        body = PrefillRequest(input_ids=req.input_ids, sampling=req.sampling, request_id=rid)
+        try:
+            r = await self.http.post(f"{url}/v1/prefill", content=body.model_dump_json(), headers=JSON)
+            r.raise_for_status()
+            return PrefillResponse.model_validate_json(r.content)
+        except (httpx.HTTPError, ValueError) as e:
+            log.warning(f"prefill at {url} failed ({type(e).__name__}: {e}); prefilling locally")
+            self._quarantine[url] = time.monotonic() + self.cfg.kvstore.retry_after_s
+            return None
+
+    async def generate(self, aengine: AsyncEngine, req: GenerateRequest) -> GenerateResponse:
+        engine = aengine.engine
+        if req.return_routed_experts:
+            # Expert ids of prompt tokens are recorded where the prompt is computed: keep it local.
+            return await aengine.submit(req)
+        engine.validate(req)  # a bad request is a 400 before anything remote is asked
+        keys = prompt_keys(engine, req.input_ids)
+        new_tokens = len(req.input_ids) - local_prefix_pages(engine, keys) * engine.kv.block_size
+        first = None
+        # Top-k log-probs of the first token are not carried back from a prefill service.
+        remote = new_tokens >= self.cfg.prefill.min_new_tokens and not req.sampling.logprobs
+        url = self._prefill_url(engine.version) if remote else None
+        rid = req.request_id or uuid.uuid4().hex
+        if url is not None:
+            resp = await self._remote_prefill(url, req, rid)
+            ok = resp is not None and resp.version == engine.version and resp.layout == engine.layout
+            if ok and resp is not None and len(resp.choices) == req.sampling.n:
+                first = [(c.token, c.logprob, c.version) for c in resp.choices]
+                self.counts["remote"] += 1
+                REMOTE_PREFILLS.labels("ok").inc()
+            else:
+                self.counts["remote_failed"] += 1
+                REMOTE_PREFILLS.labels("failed" if resp is None else "mismatch").inc()
+        if first is None:
+            self.counts["local"] += 1
+        self.counts["pulled_pages"] += await pull_pages(engine, self.store, keys)
+        if first is None:
+            return await aengine.submit(req)
+        engine.pages.stage_first(rid, first)
+        try:
+            return await aengine.submit(req.model_copy(update={"request_id": rid}))
+        finally:
+            engine.pages.take_first(rid)  # consumed by add_request; dropped if it never got there
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counts)
+        if self.publisher is not None:
+            out["published_pages"] = self.publisher.pages_published
+            out["publish_dropped_batches"] = self.publisher.batches_dropped
+        out["store_failures"] = self.store.failures
+        if self.engine is not None:
+            st = self.engine.stats
+            out["computed_tokens"] = st.computed_tokens_total
+            out["prefix_hit_tokens"] = st.prefix_cache_hit_tokens
+            out["imported_pages"] = self.engine.pages.imported_pages_total
+            out["exported_pages"] = self.engine.pages.exported_pages_total
+        return out
+
+    async def close(self) -> None:
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.close)
+        await self.http.aclose()
+        self.store.close()

@@ -1,0 +1,200 @@
+"""The prefill service: computes a prompt's KV pages, publishes them to the KV store, returns the
+first sampled token of each sample and the page keys; a decode replica continues from there.
+
+    python -m services.prefill --config RUN_DIR/config.json --redis-url redis://host:port/0
+
+It runs its own engine (prefill.engine, default decode's: the page layout must match decode's),
+pulls pages the store already has before computing (a growing multi-turn context is computed once),
+and follows the trainer's published weights by polling Redis (decode only routes to a prefill
+service registered with its own weight version). POST /update_weights works as on decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+from fastapi import FastAPI, HTTPException
+
+from services.common.config import ConfigError, EngineConfig
+from services.common.schemas import GenerateRequest, UpdateWeightsRequest
+from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
+from services.engine.kv_transfer import chain_hashes, page_nbytes
+from services.kvstore.client import PagePublisher
+from services.prefill.router import local_prefix_pages, prompt_keys, pull_pages, store_client
+from services.prefill.schemas import FirstToken, PrefillRequest, PrefillResponse
+
+WEIGHTS_POLL_S = 0.5
+
+
+class Prefill:
+    def __init__(self, service: Service):
+        self.service = service
+        self.cfg = service.cfg
+        self.engine_cfg: EngineConfig = self.cfg.prefill.engine or self.cfg.decode.engine
+        self.engine: AsyncEngine | None = None
+        self.store = store_client(self.cfg, service.bus.services)
+        self.publisher: PagePublisher | None = None
+        self._lock = asyncio.Lock()
+        self.served = 0
+
+    async def load(self, path: str, version: int) -> int:
+        async with self._lock:
+            if self.engine is None:
+                eng = await asyncio.to_thread(LLMEngine, path, self.engine_cfg, version)
+                self.publisher = PagePublisher(self.store, page_nbytes(eng.kv))
+                eng.pages.sink = self.publisher
+                self.engine = AsyncEngine(eng).start()
+                log_event(self.service.log, "engine ready", path=path, version=version, layout=eng.layout)
+            elif version > self.engine.version:
+                await self.engine.load_weights(path, version)
+                log_event(self.service.log, "weights updated", path=path, version=version)
+            self.service.version = self.engine.version
+            return self.engine.version
+
+    async def follow_weights(self) -> None:
+        """Load the latest published weights, now and whenever a newer version appears."""
+        while True:
+            try:
+                info = await asyncio.to_thread(self.service.bus.latest_weights)
+            except redis.RedisError as e:
+                self.service.log.warning(f"redis unavailable while polling weights: {e}")
+                info = None
+            if info is not None and (self.engine is None or info.version > self.engine.version):
+                try:
+                    await self.load(info.path, info.version)
+                except WeightsError as e:
+                    self.service.log.error(f"cannot load published weights: {e}")
+            await asyncio.sleep(WEIGHTS_POLL_S)
+
+    def ready(self) -> AsyncEngine:
+        if self.engine is None:
+            raise HTTPException(503, "loading: waiting for the first weights", headers={"Retry-After": "1"})
+        return self.engine
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        aengine = self.ready()
+        eng = aengine.engine
+        rid = req.request_id or uuid.uuid4().hex
+        greq = GenerateRequest(
+            input_ids=req.input_ids,
+            sampling=req.sampling.model_copy(update={"max_tokens": 1}),
+            request_id=rid,
+        )
+        try:
+            eng.validate(greq)
+        except InvalidRequest as e:
+            raise HTTPException(400, str(e)) from None
+        version = eng.version
+        keys = prompt_keys(eng, req.input_ids)
+        local = local_prefix_pages(eng, keys)
+        pulled = await pull_pages(eng, self.store, keys)
+        assert self.publisher is not None  # set with the engine
+        published = self.publisher.expect(rid)
+        try:
+            resp = await aengine.submit(greq)
+        except InvalidRequest as e:
+            self.publisher.forget(rid)
+            raise HTTPException(400, str(e)) from None
+        except RuntimeError as e:
+            self.publisher.forget(rid)
+            raise HTTPException(503, str(e)) from None
+        # Answer once the pages are in the store: decode pulls them right after.
+        try:
+            stored = await asyncio.wait_for(asyncio.wrap_future(published), self.cfg.kvstore.timeout_s * 4)
+        except TimeoutError:
+            self.publisher.forget(rid)
+            stored = 0  # decode finds fewer pages in the store and computes the rest itself
+        if any(not c.output_ids for c in resp.choices):
+            raise HTTPException(503, "prefill aborted (engine stopping or request timed out)")
+        self.served += 1
+        choices = [
+            FirstToken(token=c.output_ids[0], logprob=c.logprobs[0], version=c.versions[0])
+            for c in resp.choices
+        ]
+        bs = eng.kv.block_size
+        all_keys = chain_hashes(req.input_ids, choices[0].version, eng.layout, bs)
+        return PrefillResponse(
+            request_id=rid,
+            version=choices[0].version if choices else version,
+            layout=eng.layout,
+            prompt_tokens=len(req.input_ids),
+            page_keys=[k.hex() for k in all_keys],
+            pages_stored=stored,
+            local_tokens=local * bs,
+            pulled_tokens=pulled * bs,
+            computed_tokens=len(req.input_ids) - (local + pulled) * bs,
+            choices=choices,
+        )
+
+    def health(self) -> dict[str, Any]:
+        eng = self.engine
+        return {
+            "status": "ok" if eng is not None else "loading",
+            "kind": self.service.kind,
+            "id": self.service.id,
+            "version": self.service.version,
+            "served": self.served,
+            "queue": eng.num_waiting if eng else 0,
+            "running": eng.num_running if eng else 0,
+            "published_pages": self.publisher.pages_published if self.publisher else 0,
+        }
+
+
+def build_app(service: Service) -> FastAPI:
+    state = Prefill(service)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with service.registered():
+            follower = asyncio.create_task(state.follow_weights())
+            try:
+                yield
+            finally:
+                follower.cancel()
+                if state.engine is not None:
+                    await asyncio.to_thread(state.engine.stop)
+                if state.publisher is not None:
+                    await asyncio.to_thread(state.publisher.close)
+                log_event(service.log, "engine stopped")
+
+    app = create_app("relay-prefill", state.health, lifespan)
+    app.state.prefill = state
+
+    @app.post("/v1/prefill", response_model=PrefillResponse)
+    async def prefill(req: PrefillRequest) -> PrefillResponse:
+        return await state.prefill(req)
+
+    @app.post("/update_weights")
+    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        try:
+            version = await state.load(req.path, req.version)
+        except WeightsError as e:
+            raise HTTPException(400, f"path: {e}") from None
+        return {"version": version, "path": req.path}
+
+    return app
+
+
+def main() -> None:
+    args = service_args("relay prefill service: prompt KV pages into the KV store")
+    try:
+        cfg = load_service_config(args)
+    except ConfigError as e:
+        sys.exit(f"prefill: {e}")
+    redis_url = args.redis_url or cfg.redis.url
+    if not redis_url:
+        sys.exit("prefill: no Redis URL; pass --redis-url or set REDIS_URL")
+    sec = cfg.prefill
+    host = args.host or sec.host
+    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
+    service = Service("prefill", cfg, redis_url, host, port)
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    service.run(build_app(service))

@@ -1,0 +1,312 @@
+"""The engine's GPU path on CPU: Triton paged-attention kernels under the Triton interpreter against
+a plain torch reference, the paged batch builder against the torch path's, the CUDA-graph ladder and
+input padding, and the whole engine with attention_backend="triton" against the torch backend."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of the kernels: @triton.jit reads it when decorating.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "services.engine.kernels.paged_attention" in sys.modules:
+        importlib.reload(sys.modules["services.engine.kernels.paged_attention"])
+
+from pydantic import ValidationError  # noqa: E402
+
+from services.common.config import EngineConfig, load_config  # noqa: E402
+from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
+from services.engine import LLMEngine  # noqa: E402
+from services.engine.batch import BlockTables, ForwardBatch, HostBatch, Span, decode_splits  # noqa: E402
+from services.engine.cuda_graphs import InputBuffers, ladder, padded_size  # noqa: E402
+from services.engine.kernels.paged_attention import (  # noqa: E402
+    paged_attention,
+    reference_attention,
+    store_kv,
+)
+from trainer.model import build_model, save_weights_dir  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_spans(
+    shapes: list[tuple[int, int]], page: int, n_pages: int, seed: int = 0
+) -> tuple[list[Span], list[int]]:
+    """Spans (start, n new tokens) whose pages are drawn at random from the pool, so a kernel that
+    assumed contiguous pages would read the wrong keys. Returns the spans and the unused pages."""
+    rng = random.Random(seed)
+    free = list(range(n_pages))
+    rng.shuffle(free)
+    spans = []
+    for start, n in shapes:
+        table = [free.pop() for _ in range(-(-(start + n) // page))]
+        spans.append(Span(table, start, [rng.randrange(50) for _ in range(n)]))
+    return spans, free
+
+
+def run_kernels(
+    shapes: list[tuple[int, int]],
+    h: int,
+    h_kv: int,
+    d: int,
+    page: int,
+    dtype: torch.dtype,
+    sms: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, HostBatch, ForwardBatch]:
+    torch.manual_seed(0)
+    n_pages = sum(-(-(s + n) // page) for s, n in shapes) + 3
+    spans, _ = make_spans(shapes, page, n_pages)
+    kc = torch.randn(n_pages * page, h_kv, d, device=DEV).to(dtype)
+    vc = torch.randn(n_pages * page, h_kv, d, device=DEV).to(dtype)
+    hb = HostBatch.build(spans, page)
+    fb = hb.to_forward_batch(DEV, h_kv, sms)
+    t = len(hb.ids)
+    q = torch.randn(t, h, d, device=DEV).to(dtype)
+    k = torch.randn(t, h_kv, d, device=DEV).to(dtype)
+    v = torch.randn(t, h_kv, d, device=DEV).to(dtype)
+    out = paged_attention(q, k, v, kc, vc, fb.slot_mapping, fb.paged, d**-0.5, page)  # type: ignore[arg-type]
+    # The kernels stored this step's k/v first: the reference reads the same cache.
+    assert torch.equal(kc[fb.slot_mapping], k) and torch.equal(vc[fb.slot_mapping], v)
+    tables = [s.block_table for s in spans]
+    ref = reference_attention(
+        q.cpu(), kc.cpu(), vc.cpu(), hb.q_start.tolist(), hb.q_lens.tolist(), hb.ctx_lens.tolist(),
+        tables, d**-0.5, page,
+    )  # fmt: skip
+    return out.float().cpu(), ref, hb, fb
+
+
+def test_decode_kernel_splits_and_gqa_float32() -> None:
+    # Contexts from 1 key to several partitions; G = 4 query heads per KV head.
+    shapes = [(0, 1), (5, 1), (63, 1), (64, 1), (200, 1), (130, 1)]
+    # 64 SMs for 6 x 2 (sequence, KV head) pairs: split into 64-key partitions, some empty.
+    out, ref, _, fb = run_kernels(shapes, h=8, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.prefill is None
+    assert fb.paged.decode.num_splits == 4  # the merge kernel ran
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_decode_kernel_other_tiles(block_n: int) -> None:
+    """A tile that does not match the 64-key partitions (the benchmark tries such settings)."""
+    from services.engine.kernels.paged_attention import decode_attention
+
+    shapes = [(0, 1), (70, 1), (150, 1)]
+    _, ref, hb, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.num_splits > 1
+    torch.manual_seed(0)
+    # run_kernels' q is the same stream's 4th draw; recompute the output on its own inputs instead
+    n_pages = sum(-(-(s + n) // 4) for s, n in shapes) + 3
+    kc = torch.randn(n_pages * 4, 2, 16, device=DEV)
+    vc = torch.randn(n_pages * 4, 2, 16, device=DEV)
+    q = torch.randn(len(shapes), 4, 16, device=DEV)
+    out = torch.empty_like(q)
+    decode_attention(q, kc, vc, out, fb.paged.decode, 16**-0.5, 4, {"block_n": block_n})
+    tables = [hb.tables[i, : -(-int(c) // 4)].tolist() for i, c in enumerate(hb.ctx_lens)]
+    want = reference_attention(
+        q.cpu(), kc.cpu(), vc.cpu(), hb.q_start.tolist(), hb.q_lens.tolist(), hb.ctx_lens.tolist(), tables,
+        16**-0.5, 4,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_single_split_bfloat16() -> None:
+    # 16 sequences x 2 KV heads fill the (interpreter's) 4 SMs: one split, no merge.
+    shapes = [(i * 13 % 150, 1) for i in range(16)]
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=32, page=16, dtype=torch.bfloat16)
+    assert fb.paged is not None and fb.paged.decode is not None
+    assert fb.paged.decode.num_splits == 1
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_chunks_and_causality() -> None:
+    # A fresh prompt longer than one query block, a chunk after a cached prefix, a short prompt.
+    shapes = [(0, 70), (40, 9), (0, 2)]
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=1, d=16, page=4, dtype=torch.float32)
+    assert fb.paged is not None and fb.paged.prefill is not None and fb.paged.decode is None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_decode_and_prefill() -> None:
+    shapes = [(10, 1), (0, 5), (33, 1), (7, 12)]
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=8, dtype=torch.float32)
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.prefill is not None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_backend_matches_reference() -> None:
+    """FlexAttention over the pool (eager on CPU) with a BlockMask of each sequence's pages."""
+    from services.engine.batch import PagedMeta
+    from services.engine.kernels.flex_attention import build_flex_meta
+
+    torch.manual_seed(0)
+    h, h_kv, d, page = 4, 2, 16, 4
+    shapes = [(10, 1), (0, 5), (33, 1), (7, 12)]
+    n_pages = sum(-(-(s + n) // page) for s, n in shapes) + 3
+    spans, _ = make_spans(shapes, page, n_pages)
+    kc, vc = torch.randn(n_pages * page, h_kv, d), torch.randn(n_pages * page, h_kv, d)
+    hb = HostBatch.build(spans, page)
+    slots = torch.from_numpy(hb.slots)
+    meta = PagedMeta(None, None, build_flex_meta(hb, torch.device("cpu"), n_pages, page))
+    t = len(hb.ids)
+    q, k, v = torch.randn(t, h, d), torch.randn(t, h_kv, d), torch.randn(t, h_kv, d)
+    out = paged_attention(q, k, v, kc, vc, slots, meta, d**-0.5, page)
+    ref = reference_attention(
+        q, kc, vc, hb.q_start.tolist(), hb.q_lens.tolist(), hb.ctx_lens.tolist(),
+        [s.block_table for s in spans], d**-0.5, page,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    kc = torch.zeros(8, 2, 16, device=DEV)
+    vc = torch.zeros(8, 2, 16, device=DEV)
+    k = torch.randn(3, 2, 16, device=DEV)
+    v = torch.randn(3, 2, 16, device=DEV)
+    store_kv(k, v, kc, vc, torch.tensor([5, -1, 0], device=DEV))
+    assert torch.equal(kc[5], k[0]) and torch.equal(vc[0], v[2])
+    # Row -1 wrote nothing (torch indexing would have wrapped it to row 7).
+    assert kc[[1, 2, 3, 4, 6, 7]].abs().sum() == 0 and vc[7].abs().sum() == 0
+
+
+def test_host_batch_matches_torch_builder() -> None:
+    """Positions, slots and last rows of the paged builder equal the torch path's."""
+    spans, _ = make_spans([(0, 9), (17, 1), (3, 4), (40, 1)], page=4, n_pages=40)
+    hb = HostBatch.build(spans, 4)
+    fb = hb.to_forward_batch(torch.device("cpu"), 2, 4)
+    ref = ForwardBatch.build(spans, torch.device("cpu"), 64, 4)
+    for a, b in [
+        (fb.input_ids, ref.input_ids),
+        (fb.positions, ref.positions),
+        (fb.slot_mapping, ref.slot_mapping),
+        (fb.last_index, ref.last_index),
+    ]:
+        assert a.tolist() == b.tolist()
+    assert not hb.decode_only
+    assert HostBatch.build([spans[1], spans[3]], 4).decode_only
+
+
+def test_block_tables_cache_follows_growth_replacement_and_eviction() -> None:
+    """The persistent host copy always equals a fresh conversion of the tables it is given."""
+    cache = BlockTables(width=6, rows=2)
+
+    def check(tables: list[list[int]]) -> None:
+        got = cache.gather(tables)
+        want = np.zeros((len(tables), max(1, *(len(t) for t in tables))), np.int64)
+        for i, t in enumerate(tables):
+            want[i, : len(t)] = t
+        assert got.tolist() == want.tolist()
+
+    a, b, c = [3, 4], [7], [9, 1, 2]
+    check([a, b])
+    a.append(5)  # a decode step crossed a page boundary
+    check([a, b])
+    check([a, b, c])  # more tables than rows: the copy grows
+    b = [8, 2]  # preempted and readmitted: a new list
+    check([b, a])
+    a[-1] = 6  # an in-place edit of the last page (the scheduler does not do this): caught
+    a.append(0)
+    check([a])  # b and c dropped: their rows are reused
+    d, e = [11, 12, 13], [14]
+    check([d, e, a])
+    assert len(cache.entries) == 3
+    with pytest.raises(ValueError, match="width"):
+        cache.gather([list(range(7))])
+
+
+def test_host_batch_with_cache_matches_without() -> None:
+    spans, _ = make_spans([(0, 9), (17, 1), (3, 4), (40, 1)], page=4, n_pages=40)
+    cache = BlockTables(width=16)
+    for _ in range(2):
+        a, b = HostBatch.build(spans, 4, cache), HostBatch.build(spans, 4)
+        for name in ("ids", "positions", "slots", "q_start", "q_lens", "ctx_lens", "tables"):
+            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+
+
+def test_decode_splits() -> None:
+    # A large batch fills the GPU alone: one split, the whole context in one partition.
+    assert decode_splits(256, 8, 1536, 132) == (1, 1536)
+    # Batch 1: split down to one 64-key tile per program.
+    assert decode_splits(1, 8, 1536, 132) == (24, 64)
+    for batch in (1, 3, 32, 64):
+        for ctx in (1, 64, 65, 1000, 2048):
+            splits, part = decode_splits(batch, 8, ctx, 132)
+            assert part % 64 == 0 and splits * part >= ctx and (splits - 1) * part < ctx
+
+
+def test_ladder_and_padding() -> None:
+    assert ladder(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+    assert ladder(1) == [1]
+    assert ladder(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert ladder(16) == [1, 2, 4, 8, 16]
+    sizes = ladder(100)
+    assert sizes[-1] == 100
+    assert [padded_size(n, sizes) for n in (1, 3, 16, 17, 33, 65, 97, 100, 101)] == [
+        1, 4, 16, 32, 64, 96, 100, 100, None,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="max_batch"):
+        ladder(0)
+
+
+def test_graph_input_buffers_pad_rows() -> None:
+    buf = InputBuffers(max_batch=8, width=5, device=torch.device("cpu"))
+    spans, _ = make_spans([(3, 1), (9, 1), (0, 1)], page=4, n_pages=20)
+    hb = HostBatch.build(spans, 4)
+    buf.fill(hb, 4)
+    assert buf.ids[:3].tolist() == hb.ids.tolist()
+    assert buf.slots[:4].tolist() == [*hb.slots.tolist(), -1]  # padding row stores nothing
+    assert buf.ctx[:4].tolist() == [4, 10, 1, 0]  # and reads nothing
+    assert buf.tables[1, :3].tolist() == spans[1].block_table
+    # A smaller batch next step turns the previous rows into padding again.
+    buf.fill(HostBatch.build(spans[:1], 4), 2)
+    assert buf.slots[:2].tolist() == [hb.slots[0], -1] and buf.ctx[:2].tolist() == [4, 0]
+    with pytest.raises(ValueError, match="width"):
+        buf.fill(HostBatch.build(make_spans([(30, 1)], 4, 20)[0], 4), 1)
+
+
+def test_attention_backend_config() -> None:
+    assert EngineConfig().attention_backend == "auto"
+    with pytest.raises(ValidationError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="cuda_graph_max_batch_size"):
+        EngineConfig(cuda_graph_max_batch_size=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    m = load_config("debug").model
+    state = build_model(m, seed=0).state_dict()
+    state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out next-token distributions
+    return save_weights_dir(m, state, tmp_path_factory.mktemp("kern") / "step_0", {"version": 0})
+
+
+def test_engine_triton_backend_matches_torch(model_dir: Path) -> None:
+    """Whole engine (chunked prefill, mixed and decode-only steps, paging, seeded sampling): the
+    triton and flex backends give the torch backend's tokens and log-probs."""
+    base = dict(device="cpu", max_batch_size=8, max_seq_len=96, block_size=4, max_num_batched_tokens=24)
+    prompts = [list(range(3, 3 + n)) for n in (5, 30, 1, 17)]
+    reqs = [
+        GenerateRequest(
+            input_ids=p,
+            sampling=SamplingParams(
+                temperature=0.0 if i % 2 else 1.0, max_tokens=12, seed=i, ignore_eos=True
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    out = {}
+    for backend in ("torch", "triton", "flex"):
+        engine = LLMEngine(model_dir, EngineConfig(**base, attention_backend=backend))  # type: ignore[arg-type]
+        assert engine.attention_backend == backend and engine.graphs is None
+        out[backend] = engine.generate(reqs)
+    for other in ("triton", "flex"):
+        for a, b in zip(out["torch"], out[other], strict=True):
+            assert a.choices[0].output_ids == b.choices[0].output_ids
+            assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)

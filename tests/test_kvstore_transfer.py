@@ -1,0 +1,176 @@
+"""KV pages between engines (services/engine/kv_transfer.py) through a real tiered store, in process:
+export -> store -> import gives the same tokens as computing, only the missing tokens are computed,
+a weight update or another layout never reuses a page, a prefilled first token continues exactly.
+(The same paths as services over HTTP: tests/test_kvstore_services.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.config import EngineConfig, load_config
+from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
+from services.engine import LLMEngine
+from services.engine.kv_transfer import (
+    chain_hashes,
+    export_pages,
+    import_pages,
+    layout_id,
+    page_nbytes,
+    reusable_pages,
+)
+from services.kvstore.tiers import MemoryTier, TieredStore
+from trainer.model import build_model, save_weights_dir
+
+CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("kvx")
+    m = load_config("debug").model
+    out = []
+    for seed in (0, 1):
+        state = build_model(m, seed=seed).state_dict()
+        state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
+        out.append(save_weights_dir(m, state, root / f"step_{seed}", {"version": seed}))
+    return out[0], out[1]
+
+
+def req(prompt: list[int], **sampling: object) -> GenerateRequest:
+    return GenerateRequest(input_ids=prompt, sampling=SamplingParams(**sampling))  # type: ignore[arg-type]
+
+
+def same(a: GenerateResponse, b: GenerateResponse) -> None:
+    assert [c.output_ids for c in a.choices] == [c.output_ids for c in b.choices]
+    for x, y in zip(a.choices, b.choices, strict=True):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert x.finish_reason == y.finish_reason
+
+
+class StoreSink:
+    """An engine page sink writing straight into a TieredStore (what PagePublisher does over HTTP)."""
+
+    def __init__(self, store: TieredStore, page_bytes: int):
+        self.store, self.page_bytes = store, page_bytes
+        self.finished: list[str] = []
+
+    def __call__(self, keys: list[bytes], data: bytes, finished: list[str]) -> None:
+        for i, k in enumerate(keys):
+            assert self.store.put(k, data[i * self.page_bytes : (i + 1) * self.page_bytes])
+        self.finished += finished
+
+
+def pull(eng: LLMEngine, store: TieredStore, prompt: list[int]) -> int:
+    keys = chain_hashes(prompt, eng.version, eng.layout, eng.kv.block_size, reusable_pages(len(prompt), 4))
+    got = []
+    for k, page in zip(keys, store.get_many(keys), strict=True):
+        if page is None:
+            break
+        got.append((k, page))
+    eng.pages.stage([k for k, _ in got], b"".join(p for _, p in got))
+    return len(got)
+
+
+PROMPT = [(7 * i + 3) % 60 for i in range(41)]  # 41 tokens: 10 full pages + 1
+
+
+def test_export_import_roundtrip_is_bitwise(dirs: tuple[Path, Path]) -> None:
+    a = LLMEngine(dirs[0], CFG)
+    a.generate([req(PROMPT, temperature=0.0, max_tokens=3, ignore_eos=True)])
+    keys = chain_hashes(PROMPT, a.version, a.layout, 4)
+    pages = [a.kv.blocks.lookup(k) for k in keys]
+    assert None not in pages
+    blob = export_pages(a.kv, pages)  # type: ignore[arg-type]
+    assert len(blob) == len(pages) * page_nbytes(a.kv)
+    b = LLMEngine(dirs[0], CFG)
+    assert import_pages(b.kv, keys, blob) == len(keys)
+    assert import_pages(b.kv, keys, blob) == 0  # already cached: nothing imported twice
+    for k, pa in zip(keys, pages, strict=True):
+        pb = b.kv.blocks.lookup(k)
+        assert pb is not None
+        for ta, tb in ((a.kv.k, b.kv.k), (a.kv.v, b.kv.v)):
+            assert torch.equal(ta[:, pa * 4 : pa * 4 + 4], tb[:, pb * 4 : pb * 4 + 4])
+    # Imported pages sit in the evictable pool (ref 0): they never block admissions.
+    assert b.kv.num_free == b.kv.num_blocks
+
+
+def test_pulled_pages_give_same_tokens_and_compute_only_the_rest(dirs: tuple[Path, Path]) -> None:
+    store = TieredStore([MemoryTier(64 << 20)])
+    a = LLMEngine(dirs[0], CFG)
+    a.pages.sink = StoreSink(store, page_nbytes(a.kv))
+    r = req(PROMPT, temperature=1.0, seed=11, n=2, max_tokens=6, ignore_eos=True)
+    first = a.generate([r])[0]
+    assert a.pages.exported_pages_total > 0
+
+    b = LLMEngine(dirs[0], CFG)  # a restarted decode: empty local cache
+    assert pull(b, store, PROMPT) == 10
+    again = b.generate([r])[0]
+    same(again, first)
+    assert b.stats.prefix_cache_hit_tokens == 40
+    # 1 prompt token + 5 decode steps per sample (the 6th token is never fed)
+    assert b.stats.computed_tokens_total == 1 + 5 * 2
+
+
+def test_weight_update_never_reuses_stale_pages(dirs: tuple[Path, Path]) -> None:
+    store = TieredStore([MemoryTier(64 << 20)])
+    old = LLMEngine(dirs[0], CFG)
+    old.pages.sink = StoreSink(store, page_nbytes(old.kv))
+    r = req(PROMPT, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
+    old.generate([r])
+    assert len(store.tiers[0]) >= 10
+
+    new = LLMEngine(dirs[0], CFG)
+    new.load_weights(dirs[1], 1)
+    assert pull(new, store, PROMPT) == 0  # version-1 keys: the version-0 pages are never found
+    # Even pages forced into the cache under their (version-0) keys are never hit at version 1.
+    keys0 = chain_hashes(PROMPT, 0, new.layout, 4)
+    new.pages.stage(keys0, b"".join(p for p in store.get_many(keys0) if p is not None))
+    out = new.generate([r])[0]
+    assert new.pages.imported_pages_total == 10
+    assert new.stats.prefix_cache_hit_tokens == 0
+    same(out, LLMEngine(dirs[1], CFG, version=1).generate([r])[0])
+    assert out.choices[0].versions == [1] * 5
+
+
+def test_layout_id_separates_models_dtypes_and_page_sizes(dirs: tuple[Path, Path]) -> None:
+    base = LLMEngine(dirs[0], CFG)
+    other_bs = LLMEngine(dirs[0], CFG.model_copy(update={"block_size": 8}))
+    other_dtype = LLMEngine(dirs[0], CFG.model_copy(update={"dtype": "bfloat16"}))
+    ids = {base.layout, other_bs.layout, other_dtype.layout}
+    assert len(ids) == 3
+    assert layout_id("llama3", base.kv) != base.layout  # another architecture of the same shape
+    k = [chain_hashes(PROMPT, 0, e.layout, 4)[0] for e in (base, other_bs, other_dtype)]
+    assert len(set(k)) == 3
+
+
+def test_prefilled_first_token_continues_exactly(dirs: tuple[Path, Path]) -> None:
+    """Disaggregation at engine level: a prefill engine samples the first token of each sample and
+    publishes the prompt pages; a decode engine imports them and continues: same tokens as one engine."""
+    store = TieredStore([MemoryTier(64 << 20)])
+    for sampling in (
+        dict(temperature=1.0, seed=5, n=3, max_tokens=7, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=4, ignore_eos=True),
+        dict(temperature=0.8, top_k=10, seed=2, max_tokens=1, ignore_eos=True),
+    ):
+        r = req(PROMPT, **sampling)
+        colocated = LLMEngine(dirs[0], CFG).generate([r])[0]
+
+        pre = LLMEngine(dirs[0], CFG)
+        pre.pages.sink = StoreSink(store, page_nbytes(pre.kv))
+        one = r.model_copy(update={"sampling": r.sampling.model_copy(update={"max_tokens": 1})})
+        first = pre.generate([one])[0]
+
+        dec = LLMEngine(dirs[0], CFG)
+        pull(dec, store, PROMPT)
+        dec.pages.stage_first(
+            "req-1", [(c.output_ids[0], c.logprobs[0], c.versions[0]) for c in first.choices]
+        )
+        out = dec.generate([r.model_copy(update={"request_id": "req-1"})])[0]
+        same(out, colocated)
+        # Decode computed no prompt page: per sample the last prompt token and the prefilled one,
+        # then one token per decode step (the last sampled token is never fed).
+        n, max_tokens = r.sampling.n, r.sampling.max_tokens
+        assert dec.stats.computed_tokens_total == (0 if max_tokens == 1 else n * max_tokens)

@@ -1,0 +1,445 @@
+"""Router Replay in the trainer's torchtitan MoE (trainer/replay.py), the MoE model's HF contract
+(trainer/model.py) and the orchestrator's per-sample routing assembly."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from services.common import routing as wire
+from services.common.config import CONFIG_DIR, ModelConfig
+from services.common.schemas import GenerateChoice, Sample
+from trainer.batch import micro_batches
+from trainer.loss import token_logprobs
+from trainer.model import build_model, from_hf_state, moe_layer_ids, to_hf_state
+from trainer.packing import packed_micro_batches
+from trainer.replay import (
+    UNRECORDED,
+    ReplayRouter,
+    enable_router_replay,
+    micro_batch_routes,
+    moe_routers,
+    routing,
+)
+
+
+def debug_moe() -> ModelConfig:
+    return ModelConfig(**tomllib.loads((CONFIG_DIR / "models" / "debug-moe.toml").read_text()))
+
+
+def small_moe(**kw: object) -> ModelConfig:
+    """A random small Qwen3-MoE: a leading dense layer, untied embeddings, 8 experts top-2."""
+    base: dict[str, object] = dict(
+        arch="qwen3_moe",
+        vocab_size=50,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=48,
+        max_seq_len=64,
+        tie_embeddings=False,
+        n_routed_experts=8,
+        n_experts_per_tok=2,
+        moe_hidden_dim=16,
+        first_k_dense=1,
+        norm_topk_prob=True,
+    )
+    return ModelConfig(**(base | kw))
+
+
+def moe_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    model = enable_router_replay(build_model(m, seed=seed))
+    # torchtitan inits the gate with a tiny std: make routing decisive so that recorded ids that
+    # differ from the trainer's own choice change the output visibly (and experts matter).
+    with torch.no_grad():
+        for r in moe_routers(model):
+            r.gate.weight.normal_(0.0, 1.0)
+        for layer in moe_layer_ids(m):
+            experts = model.layers[str(layer)].moe.experts
+            for w in (experts.w1, experts.w2, experts.w3):
+                w.normal_(0.0, 0.3)
+    return model
+
+
+def tokens(m: ModelConfig, b: int = 3, t: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, m.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+class RouterTap:
+    """Captures each MoE router's input and output (ids) on every forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.handles = [r.register_forward_hook(self._hook) for r in moe_routers(model)]
+
+    def _hook(
+        self, mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]
+    ) -> None:
+        x = inp[0].detach()
+        own = torch.topk(torch.softmax(mod.gate(x).float(), dim=-1), mod.top_k, dim=-1).indices
+        self.calls.append((own, out[1].detach(), out[2].detach()))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def own_routes(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The trainer's own top-k per token and MoE layer: [B, T, layers, k]."""
+    tap = RouterTap(model)
+    with torch.no_grad():
+        model(x)
+    tap.close()
+    b, t = x.shape
+    return torch.stack([ids.view(b, t, -1) for _, ids, _ in tap.calls], dim=2)
+
+
+def random_routes(m: ModelConfig, b: int, t: int, seed: int = 2) -> torch.Tensor:
+    """Distinct random expert ids per (token, layer): [B, T, layers, k]."""
+    g = torch.Generator().manual_seed(seed)
+    n_layers = len(moe_layer_ids(m))
+    scores = torch.rand(b, t, n_layers, m.n_routed_experts, generator=g)
+    return scores.topk(m.n_experts_per_tok, dim=-1).indices
+
+
+# ------------------------------------------------------------------ the HF contract
+
+
+def write_hf_dir(m: ModelConfig, hf_state: dict[str, torch.Tensor], dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(dest / "model.safetensors"))
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.dim,
+        "intermediate_size": m.hidden_dim,
+        "moe_intermediate_size": m.moe_hidden_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "max_position_embeddings": m.max_seq_len,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+        "num_experts": m.n_routed_experts,
+        "num_experts_per_tok": m.n_experts_per_tok,
+        "norm_topk_prob": m.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(m.first_k_dense)),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+def test_moe_logits_match_hf_qwen3_moe(tmp_path: Path, norm_topk: bool, tied: bool) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    m = small_moe(norm_topk_prob=norm_topk, tie_embeddings=tied)
+    model = moe_model(m)
+    hf_state = to_hf_state(m, model.state_dict())
+    # Exactly HF Qwen3-MoE's per-expert names (what the engine loads).
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in hf_state
+    assert "model.layers.2.mlp.experts.0.down_proj.weight" in hf_state
+    assert "model.layers.1.mlp.gate.weight" in hf_state
+    assert "model.layers.0.mlp.up_proj.weight" in hf_state  # the leading dense layer
+    assert not any(".moe." in k or "router" in k for k in hf_state)
+    hf = Qwen3MoeForCausalLM.from_pretrained(str(write_hf_dir(m, hf_state, tmp_path / "hf")))
+    hf.eval()
+    x = tokens(m, b=2, t=16)
+    with torch.no_grad():
+        ours = model(x)
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+    # ...and the HF state loads back into the trainer's model unchanged.
+    back = from_hf_state(m, hf_state)
+    state = model.state_dict()
+    assert set(back) == set(state)
+    for k, v in state.items():
+        torch.testing.assert_close(back[k], v, rtol=0, atol=0)
+
+
+def test_moe_model_has_replay_routers_and_hf_names_only() -> None:
+    m = debug_moe()
+    model = build_model(m, seed=0)
+    routers = moe_routers(model)
+    assert len(routers) == len(moe_layer_ids(m)) == 2
+    assert all(isinstance(r, ReplayRouter) for r in routers)
+    names = set(model.state_dict())
+    assert enable_router_replay(model) is model and set(model.state_dict()) == names  # idempotent
+    assert "layers.0.moe.router.gate.weight" in names and "layers.1.moe.experts.w1" in names
+    x = tokens(m)
+    with torch.no_grad():
+        a = model(x)
+        b = model(x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert a.shape == (*x.shape, m.vocab_size)
+
+
+# ------------------------------------------------------------------ replay
+
+
+def test_replay_routes_every_token_exactly_as_recorded() -> None:
+    m = small_moe()
+    model = moe_model(m)
+    x = tokens(m, b=3, t=12)
+    b, t = x.shape
+    routes = random_routes(m, b, t)
+    routes[1, 5:8] = UNRECORDED  # a few unrecorded tokens: those use the trainer's own top-k
+    recorded = (routes >= 0).all(-1)  # [B, T, layers]
+    tap = RouterTap(model)
+    with torch.no_grad(), routing(model, routes, replay=True) as rec:
+        replayed_out = model(x)
+    tap.close()
+    assert len(tap.calls) == 2
+    for layer, (own, used, counts) in enumerate(tap.calls):
+        used = used.view(b, t, -1)
+        own = own.view(b, t, -1)
+        want = torch.where(recorded[:, :, layer, None], routes[:, :, layer], own)
+        assert torch.equal(used, want)
+        assert torch.equal(counts, torch.bincount(want.reshape(-1), minlength=m.n_routed_experts))
+    # The random ids mostly differ from the trainer's own choice, so the output changed.
+    with torch.no_grad():
+        free_out = model(x)
+    assert (replayed_out - free_out).abs().max().item() > 1e-3
+    n_rec = recorded[:, :, 0].sum().item()
+    assert rec.total.tolist() == [n_rec, n_rec] and rec.replayed.tolist() == [n_rec, n_rec]
+
+
+def test_replay_of_own_choice_changes_nothing() -> None:
+    m = small_moe()
+    model = moe_model(m)
+    x = tokens(m)
+    with torch.no_grad():
+        ref = model(x)
+        routes = own_routes(model, x)
+        with routing(model, routes, replay=True) as rec:
+            out = model(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert torch.equal(rec.agree, rec.total) and rec.total[0].item() == x.numel()
+
+
+def test_gate_gets_gradient_through_replayed_ids() -> None:
+    m = small_moe()
+    model = moe_model(m)
+    x = tokens(m)
+    b, t = x.shape
+    # Every token is sent to experts {0, 1} in every MoE layer, whatever the router prefers.
+    # (token_logprobs forwards tokens[:, :-1].)
+    routes = torch.zeros(b, t - 1, len(moe_layer_ids(m)), 2, dtype=torch.long)
+    routes[..., 1] = 1
+    with routing(model, routes, replay=True):
+        logp, _ = token_logprobs(model, x)
+        logp.sum().backward()
+    for layer in moe_layer_ids(m):
+        moe = model.layers[str(layer)].moe
+        g = moe.router.gate.weight.grad
+        assert g is not None and g[:2].abs().sum().item() > 0.0  # the gate learns through the scores
+        w1 = moe.experts.w1.grad
+        assert w1 is not None
+        assert w1[:2].abs().sum().item() > 0.0  # the replayed experts got gradient...
+        assert w1[2:].abs().sum().item() == 0.0  # ...and no other expert was used
+
+
+def test_routing_agreement_counts_with_replay_off() -> None:
+    m = small_moe()
+    model = moe_model(m)
+    x = tokens(m, b=2, t=10)
+    with torch.no_grad():
+        ref = model(x)
+        routes = own_routes(model, x)
+        # Layer 0: the first 7 tokens of row 0 recorded as a different expert set.
+        changed = routes.clone()
+        alt = (routes[0, :7, 0].max(dim=-1, keepdim=True).values + 1) % m.n_routed_experts
+        changed[0, :7, 0] = torch.cat([alt, (alt + 1) % m.n_routed_experts], dim=-1)
+        for i in range(7):  # make sure each changed row really is a different set
+            assert set(changed[0, i, 0].tolist()) != set(routes[0, i, 0].tolist())
+        changed[1, 9] = UNRECORDED  # the sample's last token: not compared
+        with routing(model, changed, replay=False) as rec:
+            out = model(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # replay off: the trainer's own routing
+    assert rec.total.tolist() == [19.0, 19.0]
+    assert rec.agree.tolist() == [12.0, 19.0]
+    assert rec.replayed.tolist() == [0.0, 0.0]
+
+
+def test_routing_rejects_wrong_layer_count() -> None:
+    m = small_moe()
+    model = moe_model(m)
+    with pytest.raises(ValueError, match="moe layers"):
+        with routing(model, torch.zeros(1, 4, 3, 2, dtype=torch.long), replay=True):
+            pass
+
+
+# ------------------------------------------------------------------ samples -> routing tensors
+
+
+def make_sample(rid: str, n: int, m: ModelConfig, seed: int) -> tuple[Sample, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    layers = len(moe_layer_ids(m))
+    dtype = wire.routing_dtype(m.n_routed_experts)
+    ids = np.stack(
+        [rng.permutation(m.n_routed_experts)[: m.n_experts_per_tok] for _ in range(n * layers)]
+    ).reshape(n, layers, -1)
+    arr = ids.astype(dtype)
+    arr[-1] = wire.unrecorded(dtype)  # the last sampled token is never forwarded
+    s = Sample(
+        rollout_id=rid,
+        tokens=rng.integers(0, m.vocab_size, n).tolist(),
+        loss_mask=[0] * 2 + [1] * (n - 2),
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        reward=0.0,
+        routed_experts=wire.encode(arr),
+    )
+    return s, arr
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_micro_batch_routes_align_with_micro_batches(packing: bool) -> None:
+    m = debug_moe()
+    pairs = [make_sample(f"s{i}", n, m, i) for i, n in enumerate([9, 4, 13, 6, 7])]
+    samples = [s for s, _ in pairs]
+    budget = 24
+    mbs = packed_micro_batches(samples, budget) if packing else micro_batches(samples, budget)
+    routes = micro_batch_routes(samples, m, packing, budget)
+    assert len(routes) == len(mbs) > 1
+    by_tokens = {tuple(s.tokens[:-1]): arr for s, arr in pairs}
+    for mb, r in zip(mbs, routes, strict=True):
+        assert r is not None
+        inputs = mb.inputs
+        assert r.shape[:2] == inputs.shape and r.shape[2:] == (2, 2)
+        if packing:
+            rows = [by_tokens[tuple(seg.tolist())] for seg in inputs[0].split(mb.seq_lens)]
+            want = np.concatenate([a[:-1] for a in rows]).astype(np.int64)
+            assert torch.equal(r[0], torch.from_numpy(want))
+        else:
+            for row in range(inputs.shape[0]):
+                width = mb.loss_mask.shape[1]
+                key = next(k for k in by_tokens if list(k) == inputs[row, : len(k)].tolist())
+                arr = by_tokens[key][:-1].astype(np.int64)
+                assert torch.equal(r[row, : len(arr)], torch.from_numpy(arr))
+                assert (r[row, len(arr) : width] == UNRECORDED).all()  # padding routes by own top-k
+
+
+def test_sample_routes_sentinel_truncation_and_dense() -> None:
+    m = debug_moe()
+    s, arr = make_sample("s", 10, m, 0)
+    arr = arr.copy()
+    arr[3, 1] = wire.unrecorded(arr.dtype)  # one (token, layer) unrecorded mid-sequence
+    s = s.model_copy(update={"routed_experts": wire.encode(arr)})
+    # The trainer cut the sample to 6 tokens (max_seq_len): it forwards 5 inputs.
+    cut = s.model_copy(update={k: getattr(s, k)[:6] for k in ("tokens", "loss_mask", "logprobs", "versions")})
+    (r,) = micro_batch_routes([cut], m, False, 100)
+    assert r is not None and r.shape == (1, 5, 2, 2)
+    assert (r[0, 3, 1] == UNRECORDED).all() and torch.equal(
+        r[0, 3, 0], torch.from_numpy(arr[3, 0].astype(np.int64))
+    )
+    # No routing on the sample at all: every token routes by the trainer's own top-k.
+    (r2,) = micro_batch_routes([s.model_copy(update={"routed_experts": None})], m, False, 100)
+    assert r2 is not None and (r2 == UNRECORDED).all()
+    dense = ModelConfig()
+    assert micro_batch_routes([s], dense, False, 100) == [None]
+    bad = arr.copy()
+    bad[0, 0, 0] = 9  # only 8 experts
+    with pytest.raises(ValueError, match="id >= 8"):
+        micro_batch_routes([s.model_copy(update={"routed_experts": wire.encode(bad)})], m, False, 100)
+
+
+# ------------------------------------------------------------------ orchestrator assembly
+
+
+def test_routing_trace_concatenates_turns() -> None:
+    from services.orchestrator.rollout import RoutingTrace
+
+    dtype = np.dtype(np.uint8)
+    u = wire.unrecorded(dtype)
+    rng = np.random.default_rng(0)
+
+    def turn(n_in: int, n_out: int) -> tuple[np.ndarray, GenerateChoice]:
+        a = rng.integers(0, 8, (n_in + n_out, 2, 2)).astype(dtype)
+        a[-1] = u
+        ch = GenerateChoice(
+            output_ids=[1] * n_out,
+            logprobs=[0.0] * n_out,
+            versions=[0] * n_out,
+            finish_reason="stop",
+            routed_experts=wire.encode(a),
+        )
+        return a, ch
+
+    trace = RoutingTrace()
+    a1, c1 = turn(5, 3)  # prompt 5 + 3 sampled
+    trace.add(c1)
+    a2, c2 = turn(8 + 2, 4)  # + 2 observation tokens, 4 sampled
+    trace.add(c2)
+    r = trace.finish(14 + 1)  # + a trailing token the engine never saw (e.g. a truncated observation)
+    assert r is not None
+    got = wire.decode(r)
+    assert got.shape == (15, 2, 2)
+    assert np.array_equal(got[:7], a1[:7])  # turn 1's own rows
+    assert np.array_equal(got[7], a2[7])  # turn 1's last token: first forwarded in turn 2
+    assert np.array_equal(got[8:14], a2[8:14])
+    assert (got[13] == u).all() and (got[14] == u).all()
+    assert RoutingTrace().finish(5) is None  # a dense model: no routing at all
+
+
+# ------------------------------------------------------------------ engine -> trainer
+
+
+def test_engine_routing_replays_in_the_trainer(tmp_path: Path) -> None:
+    """The trainer publishes debug-moe weights, the inference engine loads them, samples with
+    routing capture, and the trainer reproduces the engine's log-probs; every recorded row is the
+    trainer's own top-k set too (same weights, same function)."""
+    from services.common.config import EngineConfig
+    from services.common.schemas import GenerateRequest, SamplingParams
+    from services.engine import LLMEngine
+    from trainer.model import save_weights_dir
+
+    m = debug_moe()
+    model = moe_model(m, seed=3)
+    d = save_weights_dir(m, model.state_dict(), tmp_path / "step_0", {"version": 0})
+    eng = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=256, block_size=4))
+    prompts = [[5, 9, 14, 20, 3, 7], [30, 31, 2, 8, 11, 12, 40, 41, 13]]
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=4)
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
+    samples = []
+    for i, (p, resp) in enumerate(zip(prompts, eng.generate(reqs), strict=True)):
+        c = resp.choices[0]
+        n = len(p) + len(c.output_ids)
+        samples.append(
+            Sample(
+                rollout_id=f"s{i}",
+                tokens=p + c.output_ids,
+                loss_mask=[0] * len(p) + [1] * len(c.output_ids),
+                logprobs=[0.0] * len(p) + c.logprobs,
+                versions=[-1] * len(p) + c.versions,
+                reward=0.0,
+                routed_experts=c.routed_experts,
+            )
+        )
+        assert c.routed_experts is not None and c.routed_experts.shape[0] == n
+    (mb,) = micro_batches(samples, 10_000)  # one micro-batch (longest sample first)
+    (routes,) = micro_batch_routes(samples, m, False, 10_000)
+    assert routes is not None
+    with torch.no_grad(), routing(model, routes, replay=True) as rec:
+        logp, _ = token_logprobs(model, mb.tokens)
+    mask = mb.loss_mask > 0
+    torch.testing.assert_close(logp[mask], mb.logp_infer[mask], rtol=0, atol=2e-5)
+    assert rec.total.tolist() == [float(sum(len(s.tokens) - 1 for s in samples))] * 2
+    assert torch.equal(rec.agree, rec.total)  # the engine's choices are the trainer's own

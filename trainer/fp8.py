@@ -1,0 +1,164 @@
+"""FP8 training linears with the engine's recipe (issue 8), as a torchtitan model converter.
+
+Forward: the master weight (float32, or bf16 under FSDP2 mixed precision) is quantised 128x128 and
+the input 1x128, then the same block-scaled GEMM as the engine runs (services/engine/fp8_linear:
+`quantize_activation` + `fp8_gemm_dispatch`), so for the same weights and inputs the trainer's
+log-probs are the engine's bit for bit. That is the point: an FP8 engine sampling for a
+high-precision trainer has a systematic train/inference mismatch; training through the same
+quantised forward removes it (bench/fp8/mismatch.py measures both).
+
+Backward (straight-through: the quantisers count as identity):
+  grad_x = grad_out @ dequant(W_q)   in grad_out's dtype, or with `fp8_dgrad` the block-scaled GEMM
+           (grad_out quantised 1x128 along N; W_q^T reuses the 128x128 tiles transposed);
+  grad_W = grad_out^T @ dequant(x_q) in grad_out's dtype (the weight-gradient GEMM reduces over
+           tokens, which would need a different 128x1 activation quantisation; kept high precision);
+  grad_b = sum of grad_out.
+The module stays an nn.Linear subclass with the same `weight`/`bias` parameters, so state dicts,
+checkpoints, FSDP2 and the HF weight export are unchanged and the optimizer updates the master
+weights. Converted: attention wq/wk/wv/wo and dense MLP w1/w2/w3; kept: `output` (lm_head),
+MoE routers (`...router.gate`), embeddings, norms (torchtitan's grouped experts are not nn.Linear).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
+
+from services.common.fp8 import default_skip, dequantize_act, dequantize_weight, quantize_weight
+from services.engine.fp8_linear import BACKENDS, fp8_gemm_dispatch, quantize_activation
+
+CONVERTER_NAME = "quantize.linear.fp8_blockwise"
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    # Under autocast a plain nn.Linear would return the autocast dtype; do the same.
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        pow2: bool,
+        backend: str,
+        fp8_dgrad: bool,
+    ) -> torch.Tensor:
+        k = x.shape[-1]
+        out_dtype = _out_dtype(x)
+        wq, ws = quantize_weight(weight.detach(), pow2)
+        xq, xs = quantize_activation(x.detach().reshape(-1, k), pow2)
+        out = fp8_gemm_dispatch(xq, xs, wq, ws, out_dtype, backend)
+        if bias is not None:
+            out = out + bias.to(out_dtype)
+        ctx.save_for_backward(xq, xs, wq, ws)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.has_bias, ctx.pow2, ctx.backend, ctx.fp8_dgrad = bias is not None, pow2, backend, fp8_dgrad
+        return out.reshape(*x.shape[:-1], wq.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        xq, xs, wq, ws = ctx.saved_tensors
+        g = grad_out.reshape(-1, wq.shape[0])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            if ctx.fp8_dgrad:
+                gq, gs = quantize_activation(g.contiguous(), ctx.pow2)
+                gx = fp8_gemm_dispatch(gq, gs, wq.t().contiguous(), ws.t().contiguous(), g.dtype, ctx.backend)
+            else:
+                gx = g @ dequantize_weight(wq, ws).to(g.dtype)
+            gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g.t() @ dequantize_act(xq, xs).to(g.dtype)).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum(0).to(ctx.b_dtype)
+        return gx, gw, gb, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pow2_scales: bool = False,
+    backend: str = "auto",
+    fp8_dgrad: bool = False,
+) -> torch.Tensor:
+    """F.linear through the FP8 block-scaled recipe, differentiable in x, weight and bias."""
+    return _Fp8LinearFn.apply(x, weight, bias, pow2_scales, backend, fp8_dgrad)  # type: ignore[no-any-return]
+
+
+class Fp8TrainLinear(nn.Linear):
+    """nn.Linear whose forward runs the FP8 recipe; parameters (master weights) are untouched.
+    Made by re-classing an existing nn.Linear in place (see `convert`), so nothing is copied."""
+
+    pow2_scales: bool = False
+    backend: str = "auto"
+    fp8_dgrad: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.pow2_scales, self.backend, self.fp8_dgrad)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8=1x128/128x128, pow2_scales={self.pow2_scales}, backend={self.backend!r}"
+
+
+def trainer_skip(name: str) -> bool:
+    """Kept in high precision: the engine's rule (lm_head, routers, embeddings, norms) plus
+    torchtitan's name for the output head."""
+    return default_skip(name) or name.split(".")[-1] == "output"
+
+
+def convert(
+    model: nn.Module,
+    pow2_scales: bool = False,
+    backend: str = "auto",
+    fp8_dgrad: bool = False,
+) -> list[str]:
+    """Re-class every nn.Linear not matched by `trainer_skip` as Fp8TrainLinear, in place.
+    Returns the converted names. Call before FSDP/compile wrapping (like torchtitan's converters)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
+    names = []
+    for name, mod in model.named_modules():
+        if type(mod) is nn.Linear and not trainer_skip(name):
+            mod.__class__ = Fp8TrainLinear
+            mod.pow2_scales, mod.backend, mod.fp8_dgrad = pow2_scales, backend, fp8_dgrad
+            names.append(name)
+    return names
+
+
+class Fp8BlockwiseConverter:
+    """torchtitan ModelConverter (protocols/model_converter.py), registered as
+    "quantize.linear.fp8_blockwise": `model.converters = ["quantize.linear.fp8_blockwise"]` in a
+    torchtitan job applies it. relay's trainer calls it directly when `trainer.fp8` is set."""
+
+    def __init__(
+        self,
+        job_config: Any = None,
+        parallel_dims: Any = None,
+        pow2_scales: bool = False,
+        backend: str = "auto",
+        fp8_dgrad: bool = False,
+    ) -> None:
+        self.pow2_scales, self.backend, self.fp8_dgrad = pow2_scales, backend, fp8_dgrad
+        self.converted: list[str] = []
+
+    def convert(self, model: nn.Module) -> None:
+        self.converted = convert(model, self.pow2_scales, self.backend, self.fp8_dgrad)
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        # Nothing to refresh: the weights are re-quantised from the master weights every forward.
+        return None
+
+
+if CONVERTER_NAME not in _registry_model_converter_cls:  # the registry asserts on a second import
+    register_model_converter(Fp8BlockwiseConverter, CONVERTER_NAME)  # type: ignore[arg-type]

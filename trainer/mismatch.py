@@ -1,0 +1,136 @@
+"""Trainer/inference mismatch metrics, reported every step (docs/loss.md, "Mismatch metrics").
+
+Over the step's trained tokens (loss_mask 1), with p_train = exp(logp_train) under the weights
+being trained and p_infer = exp(logp_infer) as the engine reported it:
+
+  kl_k3            mean of r - 1 - log r, r = p_train / p_infer: Schulman's k3 estimator of
+                   KL(pi_infer || pi_train) from tokens sampled by inference (>= 0 per token,
+                   unbiased, low variance)
+  p_abs_max/mean   max and mean of |p_train - p_infer|
+  ratio_out_frac   share of tokens with r outside [0.5, 2] (a fixed band, whatever the loss's
+                   trainer.ratio_low/high, so runs compare)
+
+and, for MoE models, per MoE layer the routing agreement: the share of recorded tokens whose
+trainer top-k expert SET equals the engine's (trainer.replay.RoutingRecord counts).
+
+Sums are accumulated per micro-batch and reduced across ranks (sum, and max for p_abs_max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+RATIO_BAND = (0.5, 2.0)
+
+
+@dataclass
+class MismatchStats:
+    tokens: float = 0.0
+    k3_sum: float = 0.0
+    p_abs_sum: float = 0.0
+    p_abs_max: float = 0.0
+    ratio_out: float = 0.0
+    # per MoE layer (empty for a dense model)
+    route_agree: list[float] = field(default_factory=list)
+    route_total: list[float] = field(default_factory=list)
+    route_replayed: list[float] = field(default_factory=list)
+
+    def add(self, other: MismatchStats) -> None:
+        self.tokens += other.tokens
+        self.k3_sum += other.k3_sum
+        self.p_abs_sum += other.p_abs_sum
+        self.p_abs_max = max(self.p_abs_max, other.p_abs_max)
+        self.ratio_out += other.ratio_out
+        self.route_agree = _add(self.route_agree, other.route_agree)
+        self.route_total = _add(self.route_total, other.route_total)
+        self.route_replayed = _add(self.route_replayed, other.route_replayed)
+
+    def add_routing(self, agree: torch.Tensor, total: torch.Tensor, replayed: torch.Tensor) -> None:
+        self.route_agree = _add(self.route_agree, agree.tolist())
+        self.route_total = _add(self.route_total, total.tolist())
+        self.route_replayed = _add(self.route_replayed, replayed.tolist())
+
+    # ---- cross-rank reduction: the summed part and the max part travel as two tensors
+
+    def sum_tensor(self, moe_layers: int) -> torch.Tensor:
+        pad = [0.0] * moe_layers
+        per_layer = [
+            *(self.route_agree or pad),
+            *(self.route_total or pad),
+            *(self.route_replayed or pad),
+        ]
+        return torch.tensor(
+            [self.tokens, self.k3_sum, self.p_abs_sum, self.ratio_out, *per_layer], dtype=torch.float64
+        )
+
+    def max_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.p_abs_max], dtype=torch.float64)
+
+    @classmethod
+    def from_tensors(cls, summed: torch.Tensor, maxed: torch.Tensor, moe_layers: int) -> MismatchStats:
+        s = summed.tolist()
+        n = moe_layers
+        return cls(
+            tokens=s[0],
+            k3_sum=s[1],
+            p_abs_sum=s[2],
+            ratio_out=s[3],
+            p_abs_max=float(maxed[0].item()),
+            route_agree=s[4 : 4 + n],
+            route_total=s[4 + n : 4 + 2 * n],
+            route_replayed=s[4 + 2 * n : 4 + 3 * n],
+        )
+
+    # ---- what the step reports
+
+    def summary(self) -> dict[str, float | list[float] | None]:
+        n = max(self.tokens, 1.0)
+        agreement = [
+            a / t if t > 0 else None for a, t in zip(self.route_agree, self.route_total, strict=True)
+        ]
+        total = sum(self.route_total)
+        return {
+            "mismatch_kl_k3": self.k3_sum / n,
+            "mismatch_p_abs_max": self.p_abs_max,
+            "mismatch_p_abs_mean": self.p_abs_sum / n,
+            "mismatch_ratio_out_frac": self.ratio_out / n,
+            # None where a layer saw no recorded token (e.g. the engine returned no routing)
+            "routing_agreement": agreement,
+            "routing_agreement_mean": sum(self.route_agree) / total if total > 0 else None,
+            "routing_replayed_frac": sum(self.route_replayed) / total if total > 0 else None,
+        }
+
+
+def _add(a: list[float], b: list[float]) -> list[float]:
+    if not a:
+        return list(b)
+    if not b:
+        return a
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
+@torch.no_grad()
+def token_mismatch(
+    logp_train: torch.Tensor, logp_infer: torch.Tensor, loss_mask: torch.Tensor
+) -> MismatchStats:
+    """Mismatch sums over the positions where loss_mask is 1 (any matching shapes)."""
+    m = loss_mask.detach().reshape(-1) > 0
+    a = logp_train.detach().reshape(-1)[m].double()
+    b = logp_infer.detach().reshape(-1)[m].double()
+    if a.numel() == 0:
+        return MismatchStats()
+    log_r = a - b
+    # float64 exp overflows only past log r = 709; far beyond any ratio that means anything.
+    r = torch.exp(log_r.clamp(max=700.0))
+    k3 = r - 1.0 - log_r
+    p_abs = (a.exp() - b.exp()).abs()
+    low, high = RATIO_BAND
+    return MismatchStats(
+        tokens=float(a.numel()),
+        k3_sum=float(k3.sum().item()),
+        p_abs_sum=float(p_abs.sum().item()),
+        p_abs_max=float(p_abs.max().item()),
+        ratio_out=float(((r < low) | (r > high)).sum().item()),
+    )

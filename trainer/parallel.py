@@ -1,0 +1,228 @@
+"""Apply the trainer's performance configuration to a model: one code path, 1 CPU process to N GPUs.
+
+Order (as torchtitan's parallelize_qwen3, which this follows with its own functions):
+  1. attention kernel   DocumentAttention of trainer.attention in every block (trainer.attention)
+  2. context parallel   torchtitan's apply_cp_to_attention_module on the cp mesh (cp > 1)
+  3. activation ckpt    torchtitan's apply_ac: "selective" = per-op SAC with torchtitan's save list
+  4. torch.compile      each transformer block (after AC wrapping, before FSDP, as torchtitan)
+  5. FSDP2              each block its own unit, the root holding embeddings/norm/output (tied
+                        embedding and output weight stay one parameter); MixedPrecisionPolicy
+                        bf16 params/compute, float32 reduction; the sharded float32 parameters
+                        are the master weights the optimizer updates.
+
+FSDP needs a process group. Under torchrun (or any initialised group, even of one process, which is
+what bench/trainer/step.py uses) it is always applied, so bf16 is FSDP's mixed precision. A plain
+single process (the CPU default) has no FSDP; there `bfloat16` means torch.autocast, torchtitan's
+choice for single-device training (`autocast_context`).
+
+Parallel degrees come from trainer.tp / cp / ep and the process count through torchtitan's
+ParallelDims (dp = world / (tp * cp)). Not wired yet, and refused with a clear error: tp > 1 (the
+chunked log-prob head would need a vocabulary-parallel log-softmax, and tied embeddings a
+replicated output) and ep > 1 (the trainer's model builder makes dense Qwen3 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.common.config import TrainerSection
+from trainer.attention import enable_document_attention
+from trainer.batch import MicroBatch
+from trainer.packing import PackedMicroBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Degrees:
+    world: int
+    dp: int
+    tp: int
+    cp: int
+    ep: int
+
+    def data_rank(self, rank: int) -> int:
+        """Which data-parallel shard of the batch `rank` trains: ranks of one cp x tp group
+        share their samples (torchtitan's mesh order: batch, cp, tp; tp fastest)."""
+        return rank // (self.cp * self.tp)
+
+
+def degrees(tc: TrainerSection, world: int) -> Degrees:
+    """Validate trainer.tp/cp/ep against the actual process count; a clear error if they don't fit."""
+    if world % (tc.tp * tc.cp):
+        raise ValueError(
+            f"{world} trainer processes is not a multiple of trainer.tp * trainer.cp = {tc.tp} * {tc.cp}"
+            f" (trainer.nproc = {tc.nproc}; dp = nproc / (tp * cp))"
+        )
+    if world % tc.ep:
+        raise ValueError(f"trainer.ep = {tc.ep} does not divide the {world} trainer processes")
+    if tc.tp > 1:
+        raise NotImplementedError(
+            "trainer.tp > 1 is not wired: the chunked log-prob head needs a vocabulary-parallel"
+            " log-softmax first (use FSDP (dp) and cp)"
+        )
+    if tc.ep > 1:
+        raise NotImplementedError("trainer.ep > 1 is not wired: the trainer builds dense Qwen3 only")
+    from torchtitan.distributed import ParallelDims
+
+    # torchtitan's own consistency rules (dp * cp * tp * pp == world, ep vs etp), no mesh yet.
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=-1, cp=tc.cp, tp=tc.tp, pp=1, ep=tc.ep, etp=1, world_size=world
+    )
+    return Degrees(world=world, dp=dims.dp_shard, tp=tc.tp, cp=tc.cp, ep=tc.ep)
+
+
+def _device_type(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def build_meshes(deg: Degrees, device: torch.device) -> dict[str, Any]:
+    """{"fsdp": mesh of the dp * cp ranks FSDP shards over, "cp": the cp mesh or None}.
+
+    The layout is torchtitan's (batch outer, cp inner, as ParallelDims' dataloading/dense meshes),
+    built directly: ParallelDims.build_mesh assumes CUDA when no accelerator is present and gives
+    degree-1 dims a fake backend, so it cannot serve the CPU/gloo path or a 1-process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dt = _device_type(device)
+    if deg.cp == 1:
+        return {"fsdp": init_device_mesh(dt, (deg.world,), mesh_dim_names=("fsdp",)), "cp": None}
+    mesh = init_device_mesh(dt, (deg.dp, deg.cp), mesh_dim_names=("dp", "cp"))
+    return {"fsdp": mesh["dp", "cp"]._flatten("fsdp"), "cp": mesh["cp"]}
+
+
+def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> None:
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+
+    cfg = ActivationCheckpoint(mode=mode, selective_ac_option="op")
+    apply_ac(model, cfg, model_compile_enabled=compiled, op_sac_save_list=_op_sac_save_list)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile per transformer block: the blocks are identical, so one compile serves all."""
+    layers: nn.Module = model.layers  # type: ignore[assignment]
+    for name, block in list(layers.named_children()):
+        layers.register_module(name, torch.compile(block, fullgraph=True))
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # Reductions in float32 whatever the compute dtype: summing bf16 gradients over ranks and
+    # micro-batches loses the small per-token policy-gradient contributions.
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # One rank: nothing to free by resharding after forward, and backward would re-cast every
+    # parameter; several ranks: reshard (the memory is the point of FSDP).
+    reshard = mesh.size() > 1
+    for block in model.layers.values():  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def parallelize(
+    model: nn.Module, tc: TrainerSection, world: int, device: torch.device, distributed: bool
+) -> tuple[nn.Module, Degrees, dict[str, Any]]:
+    """Apply trainer.{attention, cp, activation_checkpoint, compile, dtype} and FSDP2 (when a
+    process group exists) to `model` (already on `device`, float32). Returns the model, the
+    parallel degrees and the meshes (empty without a process group)."""
+    deg = degrees(tc, world)
+    if tc.attention != "sdpa" and device.type != "cuda":
+        raise ValueError(f"trainer.attention {tc.attention!r} needs CUDA, the trainer runs on {device}")
+    enable_document_attention(model, tc.attention)
+    meshes: dict[str, Any] = build_meshes(deg, device) if distributed else {}
+    if deg.cp > 1:
+        if meshes.get("cp") is None:
+            raise ValueError("trainer.cp > 1 needs torchrun with nproc = dp * cp")
+        from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
+
+        apply_cp_to_attention_module(
+            [layer.attention.inner_attention for layer in model.layers.values()],  # type: ignore[union-attr]
+            meshes["cp"],
+            "sdpa",
+        )
+    if tc.activation_checkpoint != "none":
+        apply_activation_checkpoint(model, tc.activation_checkpoint, tc.compile)
+    if tc.compile:
+        apply_compile(model)
+    if distributed:
+        apply_fsdp(model, meshes["fsdp"], DTYPES[tc.dtype])
+    return model, deg, meshes
+
+
+def autocast_context(tc: TrainerSection, device: torch.device, distributed: bool) -> Any:
+    """bf16 without FSDP (a plain single process): autocast, float32 weights. With FSDP the
+    MixedPrecisionPolicy already casts, so nothing to do."""
+    if tc.dtype == "float32" or distributed:
+        return contextlib.nullcontext()
+    return torch.autocast(_device_type(device), dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------ context parallel inputs
+
+
+def _cp_pad(x: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
+    pad = -x.shape[1] % multiple
+    return torch.nn.functional.pad(x, (0, pad), value=value) if pad else x
+
+
+def cp_micro_batch(mb: MicroBatch | PackedMicroBatch, cp_mesh: Any, cp: int) -> PackedMicroBatch:
+    """This rank's sequence shard of a micro-batch, for trainer.cp > 1.
+
+    torchtitan's CP runs causal SDPA as ring attention over the cp ranks, so a micro-batch must be
+    causal as a whole: padded rows, or a pack of ONE sample (document masking across a CP split is
+    not supported). Every per-token tensor is padded at the end to a multiple of 2 * cp (padding
+    is causal-invisible and has loss mask 0) and sharded with the head-tail load balancer, the
+    same permutation for all of them, so targets, masks and RoPE positions stay aligned."""
+    from torchtitan.distributed.context_parallel import cp_shard
+
+    if isinstance(mb, PackedMicroBatch):
+        if len(mb.seq_lens) > 1:
+            raise ValueError(
+                "trainer.cp > 1 needs one sample per micro-batch: set trainer.packing = false or"
+                " trainer.micro_batch_tokens below twice the shortest sample"
+            )
+        inputs, targets, positions = mb.inputs, mb.targets, mb.positions
+        loss_mask, logp_infer, adv = mb.loss_mask, mb.logp_infer, mb.advantages
+    else:
+        inputs, targets = mb.inputs, mb.targets
+        b, t = inputs.shape
+        positions = torch.arange(t, device=inputs.device).expand(b, t)
+        loss_mask, logp_infer = mb.loss_mask, mb.logp_infer
+        adv = mb.advantages.to(torch.float32).unsqueeze(1).expand(b, t)
+    m = 2 * cp
+    bufs = (
+        _cp_pad(inputs, m, 0),
+        _cp_pad(targets, m, 0),
+        _cp_pad(positions, m, 0),
+        _cp_pad(loss_mask, m, 0.0),
+        _cp_pad(logp_infer, m, 0.0),
+        _cp_pad(adv.contiguous(), m, 0.0),
+    )
+    (inp, tgt, pos, mask, logp, a), _ = cp_shard(cp_mesh, bufs, None, "headtail")
+    return PackedMicroBatch(
+        inputs=inp,
+        targets=tgt,
+        positions=pos,
+        loss_mask=mask,
+        logp_infer=logp,
+        advantages=a,
+        seq_lens=[int(inp.shape[1])],  # one causal row for packed_logprobs
+        n_tokens=mb.n_tokens,
+    )
+
+
+def cp_dummy_inputs(cp_mesh: Any, cp: int, device: torch.device) -> torch.Tensor:
+    """A zero-weight micro-batch's inputs under CP: a sequence every cp rank can hold a shard of."""
+    from torchtitan.distributed.context_parallel import cp_shard
+
+    (x,), _ = cp_shard(
+        cp_mesh, (torch.zeros((1, 2 * cp), dtype=torch.long, device=device),), None, "headtail"
+    )
+    return x  # type: ignore[no-any-return]
