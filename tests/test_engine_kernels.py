@@ -25,7 +25,14 @@ from pydantic import ValidationError  # noqa: E402
 from services.common.config import EngineConfig, load_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.batch import BlockTables, ForwardBatch, HostBatch, Span, decode_splits  # noqa: E402
+from services.engine.batch import (  # noqa: E402
+    BlockTables,
+    ForwardBatch,
+    HostBatch,
+    Span,
+    decode_splits,
+    split_partition,
+)
 from services.engine.cuda_graphs import InputBuffers, ladder, padded_size  # noqa: E402
 from services.engine.kernels.paged_attention import (  # noqa: E402
     paged_attention,
@@ -99,10 +106,10 @@ def test_decode_kernel_other_tiles(block_n: int) -> None:
     from services.engine.kernels.paged_attention import decode_attention
 
     shapes = [(0, 1), (70, 1), (150, 1)]
-    _, ref, hb, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
+    _, _, hb, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
     assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.num_splits > 1
-    torch.manual_seed(0)
-    # run_kernels' q is the same stream's 4th draw; recompute the output on its own inputs instead
+    # Fresh inputs on the same batch layout (block tables, splits).
+    torch.manual_seed(1)
     n_pages = sum(-(-(s + n) // 4) for s, n in shapes) + 3
     kc = torch.randn(n_pages * 4, 2, 16, device=DEV)
     vc = torch.randn(n_pages * 4, 2, 16, device=DEV)
@@ -239,6 +246,12 @@ def test_decode_splits() -> None:
         for ctx in (1, 64, 65, 1000, 2048):
             splits, part = decode_splits(batch, 8, ctx, 132)
             assert part % 64 == 0 and splits * part >= ctx and (splits - 1) * part < ctx
+            # A graph captured for 32k contexts spreads a shorter batch over its splits: the
+            # smallest whole-tile partition with which they cover the context.
+            graph_splits = decode_splits(batch, 8, 32768, 132)[0]
+            p = split_partition(ctx, graph_splits)
+            assert p % 64 == 0 and graph_splits * p >= ctx and (p == 64 or graph_splits * (p - 64) < ctx)
+    assert split_partition(1000, 16) == 64 and split_partition(1500, 16) == 128
 
 
 def test_ladder_and_padding() -> None:
@@ -259,16 +272,17 @@ def test_graph_input_buffers_pad_rows() -> None:
     buf = InputBuffers(max_batch=8, width=5, device=torch.device("cpu"))
     spans, _ = make_spans([(3, 1), (9, 1), (0, 1)], page=4, n_pages=20)
     hb = HostBatch.build(spans, 4)
-    buf.fill(hb, 4)
+    buf.fill(hb, 4, 128)
     assert buf.ids[:3].tolist() == hb.ids.tolist()
     assert buf.slots[:4].tolist() == [*hb.slots.tolist(), -1]  # padding row stores nothing
     assert buf.ctx[:4].tolist() == [4, 10, 1, 0]  # and reads nothing
     assert buf.tables[1, :3].tolist() == spans[1].block_table
+    assert buf.partition.tolist() == [128]
     # A smaller batch next step turns the previous rows into padding again.
-    buf.fill(HostBatch.build(spans[:1], 4), 2)
+    buf.fill(HostBatch.build(spans[:1], 4), 2, 64)
     assert buf.slots[:2].tolist() == [hb.slots[0], -1] and buf.ctx[:2].tolist() == [4, 0]
     with pytest.raises(ValueError, match="width"):
-        buf.fill(HostBatch.build(make_spans([(30, 1)], 4, 20)[0], 4), 1)
+        buf.fill(HostBatch.build(make_spans([(30, 1)], 4, 20)[0], 4), 1, 64)
 
 
 def test_attention_backend_config() -> None:
@@ -287,26 +301,50 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_weights_dir(m, state, tmp_path_factory.mktemp("kern") / "step_0", {"version": 0})
 
 
-def test_engine_triton_backend_matches_torch(model_dir: Path) -> None:
+@pytest.mark.parametrize("backend", ["triton", "flex"])
+def test_engine_backend_matches_torch(model_dir: Path, backend: str) -> None:
     """Whole engine (chunked prefill, mixed and decode-only steps, paging, seeded sampling): the
-    triton and flex backends give the torch backend's tokens and log-probs."""
+    paged backends give the torch backend's tokens and log-probs."""
     base = dict(device="cpu", max_batch_size=8, max_seq_len=96, block_size=4, max_num_batched_tokens=24)
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 1, 17)]
     reqs = [
         GenerateRequest(
             input_ids=p,
-            sampling=SamplingParams(
-                temperature=0.0 if i % 2 else 1.0, max_tokens=12, seed=i, ignore_eos=True
-            ),
+            sampling=SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=8, seed=i, ignore_eos=True),
         )
         for i, p in enumerate(prompts)
     ]
     out = {}
-    for backend in ("torch", "triton", "flex"):
-        engine = LLMEngine(model_dir, EngineConfig(**base, attention_backend=backend))  # type: ignore[arg-type]
-        assert engine.attention_backend == backend and engine.graphs is None
-        out[backend] = engine.generate(reqs)
-    for other in ("triton", "flex"):
-        for a, b in zip(out["torch"], out[other], strict=True):
-            assert a.choices[0].output_ids == b.choices[0].output_ids
-            assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)
+    for name in ("torch", backend):
+        engine = LLMEngine(model_dir, EngineConfig(**base, attention_backend=name))  # type: ignore[arg-type]
+        assert engine.attention_backend == name and engine.graphs is None
+        out[name] = engine.generate(reqs)
+    for a, b in zip(out["torch"], out[backend], strict=True):
+        assert a.choices[0].output_ids == b.choices[0].output_ids
+        assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)
+
+
+def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
+    """The inputs a captured decode graph runs on (static buffers, padding rows, the per-step
+    partition) give the eager paged batch's hidden states. Only capture/replay itself needs a GPU."""
+    from services.engine.cuda_graphs import DecodeGraphs
+
+    cfg = EngineConfig(
+        device="cpu", max_batch_size=8, max_seq_len=96, block_size=4, attention_backend="triton"
+    )
+    engine = LLMEngine(model_dir, cfg)
+    for i, n in enumerate((5, 30, 17)):
+        engine.add_request(GenerateRequest(input_ids=list(range(3, 3 + n)), sampling=SamplingParams(seed=i)))
+    while engine.num_waiting or any(s.num_cached < len(s.prompt) for s in engine.scheduler.running):
+        engine.step()
+    plan = engine.scheduler.schedule()
+    spans = [Span(s.block_table, s.num_cached, s.uncached_tokens()[:n]) for s, n in plan.compute]
+    hb = HostBatch.build(spans, 4, engine.block_tables)
+    assert hb.decode_only and len(spans) == 3
+    eager = engine.model(hb.to_forward_batch(engine.device, 2, engine.num_sms), engine.kv)
+    graphs = DecodeGraphs(engine.model, engine.kv, 8, num_sms=64, device=engine.device)
+    size = padded_size(len(spans), graphs.sizes)
+    assert size == 4 and graphs.splits[size] > 1  # a padding row, and the merge kernel
+    graphs.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), graphs.splits[size]))
+    static = engine.model(graphs.static_batch(size), engine.kv)
+    torch.testing.assert_close(static[: len(spans)], eager, atol=1e-5, rtol=1e-5)

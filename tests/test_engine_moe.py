@@ -289,8 +289,8 @@ def test_expert_kernels_compute_the_same_function() -> None:
     w = torch.rand(40, 2, generator=g)
     loop = ex(x, ids, w, kernel="loop")
     assert ex.kernel_for(x) == "loop"  # on CPU
-    torch.testing.assert_close(ex(x, ids, w, kernel="grouped"), loop, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ex(x, ids, w, kernel="gather"), loop, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ex(x, ids, w, kernel="grouped"), loop, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ex(x, ids, w, kernel="gather"), loop, atol=1e-4, rtol=1e-5)
     # and both are the plain definition
     ref = torch.zeros_like(x)
     for t in range(40):
@@ -456,3 +456,20 @@ def test_weight_update_in_place_matches_fresh_engine(tmp_path: Path) -> None:
     new = engine_logprobs(eng, tokens)
     assert (new - old).abs().max() > 0.1
     torch.testing.assert_close(new, engine_logprobs(engine(dirs[1]), tokens), atol=0, rtol=0)
+
+
+def test_routing_survives_preemption(pair) -> None:
+    """A pool too small for all sequences preempts (pages freed, recomputed later); the ids of
+    the recomputed tokens come from the recompute and still equal HF's router top-k."""
+    _, hf, d = pair
+    eng = engine(d, block_size=4, num_kv_blocks=16)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=4)
+    prompts = [list(range(10 + i, 30 + i)) for i in range(4)]  # 4 x 36 tokens > 64 slots
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
+    resps = eng.generate(reqs)
+    assert eng.stats.preemptions_total > 0
+    for prompt, resp in zip(prompts, resps, strict=True):
+        choice = resp.choices[0]
+        assert choice.routed_experts is not None and len(choice.output_ids) == 16
+        ids = routing.decode(choice.routed_experts)
+        assert_same_experts(ids[:-1], hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))

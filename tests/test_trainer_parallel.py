@@ -304,3 +304,109 @@ def test_single_process_bf16_is_autocast_close_to_float32(redis_server: str, tmp
         assert all(p.dtype == torch.float32 for p in t.model.parameters())
     assert not torch.equal(losses["float32"], losses["bfloat16"])  # autocast really ran in bf16
     torch.testing.assert_close(losses["bfloat16"], losses["float32"], rtol=0.02, atol=5e-3)
+
+
+@pytest.mark.slow  # ~100 s: inductor compiles the blocks for the CPU
+def test_compile_with_selective_ac_keeps_gradients() -> None:
+    """trainer.compile after selective AC (torchtitan's order), document mask held over backward:
+    the same gradients, under the same (wrapper-free) names, as the plain model."""
+    from trainer.publish import clean_name
+
+    mb = packed_micro_batches(_samples(6, seed=1), 64)[0]
+    assert len(mb.seq_lens) > 1
+
+    def grads(**knobs: Any) -> dict[str, torch.Tensor]:
+        model = enable_chunked_output(build_model(M, seed=0))
+        model, _, _ = parallelize(model, TrainerSection(**knobs), 1, torch.device("cpu"), distributed=False)
+        with micro_batch_attention(model, mb):
+            logp, _ = packed_logprobs(model, mb, chunk=16)
+            logp.sum().backward()
+        return {clean_name(k): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    plain, compiled = grads(), grads(compile=True, activation_checkpoint="selective")
+    assert plain.keys() == compiled.keys() and len(plain) > 10
+    for k in plain:
+        torch.testing.assert_close(compiled[k], plain[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+# ------------------------------------------------------------------ expert parallel, 2 gloo processes
+
+MOE = ModelConfig(
+    arch="qwen3_moe",
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    hidden_dim=64,
+    n_routed_experts=4,
+    n_experts_per_tok=2,
+    moe_hidden_dim=32,
+)
+
+
+def _ep_worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, Any]) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    from torch.distributed.tensor import DTensor
+
+    from trainer.train import Dist, Trainer
+
+    d = Dist("cpu")
+    try:
+        for ep in (1, 2):
+            cfg = RunConfig()
+            cfg.model = MOE
+            cfg.redis.prefix = d.broadcast(f"tp-{uuid.uuid4().hex[:8]}")
+            cfg.trainer.nproc = 2
+            cfg.trainer.ep = ep
+            cfg.trainer.lr = 3e-3
+            cfg.trainer.packing = True
+            cfg.trainer.micro_batch_tokens = 48
+            cfg.trainer.router_replay = False
+            run_dir = Path(root) / f"ep{ep}"
+            t = Trainer(cfg, run_dir, redis_url, d)
+            t.setup()
+            res = [t.train_step(_groups(s)) for s in range(3)]
+            t.publisher.publish(t.model, 99, run_dir / "weights" / "step_99")
+            t.publisher.wait()
+            t._write_weights(98)
+            w1 = t.model.layers["0"].moe.experts.w1
+            assert isinstance(w1, DTensor)
+            if rank == 0:
+                out[ep] = {
+                    "losses": [r.loss for r in res],
+                    "grad_norms": [r.grad_norm for r in res],
+                    "expert_mesh": list(w1.device_mesh.mesh_dim_names or ()),
+                    "local_experts": int(w1.to_local().shape[0]),
+                }
+    finally:
+        d.close()
+
+
+def test_expert_parallel_matches_fsdp_only(redis_server: str, tmp_path: Path) -> None:
+    """trainer.ep = 2 on 2 processes: experts split over the ranks (all-to-all dispatch), yet the
+    same losses, gradient norms and trained weights as plain FSDP; publishing gathers them back
+    into HF's per-expert tensors exactly as the full-state-dict path does."""
+    out = mp.Manager().dict()
+    mp.start_processes(
+        _ep_worker, args=(_free_port(), redis_server, str(tmp_path), out), nprocs=2, start_method="fork"
+    )
+    fsdp, ep = out[1], out[2]
+    assert ep["expert_mesh"] == ["efsdp", "ep"] and ep["local_experts"] == 2  # 4 experts / 2 ranks
+    assert fsdp["local_experts"] == 2  # FSDP alone shards the 4 experts' dim 0 too
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(fsdp["losses"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(ep["grad_norms"]), torch.tensor(fsdp["grad_norms"]), rtol=1e-5, atol=1e-6
+    )
+    w_fsdp, w_ep = (
+        _load(tmp_path / "ep1" / "weights" / "step_99"),
+        _load(tmp_path / "ep2" / "weights" / "step_99"),
+    )
+    assert w_fsdp.keys() == w_ep.keys() and any(".mlp.experts.3." in k for k in w_ep)
+    for k in w_fsdp:
+        torch.testing.assert_close(w_ep[k], w_fsdp[k], rtol=1e-4, atol=1e-5, msg=k)
+    for run in ("ep1", "ep2"):
+        _assert_same_dirs(tmp_path / run / "weights" / "step_99", tmp_path / run / "weights" / "step_98")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.model import FeedForward, Qwen3Model
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from services.common.config import ModelConfig
+from services.common.config import ModelConfig, RopeScaling
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
 
@@ -22,9 +23,13 @@ def moe_args(m: ModelConfig) -> MoEArgs:
     """torchtitan MoE settings computing HF Qwen3-MoE's function (Qwen3MoeSparseMoeBlock)."""
     if m.arch != "qwen3_moe":
         raise ValueError(f"the trainer builds MoE only for arch qwen3_moe (got {m.arch!r})")
-    if m.n_shared_experts or m.expert_bias:
-        raise ValueError("qwen3_moe has no shared experts and no expert-score correction bias")
-    grouped = m.n_group > 1
+    # What HF Qwen3-MoE (and so the published config.json, services/common/modeldir.py) can say.
+    if m.n_shared_experts or m.expert_bias or m.n_group != 1 or m.routed_scaling_factor != 1.0:
+        raise ValueError(
+            "qwen3_moe has no shared experts, expert-score bias, group-limited routing or routed scaling"
+        )
+    if m.router_score != "softmax":
+        raise ValueError("qwen3_moe routes by softmax scores (model.router_score)")
     return MoEArgs(
         num_experts=m.n_routed_experts,
         num_shared_experts=0,
@@ -35,8 +40,8 @@ def moe_args(m: ModelConfig) -> MoEArgs:
         # HF weights each expert's OUTPUT by its score (the SwiGLU is not linear, so order matters).
         score_before_experts=False,
         top_k=m.n_experts_per_tok,
-        num_expert_groups=m.n_group if grouped else None,
-        num_limited_groups=m.topk_group if grouped else None,
+        num_expert_groups=None,
+        num_limited_groups=None,
         # The for-loop path computes in the parameters' dtype on any device; torchtitan's grouped
         # GEMM casts to bf16, which would add a trainer/inference mismatch of its own.
         use_grouped_mm=False,
@@ -46,11 +51,59 @@ def moe_args(m: ModelConfig) -> MoEArgs:
     )
 
 
+# --- RoPE scaling and Llama-3 (owner: HF-models follow-up; keep this block together) ---------
+#
+# arch "llama3" trains on torchtitan's Qwen3 with qk_norm = false (ModelConfig makes that the
+# llama3 default and refuses qk_norm = true): Llama-3's decoder is Qwen3's minus QK-norm (same
+# HF parameter names, RMSNorm, SwiGLU, rotate_half RoPE), so no second model definition is
+# needed; tests/test_hf_models_e2e.py checks trainer and engine log-probs agree on one.
+# torchtitan's args have no field for Llama-3.1 rope scaling, hence the two subclasses below.
+
+
+@dataclass
+class RelayQwen3ModelArgs(Qwen3ModelArgs):
+    """Qwen3ModelArgs plus Llama-3.1 RoPE frequency scaling (None: plain RoPE)."""
+
+    rope_scaling: RopeScaling | None = None
+
+
+def scaled_rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """torchtitan's precompute_rope_cache layout ([max_seq_len, 2 * head_dim]: cos then sin of
+    the duplicated angles) with the engine's llama3 frequency scaling applied first: the same
+    float32 arithmetic as services/engine/model.py's rope_cache."""
+    # Imported here: the engine package is only needed by rope-scaled models.
+    from services.engine.rope_scaling import llama3_scale_freqs
+
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    freqs = llama3_scale_freqs(freqs, scaling)
+    t = torch.arange(max_seq_len, dtype=freqs.dtype, device=freqs.device)
+    angles = torch.outer(t, freqs).float()
+    emb = torch.cat([angles, angles], dim=-1)
+    return torch.cat([emb.cos(), emb.sin()], dim=-1)
+
+
+class RelayQwen3Model(Qwen3Model):
+    """torchtitan's Qwen3Model with the rope-scaled cache when the args ask for it. Qwen3Model
+    builds its (non-persistent) `rope_cache` buffer only through `_precompute_rope_cache`, in
+    __init__ and in init_weights, so overriding it replaces the frequencies everywhere."""
+
+    def _precompute_rope_cache(self) -> torch.Tensor:
+        scaling = getattr(self.model_args, "rope_scaling", None)
+        if scaling is None:
+            return super()._precompute_rope_cache()
+        a = self.model_args
+        return scaled_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, scaling)
+
+
+# --- end of the RoPE scaling / Llama-3 block -------------------------------------------------
+
+
 def model_args(m: ModelConfig) -> Qwen3ModelArgs:
     moe = (
         {"moe_enabled": True, "moe_inter_dim": m.moe_hidden_dim, "moe_args": moe_args(m)} if m.is_moe else {}
     )
-    return Qwen3ModelArgs(
+    return RelayQwen3ModelArgs(
+        rope_scaling=m.rope_scaling,
         dim=m.dim,
         n_layers=m.n_layers,
         n_heads=m.n_heads,
@@ -87,7 +140,7 @@ def build_model(
     """
     args = model_args(m)
     with torch.device(device):
-        model = Qwen3Model(args)
+        model = RelayQwen3Model(args)
         _moe_blocks(model, m)
     if seed is not None:
         torch.manual_seed(seed)

@@ -66,8 +66,6 @@ def degrees(tc: TrainerSection, world: int) -> Degrees:
             "trainer.tp > 1 is not wired: the chunked log-prob head needs a vocabulary-parallel"
             " log-softmax first (use FSDP (dp) and cp)"
         )
-    if tc.ep > 1:
-        raise NotImplementedError("trainer.ep > 1 is not wired: the trainer builds dense Qwen3 only")
     from torchtitan.distributed import ParallelDims
 
     # torchtitan's own consistency rules (dp * cp * tp * pp == world, ep vs etp), no mesh yet.
@@ -90,10 +88,19 @@ def build_meshes(deg: Degrees, device: torch.device) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     dt = _device_type(device)
+    out: dict[str, Any] = {"cp": None, "ep": None, "efsdp": None}
     if deg.cp == 1:
-        return {"fsdp": init_device_mesh(dt, (deg.world,), mesh_dim_names=("fsdp",)), "cp": None}
-    mesh = init_device_mesh(dt, (deg.dp, deg.cp), mesh_dim_names=("dp", "cp"))
-    return {"fsdp": mesh["dp", "cp"]._flatten("fsdp"), "cp": mesh["cp"]}
+        out["fsdp"] = init_device_mesh(dt, (deg.world,), mesh_dim_names=("fsdp",))
+    else:
+        mesh = init_device_mesh(dt, (deg.dp, deg.cp), mesh_dim_names=("dp", "cp"))
+        out.update(fsdp=mesh["dp", "cp"]._flatten("fsdp"), cp=mesh["cp"])
+    if deg.ep > 1:
+        # torchtitan's sparse mesh: routed experts split over ep (inner, so an EP group is
+        # consecutive ranks) and FSDP-sharded over the efsdp = world / ep ranks holding the same
+        # experts. One root mesh, so FSDP can stack its sharding on the EP DTensors.
+        sparse = init_device_mesh(dt, (deg.world // deg.ep, deg.ep), mesh_dim_names=("efsdp", "ep"))
+        out.update(ep=sparse["ep"], efsdp=sparse["efsdp"])
+    return out
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> None:
@@ -105,15 +112,50 @@ def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> 
     apply_ac(model, cfg, model_compile_enabled=compiled, op_sac_save_list=_op_sac_save_list)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile per transformer block: the blocks are identical, so one compile serves all."""
-    layers: nn.Module = model.layers  # type: ignore[assignment]
-    for name, block in list(layers.named_children()):
-        layers.register_module(name, torch.compile(block, fullgraph=True))
+def apply_compile(model: nn.Module, ep: bool) -> None:
+    """torchtitan's per-block torch.compile (identical blocks: one compile serves all); MoE
+    blocks get their submodules compiled around the experts (data-dependent token counts)."""
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama4.infra.parallelize import apply_compile as tt_apply_compile
+
+    tt_apply_compile(model, Compile(enable=True, components=["model"]), ep)
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype) -> None:
+def _moe_blocks(model: nn.Module) -> list[nn.Module]:
+    return [b for b in model.layers.values() if getattr(b, "moe_enabled", False)]  # type: ignore[union-attr]
+
+
+def _permute_indices_on_cpu() -> None:
+    """torchtitan's EP token permutation calls its Triton kernel unless told use_cpu; route CPU
+    tensors (the gloo path) to its CPU implementation. Idempotent."""
+    import torchtitan.models.moe.utils as moe_utils
+
+    orig = moe_utils.generate_permute_indices
+    if getattr(orig, "relay_cpu_aware", False):
+        return
+
+    def generate_permute_indices(tokens_per_expert_group: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        if tokens_per_expert_group.device.type == "cpu":
+            kw["use_cpu"] = True
+        return orig(tokens_per_expert_group, *args, **kw)
+
+    generate_permute_indices.relay_cpu_aware = True  # type: ignore[attr-defined]
+    moe_utils.generate_permute_indices = generate_permute_indices
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: Any, device: torch.device) -> None:
+    """torchtitan's apply_moe_ep_tp with EP only: each MoE layer's routed experts are split over
+    the ep ranks (Shard(0) on the expert dim) with all-to-all token dispatch / combine."""
+    from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
+
+    if device.type == "cpu":
+        _permute_indices_on_cpu()
+    apply_moe_ep_tp(model, tp_mesh=None, ep_mesh=ep_mesh, etp_mesh=None, ep_etp_mesh=None)
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype, efsdp_mesh: Any = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     # Reductions in float32 whatever the compute dtype: summing bf16 gradients over ranks and
     # micro-batches loses the small per-token policy-gradient contributions.
@@ -122,6 +164,22 @@ def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype) -> None:
     # parameter; several ranks: reshard (the memory is the point of FSDP).
     reshard = mesh.size() > 1
     for block in model.layers.values():  # type: ignore[union-attr]
+        if efsdp_mesh is not None and getattr(block, "moe_enabled", False):
+            experts = block.moe.experts
+            ep = experts.w1.device_mesh.size()
+            # More expert shards than experts: shard FSDP on dim 1 instead (torchtitan's rule).
+            placement = (lambda _p: Shard(1)) if efsdp_mesh.size() * ep > experts.num_experts else None
+            fully_shard(
+                experts,
+                mesh=efsdp_mesh,
+                mp_policy=mp,
+                reshard_after_forward=reshard,
+                shard_placement_fn=placement,
+            )
+            # Gradient scale: the loss is multiplied by dp * cp (= the dense FSDP mesh size, whose
+            # average then gives the global sum). An expert's gradient already sums its EP group's
+            # tokens, and its replicas are only the efsdp ranks: divide by the same dp * cp.
+            experts.set_gradient_divide_factor(float(mesh.size()))
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
 
@@ -137,6 +195,12 @@ def parallelize(
         raise ValueError(f"trainer.attention {tc.attention!r} needs CUDA, the trainer runs on {device}")
     enable_document_attention(model, tc.attention)
     meshes: dict[str, Any] = build_meshes(deg, device) if distributed else {}
+    if deg.ep > 1:
+        if not _moe_blocks(model):
+            raise ValueError("trainer.ep > 1 needs a MoE model (model.arch qwen3_moe)")
+        if not distributed:
+            raise ValueError("trainer.ep > 1 needs torchrun with trainer.nproc processes")
+        apply_expert_parallel(model, meshes["ep"], device)
     if deg.cp > 1:
         if meshes.get("cp") is None:
             raise ValueError("trainer.cp > 1 needs torchrun with nproc = dp * cp")
@@ -150,10 +214,20 @@ def parallelize(
     if tc.activation_checkpoint != "none":
         apply_activation_checkpoint(model, tc.activation_checkpoint, tc.compile)
     if tc.compile:
-        apply_compile(model)
+        apply_compile(model, deg.ep > 1)
     if distributed:
-        apply_fsdp(model, meshes["fsdp"], DTYPES[tc.dtype])
+        apply_fsdp(model, meshes["fsdp"], DTYPES[tc.dtype], meshes.get("efsdp"))
     return model, deg, meshes
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, deg: Degrees) -> torch.Tensor:
+    """clip_grad_norm_ over every parameter; with EP, torchtitan's version, which combines the
+    norms of the expert (sparse mesh) and dense parameters (torch's cannot mix meshes)."""
+    if deg.ep > 1:
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        return clip_grad_norm_(list(model.parameters()), max_norm, ep_enabled=True)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def autocast_context(tc: TrainerSection, device: torch.device, distributed: bool) -> Any:

@@ -65,7 +65,14 @@ from trainer.loss import LossStats, ratio_loss
 from trainer.mismatch import MismatchStats, token_mismatch
 from trainer.model import build_model, load_weights_dir, moe_layer_ids, save_weights_dir
 from trainer.packing import PackedMicroBatch, packed_micro_batches
-from trainer.parallel import Degrees, autocast_context, cp_dummy_inputs, cp_micro_batch, parallelize
+from trainer.parallel import (
+    Degrees,
+    autocast_context,
+    clip_grad_norm,
+    cp_dummy_inputs,
+    cp_micro_batch,
+    parallelize,
+)
 from trainer.publish import Publisher  # perf path (issue 9)
 from trainer.replay import enable_router_replay, micro_batch_routes, routing
 
@@ -513,7 +520,7 @@ class Trainer:
                 with amp:
                     out = self.model(dummy)
                 (out.sum() * 0.0).backward()
-        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip))
+        grad_norm = _to_float(clip_grad_norm(self.model, tc.grad_clip, deg))  # perf path: EP-aware
         self.opt.step()
         tot = self.d.all_reduce(
             torch.cat([stats.as_tensor(), torch.tensor([float(n_tokens)], dtype=torch.float64)])

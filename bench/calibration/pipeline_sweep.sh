@@ -14,6 +14,7 @@ fi
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CPUS_PER_RUN=${CPUS_PER_RUN:-2}
+CPU_OFFSET=${CPU_OFFSET:-0}  # first core to use (leave lower ones to a concurrent GPU benchmark)
 { date -u; lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core"; echo "CPUS_PER_RUN=$CPUS_PER_RUN"; echo "RUNS:"; echo "${RUNS:-default}"; } > "$OUT/machine.txt"
 # One configuration per line: name, then overrides.
 RUNS=${RUNS:-"base --run.max_steps=250 --run.stop_on_targets=false"}
@@ -22,7 +23,7 @@ i=0
 while read -r name args; do
   [ -n "$name" ] || continue
   names+=("$name")
-  first=$((i * CPUS_PER_RUN)); last=$((first + CPUS_PER_RUN - 1))
+  first=$((CPU_OFFSET + i * CPUS_PER_RUN)); last=$((first + CPUS_PER_RUN - 1))
   # shellcheck disable=SC2086
   taskset -c "$first-$last" python3 -m sbatch.launch run debug --run.dir=/tmp/p_$name $args > "/tmp/p_$name.log" 2>&1 &
   i=$((i + 1))

@@ -84,10 +84,10 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def bench_ms(fn: Callable[[], Any]) -> float:
+def bench_ms(fn: Callable[[], Any], grad_to_none: list[torch.Tensor] | None = None) -> float:
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"))
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -197,9 +197,15 @@ def self_check(dev: torch.device) -> dict[str, Any]:
 # ------------------------------------------------------------------ dense
 
 
-def timed(row: dict[str, Any], name: str, flops: float, fn: Callable[[], Any]) -> None:
+def timed(
+    row: dict[str, Any],
+    name: str,
+    flops: float,
+    fn: Callable[[], Any],
+    grad_to_none: list[torch.Tensor] | None = None,
+) -> None:
     """Time fn into row["ms"][name] / row["tflops"][name], or record its error."""
-    ms, err = attempt(partial(bench_ms, fn))
+    ms, err = attempt(partial(bench_ms, fn, grad_to_none))
     if err:
         row["errors"][name] = err
         return
@@ -397,13 +403,14 @@ def train_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
     grad = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
     flops = 3 * 2.0 * m * n * k
     row: dict[str, Any] = {"M": m, "N": n, "K": k, "ms": {}, "tflops": {}, "errors": {}}
-    timed(row, "bf16", flops, partial(fwd_bwd, partial(F.linear, x, w), grad))
-    timed(row, "fp8_fwd_bf16_bwd", flops, partial(fwd_bwd, partial(fp8_linear, x, w), grad))
+    timed(row, "bf16", flops, partial(fwd_bwd, partial(F.linear, x, w), grad), [x, w])
+    timed(row, "fp8_fwd_bf16_bwd", flops, partial(fwd_bwd, partial(fp8_linear, x, w), grad), [x, w])
     timed(
         row,
         "fp8_fwd_fp8_dgrad",
         flops,
         partial(fwd_bwd, partial(fp8_linear, x, w, None, False, "auto", True), grad),
+        [x, w],
     )
     bf = row["ms"].get("bf16")
     row["speedup_vs_bf16"] = {v: bf / ms for v, ms in row["ms"].items() if bf and v != "bf16"}

@@ -94,10 +94,19 @@ def machine() -> dict[str, Any]:
     return out
 
 
+def command() -> str:
+    """How this benchmark was run, as one would type it (`python -m bench.kv.x ...`)."""
+    script = Path(sys.argv[0]).resolve()
+    if script.suffix == ".py" and script.is_relative_to(REPO_ROOT):
+        module = ".".join(script.relative_to(REPO_ROOT).with_suffix("").parts)
+        return " ".join(["python", "-m", module, *sys.argv[1:]])
+    return " ".join(["python", *sys.argv])
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     full = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command(),
         "machine": machine(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **result,

@@ -118,6 +118,9 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     t_start = time.perf_counter()
     sent = 0
     threads = []
+    prev_end = 0.0
+    # (step ms, ms between steps, tokens fed, pages imported) of every step: what made a step slow
+    slow: list[tuple[float, float, int, int]] = []
     while True:
         now = time.perf_counter()
         while sent < args.long_count and now - t_start >= sent * args.long_every_s:
@@ -139,10 +142,22 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
             i, req = ready.get()
             long_states[i] = eng.add_request(req)
         t0 = time.perf_counter()
+        fed = eng.stats.computed_tokens_total
+        imported = eng.pages.imported_pages_total
         eng.step()
         sync()
         now = time.perf_counter()
         step_ms.append((now - t0) * 1000)
+        gap_ms = (t0 - prev_end) * 1000 if prev_end else 0.0  # time outside step(): the loop itself
+        prev_end = now
+        slow.append(
+            (
+                step_ms[-1],
+                gap_ms,
+                eng.stats.computed_tokens_total - fed,
+                eng.pages.imported_pages_total - imported,
+            )
+        )
         for s in streams:
             n = len(s.seqs[0].output)
             if n > count[id(s)]:
@@ -164,6 +179,14 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         "itl_ms_max": max(itl) if itl else float("nan"),
         "itl_samples": len(itl),
         "step_ms_p50": percentile(step_ms, 50),
+        "slowest_steps": [
+            {"step_ms": a, "gap_before_ms": b, "tokens_fed": c, "pages_imported": d}
+            for a, b, c, d in sorted(slow, reverse=True)[:8]
+        ],
+        "largest_gaps": [
+            {"step_ms": a, "gap_before_ms": b, "tokens_fed": c, "pages_imported": d}
+            for a, b, c, d in sorted(slow, key=lambda x: -x[1])[:4]
+        ],
         "long_ttft_ms": ttft,
         "long_served": len(firsts),
         "streams_unfinished_at_end": sum(not s.finished for s in streams),

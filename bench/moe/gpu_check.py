@@ -255,7 +255,15 @@ def main() -> None:
                 device,
                 args.smoke,
                 [fp32 | {"attention_backend": "torch"}, bf16 | {"attention_backend": "torch"}]
-                + ([bf16 | {"attention_backend": "triton", "cuda_graphs": True}] if cuda else []),
+                # CUDA-graph decode: bf16 runs _grouped_mm inside the graph, float32 the gather kernel
+                + (
+                    [
+                        bf16 | {"attention_backend": "triton", "cuda_graphs": True},
+                        fp32 | {"attention_backend": "triton", "cuda_graphs": True},
+                    ]
+                    if cuda
+                    else []
+                ),
             ),
         ),
         ("deepseek_v3", lambda: phase_engine("deepseek_v3", device, args.smoke, [fp32, bf16])),

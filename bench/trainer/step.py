@@ -100,6 +100,20 @@ SHAPES = {
     "0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072),
     "4b": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=9728),
     "tiny": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256),
+    # Qwen3-30B-A3B with 12 of its 48 layers (fits 2 GPUs with float32 master weights + Adam)
+    "30b-a3b": dict(
+        arch="qwen3_moe",
+        dim=2048,
+        n_layers=12,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        hidden_dim=6144,
+        n_routed_experts=128,
+        n_experts_per_tok=8,
+        moe_hidden_dim=768,
+        tie_embeddings=False,
+    ),
 }
 # name -> trainer knobs (+ "pack": packed mixed-length documents instead of one sequence)
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -116,10 +130,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         pack=True, attention="varlen", activation_checkpoint="selective", compile=True
     ),
     "packed+varlen+full_ac": dict(pack=True, attention="varlen", activation_checkpoint="full"),
+    # MoE: the trainer's experts run a per-expert loop (use_grouped_mm=False, chosen for parity
+    # with inference); +grouped_mm switches to torchtitan's torch._grouped_mm (bf16) path.
+    "bf16+sac+grouped_mm": dict(activation_checkpoint="selective", grouped_mm=True),
 }
 DEFAULT_VARIANTS = {
     "0.6b": ["bf16", "bf16+sac", "bf16+compile", "packed+sdpa(dense mask)", "packed+varlen", "packed+flex"],
     "4b": ["bf16+sac", "bf16+full_ac", "bf16+sac+compile", "packed+varlen+sac"],
+    "30b-a3b": ["bf16+sac", "bf16+sac+grouped_mm"],
 }
 CHUNK = 4096  # trainer.logprob_chunk_tokens: 4096 x 151936 float32 logits = 2.5 GB per chunk
 
@@ -153,21 +171,27 @@ class Ctx:
 
 
 def model_config(shape: str, max_len: int) -> ModelConfig:
+    kw: dict[str, Any] = {"tie_embeddings": True, **SHAPES[shape]}
     vocab = 512 if shape == "tiny" else VOCAB
-    return ModelConfig(
-        vocab_size=vocab, max_seq_len=max_len, rope_theta=1e6, tie_embeddings=True, **SHAPES[shape]
-    )
+    return ModelConfig(vocab_size=vocab, max_seq_len=max_len, rope_theta=1e6, **kw)
 
 
 def n_params(m: ModelConfig) -> int:
+    """Parameters a token passes through (MoE: the router and its top-k experts only)."""
+    ffn = (
+        m.dim * m.n_routed_experts + m.n_experts_per_tok * 3 * m.dim * m.moe_hidden_dim
+        if m.is_moe
+        else 3 * m.dim * m.hidden_dim
+    )
     per_layer = (
         m.dim * m.n_heads * m.head_dim * 2  # wq, wo
         + m.dim * m.n_kv_heads * m.head_dim * 2  # wk, wv
-        + 3 * m.dim * m.hidden_dim
+        + ffn
         + 2 * m.dim
         + 2 * m.head_dim
     )
-    return m.vocab_size * m.dim + m.n_layers * per_layer + m.dim
+    embed = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+    return embed + m.n_layers * per_layer + m.dim
 
 
 def step_flops(m: ModelConfig, doc_lens: list[int]) -> float:
@@ -225,18 +249,23 @@ def free() -> None:
 
 
 def build_ours(
-    m: ModelConfig, knobs: dict[str, Any], ctx: Ctx, dtype: str = "bfloat16", cp: int = 1
+    m: ModelConfig, knobs: dict[str, Any], ctx: Ctx, dtype: str = "bfloat16", cp: int = 1, ep: int = 1
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Degrees, dict[str, Any]]:
     tc = TrainerSection(
         nproc=ctx.world,
         device="cuda" if ctx.cuda else "cpu",
         dtype=dtype,  # type: ignore[arg-type]
         cp=cp,
+        ep=ep,
         logprob_chunk_tokens=CHUNK,
         packing=True,
-        **{k: v for k, v in knobs.items() if k != "pack"},
+        **{k: v for k, v in knobs.items() if k not in ("pack", "grouped_mm")},
     )
     model = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
+    if knobs.get("grouped_mm"):
+        for block in model.layers.values():  # type: ignore[union-attr]
+            if getattr(block, "moe_enabled", False):
+                block.moe.experts.use_grouped_mm = True
     model, deg, meshes = parallelize(model, tc, ctx.world, ctx.device, distributed=True)
     # As trainer/train.py builds it.
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
@@ -393,11 +422,11 @@ def correctness(ctx: Ctx) -> dict[str, Any]:
 
 
 def run_ours(
-    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, publish: bool
+    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, ep: int, publish: bool
 ) -> dict[str, Any]:
     knobs = VARIANTS[variant]
     m = model_config(shape, max(tokens, 4096))
-    model, opt, deg, meshes = build_ours(m, knobs, ctx, cp=cp)
+    model, opt, deg, meshes = build_ours(m, knobs, ctx, cp=cp, ep=ep)
     if knobs.get("pack"):
         lens_per_rank = [mixed_lengths(tokens, seed=r) for r in range(deg.dp)]
     else:
@@ -443,6 +472,8 @@ def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) ->
                 "write_s": last.write_s if last else None,
                 "bytes": last.bytes if last else None,
             }
+            if i == 1:  # keep one copy on disk (4B float32 is 16 GB)
+                shutil.rmtree(root / "weights" / "step_1", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
@@ -487,6 +518,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant; median of the 3rd..")
     p.add_argument("--variants", default="", help="comma list (default: per shape, see DEFAULT_VARIANTS)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (torchrun)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (torchrun, MoE shape)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-publish", action="store_true")
@@ -537,7 +569,9 @@ def main() -> int:
             pub = shape == args.publish_shape and i == 0 and not args.no_publish
             attempt(
                 f"{shape}/ours/{v}",
-                lambda s=shape, v=v, pub=pub: run_ours(ctx, s, v, args.tokens, args.steps, args.cp, pub),
+                lambda s=shape, v=v, pub=pub: run_ours(
+                    ctx, s, v, args.tokens, args.steps, args.cp, args.ep, pub
+                ),
             )
     report["total_s"] = time.monotonic() - ctx.t0
     save()

@@ -105,8 +105,22 @@ class ModelConfig(Strict):
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _qk_norm_default_from_arch(cls, data: Any) -> Any:
+        # Llama-3 has no QK-norm: an arch = "llama3" config that does not say otherwise gets
+        # qk_norm = false (the field default, true, is Qwen3's); saying true is an error (below).
+        if isinstance(data, dict) and data.get("arch") == "llama3" and "qk_norm" not in data:
+            return {**data, "qk_norm": False}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
+        if self.arch == "llama3" and self.qk_norm:
+            raise ValueError(
+                "qk_norm: arch llama3 (Llama-3) has no QK-norm; drop qk_norm (or set it false), "
+                "or use arch qwen3 for a QK-normed model"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.is_moe:
@@ -422,6 +436,10 @@ class TrainerSection(Strict):
         if self.fp8 and self.tp > 1:
             # Block scales are computed on whole 128x128 weight tiles; a TP shard sees only part.
             raise ValueError("trainer.fp8 needs trainer.tp = 1")
+        if self.fp8 and self.compile:
+            # compile uses fullgraph=True; the FP8 linear's kernel dispatch (Python, try/except
+            # fallbacks, Triton launches) has not been made traceable.
+            raise ValueError("trainer.fp8 cannot be combined with trainer.compile yet")
         if self.nproc % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.nproc ({self.nproc})")
         if self.attention != "sdpa" and self.device == "cpu":

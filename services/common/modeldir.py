@@ -108,7 +108,8 @@ MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "glm_moe_dsa")
 
 
 def _moe_mla_hf(m: ModelConfig) -> dict[str, Any]:
-    """config.json keys of Qwen3MoeForCausalLM / DeepseekV3ForCausalLM (empty for dense archs)."""
+    """config.json keys of Qwen3MoeForCausalLM / DeepseekV3ForCausalLM / GlmMoeDsaForCausalLM,
+    overriding the dense ones (empty for dense archs)."""
     if m.arch == "qwen3_moe":
         # HF Qwen3-MoE: softmax top-k, no shared experts, no bias, no groups, no output scaling.
         fixed = {
@@ -177,7 +178,7 @@ def _moe_mla_hf(m: ModelConfig) -> dict[str, Any]:
 
 
 def _moe_mla_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Inverse of _moe_mla_hf (plus Hub DeepSeek-V3 / Kimi-K2 configs)."""
+    """Inverse of _moe_mla_hf (plus Hub DeepSeek-V3 / Kimi-K2 / GLM-5 configs)."""
     mt = cfg["model_type"]
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))

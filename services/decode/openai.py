@@ -4,6 +4,8 @@ Requests become a GenerateRequest (text encoded with the model directory's token
 messages rendered with its chat template first); the engine detokenises the output and applies
 stop strings as it generates (services/engine/detokenizer.py), so this module only shapes the
 JSON: whole responses, or SSE chunks built from the progress the engine reports after each step.
+Chat requests with `tools` get their `<tool_call>` blocks returned as OpenAI `tool_calls`
+(services/decode/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from services.common.schemas import (
     OpenAISampling,
     SamplingParams,
 )
+from services.decode.tool_calls import finish_reason as tool_finish_reason
+from services.decode.tool_calls import openai_tool_calls, safe_content_prefix, split_tool_calls
 from services.engine.sequence import RequestState
 
 
@@ -217,14 +221,21 @@ def to_chat_completion(
             n = _kept_tokens(tokenizer, ch)
             tops = None if ch.top_logprobs is None else ch.top_logprobs[:n]
             lp = chat_logprobs(tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops)
-        choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": ch.text or ""},
-                "logprobs": lp,
-                "finish_reason": ch.finish_reason,
-            }
-        )
+        message: dict[str, Any] = {"role": "assistant", "content": ch.text or ""}
+        finish: str | None = ch.finish_reason
+        if req.tools:
+            # Hermes/Qwen <tool_call> blocks become OpenAI tool calls (services/decode/tool_calls.py).
+            turn = split_tool_calls(ch.text or "")
+            if turn.calls:
+                message = {
+                    "role": "assistant",
+                    "content": turn.content or None,
+                    "tool_calls": openai_tool_calls(turn.calls),
+                }
+            else:
+                message["content"] = turn.content
+            finish = tool_finish_reason(ch.finish_reason, turn.calls)
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
     return {
         "id": f"chatcmpl-{resp.request_id}",
         "object": "chat.completion",
@@ -306,6 +317,10 @@ class Stream:
         self.want_logprobs = bool(req.logprobs) if self.chat else req.logprobs is not None
         self.holdback = max((len(s) for s in req.stop_strings), default=1) - 1
         self.emitted: dict[int, int] = {}  # chars of text sent per choice
+        # Chat with tools: content is the text minus parsed call blocks (tool_calls.py); what is
+        # sent is a prefix of it, and the calls go out in the choice's final chunks.
+        self.tools = self.chat and bool(getattr(req, "tools", None))
+        self.content_sent: dict[int, str] = {}
         self.finished: set[int] = set()
         self.started: set[int] = set()  # chat: choices whose role chunk went out
 
@@ -350,10 +365,48 @@ class Stream:
             )
         return out
 
+    def _tool_chunks(self, index: int, text: str, lp: dict[str, Any] | None, finish: str | None) -> list[str]:
+        """Chat with tools: the content that became certain, and at the end the rest of the
+        content, the parsed tool calls (one chunk) and the finish reason (a last, empty chunk)."""
+        sent = self.content_sent.get(index, "")
+        if finish is None:
+            content = safe_content_prefix(text, self.holdback)
+            if not content.startswith(sent):  # cannot happen (the prefix only grows); never resend
+                content = sent
+            new = content[len(sent) :]
+            if not new and lp is None:
+                return []
+            self.content_sent[index] = content
+            grown = {"content": new} if new else {}
+            return [
+                sse(self._chunk([{"index": index, "delta": grown, "logprobs": lp, "finish_reason": None}]))
+            ]
+        turn = split_tool_calls(text)
+        rest = turn.content[len(sent) :] if turn.content.startswith(sent) else ""
+        self.content_sent[index] = turn.content
+        last: dict[str, Any] = {"content": rest} if rest else {}
+        out = []
+        if turn.calls:
+            last["tool_calls"] = openai_tool_calls(turn.calls, with_index=True)
+        if last or lp is not None:
+            out.append(
+                sse(self._chunk([{"index": index, "delta": last, "logprobs": lp, "finish_reason": None}]))
+            )
+        reason = tool_finish_reason(finish, turn.calls)
+        out.append(
+            sse(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+        )
+        return out
+
     def progress(self, deltas: list[Delta]) -> list[str]:
         out = []
         for d in deltas:
             if d.index in self.finished:
+                continue
+            if self.tools:
+                if d.finish_reason is not None:
+                    self.finished.add(d.index)
+                out += self._tool_chunks(d.index, d.text, self._logprobs(d), d.finish_reason)
                 continue
             done = d.finish_reason is not None
             end = len(d.text) if done else max(len(d.text) - self.holdback, self.emitted.get(d.index, 0))
@@ -373,6 +426,9 @@ class Stream:
         out = []
         for i, ch in enumerate(resp.choices):
             if i in self.finished:
+                continue
+            if self.tools:
+                out += self._tool_chunks(i, ch.text or "", None, ch.finish_reason)
                 continue
             text = (ch.text or "")[self.emitted.get(i, 0) :]
             out.append(sse(self._chunk([self._choice(i, text, None, ch.finish_reason)])))

@@ -148,7 +148,9 @@ class DecodeMeta:
     block_tables: torch.Tensor  # [B, P] page ids; entries past a sequence's pages are never read
     ctx_lens: torch.Tensor  # [B] keys of each sequence, this step's token included (0: padding row)
     num_splits: int  # context partitions per sequence (static: part of a CUDA graph's shape)
-    partition: int  # keys per partition, a multiple of DECODE_BLOCK_N
+    # [1] keys per partition, a multiple of DECODE_BLOCK_N: a device value, so a CUDA graph
+    # captured for the longest context still spreads a short batch over all its splits.
+    partition: torch.Tensor
 
 
 @dataclass
@@ -178,6 +180,11 @@ def decode_splits(batch: int, n_kv_heads: int, max_ctx: int, num_sms: int) -> tu
     splits = max(1, min(want, tiles))
     partition = -(-tiles // splits) * DECODE_BLOCK_N
     return max(1, -(-max_ctx // partition)), partition
+
+
+def split_partition(max_ctx: int, splits: int) -> int:
+    """Keys per partition when `splits` partitions cover contexts of up to max_ctx keys."""
+    return max(1, -(-max_ctx // (splits * DECODE_BLOCK_N))) * DECODE_BLOCK_N
 
 
 def num_sms(device: torch.device) -> int:
@@ -246,14 +253,17 @@ class HostBatch:
             self.q_lens[pre],
             self.ctx_lens[pre],
             self.tables[pre].ravel(),
+            np.zeros(1, np.int64),  # the decode partition, set below
         ]
+        splits = 1
+        if len(dec):
+            splits, parts[-1][0] = decode_splits(len(dec), n_kv_heads, int(self.ctx_lens[dec].max()), num_sms)
         buf = torch.from_numpy(np.concatenate(parts)).to(device)
         views = torch.split(buf, [len(x) for x in parts])
         t, s, p = len(self.ids), len(self.q_lens), self.tables.shape[1]
         decode = prefill = None
         if len(dec):
-            splits, partition = decode_splits(len(dec), n_kv_heads, int(self.ctx_lens[dec].max()), num_sms)
-            decode = DecodeMeta(views[4], views[6].view(len(dec), p), views[5], splits, partition)
+            decode = DecodeMeta(views[4], views[6].view(len(dec), p), views[5], splits, views[11])
         if len(pre):
             prefill = PrefillMeta(
                 views[7], views[8], views[10].view(len(pre), p), views[9], int(self.q_lens[pre].max())

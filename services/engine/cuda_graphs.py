@@ -8,8 +8,10 @@ its extra rows being padding (slot -1: nothing stored; context 0: nothing read; 
 Prefill and mixed steps, and batches above the largest size, run eagerly.
 
 Inputs live in static device buffers the graphs were captured on (one int64 buffer: token ids,
-positions, slots, context lengths, block tables) and are refreshed from a pinned host mirror with
-one copy per step. The logits projection and the sampler stay outside the graph: the sampler
+positions, slots, context lengths, block tables, the decode partition) and are refreshed from a
+pinned host mirror with one copy per step. Each size's decode split count is fixed at capture
+(sized for max_seq_len); the keys per split follow the step's longest context, so a short batch
+still spreads over all splits. The logits projection and the sampler stay outside the graph: the sampler
 draws from per-request host RNGs and must stay exact about log-probs.
 
 Weights are updated in place (CausalLM.load_hf_state), so captured graphs stay valid across
@@ -22,7 +24,15 @@ import bisect
 
 import torch
 
-from services.engine.batch import DecodeMeta, ForwardBatch, HostBatch, PagedMeta, decode_splits
+from services.engine.batch import (
+    DECODE_BLOCK_N,
+    DecodeMeta,
+    ForwardBatch,
+    HostBatch,
+    PagedMeta,
+    decode_splits,
+    split_partition,
+)
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM
 
@@ -50,23 +60,29 @@ class InputBuffers:
 
     def __init__(self, max_batch: int, width: int, device: torch.device):
         self.max_batch, self.width = max_batch, width
-        n = 4 * max_batch + max_batch * width
+        b = max_batch
+        n = 4 * b + b * width + 1
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)
         h = self.host.numpy()
-        b = max_batch
         self.h_ids, self.h_pos, self.h_slots, self.h_ctx = (h[i * b : (i + 1) * b] for i in range(4))
-        self.h_tables = h[4 * b :].reshape(b, width)
+        self.h_tables = h[4 * b : -1].reshape(b, width)
+        self.h_partition = h[-1:]
         d = self.dev
         self.ids, self.pos, self.slots, self.ctx = (d[i * b : (i + 1) * b] for i in range(4))
-        self.tables = d[4 * b :].view(b, width)
+        self.tables = d[4 * b : -1].view(b, width)
+        self.partition = d[-1:]
         self.h_slots[:] = -1  # every row starts as padding
+        self.h_partition[0] = DECODE_BLOCK_N
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def fill(self, hb: HostBatch, size: int) -> None:
+    def fill(self, hb: HostBatch, size: int, partition: int) -> None:
         """Rows [0, n) from the batch, rows [n, size) padding; then one copy to the device."""
         n, p = len(hb.ids), hb.tables.shape[1]
         if p > self.width:
             raise ValueError(f"block table of {p} pages exceeds the captured width {self.width}")
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has read the host mirror (normally long ago)
         self.h_ids[:n], self.h_pos[:n], self.h_slots[:n], self.h_ctx[:n] = (
             hb.ids,
             hb.positions,
@@ -78,7 +94,10 @@ class InputBuffers:
         self.h_pos[n:size] = 0
         self.h_slots[n:size] = -1
         self.h_ctx[n:size] = 0
+        self.h_partition[0] = partition
         self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class DecodeGraphs:
@@ -97,13 +116,16 @@ class DecodeGraphs:
         self.num_sms = num_sms
         self.buf = InputBuffers(self.sizes[-1], self.width, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Decode splits per size: sized for the longest context, the partition follows each step's.
+        self.splits = {
+            size: decode_splits(size, self.n_kv_heads, kv.max_seq_len, num_sms)[0] for size in self.sizes
+        }
         self.outputs: dict[int, torch.Tensor] = {}
         self.arange = torch.arange(self.sizes[-1], device=device)
 
     def static_batch(self, size: int) -> ForwardBatch:
         b = self.buf
-        splits, partition = decode_splits(size, self.n_kv_heads, self.kv.max_seq_len, self.num_sms)
-        decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], splits, partition)
+        decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], self.splits[size], b.partition)
         return ForwardBatch(
             b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None)
         )
@@ -137,7 +159,7 @@ class DecodeGraphs:
         n = len(hb.ids)
         size = padded_size(n, self.sizes)
         assert size is not None and hb.decode_only
-        self.buf.fill(hb, size)
+        self.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), self.splits[size]))
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

@@ -11,6 +11,7 @@ import torch
 
 from services.common.config import ModelConfig
 from services.common.modeldir import model_config_from_hf, read_meta, read_model_dir
+from services.common.tokenizer import model_eos_ids
 
 # Biases of the attention input projections: Qwen2-style q/k/v, MLA's q_a / kv_a (HF attention_bias).
 ATTENTION_BIAS_KEYS = (
@@ -65,12 +66,20 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     if config.is_moe:
         # DeepSeek-V3's config names the selection bias only through topk_method; the tensor decides.
         update["expert_bias"] = any(k.endswith("mlp.gate.e_score_correction_bias") for k in state)
-    config = config.model_copy(update=update)
+    try:
+        # Validated again: e.g. a "llama" directory holding q_norm tensors contradicts its arch.
+        config = ModelConfig.model_validate({**config.model_dump(), **update})
+    except ValueError as e:
+        raise WeightsError(f"{p}: {e}") from e
     scaling = hf.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default", "llama3"):
         raise WeightsError(f"{p}: rope_scaling {json.dumps(scaling)} is not supported")
-    eos = hf.get("eos_token_id")
-    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    try:
+        # config.json's and generation_config.json's: a Qwen3 turn ends with <|im_end|>, which
+        # some snapshots list only in generation_config.json.
+        eos_ids = model_eos_ids(p)
+    except ValueError as e:  # incl. a generation_config.json that is not JSON
+        raise WeightsError(f"{p}: {e}") from e
     version = meta.get("version")
     return Checkpoint(
         path=p,

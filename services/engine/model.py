@@ -8,6 +8,10 @@ HF state dict loads with `load_state_dict` and nothing to rename.
 The forward pass works on a *flat* batch of tokens (all sequences of a step concatenated), which
 keeps the linear layers free of padding; only attention needs per-sequence structure, which it
 gets from `ForwardBatch` and the KV cache (see batch.py and kv_cache.py).
+
+MoE models (qwen3_moe, deepseek_v3, glm_moe_dsa) replace the MLP of layers first_k_dense.. by
+moe.MoE, which also records each token's expert ids in the cache's routing store; MLA models
+replace the attention by mla.MLAttention. The dense path is unchanged.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if batch.paged is not None:
-            # GPU path (attention_backend "triton"): kernels store k/v and read the page pool
+            # GPU path (attention_backend "triton"/"flex"): kernels store k/v and read the page pool
             # directly, with no gathered copy. Imported here so the CPU path never loads Triton.
             from services.engine.kernels.paged_attention import paged_attention
 
@@ -163,8 +167,9 @@ class DecoderStack(nn.Module):
 
 class CausalLM(nn.Module):
     """Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM / DeepseekV3ForCausalLM /
-    GlmMoeDsaForCausalLM (MoE: moe.py, MLA and DSA: mla.py). `forward` returns final hidden states for the flat batch; `logits`
-    projects only the rows the caller needs (one per sequence when sampling)."""
+    GlmMoeDsaForCausalLM (MoE: moe.py, MLA and DSA: mla.py). `forward` returns final hidden
+    states for the flat batch; `logits` projects only the rows the caller needs (one per sequence
+    when sampling)."""
 
     def __init__(self, m: ModelConfig, max_seq_len: int, attention_bias: bool = False):
         super().__init__()

@@ -31,12 +31,11 @@ Expert compute (`ExpertWeights.forward`, three kernels computing the same functi
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from typing import Literal
 
 from services.common.config import ModelConfig
 

@@ -26,7 +26,7 @@ from services.common.chat import ChatTemplate
 from services.common.config import RunConfig
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
-from services.common.tokenizer import eos_id, load_tokenizer
+from services.common.tokenizer import end_of_turn_id, load_tokenizer
 from services.orchestrator import metrics as prom
 from services.orchestrator.clients import (
     DecodeClient,
@@ -346,7 +346,9 @@ class Orchestrator:
         tok = load_tokenizer(info.path)
         # With a chat template, tool environments' turns are rendered through it (chat_turns.py).
         chat = ChatTemplate.from_model_dir(info.path)
-        self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eos_id(tok), chat=chat)
+        # The model's end-of-turn id from its directory (Qwen: <|im_end|>), not a literal <eos>.
+        eot = end_of_turn_id(info.path, tok, chat)
+        self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eot, chat=chat)
         await self._roll_out(info)
         resumed = await self.resume_inflight()
         log_event(log, "orchestrator running", version=self.version, resumed_groups=resumed)

@@ -52,7 +52,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PREC)
 
 
@@ -99,7 +100,7 @@ def _decode_kernel(
     stride_oh,
     stride_bt,
     scale,
-    partition,
+    partition_ptr,
     splits,
     H: tl.constexpr,
     G: tl.constexpr,
@@ -114,7 +115,8 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
+    # Positions are int32 (loop bounds); addresses int64 (a large pool overflows 2^31 elements).
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
     row = tl.load(q_loc_ptr + b).to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
@@ -126,6 +128,7 @@ def _decode_kernel(
         mask=gmask[:, None],
         other=0.0,
     )
+    partition = tl.load(partition_ptr).to(tl.int32)
     start = sp * partition
     end = tl.minimum(start + partition, ctx)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -224,9 +227,9 @@ def _prefill_kernel(
     mb = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // G
-    q_len = tl.load(q_len_ptr + s_idx)
+    q_len = tl.load(q_len_ptr + s_idx).to(tl.int32)
     q0 = tl.load(q_start_ptr + s_idx).to(tl.int64)
-    ctx = tl.load(ctx_ptr + s_idx)
+    ctx = tl.load(ctx_ptr + s_idx).to(tl.int32)
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)

@@ -1,0 +1,597 @@
+"""Router Replay benchmark (issue 7): trainer/inference mismatch on a Qwen3-30B-A3B-shaped MoE,
+with and without replaying the engine's expert choices in the trainer.
+
+    # on the H200 (repo on PYTHONPATH; torchtitan/pydantic wheels in .whl/ are installed into
+    # /tmp/site when missing), ~2-4 minutes:
+    python3 bench/r3/replay.py --out $OUT/r3.json
+    # CPU smoke run of the whole script on tiny shapes (what tests/test_bench_r3.py runs):
+    .venv/bin/python bench/r3/replay.py --device cpu --smoke --out /tmp/r3.json
+
+Per initialisation (`--inits`, default both):
+  1. the trainer's model (trainer/model.py build path; `--layers` layers of Qwen3-30B-A3B: hidden
+     2048, 32 heads / 4 KV heads x 128, 128 experts top-8 of width 768, vocab 151936) is built
+     with random weights on the device in float32 and published as an HF directory by
+     trainer.publish.Publisher, exactly as the trainer publishes version 0;
+  2. our engine loads it in bf16 (its own CUDA kernels: attention_backend "auto", CUDA graphs)
+     and samples `--new-tokens` tokens (T=1) for each of `--prompts` random prompts, with
+     return_routed_experts;
+  3. the completions become `Sample`s as the orchestrator builds them, and the trainer scores them
+     the way train_step does (trainer.batch micro-batches, trainer.replay.micro_batch_routes,
+     `routing(model, routes, replay)`, packed_logprobs), in bf16, with replay off and on:
+       - "autocast": a single trainer process (trainer.nproc = 1): float32 weights under
+         torch.autocast(bf16) (trainer.parallel.autocast_context);
+       - "fsdp": the torchrun path, FSDP2 on a 1-rank group with MixedPrecisionPolicy(bf16)
+         (trainer.parallel.parallelize), i.e. bf16 parameters.
+  4. per row: k3 KL(pi_infer || pi_train) on the sampled tokens, max/mean |p_train - p_infer|,
+     share of tokens with p_train/p_infer outside [0.5, 2], per-layer and mean routing agreement
+     (the trainer's own top-k set vs the recorded one, over every recorded token), and the KL ratio
+     off/on (goal: >= 10).
+Plus a float32 sanity row on a tiny config (engine and trainer float32): replay on must give
+agreement 1.0 and a near-zero KL.
+
+Initialisations: "trainer" is torchtitan's init as trainer.model.build_model draws it (embeddings
+std 1, layers std 0.02 with depth-scaled output projections: the residual stream is dominated by
+the token embedding, every layer's contribution is small); "hf" is transformers' Qwen3-MoE init
+(every linear and the embedding N(0, 0.02), norms 1: attention and MoE outputs dominate the
+residual stream, closer to a trained model's balance). Random weights give near-uniform next-token
+distributions over 151936 ids (the report includes the trainer's mean entropy), so the absolute
+KLs are small; the off/on ratio is the comparison that carries over.
+
+Each phase runs in its own try/except and the JSON is rewritten after every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ensure_wheels() -> None:
+    """The GPU machine lacks torchtitan/pydantic: install the carried .whl/ into /tmp/site once
+    (as bench/trainer/step.py does)."""
+    try:
+        import pydantic  # noqa: F401
+        import torchtitan  # noqa: F401
+    except ImportError:
+        site = Path("/tmp/site")
+        if not site.exists():
+            wheels = [str(p) for p in (REPO / ".whl").glob("*.whl")]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--target",
+                str(site),
+            ]
+            subprocess.run([*cmd, *wheels], check=True)
+        sys.path.insert(0, str(site))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+_ensure_wheels()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from services.common.config import EngineConfig, ModelConfig, TrainerSection  # noqa: E402
+from services.common.schemas import GenerateRequest, Sample, SamplingParams  # noqa: E402
+from services.engine import LLMEngine  # noqa: E402
+from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E402
+from trainer.batch import micro_batches  # noqa: E402
+from trainer.chunked import enable_chunked_output  # noqa: E402
+from trainer.mismatch import MismatchStats, token_mismatch  # noqa: E402
+from trainer.model import build_model  # noqa: E402
+from trainer.parallel import autocast_context, parallelize  # noqa: E402
+from trainer.publish import Publisher  # noqa: E402
+from trainer.replay import micro_batch_routes, routing  # noqa: E402
+
+KL_GOAL = 10.0  # issue 7: replay cuts the mismatch KL at least 10x
+
+
+# ------------------------------------------------------------------ model shapes
+
+
+def qwen3_30b_a3b(layers: int) -> ModelConfig:
+    """Qwen3-30B-A3B's HF config.json, with `layers` of its 48 layers."""
+    return ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=151936,
+        dim=2048,
+        n_layers=layers,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        hidden_dim=6144,  # unused: every layer is MoE (mlp_only_layers = [])
+        max_seq_len=4096,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
+        tie_embeddings=False,
+        n_routed_experts=128,
+        n_experts_per_tok=8,
+        moe_hidden_dim=768,
+        first_k_dense=0,
+        router_score="softmax",
+        norm_topk_prob=True,
+    )
+
+
+def smoke_moe(layers: int) -> ModelConfig:
+    """Same structure at CPU size (vocab >= the char tokenizer the published directory carries)."""
+    return ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=1024,
+        dim=128,
+        n_layers=layers,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=256,
+        max_seq_len=512,
+        rope_theta=1_000_000.0,
+        tie_embeddings=False,
+        n_routed_experts=16,
+        n_experts_per_tok=4,
+        moe_hidden_dim=64,
+        router_score="softmax",
+        norm_topk_prob=True,
+    )
+
+
+def tiny_moe() -> ModelConfig:
+    """The float32 sanity row's model: debug-moe-sized, untied, top-2 of 8."""
+    return ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=128,
+        max_seq_len=512,
+        tie_embeddings=False,
+        n_routed_experts=8,
+        n_experts_per_tok=2,
+        moe_hidden_dim=32,
+        router_score="softmax",
+        norm_topk_prob=True,
+    )
+
+
+@torch.no_grad()
+def build_trainer_model(m: ModelConfig, init: str, seed: int, device: torch.device) -> torch.nn.Module:
+    """The trainer's model (float32, on `device`) with random weights drawn by `init`."""
+    model = build_model(m, seed=seed, device=device)
+    if init == "hf":
+        # transformers' Qwen3MoePreTrainedModel._init_weights: N(0, initializer_range=0.02) for
+        # every linear (router gate and experts included) and the embedding; RMSNorm weights 1.
+        g = torch.Generator(device=device).manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 0.02)
+    elif init != "trainer":
+        raise ValueError(f"--inits: unknown initialisation {init!r} (trainer, hf)")
+    return model
+
+
+# ------------------------------------------------------------------ engine side
+
+
+def publish(model: torch.nn.Module, m: ModelConfig, dest: Path) -> dict[str, Any]:
+    """Write the model as version 0 with the trainer's own publisher (float32 HF directory)."""
+    t0 = time.perf_counter()
+    pub = Publisher(m, is_main=True)
+    pub.publish(model, 0, dest, background=False)
+    out = {"publish_s": round(time.perf_counter() - t0, 2), "bytes": pub.last.bytes if pub.last else None}
+    del pub  # drops the pinned host buffers
+    gc.collect()
+    return out
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def sample_with_engine(
+    model_dir: Path, ecfg: EngineConfig, prompts: list[list[int]], new_tokens: int, seed: int
+) -> tuple[list[Sample], dict[str, Any]]:
+    """Sample from our engine and turn each completion into the trainer's `Sample` (one turn: the
+    choice's routed_experts already has one row per token, the last one unrecorded)."""
+    t0 = time.perf_counter()
+    eng = LLMEngine(model_dir, ecfg)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
+    t0 = time.perf_counter()
+    resps = eng.generate(reqs)
+    gen_s = time.perf_counter() - t0
+    samples = []
+    for i, (p, r) in enumerate(zip(prompts, resps, strict=True)):
+        c = r.choices[0]
+        if c.routed_experts is None:
+            raise RuntimeError(f"prompt {i}: the engine returned no routed_experts ({c.finish_reason})")
+        n_out = len(c.output_ids)
+        samples.append(
+            Sample(
+                rollout_id=f"r3-{i}",
+                tokens=p + c.output_ids,
+                loss_mask=[0] * len(p) + [1] * n_out,
+                logprobs=[0.0] * len(p) + list(c.logprobs),
+                versions=[-1] * len(p) + list(c.versions),
+                reward=0.0,
+                routed_experts=c.routed_experts,
+            )
+        )
+    info = {
+        "engine_dtype": ecfg.dtype,
+        "attention_backend": eng.attention_backend,
+        "cuda_graphs": eng.graphs is not None,
+        "engine_load_s": round(load_s, 2),
+        "generate_s": round(gen_s, 2),
+        "prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "sampled_tokens": sum(sum(s.loss_mask) for s in samples),
+    }
+    del eng
+    free()
+    return samples, info
+
+
+# ------------------------------------------------------------------ trainer side
+
+
+@torch.no_grad()
+def score(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    samples: list[Sample],
+    tc: TrainerSection,
+    device: torch.device,
+    replay: bool,
+    amp: Any,
+) -> dict[str, Any]:
+    """The trainer's log-probs of the sampled tokens, as train_step computes them (no backward),
+    and the mismatch against the engine's log-probs."""
+    t0 = time.perf_counter()
+    budget = tc.micro_batch_tokens
+    mbs = micro_batches(samples, budget)
+    routes = micro_batch_routes(samples, m, packing=False, token_budget=budget)
+    stats = MismatchStats()
+    ent_sum = 0.0
+    log_r_max = 0.0
+    for mb, route in zip(mbs, routes, strict=True):
+        mb = mb.to(device)
+        with (
+            routing(model, route.to(device) if route is not None else None, replay) as rec,
+            micro_batch_attention(model, mb),
+        ):
+            with amp:
+                logp, ent = packed_logprobs(model, mb, tc.logprob_chunk_tokens)
+        stats.add(token_mismatch(logp, mb.logp_infer, mb.loss_mask))
+        stats.add_routing(rec.agree, rec.total, rec.replayed)
+        mask = mb.loss_mask > 0
+        ent_sum += float(ent[mask].double().sum().item())
+        log_r_max = max(log_r_max, float((logp.float() - mb.logp_infer)[mask].abs().max().item()))
+    out: dict[str, Any] = dict(stats.summary())
+    out.update(
+        tokens=int(stats.tokens),
+        log_ratio_abs_max=log_r_max,
+        train_entropy_mean=ent_sum / max(stats.tokens, 1.0),
+        score_s=round(time.perf_counter() - t0, 2),
+    )
+    return out
+
+
+def off_on(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    samples: list[Sample],
+    tc: TrainerSection,
+    device: torch.device,
+    amp: Any,
+) -> dict[str, Any]:
+    off = score(model, m, samples, tc, device, replay=False, amp=amp)
+    on = score(model, m, samples, tc, device, replay=True, amp=amp)
+    kl_off, kl_on = off["mismatch_kl_k3"], on["mismatch_kl_k3"]
+    ratio = kl_off / kl_on if kl_on > 0 else float("inf")
+    return {"replay_off": off, "replay_on": on, "kl_ratio_off_on": ratio, "kl_goal_10x_met": ratio >= KL_GOAL}
+
+
+class OneRankGroup:
+    """A 1-process group (nccl on CUDA, gloo on CPU): what FSDP2 needs, as under torchrun."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.owned = False
+        self.env: list[str] = []  # variables set here, removed again by close()
+        if dist.is_initialized():
+            return
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            self.env = [k for k in env if k not in os.environ]
+            os.environ.update({k: env[k] for k in self.env})
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        self.owned = True
+
+    def close(self) -> None:
+        if self.owned and dist.is_initialized():
+            dist.destroy_process_group()
+        # (trainer.train.Dist reads RANK/WORLD_SIZE as "launched by torchrun")
+        for k in self.env:
+            os.environ.pop(k, None)
+
+
+def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdir: Path) -> dict[str, Any]:
+    """One initialisation: publish, sample with the bf16 engine, score in the bf16 trainer."""
+    cuda = device.type == "cuda"
+    m = smoke_moe(args.layers) if args.smoke else qwen3_30b_a3b(args.layers)
+    out: dict[str, Any] = {"init": init, "model": m.model_dump(include=_SHAPE_FIELDS)}
+    t0 = time.perf_counter()
+    model = build_trainer_model(m, init, args.seed, device)
+    enable_chunked_output(model)  # as train.py: same parameters, chunked head when chunk > 0
+    out["build_s"] = round(time.perf_counter() - t0, 2)
+    dest = workdir / f"{init}-step_0"
+    out.update(publish(model, m, dest))
+    prompts = make_prompts(args.prompts, args.prompt_min, args.prompt_max, m.vocab_size, args.seed)
+    max_len = args.prompt_max + args.new_tokens + 16
+    # CPU smoke: bf16 too (the torch path); the engine picks its own kernels on CUDA.
+    ecfg = EngineConfig(
+        device=device.type,
+        dtype="bfloat16",
+        max_batch_size=len(prompts),
+        max_seq_len=max_len,
+        torch_threads=engine_threads(device),
+    )
+    samples, out["engine"] = sample_with_engine(dest, ecfg, prompts, args.new_tokens, args.seed)
+    tc = TrainerSection(
+        device=device.type,
+        dtype="bfloat16",
+        micro_batch_tokens=args.micro_batch_tokens,
+        logprob_chunk_tokens=args.chunk,
+    )
+    # trainer.nproc = 1: no process group, float32 weights under autocast(bf16).
+    model, _, _ = parallelize(model, tc, 1, device, distributed=False)
+    model.eval()
+    out["autocast"] = _try(lambda: off_on(model, m, samples, tc, device, autocast_context(tc, device, False)))
+    if args.fsdp:
+        # torchrun path: FSDP2 mixed precision, bf16 parameters and compute (same model, sharded
+        # in place over a 1-rank group; autocast off, as the trainer does with FSDP).
+        def fsdp() -> dict[str, Any]:
+            group = OneRankGroup(device)
+            try:
+                sharded, _, _ = parallelize(model, tc, 1, device, distributed=True)
+                res = off_on(sharded, m, samples, tc, device, autocast_context(tc, device, True))
+                res["note"] = "FSDP2 on a 1-rank group, MixedPrecisionPolicy(param_dtype=bf16)"
+                return res
+            finally:
+                group.close()
+
+        out["fsdp"] = _try(fsdp)
+    if cuda:
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
+    return out  # the model and its shards are freed by the caller's free()
+
+
+def phase_fp32_sanity(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict[str, Any]:
+    """Engine and trainer both in float32 on a tiny config: replay on must agree on every expert
+    set and leave only float32 rounding in the log-probs."""
+    m = tiny_moe()
+    model = build_trainer_model(m, "hf", args.seed, device)
+    dest = workdir / "fp32-step_0"
+    out: dict[str, Any] = {"model": m.model_dump(include=_SHAPE_FIELDS)}
+    out.update(publish(model, m, dest))
+    n = 8 if args.smoke else 32
+    prompts = make_prompts(n, 8, 64, m.vocab_size, args.seed + 1)
+    ecfg = EngineConfig(
+        device=device.type,
+        dtype="float32",
+        max_batch_size=n,
+        max_seq_len=64 + 64 + 16,
+        torch_threads=engine_threads(device),
+    )
+    samples, out["engine"] = sample_with_engine(dest, ecfg, prompts, 16 if args.smoke else 64, args.seed)
+    tc = TrainerSection(device=device.type, dtype="float32")
+    model, _, _ = parallelize(model, tc, 1, device, distributed=False)
+    model.eval()
+    out.update(off_on(model, m, samples, tc, device, contextlib.nullcontext()))
+    on = out["replay_on"]
+    out["sanity_ok"] = on["routing_agreement_mean"] == 1.0 and on["mismatch_kl_k3"] < 1e-6
+    return out
+
+
+_SHAPE_FIELDS = {
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "n_routed_experts",
+    "n_experts_per_tok",
+    "moe_hidden_dim",
+}
+
+
+# ------------------------------------------------------------------ plumbing
+
+
+def engine_threads(device: torch.device) -> int:
+    """The engine sets torch's (process-wide) thread count: on the GPU machine it builds the
+    model on the host before moving it (billions of parameters initialised there), so use its
+    cores; on a shared CPU box stay at the default 1."""
+    return max(1, min(16, os.cpu_count() or 1)) if device.type == "cuda" else 1
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _try(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - one failed part must not lose the others
+        return {"error": traceback.format_exc()}
+
+
+def machine() -> dict[str, Any]:
+    def sh(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception as e:  # noqa: BLE001 - e.g. no nvidia-smi on a CPU machine
+            return repr(e)
+
+    versions: dict[str, str] = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "transformers", "torchtitan", "pydantic"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            versions[mod] = repr(e)
+    return {
+        "nvidia_smi": sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
+        "hostname": platform.node(),
+        "cpus": os.cpu_count(),
+        "versions": versions,
+    }
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The numbers the issue asks for, one line per (init, trainer path)."""
+    rows: dict[str, Any] = {}
+    for key, phase in result.items():
+        if not key.startswith("bf16/") or not isinstance(phase, dict):
+            continue
+        for path in ("autocast", "fsdp"):
+            r = phase.get(path)
+            if not isinstance(r, dict) or "replay_on" not in r:
+                continue
+            off, on = r["replay_off"], r["replay_on"]
+            rows[f"{phase['init']}/{path}"] = {
+                "kl_off": off["mismatch_kl_k3"],
+                "kl_on": on["mismatch_kl_k3"],
+                "kl_ratio_off_on": r["kl_ratio_off_on"],
+                "agreement_off": off["routing_agreement_mean"],
+                "agreement_on": on["routing_agreement_mean"],
+                "ratio_out_off": off["mismatch_ratio_out_frac"],
+                "ratio_out_on": on["mismatch_ratio_out_frac"],
+                "goal_met": r["kl_goal_10x_met"],
+            }
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON result file")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
+    ap.add_argument("--layers", type=int, default=None, help="MoE layers (default 4; smoke 2)")
+    ap.add_argument("--inits", default="trainer,hf", help="comma-separated: trainer, hf")
+    ap.add_argument("--prompts", type=int, default=None, help="default 64 (smoke 6)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="per prompt; default 64 (smoke 12)")
+    ap.add_argument("--prompt-min", type=int, default=None, help="default 32 (smoke 8)")
+    ap.add_argument("--prompt-max", type=int, default=None, help="default 256 (smoke 24)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=0, help="trainer.logprob_chunk_tokens")
+    ap.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP2 trainer path")
+    ap.add_argument("--no-sanity", dest="sanity", action="store_false", help="skip the float32 row")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    defaults = (
+        {"layers": 2, "prompts": 6, "new_tokens": 12, "prompt_min": 8, "prompt_max": 24}
+        if args.smoke
+        else {"layers": 4, "prompts": 64, "new_tokens": 64, "prompt_min": 32, "prompt_max": 256}
+    )
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.layers < 1 or args.prompts < 1 or args.new_tokens < 2 or args.prompt_min < 1:
+        ap.error("--layers/--prompts/--prompt-min must be >= 1 and --new-tokens >= 2")
+    if args.prompt_max < args.prompt_min:
+        ap.error("--prompt-max must be >= --prompt-min")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # An indexed device: NCCL's init_process_group(device_id=...) wants one.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": str(device),
+        "torch": torch.__version__,
+        "machine": machine(),
+        "args": vars(args),
+        "kl_goal": KL_GOAL,
+    }
+
+    def write() -> None:
+        result["headline"] = headline(result)
+        path.write_text(json.dumps(result, indent=2, default=str))
+
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="r3-") as tmp:
+        phases: list[tuple[str, Any]] = [
+            (f"bf16/{init}", lambda init=init: phase_bf16(args, init, device, Path(tmp)))
+            for init in [s.strip() for s in args.inits.split(",") if s.strip()]
+        ]
+        if args.sanity:
+            phases.append(("fp32_sanity", lambda: phase_fp32_sanity(args, device, Path(tmp))))
+        for name, fn in phases:
+            t0 = time.perf_counter()
+            result[name] = _try(fn)
+            result[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+            free()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            write()
+            print(name, json.dumps(result[name], default=str)[:3000], flush=True)
+            # each model directory is several GB at full size: drop it once used
+            for d in Path(tmp).iterdir():
+                shutil.rmtree(d, ignore_errors=True)
+    result["total_s"] = round(time.perf_counter() - t_all, 1)
+    write()
+    print("headline", json.dumps(result["headline"], indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

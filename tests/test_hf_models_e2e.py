@@ -1,0 +1,538 @@
+"""Real HF chat-model directories end to end (follow-ups on issues 3 and 4).
+
+A small Qwen-style model directory: a tokenizer with `<|endoftext|>`, `<|im_start|>`,
+`<|im_end|>` and tool-call words, a ChatML chat template with tools, config.json naming only
+`<|endoftext|>` as EOS and generation_config.json adding `<|im_end|>` (as Qwen3 base snapshots do).
+Its weights are random except for the parts that make the test deterministic: every layer's
+output projections (attention o_proj, MLP down_proj) are zero, so the residual stream is the token
+embedding (one-hot) and the model is an exact bigram table written into lm_head. Greedy decoding
+after the generation prompt then writes a known assistant turn: text, a well-formed
+`<tool_call>`, a malformed one, `<|im_end|>`. It runs through the real engine, the decode
+service over HTTP and the orchestrator's RolloutRunner.
+
+Checks: EOS ids from config.json + generation_config.json (engine stops on any of them; the
+orchestrator's end-of-turn id comes from the model directory); OpenAI `tool_calls` whole and
+streamed; arch llama3 without QK-norm (ModelConfig, HF round trip, loader); the trainer's
+rope-scaled RoPE and its llama3 mapping against the engine's log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import string
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from services.common.bus import Bus
+from services.common.chat import ChatTemplate
+from services.common.config import (
+    REPO_ROOT,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    RopeScaling,
+    RunConfig,
+    load_config,
+)
+from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
+from services.common.schemas import (
+    GenerateRequest,
+    SamplingParams,
+    ScoreResponse,
+    StepResponse,
+    WeightsInfo,
+)
+from services.common.tokenizer import end_of_turn_id, eos_id, load_tokenizer, model_eos_ids
+from services.common.tools import ToolResult, ToolSpec, render_tool_results, render_tools_prompt
+from services.engine import LLMEngine, WeightsError
+from services.engine.batch import ForwardBatch, Span
+from services.engine.loader import read_checkpoint
+from services.orchestrator.clients import DecodeClient, Registry, Router
+from services.orchestrator.rollout import GroupSpec, RolloutRunner
+from trainer.model import build_model, load_weights_dir, save_weights_dir, to_hf_state
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+BAD = '{"name": broken'
+WORDS = ["Sure", "<tool_call>", "</tool_call>", CALL, "<tool_call>\n", "</tool_call>\n", BAD]
+CHARS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+# The assistant turn the bigram model writes after the generation prompt (which ends with "\n").
+CHAIN = ["\n", "Sure", "<tool_call>", CALL, "</tool_call>", "<tool_call>\n", BAD, "</tool_call>\n", IM_END]
+TURN_TEXT = "".join(CHAIN[1:-1])
+VOCAB = 128  # >= the tokenizer's size; also the model width, so embeddings can be one-hot
+MAX_LEN = 1024
+
+# ChatML with tools, in the shape of Qwen's template (tool results go back in a user turn).
+TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+    "{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def wait_for(check, timeout_s: float = 60.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parsed `data:` events of a streamed chat completion, checking the [DONE] terminator."""
+    events: list[Any] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                payload = line.removeprefix("data: ")
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    return events[:-1]
+
+
+def build_tokenizer() -> Tokenizer:
+    vocab = {t: i for i, t in enumerate([ENDOFTEXT, IM_START, IM_END, *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=ENDOFTEXT))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([ENDOFTEXT, IM_START, IM_END])
+    tok.add_tokens(WORDS)
+    return tok
+
+
+def qwen_style_dir(dest: Path) -> Path:
+    """The bigram chat model described in the module docstring, as an HF directory."""
+    tok = build_tokenizer()
+    ids = {t: tok.token_to_id(t) for t in [*CHAIN, "q", ENDOFTEXT]}
+    assert tok.get_vocab_size() <= VOCAB and None not in ids.values()
+    m = ModelConfig(
+        arch="qwen3", vocab_size=VOCAB, dim=VOCAB, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+        hidden_dim=64, max_seq_len=MAX_LEN, rope_theta=1e6, tie_embeddings=False, tokenizer="hf",
+    )  # fmt: skip
+    hf = to_hf_state(m, build_model(m, seed=0).state_dict())
+    for name, w in hf.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            hf[name] = torch.zeros_like(w)  # each layer adds nothing: h = embedding
+    hf["model.embed_tokens.weight"] = torch.eye(VOCAB)
+    succ = {t: ids[ENDOFTEXT] for t in range(VOCAB)}  # anything else ends the text
+    for a, b in zip(CHAIN, CHAIN[1:], strict=False):
+        succ[ids[a]] = ids[b]
+    # After <|im_end|> the table goes on ("qqq..."): only the generation_config EOS stops there.
+    succ[ids[IM_END]] = succ[ids["q"]] = ids["q"]
+    head = torch.zeros(VOCAB, VOCAB)
+    for t, nxt in succ.items():
+        head[nxt, t] = 5.0  # logit 5 * sqrt(dim) ~ 57 over 0: greedy and T=1 agree
+    hf["lm_head.weight"] = head
+    tokdir = dest.parent / f"{dest.name}-tokenizer"
+    tokdir.mkdir(parents=True)
+    tok.save(str(tokdir / "tokenizer.json"))
+    # Qwen3 base: tokenizer_config and config.json name <|endoftext|>; the turn ends with <|im_end|>.
+    tok_cfg = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "chat_template": TEMPLATE}
+    (tokdir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    d = write_model_dir(dest, hf, hf_config(m, ids[ENDOFTEXT]), tokdir, {"version": 0})
+    gen = {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "temperature": 0.7}
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    return d
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return qwen_style_dir(tmp_path_factory.mktemp("qwen") / "step_0")
+
+
+def tid(d: Path, token: str) -> int:
+    i = load_tokenizer(d).token_to_id(token)
+    assert i is not None
+    return i
+
+
+# ------------------------------------------------------------------ 1. EOS ids
+
+
+def test_eos_ids_from_config_and_generation_config(qwen_dir: Path) -> None:
+    eot, im_end = tid(qwen_dir, ENDOFTEXT), tid(qwen_dir, IM_END)
+    assert model_eos_ids(qwen_dir) == [eot, im_end]
+    assert read_checkpoint(qwen_dir).eos_token_ids == [eot, im_end]
+    # The orchestrator's end of turn: what the template closes an assistant turn with.
+    tok = load_tokenizer(qwen_dir)
+    assert end_of_turn_id(qwen_dir, tok, ChatTemplate.from_model_dir(qwen_dir)) == im_end
+    # Without a template: tokenizer_config's eos_token.
+    assert end_of_turn_id(qwen_dir, tok, None) == eot
+
+
+def test_char_debug_model_end_of_turn_unchanged(model_dir: Path) -> None:
+    tok = load_tokenizer(model_dir)
+    assert model_eos_ids(model_dir) == [eos_id(tok)]
+    assert end_of_turn_id(model_dir, tok, ChatTemplate.from_model_dir(model_dir)) == eos_id(tok)
+    # A template that does not end turns with an EOS token (tests/test_openai_api.py's) falls back.
+    tpl = ChatTemplate({"default": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"})
+    assert end_of_turn_id(model_dir, tok, tpl) == eos_id(tok)
+
+
+def test_bad_generation_config_eos_is_a_weights_error(qwen_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "w"
+    write_model_dir(
+        d, read_model_dir(qwen_dir)[1], json.loads((qwen_dir / "config.json").read_text()), qwen_dir, {}
+    )
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))
+    with pytest.raises(WeightsError, match="generation_config.json: eos_token_id"):
+        read_checkpoint(d)
+
+
+def test_engine_stops_on_every_model_eos(qwen_dir: Path) -> None:
+    eng = LLMEngine(qwen_dir, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=MAX_LEN))
+    tok = load_tokenizer(qwen_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    turn = tok.encode(f"{IM_START}assistant\n", add_special_tokens=False).ids
+    plain = tok.encode("ab", add_special_tokens=False).ids
+    chat, other, ignored = eng.generate(
+        [
+            GenerateRequest(input_ids=turn, sampling=greedy),  # ends with generation_config's <|im_end|>
+            GenerateRequest(input_ids=plain, sampling=greedy),  # ends with config.json's <|endoftext|>
+            GenerateRequest(input_ids=turn, sampling=greedy.model_copy(update={"ignore_eos": True})),
+        ]
+    )
+    (c,) = chat.choices
+    assert c.finish_reason == "stop" and c.output_ids[-1] == tid(qwen_dir, IM_END)
+    assert tok.decode(c.output_ids) == TURN_TEXT
+    assert other.choices[0].output_ids == [tid(qwen_dir, ENDOFTEXT)]
+    assert other.choices[0].finish_reason == "stop"
+    ig = ignored.choices[0]
+    assert ig.finish_reason == "length" and len(ig.output_ids) == 20
+    assert tok.decode(ig.output_ids).endswith("qqq")
+
+
+# ------------------------------------------------------------------ decode over HTTP
+
+
+@dataclass
+class Server:
+    url: str
+    model_dir: Path
+    bus: Bus
+    cfg: RunConfig
+
+
+@pytest.fixture(scope="module")
+def server(redis_url: str, qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("qwen-decode")
+    cfg = RunConfig(model=read_checkpoint(qwen_dir).config)
+    cfg.redis.prefix = f"test-hf-{uuid.uuid4().hex[:8]}"
+    cfg.redis.heartbeat_s = 0.2
+    cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=MAX_LEN)
+    cfg.run.name = "relay-qwen-style"
+    (tmp / "config.json").write_text(cfg.dump())
+    bus = Bus(redis_url, cfg.redis.prefix)
+    bus.publish_weights(WeightsInfo(version=0, path=str(qwen_dir)))
+    log = tmp / "decode.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.decode",
+                "--config",
+                str(tmp / "config.json"),
+                "--redis-url",
+                redis_url,
+            ],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        info = wait_for(lambda: bus.services("decode"), what=f"decode registration (log: {log})")[0]
+        wait_for(
+            lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok", what=f"weights (log: {log})"
+        )
+        yield Server(info.url, qwen_dir, bus, cfg)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def chat(s: Server, **kw: Any) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": "weather in paris?"}], "temperature": 0, **kw}
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+# ------------------------------------------------------------------ 2. tool calls
+
+
+def test_chat_tool_calls_whole(server: Server) -> None:
+    out = chat(server, tools=TOOLS)
+    (ch,) = out["choices"]
+    assert ch["finish_reason"] == "tool_calls"
+    msg = ch["message"]
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(call["function"]["arguments"], str)
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # The malformed block stays in content, verbatim; the well-formed one is gone.
+    assert msg["content"] == 'Sure<tool_call>\n{"name": broken</tool_call>'
+    assert out["usage"]["completion_tokens"] == len(CHAIN) - 1
+
+
+def test_chat_without_tools_keeps_raw_text(server: Server) -> None:
+    (ch,) = chat(server)["choices"]
+    assert ch["message"] == {"role": "assistant", "content": TURN_TEXT}
+    assert ch["finish_reason"] == "stop"
+
+
+def test_chat_truncated_call_stays_content(server: Server) -> None:
+    """max_tokens cuts the turn inside the first block: unterminated, so no call; "length"."""
+    (ch,) = chat(server, tools=TOOLS, max_tokens=3)["choices"]
+    assert ch["message"] == {"role": "assistant", "content": "Sure<tool_call>" + CALL}
+    assert ch["finish_reason"] == "length"
+    (ch,) = chat(server, tools=TOOLS, max_tokens=4)["choices"]  # complete call, turn not ended
+    assert ch["finish_reason"] == "length" and ch["message"]["content"] == "Sure"
+    assert json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_tokens": 3}, {"n": 2, "logprobs": True}])
+def test_chat_tool_calls_streamed(server: Server, extra: dict[str, Any]) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "weather in paris?"}],
+        "temperature": 0,
+        "tools": TOOLS,
+        **extra,
+    }
+    whole = chat(server, **{k: v for k, v in body.items() if k != "messages"})
+    events = stream(server.url, body)
+    n = extra.get("n", 1)
+    texts, finish = [""] * n, [None] * n
+    calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    for ev in events:
+        assert ev["object"] == "chat.completion.chunk"
+        for c in ev["choices"]:
+            i = c["index"]
+            assert finish[i] is None, "nothing after a choice's finish reason"
+            texts[i] += c["delta"].get("content") or ""
+            calls[i] += c["delta"].get("tool_calls", [])
+            if c["finish_reason"] is not None:
+                assert c["delta"] == {}  # the finish reason comes in its own last chunk
+                finish[i] = c["finish_reason"]
+    for i, ch in enumerate(whole["choices"]):
+        assert texts[i] == (ch["message"]["content"] or "")
+        assert finish[i] == ch["finish_reason"]
+        want = ch["message"].get("tool_calls", [])
+        assert [(c["index"], c["function"]) for c in calls[i]] == [
+            (j, w["function"]) for j, w in enumerate(want)
+        ]
+        assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls[i])
+    if extra.get("logprobs"):
+        streamed = [
+            c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]
+        ]
+        assert len(streamed) == n * (len(CHAIN) - 1)
+
+
+# ------------------------------------------------------------------ 1. orchestrator end of turn
+
+
+class ToolEpisode:
+    """A tool environment's session as the sandbox service would serve it (the Hermes prompt,
+    plain `<tool_response>` observations): answers the first turn with a tool result, ends on the
+    second. Records every action and whether the model ended its turn."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, bool]] = []
+        self.closed = False
+        spec = ToolSpec("get_weather", "current weather", TOOLS[0]["function"]["parameters"])
+        self._prompt = render_tools_prompt([spec]) + "\n\nweather in paris?"
+
+    @property
+    def prompt(self) -> str:
+        return self._prompt
+
+    async def step(self, action: str, eos: bool) -> StepResponse:
+        self.steps.append((action, eos))
+        if len(self.steps) == 2:
+            self.closed = True
+            return StepResponse(observation="", done=True, reward=1.0)
+        obs = render_tool_results([ToolResult("get_weather", "sunny, 21 C")], "plain")
+        return StepResponse(observation=obs, done=False)
+
+    async def score(self) -> ScoreResponse:
+        self.closed = True
+        return ScoreResponse(reward=0.0, info={})
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class EpisodeSandbox:
+    def __init__(self) -> None:
+        self.sessions: list[ToolEpisode] = []
+
+    async def open_group(self, env: str, seed: int, n: int) -> list[ToolEpisode]:
+        self.sessions = [ToolEpisode() for _ in range(n)]
+        return self.sessions
+
+
+def test_orchestrator_turns_end_with_im_end(server: Server) -> None:
+    """RolloutRunner over real HTTP decode with the end-of-turn id loop.py derives from the model
+    directory: <|im_end|> is recognised as the end of the turn, stripped from the action, and the
+    chat template's continuation (which starts after <|im_end|>) lines up."""
+    d = server.model_dir
+    tok = load_tokenizer(d)
+    template = ChatTemplate.from_model_dir(d)
+    eot = end_of_turn_id(d, tok, template)
+    cfg = server.cfg.model_copy(deep=True)
+    cfg.orchestrator.group_size = 2
+    cfg.orchestrator.sampling.max_tokens = 16
+    cfg.orchestrator.sampling.temperature = 0.0
+
+    async def run() -> tuple[Any, EpisodeSandbox]:
+        async with aiohttp.ClientSession() as http:
+            decode = DecodeClient(http, Router(Registry(server.bus), "decode"))
+            sandbox = EpisodeSandbox()
+            runner = RolloutRunner(cfg, decode, sandbox, tok, eot, chat=template)  # type: ignore[arg-type]
+            return await runner.run(GroupSpec("g-im-end", "tool-env", 7)), sandbox
+
+    group, sandbox = asyncio.run(run())
+    im_end = tid(d, IM_END)
+    for s, episode in zip(group.samples, sandbox.sessions, strict=True):
+        assert s.finish_reason == "done" and s.reward == 1.0 and s.turns == 2
+        assert episode.steps == [(TURN_TEXT, True), (TURN_TEXT, True)]
+        trained = [t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m]
+        assert trained.count(im_end) == 2 and trained[-1] == im_end
+        text = tok.decode(s.tokens, skip_special_tokens=False)
+        # The observation continues after the model's <|im_end|> exactly as the template renders it.
+        assert "</tool_call>\n<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny, 21 C\n" in text
+        assert text.endswith(f"{TURN_TEXT}{IM_END}")
+
+
+# ------------------------------------------------------------------ 3. llama3 has no QK-norm
+
+
+def test_llama3_qk_norm_defaults_off_and_true_is_an_error() -> None:
+    assert ModelConfig(arch="llama3").qk_norm is False
+    assert ModelConfig(arch="qwen3").qk_norm is True
+    with pytest.raises(ValueError, match="qk_norm: arch llama3"):
+        ModelConfig(arch="llama3", qk_norm=True)
+    with pytest.raises(ConfigError, match="qk_norm"):
+        load_config("debug", ["--model.arch=llama3"])  # debug.toml says qk_norm = true
+
+
+def test_llama3_hf_round_trip() -> None:
+    m = ModelConfig(
+        arch="llama3", vocab_size=97, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, rope_theta=5e5,
+        rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=32), tie_embeddings=False,
+    )  # fmt: skip
+    hf = hf_config(m, 1)
+    assert hf["model_type"] == "llama" and hf["architectures"] == ["LlamaForCausalLM"]
+    assert model_config_from_hf(hf) == m
+
+
+def test_loader_refuses_llama_dir_with_qk_norm(tmp_path: Path) -> None:
+    m = ModelConfig(arch="qwen3", tie_embeddings=False)
+    hf = to_hf_state(m, build_model(m, seed=0).state_dict())  # has q_norm / k_norm tensors
+    cfg = hf_config(ModelConfig(**{**m.model_dump(), "arch": "llama3", "qk_norm": False}), 1)
+    d = write_model_dir(tmp_path / "w", hf, cfg, None, {})
+    with pytest.raises(WeightsError, match="qk_norm"):
+        read_checkpoint(d)
+
+
+# ------------------------------------------------------------------ 4. trainer rope scaling, llama3
+
+
+def scaled_llama3() -> ModelConfig:
+    return ModelConfig(
+        arch="llama3", vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+        hidden_dim=128, max_seq_len=128, rope_theta=10000.0, tie_embeddings=False,
+        # small original length: the 100-token sequences below cover all three frequency bands
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=32),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_trainer_matches_engine_llama3(scaled: bool, tmp_path: Path) -> None:
+    """The trainer (torchtitan Qwen3 without QK-norm, rope-scaled cache) and the engine (serving
+    the LlamaForCausalLM directory the trainer published) compute the same log-probs."""
+    m = scaled_llama3() if scaled else scaled_llama3().model_copy(update={"rope_scaling": None})
+    tt = build_model(m, seed=1).eval()
+    with torch.no_grad():  # init leaves norms at 1: perturb them so they count
+        for name, p in tt.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+            if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                p.mul_(4.0)  # sharper attention: positions (RoPE) matter to the output
+    d = save_weights_dir(m, tt.state_dict(), tmp_path / "w", {"version": 0})
+    assert json.loads((d / "config.json").read_text())["model_type"] == "llama"
+    loaded, _ = load_weights_dir(d)
+    assert loaded == m
+    eng = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=m.max_seq_len))
+    assert eng.model_config == m
+    tokens = torch.randint(0, m.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = torch.log_softmax(tt(tokens).float(), dim=-1)
+    pages = eng.kv.blocks_for(eng.kv.max_seq_len)
+    spans = [Span(list(range(i * pages, (i + 1) * pages)), 0, tokens[i].tolist()) for i in range(2)]
+    with torch.inference_mode():
+        batch = ForwardBatch.build(spans, eng.device, eng.kv.max_seq_len, eng.kv.block_size)
+        out = torch.log_softmax(eng.model.logits(eng.model(batch, eng.kv)).float(), dim=-1).view(2, 100, -1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    if scaled:
+        # The scaling really changes the function: plain RoPE (torchtitan's own cache) differs.
+        plain = build_model(m.model_copy(update={"rope_scaling": None}), seed=1).eval()
+        plain.load_state_dict(tt.state_dict())
+        with torch.no_grad():
+            other = torch.log_softmax(plain(tokens).float(), dim=-1)
+        assert (other - ref).abs().max() > 1e-3
+
+
+def test_trainer_rope_cache_survives_init_weights() -> None:
+    """init_weights rebuilds the buffer (e.g. after meta-device construction): still scaled."""
+    m = scaled_llama3()
+    model = build_model(m, seed=0)
+    before = model.rope_cache.clone()
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    torch.testing.assert_close(model.rope_cache, before, atol=0, rtol=0)
+    from services.engine.model import rope_cache
+
+    cos, sin = rope_cache(m.head_dim, m.max_seq_len, m.rope_theta, m.rope_scaling)
+    torch.testing.assert_close(model.rope_cache, torch.cat([cos, sin], dim=-1), atol=0, rtol=0)
