@@ -211,6 +211,8 @@ class LocalRun:
     def monitor(self) -> int:
         """Print step lines until the trainer finishes; returns the exit code of the run."""
         deadline = time.monotonic() + self.cfg.run.timeout_s
+        budget = self.cfg.run.time_budget_s
+        budget_end = None if budget is None else time.monotonic() + budget
         history: list[dict[str, Any]] = []
         line = StepLine(self.cfg)
         self.console.print(line.header())
@@ -249,6 +251,10 @@ class LocalRun:
                 return 1
             if self._stop_requested:
                 return 130
+            if budget_end is not None and time.monotonic() > budget_end:
+                self.console.print(f"[yellow]time budget of {budget:.0f}s spent: stopping the trainer[/]")
+                self.bus.r.set(self.bus.k.control_stop, "time budget")
+                budget_end = None
             if time.monotonic() > deadline:
                 self.console.print(f"[red]run timed out after {self.cfg.run.timeout_s:.0f}s[/]")
                 return 124

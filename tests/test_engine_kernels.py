@@ -172,6 +172,52 @@ def test_flex_backend_matches_reference() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_fused_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
+    """One kernel = the torch path's q/k RMSNorm (Qwen3; absent for Llama), RoPE and cache writes."""
+    from services.engine.kernels.qk_rope import qk_rope_store
+    from services.engine.model import RMSNorm, apply_rope, rope_cache
+
+    torch.manual_seed(0)
+    t, h, h_kv, d = 5, 4, 2, 16
+    cos_t, sin_t = rope_cache(d, 64, 10000.0)
+    pos = torch.tensor([0, 7, 8, 30, 63])
+    cos, sin = cos_t[pos], sin_t[pos]
+    qkv = torch.randn(t, (h + 2 * h_kv) * d)  # one projection output, sliced: strided views
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + h_kv) * d].view(t, h_kv, d)
+    v = qkv[:, (h + h_kv) * d :].view(t, h_kv, d)
+    qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        qn.weight.uniform_(0.5, 1.5)
+        kn.weight.uniform_(0.5, 1.5)
+    kc, vc = torch.zeros(40, h_kv, d), torch.zeros(40, h_kv, d)
+    slots = torch.tensor([3, 17, -1, 0, 39])
+    with torch.no_grad():
+        got = qk_rope_store(
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            qn.weight if qk_norm else None,
+            kn.weight if qk_norm else None,
+            1e-6,
+            kc,
+            vc,
+            slots,
+        )
+        qr, kr = (qn(q), kn(k)) if qk_norm else (q, k)
+        want_q, want_k = apply_rope(qr, cos, sin), apply_rope(kr, cos, sin)
+    torch.testing.assert_close(got, want_q, atol=1e-5, rtol=1e-5)
+    keep = slots >= 0
+    torch.testing.assert_close(kc[slots[keep]], want_k[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(vc[slots[keep]], v[keep])
+    written = torch.zeros(40, dtype=torch.bool)
+    written[slots[keep]] = True
+    assert kc[~written].abs().sum() == 0 and vc[~written].abs().sum() == 0  # slot -1 wrote nothing
+
+
 def test_store_kv_skips_negative_slots() -> None:
     kc = torch.zeros(8, 2, 16, device=DEV)
     vc = torch.zeros(8, 2, 16, device=DEV)
@@ -348,3 +394,9 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     graphs.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), graphs.splits[size]))
     static = engine.model(graphs.static_batch(size), engine.kv)
     torch.testing.assert_close(static[: len(spans)], eager, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_auto_resolution(model_dir: Path) -> None:
+    # CPU: the torch path, bit for bit what it was (no paged kernels, no graphs).
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", max_seq_len=64))
+    assert engine.attention_backend == "torch" and engine.graphs is None

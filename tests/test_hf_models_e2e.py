@@ -57,6 +57,8 @@ from services.common.schemas import (
 )
 from services.common.tokenizer import end_of_turn_id, eos_id, load_tokenizer, model_eos_ids
 from services.common.tools import ToolResult, ToolSpec, render_tool_results, render_tools_prompt
+from services.decode.tool_calls import ParsedTurn, openai_tool_calls, safe_content_prefix, split_tool_calls
+from services.decode.tool_calls import finish_reason as tool_finish_reason
 from services.engine import LLMEngine, WeightsError
 from services.engine.batch import ForwardBatch, Span
 from services.engine.loader import read_checkpoint
@@ -366,6 +368,44 @@ def test_chat_tool_calls_streamed(server: Server, extra: dict[str, Any]) -> None
             c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]
         ]
         assert len(streamed) == n * (len(CHAIN) - 1)
+
+
+TEXTS = [
+    'I will look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "b", "arguments": "{\\"y\\": [2]}"}\n</tool_call>',
+    '  <tool_call>{"name": "a"}</tool_call>  then <tool_call>{nope}</tool_call> tail <tool_cal',
+    "no calls at all, just <tool text> and < signs",
+    '<tool_call>{"name": "a", "arguments": [1]}</tool_call><tool_call>{"name": "c"',
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_split_tool_calls_and_stream_prefixes(text: str) -> None:
+    """Every content prefix a stream may send while the text grows is a prefix of the final
+    content, so streamed and whole responses agree for any token boundaries."""
+    final = split_tool_calls(text)
+    for end in range(len(text) + 1):
+        for holdback in (0, 2):
+            assert final.content.startswith(safe_content_prefix(text[:end], holdback)), (end, holdback)
+
+
+def test_split_tool_calls_cases() -> None:
+    t0 = split_tool_calls(TEXTS[0])
+    assert t0.content == "I will look." and [(c.name, c.arguments) for c in t0.calls] == [
+        ("a", {"x": 1}),
+        ("b", {"y": [2]}),  # JSON-encoded arguments are decoded, as services/common/tools.py does
+    ]
+    t1 = split_tool_calls(TEXTS[1])
+    assert [c.name for c in t1.calls] == ["a"]
+    assert t1.content == "then <tool_call>{nope}</tool_call> tail <tool_cal"
+    assert split_tool_calls(TEXTS[2]) == ParsedTurn(TEXTS[2], [])
+    t3 = split_tool_calls(TEXTS[3])  # arguments not an object; unterminated: both stay content
+    assert t3.calls == [] and t3.content == TEXTS[3]
+    (call,) = openai_tool_calls(t0.calls[:1])
+    assert call["type"] == "function" and json.loads(call["function"]["arguments"]) == {"x": 1}
+    assert tool_finish_reason("stop", t0.calls) == "tool_calls"
+    assert tool_finish_reason("length", t0.calls) == "length"
+    assert tool_finish_reason("stop", []) == "stop"
 
 
 # ------------------------------------------------------------------ 1. orchestrator end of turn

@@ -16,7 +16,7 @@ from services.common import routing as wire
 from services.common.config import RunConfig, load_config
 from services.common.schemas import RolloutGroup, Sample, TrainerStepMetrics
 from trainer.loss import token_logprobs
-from trainer.mismatch import MismatchStats, token_mismatch
+from trainer.mismatch import MismatchStats, micro_batch_versions, token_mismatch
 from trainer.model import moe_layer_ids
 from trainer.replay import routing
 from trainer.train import Dist, Trainer
@@ -30,7 +30,8 @@ def test_token_mismatch_on_known_inputs() -> None:
     p_train = torch.tensor([[0.5, 0.2, 0.9, 0.1, 0.7]])
     p_infer = torch.tensor([[0.4, 0.5, 0.9, 0.3, 0.01]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last position is not trained
-    st = token_mismatch(p_train.log(), p_infer.log(), mask)
+    on_policy = torch.tensor([[True, False, True, False, True]])  # the rest: stale tokens
+    st = token_mismatch(p_train.log(), p_infer.log(), mask, on_policy)
     ratios = [0.5 / 0.4, 0.2 / 0.5, 1.0, 0.1 / 0.3]
     assert st.tokens == 4
     assert st.k3_sum == pytest.approx(sum(k3(r) for r in ratios), rel=1e-5)
@@ -42,6 +43,9 @@ def test_token_mismatch_on_known_inputs() -> None:
     assert s["mismatch_p_abs_mean"] == pytest.approx(0.15, rel=1e-5)
     assert s["mismatch_p_abs_max"] == pytest.approx(0.3, rel=1e-5)
     assert s["mismatch_ratio_out_frac"] == 0.5
+    assert st.on_policy_tokens == 2  # position 4 is on-policy but not trained
+    assert s["mismatch_kl_k3_on_policy"] == pytest.approx((k3(1.25) + k3(1.0)) / 2, rel=1e-5)
+    assert token_mismatch(p_train.log(), p_infer.log(), mask).summary()["mismatch_kl_k3_on_policy"] is None
     assert s["routing_agreement"] == [] and s["routing_agreement_mean"] is None
 
 
@@ -96,7 +100,13 @@ def make_trainer(name: str, redis_url: str, tmp_path: Path, **trainer: object) -
 
 
 def samples_with_logprobs(
-    t: Trainer, n: int, length: int, delta: float, routes: torch.Tensor | None, replay: bool
+    t: Trainer,
+    n: int,
+    length: int,
+    delta: float,
+    routes: torch.Tensor | None,
+    replay: bool,
+    version: int = 0,
 ) -> list[Sample]:
     """Samples whose inference log-probs are the trainer's current ones minus `delta` (computed
     under `routes` when given), so the step's mismatch is known exactly."""
@@ -123,7 +133,7 @@ def samples_with_logprobs(
                 tokens=toks[i].tolist(),
                 loss_mask=mask,
                 logprobs=lp,
-                versions=[0] * length,
+                versions=[-1] * 3 + [version] * (length - 3),
                 reward=float(i % 2),
                 advantage=float(i % 2) - 0.5,
                 routed_experts=re,
@@ -145,6 +155,7 @@ def test_dense_step_reports_mismatch(redis_url: str, tmp_path: Path) -> None:
     assert mm["mismatch_ratio_out_frac"] == 0.0
     assert mm["mismatch_p_abs_max"] > mm["mismatch_p_abs_mean"] > 0.0
     assert mm["routing_agreement"] == [] and mm["routing_replayed_frac"] is None
+    assert mm["mismatch_kl_k3_on_policy"] == pytest.approx(mm["mismatch_kl_k3"], rel=1e-9)  # all fresh
     # ...and they reach the step's metrics record (Redis -> metrics.jsonl, /v1/metrics).
     from trainer.train import Batch
 
@@ -188,3 +199,141 @@ def test_moe_step_replays_recorded_routing(
     # Random recorded sets rarely equal the trainer's own top-2 of 8.
     assert 0.0 <= mm["routing_agreement_mean"] < 0.5
     assert all(a is not None and a * recorded == round(a * recorded) for a in mm["routing_agreement"])
+
+
+def test_on_policy_mismatch_excludes_stale_tokens(redis_url: str, tmp_path: Path) -> None:
+    """Trainer at version 1: fresh samples (version 1) match exactly, stale ones (version 0) carry
+    a policy lag of delta. The on-policy KL sees only the former; the overall one both."""
+    t = make_trainer("debug", redis_url, tmp_path, micro_batch_tokens=30)
+    t.version = 1  # as after one committed step; train_step compares token versions with it
+    delta = 0.2
+    fresh = samples_with_logprobs(t, 3, 12, 0.0, None, False, version=1)
+    stale = samples_with_logprobs(t, 3, 12, delta, None, False, version=0)
+    stale = [s.model_copy(update={"rollout_id": f"old{i}"}) for i, s in enumerate(stale)]
+    mm = t.train_step(group(fresh + stale)).mismatch
+    assert mm["mismatch_kl_k3_on_policy"] == pytest.approx(0.0, abs=1e-9)
+    assert mm["mismatch_kl_k3"] == pytest.approx(k3(math.exp(delta)) / 2, rel=1e-4)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_micro_batch_versions_align_with_loss_mask(packing: bool) -> None:
+    from trainer.batch import micro_batches
+    from trainer.packing import packed_micro_batches
+
+    samples = [
+        Sample(
+            rollout_id=f"s{i}",
+            tokens=list(range(1, n + 1)),
+            loss_mask=[0, 0] + [1] * (n - 2),
+            logprobs=[0.0] * n,
+            versions=[-1, -1] + [i] * (n - 2),
+            reward=0.0,
+        )
+        for i, n in enumerate([7, 3, 9, 5])
+    ]
+    mbs = packed_micro_batches(samples, 12) if packing else micro_batches(samples, 12)
+    vs = micro_batch_versions(samples, packing, 12)
+    assert len(vs) == len(mbs) > 1
+    for mb, v in zip(mbs, vs, strict=True):
+        assert v.shape == mb.loss_mask.shape
+        # every trained position carries its sample's version; pads and prompt tokens do not
+        assert ((v >= 0) == (mb.loss_mask > 0)).all()
+
+
+@pytest.mark.slow  # torchrun start-up: ~40 s alone, minutes on a loaded machine
+def test_moe_two_processes_match_one(redis_url: str, tmp_path: Path) -> None:
+    """debug-moe with replay through 1 process and through torchrun --nproc_per_node=2 (gloo,
+    FSDP2): the same update, and the same mismatch/routing metrics after the cross-rank reduction
+    (sums, and a max for p_abs_max)."""
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from services.common.bus import Bus
+    from services.common.config import REPO_ROOT
+    from services.common.modeldir import step_dir
+    from trainer.launch import trainer_command
+    from trainer.model import build_model
+    from trainer.train import run as run_trainer
+
+    base = load_config("debug-moe")
+    m = base.model
+    model = build_model(m, seed=base.run.seed, init_std=base.trainer.init_std)  # = step_0
+    gen = torch.Generator().manual_seed(9)
+    layers, k = len(moe_layer_ids(m)), m.n_experts_per_tok
+    groups = []
+    for gi in range(2):
+        samples = []
+        for i in range(4):
+            n = 8 + 3 * gi + i  # different lengths, so ranks get different micro-batches
+            toks = torch.randint(2, m.vocab_size, (1, n), generator=gen)
+            routes = torch.rand(1, n - 1, layers, m.n_routed_experts, generator=gen).topk(k, dim=-1).indices
+            with torch.no_grad(), routing(model, routes, replay=True):
+                lp, _ = token_logprobs(model, toks)
+            arr = np.full((n, layers, k), 255, dtype=np.uint8)
+            arr[:-1] = routes[0].numpy()
+            jitter = 0.05 * (i - 1.5)  # some mismatch, different per sample
+            samples.append(
+                Sample(
+                    rollout_id=f"g{gi}.{i}",
+                    tokens=toks[0].tolist(),
+                    loss_mask=[0] * 3 + [1] * (n - 3),
+                    logprobs=[0.0] * 3 + [float(x) + jitter for x in lp[0, 2:].tolist()],
+                    versions=[-1] * 3 + [0] * (n - 3),
+                    reward=float(i % 2),
+                    advantage=float(i % 2) - 0.5,
+                    routed_experts=wire.encode(arr),
+                )
+            )
+        groups.append(RolloutGroup(group_id=f"same-{gi}", env="reverse", seed=gi, samples=samples))
+
+    outs = []
+    for nproc in (1, 2):
+        run_dir = tmp_path / f"run{nproc}"
+        run_dir.mkdir()
+        tree = base.model_dump()
+        tree["redis"]["prefix"] = f"mm2-{uuid.uuid4().hex[:8]}"
+        tree["run"].update(max_steps=1, dir=str(run_dir))
+        tree["orchestrator"]["batch_size"] = 2
+        tree["trainer"].update(nproc=nproc, micro_batch_tokens=30)
+        cfg = RunConfig.model_validate(tree)
+        (run_dir / "config.json").write_text(cfg.dump())
+        bus = Bus(redis_url, cfg.redis.prefix)
+        for g in groups:
+            bus.push_group(g)
+        if nproc == 1:
+            assert run_trainer(cfg, run_dir, redis_url) == 0
+        else:
+            log = run_dir / "trainer.log"
+            with open(log, "wb") as fh:
+                env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+                proc = subprocess.Popen(
+                    trainer_command(cfg, run_dir, redis_url), cwd=REPO_ROOT, stdout=fh, stderr=fh, env=env
+                )
+            try:
+                assert proc.wait(180) == 0, log.read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        ((_, mt),) = bus.read_metrics()
+        outs.append((mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))))
+
+    (m1, w1), (m2, w2) = outs
+    assert m1.routing_replayed_frac == 1.0 and m1.mismatch_kl_k3 > 0
+    assert m1.mismatch_kl_k3_on_policy == pytest.approx(m1.mismatch_kl_k3)  # every token is version 0
+    for f in (
+        "loss",
+        "grad_norm",
+        "mismatch_kl_k3",
+        "mismatch_p_abs_max",
+        "mismatch_p_abs_mean",
+        "mismatch_ratio_out_frac",
+        "routing_agreement_mean",
+        "routing_replayed_frac",
+    ):
+        assert getattr(m2, f) == pytest.approx(getattr(m1, f), rel=1e-5, abs=1e-7), f
+    assert m2.routing_agreement == pytest.approx(m1.routing_agreement)
+    assert w1.keys() == w2.keys() and "model.layers.1.mlp.experts.7.down_proj.weight" in w1
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5, msg=key)

@@ -457,6 +457,7 @@ def test_engine_routing_replays_in_the_trainer(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # ~8 min alone on 2 cores; much more on a shared machine
 def test_debug_moe_run_learns_with_router_replay(tmp_path: Path) -> None:
     """`make launch MODEL=debug-moe` as separate processes with a real Redis: decode records the
     routing, the orchestrator carries it, the trainer replays it, and the model learns."""
@@ -469,14 +470,16 @@ def test_debug_moe_run_learns_with_router_replay(tmp_path: Path) -> None:
     from services.common.schemas import RolloutGroup
 
     run_dir = tmp_path / "run"
-    steps = 150  # one run: reverse 10-step mean 0.29 at step 100, 0.38 at 150, 0.51 at 200
+    # One 250-step run: reverse 10-step mean 0.02 at the start, 0.29 at step 100, 0.34 at 110,
+    # 0.51 at 200 (reverse-turns alike): the same pace as the dense debug model.
+    steps = 120
     with RedisServer(tmp_path / "redis") as redis:
         cmd = [
             sys.executable, "-m", "sbatch.launch", "run", "debug-moe",
             f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={steps}",
-            "--run.timeout_s=900", "--run.stop_on_targets=false",
+            "--run.timeout_s=1350", "--run.stop_on_targets=false",
         ]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1000)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1400)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [h["step"] for h in hist] == list(range(1, steps + 1))
@@ -486,16 +489,22 @@ def test_debug_moe_run_learns_with_router_replay(tmp_path: Path) -> None:
             return sum(r[:5]) / 5, max(sum(r[i - 10 : i]) / 10 for i in range(10, len(r) + 1))
 
         first, best = curve("reverse")
-        assert first < 0.1 and best > 0.25, f"reverse: first {first:.3f} best10 {best:.3f}"
+        assert first < 0.1 and best > 0.2, f"reverse: first {first:.3f} best10 {best:.3f}"
         first_mt, best_mt = curve("reverse-turns")
         assert best_mt > 5 * first_mt, f"reverse-turns: first {first_mt:.3f} best10 {best_mt:.3f}"
 
+        on_policy = []
         for h in hist:  # every step replayed every recorded token and reported the mismatch
             assert h["routing_replayed_frac"] == 1.0
             assert len(h["routing_agreement"]) == 2
             assert all(a is not None and 0.0 <= a <= 1.0 for a in h["routing_agreement"])
-            assert 0.0 <= h["mismatch_kl_k3"] < 0.05 and h["mismatch_ratio_out_frac"] < 0.05
+            assert h["mismatch_kl_k3"] >= 0.0 and 0.0 <= h["mismatch_ratio_out_frac"] <= 1.0
             assert 0.0 <= h["mismatch_p_abs_mean"] <= h["mismatch_p_abs_max"] <= 1.0
+            if h["mismatch_kl_k3_on_policy"] is not None:
+                on_policy.append(h["mismatch_kl_k3_on_policy"])
+        # Tokens sampled by the weights being trained: engine and trainer (float32 on CPU, same
+        # routing) agree to rounding. The overall KL also holds the policy lag of stale tokens.
+        assert on_policy and max(on_policy) < 1e-6
 
         cfg = load_resolved(run_dir / "config.json")
         bus = Bus(redis.url, cfg.redis.prefix)

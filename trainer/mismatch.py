@@ -9,6 +9,9 @@ being trained and p_infer = exp(logp_infer) as the engine reported it:
   p_abs_max/mean   max and mean of |p_train - p_infer|
   ratio_out_frac   share of tokens with r outside [0.5, 2] (a fixed band, whatever the loss's
                    trainer.ratio_low/high, so runs compare)
+  kl_k3_on_policy  kl_k3 over the tokens sampled by the very weights being trained (version ==
+                   the trainer's): the numerical mismatch alone, without the policy lag of stale
+                   tokens that the others include
 
 and, for MoE models, per MoE layer the routing agreement: the share of recorded tokens whose
 trainer top-k expert SET equals the engine's (trainer.replay.RoutingRecord counts).
@@ -22,6 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.schemas import Sample
+from trainer.replay import micro_batch_samples
+
 RATIO_BAND = (0.5, 2.0)
 
 
@@ -32,6 +38,8 @@ class MismatchStats:
     p_abs_sum: float = 0.0
     p_abs_max: float = 0.0
     ratio_out: float = 0.0
+    on_policy_tokens: float = 0.0
+    on_policy_k3_sum: float = 0.0
     # per MoE layer (empty for a dense model)
     route_agree: list[float] = field(default_factory=list)
     route_total: list[float] = field(default_factory=list)
@@ -43,6 +51,8 @@ class MismatchStats:
         self.p_abs_sum += other.p_abs_sum
         self.p_abs_max = max(self.p_abs_max, other.p_abs_max)
         self.ratio_out += other.ratio_out
+        self.on_policy_tokens += other.on_policy_tokens
+        self.on_policy_k3_sum += other.on_policy_k3_sum
         self.route_agree = _add(self.route_agree, other.route_agree)
         self.route_total = _add(self.route_total, other.route_total)
         self.route_replayed = _add(self.route_replayed, other.route_replayed)
@@ -61,9 +71,9 @@ class MismatchStats:
             *(self.route_total or pad),
             *(self.route_replayed or pad),
         ]
-        return torch.tensor(
-            [self.tokens, self.k3_sum, self.p_abs_sum, self.ratio_out, *per_layer], dtype=torch.float64
-        )
+        head = [self.tokens, self.k3_sum, self.p_abs_sum, self.ratio_out]
+        head += [self.on_policy_tokens, self.on_policy_k3_sum]
+        return torch.tensor([*head, *per_layer], dtype=torch.float64)
 
     def max_tensor(self) -> torch.Tensor:
         return torch.tensor([self.p_abs_max], dtype=torch.float64)
@@ -71,16 +81,18 @@ class MismatchStats:
     @classmethod
     def from_tensors(cls, summed: torch.Tensor, maxed: torch.Tensor, moe_layers: int) -> MismatchStats:
         s = summed.tolist()
-        n = moe_layers
+        n, h = moe_layers, 6
         return cls(
             tokens=s[0],
             k3_sum=s[1],
             p_abs_sum=s[2],
             ratio_out=s[3],
+            on_policy_tokens=s[4],
+            on_policy_k3_sum=s[5],
             p_abs_max=float(maxed[0].item()),
-            route_agree=s[4 : 4 + n],
-            route_total=s[4 + n : 4 + 2 * n],
-            route_replayed=s[4 + 2 * n : 4 + 3 * n],
+            route_agree=s[h : h + n],
+            route_total=s[h + n : h + 2 * n],
+            route_replayed=s[h + 2 * n : h + 3 * n],
         )
 
     # ---- what the step reports
@@ -96,6 +108,9 @@ class MismatchStats:
             "mismatch_p_abs_max": self.p_abs_max,
             "mismatch_p_abs_mean": self.p_abs_sum / n,
             "mismatch_ratio_out_frac": self.ratio_out / n,
+            "mismatch_kl_k3_on_policy": (
+                self.on_policy_k3_sum / self.on_policy_tokens if self.on_policy_tokens else None
+            ),
             # None where a layer saw no recorded token (e.g. the engine returned no routing)
             "routing_agreement": agreement,
             "routing_agreement_mean": sum(self.route_agree) / total if total > 0 else None,
@@ -111,11 +126,32 @@ def _add(a: list[float], b: list[float]) -> list[float]:
     return [x + y for x, y in zip(a, b, strict=True)]
 
 
+def micro_batch_versions(samples: list[Sample], packing: bool, token_budget: int) -> list[torch.Tensor]:
+    """Per micro-batch, the weight version of each scored token, aligned with its loss_mask
+    (versions[1:] per sample, as trainer.batch / trainer.packing lay out logprobs; -1 = pad)."""
+    out = []
+    for group in micro_batch_samples(samples, packing, token_budget):
+        rows = [s.versions[1 : len(s.tokens)] for s in group if not packing or len(s.tokens) >= 2]
+        if packing:
+            out.append(torch.tensor([v for r in rows for v in r], dtype=torch.long).unsqueeze(0))
+            continue
+        width = max(2, max(len(s.tokens) for s in group)) - 1
+        t = torch.full((len(rows), width), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        out.append(t)
+    return out
+
+
 @torch.no_grad()
 def token_mismatch(
-    logp_train: torch.Tensor, logp_infer: torch.Tensor, loss_mask: torch.Tensor
+    logp_train: torch.Tensor,
+    logp_infer: torch.Tensor,
+    loss_mask: torch.Tensor,
+    on_policy: torch.Tensor | None = None,
 ) -> MismatchStats:
-    """Mismatch sums over the positions where loss_mask is 1 (any matching shapes)."""
+    """Mismatch sums over the positions where loss_mask is 1 (any matching shapes); `on_policy`
+    (bool, same shape) marks the tokens sampled by the weights being trained."""
     m = loss_mask.detach().reshape(-1) > 0
     a = logp_train.detach().reshape(-1)[m].double()
     b = logp_infer.detach().reshape(-1)[m].double()
@@ -127,8 +163,11 @@ def token_mismatch(
     k3 = r - 1.0 - log_r
     p_abs = (a.exp() - b.exp()).abs()
     low, high = RATIO_BAND
+    fresh = on_policy.reshape(-1)[m] if on_policy is not None else torch.zeros_like(k3, dtype=torch.bool)
     return MismatchStats(
         tokens=float(a.numel()),
+        on_policy_tokens=float(fresh.sum().item()),
+        on_policy_k3_sum=float(k3[fresh].sum().item()),
         k3_sum=float(k3.sum().item()),
         p_abs_sum=float(p_abs.sum().item()),
         p_abs_max=float(p_abs.max().item()),

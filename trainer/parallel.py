@@ -1,24 +1,26 @@
 """Apply the trainer's performance configuration to a model: one code path, 1 CPU process to N GPUs.
 
-Order (as torchtitan's parallelize_qwen3, which this follows with its own functions):
+Order (torchtitan's parallelize_qwen3, with torchtitan's functions where they fit):
   1. attention kernel   DocumentAttention of trainer.attention in every block (trainer.attention)
-  2. context parallel   torchtitan's apply_cp_to_attention_module on the cp mesh (cp > 1)
-  3. activation ckpt    torchtitan's apply_ac: "selective" = per-op SAC with torchtitan's save list
-  4. torch.compile      each transformer block (after AC wrapping, before FSDP, as torchtitan)
-  5. FSDP2              each block its own unit, the root holding embeddings/norm/output (tied
-                        embedding and output weight stay one parameter); MixedPrecisionPolicy
-                        bf16 params/compute, float32 reduction; the sharded float32 parameters
-                        are the master weights the optimizer updates.
+  2. expert parallel    torchtitan's apply_moe_ep_tp (EP only): routed experts split over the ep
+                        ranks, all-to-all token dispatch/combine (ep > 1, MoE models)
+  3. context parallel   torchtitan's apply_cp_to_attention_module on the cp mesh (cp > 1)
+  4. activation ckpt    torchtitan's apply_ac: "selective" = per-op SAC with torchtitan's save list
+  5. torch.compile      torchtitan's per-block apply_compile (after AC, before FSDP)
+  6. FSDP2              each block its own unit (with EP, the routed experts a unit on the efsdp
+                        mesh), the root holding embeddings/norm/output (tied embedding and output
+                        weight stay one parameter); MixedPrecisionPolicy bf16 params/compute,
+                        float32 reduction; the sharded float32 parameters are the master weights.
 
 FSDP needs a process group. Under torchrun (or any initialised group, even of one process, which is
 what bench/trainer/step.py uses) it is always applied, so bf16 is FSDP's mixed precision. A plain
 single process (the CPU default) has no FSDP; there `bfloat16` means torch.autocast, torchtitan's
 choice for single-device training (`autocast_context`).
 
-Parallel degrees come from trainer.tp / cp / ep and the process count through torchtitan's
-ParallelDims (dp = world / (tp * cp)). Not wired yet, and refused with a clear error: tp > 1 (the
-chunked log-prob head would need a vocabulary-parallel log-softmax, and tied embeddings a
-replicated output) and ep > 1 (the trainer's model builder makes dense Qwen3 only).
+Parallel degrees come from trainer.tp / cp / ep and the process count, checked with torchtitan's
+ParallelDims rules (dp = world / (tp * cp); ep divides world). Not wired, refused with a clear
+error: tp > 1 (the chunked log-prob head would need a vocabulary-parallel log-softmax, and a
+TP-sharded tied embedding a replicated output).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def degrees(tc: TrainerSection, world: int) -> Degrees:
     if tc.tp > 1:
         raise NotImplementedError(
             "trainer.tp > 1 is not wired: the chunked log-prob head needs a vocabulary-parallel"
-            " log-softmax first (use FSDP (dp) and cp)"
+            " log-softmax first (use FSDP (dp), cp and ep)"
         )
     from torchtitan.distributed import ParallelDims
 

@@ -61,6 +61,7 @@ def clean_name(name: str) -> str:
 @dataclass
 class PublishTimes:
     version: int
+    wait_s: float  # waiting for the previous version's write to finish (blocks the step loop)
     gather_s: float  # collective gather into host buffers (blocks the step loop)
     write_s: float = 0.0  # background: file write + fsync + rename (+ on_done)
     bytes: int = 0
@@ -173,8 +174,9 @@ class Publisher:
         seconds the caller was blocked (waiting for the previous write + the gather)."""
         t0 = time.monotonic()
         self.wait()
+        t_gather = time.monotonic()
         state = self.gather(model)
-        times = PublishTimes(version=version, gather_s=time.monotonic() - t0)
+        times = PublishTimes(version=version, wait_s=t_gather - t0, gather_s=time.monotonic() - t_gather)
         if self.is_main:
             meta = {"version": version, "step": version}
 

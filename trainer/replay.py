@@ -206,19 +206,23 @@ def packed_routes(samples: list[Sample], layers: int, top_k: int, n_experts: int
     return torch.cat(parts, dim=0).unsqueeze(0)
 
 
-def micro_batch_routes(
-    samples: list[Sample], m: ModelConfig, packing: bool, token_budget: int
-) -> list[torch.Tensor | None]:
-    """Routing tensors aligned one-to-one with `trainer.batch.micro_batches(samples, budget)` or
-    `trainer.packing.packed_micro_batches(samples, budget)` (same planners, same order). None per
-    micro-batch for a dense model."""
+def micro_batch_samples(samples: list[Sample], packing: bool, token_budget: int) -> list[list[Sample]]:
+    """The samples of each micro-batch of `trainer.batch.micro_batches(samples, budget)` or
+    `trainer.packing.packed_micro_batches(samples, budget)`, in their order (same planners)."""
     if packing:
         lengths = [max(0, len(s.tokens) - 1) for s in samples]
         groups = [[samples[i] for i in plan] for plan in plan_packs(lengths, token_budget)]
-        groups = [g for g in groups if any(len(s.tokens) >= 2 for s in g)]
-    else:
-        plans = plan_micro_batches([len(s.tokens) for s in samples], token_budget)
-        groups = [[samples[i] for i in plan] for plan in plans]
+        return [g for g in groups if any(len(s.tokens) >= 2 for s in g)]
+    plans = plan_micro_batches([len(s.tokens) for s in samples], token_budget)
+    return [[samples[i] for i in plan] for plan in plans]
+
+
+def micro_batch_routes(
+    samples: list[Sample], m: ModelConfig, packing: bool, token_budget: int
+) -> list[torch.Tensor | None]:
+    """Routing tensors aligned one-to-one with the micro-batches (see micro_batch_samples). None
+    per micro-batch for a dense model."""
+    groups = micro_batch_samples(samples, packing, token_budget)
     if not m.is_moe:
         return [None] * len(groups)
     layers, k, e = m.n_layers - m.first_k_dense, m.n_experts_per_tok, m.n_routed_experts

@@ -62,7 +62,7 @@ from trainer.batch import (
 from trainer.chunked import enable_chunked_output
 from trainer.entropy import EntropyControl
 from trainer.loss import LossStats, ratio_loss
-from trainer.mismatch import MismatchStats, token_mismatch
+from trainer.mismatch import MismatchStats, micro_batch_versions, token_mismatch
 from trainer.model import build_model, load_weights_dir, moe_layer_ids, save_weights_dir
 from trainer.packing import PackedMicroBatch, packed_micro_batches
 from trainer.parallel import (
@@ -464,6 +464,8 @@ class Trainer:
                     "trainer.router_replay needs trainer.cp = 1 (CP-sharded routing is not supported)"
                 )
             routes = [None] * len(routes)
+        # Token versions, for the on-policy mismatch (a CP shard is not aligned with them).
+        versions = micro_batch_versions(mine, tc.packing, tc.micro_batch_tokens) if deg.cp == 1 else None
         # The normaliser is the step's loss-token count summed over all ranks.
         counts = self.d.all_reduce(torch.tensor([loss_token_count(mine)], dtype=torch.float64))
         total_loss_tokens = max(1, int(counts[0].item()) // (deg.cp * deg.tp))  # shared samples once
@@ -508,7 +510,8 @@ class Trainer:
                     )
                     (loss * scale).backward()
                 stats.add(st)
-                mismatch.add(token_mismatch(logp, mb.logp_infer, mb.loss_mask))
+                on_policy = versions[i].to(logp.device) == self.version if versions is not None else None
+                mismatch.add(token_mismatch(logp, mb.logp_infer, mb.loss_mask, on_policy))
                 mismatch.add_routing(rec.agree, rec.total, rec.replayed)
                 n_tokens += mb.n_tokens
             else:
@@ -574,7 +577,7 @@ class Trainer:
             publish_s = self.publisher.publish(
                 self.model, self.version, step_dir(self.run_dir, self.version), on_done=self._announce
             )
-            if (p := self.publisher.last) is not None:  # the newest write that has finished
+            if self.d.is_main and (p := self.publisher.last) is not None:  # newest finished write
                 log_event(self.log, "weights written", **vars(p))
             if self.version % self.cfg.trainer.checkpoint_every == 0 or self.version >= max_steps:
                 self._checkpoint()

@@ -743,6 +743,7 @@ def main() -> None:
         report.phase(
             f"hf_generate[batch={size}]", lambda: hf_batches(hf, prompts, args.new_tokens, size, cap)
         )
+        free_gpu()  # HF's KV cache at batch 256 is ~45 GB; the next engine wants its own pool
 
     # Most important first: the main variant (with batch-1 and latency), the HF batch that was
     # HF's best, the other variants, then HF in batches of 64 with whatever time is left.

@@ -105,7 +105,7 @@ from trainer.mismatch import MismatchStats, token_mismatch  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.parallel import autocast_context, parallelize  # noqa: E402
 from trainer.publish import Publisher  # noqa: E402
-from trainer.replay import micro_batch_routes, routing  # noqa: E402
+from trainer.replay import micro_batch_routes, moe_routers, routing  # noqa: E402
 
 KL_GOAL = 10.0  # issue 7: replay cuts the mismatch KL at least 10x
 
@@ -155,6 +155,29 @@ def smoke_moe(layers: int) -> ModelConfig:
         n_routed_experts=16,
         n_experts_per_tok=4,
         moe_hidden_dim=64,
+        router_score="softmax",
+        norm_topk_prob=True,
+    )
+
+
+def mid_moe(layers: int) -> ModelConfig:
+    """A CPU-sized proxy with the routing of the real shape's kind (64 experts top-8, dim 512):
+    `--shape mid`, for a quick look at flip rates without a GPU."""
+    return ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=4096,
+        dim=512,
+        n_layers=layers,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=64,
+        hidden_dim=512,
+        max_seq_len=512,
+        rope_theta=1_000_000.0,
+        tie_embeddings=False,
+        n_routed_experts=64,
+        n_experts_per_tok=8,
+        moe_hidden_dim=128,
         router_score="softmax",
         norm_topk_prob=True,
     )
@@ -266,6 +289,39 @@ def sample_with_engine(
 # ------------------------------------------------------------------ trainer side
 
 
+class OwnTopK:
+    """Forward hooks on the MoE routers: each router's OWN top-k expert ids (whatever it routes
+    by), recomputed from its input as TokenChoiceTopKRouter does, for the per-token split of the
+    KL into tokens with and without a flipped expert set."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.ids: list[torch.Tensor] = []  # per MoE layer, this forward: [tokens, top_k]
+        self.handles = [r.register_forward_hook(self._hook) for r in moe_routers(model)]
+
+    @torch.no_grad()
+    def _hook(self, mod: Any, inp: tuple[torch.Tensor, ...], _out: Any) -> None:
+        logits = mod.gate(inp[0]).to(torch.float32)
+        scores = torch.sigmoid(logits) if mod.score_func == "sigmoid" else torch.softmax(logits, dim=1)
+        if len(inp) > 1 and inp[1] is not None:
+            scores = scores + inp[1]
+        if mod.num_expert_groups is not None:
+            scores = mod._get_node_limited_routing_scores(scores)
+        self.ids.append(torch.topk(scores, k=mod.top_k, dim=-1).indices)
+
+    def flipped(self, route: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: some MoE layer's own expert set differs from the recorded one at that
+        input position (recorded rows only); `route` is [B, T, layers, top_k]."""
+        b, t, layers, k = route.shape
+        own = torch.stack([ids.view(b, t, k) for ids in self.ids], dim=2)
+        diff = (own.sort(dim=-1).values != route.sort(dim=-1).values).any(dim=-1)
+        recorded = (route >= 0).all(dim=-1)
+        return (diff & recorded).any(dim=-1)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 @torch.no_grad()
 def score(
     model: torch.nn.Module,
@@ -285,24 +341,45 @@ def score(
     stats = MismatchStats()
     ent_sum = 0.0
     log_r_max = 0.0
+    # k3 sums and token counts over sampled tokens whose own position has a flipped expert set
+    # (in any MoE layer) and over the others; flips earlier in the context reach both via attention.
+    split = {"flipped": [0.0, 0.0], "unflipped": [0.0, 0.0]}
     for mb, route in zip(mbs, routes, strict=True):
         mb = mb.to(device)
-        with (
-            routing(model, route.to(device) if route is not None else None, replay) as rec,
-            micro_batch_attention(model, mb),
-        ):
-            with amp:
-                logp, ent = packed_logprobs(model, mb, tc.logprob_chunk_tokens)
+        route = route.to(device) if route is not None else None
+        tap = OwnTopK(model)
+        try:
+            with (
+                routing(model, route, replay) as rec,
+                micro_batch_attention(model, mb),
+            ):
+                with amp:
+                    logp, ent = packed_logprobs(model, mb, tc.logprob_chunk_tokens)
+        finally:
+            tap.close()
         stats.add(token_mismatch(logp, mb.logp_infer, mb.loss_mask))
         stats.add_routing(rec.agree, rec.total, rec.replayed)
         mask = mb.loss_mask > 0
         ent_sum += float(ent[mask].double().sum().item())
-        log_r_max = max(log_r_max, float((logp.float() - mb.logp_infer)[mask].abs().max().item()))
+        log_r = (logp.double() - mb.logp_infer.double())[mask]
+        log_r_max = max(log_r_max, float(log_r.abs().max().item()))
+        if route is not None:
+            k3 = torch.exp(log_r) - 1.0 - log_r
+            flip = tap.flipped(route)[mask]
+            for key, sel in (("flipped", flip), ("unflipped", ~flip)):
+                split[key][0] += float(k3[sel].sum().item())
+                split[key][1] += float(sel.sum().item())
     out: dict[str, Any] = dict(stats.summary())
+    n = max(stats.tokens, 1.0)
     out.update(
         tokens=int(stats.tokens),
         log_ratio_abs_max=log_r_max,
-        train_entropy_mean=ent_sum / max(stats.tokens, 1.0),
+        train_entropy_mean=ent_sum / n,
+        flipped_token_frac=split["flipped"][1] / n,
+        kl_k3_flipped_tokens=split["flipped"][0] / split["flipped"][1] if split["flipped"][1] else None,
+        kl_k3_unflipped_tokens=split["unflipped"][0] / split["unflipped"][1]
+        if split["unflipped"][1]
+        else None,
         score_s=round(time.perf_counter() - t0, 2),
     )
     return out
@@ -355,7 +432,8 @@ class OneRankGroup:
 def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdir: Path) -> dict[str, Any]:
     """One initialisation: publish, sample with the bf16 engine, score in the bf16 trainer."""
     cuda = device.type == "cuda"
-    m = smoke_moe(args.layers) if args.smoke else qwen3_30b_a3b(args.layers)
+    shapes = {"qwen3-30b-a3b": qwen3_30b_a3b, "mid": mid_moe, "smoke": smoke_moe}
+    m = shapes[args.shape](args.layers)
     out: dict[str, Any] = {"init": init, "model": m.model_dump(include=_SHAPE_FIELDS)}
     t0 = time.perf_counter()
     model = build_trainer_model(m, init, args.seed, device)
@@ -506,6 +584,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
                 "agreement_on": on["routing_agreement_mean"],
                 "ratio_out_off": off["mismatch_ratio_out_frac"],
                 "ratio_out_on": on["mismatch_ratio_out_frac"],
+                "flipped_token_frac": off["flipped_token_frac"],
+                "kl_off_flipped_tokens": off["kl_k3_flipped_tokens"],
+                "kl_off_unflipped_tokens": off["kl_k3_unflipped_tokens"],
                 "goal_met": r["kl_goal_10x_met"],
             }
     return rows
@@ -516,6 +597,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
+    ap.add_argument(
+        "--shape",
+        default=None,
+        choices=["qwen3-30b-a3b", "mid", "smoke"],
+        help="model of the bf16 rows (default qwen3-30b-a3b; smoke with --smoke)",
+    )
     ap.add_argument("--layers", type=int, default=None, help="MoE layers (default 4; smoke 2)")
     ap.add_argument("--inits", default="trainer,hf", help="comma-separated: trainer, hf")
     ap.add_argument("--prompts", type=int, default=None, help="default 64 (smoke 6)")
@@ -528,11 +615,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-sanity", dest="sanity", action="store_false", help="skip the float32 row")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    defaults = (
+    defaults: dict[str, Any] = (
         {"layers": 2, "prompts": 6, "new_tokens": 12, "prompt_min": 8, "prompt_max": 24}
         if args.smoke
         else {"layers": 4, "prompts": 64, "new_tokens": 64, "prompt_min": 32, "prompt_max": 256}
     )
+    defaults["shape"] = "smoke" if args.smoke else "qwen3-30b-a3b"
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -468,6 +468,7 @@ def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) ->
             last = pub.last
             out[f"publish_{i}"] = {
                 "blocked_s": blocked,
+                "wait_s": last.wait_s if last else None,
                 "gather_s": last.gather_s if last else None,
                 "write_s": last.write_s if last else None,
                 "bytes": last.bytes if last else None,

@@ -208,6 +208,9 @@ class RunSection(Strict):
     max_steps: int = Field(120, gt=0)
     # Stop early once every task's 10-step mean reward has reached its target.
     stop_on_targets: bool = False
+    # Wall-clock budget: once spent, the trainer is asked to stop as on targets (it checkpoints,
+    # the run ends with its summary and exit 0). timeout_s is the hard limit (exit 124).
+    time_budget_s: float | None = Field(None, gt=0)
     timeout_s: float = Field(900.0, gt=0)
 
 

@@ -56,7 +56,12 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 
 def _scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    scale = amax.float().clamp(min=AMAX_EPS) / FP8_MAX
+    # Divide by a 448 *tensor*: CUDA torch turns division by a Python scalar into a multiply by
+    # its float32 reciprocal, which differs from the IEEE quotient in ~half the blocks (measured on
+    # the H200: 1471 of 2664 scales), so the GPU reference disagreed with the CPU one and with the
+    # Triton quantiser (div_rn). Tensor / tensor is the IEEE quotient on both devices.
+    amax = amax.float().clamp(min=AMAX_EPS)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if pow2:
         # Round up so |x / scale| <= 448 still holds; then the largest value lands in [224, 448].
         # Exactly, through the float's exponent: exp2(ceil(log2(s))) misses by one power for s a
@@ -149,26 +154,34 @@ def fp8_gemm_reference(
 def _scaled_mm_blockwise(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """UNTESTED ON GPU. torch's block-wise cuBLAS path (torch >= 2.11, Hopper). Layouts per
-    shared/notes/infra-facts.md: scale_a (M, K/128) column-major (strides (1, M)); scale_b
-    (K/128, N/128) with strides (1, K/128), i.e. the transpose of our contiguous (N/128, K/128)
-    w_scale. K and N are zero-padded to multiples of 128 (scales already have ceil shapes)."""
+    """torch's block-wise cuBLAS path (torch >= 2.11, Hopper). Layouts (checked on the H200,
+    shared/notes/infra-facts.md): scale_a (M, K/128) column-major (strides (1, M)); scale_b
+    (KB4, N/128) with strides (1, KB4), i.e. the transpose of a contiguous (N/128, KB4) tensor,
+    where KB4 = ceil(K/128) rounded up to a multiple of 4: cuBLAS wants the weight's K-block
+    count padded to 4 (H200 run 1: "scale_b must have shape 12 x 8 ... got [11, 8]" at K = 1300).
+    K and N are zero-padded to multiples of 128 and M to a multiple of 4 (the activation scales
+    are read in groups of 4 rows); every pad is skipped (no copy) on aligned shapes."""
+    m = a.shape[0]
     n = w.shape[0]
     # float8 has no pad kernel everywhere: pad through a uint8 view (fp8 zero is all-zero bits).
-    a_p = _pad_to(a.view(torch.uint8), 1, BLOCK).view(FP8_DTYPE)
-    w_p = _pad_to(_pad_to(w.view(torch.uint8), 1, BLOCK), 0, BLOCK).view(FP8_DTYPE).contiguous()
-    sa = a_scale.float().t().contiguous().t()
-    sb = w_scale.float().contiguous().t()
+    a_p = _pad_to(_pad_to(a.view(torch.uint8), 1, BLOCK), 0, 4).view(FP8_DTYPE)
+    w_p = _pad_to(_pad_to(w.view(torch.uint8), 1, BLOCK), 0, BLOCK).view(FP8_DTYPE)
+    sa = a_scale.float()
+    if m % 4:
+        sa = _pad_to(sa, 0, 4)  # padded rows are zero: any scale, 0 is as good as 1
+    if sa.stride(0) != 1:  # row-major (the torch reference's) -> column-major; Triton's is already
+        sa = sa.t().contiguous().t()
+    sb = _pad_to(w_scale.float(), 1, 4)  # the extra K blocks multiply nothing; layout only
     out = F.scaled_mm(
         a_p.contiguous(),
-        w_p.t(),
+        w_p.contiguous().t(),
         sa,
         F.ScalingType.BlockWise1x128,
-        sb,
+        sb.contiguous().t(),
         F.ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
     )
-    return out[:, :n]
+    return out[:m, :n]
 
 
 def _use_gpu(backend: str, a: torch.Tensor) -> bool:
@@ -195,7 +208,8 @@ def fp8_gemm(
     """Block-scaled FP8 GEMM: (a (M, K) fp8, a_scale 1x128) @ (w (N, K) fp8, w_scale 128x128)^T.
 
     backend: "reference" (float32 block accumulation, any device; what CI tests), "torch"
-    (torch.nn.functional.scaled_mm block-wise, CUDA only, UNTESTED ON GPU), or "auto" (torch
+    (torch.nn.functional.scaled_mm block-wise, CUDA only; checked by bench/fp8/gemm.py's
+    self-check on the H200), or "auto" (torch
     on CUDA when available, else reference)."""
     _check_gemm_shapes(a, a_scale, w, w_scale)
     if _use_gpu(backend, a):
@@ -222,7 +236,8 @@ def grouped_fp8_gemm(
     [offs[e-1], offs[e]) (offs: cumulative end offsets, len E, offs[-1] == T) and multiplies them
     by w[e] (w: (E, N, K) fp8, w_scale: (E, ceil(N/128), ceil(K/128))). Returns (T, N).
     Empty groups are allowed. The reference path is one fp8_gemm per expert (a Triton grouped
-    kernel is the GPU goal; "torch" here loops scaled_mm per expert, UNTESTED ON GPU)."""
+    kernel is the GPU path; "torch" here loops scaled_mm per expert: H200 run 1 failed with
+    CUBLAS_STATUS_NOT_SUPPORTED on groups of 1-42 rows, hence the M padding to 4 above)."""
     if w.dim() != 3 or w_scale.dim() != 3 or w.shape[0] != w_scale.shape[0]:
         raise ValueError(
             f"grouped weights want (E, N, K) + (E, NB, KB), got {tuple(w.shape)}, {tuple(w_scale.shape)}"

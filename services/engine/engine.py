@@ -107,12 +107,16 @@ class LLMEngine:
 
     def _attention_backend(self) -> str:
         want = self.cfg.attention_backend
-        # The paged kernels cover standard (GQA) attention; MLA keeps its torch path (mla.py).
-        plain = not self.model_config.is_mla
+        # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
+        # shapes) of at least 16 (tl.dot); MLA keeps its torch path (mla.py).
+        d = self.model_config.head_dim
+        plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
         if want == "auto":
             want = "triton" if self.device.type == "cuda" and plain else "torch"
         if want in ("triton", "flex") and not plain:
-            raise ValueError(f"attention_backend: {want!r} supports standard attention only, not MLA")
+            raise ValueError(
+                f"attention_backend: {want!r} needs standard attention with a power-of-two head_dim >= 16"
+            )
         return want
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -254,7 +258,10 @@ class LLMEngine:
         logprobs: list[float] = []
         tops: list[list[tuple[int, float]] | None] = []
         if seqs:
-            logits = self.model.logits(hidden[last_index[rows]])
+            # Decode steps sample every row in order: index with the device tensor as it is, since
+            # a Python list index is a pageable host->device copy that waits for the forward.
+            every = rows == list(range(len(last_index)))
+            logits = self.model.logits(hidden[last_index if every else last_index[rows]])
             out = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
             tokens, logprobs, tops = out.tokens, out.logprobs, out.top
 

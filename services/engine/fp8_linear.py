@@ -8,9 +8,11 @@ activations 1x128 on every call. GEMM backends:
 - "reference": services/common/fp8.fp8_gemm_reference (float32 block accumulation; CPU, tests);
 - "torch": torch.nn.functional.scaled_mm block-wise (cuBLAS), best at large M;
 - "triton": services/engine/kernels/fp8_gemm.py, small BLOCK_M + split-K, for decode-sized M;
-- "auto": CPU -> reference; CUDA -> triton when M <= TRITON_MAX_M, else torch.
+- "auto": CPU -> reference; CUDA -> the measured table kern.TUNED_CONFIGS (per M bucket and
+  (N, K): a Triton config or torch), and for shapes it does not list: triton (pick_config) when
+  M <= TRITON_MAX_M, else torch.
 
-TRITON_MAX_M is the crossover measured by bench/fp8/gemm.py ("crossover" in its JSON).
+The table and TRITON_MAX_M come from bench/fp8/gemm.py runs on the H200 (docs/fp8.md).
 lm_head, routers and norms stay in high precision (services/common/fp8.default_skip).
 """
 
@@ -30,11 +32,13 @@ from services.engine.moe import PER_EXPERT, ExpertWeights
 
 Backend = Literal["auto", "reference", "torch", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
-# M at or below which "auto" picks the Triton kernel on CUDA (torch's block-wise scaled_mm is
-# 0.70-1.20x bf16 at M = 128 and ~1.5x at M >= 4096; see docs/fp8.md for the measured crossover).
-TRITON_MAX_M = 1024
+# For (N, K) outside the measured table: M at or below which "auto" picks the Triton kernel on
+# CUDA. H200 run 1: Triton (pick_config) beat cuBLAS block-wise at every measured M <= 256 and
+# lost at 10 of 12 (M, N, K) with 512 <= M <= 2048 (bench/fp8/results/gemm_h200_1.json).
+TRITON_MAX_M = 256
 # Triton configs that failed to compile/launch here (name -> error); "auto" then uses torch.
 TRITON_FAILURES: dict[str, str] = {}
+_FAILED_CONFIGS: set[kern.GemmConfig] = set()  # the same, by config: no name() per call
 log = logging.getLogger(__name__)
 
 
@@ -46,8 +50,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backend(backend: str, m: int, device: torch.device) -> str:
-    """The concrete backend ("reference", "torch" or "triton") for an M-row GEMM on `device`."""
+def resolve_backend(
+    backend: str, m: int, device: torch.device, n: int | None = None, k: int | None = None
+) -> str:
+    """The concrete backend ("reference", "torch" or "triton") for an (M, K) x (N, K) GEMM on
+    `device` (n, k: the measured table's key; without them only M decides)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     if backend == "reference":
@@ -60,9 +67,24 @@ def resolve_backend(backend: str, m: int, device: torch.device) -> str:
         return "reference"
     if backend != "auto":
         return backend
-    if kern.HAS_TRITON and (m <= TRITON_MAX_M or not has_scaled_mm()):
+    if auto_choice(m, n, k, device) != kern.TORCH:
         return "triton"
     return "torch" if has_scaled_mm() else "reference"
+
+
+def auto_choice(m: int, n: int | None, k: int | None, device: torch.device) -> kern.GemmConfig | str:
+    """What "auto" runs on CUDA: kern.TORCH (cuBLAS block-wise) or the Triton config, from the
+    measured table when it lists the shape, else TRITON_MAX_M / pick_config."""
+    if not kern.HAS_TRITON:
+        return kern.TORCH
+    hit = None if n is None or k is None else kern.tuned_choice(m, n, k)
+    if hit is None:
+        if m > TRITON_MAX_M and has_scaled_mm():
+            return kern.TORCH
+        hit = kern.pick_config(m, n or 1, k or 1, kern.num_sms(device))
+    if hit == kern.TORCH and not has_scaled_mm():
+        return kern.pick_config(m, n or 1, k or 1, kern.num_sms(device))
+    return hit
 
 
 def quantize_activation(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,19 +108,27 @@ def fp8_gemm_dispatch(
     out_dtype: torch.dtype,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """(M, K) fp8 x (N, K) fp8 block-scaled GEMM -> (M, N) out_dtype, on the backend for this M."""
-    which = resolve_backend(backend, a.shape[0], a.device)
-    if which == "triton" and backend == "auto" and has_scaled_mm():
-        # "auto" survives a Triton config that does not compile on this GPU/Triton version: that
-        # config is remembered (TRITON_FAILURES, logged once) and cuBLAS serves those shapes.
-        cfg = kern.pick_config(a.shape[0], w.shape[0], a.shape[1], kern.num_sms(a.device))
-        if cfg.name() not in TRITON_FAILURES:
-            try:
-                return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype, cfg)
-            except Exception as e:  # noqa: BLE001 - compile errors come in many types
-                TRITON_FAILURES[cfg.name()] = f"{type(e).__name__}: {e}"
-                log.warning("fp8 triton config %s failed, using torch scaled_mm: %s", cfg.name(), e)
-        which = "torch"
+    """(M, K) fp8 x (N, K) fp8 block-scaled GEMM -> (M, N) out_dtype, on the backend for this shape."""
+    m, k = a.shape
+    n = w.shape[0]
+    if backend == "auto" and a.is_cuda:
+        choice = auto_choice(m, n, k, a.device)
+        if isinstance(choice, kern.GemmConfig):
+            if not has_scaled_mm():
+                return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype, choice)
+            # "auto" survives a Triton config that does not compile on this GPU/Triton version:
+            # that config is remembered (TRITON_FAILURES, logged once) and cuBLAS serves it.
+            if choice not in _FAILED_CONFIGS:
+                try:
+                    return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype, choice)
+                except Exception as e:  # noqa: BLE001 - compile errors come in many types
+                    _FAILED_CONFIGS.add(choice)
+                    TRITON_FAILURES[choice.name()] = f"{type(e).__name__}: {e}"
+                    log.warning("fp8 triton config %s failed, using torch scaled_mm: %s", choice.name(), e)
+        if not has_scaled_mm():  # neither Triton nor scaled_mm on this install
+            return ref.fp8_gemm_reference(a, a_scale, w, w_scale, out_dtype)
+        return ref.fp8_gemm(a, a_scale, w, w_scale, out_dtype, backend="torch")
+    which = resolve_backend(backend, m, a.device, n, k)
     if which == "triton":
         return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype)
     if which == "torch":

@@ -87,20 +87,23 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        if batch.paged is not None:
+            # GPU path (attention_backend "triton"/"flex", services/engine/kernels/): one kernel
+            # normalises and rotates q/k and stores k/v in the page pool, then attention reads the
+            # pool directly (no gathered copy). Imported here so the CPU path never loads Triton.
+            from services.engine.kernels.paged_attention import attend
+            from services.engine.kernels.qk_rope import qk_rope_store
+
+            kc, vc = kv.k[self.layer_idx], kv.v[self.layer_idx]
+            qn, kn = self.q_norm, self.k_norm
+            q = qk_rope_store(
+                q, k, v, cos, sin, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps, kc, vc, batch.slot_mapping,
+            )  # fmt: skip
+            return self.o_proj(attend(q, kc, vc, batch.paged, self.scale, kv.block_size).view(t, -1))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        if batch.paged is not None:
-            # GPU path (attention_backend "triton"/"flex"): kernels store k/v and read the page pool
-            # directly, with no gathered copy. Imported here so the CPU path never loads Triton.
-            from services.engine.kernels.paged_attention import paged_attention
-
-            o = paged_attention(
-                q, k, v, kv.k[self.layer_idx], kv.v[self.layer_idx], batch.slot_mapping,
-                batch.paged, self.scale, kv.block_size,
-            )  # fmt: skip
-            return self.o_proj(o.view(t, -1))
 
         # New keys/values go into the cache first, so every query reads its whole context
         # (earlier steps' tokens and this step's) from one place.

@@ -117,8 +117,9 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
             try:
                 yield
             finally:
+                st = holder["store"].stats()
                 await asyncio.to_thread(holder["store"].close)
-                log_event(service.log, "kv store closed")
+                log_event(service.log, "kv store closed", **st.model_dump())
 
     def store() -> TieredStore:
         if "store" not in holder:

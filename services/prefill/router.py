@@ -201,5 +201,6 @@ class KVRouter:
     async def close(self) -> None:
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.close)
+        log.info("kv routing totals", extra={"fields": self.stats()})
         await self.http.aclose()
         self.store.close()

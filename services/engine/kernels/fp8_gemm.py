@@ -17,11 +17,23 @@ CPU: runs under TRITON_INTERPRET=1 (tests/test_fp8_linear.py). Known interpreter
 3.9): its fp32 -> float8e4nv conversion sometimes loses a round-up (e.g. -125.48 -> -64 instead of
 -128; subnormal 2.85 ulp -> 2 ulp), in ~3% of elements, so the quantisation kernel's bits are
 checked exactly only on the GPU (bench/fp8/gemm.py self-check); its scales match exactly on CPU.
+The interpreter's fp32 -> bf16 conversion truncates (the GPU rounds to nearest), so CPU tests
+compare float32 outputs.
+
+Accuracy on the GPU (H200 run 1): BLOCK_M >= 64 lowers tl.dot to Hopper wgmma, whose fp8
+accumulation keeps ~14 bits within an instruction chain, so each 128-wide block product errs by
+~2^-13 relative (1.27e-4 Frobenius vs the exact fp32 reference, for every such config and shape);
+BLOCK_M 16/32 (mma.sync) accumulate in full fp32 (1e-7). Promoting to fp32 every 128 K, as here,
+is what bounds it (DeepSeek-V3's recipe); bench/fp8/gemm.py's self-check asserts those bounds.
+
+Dispatch: TUNED_CONFIGS below is the measured (M bucket, N, K) -> config/cuBLAS table that
+services/engine/fp8_linear.py's "auto" follows; pick_config is the fallback for other shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -51,11 +63,14 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    # Experimental (sweep only, large M): scale block kb-1's product while block kb's dot runs, so
+    # the dot's result is not consumed in the iteration that issues it (see _fp8_gemm_kernel).
+    lag: bool = False
 
     def name(self) -> str:
         return (
             f"m{self.block_m}n{self.block_n}k128_s{self.split_k}_g{self.group_m}"
-            f"_w{self.num_warps}_st{self.num_stages}"
+            f"_w{self.num_warps}_st{self.num_stages}" + ("_lag" if self.lag else "")
         )
 
 
@@ -65,52 +80,117 @@ def _cdiv(a: int, b: int) -> int:
 
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return NUM_SMS_DEFAULT
 
 
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    # Cached: get_device_properties costs host time on every decode-step GEMM otherwise.
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
-    """Heuristic for H100/H200. Small M: the GEMM is bound by reading the weight once, so we want
-    >= ~1 program per SM, each streaming a long run of K with a deep pipeline; split K when the
-    (M, N) tiles alone cannot fill the SMs. Large M: 128x128 tiles, 8 warps (two warpgroups)."""
+    """Heuristic for shapes outside TUNED_CONFIGS, shaped by H200 run 1 (bench/fp8/results/
+    gemm_h200_1.json). At M <= 256 every sweep winner had BLOCK_M = 64 (one wgmma warpgroup, even
+    for M = 64: the GEMM streams the weight once, so idle rows cost nothing), 4 warps, mostly no
+    split-K (split 4 at 64 x 2048 x 7168 ran at 0.33x bf16 against 0.56x unsplit): BLOCK_N 128
+    when that still gives >= a quarter of the SMs tiles, else 64, and split 2 only when even
+    that leaves most SMs idle over a long K. Large M: 128x128 tiles, 8 warps (two warpgroups);
+    "auto" sends large M to cuBLAS anyway (fp8_linear.TRITON_MAX_M)."""
     kb = _cdiv(k, BLOCK)
     if m > 256:
         return GemmConfig(block_m=128, block_n=128, split_k=1, group_m=8, num_warps=8, num_stages=3)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128
-    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
-    if tiles < num_sms:
-        block_n = 64
-        tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
-    split = 1
-    if tiles < num_sms:
-        # Each split keeps >= 4 K blocks so the software pipeline has something to overlap.
-        split = max(1, min(num_sms // tiles, kb // 4))
-    return GemmConfig(block_m=block_m, block_n=block_n, split_k=split, group_m=1, num_warps=4, num_stages=4)
+    tiles_m = _cdiv(m, 64)
+    block_n = 128 if tiles_m * _cdiv(n, 128) >= num_sms // 4 else 64
+    tiles = tiles_m * _cdiv(n, block_n)
+    split = 2 if tiles < num_sms // 4 and kb >= 16 else 1
+    return GemmConfig(block_m=64, block_n=block_n, split_k=split, group_m=1, num_warps=4, num_stages=4)
+
+
+# Measured dispatch table: (M bucket, N, K) -> the fastest of {Triton config, cuBLAS block-wise
+# ("torch")} in H200 run 1 (bench/fp8/results/gemm_h200_1.json; x bf16 in the comments). An M
+# is served by the smallest bucket >= M; M above the largest bucket, or an (N, K) not listed,
+# falls back to pick_config / fp8_linear.TRITON_MAX_M. Regenerate from a new run's
+# "tuned_table_suggestion" (bench/fp8/gemm.py prints it in this format).
+TORCH = "torch"
+M_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+_W4 = functools.partial(GemmConfig, group_m=1, num_warps=4)
+_W8 = functools.partial(GemmConfig, group_m=8, num_warps=8)
+TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig | str] = {
+    (64, 7168, 2048): _W4(64, 128, 1, num_stages=4),  # 1.13
+    (128, 7168, 2048): _W4(64, 64, 1, num_stages=3),  # 0.96
+    (256, 7168, 2048): _W4(64, 128, 1, num_stages=4),  # 0.34 (torch 0.19)
+    (512, 7168, 2048): TORCH,  # 0.37 (triton 0.30)
+    (1024, 7168, 2048): _W8(128, 128, 1, num_stages=3),  # 0.72 (torch 0.70)
+    (2048, 7168, 2048): TORCH,  # 0.86
+    (64, 4096, 7168): TORCH,  # 0.84 (best triton 0.78)
+    (128, 4096, 7168): _W4(64, 128, 4, num_stages=4),  # 1.00
+    (256, 4096, 7168): _W4(64, 64, 1, num_stages=4),  # 0.37 (torch 0.33)
+    (512, 4096, 7168): _W8(128, 128, 1, num_stages=3),  # 0.68 (torch 0.43)
+    (1024, 4096, 7168): TORCH,  # 1.39
+    (2048, 4096, 7168): TORCH,  # 1.47
+    (64, 2048, 7168): _W4(64, 64, 1, num_stages=4),  # 0.56 (torch 0.21)
+    (128, 2048, 7168): _W4(64, 128, 2, num_stages=4),  # 0.75 (torch 0.58)
+    (256, 2048, 7168): _W4(64, 64, 1, num_stages=4),  # 0.73 (torch 0.65)
+    (512, 2048, 7168): TORCH,  # 0.83
+    (1024, 2048, 7168): TORCH,  # 1.37
+    (2048, 2048, 7168): TORCH,  # 1.44
+    (64, 18432, 7168): _W4(64, 128, 1, num_stages=4),  # 1.38
+    (128, 18432, 7168): _W4(64, 128, 1, num_stages=4),  # 0.84 (torch 0.50)
+    (256, 18432, 7168): _W4(64, 128, 1, num_stages=4),  # 0.71 (torch 0.62)
+    (512, 18432, 7168): TORCH,  # 1.12
+    (1024, 18432, 7168): TORCH,  # 1.42
+    (2048, 18432, 7168): TORCH,  # 1.55
+}
+
+
+def m_bucket(m: int) -> int | None:
+    """The smallest M_BUCKETS entry >= m (None above the largest)."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return None
+
+
+def tuned_choice(m: int, n: int, k: int) -> GemmConfig | str | None:
+    """TUNED_CONFIGS' entry for this shape: a GemmConfig, TORCH, or None (not measured)."""
+    b = m_bucket(m)
+    return None if b is None else TUNED_CONFIGS.get((b, n, k))
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> list[GemmConfig]:
-    """The heuristic's choice plus neighbours, for bench/fp8/gemm.py's sweep (which reports the best)."""
+    """The heuristic's choice plus neighbours, for bench/fp8/gemm.py's sweep (which reports the best
+    per shape and a suggested TUNED_CONFIGS entry)."""
     base = pick_config(m, n, k, num_sms)
     out = [base]
+    kb = _cdiv(k, BLOCK)
     if m > 256:
         # Registers bound the tile: the scaled dot needs a temporary as large as the accumulator,
-        # so 128x128 wants 8 warps (64 + 64 fp32 per thread); 128x256 with 8 warps is the
-        # exploratory case that probably spills.
+        # so 128x128 wants 8 warps (64 + 64 fp32 per thread). 128x256 / 256x128 with 8 warps and
+        # deeper pipelines are the large-M exploration (run 1 swept only up to 128x128: best
+        # Triton was 0.86-0.98x bf16 against cuBLAS block-wise's 1.40-1.64x).
         out += [
+            GemmConfig(128, 128, 1, 8, 8, 3),
             GemmConfig(128, 128, 1, 8, 8, 4),
             GemmConfig(64, 128, 1, 8, 4, 3),
-            GemmConfig(64, 128, 1, 8, 4, 4),
-            GemmConfig(128, 64, 1, 8, 4, 4),
+            GemmConfig(64, 256, 1, 8, 8, 3),
             GemmConfig(128, 256, 1, 8, 8, 3),
+            GemmConfig(256, 128, 1, 8, 8, 3),
+            GemmConfig(128, 64, 1, 8, 4, 4),
+            GemmConfig(128, 128, 1, 8, 8, 3, lag=True),
+            GemmConfig(128, 128, 1, 8, 8, 4, lag=True),
+            GemmConfig(64, 128, 1, 8, 4, 3, lag=True),
         ]
     else:
-        for bn in (64, 128):
-            for split in (1, 2, 4, 8):
-                if _cdiv(k, BLOCK) // split >= 2:
-                    out.append(dataclasses.replace(base, block_n=bn, split_k=split))
+        # BLOCK_M 64 compiles to Hopper wgmma; 16/32 to mma.sync (run 1 swept only 64 here).
+        for bm in (16, 32, 64):
+            for bn in (64, 128):
+                for split in (1, 2, 4):
+                    if kb // split >= 2:
+                        out.append(GemmConfig(bm, bn, split, 1, 4, 4 if bm == 64 else 3))
         out.append(dataclasses.replace(base, num_stages=3))
-        out.append(dataclasses.replace(base, block_m=64))
+        out.append(dataclasses.replace(base, num_stages=5))
     seen: set[GemmConfig] = set()
     return [c for c in out if not (c in seen or seen.add(c))]
 
@@ -146,10 +226,16 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        LAG: tl.constexpr,
     ):
         """C[pid_k] (M, N) = sum over this split's K blocks of scaled fp8 block products.
         SPLIT_K > 1 writes float32 partials (reduced by _splitk_reduce_kernel): deterministic,
-        unlike atomics, so the same inputs always give the same bits."""
+        unlike atomics, so the same inputs always give the same bits.
+        LAG: the plain loop consumes each dot's result right away (scale, add), so Hopper's async
+        wgmma must finish before the scaling FMAs start and the tensor cores idle meanwhile (run
+        1: best Triton 0.86-0.98x bf16 at large M against cuBLAS block-wise's 1.40-1.64x). With LAG
+        the scaling of block kb-1 is issued after block kb's dot and before its result is needed,
+        giving the compiler an overlap to exploit; same products, same summation order."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -180,17 +266,36 @@ if HAS_TRITON:
         ws_ptrs = ws_ptr + (rn_l // BLOCK_K) * stride_wsn + kb_start * stride_wsk
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_start, kb_end):
-            k_left = K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-            w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-            a_s = tl.load(as_ptrs)
-            w_s = tl.load(ws_ptrs)
-            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
-            as_ptrs += stride_ask
-            ws_ptrs += stride_wsk
+        if LAG:
+            prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            prev_as = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            prev_ws = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for kb in range(kb_start, kb_end):
+                k_left = K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                a_s = tl.load(as_ptrs)
+                w_s = tl.load(ws_ptrs)
+                d = tl.dot(a, w)
+                acc += prev * prev_as[:, None] * prev_ws[None, :]  # 0 * 0 on the first step
+                prev, prev_as, prev_ws = d, a_s, w_s
+                a_ptrs += BLOCK_K * stride_ak
+                w_ptrs += BLOCK_K * stride_wk
+                as_ptrs += stride_ask
+                ws_ptrs += stride_wsk
+            acc += prev * prev_as[:, None] * prev_ws[None, :]
+        else:
+            for kb in range(kb_start, kb_end):
+                k_left = K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                a_s = tl.load(as_ptrs)
+                w_s = tl.load(ws_ptrs)
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+                a_ptrs += BLOCK_K * stride_ak
+                w_ptrs += BLOCK_K * stride_wk
+                as_ptrs += stride_ask
+                ws_ptrs += stride_wsk
 
         c_ptrs = c_ptr + pid_k * stride_cs + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -299,16 +404,23 @@ if HAS_TRITON:
         stride_sm,
         stride_sk,
         POW2: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """One (row, 128-wide block): scale = amax / 448 (or its power-of-two ceiling), q = x / scale.
-        IEEE-rounded divisions (div_rn) so the bits equal services/common/fp8.quantize_act."""
-        row = tl.program_id(0)
+        """ROWS rows x one 128-wide block per program: scale = amax / 448 per row (or its
+        power-of-two ceiling), q = x / scale. IEEE-rounded divisions (div_rn) so the bits equal
+        services/common/fp8.quantize_act. A (ROWS, 128) tile per program, not one row: run 1 had
+        one 128-element program per (row, block) and the quantiser cost more than the GEMM
+        (e.g. M = 4096, K = 2048: whole linear 0.39x bf16 against 1.34x for the GEMM alone)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         kb = tl.program_id(1)
         cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = cols < K
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
+        row_ok = rows < M
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
         scale = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
         if POW2:
             # Power-of-two ceiling on the bits (exact; log2 on the GPU is approximate): keep the
@@ -316,9 +428,10 @@ if HAS_TRITON:
             bits = scale.to(tl.int32, bitcast=True)
             up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
             scale = up.to(tl.float32, bitcast=True)
-        q = tl.clamp(tl.math.div_rn(x, scale), -_C_FP8_MAX, _C_FP8_MAX)
-        tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_sm + kb * stride_sk, scale)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_C_FP8_MAX, _C_FP8_MAX)
+        q_ptrs = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
+        tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows * stride_sm + kb * stride_sk, scale, mask=row_ok)
 
 
 def _require_triton() -> None:
@@ -394,6 +507,7 @@ def triton_fp8_gemm(
         BLOCK_K=BLOCK,
         SPLIT_K=split,
         GROUP_M=cfg.group_m,
+        LAG=cfg.lag,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -480,7 +594,21 @@ def triton_quantize_act(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tens
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(kb, m, dtype=torch.float32, device=x.device).t()
     if m and k:
-        _quant_act_kernel[(m, kb)](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2, BLOCK_K=BLOCK
+        # Fewer rows per program at small M so a decode-sized input still spreads over the SMs.
+        rows = 8 if m <= 512 else 32
+        _quant_act_kernel[(_cdiv(m, rows), kb)](
+            x,
+            q,
+            s,
+            m,
+            k,
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            s.stride(1),
+            POW2=pow2,
+            ROWS=rows,
+            BLOCK_K=BLOCK,
+            num_warps=4,
         )
     return q, s

@@ -370,14 +370,24 @@ def paged_attention(
 ) -> torch.Tensor:
     """One layer: store this step's k/v, then attend every query over its sequence's pages.
     q [T, H, D], k/v [T, n_kv, D] -> [T, H, D]."""
-    if meta.flex is not None:  # attention_backend "flex": the comparison path, no Triton of ours
+    store_kv(k, v, k_cache, v_cache, slots)
+    return attend(q, k_cache, v_cache, meta, scale, page_size)
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedMeta,
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
+    """Every query over its sequence's pages (this step's K/V already stored): [T, H, D]."""
+    if meta.flex is not None:  # attention_backend "flex": the comparison path
         from services.engine.kernels.flex_attention import FlexMeta, flex_paged_attention
 
         assert isinstance(meta.flex, FlexMeta)
-        k_cache[slots] = k.to(k_cache.dtype)
-        v_cache[slots] = v.to(v_cache.dtype)
         return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
-    store_kv(k, v, k_cache, v_cache, slots)
     out = torch.empty_like(q)
     if meta.decode is not None:
         decode_attention(q, k_cache, v_cache, out, meta.decode, scale, page_size)
@@ -419,6 +429,7 @@ __all__ = [
     "DecodeMeta",
     "PagedMeta",
     "PrefillMeta",
+    "attend",
     "decode_attention",
     "paged_attention",
     "prefill_attention",
