@@ -40,6 +40,11 @@ def check_row(row: dict[str, Any], layers: int, sampled: int) -> None:
         assert 0.0 <= r["mismatch_p_abs_mean"] <= r["mismatch_p_abs_max"] <= 1.0
         assert 0.0 <= r["mismatch_ratio_out_frac"] <= 1.0
         assert r["train_entropy_mean"] > 0.0
+        # the split by "own expert set flipped at this position" covers every sampled token
+        f = r["flipped_token_frac"]
+        assert 0.0 <= f <= 1.0
+        parts = (r["kl_k3_flipped_tokens"] or 0.0) * f + (r["kl_k3_unflipped_tokens"] or 0.0) * (1 - f)
+        assert parts == pytest.approx(r["mismatch_kl_k3"], rel=1e-6, abs=1e-15)
     # replay on routes every recorded token by the engine's ids, replay off none
     assert off["routing_replayed_frac"] == 0.0
     assert on["routing_replayed_frac"] == 1.0
@@ -71,6 +76,7 @@ def test_smoke_one_init_and_fp32_sanity(tmp_path: Path) -> None:
     check_row(fp32, layers=2, sampled=fp32["engine"]["sampled_tokens"])
     on = fp32["replay_on"]
     assert on["routing_agreement"] == [1.0, 1.0]
+    assert on["flipped_token_frac"] == 0.0 and fp32["replay_off"]["flipped_token_frac"] == 0.0
     assert on["mismatch_kl_k3"] < 1e-6 and on["log_ratio_abs_max"] < 1e-4
     assert on["mismatch_ratio_out_frac"] == 0.0
     assert fp32["sanity_ok"] is True

@@ -7,18 +7,65 @@ from __future__ import annotations
 import importlib
 import os
 import random
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must precede the first import of the kernels: @triton.jit reads it when decorating.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "services.engine.kernels.paged_attention" in sys.modules:
-        importlib.reload(sys.modules["services.engine.kernels.paged_attention"])
+INTERPRET = not torch.cuda.is_available()
+# Triton's interpreter works only in a process where TRITON_INTERPRET=1 was set before triton was
+# first imported (its standard library, e.g. the combine functions of tl.sum, is decorated then).
+# In a longer session something may have imported it earlier (the engine imports the fp8 kernels):
+# then the kernel tests run in a child process (test_kernel_tests_in_child_process) instead.
+IN_CHILD = INTERPRET and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+needs_interpreter = pytest.mark.skipif(
+    IN_CHILD, reason="triton was imported before TRITON_INTERPRET=1: run in a child process instead"
+)
+
+
+def _set_interpret(value: str | None) -> str | None:
+    old = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+    return old
+
+
+if INTERPRET and not IN_CHILD:
+    # Triton reads TRITON_INTERPRET when @triton.jit decorates (so our kernel modules are
+    # (re)imported under it) and again when an interpreted kernel runs (the fixture below). The rest
+    # of a test session keeps the environment it had.
+    _saved = _set_interpret("1")
+    for _mod in ("paged_attention", "qk_rope"):
+        _name = f"services.engine.kernels.{_mod}"
+        importlib.reload(sys.modules[_name]) if _name in sys.modules else importlib.import_module(_name)
+    _set_interpret(_saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter() -> Iterator[None]:
+    active = INTERPRET and not IN_CHILD
+    saved = _set_interpret("1") if active else None
+    yield
+    if active:
+        _set_interpret(saved)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
+def test_kernel_tests_in_child_process() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", __file__],
+        env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
 
 from pydantic import ValidationError  # noqa: E402
 
@@ -90,6 +137,7 @@ def run_kernels(
     return out.float().cpu(), ref, hb, fb
 
 
+@needs_interpreter
 def test_decode_kernel_splits_and_gqa_float32() -> None:
     # Contexts from 1 key to several partitions; G = 4 query heads per KV head.
     shapes = [(0, 1), (5, 1), (63, 1), (64, 1), (200, 1), (130, 1)]
@@ -100,6 +148,7 @@ def test_decode_kernel_splits_and_gqa_float32() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("block_n", [32, 128])
 def test_decode_kernel_other_tiles(block_n: int) -> None:
     """A tile that does not match the 64-key partitions (the benchmark tries such settings)."""
@@ -124,6 +173,7 @@ def test_decode_kernel_other_tiles(block_n: int) -> None:
     torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
 def test_decode_kernel_single_split_bfloat16() -> None:
     # 16 sequences x 2 KV heads fill the (interpreter's) 4 SMs: one split, no merge.
     shapes = [(i * 13 % 150, 1) for i in range(16)]
@@ -133,6 +183,7 @@ def test_decode_kernel_single_split_bfloat16() -> None:
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
+@needs_interpreter
 def test_prefill_kernel_chunks_and_causality() -> None:
     # A fresh prompt longer than one query block, a chunk after a cached prefix, a short prompt.
     shapes = [(0, 70), (40, 9), (0, 2)]
@@ -141,6 +192,7 @@ def test_prefill_kernel_chunks_and_causality() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
 def test_mixed_step_decode_and_prefill() -> None:
     shapes = [(10, 1), (0, 5), (33, 1), (7, 12)]
     out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=8, dtype=torch.float32)
@@ -148,6 +200,7 @@ def test_mixed_step_decode_and_prefill() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
 def test_flex_backend_matches_reference() -> None:
     """FlexAttention over the pool (eager on CPU) with a BlockMask of each sequence's pages."""
     from services.engine.batch import PagedMeta
@@ -172,6 +225,7 @@ def test_flex_backend_matches_reference() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_fused_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
     """One kernel = the torch path's q/k RMSNorm (Qwen3; absent for Llama), RoPE and cache writes."""
@@ -218,6 +272,7 @@ def test_fused_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
     assert kc[~written].abs().sum() == 0 and vc[~written].abs().sum() == 0  # slot -1 wrote nothing
 
 
+@needs_interpreter
 def test_store_kv_skips_negative_slots() -> None:
     kc = torch.zeros(8, 2, 16, device=DEV)
     vc = torch.zeros(8, 2, 16, device=DEV)
@@ -347,6 +402,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_weights_dir(m, state, tmp_path_factory.mktemp("kern") / "step_0", {"version": 0})
 
 
+@needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "flex"])
 def test_engine_backend_matches_torch(model_dir: Path, backend: str) -> None:
     """Whole engine (chunked prefill, mixed and decode-only steps, paging, seeded sampling): the
@@ -370,6 +426,7 @@ def test_engine_backend_matches_torch(model_dir: Path, backend: str) -> None:
         assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)
 
 
+@needs_interpreter
 def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     """The inputs a captured decode graph runs on (static buffers, padding rows, the per-step
     partition) give the eager paged batch's hidden states. Only capture/replay itself needs a GPU."""

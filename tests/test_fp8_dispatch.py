@@ -82,7 +82,8 @@ TABLE_CHECK = textwrap.dedent(
     """
     import json, torch
     from services.common.fp8 import quantize_act, quantize_weight, fp8_gemm_reference
-    from services.engine.kernels.fp8_gemm import TUNED_CONFIGS, GemmConfig, triton_fp8_gemm
+    from services.engine.kernels.fp8_gemm import (
+        TUNED_CONFIGS, GemmConfig, triton_fp8_gemm, triton_fp8_linear_fused, triton_quantize_act)
     g = torch.Generator().manual_seed(0)
     cfgs = list(dict.fromkeys(c for c in TUNED_CONFIGS.values() if isinstance(c, GemmConfig)))
     # The sweep-only lagged-scale loop, with split-K (ragged split) and without.
@@ -96,22 +97,35 @@ TABLE_CHECK = textwrap.dedent(
         want = fp8_gemm_reference(aq, as_, wq, ws)
         got = triton_fp8_gemm(aq, as_, wq, ws, torch.float32, cfg)
         out.append({"cfg": cfg.name(), "err": ((got - want).norm() / want.norm()).item()})
-    print(json.dumps(out))
+    # The fused quantise+GEMM kernel: the same bits as the quantiser kernel + the GEMM kernel
+    # (both go through the interpreter's fp8 cast, so CPU can compare them exactly).
+    fused = []
+    for (m, n, k), cfg, pow2, dt in [((5, 200, 300), GemmConfig(16, 64, 2, 1, 4, 2), False, torch.float32),
+                                     ((70, 260, 700), None, True, torch.bfloat16),
+                                     ((37, 130, 1100), GemmConfig(64, 128, 3, 1, 4, 2), False, torch.float32)]:
+        x = (torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, k, generator=g))).to(dt)
+        wq, ws = quantize_weight(torch.randn(n, k, generator=g))
+        q, s = triton_quantize_act(x, pow2)
+        two = triton_fp8_gemm(q, s, wq, ws, torch.float32, cfg)
+        fused.append(bool(torch.equal(two, triton_fp8_linear_fused(x, wq, ws, torch.float32, cfg, pow2))))
+    print(json.dumps({"table": out, "fused_equal": fused}))
     """
 )
 
 
 @pytest.mark.slow  # the Triton interpreter runs every program in Python (~20-60 s)
-def test_every_table_config_matches_reference_under_interpreter() -> None:
+def test_table_configs_and_fused_kernel_match_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", TABLE_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) >= 6 and any(c["cfg"].endswith("_lag") for c in res)
-    for case in res:
+    table = res["table"]
+    assert len(table) >= 6 and any(c["cfg"].endswith("_lag") for c in table)
+    for case in table:
         assert case["err"] < 1e-5, case  # fp32 output: summation order only
+    assert res["fused_equal"] == [True, True, True]  # split-K, pow2 + bf16 input, ragged
 
 
 def _cublas_blockwise_standin(

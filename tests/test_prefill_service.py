@@ -38,6 +38,7 @@ class Cluster:
     cfg: RunConfig
     bus: Bus
     weights: Path
+    weights_v1: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, module: str, cfg: RunConfig | None = None) -> None:
@@ -79,6 +80,9 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     state = build_model(m, seed=0).state_dict()
     state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
     weights = save_weights_dir(m, state, tmp / "weights" / "step_0", {"version": 0})
+    state1 = build_model(m, seed=1).state_dict()
+    state1["norm.weight"] = state1["norm.weight"] * 0.3
+    weights_v1 = save_weights_dir(m, state1, tmp / "weights" / "step_1", {"version": 1})
     cfg = RunConfig(model=m)
     cfg.redis.prefix = f"test-disagg-{uuid.uuid4().hex[:8]}"
     cfg.redis.heartbeat_s = 0.2
@@ -86,7 +90,7 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cfg.kvstore.enabled = True
     cfg.kvstore.retry_after_s = 0.5
     cfg.prefill.min_new_tokens = 16  # prompts with >= 16 uncached tokens go to the prefill service
-    c = Cluster(tmp, redis_url, cfg, Bus(redis_url, cfg.redis.prefix), weights)
+    c = Cluster(tmp, redis_url, cfg, Bus(redis_url, cfg.redis.prefix), weights, weights_v1)
     c.bus.publish_weights(WeightsInfo(version=0, path=str(weights)))
     c.start("kvstore", "services.kvstore")
     c.start("prefill", "services.prefill")
@@ -104,8 +108,8 @@ def generate(c: Cluster, req: GenerateRequest, name: str = "decode") -> Generate
     return GenerateResponse.model_validate_json(r.content)
 
 
-def colocated(c: Cluster, reqs: list[GenerateRequest]) -> list[GenerateResponse]:
-    eng = LLMEngine(c.weights, ENGINE, version=0)
+def colocated(c: Cluster, reqs: list[GenerateRequest], version: int = 0) -> list[GenerateResponse]:
+    eng = LLMEngine(c.weights_v1 if version else c.weights, ENGINE, version=version)
     return [eng.generate([r])[0] for r in reqs]
 
 
@@ -199,6 +203,24 @@ def test_pages_survive_a_decode_restart(cluster: Cluster) -> None:
     assert kv["computed_tokens"] == 1 + 5  # the last prompt token, then 5 decode steps
 
 
+def test_weight_update_never_uses_stale_pages(cluster: Cluster) -> None:
+    """decode2 has P1's version-0 pages locally and the store has them too; after a weight update
+    neither is used: everything is computed with the new weights."""
+    c = cluster
+    url = c.url("decode", "decode2")
+    r = httpx.post(f"{url}/update_weights", json={"path": str(c.weights_v1), "version": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    before = c.health("decode", "decode2")["kv"]
+    req1 = req(P1, temperature=1.0, seed=21, max_tokens=6, ignore_eos=True)
+    out = generate(c, req1, "decode2")
+    same(out, colocated(c, [req1], version=1)[0])
+    assert out.choices[0].versions == [1] * 6
+    kv = c.health("decode", "decode2")["kv"]
+    assert kv["prefix_hit_tokens"] == before["prefix_hit_tokens"]  # no stale local page ...
+    assert kv["pulled_pages"] == before["pulled_pages"]  # ... and none from the store
+    assert kv["computed_tokens"] - before["computed_tokens"] == len(P1) + 5
+
+
 def test_generation_succeeds_with_the_gateway_killed(cluster: Cluster) -> None:
     c = cluster
     c.start("decode3", "services.decode")  # routes long prompts to the prefill service again
@@ -215,10 +237,11 @@ def test_generation_succeeds_with_the_gateway_killed(cluster: Cluster) -> None:
         ),
         req(P1[3:], temperature=0.0, max_tokens=4, ignore_eos=True),
     ]
-    for name in ("decode3", "decode2"):  # via the prefill service, and prefilled locally
+    # decode3 (version 0) via the prefill service; decode2 (version 1 since the last test) locally.
+    for name, version in (("decode3", 0), ("decode2", 1)):
         before = c.health("decode", name)["kv"]
         outs = [generate(c, r, name) for r in reqs]
-        for out, ref in zip(outs, colocated(c, reqs), strict=True):
+        for out, ref in zip(outs, colocated(c, reqs, version), strict=True):
             same(out, ref)
         kv = c.health("decode", name)["kv"]
         assert kv["pulled_pages"] == before["pulled_pages"]  # nothing came from the store ...

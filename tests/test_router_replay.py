@@ -458,9 +458,18 @@ def test_engine_routing_replays_in_the_trainer(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~8 min alone on 2 cores; much more on a shared machine
-def test_debug_moe_run_learns_with_router_replay(tmp_path: Path) -> None:
+def test_debug_moe_run_learns_with_router_replay() -> None:
     """`make launch MODEL=debug-moe` as separate processes with a real Redis: decode records the
     routing, the orchestrator carries it, the trainer replays it, and the model learns."""
+    import tempfile
+
+    # Not pytest's tmp_path: on a machine shared by several pytest sessions, pytest keeps only the
+    # newest 3 base temp dirs and another session can delete this one mid-run.
+    with tempfile.TemporaryDirectory(prefix="relay-moe-e2e-") as tmp:
+        _debug_moe_run(Path(tmp))
+
+
+def _debug_moe_run(tmp_path: Path) -> None:
     import subprocess
     import sys
 

@@ -366,6 +366,8 @@ def _ep_worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, A
             cfg.trainer.packing = True
             cfg.trainer.micro_batch_tokens = 48
             cfg.trainer.router_replay = False
+            # EP's experts are an FSDP unit inside the checkpointed block: SAC must cope with it.
+            cfg.trainer.activation_checkpoint = "selective" if ep == 2 else "none"
             run_dir = Path(root) / f"ep{ep}"
             t = Trainer(cfg, run_dir, redis_url, d)
             t.setup()
@@ -387,9 +389,9 @@ def _ep_worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, A
 
 
 def test_expert_parallel_matches_fsdp_only(redis_server: str, tmp_path: Path) -> None:
-    """trainer.ep = 2 on 2 processes: experts split over the ranks (all-to-all dispatch), yet the
-    same losses, gradient norms and trained weights as plain FSDP; publishing gathers them back
-    into HF's per-expert tensors exactly as the full-state-dict path does."""
+    """trainer.ep = 2 (with selective AC) on 2 processes: experts split over the ranks (all-to-all
+    dispatch), yet the same losses, gradient norms and trained weights as plain FSDP without AC;
+    publishing gathers them back into HF's per-expert tensors exactly as the full-state-dict path."""
     out = mp.Manager().dict()
     mp.start_processes(
         _ep_worker, args=(_free_port(), redis_server, str(tmp_path), out), nprocs=2, start_method="fork"

@@ -9,9 +9,11 @@ being trained and p_infer = exp(logp_infer) as the engine reported it:
   p_abs_max/mean   max and mean of |p_train - p_infer|
   ratio_out_frac   share of tokens with r outside [0.5, 2] (a fixed band, whatever the loss's
                    trainer.ratio_low/high, so runs compare)
-  kl_k3_on_policy  kl_k3 over the tokens sampled by the very weights being trained (version ==
-                   the trainer's): the numerical mismatch alone, without the policy lag of stale
-                   tokens that the others include
+  kl_k3_on_policy  kl_k3 over the samples produced entirely by the very weights being trained
+                   (min_version == the trainer's version): the numerical mismatch alone, without
+                   the policy lag of stale samples that the others include. Per sample, not per
+                   token: a token sampled at version v whose context was computed under v-1 (the
+                   weights changed mid-sequence) carries lag too.
 
 and, for MoE models, per MoE layer the routing agreement: the share of recorded tokens whose
 trainer top-k expert SET equals the engine's (trainer.replay.RoutingRecord counts).
@@ -127,16 +129,17 @@ def _add(a: list[float], b: list[float]) -> list[float]:
 
 
 def micro_batch_versions(samples: list[Sample], packing: bool, token_budget: int) -> list[torch.Tensor]:
-    """Per micro-batch, the weight version of each scored token, aligned with its loss_mask
-    (versions[1:] per sample, as trainer.batch / trainer.packing lay out logprobs; -1 = pad)."""
+    """Per micro-batch, each scored position's sample min_version (the oldest weights that sampled
+    any of its tokens), aligned with its loss_mask as trainer.batch / trainer.packing lay out
+    logprobs (positions 1..len-1 per sample; -2 = padding)."""
     out = []
     for group in micro_batch_samples(samples, packing, token_budget):
-        rows = [s.versions[1 : len(s.tokens)] for s in group if not packing or len(s.tokens) >= 2]
+        rows = [[s.min_version] * (len(s.tokens) - 1) for s in group if not packing or len(s.tokens) >= 2]
         if packing:
             out.append(torch.tensor([v for r in rows for v in r], dtype=torch.long).unsqueeze(0))
             continue
         width = max(2, max(len(s.tokens) for s in group)) - 1
-        t = torch.full((len(rows), width), -1, dtype=torch.long)
+        t = torch.full((len(rows), width), -2, dtype=torch.long)
         for i, r in enumerate(rows):
             t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         out.append(t)

@@ -105,11 +105,27 @@ def build_meshes(deg: Degrees, device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _sac_ignores_profiler_ranges() -> None:
+    """Per-op SAC replays the forward's op sequence in the recompute. With EP the routed experts
+    are their own FSDP unit INSIDE the checkpointed block, and FSDP2 brackets its hooks with
+    profiler record_function ops, which run a different number of times in the recompute
+    (RuntimeError "..._record_function_enter_new... not found in storage"). They are profiler
+    annotations, not computation: let SAC pass them through, as it does detach."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        for overload in packet.overloads() if packet is not None else []:
+            SAC_IGNORED_OPS.add(getattr(packet, overload))
+
+
 def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> None:
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
+    if mode == "selective":
+        _sac_ignores_profiler_ranges()
     cfg = ActivationCheckpoint(mode=mode, selective_ac_option="op")
     apply_ac(model, cfg, model_compile_enabled=compiled, op_sac_save_list=_op_sac_save_list)
 

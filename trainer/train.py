@@ -464,7 +464,7 @@ class Trainer:
                     "trainer.router_replay needs trainer.cp = 1 (CP-sharded routing is not supported)"
                 )
             routes = [None] * len(routes)
-        # Token versions, for the on-policy mismatch (a CP shard is not aligned with them).
+        # Samples' min versions, for the on-policy mismatch (a CP shard is not aligned with them).
         versions = micro_batch_versions(mine, tc.packing, tc.micro_batch_tokens) if deg.cp == 1 else None
         # The normaliser is the step's loss-token count summed over all ranks.
         counts = self.d.all_reduce(torch.tensor([loss_token_count(mine)], dtype=torch.float64))

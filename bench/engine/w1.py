@@ -7,15 +7,19 @@ W1 (docs: /work/shared/notes/infra-facts.md): a Qwen3-0.6B-shaped model with ran
 (bf16), 256 prompts of 100-1024 tokens (random.seed(0): the 256 lengths, then each prompt's token
 ids, uniform in [0, 10000]), exactly 512 new tokens each (EOS ignored), temperature 1.
 
-Phases, in order of importance (each in its own try/except; the JSON is rewritten after every
-phase, and a watchdog writes it and exits if the whole run overstays --budget-s + 45 s):
-  1. per engine variant (attention backend x CUDA graphs): correctness (greedy tokens and their
-     log-probs re-scored by HF transformers, teacher-forced, on the same weights) and W1 output
-     tokens/s, with TTFT / inter-token latency percentiles of the 256 concurrent requests;
-  2. batch-1 decode step time against the time to read the weights once; TTFT / ITL at 1 and 32
-     concurrent requests (main variant);
-  3. HF transformers baselines: one padded `generate` batch of 256, padded batches of 64 (as many
-     as the time cap allows), both with max_time caps.
+What it measures (each phase in its own try/except; the JSON is rewritten after every phase, and
+a watchdog writes it and exits if the whole run overstays --budget-s + 45 s):
+  - per engine variant (attention backend x CUDA graphs): correctness (greedy tokens and their
+    log-probs re-scored by HF transformers, teacher-forced, on the same weights) and W1 output
+    tokens/s, with TTFT / inter-token latency percentiles of the 256 concurrent requests;
+  - main variant: batch-1 decode step time against the time to read the weights once; TTFT / ITL
+    at 1 and 32 concurrent requests;
+  - HF transformers baselines: one padded `generate` batch of 256, padded batches of 64 (as many
+    as the time cap allows), both with max_time caps;
+  - kernels: one layer's attention at W1 shapes under a grid of launch settings, and the torch
+    gather + SDPA path on the same batches.
+Order: main variant, HF batch 256, kernels, the other variants, HF batches of 64 (what matters
+most first, so a short budget drops the least useful parts).
 The memory roofline is computed from the W1 prompt lengths: every decode step reads the weights
 once plus every running sequence's KV, at the device copy bandwidth measured here.
 """
@@ -154,7 +158,7 @@ def build_model_dir(model_kw: dict[str, Any], device: torch.device, dtype: torch
         model = Qwen3ForCausalLM(cfg)
     model = model.to(dtype).eval()
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(root, safe_serialization=True)
+    model.save_pretrained(root)  # safetensors, HF names; tied lm_head omitted
     return model
 
 

@@ -46,6 +46,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+# `python3 bench/fp8/<script>.py` from the repo root works without PYTHONPATH=. (sys.path[0] is
+# this directory); run.sh still sets it, plus the carried wheels.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import torch
 import torch.nn.functional as F
 
@@ -65,8 +69,8 @@ GROUPED = [  # (name, E, T, N, K)
     ("prefill gate_up", 32, 16384, 4096, 7168),
     ("prefill down", 32, 16384, 7168, 2048),
 ]
-SWEEP_BUDGET_S = 100.0  # no dense sweep starts after this (whole run ~3 minutes)
-TIME_BUDGET_S = 130.0  # no grouped sweep starts after this
+SWEEP_BUDGET_S = 140.0  # no dense sweep starts after this (--sweep-budget-s; whole run ~3 minutes)
+TIME_BUDGET_S = 150.0  # no grouped sweep starts after this
 
 
 def machine() -> dict[str, Any]:
@@ -206,6 +210,23 @@ def check_dense_shape(m: int, n: int, k: int, dev: torch.device) -> list[dict[st
     # And the bf16 end result against the exact product: the E4M3 error itself (~3.7e-2).
     row["rel_err_vs_bf16_matmul"] = None if o16 is None else rel(o16, d["x"].float() @ d["w"].float().T)
     rows.append(row)
+    if isinstance(choice, kern.GemmConfig):
+        # The fused quantise+GEMM kernel must give the quantiser + GEMM kernels' bits.
+        x = d["x"]
+        fused, ef = attempt(
+            partial(kern.triton_fp8_linear_fused, x, d["wq"], d["ws"], torch.bfloat16, choice)
+        )
+        two, et = attempt(
+            lambda: kern.triton_fp8_gemm(
+                *kern.triton_quantize_act(x), d["wq"], d["ws"], torch.bfloat16, choice
+            )
+        )
+        equal = fused is not None and two is not None and bool(torch.equal(fused, two))
+        ef = ef or et
+        rows.append(
+            {"shape": [m, n, k], "variant": f"fused linear {choice.name()}", "bitwise_equal": equal}
+            | {"ok": equal, "error": ef}
+        )
     o16, e16 = attempt(partial(fl.fp8_gemm_dispatch, *ops, torch.bfloat16))
     kind = mma_kind(choice.block_m) if isinstance(choice, kern.GemmConfig) else "wgmma"
     rows.append(
@@ -352,6 +373,7 @@ PAIRS = [
     ("auto_graph", "bf16_graph"),
     ("sweep_best_graph", "bf16_graph"),
     ("linear_fp8_graph", "linear_bf16_graph"),
+    ("linear_fp8_fused_graph", "linear_bf16_graph"),
 ]
 
 
@@ -380,6 +402,11 @@ def dense_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
         if name != "linear_fp8_auto":
             timed(row, f"{name}_graph", flops, fn, graph=True)
     timed(row, "linear_fp8_graph", flops, linear_fp8, graph=True)
+    if m <= GRAPH_MAX_M:  # decode sizes: the quantiser fused into the GEMM (benchmark variant)
+        cfg = choice if isinstance(choice, kern.GemmConfig) else kern.pick_config(m, n, k, kern.num_sms(dev))
+        row["fused_config"] = cfg.name()
+        fused = partial(kern.triton_fp8_linear_fused, d["x"], d["wq"], d["ws"], torch.bfloat16, cfg)
+        timed(row, "linear_fp8_fused_graph", flops, fused, graph=True)
     speedups(row)
     return row
 
@@ -412,7 +439,7 @@ def sweep_row(row: dict[str, Any], dev: torch.device, sms: int) -> None:
     speedups(row)
 
 
-def dense_rows(dev: torch.device, t0: float) -> list[dict[str, Any]]:
+def dense_rows(dev: torch.device, t0: float, sweep_budget_s: float = SWEEP_BUDGET_S) -> list[dict[str, Any]]:
     """First the tuned dispatch at every shape, then config sweeps in priority order (decode M
     first) while the time budget lasts."""
     rows = []
@@ -432,7 +459,7 @@ def dense_rows(dev: torch.device, t0: float) -> list[dict[str, Any]]:
         for row in rows:
             if row["M"] != sweep_m:
                 continue
-            if time.perf_counter() - t0 > SWEEP_BUDGET_S:
+            if time.perf_counter() - t0 > sweep_budget_s:
                 row["errors"]["sweep"] = "skipped: time budget"
                 continue
             sweep_row(row, dev, sms)
@@ -613,7 +640,14 @@ def summary(dense: list[dict[str, Any]]) -> dict[str, Any]:
 
     large = [r for r in dense if r["M"] >= 4096]
     small = [r for r in dense if r["M"] <= 128]
-    keys = ("auto_graph", "auto", "linear_fp8_graph", "linear_fp8_auto", "sweep_best_graph")
+    keys = (
+        "auto_graph",
+        "auto",
+        "linear_fp8_graph",
+        "linear_fp8_auto",
+        "sweep_best_graph",
+        "linear_fp8_fused_graph",
+    )
     return {
         "columns": ["M", "N", "K", *keys],
         "large_M": [[r["M"], r["N"], r["K"], *(sp(r, key) for key in keys)] for r in large],
@@ -629,6 +663,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="fp8_gemm.json")
     ap.add_argument("--skip-grouped", action="store_true")
+    ap.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=SWEEP_BUDGET_S,
+        help="seconds from the start after which no dense config sweep starts (0: no sweeps)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/fp8/gemm.py needs a CUDA GPU (Hopper)")
@@ -654,7 +694,7 @@ def main() -> None:
 
     for section, fn in (
         ("self_check", lambda: self_check(dev)),
-        ("dense", lambda: dense_rows(dev, t0)),
+        ("dense", lambda: dense_rows(dev, t0, args.sweep_budget_s)),
         ("grouped", (lambda: []) if args.skip_grouped else (lambda: grouped_rows(dev, t0))),
         ("train_linear", lambda: train_rows(dev)),
     ):

@@ -40,6 +40,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+# `python3 bench/fp8/<script>.py` from the repo root works without PYTHONPATH=. (sys.path[0] is
+# this directory); run.sh still sets it, plus the carried wheels.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import torch
 from torch import nn
 

@@ -24,8 +24,9 @@ Per initialisation (`--inits`, default both):
          (trainer.parallel.parallelize), i.e. bf16 parameters.
   4. per row: k3 KL(pi_infer || pi_train) on the sampled tokens, max/mean |p_train - p_infer|,
      share of tokens with p_train/p_infer outside [0.5, 2], per-layer and mean routing agreement
-     (the trainer's own top-k set vs the recorded one, over every recorded token), and the KL ratio
-     off/on (goal: >= 10).
+     (the trainer's own top-k set vs the recorded one, over every recorded token), the KL ratio
+     off/on (goal: >= 10), and the KL split between sampled tokens whose own routing flipped in
+     some layer and the rest (bench/r3/README.md).
 Plus a float32 sanity row on a tiny config (engine and trainer float32): replay on must give
 agreement 1.0 and a near-zero KL.
 

@@ -90,7 +90,7 @@ from trainer.chunked import enable_chunked_output  # noqa: E402
 from trainer.loss import ratio_loss  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.packing import PackedMicroBatch, pack  # noqa: E402
-from trainer.parallel import Degrees, cp_micro_batch, parallelize  # noqa: E402
+from trainer.parallel import Degrees, clip_grad_norm, cp_micro_batch, parallelize  # noqa: E402
 from trainer.publish import Publisher  # noqa: E402
 
 PEAK = 989e12  # H200 dense bf16 TFLOP/s
@@ -100,6 +100,18 @@ SHAPES = {
     "0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072),
     "4b": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=9728),
     "tiny": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256),
+    "tiny-moe": dict(
+        arch="qwen3_moe",
+        dim=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=256,
+        n_routed_experts=8,
+        n_experts_per_tok=2,
+        moe_hidden_dim=64,
+    ),
     # Qwen3-30B-A3B with 12 of its 48 layers (fits 2 GPUs with float32 master weights + Adam)
     "30b-a3b": dict(
         arch="qwen3_moe",
@@ -172,7 +184,7 @@ class Ctx:
 
 def model_config(shape: str, max_len: int) -> ModelConfig:
     kw: dict[str, Any] = {"tie_embeddings": True, **SHAPES[shape]}
-    vocab = 512 if shape == "tiny" else VOCAB
+    vocab = 512 if shape.startswith("tiny") else VOCAB
     return ModelConfig(vocab_size=vocab, max_seq_len=max_len, rope_theta=1e6, **kw)
 
 
@@ -302,7 +314,7 @@ def our_step(
             )
             (loss * scale).backward()
         loss_sum += loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    norm = clip_grad_norm(model, 1e9, deg)  # as train_step (EP-aware)
     opt.step()
     full = getattr(norm, "full_tensor", None)
     gn = float((full() if callable(full) else norm).item())

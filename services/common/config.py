@@ -416,7 +416,7 @@ class TrainerSection(Strict):
     fp8: bool = False
     # --- performance path (trainer/parallel.py, docs/trainer.md)
     # bfloat16: FSDP2 mixed precision (bf16 params/compute, float32 master weights, optimizer
-    # state and gradient reduction). A single process without FSDP trains in float32.
+    # state and gradient reduction). A plain single process (no FSDP) uses torch.autocast.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # torchtitan activation checkpointing per transformer block ("selective" = per-op SAC).
     activation_checkpoint: Literal["none", "selective", "full"] = "none"

@@ -304,7 +304,8 @@ class TrainerStepMetrics(Wire):
     mismatch_p_abs_max: float = 0.0
     mismatch_p_abs_mean: float = 0.0
     mismatch_ratio_out_frac: float = 0.0
-    # k3 over on-policy tokens only (version == the trainer's): numerical mismatch without policy lag
+    # k3 over on-policy samples only (min_version == the trainer's version): the numerical
+    # mismatch without policy lag (None: no such sample in the step)
     mismatch_kl_k3_on_policy: float | None = None
     # MoE only (empty / None for dense): per MoE layer, the share of recorded tokens whose trainer
     # top-k expert set equals inference's (None: the layer saw no recorded token), its token-weighted

@@ -258,8 +258,12 @@ class HostBatch:
         splits = 1
         if len(dec):
             splits, parts[-1][0] = decode_splits(len(dec), n_kv_heads, int(self.ctx_lens[dec].max()), num_sms)
-        buf = torch.from_numpy(np.concatenate(parts)).to(device)
-        views = torch.split(buf, [len(x) for x in parts])
+        # Each part starts 16-byte aligned (even int64 count before it): Triton specialises kernels
+        # on pointer alignment, so a varying alignment would mean recompiles mid-run.
+        sizes = [len(x) for x in parts]
+        padded = [x if len(x) % 2 == 0 else np.append(x, 0) for x in parts]
+        buf = torch.from_numpy(np.concatenate(padded)).to(device)
+        views = [v[:n] for v, n in zip(torch.split(buf, [len(x) for x in padded]), sizes, strict=True)]
         t, s, p = len(self.ids), len(self.q_lens), self.tables.shape[1]
         decode = prefill = None
         if len(dec):

@@ -83,6 +83,7 @@ class RoutingTrace:
     def add(self, choice: GenerateChoice) -> None:
         if choice.routed_experts is None:
             return
+        # O(context) to decode, as the request carrying the context is; kept rows are not copied.
         arr = routing_wire.decode(choice.routed_experts)
         if self.n and len(arr) >= self.n:
             last = self.chunks[-1]

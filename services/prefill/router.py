@@ -175,7 +175,8 @@ class KVRouter:
                 REMOTE_PREFILLS.labels("failed" if resp is None else "mismatch").inc()
         if first is None:
             self.counts["local"] += 1
-        self.counts["pulled_pages"] += await pull_pages(engine, self.store, keys)
+        pulled = await pull_pages(engine, self.store, keys)  # (not `+= await`: lost updates)
+        self.counts["pulled_pages"] += pulled
         if first is None:
             return await aengine.submit(req)
         engine.pages.stage_first(rid, first)

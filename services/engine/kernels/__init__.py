@@ -1,2 +1,2 @@
-"""GPU kernels of the engine's fast path (docs/architecture.md, "GPU path"). Import the modules
-directly; nothing here is imported on the CPU path."""
+"""Triton kernels of the engine's GPU paths (docs/architecture.md "GPU path"; fp8_gemm: docs/fp8.md).
+Import the submodules directly."""

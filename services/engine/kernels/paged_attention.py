@@ -81,7 +81,10 @@ def _store_kv_kernel(
     tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Triton compiles a variant per value class of an int argument (== 1, divisible by 16): arguments
+# that change from step to step (table width, split count) must not be specialised, or the first
+# steps of a new shape pay a compile (~1.5 s on the H200 in the first W1 run).
+@triton.jit(do_not_specialize=["stride_bt", "splits"])
 def _decode_kernel(
     q_ptr,
     kc_ptr,
@@ -167,7 +170,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + idx, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(
     out_ptr,
     part_o_ptr,
@@ -197,7 +200,7 @@ def _merge_kernel(
     tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     kc_ptr,
