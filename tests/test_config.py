@@ -48,3 +48,22 @@ def test_bad_files_fail_fast(tmp_path):
 def test_malformed_override_is_rejected():
     with pytest.raises(ConfigError, match="expected --section.key=value"):
         load_config("debug", ["orchestrator.batch_size=3"])
+
+
+def test_base_config_is_merged_under_the_derived_one(tmp_path) -> None:
+    derived = tmp_path / "derived.toml"
+    derived.write_text('base = "debug"\n[run]\nname = "derived"\n[trainer]\nlr = 1e-4\n')
+    cfg, base = load_config(str(derived)), load_config("debug")
+    assert cfg.run.name == "derived" and cfg.trainer.lr == 1e-4
+    # everything else comes from the base, tables merged key by key
+    assert cfg.orchestrator == base.orchestrator and cfg.trainer.entropy_target == base.trainer.entropy_target
+    assert load_config("debug-moe").model.arch == "qwen3_moe"
+
+    loop = tmp_path / "loop.toml"
+    loop.write_text(f'base = "{loop}"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(str(loop))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("base = 3\n")
+    with pytest.raises(ConfigError, match="base must be"):
+        load_config(str(bad))

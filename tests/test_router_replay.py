@@ -481,17 +481,20 @@ def _debug_moe_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # One 250-step run: reverse 10-step mean 0.02 at the start, 0.29 at step 100, 0.34 at 110,
     # 0.51 at 200 (reverse-turns alike): the same pace as the dense debug model.
-    steps = 120
+    # It stops as soon as both tasks pass this test's bar (at most 120 steps).
+    max_steps = 120
+    tasks = '[{env="reverse",weight=2.0,target=0.25},{env="reverse-turns",weight=1.0,target=0.15}]'
     with RedisServer(tmp_path / "redis") as redis:
         cmd = [
             sys.executable, "-m", "sbatch.launch", "run", "debug-moe",
-            f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={steps}",
-            "--run.timeout_s=1350", "--run.stop_on_targets=false",
+            f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={max_steps}",
+            "--run.timeout_s=1350", "--run.stop_on_targets=true", f"--orchestrator.tasks={tasks}",
         ]  # fmt: skip
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1400)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [h["step"] for h in hist] == list(range(1, steps + 1))
+        assert 10 <= len(hist) <= max_steps
+        assert [h["step"] for h in hist] == list(range(1, len(hist) + 1))
 
         def curve(env: str) -> tuple[float, float]:
             r = [h["reward_by_env"][env] for h in hist if env in h["reward_by_env"]]

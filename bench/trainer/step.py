@@ -247,7 +247,7 @@ def peak_gib() -> float:
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def free() -> None:

@@ -623,12 +623,31 @@ def _format_validation(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
-    """Load configs/<name>.toml (or a path), resolve its model architecture, apply overrides."""
+def _run_config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"{name_or_path}.toml"
+    return path if path.suffix else CONFIG_DIR / f"{name_or_path}.toml"
+
+
+def _read_run_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A run config, on top of its `base = "<name>"` run config when it names one (tables
+    merge key by key; a list or value in the derived file replaces the base's)."""
     tree = _read_toml(path)
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the name of another run config, got {base!r}")
+    base_path = _run_config_path(base)
+    if base_path.resolve() in seen or base_path.resolve() == path.resolve():
+        raise ConfigError(f"{path}: base {base!r} makes a cycle")
+    return _merge(_read_run_toml(base_path, (*seen, path.resolve())), tree)
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
+    """Load configs/<name>.toml (or a path) over its base config if it names one, resolve its
+    model architecture, apply overrides."""
+    path = _run_config_path(name_or_path)
+    tree = _read_run_toml(path)
     tree = _merge(tree, parse_overrides(overrides or []))
     model = tree.get("model", {})
     if isinstance(model, dict) and "config" in model:
