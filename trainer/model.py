@@ -17,12 +17,23 @@ from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapt
 from services.common.config import ModelConfig, RopeScaling
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
+from trainer.moe_routing import (
+    DeepSeekV3Adapter,
+    RelayDeepSeekV3Model,
+    add_expert_bias,
+    build_deepseek_v3,
+    deepseek_moe_args,
+)
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:
-    """torchtitan MoE settings computing HF Qwen3-MoE's function (Qwen3MoeSparseMoeBlock)."""
+    """torchtitan MoE settings computing HF Qwen3-MoE's function (Qwen3MoeSparseMoeBlock), or
+    DeepSeek-V3's (deepseek_moe_args)."""
+    if m.arch == "deepseek_v3":
+        return deepseek_moe_args(m)
     if m.arch != "qwen3_moe":
-        raise ValueError(f"the trainer builds MoE only for arch qwen3_moe (got {m.arch!r})")
+        # glm_moe_dsa: GLM-5's DSA indexer (sparse attention) is not implemented in the trainer.
+        raise ValueError(f"the trainer builds MoE only for arch qwen3_moe and deepseek_v3 (got {m.arch!r})")
     # What HF Qwen3-MoE (and so the published config.json, services/common/modeldir.py) can say.
     if m.n_shared_experts or m.expert_bias or m.n_group != 1 or m.routed_scaling_factor != 1.0:
         raise ValueError(
@@ -128,7 +139,7 @@ def build_model(
     seed: int | None = None,
     device: str | torch.device = "cpu",
     init_std: float | None = None,
-) -> Qwen3Model:
+) -> Qwen3Model | RelayDeepSeekV3Model:
     """torchtitan's init; with `init_std`, tied embeddings are re-drawn with that std (see below).
 
     Why: torchtitan gives the tied embedding/output matrix std dim**-0.5. At init the residual
@@ -138,14 +149,16 @@ def build_model(
     A near-deterministic initial policy gives zero-advantage groups and RL barely starts. With
     std 0.02 the same ratio holds but all logits are small, so the policy starts near uniform.
     """
-    args = model_args(m)
     with torch.device(device):
-        model = RelayQwen3Model(args)
+        # deepseek_v3: torchtitan's DeepSeek-V3 (MLA + DeepSeek MoE), trainer/moe_routing.py.
+        model = build_deepseek_v3(m) if m.arch == "deepseek_v3" else RelayQwen3Model(model_args(m))
         _moe_blocks(model, m)
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(device))
+        if m.arch == "deepseek_v3" and m.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight  # torchtitan's DeepSeek never ties
         if init_std is not None and m.tie_embeddings:
             torch.nn.init.trunc_normal_(
                 model.tok_embeddings.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std
@@ -172,7 +185,10 @@ def _moe_blocks(model: Qwen3Model, m: ModelConfig) -> None:
         return
     from trainer.replay import enable_router_replay  # (replay.py imports the batch modules)
 
-    _dense_leading_layers(model, m)
+    if m.arch == "deepseek_v3":
+        add_expert_bias(model, m)  # its leading dense layers are built by torchtitan's DeepSeek
+    else:
+        _dense_leading_layers(model, m)
     for block in model.layers.values():
         if block.moe_enabled:
             block.moe.reorderer = CountingReorderer(m.n_routed_experts, m.n_experts_per_tok)
@@ -198,7 +214,9 @@ def moe_layer_ids(m: ModelConfig) -> list[int]:
     return list(range(m.first_k_dense, m.n_layers)) if m.is_moe else []
 
 
-def adapter(m: ModelConfig) -> Qwen3StateDictAdapter:
+def adapter(m: ModelConfig) -> Qwen3StateDictAdapter | DeepSeekV3Adapter:
+    if m.arch == "deepseek_v3":
+        return DeepSeekV3Adapter(m)
     return Qwen3StateDictAdapter(model_args(m), None)
 
 

@@ -31,8 +31,8 @@ from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.model import CausalLM
-from services.engine.sampler import Sampler
-from services.engine.scheduler import Scheduler
+from services.engine.sampler import SampleOutput, Sampler
+from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
 
@@ -82,7 +82,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
         )
-        self.sampler = Sampler()
+        # On CUDA, plain batches sample in one fused kernel (kernels/sampling.py: its own stream).
+        self.sampler = Sampler(fused=self.device.type == "cuda")
         self.eos_token_ids = set(ckpt.eos_token_ids)
         # Stop strings and output text (sequence.py) need it; None when the directory has none.
         tok_file = ckpt.path / "tokenizer.json"
@@ -101,6 +102,8 @@ class LLMEngine:
         self.background = False
         # GPU fast path (docs/architecture.md "GPU path"): paged kernels, CUDA-graph decode steps.
         self.attention_backend = self._attention_backend()
+        # Before graph capture: fused residual-add + RMSNorm and SiLU-mul kernels on CUDA.
+        self.model.fused_elementwise = self.device.type == "cuda" and self.attention_backend != "torch"
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
         self.num_sms = num_sms(self.device)
         self.graphs = self._capture_graphs()
@@ -239,37 +242,72 @@ class LLMEngine:
         if plan.empty:
             return expired
         t0 = time.perf_counter()
-        spans = [Span(s.block_table, s.num_cached, s.uncached_tokens()[:n]) for s, n in plan.compute]
-        hidden, last_index = self._forward(spans)
-        self.stats.computed_tokens_total += sum(len(sp.tokens) for sp in spans)
+        hidden, last_index = self._forward(self.spans(plan))
+        # Host bookkeeping that needs no sampled token runs here, while the forward is in flight.
+        seqs, rows = self.advance(plan)
+        out = self.sample(hidden, last_index, seqs, rows)  # the step's one host <-> device sync
+        finished = self.commit(seqs, out)
+        self.stats.observe_step(plan.num_seqs, len(seqs), time.perf_counter() - t0)
+        if self.watchers:
+            self._notify_watchers(seqs)
+        return expired + finished
 
-        # Sequences whose tokens are now all cached sample; a partial prefill chunk does not.
-        row: dict[int, int] = {}
+    def spans(self, plan: StepPlan) -> list[Span]:
+        """The new tokens of every scheduled sequence (a decode's is its last sampled token)."""
+        spans = []
+        for s, n in plan.compute:
+            start = s.num_cached
+            if n == 1 and start == s.num_tokens - 1:
+                toks = [s.output[-1] if s.output else s.prompt[-1]]  # decode: no list slicing
+            else:
+                toks = s.uncached_tokens()[:n]
+            spans.append(Span(s.block_table, start, toks))
+        self.stats.computed_tokens_total += sum(n for _, n in plan.compute)
+        return spans
+
+    def advance(self, plan: StepPlan) -> tuple[list[Sequence], list[int]]:
+        """After the forward is issued: mark the fed tokens cached, publish full pages, give forked
+        children their pages. Returns the sequences that sample now and their logit rows
+        (a partial prefill chunk does not sample)."""
+        register = self.scheduler.register_full_pages
+        bs = self.kv.block_size if self.scheduler.prefix_caching else 1 << 62
+        seqs: list[Sequence] = []
+        rows: list[int] = []
         for i, (s, n) in enumerate(plan.compute):
-            done = s.num_cached + n == s.num_tokens
-            s.num_cached += n
-            self.scheduler.register_full_pages(s)
-            if done:
-                row[id(s)] = i
-        self.scheduler.finish_forks(plan)
-        seqs = [s for s, _ in plan.compute if id(s) in row] + [child for child, _ in plan.forks]
-        rows = [row[id(s)] for s, _ in plan.compute if id(s) in row] + [row[id(p)] for _, p in plan.forks]
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        tops: list[list[tuple[int, float]] | None] = []
-        if seqs:
-            # Decode steps sample every row in order: index with the device tensor as it is, since
-            # a Python list index is a pageable host->device copy that waits for the forward.
-            every = rows == list(range(len(last_index)))
-            logits = self.model.logits(hidden[last_index if every else last_index[rows]])
-            out = self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
-            tokens, logprobs, tops = out.tokens, out.logprobs, out.top
+            s.num_cached = cached = s.num_cached + n
+            if len(s.block_hashes) < cached // bs:  # a page filled up (the call is a no-op otherwise)
+                register(s)
+            if cached == len(s.prompt) + len(s.output):
+                seqs.append(s)
+                rows.append(i)
+        if plan.forks:
+            self.scheduler.finish_forks(plan)
+            index = {id(s): i for i, (s, _) in enumerate(plan.compute)}
+            for child, parent in plan.forks:
+                seqs.append(child)
+                rows.append(index[id(parent)])
+        return seqs, rows
 
+    def sample(
+        self, hidden: torch.Tensor, last_index: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> SampleOutput:
+        if not seqs:
+            return SampleOutput([], [], [])
+        # Decode steps sample every row in order: index with the device tensor as it is, since
+        # a Python list index is a pageable host->device copy that waits for the forward.
+        every = len(rows) == len(last_index) and rows == list(range(len(rows)))
+        logits = self.model.logits(hidden[last_index if every else last_index[rows]])
+        return self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
+
+    def commit(self, seqs: list[Sequence], out: SampleOutput) -> list[RequestState]:
+        """Append the sampled tokens, apply stop conditions, free finished sequences' pages;
+        returns the requests that finished."""
         finished: list[RequestState] = []
         done: list[Sequence] = []
-        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
-            seq.append(token, logprob, self.version, top)
-            reason = self._stop_reason(seq, token)
+        version, stop_reason = self.version, self._stop_reason
+        for seq, token, logprob, top in zip(seqs, out.tokens, out.logprobs, out.top, strict=True):
+            seq.append(token, logprob, version, top)
+            reason = stop_reason(seq, token)
             if reason is not None:
                 seq.status, seq.finish_reason = Status.FINISHED, reason
                 done.append(seq)
@@ -283,10 +321,7 @@ class LLMEngine:
             self.pages.export(done, [r.request_id for r in finished])  # before the pages are freed
         self.scheduler.release_finished()
         self.stats.requests_finished += len(finished)
-        self.stats.observe_step(plan.num_seqs, len(seqs), time.perf_counter() - t0)
-        if self.watchers:
-            self._notify_watchers(seqs)
-        return expired + finished
+        return finished
 
     def _notify_watchers(self, seqs: list[Sequence]) -> None:
         for state in {id(s.request): s.request for s in seqs}.values():

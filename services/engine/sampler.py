@@ -68,7 +68,18 @@ class SampleOutput:
     top: list[list[tuple[int, float]] | None]
 
 
+def plain(p: SamplingParams, vocab: int) -> bool:
+    """True if the row samples from the whole of softmax(logits / T), or is greedy."""
+    return p.temperature == 0 or not (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)
+
+
 class Sampler:
+    def __init__(self, fused: bool = False):
+        """fused: batches whose rows are all plain (greedy, or T > 0 without top-k/top-p/min-p)
+        run kernels/sampling.py, one pass over the logits; the engine sets it on CUDA only, since
+        that path draws a different random stream from the torch path for the same seed."""
+        self.fused = fused
+
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> tuple[list[int], list[float]]:
@@ -80,6 +91,8 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> SampleOutput:
         """As __call__, plus the top-n log-probs of the rows that asked for them."""
+        if self.fused and all(plain(p, logits.shape[-1]) for p in params):
+            return self._sample_fused(logits, params, rngs)
         logits = logits.float()
         batch, vocab = logits.shape
         device = logits.device
@@ -118,6 +131,34 @@ class Sampler:
         chosen = logp.gather(1, tokens)
         assert tokens.shape == (batch, 1)
         return SampleOutput(tokens[:, 0].tolist(), chosen[:, 0].tolist(), self._top(logits, params))
+
+    def _sample_fused(
+        self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
+    ) -> SampleOutput:
+        from services.engine.kernels.sampling import fused_sample  # triton: only when used
+
+        # One draw per sampled token from the row's RNG, as the torch path (a prefill service's
+        # first token advances the RNG by exactly one draw: engine._seed_first_tokens).
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        seeds = torch.tensor(
+            [
+                0 if p.temperature == 0 else int(rng.random() * 2**53)
+                for p, rng in zip(params, rngs, strict=True)
+            ],
+            dtype=torch.int64,
+        )
+        if logits.is_cuda:
+            # Pinned + non_blocking: a pageable copy would wait here for the forward to finish.
+            temps = temps.pin_memory().to(logits.device, non_blocking=True)
+            seeds = seeds.pin_memory().to(logits.device, non_blocking=True)
+        tokens, logprobs = fused_sample(logits, temps, seeds)
+        # .tolist() is the step's one wait for the GPU; top-n (rare) is computed before it.
+        top = (
+            self._top(logits.float(), params)
+            if any(p.logprobs is not None for p in params)
+            else [None] * len(params)
+        )
+        return SampleOutput(tokens.tolist(), logprobs.tolist(), top)
 
     @staticmethod
     def _top(logits: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:

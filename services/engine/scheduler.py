@@ -92,7 +92,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            want = min(seq.num_tokens - seq.num_cached, budget)
+            cached = seq.num_cached
+            if (
+                cached + 1 == len(seq.prompt) + len(seq.output)
+                and cached < len(seq.block_table) * bs
+                and seq.output
+            ):
+                # Fast path, almost every sequence of a decode step: one token, and its page is
+                # already there (no allocation, so no preemption); the same outcome as below.
+                plan.compute.append((seq, 1))
+                budget -= 1
+                i += 1
+                continue
+            want = min(seq.num_tokens - cached, budget)
             # Free pages first; a prefill chunk shrinks to what fits before anyone is preempted.
             fit = (len(seq.block_table) + self.kv.num_free) * bs - seq.num_cached
             while fit < 1 and self.running[-1] is not seq:
