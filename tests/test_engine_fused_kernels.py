@@ -276,3 +276,28 @@ def test_engine_with_fused_elementwise_matches_torch_backend(tmp_path: Path) -> 
     for a, b in zip(ref, out, strict=True):
         assert a.choices[0].output_ids == b.choices[0].output_ids
         assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)
+
+    # Fused q/k/v and gate/up GEMMs (what the engine does on CUDA): the same outputs, the HF-named
+    # parameters are views of the fused weights, and a weight update reaches the fused GEMMs.
+    fused = engine.model.fuse_projections()
+    assert len(fused) == 2 * m.n_layers
+    attn, mlp = engine.model.model.layers[0].self_attn, engine.model.model.layers[0].mlp
+    assert (
+        attn.qkv is not None
+        and attn.k_proj.weight.data_ptr() == attn.qkv[0][attn.q_proj.weight.shape[0]].data_ptr()
+    )
+    assert (
+        mlp.gate_up is not None and mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][m.hidden_dim].data_ptr()
+    )
+    assert set(engine.model.state_dict()) == set(LLMEngine(path, EngineConfig(**base)).model.state_dict())  # type: ignore[arg-type]
+    for a, b in zip(ref, engine.generate(reqs), strict=True):
+        assert a.choices[0].output_ids == b.choices[0].output_ids
+        assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)
+    torch.manual_seed(2)
+    state2 = {k: v for k, v in CausalLM(m, m.max_seq_len).state_dict().items() if "rope" not in k}
+    path2 = write_model_dir(tmp_path / "step_1", state2, hf_config(m, eos_token_id=0), None, {"version": 1})
+    engine.load_weights(path2, 1)
+    ref2 = LLMEngine(path2, EngineConfig(**base, attention_backend="torch")).generate(reqs)  # type: ignore[arg-type]
+    for a, b in zip(ref2, engine.generate(reqs), strict=True):
+        assert a.choices[0].output_ids == b.choices[0].output_ids
+        assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)

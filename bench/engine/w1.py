@@ -415,6 +415,47 @@ def _time_ms(fn: Callable[[], None], reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def sampler_bench(vocab: int) -> dict[str, Any]:
+    """The sampler alone on [batch, vocab] bf16 logits at T=1 (and greedy): the torch path (float32
+    copy, float64 inverse-CDF) against the fused kernel (kernels/sampling.py), wall time including
+    the read of the sampled tokens (what a step pays). Also: the fused log-probs against
+    log_softmax, and greedy tokens of both paths."""
+    import random as _random
+
+    from services.common.schemas import SamplingParams
+    from services.engine.sampler import Sampler
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA (the interpreter is too slow at this vocabulary)"}
+    out: dict[str, Any] = {}
+    for batch in (1, 32, 256):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        logits = (torch.randn(batch, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        row: dict[str, Any] = {}
+        for temp in (1.0, 0.0):
+            params = [SamplingParams(temperature=temp)] * batch
+            for name, fused in (("torch", False), ("fused", True)):
+                sampler = Sampler(fused=fused)
+                rngs = [_random.Random(i) for i in range(batch)]
+                times = []
+                for _ in range(23):
+                    sync()
+                    t0 = time.perf_counter()
+                    res = sampler.sample(logits, params, rngs)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row[f"{name}_T{temp:g}_ms"] = round(sorted(times[3:])[10], 3)
+                if fused:
+                    ref = torch.log_softmax(logits.float() / (temp or 1.0), -1)
+                    idx = torch.tensor(res.tokens, device="cuda")[:, None]
+                    diff = (ref.gather(1, idx)[:, 0] - torch.tensor(res.logprobs, device="cuda")).abs()
+                    row[f"fused_T{temp:g}_logprob_max_abs_diff"] = float(diff.max())
+                if temp == 0:
+                    row.setdefault("greedy_tokens", {})[name] = res.tokens[:8]
+        row["greedy_equal"] = row["greedy_tokens"]["torch"] == row["greedy_tokens"]["fused"]
+        out[f"batch={batch}"] = row
+    return out
+
+
 def kernel_bench(args: argparse.Namespace, prompts: list[list[int]], model_kw: dict[str, Any]) -> dict:
     """One layer's attention alone, at W1 shapes: the Triton decode kernel under several launch
     settings (achieved KV bandwidth), the torch path (gather + SDPA) on the same batch, and the
@@ -758,6 +799,8 @@ def main() -> None:
         report.phase("kernels", lambda: kernel_bench(args, prompts, SMOKE_MODEL if smoke else QWEN3_0_6B))
     else:
         report.data.setdefault("skipped", []).append("kernels: out of time")
+    if budget.left() > 30:
+        report.phase("sampler", lambda: sampler_bench(QWEN3_0_6B["vocab_size"]))
     for name in names[1:]:
         variant(name)
     hf_baseline(max(1, args.prompts // 4))

@@ -104,6 +104,8 @@ class LLMEngine:
         self.attention_backend = self._attention_backend()
         # Before graph capture: fused residual-add + RMSNorm and SiLU-mul kernels on CUDA.
         self.model.fused_elementwise = self.device.type == "cuda" and self.attention_backend != "torch"
+        if self.model.fused_elementwise:
+            self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (not fp8 layers)
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
         self.num_sms = num_sms(self.device)
         self.graphs = self._capture_graphs()

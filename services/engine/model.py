@@ -55,6 +55,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def fuse_rows(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenate the weights (and biases) of linears that read the same input into one tensor and
+    make each linear's parameter a view of its row block, so one GEMM computes all of them while
+    HF names, state_dict and in-place weight loads (load_hf_state copies into the views) keep
+    working. Call after the last .to() (which would re-allocate the views apart). Returns (weight,
+    bias) or None if any module is not a plain nn.Linear (e.g. converted to Fp8Linear)."""
+    if not all(type(lin) is nn.Linear for lin in linears):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])  # type: ignore[misc]
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if all(b is not None for b in biases):
+            bias = torch.cat(biases)  # type: ignore[arg-type]
+        elif any(b is not None for b in biases):
+            return None
+        row = 0
+        for lin in linears:
+            n = lin.weight.shape[0]  # type: ignore[union-attr]
+            lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+            row += n
+    return weight, bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -79,14 +105,28 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's q and k before RoPE; Llama/Qwen2 do not.
         self.q_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
         self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+        # Set by fuse(): one [q + k + v, dim] weight whose row blocks ARE q/k/v_proj's parameters.
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> bool:
+        """One GEMM instead of three: see fuse_rows. False (nothing done) for converted (fp8) layers."""
+        self.qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv is not None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        if self.qkv is not None and batch.paged is not None:
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # strided views
+            q = q.view(t, self.n_heads, self.head_dim)
+            k = k.view(t, self.n_kv_heads, self.head_dim)
+            v = v.view(t, self.n_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
         if batch.paged is not None:
             # GPU path (attention_backend "triton"/"flex", services/engine/kernels/): one kernel
             # normalises and rotates q/k and stores k/v in the page pool, then attention reads the
@@ -130,15 +170,24 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(m.dim, m.hidden_dim, bias=False)
         self.up_proj = nn.Linear(m.dim, m.hidden_dim, bias=False)
         self.down_proj = nn.Linear(m.hidden_dim, m.dim, bias=False)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> bool:
+        """gate/up as one GEMM (fuse_rows); False for converted (fp8) layers."""
+        self.gate_up = fuse_rows([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """GPU path: SiLU and the product in one Triton kernel (kernels/fused_norm.py)."""
         from services.engine.kernels.fused_norm import silu_mul
 
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up is None:
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # strided views: silu_mul reads strides
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -220,6 +269,16 @@ class CausalLM(nn.Module):
         # SiLU-mul kernels (kernels/fused_norm.py, 3 kernels fewer per layer); the CPU path keeps
         # the torch ops bit for bit.
         self.fused_elementwise = False
+
+    def fuse_projections(self) -> list[str]:
+        """GPU path: q/k/v and gate/up of every dense attention/MLP become one GEMM each (fuse_rows;
+        used on paged batches). Call after .to() and after any fp8 conversion (converted layers
+        are left as they are). Returns the fused modules' names."""
+        done = []
+        for name, mod in self.named_modules():
+            if isinstance(mod, Attention | MLP) and mod.fuse():
+                done.append(name)
+        return done
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]

@@ -11,6 +11,11 @@ Optional top-n log-probs (SamplingParams.logprobs = n) are those of the model's 
 log_softmax(logits) before temperature and truncation, as OpenAI and vLLM report them.
 
 Everything is float32 (whatever the model dtype) and guarded against inf/NaN logits.
+
+On CUDA (Sampler(fused=True), set by the engine) a batch of only greedy / plain rows is sampled by
+kernels/sampling.py in one pass over the logits: same distribution, same log-probs, same RNG
+consumption, but a different random stream from this torch path (so a seed's tokens differ between
+GPU and CPU; greedy does not). Batches with top-k/top-p/min-p rows take the torch path.
 """
 
 from __future__ import annotations
@@ -152,7 +157,7 @@ class Sampler:
             temps = temps.pin_memory().to(logits.device, non_blocking=True)
             seeds = seeds.pin_memory().to(logits.device, non_blocking=True)
         tokens, logprobs = fused_sample(logits, temps, seeds)
-        # .tolist() is the step's one wait for the GPU; top-n (rare) is computed before it.
+        # tokens.tolist() is the step's wait for the GPU (top-n, rare, adds its own).
         top = (
             self._top(logits.float(), params)
             if any(p.logprobs is not None for p in params)
