@@ -162,7 +162,9 @@ def build_model_dir(model_kw: dict[str, Any], device: torch.device, dtype: torch
     return model
 
 
-def engine_config(args: argparse.Namespace, backend: str, graphs: bool, dtype: str) -> Any:
+def engine_config(
+    args: argparse.Namespace, backend: str, graphs: bool, dtype: str, fused: bool = False
+) -> Any:
     from services.common.config import EngineConfig
 
     # FlexAttention's kernels want KV blocks of at least their tile (128 by default): bigger pages.
@@ -180,6 +182,7 @@ def engine_config(args: argparse.Namespace, backend: str, graphs: bool, dtype: s
         enable_prefix_caching=False,  # random prompts share nothing; keep hashing out of the loop
         attention_backend=backend,  # type: ignore[arg-type]
         cuda_graphs=graphs,
+        fused_kernels=fused,
     )
 
 
@@ -333,12 +336,13 @@ def engine_variant(
     graphs: bool,
     budget: Budget,
     extra: Callable[[Any], dict[str, Any]] | None = None,
+    fused: bool = False,
 ) -> dict[str, Any]:
     from services.engine import LLMEngine
 
-    res: dict[str, Any] = {"attention_backend": backend, "cuda_graphs": graphs}
+    res: dict[str, Any] = {"attention_backend": backend, "cuda_graphs": graphs, "fused_kernels": fused}
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype))
+    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype, fused))
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["graph_sizes"] = engine.graphs.sizes if engine.graphs is not None else []
@@ -703,7 +707,7 @@ def main() -> None:
     ap.add_argument("--variant-cap-s", type=float, default=60.0, help="cap on one variant's W1 run")
     ap.add_argument("--flex-block-size", type=int, default=128, help="KV page size of the flex variant")
     ap.add_argument("--hf-cap-s", type=float, default=100.0, help="cap on each HF baseline")
-    ap.add_argument("--variants", default="triton+graphs,triton,torch,flex")
+    ap.add_argument("--variants", default="triton+graphs,triton+graphs+fused,triton,torch,flex")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -763,8 +767,10 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        backend, _, g = name.partition("+")
-        graphs = g == "graphs" and cuda
+        # "<backend>[+graphs][+fused]" (fused: EngineConfig.fused_kernels)
+        backend, *opts = name.split("+")
+        graphs = "graphs" in opts and cuda
+        fused = "fused" in opts
         if budget.left() < 40:
             report.data.setdefault("skipped", []).append(f"variant {name}: out of time")
             return
@@ -772,7 +778,7 @@ def main() -> None:
         res = report.phase(
             f"engine[{name}]",
             lambda: engine_variant(
-                args, root, hf, prompts, backend, graphs, budget, keep_main if first else None
+                args, root, hf, prompts, backend, graphs, budget, keep_main if first else None, fused
             ),
         )
         if res is not None and first:

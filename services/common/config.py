@@ -253,6 +253,11 @@ class EngineConfig(Strict):
     # to min(max_batch_size, cuda_graph_max_batch_size) (services/engine/cuda_graphs.py).
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = Field(512, gt=0)
+    # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
+    # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). Off until
+    # `bench/engine/gpu_fused_check.py` has passed on a GPU: they are tested under Triton's CPU
+    # interpreter only. The fused sampler draws a different random stream than the CPU path.
+    fused_kernels: bool = False
     # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
     # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.
     # lm_head, router and norms stay in `dtype` (services/engine/fp8_linear.py, docs/fp8.md).

@@ -83,7 +83,7 @@ class LLMEngine:
             self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
         )
         # On CUDA, plain batches sample in one fused kernel (kernels/sampling.py: its own stream).
-        self.sampler = Sampler(fused=self.device.type == "cuda")
+        self.sampler = Sampler(fused=self.device.type == "cuda" and cfg.fused_kernels)
         self.eos_token_ids = set(ckpt.eos_token_ids)
         # Stop strings and output text (sequence.py) need it; None when the directory has none.
         tok_file = ckpt.path / "tokenizer.json"
@@ -103,7 +103,9 @@ class LLMEngine:
         # GPU fast path (docs/architecture.md "GPU path"): paged kernels, CUDA-graph decode steps.
         self.attention_backend = self._attention_backend()
         # Before graph capture: fused residual-add + RMSNorm and SiLU-mul kernels on CUDA.
-        self.model.fused_elementwise = self.device.type == "cuda" and self.attention_backend != "torch"
+        self.model.fused_elementwise = (
+            self.device.type == "cuda" and self.attention_backend != "torch" and self.cfg.fused_kernels
+        )
         if self.model.fused_elementwise:
             self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (not fp8 layers)
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
