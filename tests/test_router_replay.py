@@ -483,7 +483,7 @@ def _debug_moe_run(tmp_path: Path) -> None:
     # 0.51 at 200 (reverse-turns alike): the same pace as the dense debug model.
     # It stops as soon as both tasks pass this test's bar (at most 120 steps).
     max_steps = 120
-    tasks = '[{env="reverse",weight=2.0,target=0.25},{env="reverse-turns",weight=1.0,target=0.15}]'
+    tasks = '[{env="reverse",weight=2.0,target=0.21},{env="reverse-turns",weight=1.0,target=0.15}]'
     with RedisServer(tmp_path / "redis") as redis:
         cmd = [
             sys.executable, "-m", "sbatch.launch", "run", "debug-moe",
