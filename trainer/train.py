@@ -653,7 +653,12 @@ def run(cfg: RunConfig, run_dir: str | Path, redis_url: str, log: logging.Logger
     trainer = Trainer(cfg, Path(run_dir), redis_url, d, log)
     restore = _install_signals(trainer)
     try:
-        return trainer.run()
+        code = trainer.run()
+        # Leave together: a rank that tears its gloo group down while a peer is still finishing
+        # (rank 0 logging, publishing) can abort in the group's destructor ("terminate called
+        # without an active exception"). Only on the normal path: after a crash a peer may be gone.
+        d.barrier()
+        return code
     finally:
         restore()
         d.close()
