@@ -67,14 +67,19 @@ def test_auto_fallback_for_unmeasured_shapes() -> None:
 
 
 def test_table_entries_are_launchable_configs() -> None:
-    for (bucket, _n, k), cfg in kern.TUNED_CONFIGS.items():
+    for (bucket, n, k), cfg in kern.TUNED_CONFIGS.items():
         assert bucket in kern.M_BUCKETS
+        # dispatch at that bucket's M reads exactly this entry
+        assert kern.tuned_choice(bucket, n, k) == cfg, (bucket, n, k)
         if cfg == kern.TORCH:
             continue
         assert isinstance(cfg, kern.GemmConfig)
         for v in (cfg.block_m, cfg.block_n):
             assert v in (16, 32, 64, 128, 256), cfg
-        assert 1 <= cfg.split_k <= k // 128 // 2, cfg  # every split keeps >= 2 K blocks
+        k_blocks = k // 128
+        # the launcher would silently clamp a larger split; each split must own >= 2 K blocks
+        assert cfg.split_k == max(1, min(cfg.split_k, k_blocks)), cfg
+        assert k_blocks // cfg.split_k >= 2, (k, cfg)
         assert cfg.num_warps in (4, 8) and 2 <= cfg.num_stages <= 5, cfg
 
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import sys
 import tempfile
 import time
 import traceback
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +236,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
-    result: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    result: dict[str, Any] = {
+        "command": "python3 " + " ".join(sys.argv),
+        "machine": machine,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "baseline": "HF transformers float32 on the same weights (log-probs, router top-k); float32 experts",
+        "torch": torch.__version__,
+        "device": str(device),
+    }
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
     path = Path(args.out)
