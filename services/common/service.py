@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from services.common.bus import Bus, Heartbeat, service_id
-from services.common.config import RunConfig, load_resolved
+from services.common.config import ConfigError, RunConfig, load_resolved
 from services.common.net import bind_socket
 from services.common.schemas import ServiceInfo
 
@@ -153,3 +153,21 @@ class Service:
 
 def load_service_config(args: argparse.Namespace) -> RunConfig:
     return load_resolved(args.config)
+
+
+def start_service(kind: str, description: str) -> tuple[argparse.Namespace, Service]:
+    """What every service's main() does first: parse its command line, read the resolved config
+    (a bad one exits naming the key), check Redis is named, bind the port of `cfg.<kind>`."""
+    args = service_args(description)
+    try:
+        cfg = load_service_config(args)
+    except ConfigError as e:
+        sys.exit(f"{kind}: {e}")
+    redis_url = args.redis_url or cfg.redis.url
+    if not redis_url:
+        sys.exit(f"{kind}: no Redis URL; pass --redis-url or set REDIS_URL")
+    sec = getattr(cfg, kind)
+    host = args.host or sec.host
+    # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
+    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
+    return args, Service(kind, cfg, redis_url, host, port)

@@ -10,8 +10,6 @@ swaps them at a step boundary while requests keep running.
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +23,6 @@ from prometheus_client import REGISTRY
 from tokenizers import Tokenizer
 
 from services.common.chat import ChatTemplate, ChatTemplateError
-from services.common.config import ConfigError
 from services.common.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,7 +30,7 @@ from services.common.schemas import (
     GenerateResponse,
     UpdateWeightsRequest,
 )
-from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.common.service import Service, create_app, log_event, start_service
 from services.decode.metrics import EngineCollector
 from services.decode.openai import (
     PromptError,
@@ -283,21 +280,5 @@ def build_app(service: Service) -> FastAPI:
 
 
 def main() -> None:
-    args = service_args("relay decode service: one inference engine replica")
-    try:
-        cfg = load_service_config(args)
-    except ConfigError as e:
-        sys.exit(f"decode: {e}")
-    redis_url = args.redis_url or cfg.redis.url
-    if not redis_url:
-        sys.exit("decode: no Redis URL; pass --redis-url or set REDIS_URL")
-    sec = cfg.decode
-    host = args.host or sec.host
-    # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
-    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
-    service = Service("decode", cfg, redis_url, host, port)
-    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found at start;
-    # with the default handler the process would die by signal (-15) after a clean shutdown.
-    # This handler makes that re-raise (or a SIGTERM before uvicorn takes over) exit 0.
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    _args, service = start_service("decode", "relay decode service: one inference engine replica")
     service.run(build_app(service))

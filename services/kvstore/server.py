@@ -12,7 +12,6 @@ Redis as kind "kvstore"; decode and prefill find it there (or through kvstore.ur
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -25,8 +24,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.common.config import ConfigError, KVStoreSection
-from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.common.config import KVStoreSection
+from services.common.service import Service, create_app, log_event, start_service
 from services.kvstore.tiers import DiskTier, MemoryTier, Tier, TieredStore
 from services.kvstore.wire import (
     MEDIA_TYPE,
@@ -183,16 +182,5 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
 
 
 def main() -> None:
-    args = service_args("relay KV store gateway: tiered, content-addressed KV pages")
-    try:
-        cfg = load_service_config(args)
-    except ConfigError as e:
-        sys.exit(f"kvstore: {e}")
-    redis_url = args.redis_url or cfg.redis.url
-    if not redis_url:
-        sys.exit("kvstore: no Redis URL; pass --redis-url or set REDIS_URL")
-    sec = cfg.kvstore
-    host = args.host or sec.host
-    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
-    service = Service("kvstore", cfg, redis_url, host, port)
+    args, service = start_service("kvstore", "relay KV store gateway: tiered, content-addressed KV pages")
     service.run(build_app(service, Path(args.config).resolve().parent))

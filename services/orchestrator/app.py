@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Query
 
 from services.common.schemas import RolloutGroup
-from services.common.service import Service, create_app, load_service_config, service_args
+from services.common.service import Service, create_app, start_service
 from services.common.tokenizer import load_tokenizer
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.rollout import render_sample
@@ -93,18 +93,9 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
 
 
 def main() -> None:
-    args = service_args("relay orchestrator")
-    cfg = load_service_config(args)
-    o = cfg.orchestrator
-    svc = Service(
-        "orchestrator",
-        cfg,
-        args.redis_url or cfg.redis.url,
-        args.host or o.host,
-        o.port if args.port is None else args.port,
-    )
+    args, svc = start_service("orchestrator", "relay orchestrator")
     run_dir = Path(args.config).resolve().parent
-    orch = Orchestrator(cfg, svc.bus, run_dir)
+    orch = Orchestrator(svc.cfg, svc.bus, run_dir)
     svc.run(build_app(svc, orch))
 
 

@@ -12,8 +12,6 @@ service registered with its own weight version). POST /update_weights works as o
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,9 +20,9 @@ from typing import Any
 import redis
 from fastapi import FastAPI, HTTPException
 
-from services.common.config import ConfigError, EngineConfig
+from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, UpdateWeightsRequest
-from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.common.service import Service, create_app, log_event, start_service
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.kv_transfer import chain_hashes, page_nbytes
 from services.kvstore.client import PagePublisher
@@ -184,17 +182,5 @@ def build_app(service: Service) -> FastAPI:
 
 
 def main() -> None:
-    args = service_args("relay prefill service: prompt KV pages into the KV store")
-    try:
-        cfg = load_service_config(args)
-    except ConfigError as e:
-        sys.exit(f"prefill: {e}")
-    redis_url = args.redis_url or cfg.redis.url
-    if not redis_url:
-        sys.exit("prefill: no Redis URL; pass --redis-url or set REDIS_URL")
-    sec = cfg.prefill
-    host = args.host or sec.host
-    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
-    service = Service("prefill", cfg, redis_url, host, port)
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    _args, service = start_service("prefill", "relay prefill service: prompt KV pages into the KV store")
     service.run(build_app(service))

@@ -49,7 +49,7 @@ from services.common.schemas import (
     StepResponse,
     WriteFileRequest,
 )
-from services.common.service import Service, create_app, load_service_config, log_event, service_args
+from services.common.service import Service, create_app, log_event, start_service
 from services.sandbox.envs import EnvError, env_names, get_env_class, load_plugins
 from services.sandbox.isolation import WorkspaceManager, enable_subreaper, reap_orphans
 from services.sandbox.sessions import (
@@ -271,16 +271,8 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
 
 
 def main() -> None:
-    args = service_args("relay sandbox: environment episodes over HTTP")
-    cfg = load_service_config(args)
-    sec = cfg.sandbox
-    redis_url = args.redis_url or cfg.redis.url
-    if not redis_url:
-        sys.exit("sandbox: no Redis URL; pass --redis-url or set REDIS_URL")
-    host = args.host or sec.host
-    # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
-    port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
-    svc = Service("sandbox", cfg, redis_url, host, port)
+    args, svc = start_service("sandbox", "relay sandbox: environment episodes over HTTP")
+    cfg, sec = svc.cfg, svc.cfg.sandbox
     try:
         load_plugins(sec.plugins)
         check_tasks(cfg)
