@@ -1,4 +1,6 @@
-"""Shared pytest fixtures. Keep additions generic and additive: several areas use this file."""
+"""Shared pytest fixtures. Keep additions generic and additive: several areas use this file.
+Fixtures and helpers that only a few modules share live in tests/helpers/ (a decode process,
+random-weight HF models), imported as `from helpers.<module> import ...`."""
 
 from __future__ import annotations
 

@@ -18,6 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers.hf_random import (
+    PROMPTS,
+    assert_greedy_matches_hf_and_alone,
+    assert_same_experts,
+    engine,
+    engine_logprobs,
+    hf_pair_fixture,
+    hf_router_ids,
+    randomize,
+)
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -27,11 +37,10 @@ from transformers import (
 )
 
 from services.common import routing
-from services.common.config import EngineConfig, ModelConfig
+from services.common.config import ModelConfig
 from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine, WeightsError
-from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 
@@ -98,67 +107,13 @@ def deepseek_config(**over: Any) -> DeepseekV3Config:
     return DeepseekV3Config(**(BASE | over))
 
 
-def randomize(model: PreTrainedModel, seed: int) -> PreTrainedModel:
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.12)
-        # A buffer in HF (not a parameter): a random one really moves the selection.
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return model.eval()
-
-
-def hf_router_ids(hf: PreTrainedModel, tokens: list[int]) -> np.ndarray:
-    got: list[torch.Tensor] = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: got.append(out[2]))
-        for layer in hf.model.layers
-        if hasattr(layer.mlp, "gate")
-    ]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(got, dim=1).numpy()
-
-
-def engine(d: Path, **kw: Any) -> LLMEngine:
-    return LLMEngine(d, EngineConfig(**({"device": "cpu", "max_batch_size": 8, "max_seq_len": 256} | kw)))
-
-
-def engine_logprobs(eng: LLMEngine, tokens: list[int]) -> torch.Tensor:
-    n = eng.kv.blocks_for(eng.kv.max_seq_len)
-    with torch.inference_mode():
-        batch = ForwardBatch.build(
-            [Span(list(range(n)), 0, tokens)], eng.device, eng.kv.max_seq_len, eng.kv.block_size
-        )
-        return torch.log_softmax(eng.model.logits(eng.model(batch, eng.kv)).float(), dim=-1)
-
-
 def set_absorb(eng: LLMEngine, absorb: bool | None) -> None:
     for mod in eng.model.modules():
         if isinstance(mod, MLAttention):
             mod.absorb = absorb
 
 
-def assert_same_experts(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    hf = randomize(build(request.param), seed=11)
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d)
-    return request.param, hf, d
+pair = hf_pair_fixture(VARIANTS, build, seed=11)
 
 
 def test_config_and_cache_layout(pair) -> None:
@@ -200,29 +155,10 @@ def test_logits_match_transformers(pair, absorb: bool) -> None:
     torch.testing.assert_close(engine_logprobs(eng, tokens.tolist()), ref, atol=TOL, rtol=0)
 
 
-PROMPTS = [[5, 17, 33, 8, 61, 2], [40, 41, 42], [9] * 11, list(range(10, 50))]
-
-
 def test_greedy_matches_hf_generate_and_one_sequence_runs(pair) -> None:
     """Decode steps take the absorbed route, prefill chunks the expanded one."""
     _, hf, d = pair
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    batched = engine(d, block_size=4).generate(
-        [GenerateRequest(input_ids=p, sampling=params) for p in PROMPTS]
-    )
-    hf.generation_config.eos_token_id = None
-    for prompt, resp in zip(PROMPTS, batched, strict=True):
-        alone = engine(d, block_size=4).generate([GenerateRequest(input_ids=prompt, sampling=params)])[0]
-        assert resp.choices[0].output_ids == alone.choices[0].output_ids
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=24,
-                pad_token_id=0,
-            )
-        assert resp.choices[0].output_ids == out[0, len(prompt) :].tolist()
+    assert_greedy_matches_hf_and_alone(hf, d, PROMPTS)
 
 
 def test_routed_experts_match_hf_router(pair) -> None:

@@ -16,14 +16,22 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers.hf_random import (
+    PROMPTS,
+    assert_greedy_matches_hf_and_alone,
+    assert_same_experts,
+    engine,
+    engine_logprobs,
+    hf_pair_fixture,
+    hf_router_ids,
+    randomize,
+)
 from transformers import PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from services.common import routing
-from services.common.config import CONFIG_DIR, EngineConfig, ModelConfig
+from services.common.config import CONFIG_DIR, ModelConfig
 from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import GenerateRequest, SamplingParams
-from services.engine import LLMEngine
-from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache
 from services.engine.moe import ExpertWeights, route
 
@@ -59,61 +67,11 @@ def qwen3_moe_config(**over: Any) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**(base | over))
 
 
-def randomize(model: PreTrainedModel, seed: int) -> PreTrainedModel:
-    """Peaked random weights (HF's init gives near-uniform logits, where greedy ties would depend
-    on rounding) and perturbed norms, so every weight matters."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.12)
-    return model.eval()
+def build(name: str) -> PreTrainedModel:
+    return Qwen3MoeForCausalLM(qwen3_moe_config(**VARIANTS[name]))
 
 
-def hf_router_ids(hf: PreTrainedModel, tokens: list[int]) -> np.ndarray:
-    """[tokens, moe_layers, top_k] ids HF's routers pick on `tokens` (one forward, no cache)."""
-    got: list[torch.Tensor] = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: got.append(out[2]))
-        for layer in hf.model.layers
-        if hasattr(layer.mlp, "gate")
-    ]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(got, dim=1).numpy()
-
-
-def engine_logprobs(eng: LLMEngine, tokens: list[int]) -> torch.Tensor:
-    n = eng.kv.blocks_for(eng.kv.max_seq_len)
-    with torch.inference_mode():
-        batch = ForwardBatch.build(
-            [Span(list(range(n)), 0, tokens)], eng.device, eng.kv.max_seq_len, eng.kv.block_size
-        )
-        return torch.log_softmax(eng.model.logits(eng.model(batch, eng.kv)).float(), dim=-1)
-
-
-def assert_same_experts(got: np.ndarray, want: np.ndarray) -> None:
-    """Same expert set per (token, layer); the order within a top-k is not part of the contract."""
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(np.sort(got, axis=-1), np.sort(want, axis=-1))
-
-
-def engine(d: Path, **kw: Any) -> LLMEngine:
-    return LLMEngine(d, EngineConfig(**({"device": "cpu", "max_batch_size": 8, "max_seq_len": 256} | kw)))
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    hf = randomize(Qwen3MoeForCausalLM(qwen3_moe_config(**VARIANTS[request.param])), seed=7)
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d)
-    return request.param, hf, d
+pair = hf_pair_fixture(VARIANTS, build, seed=7)
 
 
 def test_save_pretrained_writes_per_expert_names(pair) -> None:
@@ -175,28 +133,9 @@ def test_incomplete_per_expert_state_is_rejected(pair) -> None:
         eng.model.load_hf_state(state)
 
 
-PROMPTS = [[5, 17, 33, 8, 61, 2], [40, 41, 42], [9] * 11, list(range(10, 50))]
-
-
 def test_greedy_matches_hf_generate_and_one_sequence_runs(pair) -> None:
     _, hf, d = pair
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    batched = engine(d, block_size=4).generate(
-        [GenerateRequest(input_ids=p, sampling=params) for p in PROMPTS]
-    )
-    hf.generation_config.eos_token_id = None
-    for prompt, resp in zip(PROMPTS, batched, strict=True):
-        alone = engine(d, block_size=4).generate([GenerateRequest(input_ids=prompt, sampling=params)])[0]
-        assert resp.choices[0].output_ids == alone.choices[0].output_ids
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=24,
-                pad_token_id=0,
-            )
-        assert resp.choices[0].output_ids == out[0, len(prompt) :].tolist()
+    assert_greedy_matches_hf_and_alone(hf, d, PROMPTS)
 
 
 def test_routed_experts_match_hf_router(pair) -> None:
@@ -387,43 +326,19 @@ def test_loads_trainer_published_moe_weights(tmp_path: Path) -> None:
 
 def test_decode_service_returns_routed_experts(redis_url: str, tmp_path: Path) -> None:
     """POST /v1/generate with return_routed_experts on a real decode process serving debug-moe."""
-    import subprocess
-    import sys
-    import time
-    import uuid
-
     import httpx
+    from helpers.decode_server import decode_server
 
-    from services.common.bus import Bus
-    from services.common.config import REPO_ROOT, RunConfig
-    from services.common.schemas import GenerateResponse, WeightsInfo
+    from services.common.schemas import GenerateResponse
     from trainer.model import build_model, save_weights_dir
 
     m = ModelConfig.model_validate(tomllib.loads((CONFIG_DIR / "models" / "debug-moe.toml").read_text()))
     weights = save_weights_dir(m, build_model(m, seed=0).state_dict(), tmp_path / "step_0", {"version": 0})
-    cfg = RunConfig(model=m)
-    cfg.redis.prefix = f"test-moe-{uuid.uuid4().hex[:8]}"
-    cfg.redis.heartbeat_s = 0.2
-    cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=64)
-    (tmp_path / "config.json").write_text(cfg.dump())
-    bus = Bus(redis_url, cfg.redis.prefix)
-    cmd = [sys.executable, "-m", "services.decode", "--config", str(tmp_path / "config.json")]
-    log = open(tmp_path / "decode.log", "wb")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(
-        [*cmd, "--redis-url", redis_url], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not bus.services("decode"):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "decode.log").read_text()
-            time.sleep(0.05)
-        url = bus.services("decode")[0].url
-        bus.publish_weights(WeightsInfo(version=0, path=str(weights)))
-        while httpx.get(f"{url}/health").json()["status"] != "ok":
-            assert time.monotonic() < deadline, (tmp_path / "decode.log").read_text()
-            time.sleep(0.05)
+    with decode_server(
+        redis_url, weights, m, tmp_path, prefix="test-moe", max_seq_len=64, max_batch_size=4
+    ) as s:
         body = {"input_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 4, "ignore_eos": True, "n": 2}}
-        r = httpx.post(f"{url}/v1/generate", json={**body, "return_routed_experts": True}, timeout=30)
+        r = httpx.post(f"{s.url}/v1/generate", json={**body, "return_routed_experts": True}, timeout=30)
         assert r.status_code == 200, r.text
         for choice in GenerateResponse.model_validate(r.json()).choices:
             assert choice.routed_experts is not None
@@ -431,12 +346,8 @@ def test_decode_service_returns_routed_experts(redis_url: str, tmp_path: Path) -
             assert ids.shape == (8, 2, 2) and ids.dtype == np.uint8
             assert (ids[:-1] < 8).all() and (ids[-1] == 255).all()
             assert (np.sort(ids[:-1], -1)[..., 0] < np.sort(ids[:-1], -1)[..., 1]).all()  # 2 distinct
-        plain = httpx.post(f"{url}/v1/generate", json=body, timeout=30).json()
+        plain = httpx.post(f"{s.url}/v1/generate", json=body, timeout=30).json()
         assert all(c["routed_experts"] is None for c in plain["choices"])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def test_weight_update_in_place_matches_fresh_engine(tmp_path: Path) -> None:

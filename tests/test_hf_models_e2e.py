@@ -11,9 +11,10 @@ after the generation prompt then writes a known assistant turn: text, a well-for
 service over HTTP and the orchestrator's RolloutRunner.
 
 Checks: EOS ids from config.json + generation_config.json (engine stops on any of them; the
-orchestrator's end-of-turn id comes from the model directory); OpenAI `tool_calls` whole and
-streamed; arch llama3 without QK-norm (ModelConfig, HF round trip, loader); the trainer's
-rope-scaled RoPE and its llama3 mapping against the engine's log-probs.
+orchestrator's end-of-turn id comes from the model directory, and a turn ending on any EOS id
+ended with EOS for the env); OpenAI `tool_calls` whole and streamed; arch llama3 without QK-norm
+(ModelConfig, HF round trip, loader); the trainer's rope-scaled RoPE and its llama3 mapping
+against the engine's log-probs.
 """
 
 from __future__ import annotations
@@ -21,12 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import string
-import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +30,15 @@ import aiohttp
 import httpx
 import pytest
 import torch
+from helpers.decode_server import Server, decode_server, sse_events
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from services.common.bus import Bus
 from services.common.chat import ChatTemplate
 from services.common.config import (
-    REPO_ROOT,
     ConfigError,
     EngineConfig,
     ModelConfig,
     RopeScaling,
-    RunConfig,
     load_config,
 )
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
@@ -53,7 +47,6 @@ from services.common.schemas import (
     SamplingParams,
     ScoreResponse,
     StepResponse,
-    WeightsInfo,
 )
 from services.common.tokenizer import end_of_turn_id, eos_id, load_tokenizer, model_eos_ids
 from services.common.tools import ToolResult, ToolSpec, render_tool_results, render_tools_prompt
@@ -99,33 +92,6 @@ TOOLS = [
 ]
 
 
-def wait_for(check, timeout_s: float = 60.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
-def stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The parsed `data:` events of a streamed chat completion, checking the [DONE] terminator."""
-    events: list[Any] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line:
-                assert line.startswith("data: "), line
-                payload = line.removeprefix("data: ")
-                events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    return events[:-1]
-
-
 def build_tokenizer() -> Tokenizer:
     vocab = {t: i for i, t in enumerate([ENDOFTEXT, IM_START, IM_END, *CHARS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=ENDOFTEXT))
@@ -136,8 +102,10 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def qwen_style_dir(dest: Path) -> Path:
-    """The bigram chat model described in the module docstring, as an HF directory."""
+def qwen_style_dir(dest: Path, turn_end: str = IM_END) -> Path:
+    """The bigram chat model described in the module docstring, as an HF directory; its turns end
+    with `turn_end` (<|endoftext|>: a turn that ends on the other EOS id)."""
+    chain = [*CHAIN[:-1], turn_end]
     tok = build_tokenizer()
     ids = {t: tok.token_to_id(t) for t in [*CHAIN, "q", ENDOFTEXT]}
     assert tok.get_vocab_size() <= VOCAB and None not in ids.values()
@@ -151,7 +119,7 @@ def qwen_style_dir(dest: Path) -> Path:
             hf[name] = torch.zeros_like(w)  # each layer adds nothing: h = embedding
     hf["model.embed_tokens.weight"] = torch.eye(VOCAB)
     succ = {t: ids[ENDOFTEXT] for t in range(VOCAB)}  # anything else ends the text
-    for a, b in zip(CHAIN, CHAIN[1:], strict=False):
+    for a, b in zip(chain, chain[1:], strict=False):
         succ[ids[a]] = ids[b]
     # After <|im_end|> the table goes on ("qqq..."): only the generation_config EOS stops there.
     succ[ids[IM_END]] = succ[ids["q"]] = ids["q"]
@@ -241,54 +209,14 @@ def test_engine_stops_on_every_model_eos(qwen_dir: Path) -> None:
 # ------------------------------------------------------------------ decode over HTTP
 
 
-@dataclass
-class Server:
-    url: str
-    model_dir: Path
-    bus: Bus
-    cfg: RunConfig
-
-
 @pytest.fixture(scope="module")
 def server(redis_url: str, qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = read_checkpoint(qwen_dir).config
     tmp = tmp_path_factory.mktemp("qwen-decode")
-    cfg = RunConfig(model=read_checkpoint(qwen_dir).config)
-    cfg.redis.prefix = f"test-hf-{uuid.uuid4().hex[:8]}"
-    cfg.redis.heartbeat_s = 0.2
-    cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=MAX_LEN)
-    cfg.run.name = "relay-qwen-style"
-    (tmp / "config.json").write_text(cfg.dump())
-    bus = Bus(redis_url, cfg.redis.prefix)
-    bus.publish_weights(WeightsInfo(version=0, path=str(qwen_dir)))
-    log = tmp / "decode.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.decode",
-                "--config",
-                str(tmp / "config.json"),
-                "--redis-url",
-                redis_url,
-            ],
-            cwd=REPO_ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        info = wait_for(lambda: bus.services("decode"), what=f"decode registration (log: {log})")[0]
-        wait_for(
-            lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok", what=f"weights (log: {log})"
-        )
-        yield Server(info.url, qwen_dir, bus, cfg)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with decode_server(
+        redis_url, qwen_dir, model, tmp, prefix="test-hf", max_seq_len=MAX_LEN, run_name="relay-qwen-style"
+    ) as s:
+        yield s
 
 
 def chat(s: Server, **kw: Any) -> dict[str, Any]:
@@ -341,7 +269,7 @@ def test_chat_tool_calls_streamed(server: Server, extra: dict[str, Any]) -> None
         **extra,
     }
     whole = chat(server, **{k: v for k, v in body.items() if k != "messages"})
-    events = stream(server.url, body)
+    events = sse_events(f"{server.url}/v1/chat/completions", body)
     n = extra.get("n", 1)
     texts, finish = [""] * n, [None] * n
     calls: list[list[dict[str, Any]]] = [[] for _ in range(n)]
@@ -482,6 +410,63 @@ def test_orchestrator_turns_end_with_im_end(server: Server) -> None:
         # The observation continues after the model's <|im_end|> exactly as the template renders it.
         assert "</tool_call>\n<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny, 21 C\n" in text
         assert text.endswith(f"{TURN_TEXT}{IM_END}")
+
+
+@pytest.fixture(scope="module")
+def endoftext_server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Decode serving the bigram chat model whose turns end with <|endoftext|>: config.json's EOS
+    id and the second of generation_config.json's two, not the template's <|im_end|>."""
+    d = qwen_style_dir(tmp_path_factory.mktemp("qwen-eot") / "step_0", turn_end=ENDOFTEXT)
+    tmp = tmp_path_factory.mktemp("qwen-eot-decode")
+    model = read_checkpoint(d).config
+    with decode_server(redis_url, d, model, tmp, prefix="test-hf-eot", max_seq_len=MAX_LEN) as s:
+        yield s
+
+
+@pytest.mark.parametrize("use_template", [True, False], ids=["chat-template", "plain-text"])
+def test_orchestrator_turn_ending_on_another_eos_id(endoftext_server: Server, use_template: bool) -> None:
+    """A turn the engine ends on an EOS id other than the end-of-turn one (generation_config.json
+    lists <|im_end|> and <|endoftext|>; the model writes the second) ended with EOS: the env gets
+    eos=True and the action without the EOS text. With the chat template the <|endoftext|> token
+    stays in the sample where the model put it and the template's <|im_end|> follows as
+    environment text, so the conversation goes on token-exact. The runner is built as loop.py
+    builds it, from the model directory."""
+    d = endoftext_server.model_dir
+    tok = load_tokenizer(d)
+    eot, im_end = tid(d, ENDOFTEXT), tid(d, IM_END)
+    assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [im_end, eot]
+    cfg = endoftext_server.cfg.model_copy(deep=True)
+    cfg.orchestrator.group_size = 2
+    cfg.orchestrator.sampling.max_tokens = 16
+    cfg.orchestrator.sampling.temperature = 0.0
+
+    async def run() -> tuple[Any, EpisodeSandbox, RolloutRunner]:
+        async with aiohttp.ClientSession() as http:
+            decode = DecodeClient(http, Router(Registry(endoftext_server.bus), "decode"))
+            sandbox = EpisodeSandbox()
+            runner = RolloutRunner.for_model_dir(cfg, decode, sandbox, d)  # type: ignore[arg-type]
+            if not use_template:
+                runner.chat = None  # the env's prompt and observations go in as plain text
+            return await runner.run(GroupSpec("g-endoftext", "tool-env", 7)), sandbox, runner
+
+    group, sandbox, runner = asyncio.run(run())
+    for s, episode in zip(group.samples, sandbox.sessions, strict=True):
+        assert s.finish_reason == "done" and s.reward == 1.0 and s.turns == 2
+        trained = [t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m]
+        text = tok.decode(s.tokens, skip_special_tokens=False)
+        assert trained.count(eot) == 2 and trained[-1] == eot and im_end not in trained
+        assert text.endswith(f"{TURN_TEXT}{ENDOFTEXT}")
+        if use_template:
+            assert episode.steps == [(TURN_TEXT, True), (TURN_TEXT, True)]
+            # The model's <|endoftext|>, then the template's own close of the turn and the tool turn.
+            assert (
+                f"</tool_call>\n{ENDOFTEXT}{IM_END}\n{IM_START}user\n<tool_response>\nsunny, 21 C\n" in text
+            )
+        else:
+            # The plain prompt ends with "?", which the bigram table answers with <|endoftext|> at once.
+            assert episode.steps == [("", True), (TURN_TEXT, True)]
+            assert f"?{ENDOFTEXT}\n<tool_response>\nsunny, 21 C\n</tool_response>\n" in text
+    assert runner.eos == im_end and runner.eos_ids == {im_end, eot}
 
 
 # ------------------------------------------------------------------ 3. llama3 has no QK-norm

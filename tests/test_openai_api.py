@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from helpers.decode_server import Server, decode_server, sse_events, wait_for
 
-from services.common.bus import Bus
 from services.common.chat import ChatTemplate
-from services.common.config import CONFIG_DIR, REPO_ROOT, EngineConfig, RunConfig, load_config
-from services.common.schemas import WeightsInfo
+from services.common.config import CONFIG_DIR, load_config
 from services.common.tokenizer import load_tokenizer
 from trainer.model import build_model, save_weights_dir
 
@@ -34,25 +28,6 @@ TEMPLATE = (
 MAX_LEN = 96
 
 
-@dataclass
-class Server:
-    url: str
-    model_dir: Path
-
-
-def wait_for(check, timeout_s: float = 60.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("openai")
@@ -62,43 +37,10 @@ def server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     d = save_weights_dir(m, state, tmp / "step_0", {"version": 0})
     tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": TEMPLATE}))
-    cfg = RunConfig(model=m)
-    cfg.redis.prefix = f"test-openai-{uuid.uuid4().hex[:8]}"
-    cfg.redis.heartbeat_s = 0.2
-    cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=MAX_LEN)
-    cfg.run.name = "relay-openai"
-    (tmp / "config.json").write_text(cfg.dump())
-    bus = Bus(redis_url, cfg.redis.prefix)
-    bus.publish_weights(WeightsInfo(version=0, path=str(d)))
-    log = tmp / "decode.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.decode",
-                "--config",
-                str(tmp / "config.json"),
-                "--redis-url",
-                redis_url,
-            ],
-            cwd=REPO_ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        info = wait_for(lambda: bus.services("decode"), what=f"decode registration (log: {log})")[0]
-        wait_for(
-            lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok", what=f"weights (log: {log})"
-        )
-        yield Server(info.url, d)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with decode_server(
+        redis_url, d, m, tmp, prefix="test-openai", max_seq_len=MAX_LEN, run_name="relay-openai"
+    ) as s:
+        yield s
 
 
 def post(s: Server, path: str, body: object) -> httpx.Response:
@@ -106,19 +48,8 @@ def post(s: Server, path: str, body: object) -> httpx.Response:
 
 
 def stream(s: Server, path: str, body: dict[str, Any]) -> list[Any]:
-    """The parsed `data:` events of an SSE response, [DONE] as the string "[DONE]"."""
-    events: list[Any] = []
-    with httpx.stream("POST", f"{s.url}{path}", json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: "), line
-            payload = line.removeprefix("data: ")
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    return events[:-1]
+    """The parsed `data:` events of an SSE response from `path`, without the [DONE] terminator."""
+    return sse_events(f"{s.url}{path}", body)
 
 
 def joined(events: list[dict[str, Any]], n: int, chat: bool) -> tuple[list[str], list[str | None]]:

@@ -137,7 +137,8 @@ def test_collate_shifts_mask_and_logprobs_onto_targets() -> None:
             assert mb.loss_mask[i, t].item() == s.loss_mask[t + 1]
             assert mb.logp_infer[i, t].item() == pytest.approx(s.logprobs[t + 1])
     assert mb.loss_mask[1, 2:].sum().item() == 0  # padding is never trained
-    assert mb.advantages.tolist() == [0.5, -1.0]
+    # the sample's advantage on each of its target columns, 0 on padding
+    assert mb.advantages.tolist() == [[0.5] * 4, [-1.0, -1.0, 0.0, 0.0]]
     assert mb.n_tokens == 8 and loss_token_count([s1, s2]) == 5
 
 

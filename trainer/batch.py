@@ -28,7 +28,7 @@ class MicroBatch:
     tokens: torch.Tensor  # [B, L] int64, right-padded
     loss_mask: torch.Tensor  # [B, L-1] float32, aligned with tokens[:, 1:]
     logp_infer: torch.Tensor  # [B, L-1] float32, aligned with tokens[:, 1:]
-    advantages: torch.Tensor  # [B] float32, one per sample
+    advantages: torch.Tensor  # [B, L-1] float32, aligned with tokens[:, 1:] (Sample.advantages_per_token)
     n_tokens: int  # real (non-pad) tokens in the micro-batch
 
     def to(self, device: torch.device) -> MicroBatch:
@@ -63,6 +63,9 @@ def truncate(sample: Sample, max_len: int) -> Sample:
             "loss_mask": sample.loss_mask[:max_len],
             "logprobs": sample.logprobs[:max_len],
             "versions": sample.versions[:max_len],
+            "token_advantages": None
+            if sample.token_advantages is None
+            else sample.token_advantages[:max_len],
         }
     )
 
@@ -76,7 +79,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
     tokens = torch.full((b, length), pad_id, dtype=torch.long)
     mask = torch.zeros((b, length - 1), dtype=torch.float32)
     logp = torch.zeros((b, length - 1), dtype=torch.float32)
-    adv = torch.zeros((b,), dtype=torch.float32)
+    adv = torch.zeros((b, length - 1), dtype=torch.float32)
     n_tokens = 0
     for i, s in enumerate(samples):
         n = len(s.tokens)
@@ -85,7 +88,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         if n > 1:
             mask[i, : n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
             logp[i, : n - 1] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
-        adv[i] = s.advantage
+            adv[i, : n - 1] = torch.tensor(s.advantages_per_token()[1:], dtype=torch.float32)
     return MicroBatch(tokens=tokens, loss_mask=mask, logp_infer=logp, advantages=adv, n_tokens=n_tokens)
 
 

@@ -38,7 +38,7 @@ class PackedMicroBatch:
     positions: torch.Tensor  # [1, T] int64, restarting at 0 for every sample
     loss_mask: torch.Tensor  # [1, T] float32
     logp_infer: torch.Tensor  # [1, T] float32
-    advantages: torch.Tensor  # [1, T] float32, the sample's advantage on each of its tokens
+    advantages: torch.Tensor  # [1, T] float32, each token's advantage (Sample.advantages_per_token)
     seq_lens: list[int]  # inputs per sample, in order (sum = T)
     n_tokens: int  # real tokens of the samples (as MicroBatch.n_tokens: len(tokens) each)
 
@@ -83,7 +83,7 @@ def pack(samples: list[Sample]) -> PackedMicroBatch:
         pos.extend(range(n))
         mask.extend(s.loss_mask[1:])
         logp.extend(s.logprobs[1:])
-        adv.extend([s.advantage] * n)
+        adv.extend(s.advantages_per_token()[1:])
         lens.append(n)
 
     def row(x: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:

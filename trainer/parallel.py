@@ -287,7 +287,7 @@ def cp_micro_batch(mb: MicroBatch | PackedMicroBatch, cp_mesh: Any, cp: int) -> 
         b, t = inputs.shape
         positions = torch.arange(t, device=inputs.device).expand(b, t)
         loss_mask, logp_infer = mb.loss_mask, mb.logp_infer
-        adv = mb.advantages.to(torch.float32).unsqueeze(1).expand(b, t)
+        adv = mb.advantages.to(torch.float32)
     m = 2 * cp
     bufs = (
         _cp_pad(inputs, m, 0),

@@ -22,14 +22,24 @@ from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams
 from services.common.tokenizer import eos_id, load_tokenizer
 from services.engine import LLMEngine
+from services.orchestrator.credit import ActionSpan, group_token_advantages
 from services.orchestrator.rollout import group_advantages
 from services.sandbox.envs import get_env_class, load_plugins
 from trainer.model import build_model, save_weights_dir
+from trainer.parallel import parallelize
 from trainer.train import Dist, Trainer
 
 
 def episode(
-    env_name: str, seed: int, engine: LLMEngine, tok, eos: int, g: int, max_tokens: int, std_norm: bool
+    env_name: str,
+    seed: int,
+    engine: LLMEngine,
+    tok,
+    eos: int,
+    g: int,
+    max_tokens: int,
+    std_norm: bool,
+    token_credit: bool = False,
 ) -> RolloutGroup:
     envs = [get_env_class(env_name)() for _ in range(g)]
     prompt = [e.reset(seed) for e in envs][0]
@@ -37,6 +47,7 @@ def episode(
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=g, seed=seed)
     (resp,) = engine.generate([GenerateRequest(input_ids=ids, sampling=sp)])
     trajs = [(list(ids), [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)) for _ in range(g)]
+    spans: list[list[ActionSpan]] = [[] for _ in range(g)]
     active = list(range(g))
     choices = {i: resp.choices[i] for i in range(g)}
     rewards = [0.0] * g
@@ -45,9 +56,10 @@ def episode(
         for i in active:
             c = choices[i]
             t = trajs[i]
+            ended = bool(c.output_ids) and c.output_ids[-1] == eos
+            spans[i].append(ActionSpan(len(t[0]), len(c.output_ids) - int(ended), ended))
             t[0].extend(c.output_ids), t[1].extend([1] * len(c.output_ids))
             t[2].extend(c.logprobs), t[3].extend(c.versions)
-            ended = bool(c.output_ids) and c.output_ids[-1] == eos
             obs, done = envs[i].step(tok.decode(c.output_ids[:-1] if ended else c.output_ids), ended)
             if done:
                 r = envs[i].score()
@@ -65,6 +77,11 @@ def episode(
                 choices[i] = r.choices[0]
         active = nxt
     advantages = group_advantages(rewards, std_norm)
+    per_token = None
+    if token_credit:
+        credits = [e.credit() for e in envs]
+        masks = [t[1] for t in trajs]
+        per_token = group_token_advantages(tok, [t[0] for t in trajs], spans, credits, advantages, masks)
     samples = [
         Sample(
             rollout_id=f"{seed}.{i}",
@@ -74,6 +91,7 @@ def episode(
             versions=t[3],
             reward=r,
             advantage=a,
+            token_advantages=None if per_token is None else per_token[i],
         )
         for i, (t, r, a) in enumerate(zip(trajs, rewards, advantages, strict=True))
     ]
@@ -96,12 +114,15 @@ def main() -> None:
     cfg = load_config("debug", args.set)
     tc, o = cfg.trainer, cfg.orchestrator
     model = build_model(cfg.model, seed=cfg.run.seed, init_std=tc.init_std)
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
     tmp = Path(tempfile.mkdtemp())
     rng = random.Random(0)
     # No Redis is reached: train_step only uses the model, optimizer and process group.
     trainer = Trainer(cfg, tmp, "redis://127.0.0.1:1/0", d=Dist("cpu"))
-    trainer.model, trainer.opt = model, opt
+    # The trainer's own model path (no FSDP on one CPU process), so train_step sees what it expects.
+    trainer.model, trainer.degrees, trainer.meshes = parallelize(model, tc, 1, torch.device("cpu"), False)
+    trainer.opt = torch.optim.AdamW(
+        trainer.model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
+    )
     hist = []
     t_start = time.time()
     for step in range(1, args.steps + 1):
@@ -120,6 +141,7 @@ def main() -> None:
                 o.group_size,
                 o.sampling.max_tokens,
                 o.advantage_std_norm,
+                o.advantage == "token",
             )
             for i in range(args.prompts)
         ]

@@ -44,7 +44,6 @@ Each phase runs in its own try/except and the JSON is rewritten after every phas
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import gc
 import json
@@ -287,6 +286,31 @@ def sample_with_engine(
     return samples, info
 
 
+def publish_and_sample(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    dest: Path,
+    device: torch.device,
+    dtype: str,
+    prompts: list[list[int]],
+    max_seq_len: int,
+    new_tokens: int,
+    seed: int,
+) -> tuple[list[Sample], dict[str, Any]]:
+    """Publish `model` as version 0 at `dest` and sample `new_tokens` per prompt from our engine
+    loading it in `dtype`: the samples, and the publish and engine numbers for the report."""
+    info = publish(model, m, dest)
+    ecfg = EngineConfig(
+        device=device.type,
+        dtype=dtype,
+        max_batch_size=len(prompts),
+        max_seq_len=max_seq_len,
+        torch_threads=engine_threads(device),
+    )
+    samples, info["engine"] = sample_with_engine(dest, ecfg, prompts, new_tokens, seed)
+    return samples, info
+
+
 # ------------------------------------------------------------------ trainer side
 
 
@@ -377,10 +401,8 @@ def score(
         log_ratio_abs_max=log_r_max,
         train_entropy_mean=ent_sum / n,
         flipped_token_frac=split["flipped"][1] / n,
-        kl_k3_flipped_tokens=split["flipped"][0] / split["flipped"][1] if split["flipped"][1] else None,
-        kl_k3_unflipped_tokens=split["unflipped"][0] / split["unflipped"][1]
-        if split["unflipped"][1]
-        else None,
+        # mean k3 over each part's tokens (None for a part without tokens)
+        **{f"kl_k3_{key}_tokens": (kl / count if count else None) for key, (kl, count) in split.items()},
         score_s=round(time.perf_counter() - t0, 2),
     )
     return out
@@ -399,6 +421,37 @@ def off_on(
     kl_off, kl_on = off["mismatch_kl_k3"], on["mismatch_kl_k3"]
     ratio = kl_off / kl_on if kl_on > 0 else float("inf")
     return {"replay_off": off, "replay_on": on, "kl_ratio_off_on": ratio, "kl_goal_10x_met": ratio >= KL_GOAL}
+
+
+def single_process(model: torch.nn.Module, tc: TrainerSection, device: torch.device) -> torch.nn.Module:
+    """The model as one trainer process holds it (trainer.nproc = 1: no process group)."""
+    model, _, _ = parallelize(model, tc, 1, device, distributed=False)
+    return model.eval()
+
+
+def score_mode(
+    model: torch.nn.Module,
+    m: ModelConfig,
+    samples: list[Sample],
+    tc: TrainerSection,
+    device: torch.device,
+    fsdp: bool,
+) -> dict[str, Any]:
+    """off_on in one trainer mode, on a `single_process` model:
+    - fsdp=False: the single process's weights as they are, under the trainer's autocast
+      context (autocast(bf16) over float32 weights for a bf16 trainer, nothing for float32);
+    - fsdp=True: the torchrun path, FSDP2 mixed precision (bf16 parameters and compute) over a
+      1-rank group, sharding `model` in place; autocast off, as the trainer does with FSDP."""
+    if not fsdp:
+        return off_on(model, m, samples, tc, device, autocast_context(tc, device, False))
+    group = OneRankGroup(device)
+    try:
+        sharded, _, _ = parallelize(model, tc, 1, device, distributed=True)
+        res = off_on(sharded, m, samples, tc, device, autocast_context(tc, device, True))
+        res["note"] = "FSDP2 on a 1-rank group, MixedPrecisionPolicy(param_dtype=bf16)"
+        return res
+    finally:
+        group.close()
 
 
 class OneRankGroup:
@@ -440,43 +493,30 @@ def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdi
     model = build_trainer_model(m, init, args.seed, device)
     enable_chunked_output(model)  # as train.py: same parameters, chunked head when chunk > 0
     out["build_s"] = round(time.perf_counter() - t0, 2)
-    dest = workdir / f"{init}-step_0"
-    out.update(publish(model, m, dest))
     prompts = make_prompts(args.prompts, args.prompt_min, args.prompt_max, m.vocab_size, args.seed)
-    max_len = args.prompt_max + args.new_tokens + 16
     # CPU smoke: bf16 too (the torch path); the engine picks its own kernels on CUDA.
-    ecfg = EngineConfig(
-        device=device.type,
-        dtype="bfloat16",
-        max_batch_size=len(prompts),
-        max_seq_len=max_len,
-        torch_threads=engine_threads(device),
+    samples, info = publish_and_sample(
+        model,
+        m,
+        workdir / f"{init}-step_0",
+        device,
+        "bfloat16",
+        prompts,
+        max_seq_len=args.prompt_max + args.new_tokens + 16,
+        new_tokens=args.new_tokens,
+        seed=args.seed,
     )
-    samples, out["engine"] = sample_with_engine(dest, ecfg, prompts, args.new_tokens, args.seed)
+    out.update(info)
     tc = TrainerSection(
         device=device.type,
         dtype="bfloat16",
         micro_batch_tokens=args.micro_batch_tokens,
         logprob_chunk_tokens=args.chunk,
     )
-    # trainer.nproc = 1: no process group, float32 weights under autocast(bf16).
-    model, _, _ = parallelize(model, tc, 1, device, distributed=False)
-    model.eval()
-    out["autocast"] = _try(lambda: off_on(model, m, samples, tc, device, autocast_context(tc, device, False)))
-    if args.fsdp:
-        # torchrun path: FSDP2 mixed precision, bf16 parameters and compute (same model, sharded
-        # in place over a 1-rank group; autocast off, as the trainer does with FSDP).
-        def fsdp() -> dict[str, Any]:
-            group = OneRankGroup(device)
-            try:
-                sharded, _, _ = parallelize(model, tc, 1, device, distributed=True)
-                res = off_on(sharded, m, samples, tc, device, autocast_context(tc, device, True))
-                res["note"] = "FSDP2 on a 1-rank group, MixedPrecisionPolicy(param_dtype=bf16)"
-                return res
-            finally:
-                group.close()
-
-        out["fsdp"] = _try(fsdp)
+    model = single_process(model, tc, device)
+    out["autocast"] = _try(lambda: score_mode(model, m, samples, tc, device, fsdp=False))
+    if args.fsdp:  # the same model, sharded in place after the autocast rows
+        out["fsdp"] = _try(lambda: score_mode(model, m, samples, tc, device, fsdp=True))
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     return out  # the model and its shards are freed by the caller's free()
@@ -487,23 +527,22 @@ def phase_fp32_sanity(args: argparse.Namespace, device: torch.device, workdir: P
     set and leave only float32 rounding in the log-probs."""
     m = tiny_moe()
     model = build_trainer_model(m, "hf", args.seed, device)
-    dest = workdir / "fp32-step_0"
     out: dict[str, Any] = {"model": m.model_dump(include=_SHAPE_FIELDS)}
-    out.update(publish(model, m, dest))
-    n = 8 if args.smoke else 32
-    prompts = make_prompts(n, 8, 64, m.vocab_size, args.seed + 1)
-    ecfg = EngineConfig(
-        device=device.type,
-        dtype="float32",
-        max_batch_size=n,
+    prompts = make_prompts(8 if args.smoke else 32, 8, 64, m.vocab_size, args.seed + 1)
+    samples, info = publish_and_sample(
+        model,
+        m,
+        workdir / "fp32-step_0",
+        device,
+        "float32",
+        prompts,
         max_seq_len=64 + 64 + 16,
-        torch_threads=engine_threads(device),
+        new_tokens=16 if args.smoke else 64,
+        seed=args.seed,
     )
-    samples, out["engine"] = sample_with_engine(dest, ecfg, prompts, 16 if args.smoke else 64, args.seed)
+    out.update(info)
     tc = TrainerSection(device=device.type, dtype="float32")
-    model, _, _ = parallelize(model, tc, 1, device, distributed=False)
-    model.eval()
-    out.update(off_on(model, m, samples, tc, device, contextlib.nullcontext()))
+    out.update(score_mode(single_process(model, tc, device), m, samples, tc, device, fsdp=False))
     on = out["replay_on"]
     out["sanity_ok"] = on["routing_agreement_mean"] == 1.0 and on["mismatch_kl_k3"] < 1e-6
     return out

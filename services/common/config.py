@@ -254,14 +254,19 @@ class EngineConfig(Strict):
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = Field(512, gt=0)
     # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
-    # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). Off until
-    # `bench/engine/gpu_fused_check.py` has passed on a GPU: they are tested under Triton's CPU
-    # interpreter only. The fused sampler draws a different random stream than the CPU path.
-    fused_kernels: bool = False
+    # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). On by
+    # default since `bench/engine/gpu_fused_check.py` passed on an H200 and W1 went from 46% to 56%
+    # of the memory roofline (bench/engine/results/w1_h200_3.json). No effect on CPU. The fused
+    # sampler draws a different random stream than the CPU path.
+    fused_kernels: bool = True
     # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
     # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.
     # lm_head, router and norms stay in `dtype` (services/engine/fp8_linear.py, docs/fp8.md).
     quantization: Literal["none", "fp8"] = "none"
+    # Overlap scheduling (docs/engine.md): step N+1 is scheduled and launched before step N's
+    # sampled tokens reach the host (they feed N+1 on the device); N's bookkeeping runs while N+1
+    # computes. Same tokens as off; off until the H200 W1 run has measured it.
+    overlap_schedule: bool = False
 
 
 class DecodeSection(ServiceSection):
@@ -285,6 +290,29 @@ class MooncakeSection(Strict):
     budget_bytes: int = Field(192 << 20, ge=0)
 
 
+class KVPullSection(Strict):
+    """Decode's choice between pulling a prompt's missing prefix from the KV store and recomputing
+    it (services/prefill/pull_policy.py). A pull happens only when its expected time (latency +
+    bytes / pull bandwidth + bytes / import bandwidth) is below the expected recompute time (tokens /
+    prefill throughput). The priors are replaced by EWMAs of measured pulls and of the engine's own
+    prefill steps; they are conservative (a slow pull, a fast prefill) so an unmeasured GPU replica
+    recomputes rather than stalls on a pull."""
+
+    # auto: the cost model; always: pull whatever the store has (the pre-2026-11-30 behaviour);
+    # never: recompute every missing prefix (the store still receives pages).
+    mode: Literal["auto", "always", "never"] = "auto"
+    prior_pull_bytes_per_s: float = Field(200e6, gt=0)  # gateway -> decode host memory
+    prior_pull_latency_s: float = Field(0.01, ge=0)  # one request's fixed cost
+    prior_import_bytes_per_s: float = Field(2e9, gt=0)  # host bytes -> the engine's KV pool
+    prior_prefill_tokens_per_s: float = Field(20000.0, gt=0)
+    # Weight of a new measurement in the EWMAs.
+    ewma_alpha: float = Field(0.3, gt=0, le=1)
+    # While recompute keeps winning, pull at most probe_pages pages once every probe_interval_s so
+    # the pull bandwidth is measured again (the gateway or the network may have got faster).
+    probe_interval_s: float = Field(30.0, gt=0)
+    probe_pages: int = Field(4, ge=0)
+
+
 class KVStoreSection(ServiceSection):
     """The KV store gateway (services/kvstore): content-addressed KV pages in tiers RAM -> disk ->
     Mooncake. Disabled by default: the debug run neither starts nor uses it."""
@@ -300,6 +328,7 @@ class KVStoreSection(ServiceSection):
     timeout_s: float = Field(10.0, gt=0)
     retry_after_s: float = Field(5.0, ge=0)
     mooncake: MooncakeSection = MooncakeSection()
+    pull: KVPullSection = KVPullSection()
 
 
 class PrefillSection(ServiceSection):
@@ -378,6 +407,11 @@ class OrchestratorSection(ServiceSection):
     # Group advantage: reward - group mean, divided by the group's reward std when true (GRPO);
     # false is Dr. GRPO's unbiased form. A group with identical rewards gets advantage 0 either way.
     advantage_std_norm: bool = False
+    # "sequence": one advantage per sample (above). "token": where the env gives per-character
+    # credit (Environment.credit), each model token gets its credit minus the group's mean
+    # credit at the same (turn, token index), so the right and wrong parts of one answer are
+    # told apart; groups without credit fall back to "sequence" (docs/loss.md, "Token credit").
+    advantage: Literal["sequence", "token"] = "sequence"
     tasks: list[TaskSpec] = [TaskSpec(env="reverse")]
     sampling: SamplingConfig = SamplingConfig()
 

@@ -6,7 +6,7 @@ Request models forbid unknown fields so a misspelt field is a 422 naming it, not
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -202,6 +202,11 @@ class CreateSessionsResponse(Wire):
     sessions: list[CreateSessionResponse]
 
 
+# Environment.credit(): per model turn, one value in [0, 1] per character of the action, then
+# one for how the turn ended. None when the env gives only the episode reward.
+Credit = list[list[Annotated[float, Field(ge=0.0, le=1.0)]]]
+
+
 class StepRequest(Wire):
     action: str = Field(description="the model's turn, decoded, with the EOS token stripped")
     # False when the turn hit max_tokens instead of ending with EOS, so rewards can credit
@@ -215,11 +220,13 @@ class StepResponse(Wire):
     # Filled when the step was sent with ?score=true and ended the episode: the session was
     # scored and closed in the same call (saves a round trip per episode).
     reward: float | None = Field(None, ge=0.0, le=1.0)
+    credit: Credit | None = None
 
 
 class ScoreResponse(Wire):
     reward: float = Field(ge=0.0, le=1.0)
     info: dict[str, float | int | str | bool] = {}
+    credit: Credit | None = None
 
 
 # ---------------------------------------------------------------- rollouts
@@ -238,6 +245,9 @@ class Sample(Wire):
     versions: list[int]
     reward: float
     advantage: float = 0.0
+    # Per-token advantages (orchestrator.advantage = "token"), one per token, 0.0 where loss_mask
+    # is 0; when set, the trainer uses them instead of `advantage` on every token.
+    token_advantages: list[float] | None = None
     turns: int = 1
     finish_reason: str = "stop"
     # MoE + Router Replay: the inference engine's expert ids for every token (one row per token)
@@ -248,9 +258,17 @@ class Sample(Wire):
         n = len(self.tokens)
         if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
             raise ValueError("tokens, loss_mask, logprobs and versions must have the same length")
+        if self.token_advantages is not None and len(self.token_advantages) != n:
+            raise ValueError("token_advantages must have one value per token")
         if self.routed_experts is not None and self.routed_experts.shape[0] != n:
             raise ValueError("routed_experts must have one row per token")
         return self
+
+    def advantages_per_token(self) -> list[float]:
+        """The advantage of every token: token_advantages, or the sample's one advantage."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        return [self.advantage] * len(self.tokens)
 
     @property
     def min_version(self) -> int:
@@ -266,6 +284,12 @@ class RolloutGroup(Wire):
     seed: int
     samples: list[Sample] = Field(min_length=1)
     created: float = Field(default_factory=time.time)
+
+    def advantages_per_token(self) -> list[float]:
+        """The advantage of every token: token_advantages, or the sample's one advantage."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        return [self.advantage] * len(self.tokens)
 
     @property
     def min_version(self) -> int:

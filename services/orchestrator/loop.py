@@ -22,11 +22,9 @@ import aiohttp
 import redis
 
 from services.common.bus import Bus
-from services.common.chat import ChatTemplate
 from services.common.config import RunConfig
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
-from services.common.tokenizer import end_of_turn_id, load_tokenizer
 from services.orchestrator import metrics as prom
 from services.orchestrator.clients import (
     DecodeClient,
@@ -343,12 +341,8 @@ class Orchestrator:
         self.decode = DecodeClient(self._http, Router(self.registry, "decode"))
         self.sandbox = SandboxClient(self._http, Router(self.registry, "sandbox"))
         info = await self._wait_initial_weights()
-        tok = load_tokenizer(info.path)
-        # With a chat template, tool environments' turns are rendered through it (chat_turns.py).
-        chat = ChatTemplate.from_model_dir(info.path)
-        # The model's end-of-turn id from its directory (Qwen: <|im_end|>), not a literal <eos>.
-        eot = end_of_turn_id(info.path, tok, chat)
-        self.runner = RolloutRunner(self.cfg, self.decode, self.sandbox, tok, eot, chat=chat)
+        # Tokenizer, chat template, end-of-turn id and every EOS id, from the model directory.
+        self.runner = RolloutRunner.for_model_dir(self.cfg, self.decode, self.sandbox, info.path)
         await self._roll_out(info)
         resumed = await self.resume_inflight()
         log_event(log, "orchestrator running", version=self.version, resumed_groups=resumed)

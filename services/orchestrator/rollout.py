@@ -21,9 +21,10 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -32,6 +33,7 @@ from services.common import routing as routing_wire
 from services.common.chat import ChatTemplate
 from services.common.config import RunConfig
 from services.common.schemas import (
+    Credit,
     GenerateChoice,
     GenerateRequest,
     RolloutGroup,
@@ -39,6 +41,7 @@ from services.common.schemas import (
     Sample,
     SamplingParams,
 )
+from services.common.tokenizer import end_of_turn_id, load_tokenizer, model_eos_ids
 from services.orchestrator.chat_turns import (
     ChatConversation,
     TemplateMismatch,
@@ -46,6 +49,7 @@ from services.orchestrator.chat_turns import (
     parse_tools_prompt,
 )
 from services.orchestrator.clients import DecodeClient, SandboxClient, SandboxSession, ServiceUnavailable
+from services.orchestrator.credit import ActionSpan, group_token_advantages
 
 log = logging.getLogger("orchestrator")
 
@@ -53,6 +57,7 @@ log = logging.getLogger("orchestrator")
 TRUNCATION_MARKER = "[truncated {n} tokens]"
 
 TimeoutReason = Literal["turn_timeout", "rollout_timeout"]
+T = TypeVar("T")
 
 
 class GroupTimedOut(Exception):
@@ -116,6 +121,8 @@ class Trajectory:
     finish_reason: str = "stop"
     decode_urls: set[str] = field(default_factory=set)
     routing: RoutingTrace = field(default_factory=RoutingTrace)
+    # where each model turn's action lies in `tokens` (token credit, services/orchestrator/credit.py)
+    actions: list[ActionSpan] = field(default_factory=list)
 
     @classmethod
     def start(cls, prompt_ids: list[int]) -> Trajectory:
@@ -167,12 +174,18 @@ class RolloutRunner:
         tok: Tokenizer,
         eos: int,
         chat: ChatTemplate | None = None,
+        eos_ids: Collection[int] = (),
     ):
         self.cfg = cfg
         self.decode = decode
         self.sandbox = sandbox
         self.tok = tok
+        # `eos`: the end-of-turn id, the one the chat template closes an assistant turn with.
+        # `eos_ids`: every other id the engine stops on (config.json + generation_config.json,
+        # e.g. Qwen's <|endoftext|> besides <|im_end|>, Llama-3's <|end_of_text|> besides
+        # <|eot_id|>). A turn that ends on any of them ended with EOS for the environment.
         self.eos = eos
+        self.eos_ids = frozenset([eos, *eos_ids])
         # The model's chat template: tool environments' prompts and observations go through it
         # (chat_turns.py). None (the char debug tokenizer): text exactly as the env wrote it.
         self.chat = chat
@@ -186,6 +199,18 @@ class RolloutRunner:
         )
         self.max_len = min(cfg.model.max_seq_len, cfg.decode.engine.max_seq_len)
         self.truncate = o.context_overflow == "truncate_observation"
+
+    @classmethod
+    def for_model_dir(
+        cls, cfg: RunConfig, decode: DecodeClient, sandbox: SandboxClient, model_dir: str | Path
+    ) -> RolloutRunner:
+        """A runner for the model in `model_dir`: its tokenizer, its chat template (tool
+        environments' turns go through it), its end-of-turn id (Qwen: <|im_end|>, not a literal
+        <eos>) and every EOS id the engine serving that directory stops on."""
+        tok = load_tokenizer(model_dir)
+        chat = ChatTemplate.from_model_dir(model_dir)
+        eot = end_of_turn_id(model_dir, tok, chat)
+        return cls(cfg, decode, sandbox, tok, eot, chat=chat, eos_ids=model_eos_ids(model_dir))
 
     async def _generate(self, ids: list[int], n: int, seed: int | None) -> list[GenerateChoice]:
         """One turn's generation, re-issued on another replica if the serving one vanishes."""
@@ -278,14 +303,20 @@ class RolloutRunner:
         turn: _Deadline,
         rollout_at: float | None,
         conv: ChatConversation | None = None,
-    ) -> float:
-        """Play the rest of one sample's episode after its first model turn; returns the reward.
+    ) -> tuple[float, Credit | None]:
+        """Play the rest of one sample's episode after its first model turn; returns the reward
+        and the env's per-character credit (None if it gives none).
         `turn` is the deadline of the turn whose generation produced `choice`."""
         turn_timeout_s = self.cfg.orchestrator.turn_timeout_s
         while True:
             traj.add_model(choice)
-            ended_eos = bool(choice.output_ids) and choice.output_ids[-1] == self.eos
+            last = choice.output_ids[-1] if choice.output_ids else None
+            ended_eos = last in self.eos_ids
+            # The action is the turn's text without its EOS token, whichever EOS id it was.
             text_ids = choice.output_ids[:-1] if ended_eos else choice.output_ids
+            traj.actions.append(
+                ActionSpan(len(traj.tokens) - len(choice.output_ids), len(text_ids), ended_eos)
+            )
             try:
                 async with asyncio.timeout_at(turn.at):
                     step = await session.step(self.tok.decode(text_ids), eos=ended_eos)
@@ -297,7 +328,7 @@ class RolloutRunner:
             if step.done:
                 traj.finish_reason = "done"
                 if step.reward is not None:
-                    return step.reward
+                    return step.reward, step.credit
                 break
             if traj.turns >= self.cfg.orchestrator.max_turns:
                 traj.finish_reason = "max_turns"
@@ -305,8 +336,14 @@ class RolloutRunner:
             if conv is None:
                 obs_ids = self._fit_observation(traj, self.tok.encode(step.observation).ids)
             else:
+                # Only the end-of-turn id is the template's own close of the turn. Another EOS id
+                # (e.g. <|endoftext|>) stays in the turn's text as the model wrote it, and the
+                # template's close (<|im_end|>) is environment text after it: the tokens stay
+                # exactly the template's rendering of the conversation.
+                closed = last == self.eos
+                turn_ids = text_ids if closed else choice.output_ids
                 try:
-                    obs_ids = self._fit_chat_observation(traj, conv, text_ids, ended_eos, step.observation)
+                    obs_ids = self._fit_chat_observation(traj, conv, turn_ids, closed, step.observation)
                 except TemplateMismatch as e:
                     # Continuing would feed the model a history its template never renders.
                     log.warning("chat template mismatch, sample ends: %s", e)
@@ -328,9 +365,10 @@ class RolloutRunner:
                 break
         return await self._score(session, traj)
 
-    async def _score(self, session: SandboxSession, traj: Trajectory) -> float:
+    async def _score(self, session: SandboxSession, traj: Trajectory) -> tuple[float, Credit | None]:
         try:
-            return (await session.score()).reward
+            scored = await session.score()
+            return scored.reward, scored.credit
         except ServiceUnavailable as e:
             if traj.finish_reason in ("turn_timeout", "rollout_timeout"):
                 # The step that timed out is still running (or hung) in the sandbox: re-running
@@ -376,7 +414,7 @@ class RolloutRunner:
                     f"orchestrator.{budget}={getattr(o, budget):g} s; no sample has a model turn"
                 ) from None
             trajs = [Trajectory.start(prompt_ids) for _ in range(g)]
-            rewards = await _gather_or_cancel(
+            scored = await _gather_or_cancel(
                 [
                     self._finish_sample(s, t, c, turn, rollout_at, conv)
                     for s, t, c, conv in zip(sessions, trajs, first, convs, strict=True)
@@ -384,7 +422,18 @@ class RolloutRunner:
             )
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
+        rewards = [r for r, _ in scored]
         advantages = group_advantages(rewards, self.cfg.orchestrator.advantage_std_norm)
+        per_token = None
+        if self.cfg.orchestrator.advantage == "token":
+            per_token = group_token_advantages(
+                self.tok,
+                [t.tokens for t in trajs],
+                [t.actions for t in trajs],
+                [c for _, c in scored],
+                advantages,
+                [t.mask for t in trajs],
+            )
         samples = [
             Sample(
                 rollout_id=f"{spec.group_id}.{i}",
@@ -394,6 +443,7 @@ class RolloutRunner:
                 versions=t.versions,
                 reward=r,
                 advantage=a,
+                token_advantages=None if per_token is None else per_token[i],
                 turns=t.turns,
                 finish_reason=t.finish_reason,
                 routed_experts=t.routing.finish(len(t.tokens)),
@@ -403,7 +453,7 @@ class RolloutRunner:
         return RolloutGroup(group_id=spec.group_id, env=spec.env, seed=spec.seed, samples=samples)
 
 
-async def _gather_or_cancel(coros: list[Coroutine[Any, Any, float]]) -> list[float]:
+async def _gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
     """asyncio.gather, except that the first failure cancels the other samples (their sessions
     are closed next, so they could only fail later, unobserved) and is re-raised as itself."""
     tasks = [asyncio.ensure_future(c) for c in coros]

@@ -19,7 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.sandbox.envs.base import EnvError, Environment, Info, get_env_class, normalize_score
+from services.sandbox.envs.base import (
+    EnvError,
+    Environment,
+    Info,
+    get_env_class,
+    normalize_credit,
+    normalize_score,
+)
 from services.sandbox.isolation import (
     ExecBusy,
     ExecResult,
@@ -105,6 +112,8 @@ class Session:
     last_used: float
     turns: int = 0
     done: bool = False
+    # characters of each action the env was given: what its credit() must line up with
+    action_lens: list[int] = field(default_factory=list)
     workspace: Workspace | None = None
     execs: int = 0
     running: int = 0  # execs/file calls in flight: the idle sweep leaves the session alone
@@ -361,17 +370,20 @@ class SessionStore:
                     f"env {s.env_name!r}: step() returned observation {observation!r}, expected str"
                 )
             s.turns += 1
+            s.action_lens.append(len(action))
             # The sandbox, not each env, guarantees an episode ends by max_turns.
             s.done = bool(done) or s.turns >= s.max_turns
             with self._lock:
                 self.counts.steps += 1
             return s, observation, s.done
 
-    def score(self, sid: str, keep: bool = False) -> tuple[Session, float, Info]:
+    def score(self, sid: str, keep: bool = False) -> tuple[Session, float, Info, list[list[float]] | None]:
+        """(session, reward, info, per-turn character credit or None: Environment.credit)."""
         s = self._get(sid)
         with s.lock:
             try:
                 reward, info = normalize_score(s.env_name, s.env.score())
+                credit = normalize_credit(s.env_name, s.env.credit(), s.action_lens)
             except EnvError as e:
                 raise EnvFailed(s.env_name, str(e)) from e
             except Exception as e:
@@ -383,7 +395,7 @@ class SessionStore:
             ended = self._end(sid, "was closed when it was scored") if not keep else None
         if ended is not None:
             self._release([ended])
-        return s, reward, info
+        return s, reward, info, credit
 
     def delete(self, sid: str) -> Session:
         with self._lock:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a jit kernel reads only constexpr globals
 BLOCK_V = 2048  # vocabulary columns per loop iteration
 
 

@@ -60,6 +60,13 @@ class Environment(ABC):
         (observation, done); the observation is appended to the context and masked out of the
         loss. Must not raise on malformed actions: score them low instead."""
 
+    def credit(self) -> list[list[float]] | None:
+        """Optional dense credit for `orchestrator.advantage = "token"`: for each model turn taken
+        so far, one value in [0, 1] per character of that turn's action, then one for how the
+        turn ended (EOS or cut). It says which parts of an answer were right, so the trainer can
+        credit each token instead of the whole answer. None (the default): episode reward only."""
+        return None
+
     @abstractmethod
     def score(self) -> ScoreResult:
         """Reward in [0, 1], or (reward, info) with scalar info values for logging. May be
@@ -139,10 +146,38 @@ def normalize_score(name: str, result: ScoreResult) -> tuple[float, Info]:
     return reward, info
 
 
+def positional_credit(action: str, target: str, eos: bool) -> list[float]:
+    """Per character of `action`: 1.0 where it equals the target's character at that index;
+    then the end of the answer: 1.0 only for exactly len(target) characters ended by EOS."""
+    right = [float(i < len(target) and a == target[i]) for i, a in enumerate(action)]
+    return [*right, float(eos and len(action) == len(target))]
+
+
 def positional_score(action: str, target: str, eos: bool) -> float:
-    """Share of the len(target)+1 answer positions right: each target character at its index,
-    plus the end-of-answer position, credited only for an answer of exactly len(target)
-    characters that ended with EOS. Token-positional, so partial credit guides early learning."""
-    right = sum(1 for a, t in zip(action, target, strict=False) if a == t)
-    right += int(eos and len(action) == len(target))
-    return right / (len(target) + 1)
+    """Share of the len(target)+1 answer positions right (positional_credit summed): each target
+    character at its index, plus the end-of-answer position. Token-positional, so partial
+    credit guides early learning."""
+    return sum(positional_credit(action, target, eos)) / (len(target) + 1)
+
+
+def normalize_credit(name: str, credit: object, action_lens: list[int]) -> list[list[float]] | None:
+    """Check `credit()`'s result against the actions the env was given (one list per turn, one
+    value per character plus the end, each in [0, 1]), naming the env when a plugin breaks it."""
+    if credit is None:
+        return None
+    if not isinstance(credit, list) or len(credit) != len(action_lens):
+        n = len(credit) if isinstance(credit, list) else type(credit).__name__
+        raise EnvError(f"env {name!r}: credit() gave {n} turn(s), the episode has {len(action_lens)}")
+    out: list[list[float]] = []
+    for turn, (values, n) in enumerate(zip(credit, action_lens, strict=True)):
+        if not isinstance(values, list) or len(values) != n + 1:
+            got = len(values) if isinstance(values, list) else type(values).__name__
+            raise EnvError(
+                f"env {name!r}: credit() turn {turn} has {got} values, expected {n + 1} "
+                "(one per action character, then the end)"
+            )
+        vals = [float(v) for v in values]
+        if any(math.isnan(v) or not 0.0 <= v <= 1.0 for v in vals):
+            raise EnvError(f"env {name!r}: credit() turn {turn} has a value outside [0, 1]")
+        out.append(vals)
+    return out

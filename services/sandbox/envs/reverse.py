@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from services.sandbox.envs.base import Environment, Info, positional_score, register_env
+from services.sandbox.envs.base import Environment, Info, positional_credit, positional_score, register_env
 
 LETTERS = "abcde"
 LENGTH = 3
@@ -30,6 +30,11 @@ class Reverse(Environment):
         self.answer, self.eos = action, eos
         return "", True
 
+    def credit(self) -> list[list[float]] | None:
+        if self.answer is None:
+            return []
+        return [positional_credit(self.answer, self.target, self.eos)]
+
     def score(self) -> tuple[float, Info]:
         if self.answer is None:  # scored without an answer (e.g. the model's turn failed)
             return 0.0, {"answered": False, "exact": False}
@@ -49,16 +54,22 @@ class ReverseTurns(Environment):
         rng = random.Random(seed)
         self.words = ["".join(rng.choice(LETTERS) for _ in range(LENGTH)) for _ in range(self.max_turns)]
         self.turn_scores: list[float] = []
+        self.turn_credit: list[list[float]] = []
         return f"rev {self.words[0]}:"
 
     def step(self, action: str, eos: bool = True) -> tuple[str, bool]:
         turn = len(self.turn_scores)
         if turn >= self.max_turns:  # the sandbox refuses this with 409; stay safe if called directly
             return "", True
-        self.turn_scores.append(positional_score(action, self.words[turn][::-1], eos))
+        credit = positional_credit(action, self.words[turn][::-1], eos)
+        self.turn_credit.append(credit)
+        self.turn_scores.append(sum(credit) / (LENGTH + 1))
         if turn + 1 == self.max_turns:
             return "", True
         return f"\nrev {self.words[turn + 1]}:", False
+
+    def credit(self) -> list[list[float]] | None:
+        return self.turn_credit
 
     def score(self) -> tuple[float, Info]:
         # Turns never taken (episode cut short) count as 0, so stopping early never pays.

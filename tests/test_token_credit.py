@@ -1,0 +1,209 @@
+"""Token credit (orchestrator.advantage = "token"): environments' per-character credit, checked
+by the sandbox, placed on model tokens by the orchestrator with a per-position group baseline,
+and used token by token by the trainer's batching and loss."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from test_agent_budgets import EOS, TOK, budget_cfg, budget_sandbox, committed, run_groups  # noqa: F401
+from tokenizers import Tokenizer, decoders, models
+
+from services.common.bus import Bus
+from services.common.schemas import GenerateRequest, Sample
+from services.orchestrator.credit import ActionSpan, char_bounds, group_token_advantages, token_credit
+from services.sandbox.envs.base import EnvError, normalize_credit, positional_credit, positional_score
+from services.sandbox.envs.reverse import Reverse, ReverseTurns
+from trainer.batch import collate, truncate
+from trainer.loss import ratio_loss
+from trainer.packing import pack
+
+
+def test_positional_credit_adds_up_to_the_score() -> None:
+    assert positional_credit("cba", "cba", True) == [1.0, 1.0, 1.0, 1.0]
+    assert positional_credit("caa", "cba", True) == [1.0, 0.0, 1.0, 1.0]
+    assert positional_credit("cbaa", "cba", True) == [1.0, 1.0, 1.0, 0.0, 0.0]  # too long
+    assert positional_credit("cb", "cba", False) == [1.0, 1.0, 0.0]  # cut, and too short
+    for action, eos in [("cba", True), ("caa", True), ("cbaa", True), ("cb", False), ("", True)]:
+        c = positional_credit(action, "cba", eos)
+        assert sum(c) / 4 == positional_score(action, "cba", eos)
+
+
+def test_reverse_envs_give_credit_per_turn() -> None:
+    env = Reverse()
+    env.reset(3)
+    assert env.credit() == []  # no turn taken yet
+    target = env.target
+    env.step(target[0] + "x" + target[2], True)
+    assert env.credit() == [[1.0, float(target[1] == "x"), 1.0, 1.0]]
+    multi = ReverseTurns()
+    multi.reset(5)
+    multi.step(multi.words[0][::-1], True)
+    multi.step("", False)
+    assert multi.credit() == [[1.0, 1.0, 1.0, 1.0], [0.0]]
+    assert multi.score()[0] == pytest.approx(4 / 4 / 3)
+
+
+def test_normalize_credit_names_the_env_and_what_is_wrong() -> None:
+    assert normalize_credit("e", None, [3]) is None
+    assert normalize_credit("e", [[1, 0, 1, 1]], [3]) == [[1.0, 0.0, 1.0, 1.0]]
+    with pytest.raises(EnvError, match=r"env 'e': credit\(\) gave 2 turn\(s\), the episode has 1"):
+        normalize_credit("e", [[1.0], [1.0]], [0])
+    with pytest.raises(EnvError, match="turn 0 has 2 values, expected 4"):
+        normalize_credit("e", [[1.0, 1.0]], [3])
+    with pytest.raises(EnvError, match="outside"):
+        normalize_credit("e", [[1.0, 1.5]], [1])
+
+
+def test_char_bounds_line_tokens_up_with_the_action() -> None:
+    ids = TOK.encode("cba").ids
+    assert char_bounds(TOK, ids, "cba") == [1, 2, 3]
+    bpe = Tokenizer(
+        models.BPE(vocab={"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4}, merges=[("a", "b"), ("ab", "c")])
+    )
+    bpe.decoder = decoders.Fuse()
+    ids = bpe.encode("abcab").ids
+    assert ids == [4, 3] and char_bounds(bpe, ids, "abcab") == [3, 5]
+    # a multi-character token gets the mean credit of its characters
+    placed = token_credit(bpe, [0, *ids], [ActionSpan(1, 2, False)], [[1.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+    assert placed == {(0, 0): (1, pytest.approx(2 / 3)), (0, 1): (2, 1.0)}
+
+
+def test_group_token_advantages_per_position_baseline() -> None:
+    prompt = TOK.encode("rev abc:").ids
+    answers = [("cba", True), ("caa", True), ("cb", False)]
+    credits = [[positional_credit(a, "cba", e)] for a, e in answers]
+    tokens, spans, masks = [], [], []
+    for a, e in answers:
+        out = TOK.encode(a).ids + ([EOS] if e else [])
+        tokens.append(prompt + out)
+        spans.append([ActionSpan(len(prompt), len(a), e)])
+        masks.append([0] * len(prompt) + [1] * len(out))
+    seq_adv = [0.5, 0.0, -0.5]
+    adv = group_token_advantages(TOK, tokens, spans, credits, seq_adv, masks)
+    assert adv is not None
+    n = len(prompt)
+    assert all(a[:n] == [0.0] * n for a in adv)  # prompt tokens: no advantage
+    # position 0 ('c'): right everywhere -> 0; position 1: 'b','a','b' -> 1 - 2/3, 0 - 2/3;
+    # position 2: 'a','a' (the third sample has none) -> 0; position 3 (EOS): 1, 1 -> 0.
+    assert adv[0][n:] == pytest.approx([0.0, 1 / 3, 0.0, 0.0])
+    assert adv[1][n:] == pytest.approx([0.0, -2 / 3, 0.0, 0.0])
+    assert adv[2][n:] == pytest.approx([0.0, 1 / 3])
+    # no credit in the group: sequence advantages stay
+    assert group_token_advantages(TOK, tokens, spans, [None] * 3, seq_adv, masks) is None
+    # a sample without credit keeps its sequence advantage on every model token
+    mixed = group_token_advantages(TOK, tokens, spans, [credits[0], credits[1], None], seq_adv, masks)
+    assert mixed is not None and mixed[2][n:] == [-0.5, -0.5]
+
+
+def sample(tokens: list[int], mask: list[int], adv: float, token_adv: list[float] | None) -> Sample:
+    return Sample(
+        rollout_id="r",
+        tokens=tokens,
+        loss_mask=mask,
+        logprobs=[-1.0 * m for m in mask],
+        versions=[0 if m else -1 for m in mask],
+        reward=0.0,
+        advantage=adv,
+        token_advantages=token_adv,
+    )
+
+
+def test_trainer_batches_carry_token_advantages() -> None:
+    a = sample([1, 2, 3, 4], [0, 1, 1, 1], 0.5, [0.0, 0.1, 0.2, 0.3])
+    b = sample([5, 6, 7], [0, 1, 1], -0.5, None)
+    mb = collate([a, b])
+    assert mb.advantages.shape == (2, 3)
+    assert mb.advantages[0].tolist() == pytest.approx([0.1, 0.2, 0.3])  # shifted like loss_mask
+    assert mb.advantages[1].tolist() == pytest.approx([-0.5, -0.5, 0.0])  # padding: 0
+    packed = pack([a, b])
+    assert packed.advantages[0].tolist() == pytest.approx([0.1, 0.2, 0.3, -0.5, -0.5])
+    assert truncate(a, 3).token_advantages == [0.0, 0.1, 0.2]
+    with pytest.raises(ValueError, match="token_advantages must have one value per token"):
+        sample([1, 2], [0, 1], 0.0, [0.0])
+
+
+def test_loss_with_uniform_token_advantages_equals_sequence_loss() -> None:
+    torch.manual_seed(0)
+    seq = [sample([1, 2, 3, 4], [0, 1, 1, 1], 0.7, None), sample([1, 2, 3], [0, 1, 1], -0.2, None)]
+    tok = [s.model_copy(update={"token_advantages": s.advantages_per_token()}) for s in seq]
+    logp = torch.randn(2, 3, requires_grad=True)
+    losses = []
+    for batch in (seq, tok):
+        mb = collate(batch)
+        loss, _ = ratio_loss(
+            logp,
+            mb.logp_infer,
+            mb.advantages,
+            mb.loss_mask,
+            ratio_low=0.0,
+            ratio_high=1e9,
+            total_loss_tokens=5,
+        )
+        (grad,) = torch.autograd.grad(loss, logp)
+        losses.append((loss.item(), grad))
+    assert losses[0][0] == pytest.approx(losses[1][0])
+    assert torch.allclose(losses[0][1], losses[1][1])
+    # and a per-token advantage moves only its own token's gradient
+    mb = collate([seq[0].model_copy(update={"token_advantages": [0.0, 0.0, 1.0, 0.0]})])
+    loss, _ = ratio_loss(
+        logp[:1],
+        mb.logp_infer,
+        mb.advantages,
+        mb.loss_mask,
+        ratio_low=0.0,
+        ratio_high=1e9,
+        total_loss_tokens=3,
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0, 0] == 0 and grad[0, 2] == 0 and grad[0, 1] < 0
+
+
+def test_sandbox_returns_checked_credit_over_http(budget_sandbox: object) -> None:  # noqa: F811
+    url = budget_sandbox.url  # type: ignore[attr-defined]
+    with httpx.Client(base_url=url, timeout=10) as c:
+        created = c.post("/v1/sessions", json={"env": "reverse", "seed": 7}).json()
+        sid = created["session_id"]
+        env = Reverse()
+        assert env.reset(7) == created["prompt"]
+        r = c.post(f"/v1/sessions/{sid}/step?score=true", json={"action": env.target[:2], "eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["done"] and body["credit"] == [[1.0, 1.0, 0.0]], body
+        assert body["reward"] == pytest.approx(2 / 4)
+
+
+async def reverse_policy(req: GenerateRequest) -> list[list[int]]:
+    """The group's samples answer the word reversed, then with a wrong middle letter, then
+    reversed but cut (no EOS): what token credit must tell apart."""
+    word = TOK.decode(req.input_ids).split()[-1].rstrip(":")
+    target = word[::-1]
+    wrong_mid = target[0] + ("a" if target[1] != "a" else "b") + target[2]
+    answers = [[*TOK.encode(target).ids, EOS], [*TOK.encode(wrong_mid).ids, EOS], TOK.encode(target).ids]
+    return [answers[i % 3] for i in range(req.sampling.n)]
+
+
+def test_orchestrator_token_advantages_end_to_end(
+    budget_sandbox: object,  # noqa: F811
+    redis_server: str,
+    tmp_path: Path,
+) -> None:
+    prefix = budget_sandbox.prefix  # type: ignore[attr-defined]
+    bus = Bus(redis_server, prefix)
+    cfg = budget_cfg(redis_server, prefix, advantage="token", group_size=3, max_turns=1)
+    specs, _, _ = asyncio.run(run_groups(cfg, bus, tmp_path, [11], env="reverse", policy=reverse_policy))
+    group = committed(bus)[specs[0].group_id]
+    right, wrong, cut = group["samples"]
+    assert [right["reward"], wrong["reward"], cut["reward"]] == pytest.approx([1.0, 0.75, 0.75])
+    n = len(right["tokens"]) - 4
+    # per position over the three samples: only the middle letter differs (right, wrong, right)
+    assert right["token_advantages"][n:] == pytest.approx([0.0, 1 / 3, 0.0, 0.0])
+    assert wrong["token_advantages"][n:] == pytest.approx([0.0, -2 / 3, 0.0, 0.0])
+    assert cut["token_advantages"][n:] == pytest.approx([0.0, 1 / 3, 0.0])  # no EOS token, no end credit
+    assert right["token_advantages"][:n] == [0.0] * n
+    # sequence advantages are still recorded (reward - group mean)
+    assert right["advantage"] == pytest.approx(1.0 - 2.5 / 3)
