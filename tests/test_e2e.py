@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 def test_debug_run_learns_end_to_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as redis:
-        # configs/debug.toml (reverse 2 : reverse-turns 1, steered entropy) has its single-turn
-        # 10-step mean past 0.55 at ~step 120-150 (bench/calibration/README.md, sweep 3): the run
-        # stops as soon as both tasks pass the test's bar, at most 250 steps.
+        # configs/debug.toml (reverse 2 : reverse-turns 1, groups of 16, steered entropy) has its
+        # single-turn 10-step mean past 0.55 at ~step 110-170 (bench/calibration/README.md, sweeps
+        # 4-5): the run stops as soon as both tasks pass the test's bar, at most 250 steps.
         max_steps = 250
         tasks = '[{env="reverse",weight=2.0,target=0.55},{env="reverse-turns",weight=1.0,target=0.15}]'
         cmd = [

@@ -90,6 +90,9 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cfg.kvstore.enabled = True
     cfg.kvstore.retry_after_s = 0.5
     cfg.prefill.min_new_tokens = 16  # prompts with >= 16 uncached tokens go to the prefill service
+    # These tests are about the pull mechanics: pull whatever the store has. (With the cost model,
+    # recomputing this 2-layer debug model's pages is cheaper than a pull: tests/test_kv_pull_policy.py.)
+    cfg.kvstore.pull.mode = "always"
     c = Cluster(tmp, redis_url, cfg, Bus(redis_url, cfg.redis.prefix), weights, weights_v1)
     c.bus.publish_weights(WeightsInfo(version=0, path=str(weights)))
     c.start("kvstore", "services.kvstore")

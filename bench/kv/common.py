@@ -4,12 +4,14 @@ processes, and result files with command, machine and date."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -58,11 +60,12 @@ def model_config(shape: str) -> ModelConfig:
     return ModelConfig(arch="qwen3", tie_embeddings=True, qk_norm=True, **SHAPES[shape])
 
 
-def make_model_dir(shape: str, dest: Path, seed: int = 0) -> Path:
-    """An HF model directory (version 0) of random weights: normal(0, 0.02) matrices, unit norms."""
+def make_model_dir(shape: str | ModelConfig, dest: Path, seed: int = 0) -> Path:
+    """An HF model directory (version 0) of random weights: normal(0, 0.02) matrices, unit norms.
+    `shape`: a name of SHAPES or a ModelConfig."""
     if (dest / "config.json").exists():
         return dest
-    m = model_config(shape)
+    m = model_config(shape) if isinstance(shape, str) else shape
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = CausalLM(m, m.max_seq_len)
@@ -103,7 +106,7 @@ def command() -> str:
     return " ".join(["python", *sys.argv])
 
 
-def write_result(path: Path, result: dict[str, Any]) -> None:
+def write_result(path: Path, result: dict[str, Any], quiet: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     full = {
         "command": command(),
@@ -111,8 +114,12 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **result,
     }
-    path.write_text(json.dumps(full, indent=2))
-    print(f"wrote {path}")
+    # Written under a temporary name, then renamed: a run killed mid-write leaves the last file.
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(full, indent=2))
+    tmp.replace(path)
+    if not quiet:
+        print(f"wrote {path}")
 
 
 @dataclass
@@ -179,3 +186,41 @@ def services(workdir: Path, cfg: RunConfig, weights: Path | None = None) -> Any:
         yield svc
     finally:
         svc.stop()
+
+
+# ---------------------------------------------------------------------- shared by the scripts
+
+
+def add_common_args(p: argparse.ArgumentParser, out: str) -> None:
+    """The flags every KV benchmark takes (device, model shape, dtype, page size, seed, paths)."""
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="tiny", help=" | ".join(SHAPES))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
+    p.add_argument("--out", default=out)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(work directory, model directory) for a run: random weights of --model, made once per workdir."""
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-kv-"))
+    return work, make_model_dir(args.model, work / f"model-{args.model}")
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device, so host timers measure the work and not its launch."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class ResultWriter:
+    """Writes the result file after every update (`partial: true` until `done`), so a run killed
+    by its time limit still leaves what it measured."""
+
+    def __init__(self, path: Path, benchmark: str, args: argparse.Namespace):
+        self.path, self.benchmark, self.params = path, benchmark, vars(args)
+
+    def write(self, body: dict[str, Any], done: bool = False) -> None:
+        result = {"benchmark": self.benchmark, "params": self.params, "partial": not done, **body}
+        write_result(self.path, result, quiet=not done)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import queue
 import random
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,14 +28,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-import torch
 
-from bench.kv.common import engine_config, make_model_dir, services, write_result
+from bench.kv.common import ResultWriter, add_common_args, engine_config, prepare, services, synchronize
 from services.common.config import RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.kv_transfer import chain_hashes, reusable_pages
 from services.kvstore.client import KVStoreClient
+from services.prefill.router import prompt_keys, pull_prefix
 from services.prefill.schemas import PrefillRequest, PrefillResponse
 
 
@@ -64,7 +62,6 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     eng = build_engine(args, model_dir)
     rng = random.Random(args.seed)
     vocab = eng.model_config.vocab_size - 1
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     streams = [
         eng.add_request(
             GenerateRequest(
@@ -82,7 +79,11 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     longs = [[rng.randrange(vocab) for _ in range(args.long_tokens)] for _ in range(args.long_count)]
     ready: queue.Queue[tuple[int, GenerateRequest]] = queue.Queue()
     pull_ms: list[float] = []
-    store = KVStoreClient(svc.url("kvstore", "kvstore"), timeout_s=600) if mode == "disaggregated" else None
+    store = (
+        KVStoreClient(svc.url("kvstore", "kvstore"), timeout_s=600, max_call_bytes=512 << 20)
+        if mode == "disaggregated"
+        else None
+    )
     prefill_url = svc.url("prefill", "prefill") if mode == "disaggregated" else None
 
     def remote(i: int, req: GenerateRequest) -> None:
@@ -98,12 +99,8 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         )
         r.raise_for_status()
         resp = PrefillResponse.model_validate_json(r.content)
-        bs = eng.kv.block_size
-        keys = chain_hashes(
-            req.input_ids, eng.version, eng.layout, bs, reusable_pages(len(req.input_ids), bs)
-        )
-        got, data = store.get_prefix(keys)
-        eng.pages.stage(got, data)
+        # After a remote prefill decode pulls whatever the store has (no cost model: router.py).
+        pull_prefix(eng, store, prompt_keys(eng, req.input_ids))
         eng.pages.stage_first(f"long-{i}", [(c.token, c.logprob, c.version) for c in resp.choices])
         pull_ms.append((time.perf_counter() - t0) * 1000)
         ready.put((i, req.model_copy(update={"request_id": f"long-{i}"})))
@@ -145,7 +142,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         fed = eng.stats.computed_tokens_total
         imported = eng.pages.imported_pages_total
         eng.step()
-        sync()
+        synchronize(args.device)
         now = time.perf_counter()
         step_ms.append((now - t0) * 1000)
         gap_ms = (t0 - prev_end) * 1000 if prev_end else 0.0  # time outside step(): the loop itself
@@ -203,9 +200,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default="tiny", help="tiny | qwen3-0.6b-shape")
-    p.add_argument("--dtype", default="float32")
+    add_common_args(p, out="bench/kv/results/interference_cpu.json")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--stream-prompt", type=int, default=128)
     p.add_argument("--stream-tokens", type=int, default=256)
@@ -213,16 +208,12 @@ def main() -> None:
     p.add_argument("--long-out", type=int, default=4)
     p.add_argument("--long-count", type=int, default=2)
     p.add_argument("--long-every-s", type=float, default=2.0)
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk budget)")
     p.add_argument("--prefill-gpu", default="", help="CUDA_VISIBLE_DEVICES of the prefill service")
     p.add_argument("--modes", default="colocated,disaggregated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default="")
-    p.add_argument("--out", default="bench/kv/results/interference_cpu.json")
     args = p.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-kv-"))
-    model_dir = make_model_dir(args.model, work / f"model-{args.model}")
+    work, model_dir = prepare(args)
+    writer = ResultWriter(Path(args.out), "interference", args)
     modes = args.modes.split(",")
     cfg = RunConfig()
     cfg.kvstore.ram_bytes = 64 << 30
@@ -243,12 +234,13 @@ def main() -> None:
             svc.url("prefill", "prefill")
         for mode in modes:
             results[mode] = run_mode(mode, args, model_dir, svc)
-    summary = {f"{m}_{k}": results[m][k] for m in modes for k in ("itl_ms_p50", "itl_ms_p99")}
-    print(summary)
-    write_result(
-        Path(args.out),
-        {"benchmark": "interference", "params": vars(args), "summary": summary, "modes": results},
-    )
+            writer.write({"summary": summary(results), "modes": results})  # partial: kept if killed
+    print(summary(results))
+    writer.write({"summary": summary(results), "modes": results}, done=True)
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    return {f"{m}_{k}": r[k] for m, r in results.items() for k in ("itl_ms_p50", "itl_ms_p99")}
 
 
 if __name__ == "__main__":

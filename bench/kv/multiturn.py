@@ -8,14 +8,16 @@ replica, where other rollouts' pages evict yours while your tool runs). Modes:
   nocache  prefix caching off: every turn prefills its whole context
   local    the engine's own prefix cache only (evicted between an agent's turns)
   tiered   prefix cache + the KV store gateway (a real process; RAM then disk tiers): pages of every
-           finished turn are published, the next turn pulls the missing prefix before prefilling
+           finished turn are published; the next turn pulls its missing prefix when decode's cost
+           model (services/prefill/pull_policy.py) expects the pull to beat recomputing it
+  tiered-always  the same, pulling whatever the store has (kvstore.pull.mode = "always"): measures
+           the pull path itself
 
-Reported per turn (mean over agents): prefill tokens computed and TTFT (submit -> first token,
-including the page pull). CPU:
+Reported per turn (mean over agents): prefill tokens computed, tokens pulled and TTFT (submit ->
+first token, including the page pull). The result file is rewritten after every turn (`partial`
+until the end); `--mode-budget-s` stops a mode after the turn that spends it. CPU:
     .venv/bin/python -m bench.kv.multiturn --turns 50 --obs-tokens 100 --out bench/kv/results/multiturn_cpu.json
-GPU (the lead):
-    python -m bench.kv.multiturn --device cuda --model qwen3-0.6b-shape --dtype bfloat16 \\
-        --turns 50 --obs-tokens 500 --out $OUT/multiturn_h200.json
+GPU (the lead): `bash bench/kv/run_gpu.sh multiturn` (bench/kv/README.md).
 """
 
 from __future__ import annotations
@@ -23,23 +25,29 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.kv.common import engine_config, make_model_dir, services, write_result
-from services.common.config import RunConfig
+from bench.kv.common import ResultWriter, add_common_args, engine_config, prepare, services, synchronize
+from services.common.config import KVPullSection, RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
+from services.engine.kv_transfer import page_nbytes
 from services.kvstore.client import KVStoreClient, PagePublisher
-from services.prefill.router import local_prefix_pages
+from services.prefill.router import engine_policy, prompt_keys, pull_prefix
+
+MODES = ("nocache", "local", "tiered", "tiered-always")
 
 
-def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, store_url: str | None) -> dict[str, Any]:
+def run_mode(
+    mode: str,
+    args: argparse.Namespace,
+    model_dir: Path,
+    store_url: str | None,
+    report: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
     max_ctx = args.turns * (args.obs_tokens + args.out_tokens) + args.system_tokens + 8
     pool_tokens = int(max_ctx * args.pool_factor)
     cfg = engine_config(
@@ -52,13 +60,18 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, store_url: st
         max_num_batched_tokens=args.chunk,
         enable_prefix_caching=mode != "nocache",
     )
-    eng = LLMEngine(model_dir, cfg, version=0)
-    store = publisher = None
-    if mode == "tiered":
+    # Modes share one gateway: a version of their own roots their page keys apart, so a later mode
+    # never finds an earlier one's pages in the store.
+    eng = LLMEngine(model_dir, cfg, version=MODES.index(mode))
+    store = publisher = policy = None
+    if mode.startswith("tiered"):
         assert store_url is not None
-        store = KVStoreClient(store_url, timeout_s=60)
+        store = KVStoreClient(store_url, timeout_s=60, max_call_bytes=512 << 20)
         publisher = PagePublisher(store, page_nbytes(eng.kv))
         eng.pages.sink = publisher
+        # The decode service's own decision (services/prefill/router.py), fed by this engine.
+        policy = engine_policy(eng, KVPullSection(mode="always" if mode == "tiered-always" else "auto"))
+    started = time.perf_counter()
     rng = random.Random(args.seed)
     vocab = eng.model_config.vocab_size - 1  # the last id is EOS
     system = [rng.randrange(vocab) for _ in range(args.system_tokens)]
@@ -78,18 +91,12 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, store_url: st
             t0 = time.perf_counter()
             n_pulled = 0
             if store is not None:
-                bs = eng.kv.block_size
-                keys = chain_hashes(prompt, eng.version, eng.layout, bs, reusable_pages(len(prompt), bs))
-                have = local_prefix_pages(eng, keys)
-                got, data = store.get_prefix(keys[have:])
-                eng.pages.stage(got, data, pin=keys[:have])
-                n_pulled = len(got)
+                n_pulled = pull_prefix(eng, store, prompt_keys(eng, prompt), policy)
             state = eng.add_request(req)
             seq = state.seqs[0]
             while not seq.output:
                 eng.step()
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
+            synchronize(args.device)
             ttfts.append((time.perf_counter() - t0) * 1000)
             prefills.append(eng.stats.computed_tokens_total - before)
             pulled.append(n_pulled * eng.kv.block_size)
@@ -107,76 +114,100 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, store_url: st
                 "ttft_ms": statistics.mean(ttfts),
             }
         )
+        if policy is not None:
+            per_turn[-1]["policy"] = policy.stats()
         print(
-            f"{mode:8s} turn {turn:3d} ctx {len(history[0]):6d} prefill {per_turn[-1]['prefill_tokens']:8.0f} "
+            f"{mode:13s} turn {turn:3d} ctx {len(history[0]):6d} prefill {per_turn[-1]['prefill_tokens']:8.0f} "
             f"pulled {per_turn[-1]['pulled_tokens']:7.0f} ttft {per_turn[-1]['ttft_ms']:8.1f} ms",
             flush=True,
         )
+        report(summarize(per_turn, args, complete=False))
+        if args.mode_budget_s and time.perf_counter() - started > args.mode_budget_s:
+            print(f"{mode}: --mode-budget-s {args.mode_budget_s} spent after turn {turn}", flush=True)
+            break
     if publisher is not None:
         publisher.close()
-    first = [t["ttft_ms"] for t in per_turn[: max(1, args.turns // 5)]]
-    last = [t["ttft_ms"] for t in per_turn[-max(1, args.turns // 5) :]]
-    prompt_total = sum(t["context_tokens"] - args.out_tokens for t in per_turn) * args.agents
-    out: dict[str, Any] = {
+    out = summarize(per_turn, args, complete=True)
+    if store is not None:
+        out["store_stats"] = store.stats().model_dump()
+        store.close()
+    if policy is not None:
+        out["policy"] = policy.stats()
+    return out
+
+
+def summarize(per_turn: list[dict[str, Any]], args: argparse.Namespace, complete: bool) -> dict[str, Any]:
+    fifth = max(1, len(per_turn) // 5)
+    first = [t["ttft_ms"] for t in per_turn[:fifth]]
+    last = [t["ttft_ms"] for t in per_turn[-fifth:]]
+    return {
+        "complete": complete,
+        "turns_done": len(per_turn),
         "prefill_tokens_total": sum(t["prefill_tokens"] for t in per_turn) * args.agents,
         # What recomputing every prompt in full costs (the nocache mode's count, by construction).
-        "prompt_tokens_total": prompt_total,
+        "prompt_tokens_total": sum(t["context_tokens"] - args.out_tokens for t in per_turn) * args.agents,
         "ttft_ms_mean": statistics.mean(t["ttft_ms"] for t in per_turn),
         "ttft_ms_first_fifth": statistics.mean(first),
         "ttft_ms_last_fifth": statistics.mean(last),
         "ttft_growth_last_over_first": statistics.mean(last) / statistics.mean(first),
         "per_turn": per_turn,
     }
-    if store is not None:
-        out["store_stats"] = store.stats().model_dump()
-        store.close()
-    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default="tiny", help="tiny | qwen3-0.6b-shape")
-    p.add_argument("--dtype", default="float32")
+    add_common_args(p, out="bench/kv/results/multiturn_cpu.json")
     p.add_argument("--turns", type=int, default=50)
     p.add_argument("--obs-tokens", type=int, default=500)
     p.add_argument("--out-tokens", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=200)
     p.add_argument("--agents", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--pool-factor", type=float, default=1.25, help="KV pool size / longest context")
     p.add_argument("--ram-bytes", type=int, default=256 << 20)
     p.add_argument("--disk-bytes", type=int, default=8 << 30)
-    p.add_argument("--modes", default="nocache,local,tiered")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default="")
-    p.add_argument("--out", default="bench/kv/results/multiturn_cpu.json")
+    p.add_argument("--modes", default="nocache,local,tiered", help=",".join(MODES))
+    p.add_argument(
+        "--mode-budget-s", type=float, default=0.0, help="> 0: end a mode after the turn that spends it"
+    )
     args = p.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-kv-"))
-    model_dir = make_model_dir(args.model, work / f"model-{args.model}")
     modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        p.error(f"--modes: unknown {unknown}; choose from {MODES}")
+    work, model_dir = prepare(args)
     results: dict[str, Any] = {}
+    writer = ResultWriter(Path(args.out), "multiturn", args)
     cfg = RunConfig()
     cfg.kvstore.ram_bytes, cfg.kvstore.disk_bytes = args.ram_bytes, args.disk_bytes
     with services(work / "services", cfg) as svc:
         url = svc.url("kvstore", "kvstore")
         for mode in modes:
-            results[mode] = run_mode(mode, args, model_dir, url)
-    summary: dict[str, Any] = {}
-    if "tiered" in results:
-        t = results["tiered"]["prefill_tokens_total"]
+
+            def report(partial: dict[str, Any], mode: str = mode) -> None:
+                writer.write({"summary": summary(results), "modes": {**results, mode: partial}})
+
+            results[mode] = run_mode(mode, args, model_dir, url, report)
+            writer.write({"summary": summary(results), "modes": results})
+    print(summary(results))
+    writer.write({"summary": summary(results), "modes": results}, done=True)
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tiered in ("tiered", "tiered-always"):
+        if tiered not in results:
+            continue
+        t = results[tiered]["prefill_tokens_total"]
         for other in ("nocache", "local"):
             if other in results:
-                summary[f"prefill_reduction_vs_{other}"] = results[other]["prefill_tokens_total"] / max(1, t)
-        summary["tiered_ttft_growth"] = results["tiered"]["ttft_growth_last_over_first"]
-    for m in modes:
-        summary[f"{m}_ttft_ms_mean"] = results[m]["ttft_ms_mean"]
-    print(summary)
-    write_result(
-        Path(args.out),
-        {"benchmark": "multiturn", "params": vars(args), "summary": summary, "modes": results},
-    )
+                out[f"{tiered}_prefill_reduction_vs_{other}"] = results[other]["prefill_tokens_total"] / max(
+                    1, t
+                )
+        out[f"{tiered}_ttft_growth"] = results[tiered]["ttft_growth_last_over_first"]
+    for m, r in results.items():
+        out[f"{m}_ttft_ms_mean"] = r["ttft_ms_mean"]
+        out[f"{m}_turns_done"] = r["turns_done"]
+    return out
 
 
 if __name__ == "__main__":

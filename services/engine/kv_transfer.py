@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -95,33 +96,75 @@ def export_pages(kv: KVCache, pages: Seq[int]) -> bytes:
     return blob.cpu().numpy().tobytes()
 
 
-def write_pages(kv: KVCache, pages: Seq[int], data: bytes | bytearray | memoryview) -> None:
+PageBytes = bytes | bytearray | memoryview | torch.Tensor
+
+
+def as_uint8(data: PageBytes) -> torch.Tensor:
+    """A flat uint8 tensor over `data` without copying (a tensor is taken as it is)."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # A read-only buffer (bytes) is only read here: no copy into a bytearray first.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _nbytes(data: PageBytes) -> int:
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+
+
+def write_pages(kv: KVCache, pages: Seq[int], data: PageBytes) -> None:
     """Inverse of export_pages: fill `pages` of this cache from their bytes."""
     n = len(pages)
     if n == 0:
         return
     per = page_nbytes(kv)
-    if len(data) != n * per:
-        raise ValueError(f"{len(data)} bytes for {n} pages of {per} bytes")
-    rows = _rows(kv, pages)
+    if _nbytes(data) != n * per:
+        raise ValueError(f"{_nbytes(data)} bytes for {n} pages of {per} bytes")
     pools = pool_tensors(kv)
-    with warnings.catch_warnings():
-        # A read-only buffer (bytes) is only read here: no copy into a bytearray first.
-        warnings.simplefilter("ignore", UserWarning)
-        blob = torch.frombuffer(data, dtype=torch.uint8).reshape(n, per).to(pools[0].device)
+    bs = kv.block_size
+    # One host -> device copy of the whole batch (a DMA when `data` is a pinned staging buffer).
+    blob = as_uint8(data).reshape(n, per).to(pools[0].device)
+    runs = _runs(pages)
+    # Few runs of consecutive pages (the usual case: pages come off the free list in order): one
+    # strided copy per run and pool, straight from the batch (no gather, no temporary). Many
+    # scattered pages: one indexed write per pool (one kernel on the GPU).
+    scattered = len(runs) > MAX_RUN_COPIES and blob.device.type == "cuda"
+    rows = _rows(kv, pages) if scattered else None
     off = 0
     for t in pools:
         inner = tuple(t.shape[2:])
-        size = t.shape[0] * kv.block_size * t[0, 0].numel() * t.element_size()
-        g = blob[:, off : off + size].contiguous().view(t.dtype)
-        g = g.reshape(n, t.shape[0], kv.block_size, *inner).transpose(0, 1)
-        t[:, rows] = g.reshape(t.shape[0], n * kv.block_size, *inner)
+        size = t.shape[0] * bs * t[0, 0].numel() * t.element_size()
+        # [n, size] bytes -> [n, L, bs, ...] of the pool's dtype, a view of the batch.
+        g = blob[:, off : off + size].view(t.dtype).reshape(n, t.shape[0], bs, *inner)
+        if rows is not None:
+            t[:, rows] = g.transpose(0, 1).reshape(t.shape[0], n * bs, *inner)
+        else:
+            for first, start, m in runs:
+                dst = t[:, first * bs : (first + m) * bs].view(t.shape[0], m, bs, *inner)
+                dst.copy_(g[start : start + m].transpose(0, 1))
         off += size
 
 
-def import_pages(
-    kv: KVCache, hashes: Seq[bytes], data: bytes | bytearray | memoryview, pin: Seq[bytes] = ()
-) -> int:
+# Above this many runs of consecutive pages, a CUDA import writes with one indexed kernel per pool.
+MAX_RUN_COPIES = 16
+
+
+def _runs(pages: Seq[int]) -> list[tuple[int, int, int]]:
+    """(first page, index of it in `pages`, length) of each run of consecutive page ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if out and out[-1][0] + out[-1][2] == p:
+            first, start, m = out[-1]
+            out[-1] = (first, start, m + 1)
+        else:
+            out.append((p, i, 1))
+    return out
+
+
+def import_pages(kv: KVCache, hashes: Seq[bytes], data: PageBytes, pin: Seq[bytes] = ()) -> int:
     """Make the pages (chain order, keys `hashes`, bytes `data`) prefix-cache hits of this cache.
 
     Pages already cached are skipped; at most the pages that fit without evicting the ones just
@@ -130,8 +173,8 @@ def import_pages(
     it extends. Returns how many were imported. Call only where nothing else touches the cache
     (the engine's loop thread, between steps)."""
     per = page_nbytes(kv)
-    if len(data) != len(hashes) * per:
-        raise ValueError(f"{len(data)} bytes for {len(hashes)} pages of {per} bytes")
+    if _nbytes(data) != len(hashes) * per:
+        raise ValueError(f"{_nbytes(data)} bytes for {len(hashes)} pages of {per} bytes")
     blocks = kv.blocks
     pinned = [b for b in (blocks.lookup(h) for h in pin) if b is not None]
     for b in pinned:
@@ -139,14 +182,65 @@ def import_pages(
     todo = [i for i, h in enumerate(hashes) if blocks.lookup(h) is None]
     todo = todo[: blocks.num_free]
     pages = [blocks.allocate() for _ in todo]
-    view = memoryview(data)
-    write_pages(kv, pages, b"".join(view[i * per : (i + 1) * per] for i in todo))
+    if pages:
+        flat = as_uint8(data)
+        if len(todo) == len(hashes):
+            src = flat  # the common case (nothing cached yet): no gather, no copy
+        else:
+            src = flat.reshape(len(hashes), per)[torch.tensor(todo, dtype=torch.long)]
+        write_pages(kv, pages, src)
     for i, page in zip(todo, pages, strict=True):
         blocks.register(page, hashes[i])
     # Tail first, so under LRU the chain's head is evicted last (as Scheduler._free_pages does).
     for page in [*reversed(pages), *reversed(pinned)]:
         blocks.release(page)
     return len(pages)
+
+
+class StagingBuffers:
+    """Reused host buffers that pulled pages are received into and imported from. A fresh 1 GB
+    buffer costs its page faults (half the loopback throughput, measured) and, on CUDA, pageable
+    memory makes the host -> device copy a staged one; so buffers are pinned on CUDA and kept for
+    the next pull (up to `keep_bytes` idle). Thread-safe: pulls take, the loop thread gives back."""
+
+    GRAIN = 16 << 20  # sizes round up to this, so slightly different pulls reuse a buffer
+
+    def __init__(self, pin: bool, keep_bytes: int = 4 << 30):
+        self.pin, self.keep_bytes = pin, keep_bytes
+        self._idle: list[torch.Tensor] = []
+        self._largest = 0
+        self._lock = threading.Lock()
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 host tensor of at least nbytes (its first nbytes are the caller's)."""
+        with self._lock:
+            fits = [t for t in self._idle if t.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=lambda t: t.numel())
+                self._idle.remove(best)
+                return best
+            # Multi-turn contexts grow every turn: grow buffers by half again, so a growing pull
+            # allocates (and pins) a logarithmic number of times, not once a turn.
+            want = max(nbytes, 1)
+            if want > self._largest:
+                want = max(want, min(self._largest * 3 // 2, self.keep_bytes))
+            size = -(-want // self.GRAIN) * self.GRAIN
+            self._largest = max(self._largest, size)
+            self.allocations += 1
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.append(buf)
+            self._idle.sort(key=lambda t: -t.numel())
+            while sum(t.numel() for t in self._idle) > self.keep_bytes:
+                self._idle.pop()  # drop the smallest first: big pulls are the ones that pay
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() for t in self._idle)
 
 
 # A sink receives (page keys, their bytes, ids of the requests that finished with this export):
@@ -168,7 +262,8 @@ class PageExchange:
     def __init__(self, kv: KVCache, remember: int = 1 << 16):
         self.kv = kv
         self.sink: PageSink | None = None
-        self._staged: deque[tuple[list[bytes], bytes, list[bytes]]] = deque()
+        self._staged: deque[tuple[list[bytes], PageBytes, list[bytes], Callable[[], None] | None]] = deque()
+        self.buffers = StagingBuffers(pin=kv.k.device.type == "cuda")
         self._first: dict[str, list[tuple[int, float, int]]] = {}
         self._lock = threading.Lock()
         # Keys this engine already pushed or pulled: the store has them, no need to send again.
@@ -176,21 +271,46 @@ class PageExchange:
         self._remember = remember
         self.imported_pages_total = 0
         self.exported_pages_total = 0
+        # Bytes copied into the pool by drain() and the seconds it took: the pull decision's
+        # measured import bandwidth (services/prefill/pull_policy.py).
+        self.import_bytes_total = 0
+        self.import_seconds_total = 0.0
 
     @property
     def pending(self) -> bool:
         return bool(self._staged)
 
-    def stage(self, hashes: list[bytes], data: bytes, pin: list[bytes] | None = None) -> None:
-        """`pin`: the keys before `hashes` in their chain (kept cached while importing)."""
+    def stage(
+        self,
+        hashes: list[bytes],
+        data: PageBytes,
+        pin: list[bytes] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """`pin`: the keys before `hashes` in their chain (kept cached while importing).
+        `release`: called once `data` has been copied into the pool (e.g. gives a staging
+        buffer back)."""
         if hashes:
-            self._staged.append((hashes, data, pin or []))
+            self._staged.append((hashes, data, pin or [], release))
+        elif release is not None:
+            release()
 
     def drain(self) -> int:
         n = 0
         while self._staged:
-            hashes, data, pin = self._staged.popleft()
-            n += import_pages(self.kv, hashes, data, pin)
+            hashes, data, pin, release = self._staged.popleft()
+            t0 = time.perf_counter()
+            try:
+                got = import_pages(self.kv, hashes, data, pin)
+            finally:
+                if release is not None:
+                    release()
+            if got:
+                if self.kv.k.device.type == "cuda":
+                    torch.cuda.synchronize(self.kv.k.device)  # time the copy, not its launch
+                self.import_seconds_total += time.perf_counter() - t0
+                self.import_bytes_total += got * page_nbytes(self.kv)
+            n += got
             self._mark(hashes)
         self.imported_pages_total += n
         return n

@@ -31,6 +31,12 @@ class EngineStats:
     # Running sequences evicted for lack of KV pages (recomputed later).
     preemptions_total: int = 0
     requests_timed_out: int = 0
+    # Steps that fed more tokens than they had sequences (prompt chunks in the batch): their tokens
+    # and seconds give the engine's measured prefill throughput, which decode's KV-pull decision
+    # weighs a pull against (services/prefill/pull_policy.py).
+    prefill_step_tokens_total: int = 0
+    prefill_step_seconds_total: float = 0.0
+    _computed_at_last_step: int = field(default=0, repr=False)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -38,6 +44,11 @@ class EngineStats:
 
     def observe_step(self, batch_size: int, generated: int, seconds: float) -> None:
         self.steps_total += 1
+        fed = self.computed_tokens_total - self._computed_at_last_step
+        self._computed_at_last_step = self.computed_tokens_total
+        if fed > batch_size:
+            self.prefill_step_tokens_total += fed
+            self.prefill_step_seconds_total += seconds
         self.generated_tokens_total += generated
         self.step_seconds_total += seconds
         self.batch_size_buckets[bisect.bisect_left(BATCH_BUCKETS, batch_size)] += 1

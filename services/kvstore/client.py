@@ -14,11 +14,24 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from urllib.parse import urlsplit
 
 import httpx
 
+from services.kvstore.dataplane import (
+    OP_GET_PREFIX,
+    OP_PUT,
+    Allocator,
+    DataPlaneConnection,
+    DataPlaneError,
+    ProtocolError,
+    parse_pages_reply,
+)
 from services.kvstore.wire import (
+    _HEAD,
     MEDIA_TYPE,
+    PAGES_MAGIC,
+    DataPlaneInfo,
     FrameError,
     PutReply,
     StoreStats,
@@ -29,12 +42,20 @@ from services.kvstore.wire import (
 
 log = logging.getLogger(__name__)
 
-# Pages per HTTP call: bounds one body (a 0.6B-model page of 16 tokens is ~1.8 MB in bf16).
+# Pages per HTTP call (the fallback path): bounds one body (a 0.6B-model page of 16 tokens is
+# ~1.8 MB in bf16). The data plane sends a whole prefix get in one round trip.
 MAX_PAGES_PER_CALL = 64
+# Errors that mean "this gateway is not usable now": the caller computes instead.
+_TRANSPORT_ERRORS = (httpx.HTTPError, FrameError, DataPlaneError, ProtocolError, OSError)
 
 
 class KVStoreClient:
-    """Synchronous client of one gateway (or of whichever one `locate()` returns)."""
+    """Synchronous client of one gateway (or of whichever one `locate()` returns). Thread-safe:
+    the page publisher's thread and request threads share it.
+
+    Bulk transfers go over the gateway's data plane (dataplane.py: raw TCP, bodies received into
+    one buffer, pages sent from memory, one round trip per batch, pooled connections) when the
+    gateway advertises one at GET /v1/dataplane; otherwise over the HTTP routes."""
 
     def __init__(
         self,
@@ -42,11 +63,17 @@ class KVStoreClient:
         timeout_s: float = 10.0,
         retry_after_s: float = 5.0,
         max_call_bytes: int = 64 << 20,
+        dataplane: bool = True,
     ):
         self.max_call_bytes = max_call_bytes  # a put body stays under the gateway's max_request_bytes
         self._locate = (lambda: url) if isinstance(url, str) else url
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.timeout_s = retry_after_s, timeout_s
         self.http = httpx.Client(timeout=timeout_s, headers={"content-type": MEDIA_TYPE})
+        self.use_dataplane = dataplane
+        self._planes: dict[str, tuple[str, int] | None] = {}  # gateway URL -> data plane address
+        self._idle: dict[tuple[str, int], list[DataPlaneConnection]] = {}
+        self._pool_lock = threading.Lock()
+        self._tls = threading.local()  # per thread: seconds of its last data plane round trip
         self._down_until = 0.0
         self.failures = 0
 
@@ -66,51 +93,129 @@ class KVStoreClient:
             f"kv store {what} failed ({type(e).__name__}: {e}); local compute for {self.retry_after_s}s"
         )
 
-    def get_prefix(self, keys: list[bytes]) -> tuple[list[bytes], bytes]:
+    # ------------------------------------------------------------------ data plane
+
+    def _plane(self, url: str) -> tuple[str, int] | None:
+        """The gateway's data plane address, asked once per URL; None: HTTP only (an older
+        gateway without the route)."""
+        if not self.use_dataplane:
+            return None
+        if url not in self._planes:
+            r = self.http.get(f"{url}/v1/dataplane")
+            if r.status_code == 404:
+                self._planes[url] = None
+            else:
+                r.raise_for_status()
+                host = urlsplit(url).hostname or "127.0.0.1"
+                self._planes[url] = (host, DataPlaneInfo.model_validate_json(r.content).port)
+        return self._planes[url]
+
+    def _call(
+        self,
+        addr: tuple[str, int],
+        url: str,
+        op: int,
+        parts: list[bytes | memoryview],
+        alloc: Allocator | None = None,
+    ) -> memoryview:
+        with self._pool_lock:
+            idle = self._idle.setdefault(addr, [])
+            conn = idle.pop() if idle else None
+        if conn is None:
+            conn = DataPlaneConnection(*addr, timeout_s=self.timeout_s)
+        try:
+            t0 = time.perf_counter()
+            body = conn.call(op, parts, alloc)
+            self._tls.call_s = time.perf_counter() - t0
+        except BaseException:
+            conn.close()
+            self._planes.pop(url, None)  # ask again next time (the gateway may have restarted)
+            raise
+        with self._pool_lock:
+            self._idle.setdefault(addr, []).append(conn)
+        return body
+
+    def take_call_seconds(self) -> float | None:
+        """Seconds of this thread's last data plane round trip (request sent -> reply received),
+        then forgotten; None if there was none. Unlike the caller's wall time it leaves out
+        one-off costs (discovery, connecting), which must not be mistaken for pull latency."""
+        seconds = getattr(self._tls, "call_s", None)
+        self._tls.call_s = None
+        return seconds
+
+    # ------------------------------------------------------------------ pages
+
+    def get_prefix(
+        self, keys: list[bytes], alloc: Allocator | None = None
+    ) -> tuple[list[bytes], bytes | memoryview]:
         """The longest prefix of `keys` (a hash chain) the store has: (its keys, their bytes
-        concatenated). A chain is only usable from its head, so lookup stops at the first miss."""
+        concatenated). A chain is only usable from its head, so lookup stops at the first miss.
+        Over the data plane the bytes are a view into the one buffer the reply was received into:
+        `alloc(n)` supplies it (a reused staging buffer), else a new bytearray; the page bytes are
+        that buffer's last len(bytes) of its first n bytes."""
         url = self.url()
         if url is None or not keys:
             return [], b""
-        got_keys: list[bytes] = []
-        chunks: list[bytes] = []
         try:
-            for start in range(0, len(keys), MAX_PAGES_PER_CALL):
-                want = keys[start : start + MAX_PAGES_PER_CALL]
-                r = self.http.post(f"{url}/v1/pages/get", content=encode_keys(want))
-                r.raise_for_status()
-                pages = dict(decode_pages(r.content))
-                for k in want:
-                    page = pages.get(k)
-                    if page is None:
-                        return got_keys, b"".join(chunks)
-                    got_keys.append(k)
-                    chunks.append(bytes(page))
-        except (httpx.HTTPError, FrameError) as e:
+            addr = self._plane(url)
+            if addr is None:
+                return self._get_prefix_http(url, keys)
+            body = self._call(addr, url, OP_GET_PREFIX, [encode_keys(keys)], alloc)
+            got, _lengths, data = parse_pages_reply(body)
+            if got != keys[: len(got)]:
+                raise FrameError("gateway answered keys that are not a prefix of the request")
+            return got, data
+        except _TRANSPORT_ERRORS as e:
             self._failed("get", e)
             return [], b""
+
+    def _get_prefix_http(self, url: str, keys: list[bytes]) -> tuple[list[bytes], bytes]:
+        got_keys: list[bytes] = []
+        chunks: list[bytes | memoryview] = []
+        for start in range(0, len(keys), MAX_PAGES_PER_CALL):
+            want = keys[start : start + MAX_PAGES_PER_CALL]
+            r = self.http.post(f"{url}/v1/pages/get", content=encode_keys(want))
+            r.raise_for_status()
+            pages = dict(decode_pages(r.content))
+            for k in want:
+                page = pages.get(k)
+                if page is None:
+                    return got_keys, b"".join(chunks)
+                got_keys.append(k)
+                chunks.append(page)
         return got_keys, b"".join(chunks)
 
-    def put(self, keys: list[bytes], data: bytes, page_bytes: int) -> int:
+    def put(self, keys: list[bytes], data: bytes | bytearray | memoryview, page_bytes: int) -> int:
         """Store len(keys) pages of page_bytes each; returns how many the gateway stored (0 when
         it is unreachable)."""
         url = self.url()
         if url is None or not keys:
             return 0
+        if len(data) != len(keys) * page_bytes:
+            raise ValueError(f"{len(data)} bytes for {len(keys)} pages of {page_bytes} bytes")
         stored = 0
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         # Header, keys and lengths are 20 bytes a page on top of the page itself.
-        per_call = max(1, min(MAX_PAGES_PER_CALL, (self.max_call_bytes - 8) // (page_bytes + 20)))
+        per_call = max(1, (self.max_call_bytes - _HEAD.size) // (page_bytes + 20))
         try:
+            addr = self._plane(url)
+            if addr is None:
+                per_call = min(per_call, MAX_PAGES_PER_CALL)
             for start in range(0, len(keys), per_call):
                 ks = keys[start : start + per_call]
                 chunk = view[start * page_bytes : (start + len(ks)) * page_bytes]
-                r = self.http.put(
-                    f"{url}/v1/pages", content=encode_uniform_pages(ks, bytes(chunk), page_bytes)
-                )
-                r.raise_for_status()
-                stored += PutReply.model_validate_json(r.content).stored
-        except httpx.HTTPError as e:
+                if addr is None:
+                    frame = encode_uniform_pages(ks, bytes(chunk), page_bytes)
+                    r = self.http.put(f"{url}/v1/pages", content=frame)
+                    r.raise_for_status()
+                    body: bytes = r.content
+                else:
+                    # The frame's head, then the caller's bytes as they are (no copy).
+                    head = _HEAD.pack(PAGES_MAGIC, len(ks)) + b"".join(ks)
+                    lengths = struct_lengths(len(ks), page_bytes)
+                    body = bytes(self._call(addr, url, OP_PUT, [head + lengths, chunk]))
+                stored += PutReply.model_validate_json(body).stored
+        except _TRANSPORT_ERRORS as e:
             self._failed("put", e)
         return stored
 
@@ -123,7 +228,17 @@ class KVStoreClient:
         return StoreStats.model_validate_json(r.content)
 
     def close(self) -> None:
+        with self._pool_lock:
+            conns = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for c in conns:
+            c.close()
         self.http.close()
+
+
+def struct_lengths(count: int, page_bytes: int) -> bytes:
+    """`count` little-endian u32 lengths of `page_bytes` (a uniform pages frame's length table)."""
+    return page_bytes.to_bytes(4, "little") * count
 
 
 class PagePublisher:

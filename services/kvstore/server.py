@@ -5,6 +5,8 @@
 PUT  /v1/pages       pages frame -> {"stored", "bytes"}
 POST /v1/pages/get   keys frame  -> pages frame of the pages found (request order)
 GET  /v1/stats       per-tier bytes, pages, hits, puts, demotions, promotions, evictions
+GET  /v1/dataplane   {"port"} of the bulk data plane (dataplane.py: raw TCP, what clients use for
+                     page bytes; the two page routes above stay for tools and as the fallback)
 plus /health and /metrics (per-tier gauges and counters) like every relay service. Registered in
 Redis as kind "kvstore"; decode and prefill find it there (or through kvstore.url).
 """
@@ -26,9 +28,11 @@ from prometheus_client.registry import Collector
 
 from services.common.config import KVStoreSection
 from services.common.service import Service, create_app, log_event, start_service
+from services.kvstore.dataplane import DataPlaneServer
 from services.kvstore.tiers import DiskTier, MemoryTier, Tier, TieredStore
 from services.kvstore.wire import (
     MEDIA_TYPE,
+    DataPlaneInfo,
     FrameError,
     PutReply,
     StoreStats,
@@ -100,6 +104,7 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
     global _collector
     sec = service.cfg.kvstore
     holder: dict[str, TieredStore] = {}
+    plane: dict[str, int] = {}
     if _collector is None:
         _collector = StoreCollector(lambda: holder.get("store"))
         REGISTRY.register(_collector)
@@ -110,12 +115,23 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         holder["store"] = await asyncio.to_thread(build_store, sec, run_dir, service.log)
         st = holder["store"].stats()
-        log_event(service.log, "kv store ready", tiers=[(t.name, t.budget_bytes, t.pages) for t in st.tiers])
+        # The bulk data plane binds the HTTP socket's address (all interfaces on Slurm), own port.
+        dataplane = DataPlaneServer(
+            lambda: holder.get("store"), service.sock.getsockname()[0], sec.max_request_bytes
+        ).start()
+        plane["port"] = dataplane.port
+        log_event(
+            service.log,
+            "kv store ready",
+            tiers=[(t.name, t.budget_bytes, t.pages) for t in st.tiers],
+            dataplane_port=dataplane.port,
+        )
         service.version = 0
         async with service.registered():
             try:
                 yield
             finally:
+                await asyncio.to_thread(dataplane.close)
                 st = holder["store"].stats()
                 await asyncio.to_thread(holder["store"].close)
                 log_event(service.log, "kv store closed", **st.model_dump())
@@ -173,6 +189,12 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
         hits = [(k, p) for k, p in zip(keys, found, strict=True) if p is not None]
         frame = encode_pages([k for k, _ in hits], [p for _, p in hits])
         return Response(frame, media_type=MEDIA_TYPE)
+
+    @app.get("/v1/dataplane", response_model=DataPlaneInfo)
+    def dataplane_info() -> DataPlaneInfo:
+        if "port" not in plane:
+            raise HTTPException(503, "starting", headers={"Retry-After": "1"})
+        return DataPlaneInfo(port=plane["port"])
 
     @app.get("/v1/stats", response_model=StoreStats)
     def stats() -> StoreStats:

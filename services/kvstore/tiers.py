@@ -189,6 +189,18 @@ class TieredStore:
         with self._lock:
             return [self._get(k) for k in keys]
 
+    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
+        """The pages of the longest prefix of `keys` held in some tier (a hash chain is only
+        usable from its head, so pages after the first miss are neither read nor promoted)."""
+        out: list[bytes] = []
+        with self._lock:
+            for k in keys:
+                data = self._get(k)
+                if data is None:
+                    break
+                out.append(data)
+        return out
+
     def _get(self, key: bytes) -> bytes | None:
         self.gets += 1
         for i, tier in enumerate(self.tiers):

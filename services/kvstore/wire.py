@@ -121,3 +121,10 @@ class StoreStats(BaseModel):
 class PutReply(BaseModel):
     stored: int
     bytes: int
+
+
+class DataPlaneInfo(BaseModel):
+    """GET /v1/dataplane: where the gateway's bulk data plane (dataplane.py) listens; the host is
+    the one in the gateway's URL."""
+
+    port: int

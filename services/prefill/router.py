@@ -7,7 +7,8 @@ Decode calls `KVRouter.generate` instead of submitting straight to its engine:
      same weight version is registered, that service prefills the prompt (publishing its pages to
      the store) and returns each sample's first token; short prompts are prefilled locally;
   3. the pages still missing locally are pulled from the store (the longest cached prefix) and
-     staged into the engine, which imports them before its next admission;
+     staged into the engine, which imports them before its next admission, but only when the
+     pull is expected to be faster than recomputing those tokens (pull_policy.py, measured);
   4. the request is submitted, with the first tokens from step 2 if any: decode continues from
      there (same seed, same per-sample RNG stream, so the tokens equal a colocated run's).
 Every remote step is best effort: a gateway or prefill service that is down, slow, or on other
@@ -27,14 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import torch
 from prometheus_client import Counter
 
-from services.common.config import RunConfig
+from services.common.config import KVPullSection, RunConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, ServiceInfo
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
 from services.kvstore.client import KVStoreClient, PagePublisher
+from services.prefill.pull_policy import PullPolicy
 from services.prefill.schemas import PrefillRequest, PrefillResponse
 
 log = logging.getLogger(__name__)
@@ -97,17 +100,68 @@ def prompt_keys(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
     return chain_hashes(prompt, engine.version, engine.layout, bs, limit=reusable_pages(len(prompt), bs))
 
 
-async def pull_pages(engine: LLMEngine, store: KVStoreClient, keys: list[bytes]) -> int:
-    """Stage the longest prefix of `keys` the store has and the local cache lacks; returns pages staged."""
+def engine_policy(engine: LLMEngine, cfg: KVPullSection) -> PullPolicy:
+    """A pull policy fed by this engine's own measurements (prefill steps, page imports)."""
+    st, pages = engine.stats, engine.pages
+    return PullPolicy(
+        cfg,
+        prefill_counters=lambda: (st.prefill_step_tokens_total, st.prefill_step_seconds_total),
+        import_counters=lambda: (pages.import_bytes_total, pages.import_seconds_total),
+    )
+
+
+def pull_prefix(
+    engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None = None
+) -> int:
+    """Stage the longest prefix of `keys` the store has and the local cache lacks, if the policy
+    says pulling beats recomputing it (no policy: always pull). Blocking; returns pages staged.
+    The reply is received into a reused (on CUDA pinned) staging buffer that is given back once
+    the engine has imported it."""
     have = local_prefix_pages(engine, keys)
     missing = keys[have:]
     if not missing:
         return 0
-    got, data = await asyncio.to_thread(store.get_prefix, missing)
-    if got:
-        engine.pages.stage(got, data, pin=keys[:have])
-        PULLED_PAGES.inc(len(got))
+    if policy is not None:
+        decision = policy.decide(len(missing), page_nbytes(engine.kv), engine.kv.block_size)
+        missing = missing[: decision.pages]
+        if not missing:
+            return 0
+    buffers = engine.pages.buffers
+    taken: list[tuple[torch.Tensor, int]] = []
+
+    def alloc(n: int) -> memoryview:
+        buf = buffers.take(n)
+        taken.append((buf, n))
+        return memoryview(buf.numpy())
+
+    failures = store.failures
+    store.take_call_seconds()
+    t0 = time.perf_counter()
+    got, data = store.get_prefix(missing, alloc)
+    wall = time.perf_counter() - t0
+    round_trip = store.take_call_seconds()  # None on the HTTP fallback path
+    if policy is not None and store.failures == failures:
+        policy.observe_pull(len(data), wall if round_trip is None else round_trip)
+    if not got or not taken:
+        for buf, _n in taken:
+            buffers.give(buf)
+        if got:  # the HTTP fallback path: the bytes are its own
+            engine.pages.stage(got, data, pin=keys[:have])
+            PULLED_PAGES.inc(len(got))
+        return len(got)
+    buf, n = taken[-1]
+    # The pages are the tail of the reply body, which was received into buf[:n].
+    pages = buf[n - len(data) : n]
+    engine.pages.stage(got, pages, pin=keys[:have], release=lambda: buffers.give(buf))
+    PULLED_PAGES.inc(len(got))
     return len(got)
+
+
+async def pull_pages(
+    engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None = None
+) -> int:
+    """pull_prefix off the event loop."""
+    return await asyncio.to_thread(pull_prefix, engine, store, keys, policy)
 
 
 class KVRouter:
@@ -118,6 +172,7 @@ class KVRouter:
         self.http = httpx.AsyncClient(timeout=cfg.prefill.timeout_s)
         self.publisher: PagePublisher | None = None
         self.engine: LLMEngine | None = None
+        self.policy: PullPolicy | None = None
         self._rr = itertools.count()
         self._quarantine: dict[str, float] = {}
         self.counts = {"local": 0, "remote": 0, "remote_failed": 0, "pulled_pages": 0}
@@ -125,6 +180,7 @@ class KVRouter:
     def attach(self, engine: LLMEngine) -> None:
         """Publish the pages of every sequence the engine finishes (multi-turn reuse, restarts)."""
         self.engine = engine
+        self.policy = engine_policy(engine, self.cfg.kvstore.pull)
         self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
         engine.pages.sink = self.publisher
 
@@ -175,7 +231,10 @@ class KVRouter:
                 REMOTE_PREFILLS.labels("failed" if resp is None else "mismatch").inc()
         if first is None:
             self.counts["local"] += 1
-        pulled = await pull_pages(engine, self.store, keys)  # (not `+= await`: lost updates)
+        # After a remote prefill its pages are pulled whatever the estimate: that is what the
+        # prefill service computed them for (and it keeps prefill chunks out of decode's steps).
+        policy = self.policy if first is None and engine is self.engine else None
+        pulled = await pull_pages(engine, self.store, keys, policy)  # (not `+= await`: lost updates)
         self.counts["pulled_pages"] += pulled
         if first is None:
             return await aengine.submit(req)
@@ -191,6 +250,8 @@ class KVRouter:
             out["published_pages"] = self.publisher.pages_published
             out["publish_dropped_batches"] = self.publisher.batches_dropped
         out["store_failures"] = self.store.failures
+        if self.policy is not None:
+            out.update(self.policy.stats())
         if self.engine is not None:
             st = self.engine.stats
             out["computed_tokens"] = st.computed_tokens_total

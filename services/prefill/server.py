@@ -26,7 +26,8 @@ from services.common.service import Service, create_app, log_event, start_servic
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.kv_transfer import chain_hashes, page_nbytes
 from services.kvstore.client import PagePublisher
-from services.prefill.router import local_prefix_pages, prompt_keys, pull_pages, store_client
+from services.prefill.pull_policy import PullPolicy
+from services.prefill.router import engine_policy, local_prefix_pages, prompt_keys, pull_pages, store_client
 from services.prefill.schemas import FirstToken, PrefillRequest, PrefillResponse
 
 WEIGHTS_POLL_S = 0.5
@@ -40,6 +41,7 @@ class Prefill:
         self.engine: AsyncEngine | None = None
         self.store = store_client(self.cfg, service.bus.services)
         self.publisher: PagePublisher | None = None
+        self.policy: PullPolicy | None = None
         self._lock = asyncio.Lock()
         self.served = 0
 
@@ -49,6 +51,7 @@ class Prefill:
                 eng = await asyncio.to_thread(LLMEngine, path, self.engine_cfg, version)
                 self.publisher = PagePublisher(self.store, page_nbytes(eng.kv))
                 eng.pages.sink = self.publisher
+                self.policy = engine_policy(eng, self.cfg.kvstore.pull)
                 self.engine = AsyncEngine(eng).start()
                 log_event(self.service.log, "engine ready", path=path, version=version, layout=eng.layout)
             elif version > self.engine.version:
@@ -93,7 +96,7 @@ class Prefill:
         version = eng.version
         keys = prompt_keys(eng, req.input_ids)
         local = local_prefix_pages(eng, keys)
-        pulled = await pull_pages(eng, self.store, keys)
+        pulled = await pull_pages(eng, self.store, keys, self.policy)
         assert self.publisher is not None  # set with the engine
         published = self.publisher.expect(rid)
         try:
@@ -143,6 +146,7 @@ class Prefill:
             "queue": eng.num_waiting if eng else 0,
             "running": eng.num_running if eng else 0,
             "published_pages": self.publisher.pages_published if self.publisher else 0,
+            **(self.policy.stats() if self.policy is not None else {}),
         }
 
 
