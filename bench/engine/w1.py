@@ -9,7 +9,7 @@ ids, uniform in [0, 10000]), exactly 512 new tokens each (EOS ignored), temperat
 
 What it measures (each phase in its own try/except; the JSON is rewritten after every phase, and
 a watchdog writes it and exits if the whole run overstays --budget-s + 45 s):
-  - per engine variant (attention backend x CUDA graphs): correctness (greedy tokens and their
+  - per engine variant (attention backend x CUDA graphs [x fused kernels] [x overlap scheduling]): correctness (greedy tokens and their
     log-probs re-scored by HF transformers, teacher-forced, on the same weights) and W1 output
     tokens/s, with TTFT / inter-token latency percentiles of the 256 concurrent requests;
   - main variant: batch-1 decode step time against the time to read the weights once; TTFT / ITL
@@ -163,7 +163,12 @@ def build_model_dir(model_kw: dict[str, Any], device: torch.device, dtype: torch
 
 
 def engine_config(
-    args: argparse.Namespace, backend: str, graphs: bool, dtype: str, fused: bool = False
+    args: argparse.Namespace,
+    backend: str,
+    graphs: bool,
+    dtype: str,
+    fused: bool = False,
+    overlap: bool = False,
 ) -> Any:
     from services.common.config import EngineConfig
 
@@ -183,6 +188,7 @@ def engine_config(
         attention_backend=backend,  # type: ignore[arg-type]
         cuda_graphs=graphs,
         fused_kernels=fused,
+        overlap_schedule=overlap,
     )
 
 
@@ -337,12 +343,18 @@ def engine_variant(
     budget: Budget,
     extra: Callable[[Any], dict[str, Any]] | None = None,
     fused: bool = False,
+    overlap: bool = False,
 ) -> dict[str, Any]:
     from services.engine import LLMEngine
 
-    res: dict[str, Any] = {"attention_backend": backend, "cuda_graphs": graphs, "fused_kernels": fused}
+    res: dict[str, Any] = {
+        "attention_backend": backend,
+        "cuda_graphs": graphs,
+        "fused_kernels": fused,
+        "overlap_schedule": overlap,
+    }
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype, fused))
+    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap))
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["graph_sizes"] = engine.graphs.sizes if engine.graphs is not None else []
@@ -709,6 +721,7 @@ def main() -> None:
     ap.add_argument("--hf-cap-s", type=float, default=100.0, help="cap on each HF baseline")
     ap.add_argument("--variants", default="triton+graphs,triton+graphs+fused,triton,torch,flex")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true", help="skip the kernels and sampler phases")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = ap.parse_args()
@@ -767,10 +780,11 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        # "<backend>[+graphs][+fused]" (fused: EngineConfig.fused_kernels)
+        # "<backend>[+graphs][+fused][+overlap]" (EngineConfig.fused_kernels, .overlap_schedule)
         backend, *opts = name.split("+")
         graphs = "graphs" in opts and cuda
         fused = "fused" in opts
+        overlap = "overlap" in opts
         if budget.left() < 40:
             report.data.setdefault("skipped", []).append(f"variant {name}: out of time")
             return
@@ -778,7 +792,7 @@ def main() -> None:
         res = report.phase(
             f"engine[{name}]",
             lambda: engine_variant(
-                args, root, hf, prompts, backend, graphs, budget, keep_main if first else None, fused
+                args, root, hf, prompts, backend, graphs, budget, keep_main if first else None, fused, overlap
             ),
         )
         if res is not None and first:
@@ -801,11 +815,13 @@ def main() -> None:
     names = args.variants.split(",")
     variant(names[0])
     hf_baseline(args.prompts)
-    if budget.left() > 60:
+    if args.skip_kernels:
+        report.data.setdefault("skipped", []).append("kernels, sampler: --skip-kernels")
+    elif budget.left() > 60:
         report.phase("kernels", lambda: kernel_bench(args, prompts, SMOKE_MODEL if smoke else QWEN3_0_6B))
     else:
         report.data.setdefault("skipped", []).append("kernels: out of time")
-    if budget.left() > 30:
+    if budget.left() > 30 and not args.skip_kernels:
         report.phase("sampler", lambda: sampler_bench(QWEN3_0_6B["vocab_size"]))
     for name in names[1:]:
         variant(name)
@@ -815,6 +831,20 @@ def main() -> None:
     report.save()
     timer.cancel()
     print(f"[w1] wrote {args.out}", flush=True)
+
+
+def overlap_agreement(phases: dict[str, Any]) -> dict[str, bool]:
+    """For each `...+overlap` variant run next to the same variant without it: whether the greedy
+    tokens of the correctness check are identical (overlap scheduling must not change tokens)."""
+    out = {}
+    for k, v in phases.items():
+        if not (k.startswith("engine[") and k.endswith("+overlap]")):
+            continue
+        base = phases.get(k.replace("+overlap]", "]"), {})
+        a, b = v.get("correctness", {}).get("greedy_tokens"), base.get("correctness", {}).get("greedy_tokens")
+        if a is not None and b is not None:
+            out[k] = a == b
+    return out
 
 
 def summarize(report: Report, main: str | None) -> None:
@@ -840,6 +870,7 @@ def summarize(report: Report, main: str | None) -> None:
                 "truncated": v["w1"]["truncated_at_time_cap"],
             }
     report.data["summary"] = {
+        "overlap_same_greedy_tokens": overlap_agreement(phases),
         "main_variant": main,
         "roofline_tok_s": roof,
         "hf_best_tok_s": hf_best,

@@ -68,7 +68,13 @@ class AsyncEngine:
         with self._cv:
             self._paused = True
         with self._busy:
-            pass
+            # Overlap scheduling: land the step in flight too (the loop thread is out of the engine
+            # while we hold _busy), so paused means no tokens pending and finished requests answered.
+            if self.engine.in_flight:
+                for state in self.engine.flush():
+                    fut = self._waiters.pop(state, None)
+                    if fut is not None:
+                        _resolve(fut, state.response())
 
     def resume(self) -> None:
         with self._cv:

@@ -29,6 +29,15 @@ import torch
 DECODE_BLOCK_N = 64  # keys per tile in the paged decode kernel (4 pages of 16)
 
 
+def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream: a plain `.to(cuda)` copy is
+    followed by a stream sync, which would wait for the step in flight (overlap scheduling) and
+    for everything queued before it. Pinned + non_blocking on CUDA; as is elsewhere."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~1 us a span, 256 per decode step
 class Span:
     """New tokens of one sequence for this step: `tokens` sit at positions start.., and position p
@@ -262,7 +271,7 @@ class HostBatch:
         # on pointer alignment, so a varying alignment would mean recompiles mid-run.
         sizes = [len(x) for x in parts]
         padded = [x if len(x) % 2 == 0 else np.append(x, 0) for x in parts]
-        buf = torch.from_numpy(np.concatenate(padded)).to(device)
+        buf = host_to_device(torch.from_numpy(np.concatenate(padded)), device)
         views = [v[:n] for v, n in zip(torch.split(buf, [len(x) for x in padded]), sizes, strict=True)]
         t, s, p = len(self.ids), len(self.q_lens), self.tables.shape[1]
         decode = prefill = None
@@ -298,28 +307,31 @@ class BlockTables:
         of tables absent from this call are dropped."""
         live: dict[int, list] = {}
         rows: list[int] = []
-        lens: list[int] = []
         get = self.entries.get
+        longest = 1
+        new = 0
         for bt in tables:
             key = id(bt)
             e = get(key)
             k = len(bt)
             # Fast path (most tables, most steps): same length and last entry as last time.
             if e is None or e[2] != k or (k and bt[-1] != e[3]):
+                new += e is None
                 e = self._sync(bt, e)
             live[key] = e
             rows.append(e[1])
-            lens.append(k)
-        for key, e in self.entries.items():
-            if key not in live:
-                self.free.append(e[1])
+            if k > longest:
+                longest = k
+        # No new table and as many as last call: the same set, nothing to free (the common decode
+        # step), so the scan over every entry is skipped.
+        if new or len(live) != len(self.entries):
+            for key, e in self.entries.items():
+                if key not in live:
+                    self.table[e[1], : e[2]] = 0  # free rows are all zero (see _sync)
+                    self.free.append(e[1])
         self.entries = live
-        n = np.array(lens, np.int64)
-        longest = max(1, int(n.max())) if lens else 1
-        out = self.table[np.array(rows, np.int64), :longest]
-        # Rows are reused: zero what lies past each table's end (never read, but deterministic).
-        out[np.arange(longest)[None, :] >= n[:, None]] = 0
-        return out
+        # Each row is zero past its table's end (kept so by _sync and the frees above): no masking.
+        return self.table[np.array(rows, np.int64), :longest]
 
     def _sync(self, bt: list[int], e: list | None) -> list:
         """Copy the entries appended since the last sync (all of them for a new or edited table)."""
@@ -330,6 +342,7 @@ class BlockTables:
             e = [bt, self._alloc(), 0, None]
         synced = e[2]
         if k < synced or (synced and self.table[e[1], synced - 1] != bt[synced - 1]):
+            self.table[e[1], k:synced] = 0  # keep the row zero past the table's end
             synced = 0  # shrunk or edited in place: copy it whole
         if k > synced:
             self.table[e[1], synced:k] = bt[synced:k]

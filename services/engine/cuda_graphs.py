@@ -35,6 +35,7 @@ from services.engine.batch import (
 )
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM
+from services.engine.overlap import Feed, feed_pending
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -55,8 +56,8 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 
 class InputBuffers:
     """Static inputs for the largest size; smaller graphs use leading slices. Host side pinned:
-    the H2D copy is asynchronous, and the next step's writes to the host mirror only happen after
-    the sampler's per-step sync, so the copy has finished by then."""
+    the H2D copy is asynchronous; the next fill waits for it (an event) before rewriting the host
+    mirror, which with overlap scheduling can come before the previous step's tokens are read."""
 
     def __init__(self, max_batch: int, width: int, device: torch.device):
         self.max_batch, self.width = max_batch, width
@@ -154,12 +155,14 @@ class DecodeGraphs:
     def can_run(self, hb: HostBatch) -> bool:
         return hb.decode_only and len(hb.ids) <= self.sizes[-1]
 
-    def run(self, hb: HostBatch) -> torch.Tensor:
-        """Final hidden states [n, dim] of a decode-only batch (row i: span i)."""
+    def run(self, hb: HostBatch, feed: Feed | None = None) -> torch.Tensor:
+        """Final hidden states [n, dim] of a decode-only batch (row i: span i). `feed`: rows whose
+        token is still on the device (overlap scheduling), written into the input buffer first."""
         n = len(hb.ids)
         size = padded_size(n, self.sizes)
         assert size is not None and hb.decode_only
         self.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), self.splits[size]))
+        feed_pending(self.buf.ids, feed)
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

@@ -7,7 +7,9 @@ One `step()` = schedule, one batched forward over every scheduled sequence's new
 chunks of prefilling sequences, the last sampled token of decoding ones), sample one token per
 sequence whose tokens are now all cached, publish newly full KV pages to the prefix cache, retire
 finished ones. The async service wrapper (async_engine.py) drives the same
-`step()` from a background thread.
+`step()` from a background thread. With `overlap_schedule` a step launches the next forward before
+reading the previous step's tokens and does that step's bookkeeping while it runs
+(`_step_overlapped`, docs/engine.md).
 """
 
 from __future__ import annotations
@@ -25,13 +27,22 @@ from services.common import routing
 from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine import fp8_linear
-from services.engine.batch import BlockTables, ForwardBatch, HostBatch, PagedMeta, Span, num_sms
+from services.engine.batch import (
+    BlockTables,
+    ForwardBatch,
+    HostBatch,
+    PagedMeta,
+    Span,
+    host_to_device,
+    num_sms,
+)
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.model import CausalLM
-from services.engine.sampler import SampleOutput, Sampler
+from services.engine.overlap import Feed, InFlight, feed_pending
+from services.engine.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
@@ -98,6 +109,9 @@ class LLMEngine:
         self.layout = self.scheduler.layout = layout_id(m.arch, self.kv)
         self.pages = PageExchange(self.kv)
         self._born_finished: list[RequestState] = []  # every sample ended on its prefilled token
+        # Overlap scheduling (cfg.overlap_schedule, docs/engine.md): the launched step whose tokens
+        # have not been appended yet.
+        self._inflight: InFlight | None = None
         # Set by AsyncEngine: then only its thread may call step().
         self.background = False
         # GPU fast path (docs/architecture.md "GPU path"): paged kernels, CUDA-graph decode steps.
@@ -139,15 +153,18 @@ class LLMEngine:
             return None
         return graphs
 
-    def _forward(self, spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states of the flat batch and the row of each span's last token."""
+    def _forward(self, spans: list[Span], feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states of the flat batch and the row of each span's last token. `feed`:
+        rows whose token is still on the device (overlap scheduling), written in before the forward."""
         if self.attention_backend == "torch":
             batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
+            feed_pending(batch.input_ids, feed)
             return self.model(batch, self.kv), batch.last_index
         hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
         if self.graphs is not None and self.graphs.can_run(hb):
-            return self.graphs.run(hb), self.graphs.arange[: len(spans)]
+            return self.graphs.run(hb, feed), self.graphs.arange[: len(spans)]
         batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
+        feed_pending(batch.input_ids, feed)
         if self.attention_backend == "flex":
             from services.engine.kernels.flex_attention import build_flex_meta
 
@@ -206,8 +223,13 @@ class LLMEngine:
         self.stats.prompt_tokens_total += len(state.prompt)
         return state
 
+    @property
+    def in_flight(self) -> bool:
+        """A launched step's tokens are not appended yet (overlap scheduling; flush() lands them)."""
+        return self._inflight is not None
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -221,6 +243,7 @@ class LLMEngine:
         self.scheduler.abort(state)
 
     def abort_all(self) -> list[RequestState]:
+        self._inflight = None  # its tokens would be discarded anyway; after a failed step, unsafe
         return self.scheduler.abort_all()
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
@@ -230,6 +253,8 @@ class LLMEngine:
         states = [self.add_request(r) for r in requests]
         while not all(s.finished for s in states):
             self.step()
+        if not self.scheduler.has_work():
+            self.flush()  # only discarded tokens of finished sequences are left in flight
         return [s.response() for s in states]
 
     # ------------------------------------------------------------------ the step
@@ -242,6 +267,8 @@ class LLMEngine:
             expired, self._born_finished = self._born_finished + expired, []
         if self.pages.pending:
             self.pages.drain()  # pages pulled from the KV store: prefix hits for this admission
+        if self.cfg.overlap_schedule:
+            return expired + self._step_overlapped()
         plan = self.scheduler.schedule()
         if plan.empty:
             return expired
@@ -250,8 +277,8 @@ class LLMEngine:
         # Host bookkeeping that needs no sampled token runs here, while the forward is in flight.
         seqs, rows = self.advance(plan)
         out = self.sample(hidden, last_index, seqs, rows)  # the step's one host <-> device sync
-        finished = self.commit(seqs, out)
-        self.stats.observe_step(plan.num_seqs, len(seqs), time.perf_counter() - t0)
+        finished = self.commit(seqs, out)  # counts the generated tokens
+        self.stats.observe_step(plan.num_seqs, 0, time.perf_counter() - t0)
         if self.watchers:
             self._notify_watchers(seqs)
         return expired + finished
@@ -259,14 +286,17 @@ class LLMEngine:
     def spans(self, plan: StepPlan) -> list[Span]:
         """The new tokens of every scheduled sequence (a decode's is its last sampled token)."""
         spans = []
+        fed = 0
         for s, n in plan.compute:
             start = s.num_cached
-            if n == 1 and start == s.num_tokens - 1:
-                toks = [s.output[-1] if s.output else s.prompt[-1]]  # decode: no list slicing
+            out = s.output
+            fed += n
+            if n == 1 and start == len(s.prompt) + len(out) - 1:  # (num_tokens, inlined: hot loop)
+                toks = [out[-1] if out else s.prompt[-1]]  # decode: no list slicing
             else:
                 toks = s.uncached_tokens()[:n]
             spans.append(Span(s.block_table, start, toks))
-        self.stats.computed_tokens_total += sum(n for _, n in plan.compute)
+        self.stats.computed_tokens_total += fed
         return spans
 
     def advance(self, plan: StepPlan) -> tuple[list[Sequence], list[int]]:
@@ -297,19 +327,37 @@ class LLMEngine:
     ) -> SampleOutput:
         if not seqs:
             return SampleOutput([], [], [])
-        # Decode steps sample every row in order: index with the device tensor as it is, since
-        # a Python list index is a pageable host->device copy that waits for the forward.
-        every = len(rows) == len(last_index) and rows == list(range(len(rows)))
-        logits = self.model.logits(hidden[last_index if every else last_index[rows]])
-        return self.sampler.sample(logits, [s.params for s in seqs], [s.rng for s in seqs])
+        return self.launch_sample(hidden, last_index, seqs, rows).resolve()
 
-    def commit(self, seqs: list[Sequence], out: SampleOutput) -> list[RequestState]:
+    def launch_sample(
+        self, hidden: torch.Tensor, last_index: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> PendingSample:
+        """Queue logits + sampling of the given rows; the tokens stay on the device until resolved."""
+        # Decode steps sample every row in order: index with the device tensor as it is. Otherwise
+        # the rows go over pinned and non-blocking: a Python list index is a blocking copy, which
+        # waits for the forward (and, with overlap scheduling, for the step before it).
+        every = len(rows) == len(last_index) and rows == list(range(len(rows)))
+        if not every:
+            last_index = last_index.index_select(0, host_to_device(torch.tensor(rows), last_index.device))
+        logits = self.model.logits(hidden[last_index])
+        return self.sampler.launch(logits, [s.params for s in seqs], [s.rng for s in seqs])
+
+    def commit(
+        self, seqs: list[Sequence], out: SampleOutput, version: int | None = None
+    ) -> list[RequestState]:
         """Append the sampled tokens, apply stop conditions, free finished sequences' pages;
-        returns the requests that finished."""
+        returns the requests that finished. `version`: of the weights that computed the tokens
+        (default: the current one). A sequence already finished (overlap scheduling: its extra
+        token; or aborted meanwhile) gets nothing."""
         finished: list[RequestState] = []
         done: list[Sequence] = []
-        version, stop_reason = self.version, self._stop_reason
+        stop_reason = self._stop_reason
+        version = self.version if version is None else version
+        skipped = 0
         for seq, token, logprob, top in zip(seqs, out.tokens, out.logprobs, out.top, strict=True):
+            if seq.status is Status.FINISHED:
+                skipped += 1
+                continue
             seq.append(token, logprob, version, top)
             reason = stop_reason(seq, token)
             if reason is not None:
@@ -325,7 +373,105 @@ class LLMEngine:
             self.pages.export(done, [r.request_id for r in finished])  # before the pages are freed
         self.scheduler.release_finished()
         self.stats.requests_finished += len(finished)
+        self.stats.generated_tokens_total += len(seqs) - skipped
         return finished
+
+    # ------------------------------------------------------------------ overlap scheduling
+
+    def _step_overlapped(self) -> list[RequestState]:
+        """Step N+1 launched before step N's tokens are read (docs/engine.md, "Overlap scheduling"):
+        schedule, launch forward + sampling (pending tokens fed on the device), then land N (wait
+        for its tokens, append, stop, free) while N+1 computes, then N+1's page bookkeeping."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return self.flush()
+        t0 = time.perf_counter()
+        spans, feed = self._spans_overlapped(plan)
+        seqs, rows = self._sampling_rows(plan)
+        hidden, last_index = self._forward(spans, feed)
+        launched = self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
+        for j, s in enumerate(seqs):
+            s.pending += 1
+            s.pending_row = j
+        prev, self._inflight = self._inflight, (InFlight(seqs, launched, self.version) if launched else None)
+        finished = self._land(prev) if prev is not None else []
+        self._advance_overlapped(plan)
+        # commit() counts the generated tokens: a discarded one is not generated.
+        self.stats.observe_step(plan.num_seqs, 0, time.perf_counter() - t0)
+        return finished
+
+    def flush(self) -> list[RequestState]:
+        """Land the step in flight, if any, without launching another (overlap scheduling; a no-op
+        otherwise): returns the requests it finished."""
+        prev, self._inflight = self._inflight, None
+        return self._land(prev) if prev is not None else []
+
+    def _land(self, rec: InFlight) -> list[RequestState]:
+        out = rec.sample.resolve()  # the wait for that step's tokens (the next one is queued)
+        for s in rec.seqs:
+            s.pending -= 1
+        # Before commit: a sequence finished already gets no token (and its watcher no call).
+        live = [s for s in rec.seqs if s.status is not Status.FINISHED] if self.watchers else []
+        finished = self.commit(rec.seqs, out, rec.version)
+        if live:
+            self._notify_watchers(live)
+        return finished
+
+    def _spans_overlapped(self, plan: StepPlan) -> tuple[list[Span], Feed | None]:
+        """As spans(); a sequence whose next token is pending feeds a placeholder that the device
+        overwrites with the in-flight token (its row in the in-flight sample: pending_row)."""
+        spans: list[Span] = []
+        dst: list[int] = []
+        src: list[int] = []
+        row = 0
+        for s, n in plan.compute:
+            start = s.num_cached
+            if s.pending:
+                assert n == 1, "a pending token is the only uncached one"
+                toks = [0]
+                dst.append(row)
+                src.append(s.pending_row)
+            elif n == 1 and start == len(s.prompt) + len(s.output) - 1:
+                toks = [s.output[-1] if s.output else s.prompt[-1]]
+            else:
+                toks = s.uncached_tokens()[:n]
+            spans.append(Span(s.block_table, start, toks))
+            row += n
+        self.stats.computed_tokens_total += row
+        if not dst:
+            return spans, None
+        assert self._inflight is not None
+        return spans, Feed(dst, src, self._inflight.sample.tokens)
+
+    def _sampling_rows(self, plan: StepPlan) -> tuple[list[Sequence], list[int]]:
+        """advance()'s choice of who samples, made before the forward's bookkeeping: a sequence
+        samples once every token it has (pending ones included) is fed."""
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for i, (s, n) in enumerate(plan.compute):
+            if s.num_cached + n == len(s.prompt) + len(s.output) + s.pending:
+                seqs.append(s)
+                rows.append(i)
+        if plan.forks:
+            index = {id(s): i for i, (s, _) in enumerate(plan.compute)}
+            for child, parent in plan.forks:
+                seqs.append(child)
+                rows.append(index[id(parent)])
+        return seqs, rows
+
+    def _advance_overlapped(self, plan: StepPlan) -> None:
+        """advance()'s page bookkeeping, after the previous step landed (so every fed token is in
+        seq.output for the page hashes); sequences that landing finished are skipped."""
+        register = self.scheduler.register_full_pages
+        bs = self.kv.block_size if self.scheduler.prefix_caching else 1 << 62
+        for s, n in plan.compute:
+            if s.status is Status.FINISHED:
+                continue  # its pages are freed; the token fed for it is discarded
+            s.num_cached = cached = s.num_cached + n
+            if len(s.block_hashes) < cached // bs:
+                register(s)
+        if plan.forks:
+            self.scheduler.finish_forks(plan)
 
     def _notify_watchers(self, seqs: list[Sequence]) -> None:
         for state in {id(s.request): s.request for s in seqs}.values():
@@ -371,7 +517,8 @@ class LLMEngine:
             return "stop"
         if seq.text is not None and seq.text.push(token):
             return "stop"  # a stop string completed; seq.text is cut before it
-        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+        n = len(seq.output)
+        if n >= p.max_tokens or len(seq.prompt) + n >= self.max_seq_len:  # (num_tokens, inlined)
             return "stop" if seq.text is not None and seq.text.finish() else "length"
         return None
 

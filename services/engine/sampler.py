@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.schemas import SamplingParams
+from services.engine.batch import host_to_device
 
 # -inf (a masked or NaN logit) is not valid JSON; top-n log-probs report it as this instead.
 LOWEST = torch.finfo(torch.float32).min
@@ -73,6 +74,60 @@ class SampleOutput:
     top: list[list[tuple[int, float]] | None]
 
 
+@dataclass
+class TopLaunch:
+    """Top-n log-probs still on the device: the rows that asked, how many each, values and ids."""
+
+    rows: list[int]
+    want: list[int | None]
+    values: torch.Tensor  # [len(rows), n]
+    ids: torch.Tensor
+
+
+@dataclass
+class PendingSample:
+    """A sampled batch whose results are still on the device (Sampler.launch). `tokens` can feed
+    the next forward directly (overlap scheduling, docs/engine.md); `resolve()` is the host's one
+    wait for them. On CUDA the copies to pinned host memory are queued at launch, so resolving
+    waits only for the sampler itself, not for anything queued after it."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+    top: TopLaunch | None
+    batch: int
+    ready: torch.cuda.Event | None = None  # recorded after the device -> host copies
+    host: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned copies of tokens, logprobs
+
+    @staticmethod
+    def start(
+        tokens: torch.Tensor, logprobs: torch.Tensor, top: TopLaunch | None, batch: int
+    ) -> PendingSample:
+        if not tokens.is_cuda:
+            return PendingSample(tokens, logprobs, top, batch)
+        # Device -> pinned host now (asynchronous), then an event: resolve() waits on exactly these.
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, logprobs)]
+        host[0].copy_(tokens, non_blocking=True)
+        host[1].copy_(logprobs, non_blocking=True)
+        if top is not None:
+            top = TopLaunch(
+                top.rows,
+                top.want,
+                top.values.to("cpu", non_blocking=True),
+                top.ids.to("cpu", non_blocking=True),
+            )
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingSample(tokens, logprobs, top, batch, ready, (host[0], host[1]))
+
+    def resolve(self) -> SampleOutput:
+        if self.ready is not None and self.host is not None:
+            self.ready.synchronize()
+            tokens, logprobs = self.host
+        else:
+            tokens, logprobs = self.tokens, self.logprobs
+        return SampleOutput(tokens.tolist(), logprobs.tolist(), Sampler._top_resolve(self.top, self.batch))
+
+
 def plain(p: SamplingParams, vocab: int) -> bool:
     """True if the row samples from the whole of softmax(logits / T), or is greedy."""
     return p.temperature == 0 or not (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)
@@ -96,12 +151,21 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> SampleOutput:
         """As __call__, plus the top-n log-probs of the rows that asked for them."""
+        return self.launch(logits, params, rngs).resolve()
+
+    def launch(
+        self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
+    ) -> PendingSample:
+        """Queue the sampling of a batch; the results stay on the device until resolve(). The RNG
+        draws happen here, on the host, exactly as in sample()."""
         if self.fused and all(plain(p, logits.shape[-1]) for p in params):
             return self._sample_fused(logits, params, rngs)
         logits = logits.float()
         batch, vocab = logits.shape
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        # Host -> device without a stream sync (batch.host_to_device): on CUDA sampling is launched
+        # while the forward may still be running, and with overlap scheduling a step ahead of it.
+        temps = host_to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), device)
         greedy = temps == 0
         scaled = sanitize(logits / torch.where(greedy, 1.0, temps)[:, None])
 
@@ -111,22 +175,29 @@ class Sampler:
             if p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0)
         ]
         if rows:
-            idx = torch.tensor(rows, device=device)
-            top_k = torch.tensor([params[i].top_k or vocab for i in rows], device=device).clamp(max=vocab)
-            top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
+            idx = host_to_device(torch.tensor(rows), device)
+            top_k = host_to_device(torch.tensor([params[i].top_k or vocab for i in rows]), device).clamp(
+                max=vocab
+            )
+            top_p = host_to_device(torch.tensor([params[i].top_p for i in rows], dtype=torch.float32), device)
             min_p = None
             if any(params[i].min_p > 0 for i in rows):
-                min_p = torch.tensor([params[i].min_p for i in rows], dtype=torch.float32, device=device)
+                min_p = host_to_device(
+                    torch.tensor([params[i].min_p for i in rows], dtype=torch.float32), device
+                )
             scaled[idx] = truncate(scaled[idx], top_k, top_p, min_p)
         logp = torch.log_softmax(scaled, dim=-1)
 
         # Inverse-CDF sampling: one uniform per row from the row's own RNG (host side, so the
         # per-row cost is tiny), then one vectorised searchsorted for the batch. The first index
         # whose cumulative mass exceeds u * total always has non-zero mass.
-        u = torch.tensor(
-            [0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs, strict=True)],
-            dtype=torch.float64,
-        ).to(device)
+        u = host_to_device(
+            torch.tensor(
+                [0.0 if p.temperature == 0 else rng.random() for p, rng in zip(params, rngs, strict=True)],
+                dtype=torch.float64,
+            ),
+            device,
+        )
         cdf = logp.double().exp().cumsum(dim=-1)
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
         best = scaled.argmax(dim=-1, keepdim=True)
@@ -135,11 +206,11 @@ class Sampler:
         tokens = torch.where(greedy[:, None], best, drawn)
         chosen = logp.gather(1, tokens)
         assert tokens.shape == (batch, 1)
-        return SampleOutput(tokens[:, 0].tolist(), chosen[:, 0].tolist(), self._top(logits, params))
+        return PendingSample.start(tokens[:, 0], chosen[:, 0], self._top_launch(logits, params), batch)
 
     def _sample_fused(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
-    ) -> SampleOutput:
+    ) -> PendingSample:
         from services.engine.kernels.sampling import fused_sample  # triton: only when used
 
         # One draw per sampled token from the row's RNG, as the torch path (a prefill service's
@@ -154,31 +225,35 @@ class Sampler:
         )
         if logits.is_cuda:
             # Pinned + non_blocking: a pageable copy would wait here for the forward to finish.
-            temps = temps.pin_memory().to(logits.device, non_blocking=True)
-            seeds = seeds.pin_memory().to(logits.device, non_blocking=True)
+            temps = host_to_device(temps, logits.device)
+            seeds = host_to_device(seeds, logits.device)
         tokens, logprobs = fused_sample(logits, temps, seeds)
-        # tokens.tolist() is the step's wait for the GPU (top-n, rare, adds its own).
+        # Reading the tokens (PendingSample.resolve) is the step's wait for the GPU.
         top = (
-            self._top(logits.float(), params)
-            if any(p.logprobs is not None for p in params)
-            else [None] * len(params)
+            self._top_launch(logits.float(), params) if any(p.logprobs is not None for p in params) else None
         )
-        return SampleOutput(tokens.tolist(), logprobs.tolist(), top)
+        return PendingSample.start(tokens, logprobs, top, len(params))
 
     @staticmethod
-    def _top(logits: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+    def _top_launch(logits: torch.Tensor, params: list[SamplingParams]) -> TopLaunch | None:
         want = [p.logprobs for p in params]
-        top: list[list[tuple[int, float]] | None] = [None] * len(params)
         rows = [i for i, n in enumerate(want) if n is not None]
         if not rows:
-            return top  # the common (RL) case costs nothing
+            return None  # the common (RL) case costs nothing
         n = min(max(want[i] or 0 for i in rows), logits.shape[-1])
-        idx = torch.tensor(rows, device=logits.device)
+        idx = host_to_device(torch.tensor(rows), logits.device)
         raw = torch.log_softmax(sanitize(logits[idx]), dim=-1)
         values, ids = raw.topk(n, dim=-1) if n > 0 else (raw[:, :0], raw[:, :0].long())
-        values_l, ids_l = values.tolist(), ids.tolist()
-        for j, i in enumerate(rows):
-            k = want[i] or 0
+        return TopLaunch(rows, want, values, ids)
+
+    @staticmethod
+    def _top_resolve(launch: TopLaunch | None, batch: int) -> list[list[tuple[int, float]] | None]:
+        top: list[list[tuple[int, float]] | None] = [None] * batch
+        if launch is None:
+            return top
+        values_l, ids_l = launch.values.tolist(), launch.ids.tolist()
+        for j, i in enumerate(launch.rows):
+            k = launch.want[i] or 0
             # -inf (a masked/NaN logit) is not JSON; report it as the most negative float.
             top[i] = [(t, max(v, LOWEST)) for t, v in zip(ids_l[j][:k], values_l[j][:k], strict=True)]
         return top

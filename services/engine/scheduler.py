@@ -16,6 +16,11 @@ On admission the sequence's full pages are looked up in the prefix cache (kv_cac
 tokens after the longest cached prefix are computed. The n samples of one request share their
 prompt: the first prefills it and the others *fork* from it in the step its prefill completes
 (they share its full prompt pages, copy the partly filled last one, and sample from its logits).
+
+With overlap scheduling (docs/engine.md) a running sequence may hold one *pending* token, sampled
+by the step still in flight: it is fed from the device, counts as one of the sequence's tokens, a
+sequence whose pending token ends it by length is not scheduled again, and a sequence with a
+pending token is never preempted.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class Scheduler:
     def add(self, request: RequestState) -> None:
         # Samples already finished (their first token came from a prefill service) never run.
         self.waiting.extend(s for s in request.seqs if s.status is not Status.FINISHED)
+        for s in request.seqs:
+            # The length at which max_tokens or max_seq_len ends it (engine._stop_reason).
+            s.max_len = min(len(s.prompt) + s.params.max_tokens, self.kv.max_seq_len)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -89,28 +97,37 @@ class Scheduler:
             if not seq.output and seq.num_cached + n == len(seq.prompt):
                 completing[seq.request] = seq
 
+        starved = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             cached = seq.num_cached
-            if (
-                cached + 1 == len(seq.prompt) + len(seq.output)
-                and cached < len(seq.block_table) * bs
-                and seq.output
-            ):
+            # Overlap scheduling: a token sampled by the step in flight is not in seq.output yet.
+            pend = seq.pending
+            total = len(seq.prompt) + len(seq.output) + pend
+            if pend and total >= seq.max_len:
+                i += 1  # it finishes by length when that token lands: no forward for a discarded token
+                continue
+            if cached + 1 == total and cached < len(seq.block_table) * bs and (seq.output or pend):
                 # Fast path, almost every sequence of a decode step: one token, and its page is
                 # already there (no allocation, so no preemption); the same outcome as below.
                 plan.compute.append((seq, 1))
                 budget -= 1
                 i += 1
                 continue
-            want = min(seq.num_tokens - cached, budget)
+            want = min(seq.num_tokens + pend - cached, budget)
             # Free pages first; a prefill chunk shrinks to what fits before anyone is preempted.
             fit = (len(seq.block_table) + self.kv.num_free) * bs - seq.num_cached
-            while fit < 1 and self.running[-1] is not seq:
+            while fit < 1 and self.running[-1] is not seq and not self.running[-1].pending:
                 self._preempt(self.running.pop())
                 fit = (len(seq.block_table) + self.kv.num_free) * bs - seq.num_cached
             if fit < 1:
+                if self.running[-1].pending:
+                    # Overlap scheduling never preempts a sequence whose token is in flight (its
+                    # pages hold what that token's bookkeeping reads, e.g. routed experts): this
+                    # step leaves the rest out, and the next one, with that token landed, preempts.
+                    starved = True
+                    break
                 self._preempt(self.running.pop())  # it is the newest: it waits for older ones
                 break
             n = min(want, fit)
@@ -118,8 +135,10 @@ class Scheduler:
             add(seq, n)
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not starved:
             seq = self.waiting[0]
+            if seq.pending:
+                break  # a guard: a sequence with a token in flight is never preempted (above)
             parent = completing.get(seq.request)
             if parent is not None and not seq.output:
                 if not self._fork(seq, parent):

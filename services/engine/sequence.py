@@ -68,6 +68,11 @@ class Sequence:
         # Tokens whose K/V are in the cache; the rest (the prompt, fed in chunks, then the last
         # sampled token) are fed in later steps. 0 again after a preemption: recomputed.
         self.num_cached = 0
+        # Overlap scheduling (docs/engine.md): tokens sampled on the device but not yet appended
+        # (0 or 1 between steps), and the row of the latest one in the in-flight step's sample.
+        self.pending = 0
+        self.pending_row = 0
+        self.max_len = 1 << 62  # set by Scheduler.add: the length at which max_tokens/max_seq_len end it
         # Set by the engine when the sample finishes, if the request asked for routed experts.
         self.routed_experts: RoutedExperts | None = None
 
