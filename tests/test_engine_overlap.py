@@ -394,5 +394,7 @@ def test_feed_pending_writes_only_the_pending_rows() -> None:
     assert batch.input_ids.tolist() == [80, 11, 70]
 
 
-def test_overlap_schedule_is_off_by_default() -> None:
-    assert EngineConfig().overlap_schedule is False
+def test_overlap_schedule_is_on_with_cuda_only_by_default(dirs: tuple[Path, Path]) -> None:
+    assert EngineConfig().overlap_schedule == "auto"
+    assert LLMEngine(dirs[0], EngineConfig(device="cpu")).overlap is False
+    assert LLMEngine(dirs[0], EngineConfig(device="cpu", overlap_schedule=True)).overlap is True

@@ -265,8 +265,10 @@ class EngineConfig(Strict):
     quantization: Literal["none", "fp8"] = "none"
     # Overlap scheduling (docs/engine.md): step N+1 is scheduled and launched before step N's
     # sampled tokens reach the host (they feed N+1 on the device); N's bookkeeping runs while N+1
-    # computes. Same tokens as off; off until the H200 W1 run has measured it.
-    overlap_schedule: bool = False
+    # computes. Same tokens as off. "auto": on with CUDA, where it took W1 from 51% to 64% of the
+    # roofline (bench/engine/results/w1_h200_4.json); off on CPU, where the forward is synchronous
+    # and nothing overlaps. true / false force it (the CPU tests force it on).
+    overlap_schedule: Literal["auto"] | bool = "auto"
 
 
 class DecodeSection(ServiceSection):

@@ -112,6 +112,8 @@ class LLMEngine:
         # Overlap scheduling (cfg.overlap_schedule, docs/engine.md): the launched step whose tokens
         # have not been appended yet.
         self._inflight: InFlight | None = None
+        ov = cfg.overlap_schedule
+        self.overlap = ov is True or (ov == "auto" and self.device.type == "cuda")
         # Set by AsyncEngine: then only its thread may call step().
         self.background = False
         # GPU fast path (docs/architecture.md "GPU path"): paged kernels, CUDA-graph decode steps.
@@ -267,7 +269,7 @@ class LLMEngine:
             expired, self._born_finished = self._born_finished + expired, []
         if self.pages.pending:
             self.pages.drain()  # pages pulled from the KV store: prefix hits for this admission
-        if self.cfg.overlap_schedule:
+        if self.overlap:
             return expired + self._step_overlapped()
         plan = self.scheduler.schedule()
         if plan.empty:
