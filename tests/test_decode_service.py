@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.debug_weights import spread_debug_versions
+from helpers.decode_server import decode_server, wait_for
 
 from services.common.bus import Bus
-from services.common.config import CONFIG_DIR, REPO_ROOT, EngineConfig, RunConfig, load_config
+from services.common.config import CONFIG_DIR, load_config
 from services.common.schemas import WeightsInfo
-from trainer.model import build_model, save_weights_dir
 
 
 @dataclass
@@ -27,63 +26,30 @@ class Decode:
     url: str
     bus: Bus
     proc: subprocess.Popen[bytes]
-    weights: list[Path]
+    weights: tuple[Path, Path]
     log: Path
     health_before_weights: dict[str, object]
-
-
-def wait_for(check, timeout_s: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
 def decode(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Decode]:
     tmp = tmp_path_factory.mktemp("decode")
     m = load_config(CONFIG_DIR / "debug.toml").model
-    weights = []
-    for v in (0, 1):
-        state = build_model(m, seed=v).state_dict()
-        state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions (see test_engine)
-        weights.append(save_weights_dir(m, state, tmp / f"step_{v}", {"version": v}))
-    cfg = RunConfig(model=m)
-    cfg.redis.prefix = f"test-decode-{uuid.uuid4().hex[:8]}"
-    cfg.redis.heartbeat_s = 0.2
-    cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64)
-    cfg.run.name = "relay-test"
-    (tmp / "config.json").write_text(cfg.dump())
-    bus = Bus(redis_url, cfg.redis.prefix)
-    log = tmp / "decode.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.decode",
-                "--config",
-                str(tmp / "config.json"),
-                "--redis-url",
-                redis_url,
-            ],
-            cwd=REPO_ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        info = wait_for(lambda: bus.services("decode"), what=f"decode registration (log: {log})")[0]
-        health = httpx.get(f"{info.url}/health").json()
-        bus.publish_weights(WeightsInfo(version=0, path=str(weights[0])))
-        wait_for(lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok", what="weights loaded")
-        yield Decode(info.url, bus, proc, weights, log, health)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    weights = spread_debug_versions(tmp)
+    with decode_server(
+        redis_url,
+        weights[0],
+        m,
+        tmp,
+        prefix="test-decode",
+        max_seq_len=64,
+        run_name="relay-test",
+        publish=False,
+    ) as s:
+        health = httpx.get(f"{s.url}/health").json()
+        s.bus.publish_weights(WeightsInfo(version=0, path=str(weights[0])))
+        wait_for(lambda: httpx.get(f"{s.url}/health").json()["status"] == "ok", what="weights loaded")
+        yield Decode(s.url, s.bus, s.proc, weights, s.log, health)
 
 
 def post(d: Decode, path: str, body: object) -> httpx.Response:

@@ -14,15 +14,23 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.hf_random import (
+    TINY,
+    VOCAB,
+    HFPair,
+    assert_logits_match_hf,
+    engine,
+    hf_greedy,
+    hf_pair_fixture,
+    randomize,
+)
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from services.common.config import EngineConfig, RopeScaling
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.batch import ForwardBatch, Span
 
 TOL = 1e-4  # float32; HF computes cos/sin by matmul and attention through its own path
-VOCAB = 97
 LLAMA31 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -32,19 +40,11 @@ LLAMA31 = {
     "original_max_position_embeddings": 32,
 }
 
-COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
+COMMON: dict[str, Any] = TINY | {
     "intermediate_size": 160,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
     "num_key_value_heads": 2,  # GQA
     "head_dim": 16,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "eos_token_id": 1,
     "bos_token_id": 2,
-    "pad_token_id": 0,
 }
 
 VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
@@ -65,42 +65,22 @@ VARIANTS: dict[str, tuple[type[PreTrainedModel], Any]] = {
 }
 
 
-def build_hf(cls: type[PreTrainedModel], config: Any, seed: int) -> PreTrainedModel:
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        # HF's init (std 0.02) gives near-uniform logits, where greedy ties would make the
-        # comparison depend on rounding; larger weights and perturbed norms give peaked
-        # distributions and really exercise every norm weight.
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.12)
-    return model
+def build(name: str) -> PreTrainedModel:
+    cls, config = VARIANTS[name]
+    return cls(config)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    cls, config = VARIANTS[request.param]
-    hf = build_hf(cls, config, seed=len(request.param))
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d)
-    eng = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256, torch_threads=1))
-    return request.param, hf, eng, d
+pair = hf_pair_fixture(VARIANTS, build, seed=5)
 
 
-def engine_logprobs(eng: LLMEngine, tokens: list[int]) -> torch.Tensor:
-    n = eng.kv.blocks_for(eng.kv.max_seq_len)
-    with torch.inference_mode():
-        batch = ForwardBatch.build(
-            [Span(list(range(n)), 0, tokens)], eng.device, eng.kv.max_seq_len, eng.kv.block_size
-        )
-        return torch.log_softmax(eng.model.logits(eng.model(batch, eng.kv)).float(), dim=-1)
+@pytest.fixture(scope="module")
+def eng(pair: HFPair) -> LLMEngine:
+    """One engine per variant, shared by its tests."""
+    return engine(pair[2], max_batch_size=4, torch_threads=1)
 
 
-def test_config_mapping(pair) -> None:
-    name, hf, eng, d = pair
+def test_config_mapping(pair: HFPair, eng: LLMEngine) -> None:
+    name, hf, _d = pair
     m = eng.model_config
     assert m.arch == ("llama3" if name.startswith("llama") else "qwen3")
     assert m.qk_norm == name.startswith("qwen3")
@@ -116,32 +96,18 @@ def test_config_mapping(pair) -> None:
         assert m.rope_scaling is None
 
 
-def test_logits_match_transformers(pair) -> None:
-    _name, hf, eng, _d = pair
+def test_logits_match_transformers(pair: HFPair, eng: LLMEngine) -> None:
     tokens = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(tokens[None]).logits[0].float(), dim=-1)
-    out = engine_logprobs(eng, tokens.tolist())
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+    assert_logits_match_hf(eng, pair[1], tokens.tolist(), TOL)
 
 
-def test_greedy_64_tokens_match_hf_generate(pair) -> None:
-    _name, hf, eng, _d = pair
+def test_greedy_64_tokens_match_hf_generate(pair: HFPair, eng: LLMEngine) -> None:
+    hf = pair[1]
     prompts = [[5, 17, 33, 8, 61, 2], [40, 41, 42], [9] * 11]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     resps = eng.generate([GenerateRequest(input_ids=p, sampling=params) for p in prompts])
-    # ignore_eos: HF then never stops early (min_new_tokens would instead mask EOS's logit).
-    hf.generation_config.eos_token_id = None
     for prompt, resp in zip(prompts, resps, strict=True):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=64,
-                pad_token_id=0,
-            )
-        expected = out[0, len(prompt) :].tolist()
+        expected = hf_greedy(hf, prompt, 64)
         assert len(expected) == 64
         assert resp.choices[0].output_ids == expected
         assert resp.choices[0].finish_reason == "length"
@@ -170,8 +136,7 @@ def test_loads_hf_snapshot_with_rope_scaling_key(tmp_path: Path) -> None:
     import json
     import shutil
 
-    cls, config = VARIANTS["llama31-rope-scaled"]
-    hf = build_hf(cls, config, seed=0)
+    hf = randomize(build("llama31-rope-scaled"), seed=0)
     new = tmp_path / "new"
     hf.save_pretrained(new)
     old = tmp_path / "old"
@@ -192,8 +157,7 @@ def test_rejects_unsupported_rope_type(tmp_path: Path) -> None:
 
     from services.engine import WeightsError
 
-    cls, config = VARIANTS["llama3-untied"]
-    hf = build_hf(cls, config, seed=0)
+    hf = randomize(build("llama3-untied"), seed=0)
     hf.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}

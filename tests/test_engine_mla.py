@@ -18,16 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers.hf_random import (
-    PROMPTS,
-    assert_greedy_matches_hf_and_alone,
-    assert_same_experts,
-    engine,
-    engine_logprobs,
-    hf_pair_fixture,
-    hf_router_ids,
-    randomize,
-)
+from helpers import hf_random as hr
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -45,7 +36,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 
 TOL = 1e-4
-VOCAB = 97
+VOCAB = hr.VOCAB
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # DeepSeek-V3 shape: low-rank q, 4 groups of 4 experts (2 kept), 1 shared expert
@@ -80,13 +71,9 @@ def build(name: str) -> PreTrainedModel:
     return DeepseekV3ForCausalLM(deepseek_config(**over))
 
 
-BASE: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
+BASE: dict[str, Any] = hr.TINY | {
     "intermediate_size": 96,
     "moe_intermediate_size": 32,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
     "n_routed_experts": 16,
     "num_experts_per_tok": 3,
     "first_k_dense_replace": 1,
@@ -95,10 +82,6 @@ BASE: dict[str, Any] = {
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
     "v_head_dim": 12,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "eos_token_id": 1,
-    "pad_token_id": 0,
     "bos_token_id": 2,
 }
 
@@ -113,12 +96,12 @@ def set_absorb(eng: LLMEngine, absorb: bool | None) -> None:
             mod.absorb = absorb
 
 
-pair = hf_pair_fixture(VARIANTS, build, seed=11)
+pair = hr.hf_pair_fixture(VARIANTS, build, seed=11)
 
 
 def test_config_and_cache_layout(pair) -> None:
     name, hf, d = pair
-    eng = engine(d)
+    eng = hr.engine(d)
     m = eng.model_config
     assert m.arch == ("glm_moe_dsa" if name == "glm5-dsa" else "deepseek_v3") and m.is_mla and m.is_moe
     assert m.head_dim == 24 and m.n_kv_heads == 4
@@ -147,37 +130,35 @@ def test_config_and_cache_layout(pair) -> None:
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
 def test_logits_match_transformers(pair, absorb: bool) -> None:
     _, hf, d = pair
-    eng = engine(d)
+    eng = hr.engine(d)
     set_absorb(eng, absorb)
     tokens = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(tokens[None]).logits[0].float(), dim=-1)
-    torch.testing.assert_close(engine_logprobs(eng, tokens.tolist()), ref, atol=TOL, rtol=0)
+    hr.assert_logits_match_hf(eng, hf, tokens.tolist(), TOL)
 
 
 def test_greedy_matches_hf_generate_and_one_sequence_runs(pair) -> None:
     """Decode steps take the absorbed route, prefill chunks the expanded one."""
     _, hf, d = pair
-    assert_greedy_matches_hf_and_alone(hf, d, PROMPTS)
+    hr.assert_greedy_matches_hf_and_alone(hf, d, hr.PROMPTS)
 
 
 def test_routed_experts_match_hf_router(pair) -> None:
     _, hf, d = pair
-    eng = engine(d, block_size=4, max_num_batched_tokens=16)
+    eng = hr.engine(d, block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=2, n=2)
-    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in PROMPTS]
-    for prompt, resp in zip(PROMPTS, eng.generate(reqs), strict=True):
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in hr.PROMPTS]
+    for prompt, resp in zip(hr.PROMPTS, eng.generate(reqs), strict=True):
         for choice in resp.choices:
             assert choice.routed_experts is not None
             ids = routing.decode(choice.routed_experts)
             assert ids.shape == (len(prompt) + len(choice.output_ids), 2, 3)
             assert (ids[-1] == routing.unrecorded(ids.dtype)).all()
-            assert_same_experts(ids[:-1], hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
+            hr.assert_same_experts(ids[:-1], hr.hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
 
 
 def test_prefix_cache_hit_reuses_latents_and_routing(pair) -> None:
     _, hf, d = pair
-    eng = engine(d, block_size=4)
+    eng = hr.engine(d, block_size=4)
     prompt = list(range(30, 70))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     req = GenerateRequest(input_ids=prompt, sampling=params, return_routed_experts=True)
@@ -188,7 +169,7 @@ def test_prefix_cache_hit_reuses_latents_and_routing(pair) -> None:
     assert a.output_ids == b.output_ids
     assert a.routed_experts is not None and b.routed_experts is not None
     np.testing.assert_array_equal(routing.decode(a.routed_experts), routing.decode(b.routed_experts))
-    assert_same_experts(routing.decode(b.routed_experts)[: len(prompt)], hf_router_ids(hf, prompt))
+    hr.assert_same_experts(routing.decode(b.routed_experts)[: len(prompt)], hr.hf_router_ids(hf, prompt))
 
 
 def test_kv_bytes_per_block_counts_latent_and_routing() -> None:
@@ -217,20 +198,20 @@ def test_rejects_yarn_and_shared_indexers(tmp_path: Path) -> None:
     """What the engine does not implement fails at load, naming it, instead of computing
     something else: YaRN rope scaling (DeepSeek-V3/Kimi-K2 Hub checkpoints) and GLM-5 layers that
     reuse another layer's DSA selection (indexer_types "shared")."""
-    hf = randomize(DeepseekV3ForCausalLM(deepseek_config()), seed=0)
+    hf = hr.randomize(DeepseekV3ForCausalLM(deepseek_config()), seed=0)
     hf.save_pretrained(tmp_path / "yarn")
     cfg = json.loads((tmp_path / "yarn" / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}
     (tmp_path / "yarn" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError, match="yarn"):
-        engine(tmp_path / "yarn")
-    glm = randomize(build("glm5-dsa"), seed=0)
+        hr.engine(tmp_path / "yarn")
+    glm = hr.randomize(build("glm5-dsa"), seed=0)
     glm.save_pretrained(tmp_path / "shared")
     cfg = json.loads((tmp_path / "shared" / "config.json").read_text())
     cfg["indexer_types"] = ["full", "shared", "full"]
     (tmp_path / "shared" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(WeightsError, match="indexer_types"):
-        engine(tmp_path / "shared")
+        hr.engine(tmp_path / "shared")
 
 
 def test_dsa_needs_the_low_rank_query() -> None:
@@ -259,14 +240,13 @@ def test_dsa_needs_the_low_rank_query() -> None:
 def test_dsa_selection_changes_the_function(tmp_path: Path) -> None:
     """The glm5-dsa parity above checks sparse attention itself: with every key selected (an
     index_topk past the context) the engine no longer computes HF's GLM-5 logits."""
-    hf = randomize(build("glm5-dsa"), seed=11)
+    hf = hr.randomize(build("glm5-dsa"), seed=11)
     hf.save_pretrained(tmp_path)
-    eng = engine(tmp_path)
+    eng = hr.engine(tmp_path)
     tokens = list(range(3, 90))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
-    torch.testing.assert_close(engine_logprobs(eng, tokens), ref, atol=TOL, rtol=0)
+    ref = hr.hf_logprobs(hf, tokens)
+    torch.testing.assert_close(hr.engine_logprobs(eng, tokens), ref, atol=TOL, rtol=0)
     for mod in eng.model.modules():
         if isinstance(mod, MLAttention) and mod.indexer is not None:
             mod.indexer.topk = 10**6
-    assert (engine_logprobs(eng, tokens) - ref).abs().max() > 0.1
+    assert (hr.engine_logprobs(eng, tokens) - ref).abs().max() > 0.1

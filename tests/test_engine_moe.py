@@ -16,16 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers.hf_random import (
-    PROMPTS,
-    assert_greedy_matches_hf_and_alone,
-    assert_same_experts,
-    engine,
-    engine_logprobs,
-    hf_pair_fixture,
-    hf_router_ids,
-    randomize,
-)
+from helpers import hf_random as hr
 from transformers import PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from services.common import routing
@@ -36,7 +27,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.moe import ExpertWeights, route
 
 TOL = 1e-4
-VOCAB = 97
+VOCAB = hr.VOCAB
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # a leading dense layer (mlp_only_layers), renormalised top-2 of 8
@@ -47,21 +38,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def qwen3_moe_config(**over: Any) -> Qwen3MoeConfig:
-    base: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
+    base: dict[str, Any] = hr.TINY | {
         "intermediate_size": 96,
         "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "num_experts": 8,
-        "max_position_embeddings": 256,
         "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "eos_token_id": 1,
-        "pad_token_id": 0,
         "tie_word_embeddings": False,
     }
     return Qwen3MoeConfig(**(base | over))
@@ -71,7 +54,7 @@ def build(name: str) -> PreTrainedModel:
     return Qwen3MoeForCausalLM(qwen3_moe_config(**VARIANTS[name]))
 
 
-pair = hf_pair_fixture(VARIANTS, build, seed=7)
+pair = hr.hf_pair_fixture(VARIANTS, build, seed=7)
 
 
 def test_save_pretrained_writes_per_expert_names(pair) -> None:
@@ -88,7 +71,7 @@ def test_save_pretrained_writes_per_expert_names(pair) -> None:
 
 def test_config_mapping(pair) -> None:
     name, hf, d = pair
-    m = engine(d).model_config
+    m = hr.engine(d).model_config
     assert m.arch == "qwen3_moe" and m.is_moe and not m.is_mla
     assert m.n_routed_experts == 8 and m.moe_hidden_dim == 32 and m.hidden_dim == 96
     assert m.n_experts_per_tok == hf.config.num_experts_per_tok
@@ -99,34 +82,32 @@ def test_config_mapping(pair) -> None:
 
 def test_logits_match_transformers(pair) -> None:
     _, hf, d = pair
-    eng = engine(d)
+    eng = hr.engine(d)
     tokens = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(tokens[None]).logits[0].float(), dim=-1)
-    torch.testing.assert_close(engine_logprobs(eng, tokens.tolist()), ref, atol=TOL, rtol=0)
+    hr.assert_logits_match_hf(eng, hf, tokens.tolist(), TOL)
 
 
 def test_fused_expert_layout_loads_the_same(pair) -> None:
     """transformers' in-memory state dict holds experts fused (gate_up_proj [E, 2I, D]); the
     loader accepts that layout as well as the per-expert one on disk."""
     _, hf, d = pair
-    eng = engine(d)
+    eng = hr.engine(d)
     state = hf.state_dict()
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
     tokens = list(range(3, 60))
-    before = engine_logprobs(eng, tokens)
+    before = hr.engine_logprobs(eng, tokens)
     with torch.no_grad():
         for p in eng.model.parameters():
             p.zero_()
     eng.model.load_hf_state(state)
-    torch.testing.assert_close(engine_logprobs(eng, tokens), before, atol=0, rtol=0)
+    torch.testing.assert_close(hr.engine_logprobs(eng, tokens), before, atol=0, rtol=0)
 
 
 def test_incomplete_per_expert_state_is_rejected(pair) -> None:
     _, _, d = pair
     from services.common.modeldir import read_model_dir
 
-    eng = engine(d)
+    eng = hr.engine(d)
     _, state = read_model_dir(d)
     del state["model.layers.2.mlp.experts.5.up_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts: per-expert tensors incomplete"):
@@ -135,18 +116,18 @@ def test_incomplete_per_expert_state_is_rejected(pair) -> None:
 
 def test_greedy_matches_hf_generate_and_one_sequence_runs(pair) -> None:
     _, hf, d = pair
-    assert_greedy_matches_hf_and_alone(hf, d, PROMPTS)
+    hr.assert_greedy_matches_hf_and_alone(hf, d, hr.PROMPTS)
 
 
 def test_routed_experts_match_hf_router(pair) -> None:
     """Batched, chunked prefill (a token budget smaller than the prompts) and sampled decoding:
     every forwarded token's ids are HF's router top-k on the same full sequence."""
     _, hf, d = pair
-    eng = engine(d, block_size=4, max_num_batched_tokens=16)
+    eng = hr.engine(d, block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1)
-    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in PROMPTS]
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in hr.PROMPTS]
     m = eng.model_config
-    for prompt, resp in zip(PROMPTS, eng.generate(reqs), strict=True):
+    for prompt, resp in zip(hr.PROMPTS, eng.generate(reqs), strict=True):
         choice = resp.choices[0]
         assert choice.routed_experts is not None
         ids = routing.decode(choice.routed_experts)
@@ -155,40 +136,42 @@ def test_routed_experts_match_hf_router(pair) -> None:
         assert ids.shape == (n, m.n_layers - m.first_k_dense, m.n_experts_per_tok)
         # The last sampled token was never forwarded: its row is the sentinel.
         assert (ids[-1] == routing.unrecorded(ids.dtype)).all()
-        assert_same_experts(ids[:-1], hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
+        hr.assert_same_experts(ids[:-1], hr.hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
 
 
 def test_prefix_cache_hits_and_forks_keep_routing(pair) -> None:
     """A prompt served from the prefix cache skips the forward; its ids come from the pages. The
     n samples of one request fork from one prefill and share its prompt rows."""
     _, hf, d = pair
-    eng = engine(d, block_size=4)
+    eng = hr.engine(d, block_size=4)
     prompt = list(range(20, 58))  # 38 tokens: 9 full pages and a partial one
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=3, seed=5)
     first = eng.generate([GenerateRequest(input_ids=prompt, sampling=params, return_routed_experts=True)])[0]
     hits = eng.stats.prefix_cache_hit_tokens
     second = eng.generate([GenerateRequest(input_ids=prompt, sampling=params, return_routed_experts=True)])[0]
     assert eng.stats.prefix_cache_hit_tokens - hits == 36  # the 9 full pages
-    want_prompt = hf_router_ids(hf, prompt)
+    want_prompt = hr.hf_router_ids(hf, prompt)
     for resp in (first, second):
         assert len(resp.choices) == 3
         for choice in resp.choices:
             assert choice.routed_experts is not None
             ids = routing.decode(choice.routed_experts)
-            assert_same_experts(ids[: len(prompt)], want_prompt)
-            assert_same_experts(ids[:-1], hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
+            hr.assert_same_experts(ids[: len(prompt)], want_prompt)
+            hr.assert_same_experts(ids[:-1], hr.hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
 
 
 def test_routing_only_when_asked(pair) -> None:
     _, _, d = pair
-    resp = engine(d).generate([GenerateRequest(input_ids=[3, 4, 5], sampling=SamplingParams(max_tokens=2))])
+    resp = hr.engine(d).generate(
+        [GenerateRequest(input_ids=[3, 4, 5], sampling=SamplingParams(max_tokens=2))]
+    )
     assert resp[0].choices[0].routed_experts is None
 
 
 def test_dense_model_returns_no_routing(tmp_path: Path) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    hf = randomize(
+    hf = hr.randomize(
         Qwen3ForCausalLM(
             Qwen3Config(
                 vocab_size=VOCAB,
@@ -203,7 +186,7 @@ def test_dense_model_returns_no_routing(tmp_path: Path) -> None:
         seed=0,
     )
     hf.save_pretrained(tmp_path)
-    eng = engine(tmp_path)
+    eng = hr.engine(tmp_path)
     assert eng.kv.routing is None
     req = GenerateRequest(input_ids=[3, 4], sampling=SamplingParams(max_tokens=2), return_routed_experts=True)
     assert eng.generate([req])[0].choices[0].routed_experts is None
@@ -286,14 +269,11 @@ def test_debug_moe_config_round_trips(tmp_path: Path) -> None:
     assert m.arch == "qwen3_moe" and m.n_routed_experts == 8 and m.n_experts_per_tok == 2
     cfg = hf_config(m, eos_token_id=1)
     assert model_config_from_hf(cfg) == m
-    hf = randomize(Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)), seed=3)
+    hf = hr.randomize(Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)), seed=3)
     hf.save_pretrained(tmp_path)
-    eng = engine(tmp_path)
+    eng = hr.engine(tmp_path)
     assert eng.model_config.model_dump(exclude={"max_seq_len"}) == m.model_dump(exclude={"max_seq_len"})
-    tokens = list(range(1, 60))
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
-    torch.testing.assert_close(engine_logprobs(eng, tokens), ref, atol=TOL, rtol=0)
+    hr.assert_logits_match_hf(eng, hf, list(range(1, 60)), TOL)
 
 
 def test_qwen3_moe_rejects_what_hf_cannot_express() -> None:
@@ -316,12 +296,12 @@ def test_loads_trainer_published_moe_weights(tmp_path: Path) -> None:
             if "norm" not in name:
                 p.normal_(0, 0.1)  # peaked routing and logits: every expert weight matters
     d = save_weights_dir(m, model.state_dict(), tmp_path / "step_0", {"version": 0})
-    eng = engine(d)
+    eng = hr.engine(d)
     assert eng.model_config.model_dump(exclude={"max_seq_len"}) == m.model_dump(exclude={"max_seq_len"})
     tokens = list(range(1, 60))
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([tokens]))[0].float(), dim=-1)
-    torch.testing.assert_close(engine_logprobs(eng, tokens), ref, atol=TOL, rtol=0)
+    torch.testing.assert_close(hr.engine_logprobs(eng, tokens), ref, atol=TOL, rtol=0)
 
 
 def test_decode_service_returns_routed_experts(redis_url: str, tmp_path: Path) -> None:
@@ -354,26 +334,26 @@ def test_weight_update_in_place_matches_fresh_engine(tmp_path: Path) -> None:
     """load_weights copies a new per-expert checkpoint into the fused expert tensors in place."""
     dirs = []
     for seed in (1, 2):
-        hf = randomize(Qwen3MoeForCausalLM(qwen3_moe_config(**VARIANTS["dense0-norm"])), seed=seed)
+        hf = hr.randomize(Qwen3MoeForCausalLM(qwen3_moe_config(**VARIANTS["dense0-norm"])), seed=seed)
         hf.save_pretrained(tmp_path / f"v{seed}")
         dirs.append(tmp_path / f"v{seed}")
-    eng = engine(dirs[0])
+    eng = hr.engine(dirs[0])
     tokens = list(range(2, 50))
-    old = engine_logprobs(eng, tokens)
+    old = hr.engine_logprobs(eng, tokens)
     experts = eng.model.model.layers[1].mlp.experts.gate_up_proj
     ptr = experts.data_ptr()
     eng.load_weights(dirs[1], version=1)
     assert experts.data_ptr() == ptr  # same storage: no reallocation
-    new = engine_logprobs(eng, tokens)
+    new = hr.engine_logprobs(eng, tokens)
     assert (new - old).abs().max() > 0.1
-    torch.testing.assert_close(new, engine_logprobs(engine(dirs[1]), tokens), atol=0, rtol=0)
+    torch.testing.assert_close(new, hr.engine_logprobs(hr.engine(dirs[1]), tokens), atol=0, rtol=0)
 
 
 def test_routing_survives_preemption(pair) -> None:
     """A pool too small for all sequences preempts (pages freed, recomputed later); the ids of
     the recomputed tokens come from the recompute and still equal HF's router top-k."""
     _, hf, d = pair
-    eng = engine(d, block_size=4, num_kv_blocks=16)
+    eng = hr.engine(d, block_size=4, num_kv_blocks=16)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=4)
     prompts = [list(range(10 + i, 30 + i)) for i in range(4)]  # 4 x 36 tokens > 64 slots
     reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
@@ -383,4 +363,4 @@ def test_routing_survives_preemption(pair) -> None:
         choice = resp.choices[0]
         assert choice.routed_experts is not None and len(choice.output_ids) == 16
         ids = routing.decode(choice.routed_experts)
-        assert_same_experts(ids[:-1], hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))
+        hr.assert_same_experts(ids[:-1], hr.hf_router_ids(hf, (prompt + choice.output_ids)[:-1]))

@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.debug_weights import spread_debug_versions
 
-from services.common.config import EngineConfig, load_config
+from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
 from services.engine import AsyncEngine, LLMEngine
 from services.engine.batch import HostBatch, Span
 from services.engine.cuda_graphs import InputBuffers
 from services.engine.overlap import Feed, feed_pending
-from trainer.model import build_model, save_weights_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = dict(device="cpu", max_batch_size=16, max_seq_len=64, block_size=4)
@@ -35,14 +35,7 @@ def cfg(overlap: bool, **kw: object) -> EngineConfig:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two debug-model versions (char tokenizer) with spread-out next-token distributions."""
-    root = tmp_path_factory.mktemp("overlap")
-    m = load_config("debug").model
-    out = []
-    for seed in (0, 1):
-        state = build_model(m, seed=seed).state_dict()
-        state["norm.weight"] = state["norm.weight"] * 0.3
-        out.append(save_weights_dir(m, state, root / f"step_{seed}", {"version": seed}))
-    return out[0], out[1]
+    return spread_debug_versions(tmp_path_factory.mktemp("overlap"))
 
 
 def req(prompt: list[int], **sampling: object) -> GenerateRequest:

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.debug_weights import spread_debug_versions
 
-from services.common.config import EngineConfig, load_config
+from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
 from services.engine import InvalidRequest, LLMEngine
 from services.engine.kv_cache import BlockManager, block_hash, root_hash
-from trainer.model import build_model, load_weights_dir, save_weights_dir
+from trainer.model import build_model, load_weights_dir
 
 BASE = dict(device="cpu", max_batch_size=16, max_seq_len=64)
 # The old slot engine's layout: one page holds a whole sequence.
@@ -27,14 +28,7 @@ PAGED = EngineConfig(**BASE, block_size=4)  # type: ignore[arg-type]
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two debug-model weight versions with spread-out next-token distributions."""
-    root = tmp_path_factory.mktemp("paged")
-    m = load_config("debug").model
-    out = []
-    for seed in (0, 1):
-        state = build_model(m, seed=seed).state_dict()
-        state["norm.weight"] = state["norm.weight"] * 0.3
-        out.append(save_weights_dir(m, state, root / f"step_{seed}", {"version": seed}))
-    return out[0], out[1]
+    return spread_debug_versions(tmp_path_factory.mktemp("paged"))
 
 
 def req(prompt: list[int], **sampling: object) -> GenerateRequest:

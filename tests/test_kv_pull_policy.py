@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,10 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers.service_process import start_service
 from prometheus_client import REGISTRY, generate_latest
 
 from services.common.bus import Bus
-from services.common.config import REPO_ROOT, EngineConfig, KVPullSection, ModelConfig, RunConfig
+from services.common.config import EngineConfig, KVPullSection, ModelConfig, RunConfig
 from services.common.modeldir import hf_config, write_model_dir
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
 from services.engine import LLMEngine
@@ -316,21 +316,7 @@ def test_real_decode_pulls_when_it_pays(redis_url: str, tmp_path: Path) -> None:
     bus.publish_weights(WeightsInfo(version=0, path=str(weights)))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for name, module in (("kvstore", "services.kvstore"), ("decode", "services.decode")):
-        with open(tmp_path / f"{name}.log", "wb") as out:
-            procs[name] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    module,
-                    "--config",
-                    str(tmp_path / "config.json"),
-                    "--redis-url",
-                    redis_url,
-                ],
-                cwd=REPO_ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        procs[name] = start_service(module, tmp_path / "config.json", redis_url, tmp_path / f"{name}.log")
     try:
         gw = wait_url(bus, "kvstore", procs["kvstore"], tmp_path / "kvstore.log")
         dec = wait_url(bus, "decode", procs["decode"], tmp_path / "decode.log")

@@ -127,39 +127,36 @@ def test_trainer_batches_carry_token_advantages() -> None:
         sample([1, 2], [0, 1], 0.0, [0.0])
 
 
-def test_loss_with_uniform_token_advantages_equals_sequence_loss() -> None:
-    torch.manual_seed(0)
-    seq = [sample([1, 2, 3, 4], [0, 1, 1, 1], 0.7, None), sample([1, 2, 3], [0, 1, 1], -0.2, None)]
-    tok = [s.model_copy(update={"token_advantages": s.advantages_per_token()}) for s in seq]
-    logp = torch.randn(2, 3, requires_grad=True)
-    losses = []
-    for batch in (seq, tok):
-        mb = collate(batch)
-        loss, _ = ratio_loss(
-            logp,
-            mb.logp_infer,
-            mb.advantages,
-            mb.loss_mask,
-            ratio_low=0.0,
-            ratio_high=1e9,
-            total_loss_tokens=5,
-        )
-        (grad,) = torch.autograd.grad(loss, logp)
-        losses.append((loss.item(), grad))
-    assert losses[0][0] == pytest.approx(losses[1][0])
-    assert torch.allclose(losses[0][1], losses[1][1])
-    # and a per-token advantage moves only its own token's gradient
-    mb = collate([seq[0].model_copy(update={"token_advantages": [0.0, 0.0, 1.0, 0.0]})])
+def loss_and_grad(
+    logp: torch.Tensor, batch: list[Sample], total_loss_tokens: int
+) -> tuple[float, torch.Tensor]:
+    """ratio_loss of `batch` (collated) at the first len(batch) rows of `logp`, clipping off:
+    (loss, its gradient with respect to the whole of `logp`)."""
+    mb = collate(batch)
     loss, _ = ratio_loss(
-        logp[:1],
+        logp[: len(batch)],
         mb.logp_infer,
         mb.advantages,
         mb.loss_mask,
         ratio_low=0.0,
         ratio_high=1e9,
-        total_loss_tokens=3,
+        total_loss_tokens=total_loss_tokens,
     )
     (grad,) = torch.autograd.grad(loss, logp)
+    return loss.item(), grad
+
+
+def test_loss_with_uniform_token_advantages_equals_sequence_loss() -> None:
+    torch.manual_seed(0)
+    seq = [sample([1, 2, 3, 4], [0, 1, 1, 1], 0.7, None), sample([1, 2, 3], [0, 1, 1], -0.2, None)]
+    tok = [s.model_copy(update={"token_advantages": s.advantages_per_token()}) for s in seq]
+    logp = torch.randn(2, 3, requires_grad=True)
+    losses = [loss_and_grad(logp, batch, total_loss_tokens=5) for batch in (seq, tok)]
+    assert losses[0][0] == pytest.approx(losses[1][0])
+    assert torch.allclose(losses[0][1], losses[1][1])
+    # and a per-token advantage moves only its own token's gradient
+    one = [seq[0].model_copy(update={"token_advantages": [0.0, 0.0, 1.0, 0.0]})]
+    _, grad = loss_and_grad(logp, one, total_loss_tokens=3)
     assert grad[0, 0] == 0 and grad[0, 2] == 0 and grad[0, 1] < 0
 
 

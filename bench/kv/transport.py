@@ -36,8 +36,8 @@ from bench.kv.common import services, write_result
 from services.common.config import RunConfig
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import StagingBuffers, import_pages, page_nbytes
-from services.kvstore.client import KVStoreClient
-from services.kvstore.wire import MEDIA_TYPE, PutReply, decode_pages, encode_keys, encode_uniform_pages
+from services.kvstore.client import KVStoreClient, http_get_prefix
+from services.kvstore.wire import MEDIA_TYPE, PutReply, encode_uniform_pages
 
 LEGACY_PAGES_PER_CALL = 64
 
@@ -51,20 +51,8 @@ class LegacyClient:
         self.http = httpx.Client(timeout=120, headers={"content-type": MEDIA_TYPE})
 
     def get_prefix(self, keys: list[bytes]) -> tuple[list[bytes], bytes]:
-        got_keys: list[bytes] = []
-        chunks: list[bytes] = []
-        for start in range(0, len(keys), LEGACY_PAGES_PER_CALL):
-            want = keys[start : start + LEGACY_PAGES_PER_CALL]
-            r = self.http.post(f"{self.url}/v1/pages/get", content=encode_keys(want))
-            r.raise_for_status()
-            pages = dict(decode_pages(r.content))
-            for k in want:
-                page = pages.get(k)
-                if page is None:
-                    return got_keys, b"".join(chunks)
-                got_keys.append(k)
-                chunks.append(bytes(page))
-        return got_keys, b"".join(chunks)
+        # Unchanged by the transport work but for the bytes copy per page, which copy_pages keeps.
+        return http_get_prefix(self.http, self.url, keys, LEGACY_PAGES_PER_CALL, copy_pages=True)
 
     def put(self, keys: list[bytes], data: bytes, page_bytes: int) -> int:
         stored = 0

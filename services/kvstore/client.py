@@ -170,20 +170,7 @@ class KVStoreClient:
             return [], b""
 
     def _get_prefix_http(self, url: str, keys: list[bytes]) -> tuple[list[bytes], bytes]:
-        got_keys: list[bytes] = []
-        chunks: list[bytes | memoryview] = []
-        for start in range(0, len(keys), MAX_PAGES_PER_CALL):
-            want = keys[start : start + MAX_PAGES_PER_CALL]
-            r = self.http.post(f"{url}/v1/pages/get", content=encode_keys(want))
-            r.raise_for_status()
-            pages = dict(decode_pages(r.content))
-            for k in want:
-                page = pages.get(k)
-                if page is None:
-                    return got_keys, b"".join(chunks)
-                got_keys.append(k)
-                chunks.append(page)
-        return got_keys, b"".join(chunks)
+        return http_get_prefix(self.http, url, keys)
 
     def put(self, keys: list[bytes], data: bytes | bytearray | memoryview, page_bytes: int) -> int:
         """Store len(keys) pages of page_bytes each; returns how many the gateway stored (0 when
@@ -234,6 +221,33 @@ class KVStoreClient:
         for c in conns:
             c.close()
         self.http.close()
+
+
+def http_get_prefix(
+    http: httpx.Client,
+    url: str,
+    keys: list[bytes],
+    pages_per_call: int = MAX_PAGES_PER_CALL,
+    copy_pages: bool = False,
+) -> tuple[list[bytes], bytes]:
+    """The longest prefix of `keys` the gateway at `url` has, over its HTTP routes
+    (`pages_per_call` pages a call): (its keys, their bytes concatenated). `copy_pages` copies
+    each page into bytes of its own before the join, as the client did before the transport work
+    (bench/kv/transport.py's legacy baseline measures that cost)."""
+    got_keys: list[bytes] = []
+    chunks: list[bytes | memoryview] = []
+    for start in range(0, len(keys), pages_per_call):
+        want = keys[start : start + pages_per_call]
+        r = http.post(f"{url}/v1/pages/get", content=encode_keys(want))
+        r.raise_for_status()
+        pages = dict(decode_pages(r.content))
+        for k in want:
+            page = pages.get(k)
+            if page is None:
+                return got_keys, b"".join(chunks)
+            got_keys.append(k)
+            chunks.append(bytes(page) if copy_pages else page)
+    return got_keys, b"".join(chunks)
 
 
 def struct_lengths(count: int, page_bytes: int) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,8 +15,9 @@ from typing import Any, TypeVar
 
 import httpx
 
+from helpers.service_process import start_service
 from services.common.bus import Bus
-from services.common.config import REPO_ROOT, EngineConfig, ModelConfig, RunConfig
+from services.common.config import EngineConfig, ModelConfig, RunConfig
 from services.common.schemas import WeightsInfo
 
 T = TypeVar("T")
@@ -29,6 +29,8 @@ class Server:
     model_dir: Path
     bus: Bus
     cfg: RunConfig
+    proc: subprocess.Popen[bytes]
+    log: Path
 
 
 def wait_for(check: Callable[[], T], timeout_s: float = 60.0, what: str = "condition") -> T:
@@ -56,10 +58,13 @@ def decode_server(
     max_seq_len: int,
     max_batch_size: int = 8,
     run_name: str | None = None,
+    publish: bool = True,
 ) -> Iterator[Server]:
     """Publish `model_dir` as weights version 0 under a fresh `<prefix>-<hex>` Redis prefix, start
     a decode process on it, wait until it is registered and has loaded the weights, and yield it;
-    the process is terminated on exit (killed if it does not stop within 20 s)."""
+    the process is terminated on exit (killed if it does not stop within 20 s). With
+    `publish=False` nothing is published and it is yielded once registered, still waiting for
+    its first weights (the caller publishes them)."""
     cfg = RunConfig(model=model)
     cfg.redis.prefix = f"{prefix}-{uuid.uuid4().hex[:8]}"
     cfg.redis.heartbeat_s = 0.2
@@ -68,13 +73,10 @@ def decode_server(
         cfg.run.name = run_name
     (tmp / "config.json").write_text(cfg.dump())
     bus = Bus(redis_url, cfg.redis.prefix)
-    bus.publish_weights(WeightsInfo(version=0, path=str(model_dir)))
+    if publish:
+        bus.publish_weights(WeightsInfo(version=0, path=str(model_dir)))
     log = tmp / "decode.log"
-    cmd = [sys.executable, "-m", "services.decode", "--config", str(tmp / "config.json")]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*cmd, "--redis-url", redis_url], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT
-        )
+    proc = start_service("services.decode", tmp / "config.json", redis_url, log)
 
     def alive(check: Callable[[], T]) -> Callable[[], T]:
         # a decode that exited (e.g. rejected its config) fails the wait at once, with its log
@@ -87,11 +89,12 @@ def decode_server(
 
     try:
         info = wait_for(alive(lambda: bus.services("decode")), what=f"decode registration (log: {log})")[0]
-        wait_for(
-            alive(lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok"),
-            what=f"weights (log: {log})",
-        )
-        yield Server(info.url, model_dir, bus, cfg)
+        if publish:
+            wait_for(
+                alive(lambda: httpx.get(f"{info.url}/health").json()["status"] == "ok"),
+                what=f"weights (log: {log})",
+            )
+        yield Server(info.url, model_dir, bus, cfg, proc, log)
     finally:
         proc.terminate()
         try:

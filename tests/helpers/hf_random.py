@@ -1,6 +1,7 @@
 """Random-weight HF models served by LLMEngine, for the engine's parity tests against
-transformers (tests/test_engine_moe.py, tests/test_engine_mla.py): the module-scoped model-dir
-fixture, weight randomisation, HF router ids, and the checks both architectures run the same way."""
+transformers (tests/test_engine_hf_parity.py, test_engine_moe.py, test_engine_mla.py): the
+module-scoped model-dir fixture, weight randomisation, the tiny configs' common part, HF's
+log-probs, greedy tokens and router ids, and the checks the architectures run the same way."""
 
 from __future__ import annotations
 
@@ -19,6 +20,19 @@ from services.engine import LLMEngine
 from services.engine.batch import ForwardBatch, Span
 
 HFPair = tuple[str, PreTrainedModel, Path]
+VOCAB = 97
+# What every tiny test config shares: a small vocabulary, 3 layers of width 64, 4 heads, and
+# EOS/pad ids the prompts avoid. Each module adds its architecture's keys.
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
 # Prompts of the parity tests: short, repeated tokens, and one longer than several pages.
 PROMPTS = [[5, 17, 33, 8, 61, 2], [40, 41, 42], [9] * 11, list(range(10, 50))]
 
@@ -69,6 +83,32 @@ def engine_logprobs(eng: LLMEngine, tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(eng.model.logits(eng.model(batch, eng.kv)).float(), dim=-1)
 
 
+def hf_logprobs(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """HF's float32 log-softmax over the vocabulary at every position of one sequence."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def assert_logits_match_hf(eng: LLMEngine, hf: PreTrainedModel, tokens: list[int], tol: float = 1e-4) -> None:
+    """The engine's log-probs on `tokens` are HF's within `tol` (float32 on both sides)."""
+    torch.testing.assert_close(engine_logprobs(eng, tokens), hf_logprobs(hf, tokens), atol=tol, rtol=0)
+
+
+def hf_greedy(hf: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate(do_sample=False)`'s new tokens after `prompt`, EOS ignored (the engine's
+    ignore_eos: HF then never stops early; min_new_tokens would instead mask EOS's logit)."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def hf_router_ids(hf: PreTrainedModel, tokens: list[int]) -> np.ndarray:
     """[tokens, moe_layers, top_k] ids HF's routers pick on `tokens` (one forward, no cache)."""
     got: list[torch.Tensor] = []
@@ -99,16 +139,7 @@ def assert_greedy_matches_hf_and_alone(hf: PreTrainedModel, d: Path, prompts: li
     batched = engine(d, block_size=4).generate(
         [GenerateRequest(input_ids=p, sampling=params) for p in prompts]
     )
-    hf.generation_config.eos_token_id = None
     for prompt, resp in zip(prompts, batched, strict=True):
         alone = engine(d, block_size=4).generate([GenerateRequest(input_ids=prompt, sampling=params)])[0]
         assert resp.choices[0].output_ids == alone.choices[0].output_ids
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=24,
-                pad_token_id=0,
-            )
-        assert resp.choices[0].output_ids == out[0, len(prompt) :].tolist()
+        assert resp.choices[0].output_ids == hf_greedy(hf, prompt, 24)
