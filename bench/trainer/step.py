@@ -433,6 +433,98 @@ def correctness(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """float32 parameters by wrapper-free name (compile adds `_orig_mod.`); FSDP2 shards gathered."""
+    from trainer.publish import clean_name
+
+    out = {}
+    for k, p in model.named_parameters():
+        full = getattr(p, "full_tensor", None)
+        out[clean_name(k)] = (full() if callable(full) else p).detach().float()
+    return out
+
+
+def _dist(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(((a[k] - b[k]).double() ** 2).sum()) for k in a))
+
+
+# (dtype, lr or None = TrainerSection's default): each runs eager and compiled in lockstep
+COMPILE_CHECK_RUNS: list[tuple[str, float | None]] = [
+    ("bfloat16", None),  # the benchmark's setting, where step 3 differed 16x on the H200
+    ("float32", None),
+    ("float32", 1e-6),  # the mechanism: must agree step after step
+    ("bfloat16", 1e-6),
+]
+
+
+def _lockstep(
+    ctx: Ctx,
+    m: ModelConfig,
+    dtype: str,
+    lr: float | None,
+    mbs: list[PackedMicroBatch],
+    total: int,
+    steps: int,
+) -> dict[str, Any]:
+    """An eager and a compiled model, `steps` optimizer steps side by side (see compile_steps).
+    A function of its own so both models are freed when it returns."""
+    lr_knob = {} if lr is None else {"lr": lr}
+    pairs = [build_ours(m, {"compile": c, **lr_knob}, ctx, dtype=dtype) for c in (False, True)]
+    run: dict[str, Any] = {"eager": [], "compiled": [], "gap": [], "gap_over_update": []}
+    before = {k: v.clone() for k, v in _full_params(pairs[0][0]).items()}
+    for _ in range(steps):
+        for name, (model, opt, deg, meshes) in zip(("eager", "compiled"), pairs, strict=True):
+            run[name].append(our_step(model, opt, mbs, total, deg, meshes, ctx.device)[0])
+        pe, pc = _full_params(pairs[0][0]), _full_params(pairs[1][0])
+        gap, update = _dist(pc, pe), _dist(pe, before)
+        run["gap"].append(gap)
+        run["gap_over_update"].append(gap / update if update > 0 else float("inf"))
+        before = {k: v.clone() for k, v in pe.items()}
+    run["loss_rel_diff"] = [abs(c - e) / abs(e) for e, c in zip(run["eager"], run["compiled"], strict=True)]
+    return run
+
+
+def compile_steps(ctx: Ctx, shape: str, tokens: int, steps: int) -> dict[str, Any]:
+    """Is torch.compile right over several optimizer steps, or do bf16 roundings diverge?
+
+    For each (dtype, lr) of COMPILE_CHECK_RUNS an eager and a compiled model (the benchmark's
+    `bf16` / `bf16+compile` path, same init, same data every step as run_ours) take `steps`
+    optimizer steps in lockstep. Per step: both losses, the parameter gap ||compiled - eager|| and
+    it over the norm of that step's eager update (`gap_over_update`). A compiled graph that used
+    stale parameters (or tensors the optimizer does not update) falls behind eager by a whole
+    update from step 2 on, in the loss or the parameters, whatever the lr and dtype; float32
+    rounding gives relative differences <= ~1e-4 (`mechanism_agrees`, at lr 1e-6). In bf16 AdamW
+    turns rounding noise in near-zero gradient elements into ~lr-sized moves, so even step 1's
+    gap_over_update is ~0.1 (tiny CPU shape) without any bug. `eager_bf16_vs_fp32` compares the
+    two eager runs at the default lr: if eager alone, moved only by bf16 rounding, ends as far
+    apart as eager vs compiled, the dynamics amplify rounding and compile is not the cause."""
+    if ctx.world != 1:
+        raise ValueError("the compile check runs in one process (no torchrun)")
+    m = model_config(shape, max(tokens, 4096))
+    mine, total = rank_data([[tokens]], m.vocab_size, Degrees(1, 1, 1, 1, 1), 0, seed=11)
+    mbs = [pack(mine)]
+    out: dict[str, Any] = {"shape": shape, "tokens": tokens, "steps": steps, "runs": {}}
+    for dtype, lr in COMPILE_CHECK_RUNS:
+        key = f"{dtype}/lr={lr if lr is not None else TrainerSection().lr:g}"
+        try:
+            out["runs"][key] = _lockstep(ctx, m, dtype, lr, mbs, total, steps)
+        except Exception as e:  # recorded, the rest goes on
+            out["runs"][key] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+        free()
+    runs = out["runs"]
+    default = f"{TrainerSection().lr:g}"
+    b16, f32 = runs.get(f"bfloat16/lr={default}", {}), runs.get(f"float32/lr={default}", {})
+    if "eager" in b16 and "eager" in f32:
+        out["eager_bf16_vs_fp32"] = [
+            abs(b - f) / abs(f) for b, f in zip(b16["eager"], f32["eager"], strict=True)
+        ]
+    mech = runs.get("float32/lr=1e-06", {})
+    if "loss_rel_diff" in mech:
+        # float32, an lr where nothing is amplified: compile must reproduce eager step by step.
+        out["mechanism_agrees"] = max(mech["loss_rel_diff"]) < 1e-4 and max(mech["gap_over_update"]) < 1e-2
+    return out
+
+
 def run_ours(
     ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, ep: int, publish: bool
 ) -> dict[str, Any]:
@@ -538,6 +630,13 @@ def main() -> int:
     p.add_argument("--publish-shape", default="4b", help="time publishing after its first variant")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a logic smoke run")
     p.add_argument("--budget-s", type=float, default=450.0, help="skip variants once this is spent")
+    p.add_argument(
+        "--compile-check",
+        default="",
+        help="shape (e.g. 0.6b): eager vs compiled over --compile-check-steps optimizer steps (compile_steps)",
+    )
+    p.add_argument("--compile-check-steps", type=int, default=5)
+    p.add_argument("--compile-check-tokens", type=int, default=0, help="0: --tokens")
     args = p.parse_args()
 
     ctx = Ctx(args.device)
@@ -569,12 +668,22 @@ def main() -> int:
         save()
         if ctx.main:
             r = report["results"][key]
-            brief = {k: r[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "error") if k in r}
+            brief = {
+                k: r[k]
+                for k in ("tokens_per_s", "mfu", "peak_mem_gib", "error", "mechanism_agrees")
+                if k in r
+            }
             print(f"[{time.monotonic() - ctx.t0:6.0f}s] {key}: {brief}", flush=True)
 
     if not args.no_check:
         attempt("check_tiny_vs_fp32", lambda: correctness(ctx))
-    for shape in args.shapes.split(","):
+    if args.compile_check:
+        check_tokens = args.compile_check_tokens or args.tokens
+        attempt(
+            f"check_compile_steps/{args.compile_check}",
+            lambda: compile_steps(ctx, args.compile_check, check_tokens, args.compile_check_steps),
+        )
+    for shape in [s for s in args.shapes.split(",") if s]:  # --shapes "": only the checks
         if not args.no_baseline and ctx.world == 1:
             attempt(f"{shape}/baseline_hf", lambda s=shape: run_baseline(ctx, s, args.tokens, args.steps))
         names = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[shape]
