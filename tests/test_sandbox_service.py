@@ -188,7 +188,8 @@ def test_plugin_env_served(client: httpx.Client) -> None:
     n = int(s["prompt"][4:-1])
     client.post(f"/v1/sessions/{s['session_id']}/step", json={"action": str((n + 1) % 10)})
     score = client.post(f"/v1/sessions/{s['session_id']}/score").json()
-    assert score == {"reward": 1.0, "info": {"turns": 1, "done": True, "right": True}}
+    # the plugin env gives no per-character credit (Environment.credit's default)
+    assert score == {"reward": 1.0, "info": {"turns": 1, "done": True, "right": True}, "credit": None}
 
 
 def test_seed_determinism_over_http(client: httpx.Client) -> None:
