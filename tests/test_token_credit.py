@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models
 from services.common.bus import Bus
 from services.common.schemas import GenerateRequest, Sample
 from services.orchestrator.credit import ActionSpan, char_bounds, group_token_advantages, token_credit
+from services.orchestrator.rollout import render_sample
 from services.sandbox.envs.base import EnvError, normalize_credit, positional_credit, positional_score
 from services.sandbox.envs.reverse import Reverse, ReverseTurns
 from trainer.batch import collate, truncate
@@ -204,3 +205,12 @@ def test_orchestrator_token_advantages_end_to_end(
     assert right["token_advantages"][:n] == [0.0] * n
     # sequence advantages are still recorded (reward - group mean)
     assert right["advantage"] == pytest.approx(1.0 - 2.5 / 3)
+
+
+def test_rendered_transcript_shows_each_tokens_advantage() -> None:
+    prompt = TOK.encode("rev abc:").ids
+    out = [*TOK.encode("caa").ids, EOS]
+    s = sample(prompt + out, [0] * len(prompt) + [1] * 4, 0.0, [0.0] * len(prompt) + [0.0, -0.6, 0.0, 0.0])
+    prompt_seg, model_seg = render_sample(s, TOK)
+    assert "advantages" not in prompt_seg and model_seg["advantages"] == [0.0, -0.6, 0.0, 0.0]
+    assert "advantages" not in render_sample(s.model_copy(update={"token_advantages": None}), TOK)[1]

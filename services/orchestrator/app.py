@@ -61,7 +61,9 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
 
     @app.get("/v1/rollouts/{rollout_id}")
     async def rollout(rollout_id: str) -> dict[str, Any]:
-        """A group (by group id) or one sample (`<group_id>.<i>`): tokens, masks, text, rewards."""
+        """A group (by group id) or one sample (`<group_id>.<i>`): tokens, masks, text, rewards;
+        `segments` splits each sample into prompt / model / env pieces with their text, and for model
+        pieces the log-probs, weight versions and (token credit) each token's advantage."""
         group_id, _, idx = rollout_id.partition(".")
         raw = await asyncio.to_thread(orch.bus.r.get, orch.rollout_key(group_id))
         if raw is None:

@@ -496,6 +496,8 @@ def render_sample(sample: Sample, tok: Tokenizer) -> list[dict[str, object]]:
             if trained:
                 seg["logprobs"] = sample.logprobs[start:i]
                 seg["versions"] = sample.versions[start:i]
+                if sample.token_advantages is not None:  # token credit: what each token was pushed by
+                    seg["advantages"] = sample.token_advantages[start:i]
             segments.append(seg)
             start = i
     return segments
