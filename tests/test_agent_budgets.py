@@ -155,6 +155,7 @@ async def run_groups(
     tok: Any = TOK,
     eos: int = EOS,
     chat: Any = None,
+    credit: bool = False,
 ) -> tuple[list[GroupSpec], list[GenerateRequest], float]:
     """Run one group per seed through the orchestrator's own _run_group (commit or drop into the
     Redis ledger), against the scripted decode over HTTP and the real sandbox process."""
@@ -171,7 +172,7 @@ async def run_groups(
     registry = Registry(bus)
     decode, sandbox = (
         DecodeClient(http, Router(registry, "decode")),
-        SandboxClient(http, Router(registry, "sandbox")),
+        SandboxClient(http, Router(registry, "sandbox"), credit=credit),
     )
     orch.runner = RolloutRunner(cfg, decode, sandbox, tok, eos, chat=chat)
     specs = [GroupSpec(group_id=uuid.uuid4().hex[:12], env=env, seed=s) for s in seeds]

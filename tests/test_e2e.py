@@ -69,10 +69,13 @@ def test_debug_run_learns_end_to_end(tmp_path: Path) -> None:
         assert set(trained) | set(dropped) <= started
 
         versions: set[int] = set()
+        token_credit = cfg.orchestrator.advantage == "token"
         for key in bus.r.scan_iter(match=f"{cfg.redis.prefix}:rollout:*"):
             group = RolloutGroup.model_validate_json(bus.r.get(key))
             for s in group.samples:
                 versions.update(v for v in s.versions if v >= 0)
+                # the debug config's token credit reached the samples (sandbox -> orchestrator)
+                assert (s.token_advantages is not None) == token_credit, group.group_id
         assert len(versions) >= 2, f"decode served only versions {versions}"
 
         summary = json.loads((run_dir / "summary.json").read_text())

@@ -139,3 +139,30 @@ def test_unknown_task_env_fails_at_start() -> None:
         EnvError, match=r"orchestrator.tasks\[1\].env = 'nope' is not a registered environment"
     ):
         check_tasks(cfg)
+
+
+@register_env("test-bad-observation")
+class BadObservation(Environment):
+    def reset(self, seed: int) -> str:
+        return "go:"
+
+    def step(self, action: str, eos: bool = True) -> tuple[str, bool]:
+        return 42, False  # type: ignore[return-value]
+
+    def score(self) -> float:
+        return 0.0
+
+    def credit(self) -> list[list[float]] | None:
+        return [[0.5]]  # wrong: one value per action character plus the end
+
+
+def test_broken_observation_and_credit_are_500s_naming_the_env() -> None:
+    store = SessionStore(2, 10)
+    s, _ = store.create("test-bad-observation", 0)
+    with pytest.raises(EnvFailed, match=r"env 'test-bad-observation': step\(\) returned observation 42") as e:
+        store.step(s.id, "ab", True)
+    assert e.value.status == 500 and e.value.env == "test-bad-observation"
+    # credit() is only called when asked for: a run without token credit never trips on it
+    assert store.score(s.id, keep=True)[3] is None
+    with pytest.raises(EnvFailed, match=r"credit\(\) gave 1 turn\(s\), the episode has 0"):
+        store.score(s.id, keep=True, credit=True)

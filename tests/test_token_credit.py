@@ -96,6 +96,18 @@ def test_group_token_advantages_per_position_baseline() -> None:
     assert adv[2][n:] == pytest.approx([0.0, 1 / 3])
     # no credit in the group: sequence advantages stay
     assert group_token_advantages(TOK, tokens, spans, [None] * 3, seq_adv, masks) is None
+    # a rambling tail that no other sample reaches has no baseline: it keeps the sequence advantage
+    long_ids = [*TOK.encode("cbaxy").ids, EOS]
+    long_tokens = [tokens[0], prompt + long_ids]
+    long_spans = [spans[0], [ActionSpan(n, 5, True)]]
+    long_credit = [credits[0], [positional_credit("cbaxy", "cba", True)]]
+    long_masks = [masks[0], [0] * n + [1] * len(long_ids)]
+    tail = group_token_advantages(TOK, long_tokens, long_spans, long_credit, [0.5, -0.5], long_masks)
+    assert tail is not None
+    # 'x' shares position 3 with the first sample's EOS (credit 1): 0 - 1/2; 'y' and the late EOS
+    # are alone at positions 4 and 5: the sample's sequence advantage
+    assert tail[1][n:] == pytest.approx([0.0, 0.0, 0.0, -0.5, -0.5, -0.5])
+    assert tail[0][n:] == pytest.approx([0.0, 0.0, 0.0, 0.5])
     # a sample without credit keeps its sequence advantage on every model token
     mixed = group_token_advantages(TOK, tokens, spans, [credits[0], credits[1], None], seq_adv, masks)
     assert mixed is not None and mixed[2][n:] == [-0.5, -0.5]
@@ -168,11 +180,21 @@ def test_sandbox_returns_checked_credit_over_http(budget_sandbox: object) -> Non
         sid = created["session_id"]
         env = Reverse()
         assert env.reset(7) == created["prompt"]
-        r = c.post(f"/v1/sessions/{sid}/step?score=true", json={"action": env.target[:2], "eos": True})
+        r = c.post(
+            f"/v1/sessions/{sid}/step?score=true&credit=true", json={"action": env.target[:2], "eos": True}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["done"] and body["credit"] == [[1.0, 1.0, 0.0]], body
         assert body["reward"] == pytest.approx(2 / 4)
+        # not asked for: no credit (a run with sequence advantages never calls credit())
+        sid = c.post("/v1/sessions", json={"env": "reverse", "seed": 7}).json()["session_id"]
+        r = c.post(f"/v1/sessions/{sid}/step?score=true", json={"action": env.target, "eos": True})
+        assert r.status_code == 200 and r.json()["credit"] is None and r.json()["reward"] == 1.0
+        sid = c.post("/v1/sessions", json={"env": "reverse", "seed": 7}).json()["session_id"]
+        c.post(f"/v1/sessions/{sid}/step", json={"action": env.target, "eos": True})
+        scored = c.post(f"/v1/sessions/{sid}/score?credit=true").json()
+        assert scored["credit"] == [[1.0, 1.0, 1.0, 1.0]]
 
 
 async def reverse_policy(req: GenerateRequest) -> list[list[int]]:
@@ -193,7 +215,9 @@ def test_orchestrator_token_advantages_end_to_end(
     prefix = budget_sandbox.prefix  # type: ignore[attr-defined]
     bus = Bus(redis_server, prefix)
     cfg = budget_cfg(redis_server, prefix, advantage="token", group_size=3, max_turns=1)
-    specs, _, _ = asyncio.run(run_groups(cfg, bus, tmp_path, [11], env="reverse", policy=reverse_policy))
+    specs, _, _ = asyncio.run(
+        run_groups(cfg, bus, tmp_path, [11], env="reverse", policy=reverse_policy, credit=True)
+    )
     group = committed(bus)[specs[0].group_id]
     right, wrong, cut = group["samples"]
     assert [right["reward"], wrong["reward"], cut["reward"]] == pytest.approx([1.0, 0.75, 0.75])

@@ -149,8 +149,12 @@ class DecodeClient:
 class SandboxSession:
     """One environment episode, pinned to the sandbox replica that holds its state."""
 
-    def __init__(self, client: aiohttp.ClientSession, url: str, created: CreateSessionResponse):
+    def __init__(
+        self, client: aiohttp.ClientSession, url: str, created: CreateSessionResponse, credit: bool = False
+    ):
         self.client, self.url, self.created = client, url, created
+        # ask for the env's per-character credit with the reward (orchestrator.advantage = "token")
+        self.credit_query = "&credit=true" if credit else ""
         self.closed = False
 
     @property
@@ -161,13 +165,16 @@ class SandboxSession:
         """Step; if that ends the episode the sandbox scores and closes it in the same call."""
         sid = self.created.session_id
         body = StepRequest(action=action, eos=eos).model_dump()
-        resp = await _post(self.client, f"{self.url}/v1/sessions/{sid}/step?score=true", body)
+        resp = await _post(
+            self.client, f"{self.url}/v1/sessions/{sid}/step?score=true{self.credit_query}", body
+        )
         out = StepResponse.model_validate_json(resp)
         self.closed = out.reward is not None
         return out
 
     async def score(self) -> ScoreResponse:
-        resp = await _post(self.client, f"{self.url}/v1/sessions/{self.created.session_id}/score")
+        query = f"?{self.credit_query[1:]}" if self.credit_query else ""
+        resp = await _post(self.client, f"{self.url}/v1/sessions/{self.created.session_id}/score{query}")
         self.closed = True
         return ScoreResponse.model_validate_json(resp)
 
@@ -183,8 +190,9 @@ class SandboxSession:
 
 
 class SandboxClient:
-    def __init__(self, client: aiohttp.ClientSession, router: Router):
+    def __init__(self, client: aiohttp.ClientSession, router: Router, credit: bool = False):
         self.client, self.router = client, router
+        self.credit = credit  # sessions ask for the env's per-character credit (token credit)
 
     async def open_group(self, env: str, seed: int, n: int) -> list[SandboxSession]:
         """n episodes of one task on one replica, in one round trip."""
@@ -196,4 +204,4 @@ class SandboxClient:
             self.router.registry.forget(url)
             raise
         created = CreateSessionsResponse.model_validate_json(resp).sessions
-        return [SandboxSession(self.client, url, c) for c in created]
+        return [SandboxSession(self.client, url, c, self.credit) for c in created]

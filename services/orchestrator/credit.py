@@ -9,7 +9,9 @@ value), and its advantage is that credit minus the group's mean credit at the sa
 index): the group-relative baseline of GRPO, taken per position instead of per answer.
 
 Tokens the credit cannot be placed on (no characters, or a turn the env never saw because its
-step timed out) keep the sample's sequence advantage, so nothing silently goes untrained.
+step timed out), and positions that no other sample of the group reaches (a rambling tail: no
+baseline to compare with), keep the sample's sequence advantage, so nothing silently goes
+untrained.
 """
 
 from __future__ import annotations
@@ -95,12 +97,13 @@ def group_token_advantages(
     for p in placed:
         for key, (_, value) in p.items():
             by_key[key].append(value)
-    baseline = {key: sum(v) / len(v) for key, v in by_key.items()}
+    # A position only one sample reaches has no group baseline (its own value would cancel it).
+    baseline = {key: sum(v) / len(v) for key, v in by_key.items() if len(v) > 1}
     out: list[list[float]] = []
     for p, seq_adv, mask in zip(placed, sequence_advantages, loss_masks, strict=True):
         adv = [seq_adv if m else 0.0 for m in mask]
         for key, (pos, value) in p.items():
-            if mask[pos]:
+            if mask[pos] and key in baseline:
                 adv[pos] = value - baseline[key]
         out.append(adv)
     return out

@@ -339,7 +339,9 @@ class Orchestrator:
             connector=aiohttp.TCPConnector(limit=256),
         )
         self.decode = DecodeClient(self._http, Router(self.registry, "decode"))
-        self.sandbox = SandboxClient(self._http, Router(self.registry, "sandbox"))
+        self.sandbox = SandboxClient(
+            self._http, Router(self.registry, "sandbox"), credit=self.o.advantage == "token"
+        )
         info = await self._wait_initial_weights()
         # Tokenizer, chat template, end-of-turn id and every EOS id, from the model directory.
         self.runner = RolloutRunner.for_model_dir(self.cfg, self.decode, self.sandbox, info.path)

@@ -6,8 +6,8 @@ GET  /v1/envs                        registered environments (name, max_turns, d
 POST /v1/sessions                    {"env", "seed"} -> {"session_id", "env", "prompt", "max_turns"}
 POST /v1/sessions/batch              {"env", "seed", "n"} -> {"sessions": [...]} (a rollout group)
 GET  /v1/sessions/{id}               turns, done, idle time (debugging)
-POST /v1/sessions/{id}/step[?score=true]  {"action", "eos"} -> {"observation", "done", "reward", "credit"}
-POST /v1/sessions/{id}/score[?keep=true]  -> {"reward", "info", "credit"}; closes the session unless keep
+POST /v1/sessions/{id}/step[?score=true[&credit=true]]  {"action", "eos"} -> {"observation", "done", "reward", "credit"}
+POST /v1/sessions/{id}/score[?keep=true][&credit=true]  -> {"reward", "info", "credit"}; closes the session unless keep
 DELETE /v1/sessions/{id}             close without scoring
 POST /v1/sessions/{id}/exec          {"cmd", "timeout_s"} -> {exit_code, stdout, stderr, truncated, timed_out}
 GET  /v1/sessions/{id}/files?path=P  -> {"path", "content", "truncated"} (404: no such file)
@@ -215,11 +215,12 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
         session_id: str,
         req: StepRequest,
         score: bool = Query(False, description="if the step ends the episode, score and close it too"),
+        credit: bool = Query(False, description="with score: include the env's per-character credit"),
     ) -> StepResponse:
         s, observation, done = store.step(session_id, req.action, req.eos)
         STEPS.labels(s.env_name).inc()
         if score and done:
-            scored = score_session(session_id, False)
+            scored = score_session(session_id, False, credit)
             return StepResponse(
                 observation=observation, done=done, reward=scored.reward, credit=scored.credit
             )
@@ -227,15 +228,17 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
 
     @app.post("/v1/sessions/{session_id}/score")
     def score_session(
-        session_id: str, keep: bool = Query(False, description="leave the session open after scoring")
+        session_id: str,
+        keep: bool = Query(False, description="leave the session open after scoring"),
+        credit: bool = Query(False, description="include the env's per-character credit (token credit)"),
     ) -> ScoreResponse:
-        s, reward, info, credit = store.score(session_id, keep)
+        s, reward, info, chars = store.score(session_id, keep, credit)
         REWARD.labels(s.env_name).observe(reward)
         if not keep:
             SESSIONS_CLOSED.labels(s.env_name, "score").inc()
             SESSIONS_OPEN.set(len(store))
         info = {"turns": s.turns, "done": s.done, **info}
-        return ScoreResponse(reward=reward, info=info, credit=credit)
+        return ScoreResponse(reward=reward, info=info, credit=chars)
 
     @app.delete("/v1/sessions/{session_id}")
     def delete_session(session_id: str) -> dict[str, Any]:

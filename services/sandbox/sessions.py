@@ -367,7 +367,8 @@ class SessionStore:
                 ) from e
             if not isinstance(observation, str):
                 raise EnvFailed(
-                    f"env {s.env_name!r}: step() returned observation {observation!r}, expected str"
+                    s.env_name,
+                    f"env {s.env_name!r}: step() returned observation {observation!r}, expected str",
                 )
             s.turns += 1
             s.action_lens.append(len(action))
@@ -377,13 +378,16 @@ class SessionStore:
                 self.counts.steps += 1
             return s, observation, s.done
 
-    def score(self, sid: str, keep: bool = False) -> tuple[Session, float, Info, list[list[float]] | None]:
-        """(session, reward, info, per-turn character credit or None: Environment.credit)."""
+    def score(
+        self, sid: str, keep: bool = False, credit: bool = False
+    ) -> tuple[Session, float, Info, list[list[float]] | None]:
+        """(session, reward, info, per-turn character credit: Environment.credit, computed only
+        when asked for, so a run without token credit never depends on an env's credit())."""
         s = self._get(sid)
         with s.lock:
             try:
                 reward, info = normalize_score(s.env_name, s.env.score())
-                credit = normalize_credit(s.env_name, s.env.credit(), s.action_lens)
+                chars = normalize_credit(s.env_name, s.env.credit(), s.action_lens) if credit else None
             except EnvError as e:
                 raise EnvFailed(s.env_name, str(e)) from e
             except Exception as e:
@@ -395,7 +399,7 @@ class SessionStore:
             ended = self._end(sid, "was closed when it was scored") if not keep else None
         if ended is not None:
             self._release([ended])
-        return s, reward, info, credit
+        return s, reward, info, chars
 
     def delete(self, sid: str) -> Session:
         with self._lock:
