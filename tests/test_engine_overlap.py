@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -325,6 +326,26 @@ def test_async_engine_pause_lands_the_step_in_flight(dirs: tuple[Path, Path]) ->
             eng.stop()
 
     asyncio.run(scenario())
+
+
+def test_stop_lands_the_step_in_flight(dirs: tuple[Path, Path]) -> None:
+    """A request whose last token is still on the device when the engine stops ends as it did
+    ("length", every token), not as aborted one token short."""
+    engine = LLMEngine(dirs[0], cfg(True))
+    eng = AsyncEngine(engine)  # not started: the test does the loop's work by hand
+    fut: Future[GenerateResponse] = Future()
+    state = engine.add_request(req(PROMPTS[0], temperature=0.0, max_tokens=5, ignore_eos=True))
+    eng._waiters[state] = fut
+    while len(state.seqs[0].output) < 4:
+        assert not engine.step()  # nothing finishes before the 5th token lands
+    assert engine.in_flight  # the 5th token is sampled, not yet on the host
+    eng._shutdown()
+    out = fut.result(timeout=1).choices[0]
+    assert out.finish_reason == "length" and len(out.output_ids) == 5
+    ref = LLMEngine(dirs[0], cfg(False)).generate(
+        [req(PROMPTS[0], temperature=0.0, max_tokens=5, ignore_eos=True)]
+    )
+    assert out.output_ids == ref[0].choices[0].output_ids and not engine.in_flight
 
 
 TRITON_CHILD = """

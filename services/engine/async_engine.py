@@ -70,11 +70,26 @@ class AsyncEngine:
         with self._busy:
             # Overlap scheduling: land the step in flight too (the loop thread is out of the engine
             # while we hold _busy), so paused means no tokens pending and finished requests answered.
-            if self.engine.in_flight:
-                for state in self.engine.flush():
-                    fut = self._waiters.pop(state, None)
-                    if fut is not None:
-                        _resolve(fut, state.response())
+            self._land_in_flight()
+
+    def _land_in_flight(self) -> None:
+        """Land the step in flight (overlap scheduling) and answer the requests it finished; if
+        landing fails (a device error), fail every request as a failed step does. Hold _busy."""
+        if not self.engine.in_flight:
+            return
+        try:
+            finished = self.engine.flush()
+        except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+            log.exception("landing the step in flight failed; aborting all requests")
+            for state in self.engine.abort_all():
+                fut = self._waiters.pop(state, None)
+                if fut is not None:
+                    _resolve(fut, error=RuntimeError(f"engine step failed: {e}"))
+            return
+        for state in finished:
+            fut = self._waiters.pop(state, None)
+            if fut is not None:
+                _resolve(fut, state.response())
 
     def resume(self) -> None:
         with self._cv:
@@ -187,10 +202,14 @@ class AsyncEngine:
                 del self._waiters[state]
 
     def _shutdown(self) -> None:
-        for state in self.engine.abort_all():
-            fut = self._waiters.pop(state, None)
-            if fut is not None:
-                _resolve(fut, state.response())
+        with self._busy:  # a concurrent pause() must not flush while we abort
+            # The step in flight may have finished requests (overlap scheduling): they end as
+            # they did, with their last token, not as aborted.
+            self._land_in_flight()
+            for state in self.engine.abort_all():
+                fut = self._waiters.pop(state, None)
+                if fut is not None:
+                    _resolve(fut, state.response())
         with self._cv:
             inbox, self._inbox = self._inbox, []
             weights, self._weights = self._weights, []
