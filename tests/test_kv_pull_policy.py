@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -136,6 +138,40 @@ def test_modes_and_engine_counters() -> None:
     assert policy.prefill.value == pytest.approx(0.7 * 5030 / 1.01 + 0.3 * 10_000)
 
 
+class SlowClock(Clock):
+    """A clock whose every read yields the GIL for a moment, so threads interleave inside decide."""
+
+    def __call__(self) -> float:
+        time.sleep(0.001)
+        return self.t
+
+
+def test_concurrent_decisions_probe_once_and_fold_counters_once() -> None:
+    """Pulls run in worker threads: the probe check-and-set and the counter refresh are one step."""
+    clock = SlowClock()
+    reads = {"n": 0}
+
+    def prefill_counters() -> tuple[float, float]:
+        reads["n"] += 1
+        time.sleep(0.001)  # let another thread in between the read and the fold-in
+        return (5000.0, 1.0) if reads["n"] > 1 else (0.0, 0.0)
+
+    policy = PullPolicy(
+        KVPullSection(probe_interval_s=30.0, probe_pages=4), prefill_counters=prefill_counters, clock=clock
+    )
+    actions: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: actions.append(policy.decide(600, PAGE, 16).action)) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(actions) == ["probe"] + ["recompute"] * 7
+    assert policy.prefill.samples == 1  # one delta of 5,000 tokens, folded in once
+    assert policy.counts == {"pull": 0, "recompute": 7, "probe": 1}
+
+
 def test_metrics_expose_estimates_and_decisions() -> None:
     policy = PullPolicy(KVPullSection(mode="always"))
     policy.observe_pull(64 * MB, 0.05)
@@ -193,7 +229,6 @@ def test_dataplane_put_and_prefix_get(plane: tuple[DataPlaneServer, TieredStore]
     with pytest.raises(DataPlaneError, match="400: op: unknown"):
         conn.call(9, [b""])
     assert parse_pages_reply(conn.call(OP_GET_PREFIX, [encode_keys(keys[:2])]))[0] == keys[:2]
-    # Over max_request_bytes: 413 naming the limit, before the body is read.
     # Over max_request_bytes: 413 naming the limit; the body is dropped, the connection lives on.
     with pytest.raises(DataPlaneError, match="413: body: .* kvstore.max_request_bytes"):
         conn.call(OP_PUT, [b"\0" * (9 * MB)])
@@ -225,6 +260,27 @@ def test_client_uses_the_dataplane_with_pooled_connections(
     again = buffers.take(len(data))
     assert again is taken[0]  # the staging buffer is reused, not reallocated
     client.close()
+
+
+def test_dataplane_drops_large_receive_buffers_and_joins_its_threads() -> None:
+    store = TieredStore([MemoryTier(8 * MB)])
+    server = DataPlaneServer(lambda: store, "127.0.0.1", max_request_bytes=128 * MB).start()
+    conn = DataPlaneConnection("127.0.0.1", server.port, timeout_s=30)
+    try:
+        with pytest.raises(DataPlaneError, match="400: body"):
+            conn.call(OP_GET_PREFIX, [b"\0" * MB])
+        assert server.buffered_bytes == MB  # kept for the next request
+        with pytest.raises(DataPlaneError, match="400: body"):
+            conn.call(OP_GET_PREFIX, [b"\0" * (65 * MB)])
+        assert server.buffered_bytes == 0  # above KEEP_RX_BYTES: not kept
+        assert parse_pages_reply(conn.call(OP_GET_PREFIX, [encode_keys([key(1)])]))[0] == []
+        threads = list(server._threads)
+        assert len(threads) == 1 and threads[0].is_alive()
+    finally:
+        server.close()
+        conn.close()
+    # close() returned after the connection threads ended: none is still inside the store.
+    assert not threads[0].is_alive() and not server._threads
 
 
 def test_staging_buffers_grow_geometrically_and_stay_bounded() -> None:
@@ -389,3 +445,69 @@ def test_real_decode_pulls_when_it_pays(redis_url: str, tmp_path: Path) -> None:
             p.send_signal(signal.SIGTERM)
         for name, p in procs.items():
             assert p.wait(30) == 0, f"{name} did not exit cleanly"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Two gateway starts on two shared cores: ~10 s.
+def test_client_pulls_again_right_after_a_gateway_restart(redis_url: str, tmp_path: Path) -> None:
+    """The gateway restarts on its fixed HTTP port with a new (ephemeral) data plane port: the
+    client's pooled connection is dead and its data plane address stale. The first pull after the
+    restart already succeeds (retried once on a fresh connection to the new address)."""
+    cfg = RunConfig()
+    cfg.redis.prefix = f"test-kvrestart-{uuid.uuid4().hex[:8]}"
+    cfg.redis.heartbeat_s = 0.2
+    cfg.kvstore.enabled = True
+    cfg.kvstore.port = free_port()
+    (tmp_path / "config.json").write_text(cfg.dump())
+    bus = Bus(redis_url, cfg.redis.prefix)
+    keys = [key(500 + i) for i in range(8)]
+    data = os.urandom(8 * 20_000)
+
+    def start() -> tuple[subprocess.Popen[bytes], str, int]:
+        proc = start_service(
+            "services.kvstore", tmp_path / "config.json", redis_url, tmp_path / "kvstore.log"
+        )
+        url = wait_url(bus, "kvstore", proc, tmp_path / "kvstore.log")
+        return proc, url, httpx.get(f"{url}/v1/dataplane").json()["port"]
+
+    def stop(proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+    proc, url, port = start()
+    client = KVStoreClient(url, timeout_s=10, retry_after_s=30.0)
+    try:
+        assert client.put(keys, data, 20_000) == 8
+        assert client.get_prefix(keys) == (keys, data)
+        assert len(client._idle[("127.0.0.1", port)]) == 1  # a pooled connection to the old port
+        stop(proc)
+        proc, url2, port2 = start()
+        assert url2 == url and port2 != port
+        # The new gateway's RAM tier is empty: the first pull finds nothing, but it is a real round
+        # trip (timed, not a failure that would mark the gateway down for retry_after_s).
+        client.take_call_seconds()
+        assert client.get_prefix(keys) == ([], b"")
+        assert client.failures == 0 and client.take_call_seconds() is not None
+        assert client.put(keys, data, 20_000) == 8
+        got, blob = client.get_prefix(keys, page_bytes=20_000)
+        assert (got, bytes(blob)) == (keys, data) and client.failures == 0
+        assert client._planes[url] == ("127.0.0.1", port2)
+        assert ("127.0.0.1", port) not in client._idle  # the dead connections were dropped
+        # A refused connect (an address that is no longer listening, no pooled connection) is
+        # retried at the address the gateway advertises now.
+        client._planes[url] = ("127.0.0.1", free_port())
+        assert client.get_prefix(keys)[0] == keys and client.failures == 0
+        # The HTTP fallback path times its round trips too (the pull estimate's input).
+        http = KVStoreClient(url, timeout_s=10, dataplane=False)
+        assert http.get_prefix(keys) == (keys, data)
+        seconds = http.take_call_seconds()
+        assert seconds is not None and seconds > 0
+        http.close()
+    finally:
+        client.close()
+        stop(proc)

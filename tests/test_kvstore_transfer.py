@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
-from services.common.config import EngineConfig, load_config
+from services.common.config import EngineConfig, KVPullSection, load_config
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import (
+    StagingBuffers,
     chain_hashes,
     export_pages,
     import_pages,
@@ -21,7 +23,11 @@ from services.engine.kv_transfer import (
     page_nbytes,
     reusable_pages,
 )
+from services.kvstore.client import KVStoreClient
+from services.kvstore.dataplane import DataPlaneServer
 from services.kvstore.tiers import MemoryTier, TieredStore
+from services.prefill.pull_policy import PullPolicy
+from services.prefill.router import prompt_keys, pull_prefix
 from trainer.model import build_model, save_weights_dir
 
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4)
@@ -174,3 +180,109 @@ def test_prefilled_first_token_continues_exactly(dirs: tuple[Path, Path]) -> Non
         # then one token per decode step (the last sampled token is never fed).
         n, max_tokens = r.sampling.n, r.sampling.max_tokens
         assert dec.stats.computed_tokens_total == (0 if max_tokens == 1 else n * max_tokens)
+
+
+# ---------------------------------------------------------------------- decode's pull (router.pull_prefix)
+
+
+def served_store(eng: LLMEngine, store: TieredStore) -> tuple[KVStoreClient, DataPlaneServer, list[bytes]]:
+    """PROMPT's 10 pages computed by `eng` into `store`, served by a real data plane, and a client
+    of it (the address GET /v1/dataplane would give); also PROMPT's page keys."""
+    eng.pages.sink = StoreSink(store, page_nbytes(eng.kv))
+    eng.generate([req(PROMPT, temperature=0.0, max_tokens=1)])
+    server = DataPlaneServer(lambda: store, "127.0.0.1", max_request_bytes=64 << 20).start()
+    client = KVStoreClient("http://127.0.0.1:9", timeout_s=10, retry_after_s=0.0)
+    client._planes["http://127.0.0.1:9"] = ("127.0.0.1", server.port)
+    return client, server, prompt_keys(eng, PROMPT)
+
+
+def test_drain_drops_a_batch_of_the_wrong_length(dirs: tuple[Path, Path]) -> None:
+    """Runs on the loop thread: a bad staged batch is dropped (and its buffer released), the
+    batches around it still import, nothing raises into the step."""
+    store = TieredStore([MemoryTier(64 << 20)])
+    a = LLMEngine(dirs[0], CFG)
+    client, server, keys = served_store(a, store)
+    server.close()
+    client.close()
+    per = page_nbytes(a.kv)
+    pages = store.get_many(keys)
+    b = LLMEngine(dirs[0], CFG)
+    released: list[str] = []
+    b.pages.stage(keys[:3], b"".join(pages[:3]) + b"x", release=lambda: released.append("bad"))  # type: ignore[operator]
+    b.pages.stage(keys[:4], b"".join(pages[:4]), release=lambda: released.append("good"))  # type: ignore[arg-type]
+    assert b.pages.drain() == 4
+    assert released == ["bad", "good"] and b.pages.dropped_batches_total == 1
+    assert b.pages.import_bytes_total == 4 * per
+
+
+def test_pull_stops_at_a_short_page(dirs: tuple[Path, Path]) -> None:
+    """A page cut short (a gateway crash mid-write) ends the pulled run: the pages before it are
+    imported, the rest computed; generate gives the same tokens."""
+    store = TieredStore([MemoryTier(64 << 20)])
+    a = LLMEngine(dirs[0], CFG)
+    client, server, keys = served_store(a, store)
+    try:
+        short = TieredStore([MemoryTier(64 << 20)])
+        for k, p in zip(keys, store.get_many(keys), strict=True):
+            assert p is not None
+            short.put(k, p[: len(p) // 2] if k == keys[3] else p)
+        server.store = lambda: short
+        b = LLMEngine(dirs[0], CFG)
+        assert pull_prefix(b, client, keys) == 3
+        assert b.pages.drain() == 3 and b.pages.dropped_batches_total == 0
+        r = req(PROMPT, temperature=1.0, seed=4, max_tokens=3, ignore_eos=True)
+        same(b.generate([r])[0], LLMEngine(dirs[0], CFG).generate([r])[0])
+        assert b.stats.prefix_cache_hit_tokens == 3 * 4
+    finally:
+        server.close()
+        client.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host where pinned memory cannot be allocated")
+def test_pull_survives_a_staging_allocation_failure(dirs: tuple[Path, Path]) -> None:
+    """Pinned staging memory that cannot be allocated (here: no CUDA, a real RuntimeError from
+    torch) means the prefix is computed, never a failed request."""
+    store = TieredStore([MemoryTier(64 << 20)])
+    a = LLMEngine(dirs[0], CFG)
+    client, server, keys = served_store(a, store)
+    try:
+        b = LLMEngine(dirs[0], CFG)
+        b.pages.buffers = StagingBuffers(pin=True)
+        errors = REGISTRY.get_sample_value("relay_kv_pull_errors_total") or 0.0
+        assert pull_prefix(b, client, keys, PullPolicy(KVPullSection(mode="always"))) == 0
+        assert REGISTRY.get_sample_value("relay_kv_pull_errors_total") == errors + 1
+        assert b.pages.drain() == 0
+        r = req(PROMPT, temperature=0.0, max_tokens=2)
+        same(b.generate([r])[0], a.generate([r])[0])
+        # A working buffer again: the same client pulls (its connection was replaced).
+        c = LLMEngine(dirs[0], CFG)
+        c.pages.buffers = StagingBuffers(pin=False)
+        assert pull_prefix(c, client, keys) == 10
+    finally:
+        server.close()
+        client.close()
+
+
+def test_pull_caps_at_free_pages_and_observes_only_round_trips(dirs: tuple[Path, Path]) -> None:
+    store = TieredStore([MemoryTier(64 << 20)])
+    a = LLMEngine(dirs[0], CFG)
+    client, server, keys = served_store(a, store)
+    try:
+        # No gateway (down, none registered): no round trip, so nothing for the latency estimate
+        # and the probe clock is not reset.
+        policy = PullPolicy(KVPullSection(mode="always"))
+        b = LLMEngine(dirs[0], CFG)
+        assert pull_prefix(b, KVStoreClient(lambda: None), keys, policy) == 0
+        assert policy.latency.samples == 0 and policy.pull_bw.samples == 0
+        assert policy._last_pull_at == -1e18
+        # A real round trip is observed.
+        assert pull_prefix(b, client, keys, policy) == 10
+        assert policy.latency.samples + policy.pull_bw.samples == 1
+        # An engine with 6 free pages asks the store for 6, not 10.
+        small = LLMEngine(dirs[0], CFG.model_copy(update={"num_kv_blocks": 6}))
+        assert small.kv.blocks.num_free == 6
+        assert pull_prefix(small, client, keys) == 6
+        assert small.pages.drain() == 6
+    finally:
+        server.close()
+        client.close()

@@ -15,6 +15,7 @@ finished sequence left behind: the scheduler's next admission finds them as ordi
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 import warnings
@@ -29,6 +30,8 @@ from services.engine.kv_cache import KVCache, block_hash, root_hash
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def pool_tensors(kv: KVCache) -> list[torch.Tensor]:
@@ -270,6 +273,7 @@ class PageExchange:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._remember = remember
         self.imported_pages_total = 0
+        self.dropped_batches_total = 0  # staged batches drain() could not import
         self.exported_pages_total = 0
         # Bytes copied into the pool by drain() and the seconds it took: the pull decision's
         # measured import bandwidth (services/prefill/pull_policy.py).
@@ -296,12 +300,19 @@ class PageExchange:
             release()
 
     def drain(self) -> int:
+        """Import what was staged. A batch that cannot be imported (bytes that are not whole pages
+        of this layout) is logged and dropped: it runs on the loop thread, where raising would
+        abort every request of the step; its tokens are computed instead."""
         n = 0
         while self._staged:
             hashes, data, pin, release = self._staged.popleft()
             t0 = time.perf_counter()
             try:
                 got = import_pages(self.kv, hashes, data, pin)
+            except (ValueError, RuntimeError) as e:
+                self.dropped_batches_total += 1
+                log.warning(f"dropped {len(hashes)} staged kv pages: {e}")
+                continue
             finally:
                 if release is not None:
                     release()

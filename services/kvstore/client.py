@@ -118,22 +118,50 @@ class KVStoreClient:
         parts: list[bytes | memoryview],
         alloc: Allocator | None = None,
     ) -> memoryview:
+        """One request over a pooled (else new) connection. A failure before any reply byte (a
+        pooled connection the gateway dropped, a refused connect: a restarted gateway listens on
+        a new data plane port) is retried once, on a fresh connection to the address the gateway
+        advertises now; both ops are idempotent (a put stores content-addressed pages)."""
+        for attempt in (0, 1):
+            with self._pool_lock:
+                idle = self._idle.setdefault(addr, [])
+                conn = idle.pop() if idle else None
+            try:
+                if conn is None:
+                    conn = DataPlaneConnection(*addr, timeout_s=self.timeout_s)
+                t0 = time.perf_counter()
+                body = conn.call(op, parts, alloc)
+                self._tls.call_s = time.perf_counter() - t0
+            except BaseException as e:
+                replied = conn is not None and conn.replied
+                if conn is not None:
+                    conn.close()  # mid-message or broken: not reusable
+                if not isinstance(e, (OSError, DataPlaneError)):
+                    raise  # not the gateway's doing (e.g. alloc failed): its address still holds
+                self._forget(addr, url)
+                # A timeout is not retried: a hung gateway would cost the caller twice the wait.
+                retry = isinstance(e, OSError) and not isinstance(e, TimeoutError) and not replied
+                if attempt == 0 and retry:
+                    fresh = self._plane(url)
+                    if fresh is not None:
+                        log.info(f"kv data plane {addr} failed before replying ({e}); retrying at {fresh}")
+                        addr = fresh
+                        continue
+                raise
+            with self._pool_lock:
+                self._idle.setdefault(addr, []).append(conn)
+            return body
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _forget(self, addr: tuple[str, int], url: str) -> None:
+        """Drop what is known about a failed data plane: its idle connections (the peer is likely
+        gone for all of them) and the address (asked again next time: a restarted gateway has a
+        new data plane port)."""
         with self._pool_lock:
-            idle = self._idle.setdefault(addr, [])
-            conn = idle.pop() if idle else None
-        if conn is None:
-            conn = DataPlaneConnection(*addr, timeout_s=self.timeout_s)
-        try:
-            t0 = time.perf_counter()
-            body = conn.call(op, parts, alloc)
-            self._tls.call_s = time.perf_counter() - t0
-        except BaseException:
-            conn.close()
-            self._planes.pop(url, None)  # ask again next time (the gateway may have restarted)
-            raise
-        with self._pool_lock:
-            self._idle.setdefault(addr, []).append(conn)
-        return body
+            stale = self._idle.pop(addr, [])
+        for c in stale:
+            c.close()
+        self._planes.pop(url, None)
 
     def take_call_seconds(self) -> float | None:
         """Seconds of this thread's last data plane round trip (request sent -> reply received),
@@ -146,31 +174,46 @@ class KVStoreClient:
     # ------------------------------------------------------------------ pages
 
     def get_prefix(
-        self, keys: list[bytes], alloc: Allocator | None = None
+        self, keys: list[bytes], alloc: Allocator | None = None, page_bytes: int | None = None
     ) -> tuple[list[bytes], bytes | memoryview]:
         """The longest prefix of `keys` (a hash chain) the store has: (its keys, their bytes
         concatenated). A chain is only usable from its head, so lookup stops at the first miss.
         Over the data plane the bytes are a view into the one buffer the reply was received into:
         `alloc(n)` supplies it (a reused staging buffer), else a new bytearray; the page bytes are
-        that buffer's last len(bytes) of its first n bytes."""
+        that buffer's last len(bytes) of its first n bytes (a prefix of them if truncated).
+        `page_bytes`: the prefix also stops at the first page of another length (a page cut short
+        by a gateway crash, or of another layout), which an engine could not import."""
         url = self.url()
         if url is None or not keys:
             return [], b""
         try:
             addr = self._plane(url)
             if addr is None:
-                return self._get_prefix_http(url, keys)
-            body = self._call(addr, url, OP_GET_PREFIX, [encode_keys(keys)], alloc)
-            got, _lengths, data = parse_pages_reply(body)
-            if got != keys[: len(got)]:
-                raise FrameError("gateway answered keys that are not a prefix of the request")
-            return got, data
+                t0 = time.perf_counter()
+                got, data, lengths = self._get_prefix_http(url, keys)
+                self._tls.call_s = time.perf_counter() - t0  # the round trips, as on the data plane
+            else:
+                body = self._call(addr, url, OP_GET_PREFIX, [encode_keys(keys)], alloc)
+                got, lengths, data = parse_pages_reply(body)
+                if got != keys[: len(got)]:
+                    raise FrameError("gateway answered keys that are not a prefix of the request")
         except _TRANSPORT_ERRORS as e:
             self._failed("get", e)
             return [], b""
+        if page_bytes is not None:
+            good = next((i for i, n in enumerate(lengths) if n != page_bytes), len(lengths))
+            if good < len(got):
+                log.warning(
+                    f"kv store page {good} of {len(got)} is {lengths[good]} bytes, not {page_bytes}: "
+                    "using the pages before it"
+                )
+                got, data = got[:good], data[: good * page_bytes]
+        return got, data
 
-    def _get_prefix_http(self, url: str, keys: list[bytes]) -> tuple[list[bytes], bytes]:
-        return http_get_prefix(self.http, url, keys)
+    def _get_prefix_http(self, url: str, keys: list[bytes]) -> tuple[list[bytes], bytes, list[int]]:
+        lengths: list[int] = []
+        got, data = http_get_prefix(self.http, url, keys, lengths=lengths)
+        return got, data, lengths
 
     def put(self, keys: list[bytes], data: bytes | bytearray | memoryview, page_bytes: int) -> int:
         """Store len(keys) pages of page_bytes each; returns how many the gateway stored (0 when
@@ -229,11 +272,13 @@ def http_get_prefix(
     keys: list[bytes],
     pages_per_call: int = MAX_PAGES_PER_CALL,
     copy_pages: bool = False,
+    lengths: list[int] | None = None,
 ) -> tuple[list[bytes], bytes]:
     """The longest prefix of `keys` the gateway at `url` has, over its HTTP routes
-    (`pages_per_call` pages a call): (its keys, their bytes concatenated). `copy_pages` copies
-    each page into bytes of its own before the join, as the client did before the transport work
-    (bench/kv/transport.py's legacy baseline measures that cost)."""
+    (`pages_per_call` pages a call): (its keys, their bytes concatenated). `lengths`, if given,
+    gets each page's length appended. `copy_pages` copies each page into bytes of its own before
+    the join, as the client did before the transport work (bench/kv/transport.py's legacy baseline
+    measures that cost)."""
     got_keys: list[bytes] = []
     chunks: list[bytes | memoryview] = []
     for start in range(0, len(keys), pages_per_call):
@@ -247,6 +292,8 @@ def http_get_prefix(
                 return got_keys, b"".join(chunks)
             got_keys.append(k)
             chunks.append(bytes(page) if copy_pages else page)
+            if lengths is not None:
+                lengths.append(len(page))
     return got_keys, b"".join(chunks)
 
 

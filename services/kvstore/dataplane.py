@@ -21,6 +21,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter
@@ -44,6 +45,10 @@ OP_PUT, OP_GET_PREFIX = 1, 2
 OK, BAD_REQUEST, TOO_LARGE, SERVER_ERROR = 200, 400, 413, 500
 # Socket buffers: big enough that a 1.75 MiB page moves in few syscalls.
 SOCK_BUF = 8 << 20
+# A server connection keeps its receive buffer for the next request (page faults of a fresh one
+# halve throughput), but not one above this: a few 512 MiB bodies would otherwise pin that much per
+# connection, outside kvstore.ram_bytes.
+KEEP_RX_BYTES = 64 << 20
 
 DP_BYTES = Counter("relay_kvstore_dataplane_bytes", "page bytes moved by the data plane", ["op"])
 DP_REQUESTS = Counter("relay_kvstore_dataplane_requests", "data plane requests", ["op", "status"])
@@ -80,6 +85,10 @@ def _discard(sock: socket.socket, n: int) -> None:
 def recv_header(sock: socket.socket) -> tuple[int, int]:
     head = bytearray(HEADER.size)
     recv_exact(sock, head)
+    return parse_header(head)
+
+
+def parse_header(head: bytes | bytearray) -> tuple[int, int]:
     magic, code, _pad, length = HEADER.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"data plane magic {bytes(magic)!r}, expected {MAGIC!r}")
@@ -136,6 +145,8 @@ class DataPlaneServer:
         self.sock = socket.create_server((host, 0), backlog=64)
         self.port = self.sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()  # joined by close(), before the store closes
+        self._rx: dict[socket.socket, int] = {}  # receive buffer bytes each connection holds
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="kv-dataplane", daemon=True)
@@ -153,9 +164,14 @@ class DataPlaneServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
                 conn.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+            t = threading.Thread(target=self._serve, args=(conn,), name="kv-dataplane-conn", daemon=True)
             with self._lock:
+                if self._closed:  # close() already shut the others down: do not start another
+                    conn.close()
+                    return
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-dataplane-conn", daemon=True).start()
+                self._threads.add(t)
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         rx = bytearray()
@@ -182,6 +198,10 @@ class DataPlaneServer:
                 recv_exact(conn, body)
                 status, parts = self._handle(op, body)
                 del body
+                if len(rx) > KEEP_RX_BYTES:
+                    rx = bytearray()  # parts never view rx (pages are the store's, replies new bytes)
+                with self._lock:
+                    self._rx[conn] = len(rx)
                 DP_REQUESTS.labels(name, str(status)).inc()
                 send_parts(conn, status, parts)
         except (ProtocolError, OSError) as e:
@@ -189,7 +209,15 @@ class DataPlaneServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._rx.pop(conn, None)
+                self._threads.discard(threading.current_thread())
             conn.close()
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Receive buffer bytes the open connections hold between requests."""
+        with self._lock:
+            return sum(self._rx.values())
 
     def _handle(self, op: int, body: memoryview) -> tuple[int, list[bytes | memoryview]]:
         store = self.store()
@@ -217,8 +245,11 @@ class DataPlaneServer:
             log.exception("data plane request failed")
             return SERVER_ERROR, [f"store: {type(e).__name__}: {e}".encode()]
 
-    def close(self) -> None:
-        self._closed = True
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end every connection and wait (up to timeout_s) for their threads, so
+        none is still inside the store when the caller closes it."""
+        with self._lock:
+            self._closed = True
         # shutdown() wakes a thread blocked in accept(); close() alone does not on Linux.
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -232,7 +263,15 @@ class DataPlaneServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(5)
+        deadline = time.monotonic() + timeout_s
+        self._thread.join(timeout_s)
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t for t in threads if t.is_alive()]
+        if alive:
+            log.warning(f"data plane close: {len(alive)} connection threads still running after {timeout_s}s")
 
 
 class DataPlaneError(RuntimeError):
@@ -245,6 +284,9 @@ class DataPlaneConnection:
     """One persistent client connection. Not thread-safe: the client keeps a pool of them."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
+        # Whether any byte of the last call's reply arrived: if none did, the gateway never acted
+        # on the request (or a restart dropped it) and the caller may safely send it again.
+        self.replied = False
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
@@ -256,8 +298,15 @@ class DataPlaneConnection:
         """Send a request, receive its reply's body. `alloc(n)` gives the buffer an OK reply's body
         is received into (e.g. a reused pinned staging buffer), at least n bytes; default a new
         bytearray. Returns a view of the body (the buffer's first n bytes)."""
+        self.replied = False
         send_parts(self.sock, op, parts)
-        status, length = recv_header(self.sock)
+        head = bytearray(HEADER.size)
+        got = self.sock.recv_into(head)  # blocks until the reply starts
+        if got == 0:
+            raise ProtocolError("connection closed before the reply")
+        self.replied = True
+        recv_exact(self.sock, memoryview(head)[got:])
+        status, length = parse_header(head)
         if status != OK:
             msg = bytearray(length)
             recv_exact(self.sock, msg)

@@ -80,7 +80,10 @@ class PullPolicy:
         self._prefill_seen = prefill_counters() if prefill_counters else (0.0, 0.0)
         self._import_seen = import_counters() if import_counters else (0.0, 0.0)
         self._last_pull_at = -1e18
-        self._lock = threading.Lock()
+        # Re-entrant: decide() holds it over refresh() (whose observe_* take it again) and the probe
+        # check-and-set, which pulls on several worker threads would otherwise race (two probes in
+        # one interval, one counter delta folded in twice).
+        self._lock = threading.RLock()
         self.counts = {"pull": 0, "recompute": 0, "probe": 0}
         self._export()
 
@@ -113,6 +116,10 @@ class PullPolicy:
 
     def refresh(self) -> None:
         """Fold in what the engine measured since the last call (its cumulative counters)."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         if self._prefill_counters is not None:
             tok, sec = self._prefill_counters()
             dt, ds = tok - self._prefill_seen[0], sec - self._prefill_seen[1]
@@ -136,24 +143,24 @@ class PullPolicy:
 
     def decide(self, pages: int, page_bytes: int, block_size: int) -> Decision:
         """Whether to pull `pages` missing pages (page_bytes each, block_size tokens each)."""
-        self.refresh()
-        nbytes, tokens = pages * page_bytes, pages * block_size
-        pull_s, recompute_s = self.estimate_pull_s(nbytes), self.estimate_recompute_s(tokens)
-        mode = self.cfg.mode
-        if pages == 0:
-            action, n = "recompute", 0
-        elif mode == "always" or (mode == "auto" and pull_s < recompute_s):
-            action, n = "pull", pages
-        elif (
-            mode == "auto"
-            and self.cfg.probe_pages > 0
-            and self.clock() - self._last_pull_at >= self.cfg.probe_interval_s
-        ):
-            action, n = "probe", min(pages, self.cfg.probe_pages)
-            self._last_pull_at = self.clock()  # one probe per interval, even if it fails
-        else:
-            action, n = "recompute", 0
         with self._lock:
+            self._refresh()
+            nbytes, tokens = pages * page_bytes, pages * block_size
+            pull_s, recompute_s = self.estimate_pull_s(nbytes), self.estimate_recompute_s(tokens)
+            mode = self.cfg.mode
+            if pages == 0:
+                action, n = "recompute", 0
+            elif mode == "always" or (mode == "auto" and pull_s < recompute_s):
+                action, n = "pull", pages
+            elif (
+                mode == "auto"
+                and self.cfg.probe_pages > 0
+                and self.clock() - self._last_pull_at >= self.cfg.probe_interval_s
+            ):
+                action, n = "probe", min(pages, self.cfg.probe_pages)
+                self._last_pull_at = self.clock()  # one probe per interval, even if it fails
+            else:
+                action, n = "recompute", 0
             self.counts[action] += 1
         DECISIONS.labels(action).inc()
         ESTIMATE.labels("pull").set(pull_s)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import numpy as np
 import torch
 from prometheus_client import Counter
 
@@ -43,6 +44,7 @@ from services.prefill.schemas import PrefillRequest, PrefillResponse
 log = logging.getLogger(__name__)
 
 PULLED_PAGES = Counter("relay_kv_pulled_pages", "KV pages pulled from the KV store into the engine")
+PULL_ERRORS = Counter("relay_kv_pull_errors", "pulls that failed inside decode (the prefix is recomputed)")
 REMOTE_PREFILLS = Counter("relay_kv_remote_prefills", "prompts prefilled by a prefill service", ["outcome"])
 DISCOVERY_TTL_S = 1.0
 JSON = {"content-type": "application/json"}
@@ -116,13 +118,29 @@ def pull_prefix(
     """Stage the longest prefix of `keys` the store has and the local cache lacks, if the policy
     says pulling beats recomputing it (no policy: always pull). Blocking; returns pages staged.
     The reply is received into a reused (on CUDA pinned) staging buffer that is given back once
-    the engine has imported it."""
+    the engine has imported it. Never raises: whatever goes wrong here (a staging buffer that
+    cannot be allocated, ...) is logged and counted, and the prefix is computed instead."""
+    try:
+        return _pull_prefix(engine, store, keys, policy)
+    except Exception:  # noqa: BLE001 - a pull is an optimisation: never a failed request
+        PULL_ERRORS.inc()
+        log.exception("kv pull failed; computing the prefix instead")
+        return 0
+
+
+def _pull_prefix(
+    engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None
+) -> int:
     have = local_prefix_pages(engine, keys)
     missing = keys[have:]
+    # Pages the import could take without evicting the cached head it extends (a hint: read off
+    # the loop thread); more would be moved over the network only to be dropped.
+    missing = missing[: max(0, engine.kv.blocks.num_free - have)]
     if not missing:
         return 0
+    per = page_nbytes(engine.kv)
     if policy is not None:
-        decision = policy.decide(len(missing), page_nbytes(engine.kv), engine.kv.block_size)
+        decision = policy.decide(len(missing), per, engine.kv.block_size)
         missing = missing[: decision.pages]
         if not missing:
             return 0
@@ -134,27 +152,34 @@ def pull_prefix(
         taken.append((buf, n))
         return memoryview(buf.numpy())
 
-    failures = store.failures
-    store.take_call_seconds()
-    t0 = time.perf_counter()
-    got, data = store.get_prefix(missing, alloc)
-    wall = time.perf_counter() - t0
-    round_trip = store.take_call_seconds()  # None on the HTTP fallback path
-    if policy is not None and store.failures == failures:
-        policy.observe_pull(len(data), wall if round_trip is None else round_trip)
-    if not got or not taken:
+    try:
+        failures = store.failures
+        store.take_call_seconds()
+        got, data = store.get_prefix(missing, alloc, page_bytes=per)
+        round_trip = store.take_call_seconds()  # None: no request reached a gateway
+        if policy is not None and round_trip is not None and store.failures == failures:
+            policy.observe_pull(len(data), round_trip)
+        if not got:
+            return 0
+        if len(data) != len(got) * per:  # get_prefix keeps only whole pages: a client bug if not
+            raise ValueError(f"{len(data)} bytes for {len(got)} pages of {per} bytes")
+        if not taken:  # the HTTP fallback path: the bytes are its own
+            engine.pages.stage(got, data, pin=keys[:have])
+        else:
+            buf, n = taken[-1]
+            # The pages are a view into the reply body, received into buf[:n]: stage that slice
+            # of buf itself (on CUDA it is pinned, so the import is one DMA).
+            start = np.frombuffer(data, dtype=np.uint8).ctypes.data - buf.data_ptr()
+            if not 0 <= start <= n - len(data):
+                raise ValueError("pulled pages are not inside the staging buffer they were received into")
+            pages = buf[start : start + len(data)]
+            engine.pages.stage(got, pages, pin=keys[:have], release=lambda: buffers.give(buf))
+            taken.pop()  # given back by the engine once imported
+        PULLED_PAGES.inc(len(got))
+        return len(got)
+    finally:
         for buf, _n in taken:
             buffers.give(buf)
-        if got:  # the HTTP fallback path: the bytes are its own
-            engine.pages.stage(got, data, pin=keys[:have])
-            PULLED_PAGES.inc(len(got))
-        return len(got)
-    buf, n = taken[-1]
-    # The pages are the tail of the reply body, which was received into buf[:n].
-    pages = buf[n - len(data) : n]
-    engine.pages.stage(got, pages, pin=keys[:have], release=lambda: buffers.give(buf))
-    PULLED_PAGES.inc(len(got))
-    return len(got)
 
 
 async def pull_pages(
