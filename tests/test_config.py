@@ -24,6 +24,7 @@ def test_dotted_overrides_are_toml_values():
         (["--trainer.lr=abc"], "trainer.lr", "valid number"),
         (["--orchestrator.group_size=1"], "orchestrator.group_size", "greater than 1"),
         (["--model.n_heads=3"], "model", "multiple of n_kv_heads"),
+        (["--orchestrator.advantage_std_norm=true"], "advantage_std_norm", "advantage = 'token'"),
     ],
 )
 def test_bad_values_name_the_key(override, key, reason):

@@ -238,3 +238,51 @@ def test_rendered_transcript_shows_each_tokens_advantage() -> None:
     prompt_seg, model_seg = render_sample(s, TOK)
     assert "advantages" not in prompt_seg and model_seg["advantages"] == [0.0, -0.6, 0.0, 0.0]
     assert "advantages" not in render_sample(s.model_copy(update={"token_advantages": None}), TOK)[1]
+
+
+async def reverse_turns_policy(req: GenerateRequest) -> list[list[int]]:
+    """Turn 1 as reverse_policy; in later turns a sample that got its first middle letter wrong
+    keeps getting it wrong, the others answer right (with EOS)."""
+    if req.sampling.n > 1:
+        return await reverse_policy(req)
+    context = TOK.decode(req.input_ids)
+    first_word, first_answer = context.split("\n")[0][4:].split(":")  # "rev abc:<first answer>"
+    target = context.split()[-1].rstrip(":")[::-1]  # the word asked now, reversed
+    if first_answer != first_word[::-1][: len(first_answer)]:  # the wrong-middle sample
+        target = target[0] + ("a" if target[1] != "a" else "b") + target[2]
+    return [[*TOK.encode(target).ids, EOS]]
+
+
+def test_orchestrator_token_advantages_over_turns(
+    budget_sandbox: object,  # noqa: F811
+    redis_server: str,
+    tmp_path: Path,
+) -> None:
+    """Credit of every turn lands on that turn's tokens (the spans stay right after env tokens)."""
+    prefix = budget_sandbox.prefix  # type: ignore[attr-defined]
+    bus = Bus(redis_server, prefix)
+    cfg = budget_cfg(redis_server, prefix, advantage="token", group_size=3)
+    specs, _, _ = asyncio.run(
+        run_groups(cfg, bus, tmp_path, [12], env="reverse-turns", policy=reverse_turns_policy, credit=True)
+    )
+    right, wrong, cut = committed(bus)[specs[0].group_id]["samples"]
+
+    def turns(s: dict) -> list[list[float]]:
+        """The token advantages of each model turn (runs of loss_mask 1); env tokens must be 0."""
+        out: list[list[float]] = []
+        prev = 0
+        for m, a in zip(s["loss_mask"], s["token_advantages"], strict=True):
+            if m and not prev:
+                out.append([])
+            if m:
+                out[-1].append(a)
+            else:
+                assert a == 0.0
+            prev = m
+        return out
+
+    assert [s["turns"] for s in (right, wrong, cut)] == [3, 3, 3]
+    assert turns(right) == [pytest.approx([0.0, 1 / 3, 0.0, 0.0])] * 3
+    assert turns(wrong) == [pytest.approx([0.0, -2 / 3, 0.0, 0.0])] * 3
+    # the cut first turn has no EOS token; its later turns end with EOS like the others
+    assert turns(cut) == [pytest.approx([0.0, 1 / 3, 0.0])] + [pytest.approx([0.0, 1 / 3, 0.0, 0.0])] * 2

@@ -417,6 +417,17 @@ class OrchestratorSection(ServiceSection):
     tasks: list[TaskSpec] = [TaskSpec(env="reverse")]
     sampling: SamplingConfig = SamplingConfig()
 
+    @model_validator(mode="after")
+    def _one_advantage_scale(self) -> OrchestratorSection:
+        if self.advantage == "token" and self.advantage_std_norm:
+            # Credit advantages are raw (within +-1) while the sequence fallback would be divided
+            # by the group std: two scales in one sample.
+            raise ValueError(
+                "advantage_std_norm: not combinable with advantage = 'token' (token credit is not "
+                "std-normalised); set one of them"
+            )
+        return self
+
 
 class TrainerSection(Strict):
     nproc: int = Field(1, ge=1)
