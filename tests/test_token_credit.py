@@ -207,19 +207,22 @@ async def reverse_policy(req: GenerateRequest) -> list[list[int]]:
     return [answers[i % 3] for i in range(req.sampling.n)]
 
 
+def token_credit_group(sandbox: object, redis_url: str, tmp: Path, env: str, policy: object) -> list[dict]:
+    """One group of 3 through the orchestrator's own runner (token credit on) against the real
+    sandbox process and a scripted decode over HTTP; returns the committed samples."""
+    prefix = sandbox.prefix  # type: ignore[attr-defined]
+    bus = Bus(redis_url, prefix)
+    cfg = budget_cfg(redis_url, prefix, advantage="token", group_size=3)
+    specs, _, _ = asyncio.run(run_groups(cfg, bus, tmp, [11], env=env, policy=policy, credit=True))  # type: ignore[arg-type]
+    return committed(bus)[specs[0].group_id]["samples"]  # type: ignore[return-value]
+
+
 def test_orchestrator_token_advantages_end_to_end(
     budget_sandbox: object,  # noqa: F811
     redis_server: str,
     tmp_path: Path,
 ) -> None:
-    prefix = budget_sandbox.prefix  # type: ignore[attr-defined]
-    bus = Bus(redis_server, prefix)
-    cfg = budget_cfg(redis_server, prefix, advantage="token", group_size=3, max_turns=1)
-    specs, _, _ = asyncio.run(
-        run_groups(cfg, bus, tmp_path, [11], env="reverse", policy=reverse_policy, credit=True)
-    )
-    group = committed(bus)[specs[0].group_id]
-    right, wrong, cut = group["samples"]
+    right, wrong, cut = token_credit_group(budget_sandbox, redis_server, tmp_path, "reverse", reverse_policy)
     assert [right["reward"], wrong["reward"], cut["reward"]] == pytest.approx([1.0, 0.75, 0.75])
     n = len(right["tokens"]) - 4
     # per position over the three samples: only the middle letter differs (right, wrong, right)
@@ -259,13 +262,9 @@ def test_orchestrator_token_advantages_over_turns(
     tmp_path: Path,
 ) -> None:
     """Credit of every turn lands on that turn's tokens (the spans stay right after env tokens)."""
-    prefix = budget_sandbox.prefix  # type: ignore[attr-defined]
-    bus = Bus(redis_server, prefix)
-    cfg = budget_cfg(redis_server, prefix, advantage="token", group_size=3)
-    specs, _, _ = asyncio.run(
-        run_groups(cfg, bus, tmp_path, [12], env="reverse-turns", policy=reverse_turns_policy, credit=True)
+    right, wrong, cut = token_credit_group(
+        budget_sandbox, redis_server, tmp_path, "reverse-turns", reverse_turns_policy
     )
-    right, wrong, cut = committed(bus)[specs[0].group_id]["samples"]
 
     def turns(s: dict) -> list[list[float]]:
         """The token advantages of each model turn (runs of loss_mask 1); env tokens must be 0."""

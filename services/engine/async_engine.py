@@ -80,11 +80,7 @@ class AsyncEngine:
         try:
             finished = self.engine.flush()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
-            log.exception("landing the step in flight failed; aborting all requests")
-            for state in self.engine.abort_all():
-                fut = self._waiters.pop(state, None)
-                if fut is not None:
-                    _resolve(fut, error=RuntimeError(f"engine step failed: {e}"))
+            self._fail_all("landing the step in flight", e)
             return
         for state in finished:
             fut = self._waiters.pop(state, None)
@@ -184,15 +180,20 @@ class AsyncEngine:
         try:
             finished = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
-            log.exception("engine step failed; aborting all requests")
-            for state in self.engine.abort_all():
-                fut = self._waiters.pop(state, None)
-                if fut is not None:
-                    _resolve(fut, error=RuntimeError(f"engine step failed: {e}"))
+            self._fail_all("engine step", e)
             return
         for state in finished:
             _resolve(self._waiters.pop(state), state.response())
         self._drop_cancelled()
+
+    def _fail_all(self, what: str, e: Exception) -> None:
+        """A step (or landing one) failed: the engine's state is unknown, so every request fails
+        with the error and the engine starts clean; the service keeps serving."""
+        log.exception("%s failed; aborting all requests", what)
+        for state in self.engine.abort_all():
+            fut = self._waiters.pop(state, None)
+            if fut is not None:
+                _resolve(fut, error=RuntimeError(f"engine step failed: {e}"))
 
     def _drop_cancelled(self) -> None:
         """Free the slots of requests whose caller went away (e.g. HTTP client disconnected)."""
