@@ -7,62 +7,26 @@ against the torch ops, and the whole engine with them on against the torch backe
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 import random
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import triton_interp
 
-INTERPRET = not torch.cuda.is_available()
-# As tests/test_engine_kernels.py: the interpreter needs TRITON_INTERPRET=1 before triton's first
-# import; if something imported triton earlier in this session, run this file in a child process.
-IN_CHILD = INTERPRET and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-needs_interpreter = pytest.mark.skipif(
-    IN_CHILD, reason="triton was imported before TRITON_INTERPRET=1: run in a child process instead"
-)
-
-
-def _set_interpret(value: str | None) -> str | None:
-    old = os.environ.get("TRITON_INTERPRET")
-    if value is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = value
-    return old
-
-
-if INTERPRET and not IN_CHILD:
-    _saved = _set_interpret("1")
-    for _mod in ("sampling", "fused_norm", "paged_attention", "qk_rope"):
-        _name = f"services.engine.kernels.{_mod}"
-        importlib.reload(sys.modules[_name]) if _name in sys.modules else importlib.import_module(_name)
-    _set_interpret(_saved)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter() -> Iterator[None]:
-    active = INTERPRET and not IN_CHILD
-    saved = _set_interpret("1") if active else None
-    yield
-    if active:
-        _set_interpret(saved)
+# The kernels run under Triton's interpreter without CUDA (tests/helpers/triton_interp.py); if
+# triton was imported too early for that, this file's tests skip and test_fused_kernel_tests_in_child_process
+# runs them in a child process.
+INTERPRET, IN_CHILD = triton_interp.prepare(("sampling", "fused_norm", "paged_attention", "qk_rope"))
+needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
+triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
 def test_fused_kernel_tests_in_child_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", __file__],
-        env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    triton_interp.run_file_in_child(__file__)
 
 
 from services.common.config import EngineConfig, load_config  # noqa: E402

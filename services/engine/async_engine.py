@@ -82,10 +82,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
             self._fail_all("landing the step in flight", e)
             return
-        for state in finished:
-            fut = self._waiters.pop(state, None)
-            if fut is not None:
-                _resolve(fut, state.response())
+        self._answer(finished)
 
     def resume(self) -> None:
         with self._cv:
@@ -182,9 +179,14 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
             self._fail_all("engine step", e)
             return
-        for state in finished:
-            _resolve(self._waiters.pop(state), state.response())
+        self._answer(finished)
         self._drop_cancelled()
+
+    def _answer(self, finished: list[RequestState]) -> None:
+        for state in finished:
+            fut = self._waiters.pop(state, None)
+            if fut is not None:
+                _resolve(fut, state.response())
 
     def _fail_all(self, what: str, e: Exception) -> None:
         """A step (or landing one) failed: the engine's state is unknown, so every request fails
@@ -207,10 +209,7 @@ class AsyncEngine:
             # The step in flight may have finished requests (overlap scheduling): they end as
             # they did, with their last token, not as aborted.
             self._land_in_flight()
-            for state in self.engine.abort_all():
-                fut = self._waiters.pop(state, None)
-                if fut is not None:
-                    _resolve(fut, state.response())
+            self._answer(self.engine.abort_all())
         with self._cv:
             inbox, self._inbox = self._inbox, []
             weights, self._weights = self._weights, []

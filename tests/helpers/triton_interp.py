@@ -1,0 +1,71 @@
+"""Running Triton kernels on CPU under Triton's interpreter, for the kernel test files.
+
+The interpreter works only in a process where TRITON_INTERPRET=1 was set before triton was first
+imported (its standard library, e.g. the combine functions of tl.sum, is decorated then). In a
+longer session something may have imported it earlier (the engine imports the fp8 kernels): then a
+kernel test file runs itself in a child process instead (`run_file_in_child`)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+CHILD_REASON = "triton was imported before TRITON_INTERPRET=1: run in a child process instead"
+
+
+def set_interpret(value: str | None) -> str | None:
+    """Set (None: unset) TRITON_INTERPRET; returns the previous value."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+    return old
+
+
+def prepare(kernel_modules: tuple[str, ...]) -> tuple[bool, bool]:
+    """Call at a kernel test module's import: (interpret, in_child). interpret: no CUDA, so the
+    kernels run under the interpreter; in_child: this process cannot, the file's tests skip and
+    its child-process test runs them. Otherwise `services.engine.kernels.<m>` for each m is
+    (re)imported under TRITON_INTERPRET=1 (Triton reads it when @triton.jit decorates); the rest
+    of the session keeps the environment it had."""
+    interpret = not torch.cuda.is_available()
+    in_child = interpret and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+    if interpret and not in_child:
+        saved = set_interpret("1")
+        for mod in kernel_modules:
+            name = f"services.engine.kernels.{mod}"
+            importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+        set_interpret(saved)
+    return interpret, in_child
+
+
+def interpreter_fixture(active: bool) -> Callable[[], Iterator[None]]:
+    """An autouse module fixture that sets TRITON_INTERPRET=1 while the module's tests run
+    (Triton reads it again when an interpreted kernel runs)."""
+
+    @pytest.fixture(autouse=True, scope="module")
+    def triton_interpreter() -> Iterator[None]:
+        saved = set_interpret("1") if active else None
+        yield
+        if active:
+            set_interpret(saved)
+
+    return triton_interpreter
+
+
+def run_file_in_child(file: str) -> None:
+    """Run the test file `file` in a fresh interpreter process with TRITON_INTERPRET=1."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", file],
+        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
