@@ -183,6 +183,22 @@ def test_publisher_writes_what_save_weights_dir_writes(tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "weights").iterdir() if p.name.startswith(".")]  # tmp renamed
 
 
+def test_publisher_casts_to_the_engines_dtype(tmp_path: Path) -> None:
+    """A bf16 fleet gets bf16 weights: the masters' values rounded once, half the bytes."""
+    model = enable_chunked_output(build_model(M, seed=3))
+    full = Publisher(M, is_main=True)
+    full.publish(model, 1, tmp_path / "f32", background=False)
+    half = Publisher(M, is_main=True, dtype=torch.bfloat16)
+    half.publish(model, 1, tmp_path / "bf16", background=False)
+    a, b = _load(tmp_path / "f32"), _load(tmp_path / "bf16")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert a[k].dtype == torch.float32 and b[k].dtype == torch.bfloat16, k
+        assert torch.equal(b[k], a[k].to(torch.bfloat16)), k
+    assert half.last is not None and full.last is not None
+    assert half.last.bytes < 0.55 * full.last.bytes
+
+
 # ------------------------------------------------------------------ FSDP2 + bf16, 2 gloo processes
 
 

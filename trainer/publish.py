@@ -125,9 +125,12 @@ def write_weights_dir(
 
 
 class Publisher:
-    def __init__(self, m: ModelConfig, is_main: bool) -> None:
+    def __init__(self, m: ModelConfig, is_main: bool, dtype: torch.dtype | None = None) -> None:
         self.m = m
         self.is_main = is_main
+        # The engines' dtype: floating tensors are cast on the device before the copy to the host,
+        # so a bf16 fleet gets half the bytes (gather, D2H and the write) of the float32 masters.
+        self.dtype = dtype
         self._adapter = adapter(m)
         self._buffers: dict[str, torch.Tensor] = {}  # HF name -> host buffer, reused
         self._thread: threading.Thread | None = None
@@ -150,6 +153,8 @@ class Publisher:
                 # into HF's per-expert tensors (several names for one parameter); names it does
                 # not map (MoE bookkeeping buffers) give {} and are not published, as today.
                 for hf_name, v in self._adapter.to_hf({name: full.detach()}).items():
+                    if self.dtype is not None and v.is_floating_point() and v.dtype != self.dtype:
+                        v = v.to(self.dtype)
                     buf = self._buffers.get(hf_name)
                     if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
                         buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=v.device.type == "cuda")

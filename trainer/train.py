@@ -238,7 +238,9 @@ class Trainer:
         # perf path (issue 9): set by setup()
         self.degrees: Degrees
         self.meshes: dict[str, Any] = {}
-        self.publisher = Publisher(cfg.model, self.d.is_main)
+        self.publisher = Publisher(
+            cfg.model, self.d.is_main, getattr(torch, cfg.decode.engine.dtype)
+        )
         tc = cfg.trainer
         self.entropy = EntropyControl(
             tc.entropy_coef, tc.entropy_target, tc.entropy_coef_lr, tc.entropy_coef_max
