@@ -169,6 +169,7 @@ def engine_config(
     dtype: str,
     fused: bool = False,
     overlap: bool = False,
+    fp8: bool = False,
 ) -> Any:
     from services.common.config import EngineConfig
 
@@ -189,6 +190,7 @@ def engine_config(
         cuda_graphs=graphs,
         fused_kernels=fused,
         overlap_schedule=overlap,
+        quantization="fp8" if fp8 else "none",
     )
 
 
@@ -344,6 +346,7 @@ def engine_variant(
     extra: Callable[[Any], dict[str, Any]] | None = None,
     fused: bool = False,
     overlap: bool = False,
+    fp8: bool = False,
 ) -> dict[str, Any]:
     from services.engine import LLMEngine
 
@@ -352,9 +355,10 @@ def engine_variant(
         "cuda_graphs": graphs,
         "fused_kernels": fused,
         "overlap_schedule": overlap,
+        "quantization": "fp8" if fp8 else "none",
     }
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap))
+    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8))
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["graph_sizes"] = engine.graphs.sizes if engine.graphs is not None else []
@@ -772,6 +776,18 @@ def main() -> None:
         "measured_bw": roofline(prompts, args.new_tokens, weight_bytes, kv_per_token, bw),
         "nominal_bw": roofline(prompts, args.new_tokens, weight_bytes, kv_per_token, NOMINAL_BW),
     }
+    if any("fp8" in v.split("+") for v in args.variants.split(",")):
+        # An fp8 engine reads its quantised linears once per step: 1 byte per weight plus one
+        # float32 scale per 128x128 block; embeddings, lm_head and norms stay in `dtype`.
+        fp8_bytes = sum(
+            p.numel() + 4 * (-(-p.shape[0] // 128)) * (-(-p.shape[1] // 128))
+            if n.endswith("proj.weight")
+            else p.numel() * p.element_size()
+            for n, p in hf.named_parameters()
+        )
+        report.data["roofline_fp8_weights"] = {
+            "measured_bw": roofline(prompts, args.new_tokens, fp8_bytes, kv_per_token, bw)
+        }
     report.save()
 
     main_engine: dict[str, Any] = {}
@@ -780,11 +796,13 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        # "<backend>[+graphs][+fused][+overlap]" (EngineConfig.fused_kernels, .overlap_schedule)
+        # "<backend>[+graphs][+fused][+overlap][+fp8]" (EngineConfig.fused_kernels,
+        # .overlap_schedule, .quantization)
         backend, *opts = name.split("+")
         graphs = "graphs" in opts and cuda
         fused = "fused" in opts
         overlap = "overlap" in opts
+        fp8 = "fp8" in opts
         if budget.left() < 40:
             report.data.setdefault("skipped", []).append(f"variant {name}: out of time")
             return
@@ -792,7 +810,17 @@ def main() -> None:
         res = report.phase(
             f"engine[{name}]",
             lambda: engine_variant(
-                args, root, hf, prompts, backend, graphs, budget, keep_main if first else None, fused, overlap
+                args,
+                root,
+                hf,
+                prompts,
+                backend,
+                graphs,
+                budget,
+                keep_main if first else None,
+                fused,
+                overlap,
+                fp8,
             ),
         )
         if res is not None and first:
