@@ -8,12 +8,17 @@
                  background thread, imports them between steps and continues from the prefill's
                  first token (the same path as services/prefill/router.py)
 
+  baseline       the same streams and no long prompts: the ITL the other two are compared with
+
 ITL is measured per stream between consecutive tokens, from the engine's own step loop, over the
-window in which the long prompts arrive and are served. CPU:
+window in which the long prompts arrive and are served (until the last one has finished; baseline:
+the window the arrivals span plus 2 s). A stream that finishes is replaced by a new one, so
+`--streams` streams decode throughout the window whatever its length. CPU:
     .venv/bin/python -m bench.kv.interference --out bench/kv/results/interference_cpu.json
 GPU (the lead; 2 GPUs: decode on GPU 0, prefill service on GPU 1):
     python -m bench.kv.interference --device cuda --model qwen3-0.6b-shape --dtype bfloat16 \\
-        --prefill-gpu 1 --long-count 8 --long-every-s 0.5 --stream-tokens 512 --out $OUT/interference_h200.json
+        --prefill-gpu 1 --long-count 8 --long-every-s 0.5 --stream-tokens 512 \\
+        --modes baseline,colocated,disaggregated --out $OUT/interference_h200.json
 """
 
 from __future__ import annotations
@@ -62,21 +67,27 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     eng = build_engine(args, model_dir)
     rng = random.Random(args.seed)
     vocab = eng.model_config.vocab_size - 1
-    streams = [
-        eng.add_request(
+    born = 0
+
+    def new_stream() -> Any:
+        nonlocal born
+        born += 1
+        return eng.add_request(
             GenerateRequest(
                 input_ids=[rng.randrange(vocab) for _ in range(args.stream_prompt)],
                 sampling=SamplingParams(
-                    temperature=1.0, seed=i, max_tokens=args.stream_tokens, ignore_eos=True
+                    temperature=1.0, seed=born, max_tokens=args.stream_tokens, ignore_eos=True
                 ),
             )
         )
-        for i in range(args.streams)
-    ]
+
+    streams = [new_stream() for _ in range(args.streams)]
     # Warm up: every stream prefilled and decoding before the window opens.
     while any(not s.seqs[0].output for s in streams):
         eng.step()
-    longs = [[rng.randrange(vocab) for _ in range(args.long_tokens)] for _ in range(args.long_count)]
+    long_count = 0 if mode == "baseline" else args.long_count
+    window_s = args.long_count * args.long_every_s + 2.0  # baseline only
+    longs = [[rng.randrange(vocab) for _ in range(args.long_tokens)] for _ in range(long_count)]
     ready: queue.Queue[tuple[int, GenerateRequest]] = queue.Queue()
     pull_ms: list[float] = []
     store = (
@@ -107,6 +118,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
 
     last = {id(s): time.perf_counter() for s in streams}
     count = {id(s): len(s.seqs[0].output) for s in streams}
+    fresh: list[Any] = []  # replacements whose first token (their prefill) has not come yet
     itl: list[float] = []
     step_ms: list[float] = []
     arrivals: dict[int, float] = {}
@@ -120,7 +132,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     slow: list[tuple[float, float, int, int]] = []
     while True:
         now = time.perf_counter()
-        while sent < args.long_count and now - t_start >= sent * args.long_every_s:
+        while sent < long_count and now - t_start >= sent * args.long_every_s:
             req = GenerateRequest(
                 input_ids=longs[sent],
                 sampling=SamplingParams(
@@ -158,16 +170,25 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         for s in streams:
             n = len(s.seqs[0].output)
             if n > count[id(s)]:
-                if sent:  # inside the window: long prompts have started arriving
-                    itl.append((now - last[id(s)]) * 1000 / (n - count[id(s)]))
+                itl.append((now - last[id(s)]) * 1000 / (n - count[id(s)]))
                 count[id(s)], last[id(s)] = n, now
+        for s in fresh:
+            if s.seqs[0].output:  # from its first token on, a stream like the others
+                streams.append(s)
+                count[id(s)], last[id(s)] = len(s.seqs[0].output), now
+        fresh = [s for s in fresh if not s.seqs[0].output]
+        for s in [s for s in streams if s.finished]:
+            streams.remove(s)
+            fresh.append(new_stream())
         for i, st in long_states.items():
             if i not in firsts and st.seqs[0].output:
                 firsts[i] = now
-        done_longs = sent == args.long_count and len(long_states) == args.long_count
+        if mode == "baseline":
+            if now - t_start >= window_s:
+                break
+            continue
+        done_longs = sent == long_count and len(long_states) == long_count
         if done_longs and all(st.finished for st in long_states.values()):
-            break
-        if all(s.finished for s in streams):
             break
     ttft = [(firsts[i] - arrivals[i]) * 1000 for i in sorted(firsts)]
     out = {
@@ -186,7 +207,8 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         ],
         "long_ttft_ms": ttft,
         "long_served": len(firsts),
-        "streams_unfinished_at_end": sum(not s.finished for s in streams),
+        "window_s": time.perf_counter() - t_start,
+        "streams_started": born,
     }
     if pull_ms:
         out["prefill_and_pull_ms"] = pull_ms
@@ -210,7 +232,7 @@ def main() -> None:
     p.add_argument("--long-every-s", type=float, default=2.0)
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk budget)")
     p.add_argument("--prefill-gpu", default="", help="CUDA_VISIBLE_DEVICES of the prefill service")
-    p.add_argument("--modes", default="colocated,disaggregated")
+    p.add_argument("--modes", default="baseline,colocated,disaggregated")
     args = p.parse_args()
     work, model_dir = prepare(args)
     writer = ResultWriter(Path(args.out), "interference", args)
@@ -240,7 +262,13 @@ def main() -> None:
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
-    return {f"{m}_{k}": r[k] for m, r in results.items() for k in ("itl_ms_p50", "itl_ms_p99")}
+    out = {f"{m}_{k}": r[k] for m, r in results.items() for k in ("itl_ms_p50", "itl_ms_p99")}
+    base = results.get("baseline")
+    if base:  # the issue's bar: disaggregated p99 within 1.5x of the no-interference p99
+        for m in ("colocated", "disaggregated"):
+            if m in results:
+                out[f"{m}_p99_over_baseline"] = results[m]["itl_ms_p99"] / base["itl_ms_p99"]
+    return out
 
 
 if __name__ == "__main__":
