@@ -12,6 +12,12 @@ replica, where other rollouts' pages evict yours while your tool runs). Modes:
            model (services/prefill/pull_policy.py) expects the pull to beat recomputing it
   tiered-always  the same, pulling whatever the store has (kvstore.pull.mode = "always"): measures
            the pull path itself
+  tiered-remote  tiered without the near tier (kvstore.near.bytes = 0): every pull crosses the
+           gateway's TCP data plane
+
+The tiered modes keep a near tier (services/kvstore/near_cache.py: pinned host RAM in this
+process, `--near-bytes`, default kvstore.near's for the device) in front of the gateway: published
+pages are written through to it and a pull takes its pages with one host -> device copy.
 
 Reported per turn (mean over agents): prefill tokens computed, tokens pulled and TTFT (submit ->
 first token, including the page pull). The result file is rewritten after every turn (`partial`
@@ -31,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.kv.common import ResultWriter, add_common_args, engine_config, prepare, services, synchronize
-from services.common.config import KVPullSection, RunConfig
+from services.common.config import KVNearSection, KVPullSection, RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import page_nbytes
 from services.kvstore.client import KVStoreClient, PagePublisher
-from services.prefill.router import engine_policy, prompt_keys, pull_prefix
+from services.prefill.router import attach_near, engine_policy, prompt_keys, pull_prefix
 
-MODES = ("nocache", "local", "tiered", "tiered-always")
+MODES = ("nocache", "local", "tiered", "tiered-always", "tiered-remote")
 
 
 def run_mode(
@@ -67,6 +73,17 @@ def run_mode(
     if mode.startswith("tiered"):
         assert store_url is not None
         store = KVStoreClient(store_url, timeout_s=60, max_call_bytes=512 << 20)
+        run_cfg = RunConfig()
+        run_cfg.kvstore.near = KVNearSection(bytes=0 if mode == "tiered-remote" else args.near_bytes)
+        attach_near(eng, store, run_cfg)  # as decode and prefill services do
+        if store.near is not None:
+            # Pin the tier's memory before the timed turns (a service pays it as the tier fills).
+            t0 = time.perf_counter()
+            store.near.reserve()
+            print(
+                f"{mode}: near tier of {store.near.budget_bytes >> 20} MiB "
+                f"({'pinned' if store.near.pin else 'pageable'}) allocated in {time.perf_counter() - t0:.1f} s"
+            )
         publisher = PagePublisher(store, page_nbytes(eng.kv))
         eng.pages.sink = publisher
         # The decode service's own decision (services/prefill/router.py), fed by this engine.
@@ -116,6 +133,8 @@ def run_mode(
         )
         if policy is not None:
             per_turn[-1]["policy"] = policy.stats()
+        if store is not None and store.near is not None:
+            per_turn[-1]["near"] = store.near_stats()
         print(
             f"{mode:13s} turn {turn:3d} ctx {len(history[0]):6d} prefill {per_turn[-1]['prefill_tokens']:8.0f} "
             f"pulled {per_turn[-1]['pulled_tokens']:7.0f} ttft {per_turn[-1]['ttft_ms']:8.1f} ms",
@@ -130,6 +149,7 @@ def run_mode(
     out = summarize(per_turn, args, complete=True)
     if store is not None:
         out["store_stats"] = store.stats().model_dump()
+        out["near_stats"] = store.near_stats()
         store.close()
     if policy is not None:
         out["policy"] = policy.stats()
@@ -168,6 +188,12 @@ def main() -> None:
     p.add_argument("--disk-bytes", type=int, default=8 << 30)
     p.add_argument("--modes", default="nocache,local,tiered", help=",".join(MODES))
     p.add_argument(
+        "--near-bytes",
+        type=int,
+        default=None,
+        help="near tier budget of the tiered modes (default: kvstore.near's for the device; 0: off)",
+    )
+    p.add_argument(
         "--mode-budget-s", type=float, default=0.0, help="> 0: end a mode after the turn that spends it"
     )
     args = p.parse_args()
@@ -194,7 +220,7 @@ def main() -> None:
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for tiered in ("tiered", "tiered-always"):
+    for tiered in ("tiered", "tiered-always", "tiered-remote"):
         if tiered not in results:
             continue
         t = results[tiered]["prefill_tokens_total"]

