@@ -108,6 +108,7 @@ class LLMEngine:
         # at (weight version, layout): kv_transfer.py.
         self.layout = self.scheduler.layout = layout_id(m.arch, self.kv)
         self.pages = PageExchange(self.kv)
+        self.scheduler.landing = self.pages.landing_keys
         self._born_finished: list[RequestState] = []  # every sample ended on its prefilled token
         # Overlap scheduling (cfg.overlap_schedule, docs/engine.md): the launched step whose tokens
         # have not been appended yet.

@@ -10,6 +10,11 @@ page of another model, dtype, page size or weight version can never be looked up
 
 Import registers pages in the prefix cache with no users (ref 0, evictable), exactly as a page a
 finished sequence left behind: the scheduler's next admission finds them as ordinary prefix hits.
+On CUDA the engine imports asynchronously (PageExchange): the host -> device copy runs on a side
+stream while decode steps go on, and the pages are registered only once it has landed; until
+then their keys are "landing" and the scheduler holds back a request whose prefix continues with
+one of them (a 16k-token prefix is ~2 GB: copied in the loop it would stall every stream's next
+token for tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -138,18 +144,22 @@ def _nbytes(data: PageBytes) -> int:
     return data.nbytes if isinstance(data, HostPages) else len(data)
 
 
-def write_pages(kv: KVCache, pages: Seq[int], data: PageBytes) -> None:
-    """Inverse of export_pages: fill `pages` of this cache from their bytes."""
+def write_pages(
+    kv: KVCache, pages: Seq[int], data: PageBytes, non_blocking: bool = False
+) -> torch.Tensor | None:
+    """Inverse of export_pages: fill `pages` of this cache from their bytes. Returns the device copy
+    of the bytes the writes read from: with `non_blocking` (on the caller's stream) the caller keeps
+    it, and `data`, alive until that stream has done the copies."""
     n = len(pages)
     if n == 0:
-        return
+        return None
     per = page_nbytes(kv)
     if _nbytes(data) != n * per:
         raise ValueError(f"{_nbytes(data)} bytes for {n} pages of {per} bytes")
     pools = pool_tensors(kv)
     bs = kv.block_size
     # One host -> device copy of the whole batch (a DMA when `data` is a pinned staging buffer).
-    blob = as_uint8(data).reshape(n, per).to(pools[0].device)
+    blob = as_uint8(data).reshape(n, per).to(pools[0].device, non_blocking=non_blocking)
     runs = _runs(pages)
     # Few runs of consecutive pages (the usual case: pages come off the free list in order): one
     # strided copy per run and pool, straight from the batch (no gather, no temporary). Many
@@ -169,6 +179,7 @@ def write_pages(kv: KVCache, pages: Seq[int], data: PageBytes) -> None:
                 dst = t[:, first * bs : (first + m) * bs].view(t.shape[0], m, bs, *inner)
                 dst.copy_(g[start : start + m].transpose(0, 1))
         off += size
+    return blob
 
 
 # Above this many runs of consecutive pages, a CUDA import writes with one indexed kernel per pool.
@@ -195,32 +206,76 @@ def import_pages(kv: KVCache, hashes: Seq[bytes], data: PageBytes, pin: Seq[byte
     are already cached here; they are held while importing, so the import never evicts the prefix
     it extends. Returns how many were imported. Call only where nothing else touches the cache
     (the engine's loop thread, between steps)."""
+    _check_size(kv, hashes, data)
+    claim = _claim(kv, hashes, pin)
+    if claim.pages:
+        _fill(kv, claim, data)
+    return _register(kv, claim)
+
+
+@dataclass
+class _Claim:
+    """Pages taken for an import: `pages[j]` receives the page `todo[j]` of the batch."""
+
+    hashes: list[bytes]
+    todo: list[int]
+    pages: list[int]
+    pinned: list[int]
+
+
+def _check_size(kv: KVCache, hashes: Seq[bytes], data: PageBytes) -> None:
     per = page_nbytes(kv)
     if _nbytes(data) != len(hashes) * per:
         raise ValueError(f"{_nbytes(data)} bytes for {len(hashes)} pages of {per} bytes")
+
+
+def _claim(kv: KVCache, hashes: Seq[bytes], pin: Seq[bytes], skip: Any = frozenset()) -> _Claim:
+    """Hold the cached head (`pin`) and allocate pages for the keys neither cached nor in `skip`
+    (keys another import is landing)."""
     blocks = kv.blocks
     pinned = [b for b in (blocks.lookup(h) for h in pin) if b is not None]
     for b in pinned:
         blocks.acquire(b)
-    todo = [i for i, h in enumerate(hashes) if blocks.lookup(h) is None]
+    todo = [i for i, h in enumerate(hashes) if blocks.lookup(h) is None and h not in skip]
     todo = todo[: blocks.num_free]
-    pages = [blocks.allocate() for _ in todo]
-    if pages and isinstance(data, HostPages):
+    return _Claim(list(hashes), todo, [blocks.allocate() for _ in todo], pinned)
+
+
+def _fill(kv: KVCache, c: _Claim, data: PageBytes, non_blocking: bool = False) -> Any:
+    """Copy the claimed pages' bytes into the pool; returns what the copies read (see write_pages)."""
+    partial = len(c.todo) != len(c.hashes)
+    if isinstance(data, HostPages):
         device = pool_tensors(kv)[0].device
-        write_pages(kv, pages, data.to_device_pages(device, None if len(todo) == len(hashes) else todo))
-    elif pages:
-        flat = as_uint8(data)
-        if len(todo) == len(hashes):
-            src = flat  # the common case (nothing cached yet): no gather, no copy
-        else:
-            src = flat.reshape(len(hashes), per)[torch.tensor(todo, dtype=torch.long)]
-        write_pages(kv, pages, src)
-    for i, page in zip(todo, pages, strict=True):
-        blocks.register(page, hashes[i])
+        src = data.to_device_pages(device, c.todo if partial else None)
+        write_pages(kv, c.pages, src, non_blocking)
+        return src
+    flat = as_uint8(data)
+    if partial:
+        per = page_nbytes(kv)
+        flat = flat.reshape(len(c.hashes), per)[torch.tensor(c.todo, dtype=torch.long)]
+    return write_pages(kv, c.pages, flat, non_blocking)  # common case: no gather, no copy
+
+
+def _register(kv: KVCache, c: _Claim) -> int:
+    blocks = kv.blocks
+    for i, page in zip(c.todo, c.pages, strict=True):
+        blocks.register(page, c.hashes[i])
     # Tail first, so under LRU the chain's head is evicted last (as Scheduler._free_pages does).
-    for page in [*reversed(pages), *reversed(pinned)]:
+    for page in [*reversed(c.pages), *reversed(c.pinned)]:
         blocks.release(page)
-    return len(pages)
+    return len(c.pages)
+
+
+@dataclass
+class _Landing:
+    """An import whose copy is in flight on the exchange's side stream."""
+
+    claim: _Claim
+    start: torch.cuda.Event
+    done: torch.cuda.Event
+    keep: Any  # the device/host tensors the copy reads: alive until `done`
+    release: Callable[[], None] | None
+    near: bool
 
 
 class StagingBuffers:
@@ -298,6 +353,11 @@ class PageExchange:
         self.host_pages: HostPageTarget | None = None
         self._staged: deque[tuple[list[bytes], PageBytes, list[bytes], Callable[[], None] | None]] = deque()
         self.buffers = StagingBuffers(pin=kv.k.device.type == "cuda")
+        # CUDA: imports copy on this side stream and land (get registered) when it is done; the
+        # keys of pages on their way in, which the scheduler does not admit past (kv_transfer doc).
+        self._copy_stream = torch.cuda.Stream(kv.k.device) if kv.k.device.type == "cuda" else None
+        self._landing: deque[_Landing] = deque()
+        self.landing_keys: set[bytes] = set()
         self._first: dict[str, list[tuple[int, float, int]]] = {}
         self._lock = threading.Lock()
         # Keys this engine already pushed or pulled: the store has them, no need to send again.
@@ -316,7 +376,7 @@ class PageExchange:
 
     @property
     def pending(self) -> bool:
-        return bool(self._staged)
+        return bool(self._staged or self._landing)
 
     def stage(
         self,
@@ -334,14 +394,20 @@ class PageExchange:
             release()
 
     def drain(self) -> int:
-        """Import what was staged. A batch that cannot be imported (bytes that are not whole pages
-        of this layout) is logged and dropped: it runs on the loop thread, where raising would
-        abort every request of the step; its tokens are computed instead."""
+        """Import what was staged (CUDA: launch the copies; register the imports that have landed).
+        A batch that cannot be imported (bytes that are not whole pages of this layout) is logged
+        and dropped: it runs on the loop thread, where raising would abort every request of the
+        step; its tokens are computed instead. Returns the pages registered by this call."""
+        landed = self._land()
         n = 0
         while self._staged:
             hashes, data, pin, release = self._staged.popleft()
-            t0 = time.perf_counter()
             try:
+                if self._copy_stream is not None:
+                    self._launch(hashes, data, pin, release)
+                    release = None  # called when the copy has landed
+                    continue
+                t0 = time.perf_counter()
                 got = import_pages(self.kv, hashes, data, pin)
             except (ValueError, RuntimeError) as e:
                 self.dropped_batches_total += 1
@@ -351,19 +417,71 @@ class PageExchange:
                 if release is not None:
                     release()
             if got:
-                if self.kv.k.device.type == "cuda":
-                    torch.cuda.synchronize(self.kv.k.device)  # time the copy, not its launch
-                seconds, nbytes = time.perf_counter() - t0, got * page_nbytes(self.kv)
-                if isinstance(data, HostPages):
-                    self.near_import_seconds_total += seconds
-                    self.near_import_bytes_total += nbytes
-                else:
-                    self.import_seconds_total += seconds
-                    self.import_bytes_total += nbytes
+                self._count(got, time.perf_counter() - t0, isinstance(data, HostPages))
             n += got
             self._mark(hashes)
         self.imported_pages_total += n
+        return landed + n + self._land()
+
+    def finish(self) -> int:
+        """Wait for every import in flight and register it (tests, shutdown)."""
+        for x in self._landing:
+            x.done.synchronize()
+        return self._land()
+
+    def _launch(
+        self, hashes: list[bytes], data: PageBytes, pin: list[bytes], release: Callable[[], None] | None
+    ) -> None:
+        _check_size(self.kv, hashes, data)
+        claim = _claim(self.kv, hashes, pin, skip=self.landing_keys)
+        stream = self._copy_stream
+        assert stream is not None
+        if not claim.pages:
+            _register(self.kv, claim)
+            if release is not None:
+                release()
+            self._mark(hashes)
+            return
+        # The pages just taken off the free list may still be read or written by steps already
+        # queued on the compute stream (overlap scheduling runs one ahead): copy after those.
+        stream.wait_stream(torch.cuda.current_stream(self.kv.k.device))
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        try:
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                keep = _fill(self.kv, claim, data, non_blocking=True)
+                done.record(stream)
+        except BaseException:
+            stream.synchronize()  # nothing of this batch may still be copying into the pages
+            for page in [*claim.pages, *claim.pinned]:
+                self.kv.blocks.release(page)
+            raise
+        self._landing.append(_Landing(claim, start, done, (keep, data), release, isinstance(data, HostPages)))
+        self.landing_keys.update(claim.hashes[i] for i in claim.todo)
+
+    def _land(self) -> int:
+        """Register the imports whose copies are done, in launch order (one stream: in order)."""
+        n = 0
+        while self._landing and self._landing[0].done.query():
+            x = self._landing.popleft()
+            got = _register(self.kv, x.claim)
+            self.landing_keys.difference_update(x.claim.hashes[i] for i in x.claim.todo)
+            self._count(got, x.start.elapsed_time(x.done) / 1000, x.near)
+            if x.release is not None:
+                x.release()
+            self._mark(x.claim.hashes)
+            n += got
+        self.imported_pages_total += n
         return n
+
+    def _count(self, pages: int, seconds: float, near: bool) -> None:
+        nbytes = pages * page_nbytes(self.kv)
+        if near:
+            self.near_import_seconds_total += seconds
+            self.near_import_bytes_total += nbytes
+        else:
+            self.import_seconds_total += seconds
+            self.import_bytes_total += nbytes
 
     def stage_first(self, request_id: str, first: list[tuple[int, float, int]]) -> None:
         with self._lock:

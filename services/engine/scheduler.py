@@ -26,6 +26,7 @@ pending token is never preempted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from services.engine.kv_cache import KVCache, block_hash, root_hash
@@ -66,6 +67,9 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.stats = stats if stats is not None else EngineStats()
         self.version = 0  # salts the prefix-cache hashes of sequences admitted from now on
+        # Keys of pages being copied in (PageExchange.landing_keys): a prefix that continues with
+        # one is admitted once it has landed, not recomputed now.
+        self.landing: Container[bytes] = frozenset()
         # Model/page-layout id in every hash chain's root (kv_transfer.layout_id; "" in tests).
         self.layout = ""
         self.waiting: deque[Sequence] = deque()
@@ -179,6 +183,8 @@ class Scheduler:
                 prev = block_hash(prev, tokens[i * bs : (i + 1) * bs])
                 block = self.blocks.lookup(prev)
                 if block is None:
+                    if prev in self.landing:
+                        return 0  # its next page is landing: wait for it (a step or a few)
                     break
                 hits.append(block)
                 hashes.append(prev)

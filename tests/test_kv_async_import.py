@@ -1,0 +1,111 @@
+"""Asynchronous KV page import (services/engine/kv_transfer.PageExchange on CUDA): the copy runs on
+a side stream, the pages are registered once it has landed, and the scheduler holds back a request
+whose prefix continues with a landing page instead of recomputing it.
+
+The CPU test drives the scheduler's side of the contract (the CPU import is synchronous, so a key is
+made "landing" by hand); the CUDA tests run the real side-stream import (the GPU machine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.config import EngineConfig, load_config
+from services.common.schemas import GenerateRequest, SamplingParams
+from services.engine import LLMEngine
+from services.engine.kv_transfer import chain_hashes, export_pages, page_nbytes, reusable_pages
+from trainer.model import build_model, save_weights_dir
+
+PROMPT = [(7 * i + 3) % 60 for i in range(41)]  # 41 tokens: 10 full pages of 4 + 1
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream import is CUDA only")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    m = load_config("debug").model
+    state = build_model(m, seed=0).state_dict()
+    state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
+    return save_weights_dir(m, state, tmp_path_factory.mktemp("kva") / "step_0", {"version": 0})
+
+
+def cfg(device: str) -> EngineConfig:
+    return EngineConfig(device=device, max_batch_size=8, max_seq_len=128, block_size=4)  # type: ignore[arg-type]
+
+
+def req() -> GenerateRequest:
+    return GenerateRequest(
+        input_ids=PROMPT, sampling=SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=6, ignore_eos=True)
+    )
+
+
+def source_pages(eng: LLMEngine) -> tuple[list[bytes], bytes]:
+    """The prompt's full pages as a first engine computed them: (keys, bytes)."""
+    eng.generate([req()])
+    keys = chain_hashes(PROMPT, eng.version, eng.layout, 4, reusable_pages(len(PROMPT), 4))
+    pages = [eng.kv.blocks.lookup(k) for k in keys]
+    assert None not in pages
+    return keys, export_pages(eng.kv, pages)  # type: ignore[arg-type]
+
+
+def test_a_prefix_continuing_with_a_landing_page_waits_for_it(model_dir: Path) -> None:
+    a = LLMEngine(model_dir, cfg("cpu"))
+    keys, blob = source_pages(a)
+    want = a.generate([req()])[0]
+
+    b = LLMEngine(model_dir, cfg("cpu"))
+    b.pages.landing_keys.add(keys[0])  # as if its copy were in flight
+    state = b.add_request(req())
+    for _ in range(3):
+        b.step()
+    assert b.stats.computed_tokens_total == 0 and b.num_waiting == 2  # held, nothing recomputed
+    b.pages.landing_keys.clear()  # landed
+    b.pages.stage(keys, blob)
+    while not state.finished:
+        b.step()
+    b.flush()
+    got = state.response()
+    assert [c.output_ids for c in got.choices] == [c.output_ids for c in want.choices]
+    assert b.stats.prefix_cache_hit_tokens == 40
+
+
+@cuda
+def test_side_stream_import_lands_bitwise_and_gives_the_same_tokens(model_dir: Path) -> None:
+    a = LLMEngine(model_dir, cfg("cuda"))
+    keys, blob = source_pages(a)
+    want = a.generate([req()])[0]
+
+    b = LLMEngine(model_dir, cfg("cuda"))
+    pinned = torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory()
+    released: list[bool] = []
+    b.pages.stage(keys, pinned, release=lambda: released.append(True))
+    b.pages.drain()  # launches the copy; registers it if it has already landed
+    b.pages.finish()
+    assert released == [True] and not b.pages.landing_keys and not b.pages.pending
+    assert b.pages.imported_pages_total == len(keys)
+    assert b.pages.import_bytes_total == len(keys) * page_nbytes(b.kv) and b.pages.import_seconds_total > 0
+    for k in keys:
+        pa, pb = a.kv.blocks.lookup(k), b.kv.blocks.lookup(k)
+        assert pa is not None and pb is not None
+        for ta, tb in ((a.kv.k, b.kv.k), (a.kv.v, b.kv.v)):
+            assert torch.equal(ta[:, pa * 4 : pa * 4 + 4], tb[:, pb * 4 : pb * 4 + 4])
+    got = b.generate([req()])[0]
+    assert [c.output_ids for c in got.choices] == [c.output_ids for c in want.choices]
+    assert b.stats.prefix_cache_hit_tokens == 40
+
+
+@cuda
+def test_a_request_staged_with_its_pages_is_admitted_on_them(model_dir: Path) -> None:
+    """The router's order: stage the pulled pages, then submit. Whatever the copy's timing, the
+    request is admitted on the imported pages (never a recompute of the prefix)."""
+    a = LLMEngine(model_dir, cfg("cuda"))
+    keys, blob = source_pages(a)
+    want = a.generate([req()])[0]
+    for _ in range(3):
+        b = LLMEngine(model_dir, cfg("cuda"))
+        b.pages.stage(keys, torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory())
+        got = b.generate([req()])[0]
+        assert [c.output_ids for c in got.choices] == [c.output_ids for c in want.choices]
+        assert b.stats.prefix_cache_hit_tokens == 40
+        assert b.stats.computed_tokens_total == 1 + 5 * 2
