@@ -1,5 +1,8 @@
 """FP8 block-scaled GEMM benchmark on one Hopper GPU (issue 8): relay's tuned dispatch ("auto") vs
 bf16 cuBLAS vs torch's block-wise `scaled_mm`, all in the same run (~3 minutes on an H200).
+"auto" follows services/engine/kernels/fp8_configs.json (bench/fp8/tune.py writes it; run tune.py
+first, then this with --sweep-budget-s 0); each row records the entry it used (`auto_choice`,
+`auto_linear`: fused quantise+GEMM or not, `table_entry`: which run measured it).
 
     PYTHONPATH=. python3 bench/fp8/gemm.py --out $OUT/fp8_gemm.json
     bash bench/fp8/run.sh gemm      (on the device machine: installs the carried .whl first)
@@ -57,6 +60,7 @@ from services.common import fp8 as ref
 from services.engine import fp8_linear as fl
 from services.engine.kernels import fp8_gemm as kern
 
+TABLE = kern.load_table()  # the dispatch table in force (services/engine/kernels/fp8_configs.json)
 DENSE_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
 DENSE_M = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # Config sweeps after the tuned-dispatch pass, most useful first (decode sizes feed
@@ -194,10 +198,19 @@ def check_dense_shape(m: int, n: int, k: int, dev: torch.device) -> list[dict[st
     rows = []
     cfgs = [kern.GemmConfig(16, 64, 4, 1, 4, 3), kern.GemmConfig(64, 128, 3, 1, 4, 4)]
     cfgs += [kern.GemmConfig(128, 128, 1, 8, 8, 3), kern.pick_config(m, n, k, kern.num_sms(dev))]
+    # The in-kernel split-K reduction (mma.sync and wgmma) and the persistent TMA kernel.
+    cfgs += [
+        kern.GemmConfig(16, 128, 4, 1, 4, 4, fused_reduce=True),
+        kern.GemmConfig(64, 256, 3, 1, 8, 4, fused_reduce=True),
+    ]
+    cfgs += [
+        kern.GemmConfig(128, 256, 1, 8, 8, 3, kernel="tma"),
+        kern.GemmConfig(128, 128, 1, 8, 8, 4, kernel="tma", warp_spec=True),
+    ]
     choice = fl.auto_choice(m, n, k, dev)
     if isinstance(choice, kern.GemmConfig):
         cfgs.append(choice)
-    for cfg in dict.fromkeys(cfgs):
+    for cfg in dict.fromkeys(c for c in cfgs if kern.supports(c, m, n, k)):
         o32, e32 = attempt(partial(kern.triton_fp8_gemm, *ops, torch.float32, cfg))
         o16, e16 = attempt(partial(kern.triton_fp8_gemm, *ops, torch.bfloat16, cfg))
         acc = accuracy(o32, o16, want, absref, mma_kind(cfg.block_m))
@@ -210,21 +223,21 @@ def check_dense_shape(m: int, n: int, k: int, dev: torch.device) -> list[dict[st
     # And the bf16 end result against the exact product: the E4M3 error itself (~3.7e-2).
     row["rel_err_vs_bf16_matmul"] = None if o16 is None else rel(o16, d["x"].float() @ d["w"].float().T)
     rows.append(row)
-    if isinstance(choice, kern.GemmConfig):
+    fused_cfgs = [choice] if isinstance(choice, kern.GemmConfig) else []
+    fused_cfgs.append(kern.GemmConfig(32, 128, 4, 1, 4, 4, fused_reduce=True))
+    x = d["x"]
+    for fcfg in fused_cfgs:
         # The fused quantise+GEMM kernel must give the quantiser + GEMM kernels' bits.
-        x = d["x"]
-        fused, ef = attempt(
-            partial(kern.triton_fp8_linear_fused, x, d["wq"], d["ws"], torch.bfloat16, choice)
-        )
+        fused, ef = attempt(partial(kern.triton_fp8_linear_fused, x, d["wq"], d["ws"], torch.bfloat16, fcfg))
         two, et = attempt(
-            lambda: kern.triton_fp8_gemm(
-                *kern.triton_quantize_act(x), d["wq"], d["ws"], torch.bfloat16, choice
+            lambda fcfg=fcfg: kern.triton_fp8_gemm(
+                *kern.triton_quantize_act(x), d["wq"], d["ws"], torch.bfloat16, fcfg
             )
         )
         equal = fused is not None and two is not None and bool(torch.equal(fused, two))
         ef = ef or et
         rows.append(
-            {"shape": [m, n, k], "variant": f"fused linear {choice.name()}", "bitwise_equal": equal}
+            {"shape": [m, n, k], "variant": f"fused linear {fcfg.name()}", "bitwise_equal": equal}
             | {"ok": equal, "error": ef}
         )
     o16, e16 = attempt(partial(fl.fp8_gemm_dispatch, *ops, torch.bfloat16))
@@ -377,17 +390,34 @@ PAIRS = [
 ]
 
 
+def engine_act(d: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation as the engine hands it to the GEMM: the Triton quantiser's bits (equal to
+    the reference's, self-check) with its column-major scales. Runs 1-2 timed the reference's
+    row-major scales, which the torch path transposes (a copy per call) and the Triton kernels
+    read with strided loads; tune.py times this layout."""
+    return kern.triton_quantize_act(d["x"])
+
+
 def dense_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
     """The tuned dispatch ("auto") against bf16 and cuBLAS block-wise, eager and as CUDA-graph
     replays, and where the whole linear's time goes (the activation quantiser alone)."""
     d = quantised(m, n, k, dev)
-    ops = (d["aq"], d["as"], d["wq"], d["ws"], torch.bfloat16)
+    ops = (*engine_act(d), d["wq"], d["ws"], torch.bfloat16)
     flops = 2.0 * m * n * k
     row: dict[str, Any] = {"M": m, "N": n, "K": k, "ms": {}, "tflops": {}, "errors": {}}
     choice = fl.auto_choice(m, n, k, dev)
     row["auto_choice"] = choice_name(choice)
     row["auto_repr"] = "TORCH" if choice == kern.TORCH else repr(choice)
     row["auto_from_table"] = kern.tuned_choice(m, n, k) is not None
+    # Which table entry won this shape (bench/fp8/tune.py's output): the whole linear runs fused
+    # quantise+GEMM where the table says so (fp8_linear.fp8_matmul).
+    fused_cfg = kern.tuned_linear_fused(m, n, k)
+    row["auto_linear"] = "separate" if fused_cfg is None else f"fused {fused_cfg.name()}"
+    bucket = kern.m_bucket(m)
+    entry = next((e for e in TABLE.dense if (e.m, e.n, e.k) == (bucket, n, k)), None)
+    row["table_entry"] = (
+        None if entry is None else {"m_bucket": bucket, "source": entry.source, "us": entry.us}
+    )
     linear_fp8 = partial(fl.fp8_matmul, d["x"], d["wq"], d["ws"], torch.bfloat16)
     variants: list[tuple[str, Callable[[], Any]]] = [
         ("bf16", partial(torch.matmul, d["x"], d["w"].t())),
@@ -421,7 +451,7 @@ def sweep_row(row: dict[str, Any], dev: torch.device, sms: int) -> None:
     the next TUNED_CONFIGS)."""
     m, n, k = row["M"], row["N"], row["K"]
     d = quantised(m, n, k, dev)
-    ops = (d["aq"], d["as"], d["wq"], d["ws"], torch.bfloat16)
+    ops = (*engine_act(d), d["wq"], d["ws"], torch.bfloat16)
     flops = 2.0 * m * n * k
     trial: dict[str, Any] = {"ms": {}, "tflops": {}, "errors": row["errors"]}
     best: tuple[float, kern.GemmConfig] | None = None
@@ -450,7 +480,8 @@ def dense_rows(dev: torch.device, t0: float, sweep_budget_s: float = SWEEP_BUDGE
             rows.append(row)
             sp = row["speedup_vs_bf16"]
             print(
-                f"M={m:5d} N={n:5d} K={k:5d} | auto={row['auto_choice']:28s} | x bf16: "
+                f"M={m:5d} N={n:5d} K={k:5d} | auto={row['auto_choice']:28s} "
+                f"linear={row['auto_linear'][:5]} | x bf16: "
                 + " ".join(f"{v}={x:.2f}" for v, x in sp.items())
                 + f" | quant {row['ms'].get('quant_act_graph', 0) * 1e3:.0f} us",
                 flush=True,
@@ -682,6 +713,8 @@ def main() -> None:
         "machine": machine(),
         "triton_max_m": fl.TRITON_MAX_M,
         "tuned_configs": {str(key): choice_name(v) for key, v in kern.TUNED_CONFIGS.items()},
+        "tuned_linear_fused": {str(key): v.name() for key, v in kern.TUNED_FUSED.items()},
+        "table_path": str(kern.table_path()),
         "errors": [],
     }
     out = Path(args.out)

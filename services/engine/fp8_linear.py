@@ -170,8 +170,21 @@ def fp8_matmul(
     pow2: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """x (..., K) high precision -> (..., N): quantise x 1x128, block-scaled GEMM with the weight."""
+    """x (..., K) high precision -> (..., N): quantise x 1x128, block-scaled GEMM with the weight.
+    Where the tuned table measured the fused quantise+GEMM kernel faster for the whole linear
+    (decode M), one launch does both; its bits equal the quantiser + the table's GEMM config, which
+    is what the trainer's quantize_activation + fp8_gemm_dispatch compute (kern.tuned_linear_fused)."""
     k = x.shape[-1]
+    if backend == "auto" and x.is_cuda and kern.HAS_TRITON and has_scaled_mm():
+        fused = kern.tuned_linear_fused(x.numel() // max(k, 1), w_fp8.shape[0], k)
+        if fused is not None and fused not in _FAILED_CONFIGS and x.dtype in (torch.bfloat16, torch.float32):
+            try:
+                out = kern.triton_fp8_linear_fused(x.reshape(-1, k), w_fp8, w_scale, out_dtype, fused, pow2)
+                return out.reshape(*x.shape[:-1], w_fp8.shape[0])
+            except Exception as e:  # noqa: BLE001 - as in fp8_gemm_dispatch: remember, then two kernels
+                _FAILED_CONFIGS.add(fused)
+                TRITON_FAILURES[f"fused {fused.name()}"] = f"{type(e).__name__}: {e}"
+                log.warning("fp8 fused linear %s failed, quantiser + GEMM instead: %s", fused.name(), e)
     xq, xs = quantize_activation(x.reshape(-1, k), pow2)
     out = fp8_gemm_dispatch(xq, xs, w_fp8, w_scale, out_dtype, backend)
     return out.reshape(*x.shape[:-1], w_fp8.shape[0])  # torch path: N-sliced, not contiguous

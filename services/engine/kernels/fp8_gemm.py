@@ -1,42 +1,65 @@
 """Triton kernels for the DeepSeek-V3 FP8 recipe (issue 8): block-scaled GEMM, grouped (MoE) GEMM,
-and 1x128 activation quantisation.
+and 1x128 activation quantisation, plus the measured dispatch table they are launched from.
 
 Why our own kernels: torch's block-wise `scaled_mm` (cuBLAS) is ~1.5x bf16 at M >= 4096 but only
-0.70-1.20x at decode-sized M (shared/notes/infra-facts.md "FP8"): with 128x128 output tiles,
-M = 128 and N = 2048 gives 16 CTAs for 132 SMs. The dense kernel here uses small BLOCK_M (16-64)
-and split-K so that even M = 64 fills the GPU; at small M the GEMM is weight-bandwidth bound, and
-fp8 weights are half the bytes of bf16 ones. The grouped kernel runs all MoE experts in one launch
-without a host sync (each program finds its expert by scanning the offsets).
+0.6-1.3x at decode-sized M (bench/fp8/results/gemm_h200_2.json): with 128x128 output tiles,
+M = 128 and N = 2048 gives 16 CTAs for 132 SMs. At small M the GEMM is weight-bandwidth bound and
+fp8 weights are half the bytes of bf16 ones, so a kernel that keeps every SM streaming weights
+can approach 2x bf16.
+
+Kernels (GemmConfig.kernel):
+- "tiled" (`_fp8_gemm_kernel`): one program per BLOCK_M x BLOCK_N tile and K split; BLOCK_M
+  16/32 (mma.sync) or 64+ (wgmma), BLOCK_N up to 256, deep pipelines (num_stages up to 6) and
+  split-K for decode M. Split-K partials are float32; they are summed either by a second small
+  kernel or, with `fused_reduce`, by the last split to finish each tile (a per-tile arrival
+  counter; one launch; the sum runs in a fixed order, so the bits do not depend on timing).
+- "tma" (`_fp8_gemm_tma_kernel`): persistent (one program per SM looping over tiles in grouped
+  order for L2 reuse), operands through TMA tensor descriptors, 128x256 / 256x128 tiles with
+  8 warps for large M; optional `warp_spec` (Triton's warp specialisation of the tile loop).
+- fused linear (`_fp8_linear_fused_kernel`): the tiled kernel with the 1x128 activation
+  quantisation in its prologue, so a decode-M linear is one launch instead of two.
+All apply the scales DeepGEMM's way: per 128-wide K block, in float32 registers,
+acc += dot(a_kb, w_kb^T) * a_s[:, None] * w_s[None, :].
 
 Operand conventions are those of services/common/fp8.py: a (M, K) fp8 with a_scale (M, KB) (any
 strides), w (N, K) fp8 with w_scale (NB, KB), decoding scales, KB = ceil(K/128), NB = ceil(N/128).
-Ragged M/N/K are masked (zero fill), which is exactly the reference's ragged-trailing-block rule.
-The K loop steps one 128-wide scale block at a time: acc += dot(a_kb, w_kb^T) * a_s[:, None] * w_s.
+Ragged M/N/K are masked (zero fill), which is exactly the reference's ragged-trailing-block rule
+("tma" needs K and N multiples of 16 for its descriptors; `supports` says which shapes a config
+can run).
 
-CPU: runs under TRITON_INTERPRET=1 (tests/test_fp8_linear.py). Known interpreter defect (triton
-3.9): its fp32 -> float8e4nv conversion sometimes loses a round-up (e.g. -125.48 -> -64 instead of
--128; subnormal 2.85 ulp -> 2 ulp), in ~3% of elements, so the quantisation kernel's bits are
-checked exactly only on the GPU (bench/fp8/gemm.py self-check); its scales match exactly on CPU.
-The interpreter's fp32 -> bf16 conversion truncates (the GPU rounds to nearest), so CPU tests
-compare float32 outputs.
+Dispatch table: fp8_configs.json next to this file (or $RELAY_FP8_CONFIGS), written by
+bench/fp8/tune.py from CUDA-graph timings on the H200: per (M bucket, N, K) the fastest verified
+option among our configs and cuBLAS block-wise ("torch"), and whether the whole linear is faster
+with the fused quantiser; per grouped (rows per expert, N, K) the grouped kernel's tiles.
+`tuned_choice` / `tuned_linear_fused` / `tuned_grouped` read it; `pick_config` is the heuristic
+for shapes it does not list (services/engine/fp8_linear.py's "auto").
+
+CPU: runs under TRITON_INTERPRET=1 (tests/test_fp8_linear.py, tests/test_fp8_tuning.py). Known
+interpreter defect (triton 3.9): its fp32 -> float8e4nv conversion sometimes loses a round-up
+(e.g. -125.48 -> -64 instead of -128), in ~3% of elements, so the quantiser's bits are checked
+exactly only on the GPU (bench/fp8/gemm.py self-check); its scales match exactly on CPU. The
+interpreter's fp32 -> bf16 conversion truncates (the GPU rounds to nearest), so CPU tests compare
+float32 outputs.
 
 Accuracy on the GPU (H200 run 1): BLOCK_M >= 64 lowers tl.dot to Hopper wgmma, whose fp8
 accumulation keeps ~14 bits within an instruction chain, so each 128-wide block product errs by
-~2^-13 relative (1.27e-4 Frobenius vs the exact fp32 reference, for every such config and shape);
-BLOCK_M 16/32 (mma.sync) accumulate in full fp32 (1e-7). Promoting to fp32 every 128 K, as here,
-is what bounds it (DeepSeek-V3's recipe); bench/fp8/gemm.py's self-check asserts those bounds.
-
-Dispatch: TUNED_CONFIGS below is the measured (M bucket, N, K) -> config/cuBLAS table that
-services/engine/fp8_linear.py's "auto" follows; pick_config is the fallback for other shapes.
+~2^-13 relative (1.27e-4 Frobenius vs the exact fp32 reference); BLOCK_M 16/32 (mma.sync)
+accumulate in full fp32 (1e-7). Promoting to fp32 every 128 K, as here, is what bounds it
+(DeepSeek-V3's recipe); bench/fp8/gemm.py's self-check and tune.py assert those bounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import math
 import os
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 try:  # triton is a hard dependency (torchtitan imports it), but keep CPU-only installs importable.
     import triton
@@ -46,16 +69,26 @@ try:  # triton is a hard dependency (torchtitan imports it), but keep CPU-only i
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     HAS_TRITON = False
 
+try:  # host-side TMA descriptors (triton >= 3.3); without them the "tma" kernel is unavailable
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_TMA = HAS_TRITON
+except ImportError:  # pragma: no cover
+    HAS_TMA = False
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
 AMAX_EPS = 1e-12  # same as services/common/fp8.py: an all-zero block gets scale 1e-12 / 448
 NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
+KERNELS: tuple[str, ...] = ("tiled", "tma")
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration. BLOCK_K is fixed at 128 = the scale block (one scale per K step)."""
+    """One launch configuration. BLOCK_K is fixed at 128 = the scale block (one scale per K step).
+    Field order is positional-compatible with run 1's table: (block_m, block_n, split_k, group_m,
+    num_warps, num_stages)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -63,14 +96,37 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    # Experimental (sweep only, large M): scale block kb-1's product while block kb's dot runs, so
-    # the dot's result is not consumed in the iteration that issues it (see _fp8_gemm_kernel).
+    # Sweep only, large M: scale block kb-1's product while block kb's dot runs, so the dot's
+    # result is not consumed in the iteration that issues it (see _fp8_gemm_kernel).
     lag: bool = False
+    kernel: str = "tiled"  # "tiled" | "tma" (module docstring)
+    # split-K partials summed by the last split of each tile (one launch) instead of a 2nd kernel
+    fused_reduce: bool = False
+    warp_spec: bool = False  # "tma" only: tl.range(warp_specialize=True) over the tile loop
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"GemmConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        for f in ("block_m", "block_n"):
+            v = getattr(self, f)
+            if v < 16 or v > 256 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{f} must be a power of two in [16, 256], got {v}")
+        if (
+            self.split_k < 1
+            or self.group_m < 1
+            or self.num_stages < 1
+            or self.num_warps not in (1, 2, 4, 8, 16)
+        ):
+            raise ValueError(f"GemmConfig: bad split_k/group_m/num_stages/num_warps in {self}")
+        if self.kernel == "tma" and (self.split_k != 1 or self.fused_reduce):
+            raise ValueError("GemmConfig: the persistent tma kernel has no split-K")
 
     def name(self) -> str:
+        tail = ("_lag" if self.lag else "") + ("_fr" if self.fused_reduce else "")
+        tail += ("_tma" if self.kernel == "tma" else "") + ("_ws" if self.warp_spec else "")
         return (
             f"m{self.block_m}n{self.block_n}k128_s{self.split_k}_g{self.group_m}"
-            f"_w{self.num_warps}_st{self.num_stages}" + ("_lag" if self.lag else "")
+            f"_w{self.num_warps}_st{self.num_stages}" + tail
         )
 
 
@@ -90,109 +146,235 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def supports(cfg: GemmConfig, m: int, n: int, k: int) -> bool:
+    """Whether `cfg` can run this shape: TMA descriptors need 16-byte aligned row strides (fp8:
+    K % 16 == 0) and the kernel's availability; the tiled kernel runs anything."""
+    if cfg.kernel == "tma":
+        return HAS_TMA and k % 16 == 0 and n % 16 == 0
+    return True
+
+
 def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
-    """Heuristic for shapes outside TUNED_CONFIGS, shaped by H200 run 1 (bench/fp8/results/
-    gemm_h200_1.json). At M <= 256 every sweep winner had BLOCK_M = 64 (one wgmma warpgroup, even
-    for M = 64: the GEMM streams the weight once, so idle rows cost nothing), 4 warps, mostly no
-    split-K (split 4 at 64 x 2048 x 7168 ran at 0.33x bf16 against 0.56x unsplit): BLOCK_N 128
-    when that still gives >= a quarter of the SMs tiles, else 64, and split 2 only when even
-    that leaves most SMs idle over a long K. Large M: 128x128 tiles, 8 warps (two warpgroups);
-    "auto" sends large M to cuBLAS anyway (fp8_linear.TRITON_MAX_M)."""
+    """Heuristic for shapes outside the tuned table, shaped by H200 runs 1-2 (bench/fp8/results):
+    at M <= 256 one 64-row wgmma warpgroup (the GEMM streams the weight once, so idle rows cost
+    nothing), 4 warps; BLOCK_N 128 when that still gives >= a quarter of the SMs tiles, else 64;
+    split-K 2 only when even that leaves most SMs idle over a long K, summed in-kernel
+    (fused_reduce: no second launch). Large M: 128x128
+    tiles, 8 warps; fp8_linear's "auto" sends unseen large M to cuBLAS anyway (TRITON_MAX_M)."""
     kb = _cdiv(k, BLOCK)
     if m > 256:
         return GemmConfig(block_m=128, block_n=128, split_k=1, group_m=8, num_warps=8, num_stages=3)
     tiles_m = _cdiv(m, 64)
     block_n = 128 if tiles_m * _cdiv(n, 128) >= num_sms // 4 else 64
     tiles = tiles_m * _cdiv(n, block_n)
+    # Run 1 (two-kernel reduction, eager): split 4 at 64 x 2048 x 7168 lost to unsplit, so only
+    # a long K over very few tiles splits; the table (tune.py) decides for measured shapes.
     split = 2 if tiles < num_sms // 4 and kb >= 16 else 1
-    return GemmConfig(block_m=64, block_n=block_n, split_k=split, group_m=1, num_warps=4, num_stages=4)
-
-
-# Measured dispatch table: (M bucket, N, K) -> the fastest of {Triton config, cuBLAS block-wise
-# ("torch")} in H200 run 1 (bench/fp8/results/gemm_h200_1.json; x bf16 in the comments). An M
-# is served by the smallest bucket >= M; M above the largest bucket, or an (N, K) not listed,
-# falls back to pick_config / fp8_linear.TRITON_MAX_M. Regenerate from a new run's
-# "tuned_table_suggestion" (bench/fp8/gemm.py prints it in this format).
-TORCH = "torch"
-M_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
-_W4 = functools.partial(GemmConfig, group_m=1, num_warps=4)
-_W8 = functools.partial(GemmConfig, group_m=8, num_warps=8)
-TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig | str] = {
-    (64, 7168, 2048): _W4(64, 128, 1, num_stages=4),  # 1.13
-    (128, 7168, 2048): _W4(64, 64, 1, num_stages=3),  # 0.96
-    (256, 7168, 2048): _W4(64, 128, 1, num_stages=4),  # 0.34 (torch 0.19)
-    (512, 7168, 2048): TORCH,  # 0.37 (triton 0.30)
-    (1024, 7168, 2048): _W8(128, 128, 1, num_stages=3),  # 0.72 (torch 0.70)
-    (2048, 7168, 2048): TORCH,  # 0.86
-    (64, 4096, 7168): TORCH,  # 0.84 (best triton 0.78)
-    (128, 4096, 7168): _W4(64, 128, 4, num_stages=4),  # 1.00
-    (256, 4096, 7168): _W4(64, 64, 1, num_stages=4),  # 0.37 (torch 0.33)
-    (512, 4096, 7168): _W8(128, 128, 1, num_stages=3),  # 0.68 (torch 0.43)
-    (1024, 4096, 7168): TORCH,  # 1.39
-    (2048, 4096, 7168): TORCH,  # 1.47
-    (64, 2048, 7168): _W4(64, 64, 1, num_stages=4),  # 0.56 (torch 0.21)
-    (128, 2048, 7168): _W4(64, 128, 2, num_stages=4),  # 0.75 (torch 0.58)
-    (256, 2048, 7168): _W4(64, 64, 1, num_stages=4),  # 0.73 (torch 0.65)
-    (512, 2048, 7168): TORCH,  # 0.83
-    (1024, 2048, 7168): TORCH,  # 1.37
-    (2048, 2048, 7168): TORCH,  # 1.44
-    (64, 18432, 7168): _W4(64, 128, 1, num_stages=4),  # 1.38
-    (128, 18432, 7168): _W4(64, 128, 1, num_stages=4),  # 0.84 (torch 0.50)
-    (256, 18432, 7168): _W4(64, 128, 1, num_stages=4),  # 0.71 (torch 0.62)
-    (512, 18432, 7168): TORCH,  # 1.12
-    (1024, 18432, 7168): TORCH,  # 1.42
-    (2048, 18432, 7168): TORCH,  # 1.55
-}
-
-
-def m_bucket(m: int) -> int | None:
-    """The smallest M_BUCKETS entry >= m (None above the largest)."""
-    for b in M_BUCKETS:
-        if m <= b:
-            return b
-    return None
-
-
-def tuned_choice(m: int, n: int, k: int) -> GemmConfig | str | None:
-    """TUNED_CONFIGS' entry for this shape: a GemmConfig, TORCH, or None (not measured)."""
-    b = m_bucket(m)
-    return None if b is None else TUNED_CONFIGS.get((b, n, k))
+    return GemmConfig(
+        block_m=64,
+        block_n=block_n,
+        split_k=split,
+        group_m=1,
+        num_warps=4,
+        num_stages=4,
+        fused_reduce=split > 1,
+    )
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> list[GemmConfig]:
-    """The heuristic's choice plus neighbours, for bench/fp8/gemm.py's sweep (which reports the best
-    per shape and a suggested TUNED_CONFIGS entry)."""
+    """A small sweep around the heuristic for bench/fp8/gemm.py (--sweep-budget-s); the full grid
+    is bench/fp8/tune.py's, which writes the table."""
     base = pick_config(m, n, k, num_sms)
     out = [base]
     kb = _cdiv(k, BLOCK)
     if m > 256:
-        # Registers bound the tile: the scaled dot needs a temporary as large as the accumulator,
-        # so 128x128 wants 8 warps (64 + 64 fp32 per thread). 128x256 / 256x128 with 8 warps and
-        # deeper pipelines are the large-M exploration (run 1 swept only up to 128x128: best
-        # Triton was 0.86-0.98x bf16 against cuBLAS block-wise's 1.40-1.64x).
         out += [
             GemmConfig(128, 128, 1, 8, 8, 3),
             GemmConfig(128, 128, 1, 8, 8, 4),
-            GemmConfig(64, 128, 1, 8, 4, 3),
-            GemmConfig(64, 256, 1, 8, 8, 3),
             GemmConfig(128, 256, 1, 8, 8, 3),
             GemmConfig(256, 128, 1, 8, 8, 3),
-            GemmConfig(128, 64, 1, 8, 4, 4),
             GemmConfig(128, 128, 1, 8, 8, 3, lag=True),
-            GemmConfig(128, 128, 1, 8, 8, 4, lag=True),
-            GemmConfig(64, 128, 1, 8, 4, 3, lag=True),
+            GemmConfig(128, 256, 1, 8, 8, 3, kernel="tma"),
+            GemmConfig(128, 128, 1, 8, 8, 4, kernel="tma"),
         ]
     else:
-        # BLOCK_M 64 compiles to Hopper wgmma; 16/32 to mma.sync (run 1 swept only 64 here).
         for bm in (16, 32, 64):
-            for bn in (64, 128):
-                for split in (1, 2, 4):
+            for bn in (64, 128, 256):
+                for split in (1, 2, 4, 8):
                     if kb // split >= 2:
-                        out.append(GemmConfig(bm, bn, split, 1, 4, 4 if bm == 64 else 3))
-        out.append(dataclasses.replace(base, num_stages=3))
-        out.append(dataclasses.replace(base, num_stages=5))
-    seen: set[GemmConfig] = set()
-    return [c for c in out if not (c in seen or seen.add(c))]
+                        out.append(GemmConfig(bm, bn, split, 1, 4, 4, fused_reduce=split > 1))
+    out = [c for c in out if supports(c, m, n, k)]
+    return list(dict.fromkeys(out))
+
+
+# ------------------------------------------------------------------ the tuned table (JSON)
+
+TORCH = "torch"
+TABLE_PATH = Path(__file__).with_name("fp8_configs.json")
+TABLE_ENV = "RELAY_FP8_CONFIGS"  # another table file (tune.py's fresh output, tests)
+
+
+class TableConfig(BaseModel):
+    """A GemmConfig as stored in the table file (same defaults as GemmConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    lag: bool = False
+    kernel: Literal["tiled", "tma"] = "tiled"
+    fused_reduce: bool = False
+    warp_spec: bool = False
+
+    def gemm(self) -> GemmConfig:
+        return GemmConfig(**self.model_dump())
+
+    @classmethod
+    def of(cls, cfg: GemmConfig) -> TableConfig:
+        return cls(**dataclasses.asdict(cfg))
+
+
+class DenseEntry(BaseModel):
+    """The measured winner for (M bucket, N, K). `choice` "torch" = cuBLAS block-wise; "triton" =
+    `config`. `linear` "fused": the whole linear (quantise + GEMM) was faster as one fused launch
+    with `fused_config` than as the quantiser + `choice` (tune.py times both)."""
+
+    model_config = ConfigDict(extra="forbid")
+    m: int = Field(gt=0)
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    choice: Literal["triton", "torch"]
+    config: TableConfig | None = None
+    linear: Literal["separate", "fused"] = "separate"
+    fused_config: TableConfig | None = None
+    us: dict[str, float] = {}  # GPU microseconds of the contenders (graph replays), informational
+    source: str = ""  # which run measured it
+
+
+class GroupedEntry(BaseModel):
+    """Grouped MoE GEMM tiles for (rows per expert, N, K); E and T are what was timed."""
+
+    model_config = ConfigDict(extra="forbid")
+    rows_per_expert: float = Field(gt=0)
+    e: int = Field(gt=0)
+    t: int = Field(gt=0)
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    block_m: int
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    us: dict[str, float] = {}
+    source: str = ""
+
+
+class Fp8Table(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Literal[1] = 1
+    m_buckets: list[int]
+    dense: list[DenseEntry] = []
+    grouped: list[GroupedEntry] = []
+    notes: str = ""
+
+
+def table_path() -> Path:
+    return Path(os.environ.get(TABLE_ENV) or TABLE_PATH)
+
+
+def load_table(path: Path | str | None = None) -> Fp8Table:
+    """The table file, validated (a bad file is an error naming the field, not a silent
+    fallback); a missing file is an empty table (every shape then takes the heuristic)."""
+    p = Path(path) if path is not None else table_path()
+    if not p.exists():
+        return Fp8Table(m_buckets=[])
+    table = Fp8Table.model_validate(json.loads(p.read_text()))
+    for e in table.dense:
+        if e.m not in table.m_buckets:
+            raise ValueError(f"{p}: dense entry m={e.m} is not in m_buckets {table.m_buckets}")
+        if e.choice == "triton" and e.config is None:
+            raise ValueError(f"{p}: dense entry {(e.m, e.n, e.k)} chooses triton without a config")
+        if e.linear == "fused" and e.fused_config is None:
+            raise ValueError(f"{p}: dense entry {(e.m, e.n, e.k)} has linear=fused without fused_config")
+    return table
+
+
+def _dense_dicts(
+    table: Fp8Table,
+) -> tuple[
+    tuple[int, ...], dict[tuple[int, int, int], GemmConfig | str], dict[tuple[int, int, int], GemmConfig]
+]:
+    choices: dict[tuple[int, int, int], GemmConfig | str] = {}
+    fused: dict[tuple[int, int, int], GemmConfig] = {}
+    for e in table.dense:
+        key = (e.m, e.n, e.k)
+        choices[key] = TORCH if e.choice == "torch" else e.config.gemm()  # type: ignore[union-attr]
+        if e.linear == "fused" and e.fused_config is not None:
+            fused[key] = e.fused_config.gemm()
+    return tuple(sorted(set(table.m_buckets))), choices, fused
+
+
+# Module state, (re)loaded by reload_table(): M_BUCKETS, TUNED_CONFIGS ((M bucket, N, K) ->
+# GemmConfig | TORCH), TUNED_FUSED ((M bucket, N, K) -> fused-linear config), TUNED_GROUPED.
+M_BUCKETS: tuple[int, ...] = ()
+TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig | str] = {}
+TUNED_FUSED: dict[tuple[int, int, int], GemmConfig] = {}
+TUNED_GROUPED: list[GroupedEntry] = []
+
+
+def reload_table(path: Path | str | None = None) -> Fp8Table:
+    """Load the table file into the module's lookup dicts (in place, so importers that bound the
+    dicts see the new contents)."""
+    global M_BUCKETS
+    table = load_table(path)
+    buckets, choices, fused = _dense_dicts(table)
+    M_BUCKETS = buckets
+    TUNED_CONFIGS.clear()
+    TUNED_CONFIGS.update(choices)
+    TUNED_FUSED.clear()
+    TUNED_FUSED.update(fused)
+    TUNED_GROUPED[:] = table.grouped
+    return table
+
+
+def m_bucket(m: int) -> int | None:
+    """The smallest M_BUCKETS entry >= m; above the largest, the largest (a large-M winner keeps
+    winning as M grows: more tiles of the same shape). None only for an empty table."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1] if M_BUCKETS else None
+
+
+def tuned_choice(m: int, n: int, k: int) -> GemmConfig | str | None:
+    """The table's GEMM entry for this shape: a GemmConfig, TORCH, or None (not measured)."""
+    b = m_bucket(m)
+    return None if b is None else TUNED_CONFIGS.get((b, n, k))
+
+
+def tuned_linear_fused(m: int, n: int, k: int) -> GemmConfig | None:
+    """The fused quantise+GEMM config when the table measured it faster for the whole linear."""
+    b = m_bucket(m)
+    return None if b is None else TUNED_FUSED.get((b, n, k))
+
+
+def tuned_grouped(t: int, e: int, n: int, k: int) -> GroupedEntry | None:
+    """The grouped entry for this (N, K) whose rows per expert are nearest (log scale) to T/E,
+    if within 4x; None otherwise (pick_grouped_block_m decides)."""
+    per = max(t, 1) / max(e, 1)
+    best: tuple[float, GroupedEntry] | None = None
+    for g in TUNED_GROUPED:
+        if (g.n, g.k) != (n, k):
+            continue
+        d = abs(math.log(per / g.rows_per_expert))
+        if d <= math.log(4.0) and (best is None or d < best[0]):
+            best = (d, g)
+    return None if best is None else best[1]
+
+
+reload_table()
 
 
 if HAS_TRITON:
@@ -201,12 +383,71 @@ if HAS_TRITON:
     _C_AMAX_EPS = tl.constexpr(AMAX_EPS)
 
     @triton.jit
+    def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Grouped (swizzled) tile order: GROUP_M row tiles share each weight column tile while
+        it is in L2."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (pid % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _store_or_reduce(
+        acc,
+        rm,
+        rn,
+        M,
+        N,
+        c_ptr,
+        stride_cs,
+        stride_cm,
+        stride_cn,
+        out_ptr,
+        cnt_ptr,
+        tile,
+        pid_k,
+        SPLIT_K: tl.constexpr,
+        FUSED_REDUCE: tl.constexpr,
+    ):
+        """Epilogue. Without FUSED_REDUCE: c[pid_k] = acc (SPLIT_K > 1: float32 partials for
+        _splitk_reduce_kernel). With it: store this split's partial, then bump the tile's arrival
+        counter; the split that arrives last sums all SPLIT_K partials in split order (the same
+        bits whichever split is last, and the same as the two-kernel path), writes `out`, and
+        resets the counter to 0 for the next launch. No program ever waits on another, so any
+        launch order is safe."""
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        c_ptrs = c_ptr + pid_k * stride_cs + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        if FUSED_REDUCE:
+            tl.store(c_ptrs, acc, mask=mask)
+            # Every thread's partial is issued before the counter's release (acq_rel atomic).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros_like(acc)
+                p_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+                for s in range(SPLIT_K):
+                    # .cg: read at L2, never a stale L1 line of another SM's partial
+                    total += tl.load(p_ptrs + s * stride_cs, mask=mask, other=0.0, cache_modifier=".cg")
+                o_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["stride_wsn", "stride_cs"])
     def _fp8_gemm_kernel(
         a_ptr,
         as_ptr,
         w_ptr,
         ws_ptr,
         c_ptr,
+        out_ptr,
+        cnt_ptr,
         M,
         N,
         K,
@@ -227,26 +468,17 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         GROUP_M: tl.constexpr,
         LAG: tl.constexpr,
+        FUSED_REDUCE: tl.constexpr,
     ):
-        """C[pid_k] (M, N) = sum over this split's K blocks of scaled fp8 block products.
-        SPLIT_K > 1 writes float32 partials (reduced by _splitk_reduce_kernel): deterministic,
-        unlike atomics, so the same inputs always give the same bits.
+        """C[pid_k] (M, N) = sum over this split's K blocks of scaled fp8 block products
+        (SPLIT_K > 1: float32 partials, reduced in-kernel with FUSED_REDUCE or by
+        _splitk_reduce_kernel; deterministic either way, unlike atomic accumulation).
         LAG: the plain loop consumes each dot's result right away (scale, add), so Hopper's async
-        wgmma must finish before the scaling FMAs start and the tensor cores idle meanwhile (run
-        1: best Triton 0.86-0.98x bf16 at large M against cuBLAS block-wise's 1.40-1.64x). With LAG
-        the scaling of block kb-1 is issued after block kb's dot and before its result is needed,
-        giving the compiler an overlap to exploit; same products, same summation order."""
+        wgmma must finish before the scaling FMAs start. With LAG the scaling of block kb-1 is
+        issued after block kb's dot and before its result is needed; same products and order."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped ordering: consecutive programs share weight tiles in L2.
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (pid % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -297,16 +529,44 @@ if HAS_TRITON:
                 as_ptrs += stride_ask
                 ws_ptrs += stride_wsk
 
-        c_ptrs = c_ptr + pid_k * stride_cs + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        _store_or_reduce(
+            acc, rm, rn, M, N, c_ptr, stride_cs, stride_cm, stride_cn, out_ptr, cnt_ptr, pid, pid_k,
+            SPLIT_K, FUSED_REDUCE,
+        )  # fmt: skip
 
     @triton.jit
+    def _quant_block(x, POW2: tl.constexpr):
+        """(R, 128) float32 -> (fp8-range float32 values, (R,) decoding scales), the bits of
+        _quant_act_kernel / services.common.fp8.quantize_act: scale = amax / 448 (IEEE quotient,
+        or its power-of-two ceiling), q = RN(x / scale) clamped to +-448. The per-element
+        division is done as Markstein's correction of a reciprocal multiply: with y = RN(1/s)
+        (one div_rn per row) and q0 = RN(x*y), r = fma(-q0, s, x) is exact and RN(q0 + r*y) is
+        the correctly rounded x/s (Handbook of Floating-Point Arithmetic, Markstein's theorem; no
+        overflow here, |x/s| <= 448, and quotients in fp32's subnormal range round to fp8 zero
+        either way). Run 2: one div_rn per element made the fused kernel 4-9x slower than the
+        two-kernel linear (linear_fp8_fused_graph 0.11-0.28x bf16)."""
+        amax = tl.max(tl.abs(x), axis=1)
+        s = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
+        if POW2:
+            # Power-of-two ceiling on the bits (exact; log2 on the GPU is approximate): keep the
+            # exponent, bump it when any mantissa bit is set. s >= 1e-12 / 448 is normal.
+            bits = s.to(tl.int32, bitcast=True)
+            up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
+            s = up.to(tl.float32, bitcast=True)
+        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        q0 = x * y[:, None]
+        r = tl.fma(-q0, s[:, None], x)
+        q = tl.fma(r, y[:, None], q0)
+        return tl.clamp(q, -_C_FP8_MAX, _C_FP8_MAX), s
+
+    @triton.jit(do_not_specialize=["stride_wsn", "stride_cs"])
     def _fp8_linear_fused_kernel(
         x_ptr,
         w_ptr,
         ws_ptr,
         c_ptr,
+        out_ptr,
+        cnt_ptr,
         M,
         N,
         K,
@@ -323,22 +583,16 @@ if HAS_TRITON:
         SPLIT_K: tl.constexpr,
         GROUP_M: tl.constexpr,
         POW2: tl.constexpr,
+        FUSED_REDUCE: tl.constexpr,
     ):
         """_fp8_gemm_kernel with the 1x128 activation quantisation fused in: each K step loads the
-        high-precision (BLOCK_M, 128) activation block, quantises it in registers exactly as
-        _quant_act_kernel does (same div_rn, clamp, cast: same bits), and feeds the fp8 dot. Saves
-        the quantiser's launch and its HBM round trip at decode-sized M, at the price of every
-        N tile re-quantising its rows (from L2). Benchmark variant; dispatch does not use it."""
+        high-precision (BLOCK_M, 128) activation block, quantises it in registers with the
+        quantiser's exact arithmetic (_quant_block: same bits), and feeds the fp8 dot. Saves the
+        quantiser's launch and its HBM round trip at decode-sized M, at the price of every N tile
+        re-quantising its rows (from L2)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (pid % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -359,13 +613,8 @@ if HAS_TRITON:
         for kb in range(kb_start, kb_end):
             k_left = K - kb * BLOCK_K
             x = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)
-            a_s = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
-            if POW2:
-                bits = a_s.to(tl.int32, bitcast=True)
-                up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
-                a_s = up.to(tl.float32, bitcast=True)
-            a = tl.clamp(tl.math.div_rn(x, a_s[:, None]), -_C_FP8_MAX, _C_FP8_MAX).to(w_ptr.dtype.element_ty)
+            q, a_s = _quant_block(x, POW2)
+            a = q.to(w_ptr.dtype.element_ty)
             w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
             w_s = tl.load(ws_ptrs)
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
@@ -373,8 +622,111 @@ if HAS_TRITON:
             w_ptrs += BLOCK_K
             ws_ptrs += stride_wsk
 
-        c_ptrs = c_ptr + pid_k * stride_cs + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        _store_or_reduce(
+            acc, rm, rn, M, N, c_ptr, stride_cs, stride_cm, stride_cn, out_ptr, cnt_ptr, pid, pid_k,
+            SPLIT_K, FUSED_REDUCE,
+        )  # fmt: skip
+
+    @triton.jit(do_not_specialize=["stride_wsn", "NUM_PROGS"])
+    def _fp8_gemm_tma_kernel(
+        a_desc,
+        w_desc,
+        as_ptr,
+        ws_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        stride_asm,
+        stride_ask,
+        stride_wsn,
+        stride_wsk,
+        stride_cm,
+        stride_cn,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        NUM_PROGS,
+        LAG: tl.constexpr,
+        WARP_SPEC: tl.constexpr,
+    ):
+        """Large M: persistent (grid = #SMs, each program loops over output tiles in grouped
+        order, so consecutive tiles of one SM and neighbouring SMs share weight tiles in L2), A
+        and W tiles through TMA descriptors (the copy engine fills the pipeline's shared-memory
+        stages; out-of-range rows/cols/K come back as zeros, which is the ragged rule), block
+        scales in float32 registers per K block."""
+        start_pid = tl.program_id(0)
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        # warp_specialize is passed only when asked for: a Triton without it still runs the rest.
+        if WARP_SPEC:
+            for tile in tl.range(start_pid, num_tiles, NUM_PROGS, warp_specialize=True):
+                _tma_tile(
+                    tile, a_desc, w_desc, as_ptr, ws_ptr, c_ptr, M, N, K, stride_asm, stride_ask,
+                    stride_wsn, stride_wsk, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, LAG,
+                )  # fmt: skip
+        else:
+            for tile in range(start_pid, num_tiles, NUM_PROGS):
+                _tma_tile(
+                    tile, a_desc, w_desc, as_ptr, ws_ptr, c_ptr, M, N, K, stride_asm, stride_ask,
+                    stride_wsn, stride_wsk, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, LAG,
+                )  # fmt: skip
+
+    @triton.jit
+    def _tma_tile(
+        tile,
+        a_desc,
+        w_desc,
+        as_ptr,
+        ws_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        stride_asm,
+        stride_ask,
+        stride_wsn,
+        stride_wsk,
+        stride_cm,
+        stride_cn,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        LAG: tl.constexpr,
+    ):
+        """One output tile of _fp8_gemm_tma_kernel (inlined into its tile loop)."""
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        as_ptrs = as_ptr + tl.minimum(rm, M - 1) * stride_asm
+        ws_ptrs = ws_ptr + (tl.minimum(rn, N - 1) // BLOCK_K) * stride_wsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LAG:
+            prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            prev_as = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            prev_ws = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for kb in range(0, k_tiles):
+                a = a_desc.load([off_m, kb * BLOCK_K])
+                w = w_desc.load([off_n, kb * BLOCK_K])
+                a_s = tl.load(as_ptrs + kb * stride_ask)
+                w_s = tl.load(ws_ptrs + kb * stride_wsk)
+                d = tl.dot(a, w.T)
+                acc += prev * prev_as[:, None] * prev_ws[None, :]  # 0 * 0 on the first step
+                prev, prev_as, prev_ws = d, a_s, w_s
+            acc += prev * prev_as[:, None] * prev_ws[None, :]
+        else:
+            for kb in range(0, k_tiles):
+                a = a_desc.load([off_m, kb * BLOCK_K])
+                w = w_desc.load([off_n, kb * BLOCK_K])
+                a_s = tl.load(as_ptrs + kb * stride_ask)
+                w_s = tl.load(ws_ptrs + kb * stride_wsk)
+                acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
         mask = (rm[:, None] < M) & (rn[None, :] < N)
+        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -387,7 +739,7 @@ if HAS_TRITON:
             acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
         tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_wse", "stride_wsn", "E"])
     def _grouped_fp8_gemm_kernel(
         a_ptr,
         as_ptr,
@@ -532,6 +884,41 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
         raise ValueError("fp8 operands must be contiguous along K")
 
 
+# Split-K arrival counters (fused_reduce), one zeroed int32 buffer per (device, stream): every
+# launch leaves its counters at 0 again, so the buffer is reused without a memset per call (and a
+# CUDA graph can replay it). Per stream because two GEMMs in flight on different streams must not
+# share counters. Allocate outside graph capture: the first call of a shape is a warm-up anyway.
+_COUNTERS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n_tiles:
+        buf = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _split_outputs(
+    m: int, n: int, split: int, fused_reduce: bool, out: torch.Tensor, n_tiles: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(c3, out, counters): where the kernel writes. One split writes `out` directly; more write
+    float32 partials (split, M, N) that the fused epilogue or _splitk_reduce_kernel sums."""
+    if split == 1:
+        return out.unsqueeze(0), out, out  # counters unused
+    c = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+    cnt = _tile_counters(out.device, n_tiles) if fused_reduce else c
+    return c, out, cnt
+
+
+def _finish_split(c3: torch.Tensor, out: torch.Tensor, m: int, n: int, split: int, fused: bool) -> None:
+    if split > 1 and not fused:
+        rblock = 1024
+        _splitk_reduce_kernel[(_cdiv(m * n, rblock),)](c3, out, m * n, SPLIT_K=split, BLOCK=rblock)
+
+
 def triton_fp8_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -540,7 +927,8 @@ def triton_fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """out (M, N) = dequant(a) @ dequant(w).T, float32 accumulation per 128-wide K block."""
+    """out (M, N) = dequant(a) @ dequant(w).T, float32 accumulation per 128-wide K block, with the
+    kernel `config` names (module docstring); None: pick_config."""
     _require_triton()
     _check(a, a_scale, w, w_scale)
     m, k = a.shape
@@ -553,17 +941,21 @@ def triton_fp8_gemm(
     cfg = config or pick_config(m, n, k, num_sms(a.device))
     a_scale = a_scale.float()
     w_scale = w_scale.float()
+    if cfg.kernel == "tma":
+        _launch_tma(a, a_scale, w, w_scale, out, cfg)
+        return out
     split = max(1, min(cfg.split_k, _cdiv(k, BLOCK)))
-    # Partials are float32 (exact sum of the splits); one split writes the output directly.
-    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
-    c3 = c.unsqueeze(0) if split == 1 else c
-    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), split)
-    _fp8_gemm_kernel[grid](
+    fused = cfg.fused_reduce and split > 1
+    n_tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    c3, out, cnt = _split_outputs(m, n, split, fused, out, n_tiles)
+    _fp8_gemm_kernel[(n_tiles, split)](
         a,
         a_scale,
         w,
         w_scale,
         c3,
+        out,
+        cnt,
         m,
         n,
         k,
@@ -584,13 +976,56 @@ def triton_fp8_gemm(
         SPLIT_K=split,
         GROUP_M=cfg.group_m,
         LAG=cfg.lag,
+        FUSED_REDUCE=fused,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split > 1:
-        rblock = 1024
-        _splitk_reduce_kernel[(_cdiv(m * n, rblock),)](c, out, m * n, SPLIT_K=split, BLOCK=rblock)
+    _finish_split(c3, out, m, n, split, fused)
     return out
+
+
+def _launch_tma(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    cfg: GemmConfig,
+) -> None:
+    m, k = a.shape
+    n = w.shape[0]
+    if not supports(cfg, m, n, k):
+        raise ValueError(f"tma config {cfg.name()} cannot run ({m}, {n}, {k}): needs K, N % 16 == 0")
+    # Host descriptors (passed by value: CUDA-graph safe, no device scratch allocator needed).
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, BLOCK])
+    sms = num_sms(a.device)
+    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    _fp8_gemm_tma_kernel[(min(sms, tiles),)](
+        a_desc,
+        w_desc,
+        a_scale,
+        w_scale,
+        out,
+        m,
+        n,
+        k,
+        a_scale.stride(0),
+        a_scale.stride(1),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=BLOCK,
+        GROUP_M=cfg.group_m,
+        NUM_PROGS=min(sms, tiles),
+        LAG=cfg.lag,
+        WARP_SPEC=cfg.warp_spec,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def triton_fp8_linear_fused(
@@ -602,8 +1037,8 @@ def triton_fp8_linear_fused(
     pow2: bool = False,
 ) -> torch.Tensor:
     """x (M, K) high precision -> (M, N): the 1x128 quantisation of x fused into the block-scaled
-    GEMM (one launch, two with split-K). Same bits as triton_quantize_act + triton_fp8_gemm with
-    the same config. Benchmark variant (bench/fp8/gemm.py `linear_fp8_fused_graph`)."""
+    GEMM (one launch; two with split-K without fused_reduce). Same bits as triton_quantize_act +
+    triton_fp8_gemm with the same config. A "tma" config runs as the tiled kernel with its tiles."""
     _require_triton()
     if x.dim() != 2 or w.dtype != FP8_DTYPE or x.shape[1] != w.shape[1]:
         raise ValueError(
@@ -624,14 +1059,16 @@ def triton_fp8_linear_fused(
     cfg = config or pick_config(m, n, k, num_sms(x.device))
     w_scale = w_scale.float()
     split = max(1, min(cfg.split_k, _cdiv(k, BLOCK)))
-    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    c3 = c.unsqueeze(0) if split == 1 else c
-    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), split)
-    _fp8_linear_fused_kernel[grid](
+    fused = cfg.fused_reduce and split > 1
+    n_tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    c3, out, cnt = _split_outputs(m, n, split, fused, out, n_tiles)
+    _fp8_linear_fused_kernel[(n_tiles, split)](
         x,
         w,
         w_scale,
         c3,
+        out,
+        cnt,
         m,
         n,
         k,
@@ -648,21 +1085,41 @@ def triton_fp8_linear_fused(
         SPLIT_K=split,
         GROUP_M=cfg.group_m,
         POW2=pow2,
+        FUSED_REDUCE=fused,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split > 1:
-        rblock = 1024
-        _splitk_reduce_kernel[(_cdiv(m * n, rblock),)](c, out, m * n, SPLIT_K=split, BLOCK=rblock)
+    _finish_split(c3, out, m, n, split, fused)
     return out
 
 
 def pick_grouped_block_m(t: int, e: int) -> int:
-    """Rows per tile for the grouped kernel: about the mean rows per expert, 16..128."""
+    """Rows per tile for the grouped kernel when the table has no entry: about the mean rows per
+    expert, 16..64."""
     per = max(1, t // max(1, e))
     # H200 run 1: 16 was best at decode (8 rows per expert); at prefill (512 per expert) 64 beat
     # 128 by 15-17% (1.78 vs 2.09 ms, 0.96 vs 1.12 ms), so 64 is the ceiling.
     return 16 if per <= 16 else 32 if per <= 32 else 64
+
+
+def grouped_launch(
+    t: int,
+    e: int,
+    n: int,
+    k: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) for a grouped GEMM: explicit arguments, else the
+    tuned table's nearest entry (tuned_grouped), else the heuristic."""
+    hit = tuned_grouped(t, e, n, k) if block_m is None else None
+    bm = block_m or (hit.block_m if hit else pick_grouped_block_m(t, e))
+    bn = block_n or (hit.block_n if hit else 128)
+    warps = num_warps or (hit.num_warps if hit else (8 if bm >= 128 else 4))
+    stages = num_stages or (hit.num_stages if hit else 4)
+    return bm, bn, warps, stages
 
 
 def triton_grouped_fp8_gemm(
@@ -673,13 +1130,14 @@ def triton_grouped_fp8_gemm(
     offs: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     block_m: int | None = None,
-    block_n: int = 128,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """MoE grouped GEMM, one launch: a (T, K) rows sorted by expert, w (E, N, K), w_scale
-    (E, NB, KB), offs (E,) int32 cumulative end offsets on a's device. Returns (T, N).
-    Offsets are not validated here (that would need a host sync); services.common.fp8 does."""
+    (E, NB, KB), offs (E,) int32 cumulative end offsets on a's device. Returns (T, N). Tiles:
+    grouped_launch. Offsets are not validated here (that would need a host sync);
+    services.common.fp8 does."""
     _require_triton()
     _check(a, a_scale, w, w_scale)
     t, k = a.shape
@@ -687,11 +1145,10 @@ def triton_grouped_fp8_gemm(
     out = torch.empty(t, n, dtype=out_dtype, device=a.device)
     if t == 0 or n == 0 or e == 0:
         return out
-    bm = block_m or pick_grouped_block_m(t, e)
-    warps = num_warps or (8 if bm >= 128 else 4)
+    bm, bn, warps, stages = grouped_launch(t, e, n, k, block_m, block_n, num_warps, num_stages)
     offs = offs.to(device=a.device, dtype=torch.int32).contiguous()
     a_scale, w_scale = a_scale.float(), w_scale.float()
-    grid = (_cdiv(t, bm) + e, _cdiv(n, block_n))
+    grid = (_cdiv(t, bm) + e, _cdiv(n, bn))
     _grouped_fp8_gemm_kernel[grid](
         a,
         a_scale,
@@ -715,10 +1172,10 @@ def triton_grouped_fp8_gemm(
         out.stride(0),
         out.stride(1),
         BLOCK_M=bm,
-        BLOCK_N=block_n,
+        BLOCK_N=bn,
         BLOCK_K=BLOCK,
         num_warps=warps,
-        num_stages=num_stages,
+        num_stages=stages,
     )
     return out
 
