@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,9 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.service_process import start_with_config, wait_registered
 
 from services.common.bus import Bus
-from services.common.config import REPO_ROOT, RunConfig
+from services.common.config import RunConfig
 from services.kvstore.client import KVStoreClient
 from services.kvstore.tiers import DiskTier, MemoryTier, TieredStore
 from services.kvstore.wire import (
@@ -105,26 +105,7 @@ def test_page_bigger_than_ram_goes_to_disk_and_disk_survives_restart(tmp_path: P
 def start_gateway(
     tmp: Path, redis_url: str, cfg: RunConfig, name: str = "kvstore"
 ) -> subprocess.Popen[bytes]:
-    cfg_path = tmp / f"{name}.json"
-    cfg_path.write_text(cfg.dump())
-    with open(tmp / f"{name}.log", "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "services.kvstore", "--config", str(cfg_path), "--redis-url", redis_url],
-            cwd=REPO_ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def wait_registered(bus: Bus, kind: str, proc: subprocess.Popen[bytes], log: Path, n: int = 1) -> list[str]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        found = bus.services(kind)
-        if len(found) >= n:
-            return [s.url for s in found]
-        assert proc.poll() is None, f"{kind} exited {proc.returncode}: {log.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise TimeoutError(f"{kind} did not register ({log})")
+    return start_with_config("services.kvstore", cfg, redis_url, tmp, name)
 
 
 @pytest.fixture(scope="module")

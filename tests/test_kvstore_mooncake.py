@@ -9,13 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.service_process import start_with_config, wait_registered
 
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, RunConfig
@@ -33,26 +33,7 @@ def page(i: int, n: int) -> bytes:
 
 
 def start_gateway(tmp: Path, redis_url: str, cfg: RunConfig, name: str) -> subprocess.Popen[bytes]:
-    cfg_path = tmp / f"{name}.json"
-    cfg_path.write_text(cfg.dump())
-    with open(tmp / f"{name}.log", "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "services.kvstore", "--config", str(cfg_path), "--redis-url", redis_url],
-            cwd=REPO_ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def wait_registered(bus: Bus, proc: subprocess.Popen[bytes], log: Path, n: int) -> list[str]:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        found = bus.services("kvstore")
-        if len(found) >= n:
-            return [s.url for s in found]
-        assert proc.poll() is None, f"gateway exited {proc.returncode}: {log.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise TimeoutError(f"gateways did not register ({log})")
+    return start_with_config("services.kvstore", cfg, redis_url, tmp, name)
 
 
 def free_port() -> int:
@@ -109,7 +90,7 @@ def test_pages_cross_gateway_processes_through_the_pool(
     a = start_gateway(tmp, redis_url, a_cfg, "gw-a")
     b = start_gateway(tmp, redis_url, b_cfg, "gw-b")
     try:
-        urls = wait_registered(bus, a, tmp / "gw-a.log", n=2)
+        urls = wait_registered(bus, "kvstore", a, tmp / "gw-a.log", n=2, timeout_s=90)
         url_a = next(u for u in urls if httpx.get(f"{u}/health").json()["id"].endswith(str(a.pid)))
         url_b = next(u for u in urls if u != url_a)
         ca, cb = KVStoreClient(url_a), KVStoreClient(url_b)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.moe import run_one_step
 
 from services.common import routing as wire
 from services.common.config import RunConfig, load_config
@@ -246,17 +247,7 @@ def test_moe_two_processes_match_one(redis_url: str, tmp_path: Path) -> None:
     """debug-moe with replay through 1 process and through torchrun --nproc_per_node=2 (gloo,
     FSDP2): the same update, and the same mismatch/routing metrics after the cross-rank reduction
     (sums, and a max for p_abs_max)."""
-    import os
-    import subprocess
-
-    from safetensors.torch import load_file
-
-    from services.common.bus import Bus
-    from services.common.config import REPO_ROOT
-    from services.common.modeldir import step_dir
-    from trainer.launch import trainer_command
     from trainer.model import build_model
-    from trainer.train import run as run_trainer
 
     base = load_config("debug-moe")
     m = base.model
@@ -298,27 +289,7 @@ def test_moe_two_processes_match_one(redis_url: str, tmp_path: Path) -> None:
         tree["run"].update(max_steps=1, dir=str(run_dir))
         tree["orchestrator"]["batch_size"] = 2
         tree["trainer"].update(nproc=nproc, micro_batch_tokens=30)
-        cfg = RunConfig.model_validate(tree)
-        (run_dir / "config.json").write_text(cfg.dump())
-        bus = Bus(redis_url, cfg.redis.prefix)
-        for g in groups:
-            bus.push_group(g)
-        if nproc == 1:
-            assert run_trainer(cfg, run_dir, redis_url) == 0
-        else:
-            log = run_dir / "trainer.log"
-            with open(log, "wb") as fh:
-                env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-                proc = subprocess.Popen(
-                    trainer_command(cfg, run_dir, redis_url), cwd=REPO_ROOT, stdout=fh, stderr=fh, env=env
-                )
-            try:
-                assert proc.wait(180) == 0, log.read_text()
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-        ((_, mt),) = bus.read_metrics()
-        outs.append((mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))))
+        outs.append(run_one_step(RunConfig.model_validate(tree), run_dir, redis_url, groups, timeout_s=180))
 
     (m1, w1), (m2, w2) = outs
     assert m1.routing_replayed_frac == 1.0 and m1.mismatch_kl_k3 > 0

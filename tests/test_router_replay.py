@@ -10,6 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.moe import (
+    RouterCall,
+    RouterTap,
+    random_routes,
+    replay_engine_samples,
+    routed_sample,
+    small_moe,
+    tokens,
+)
 from safetensors.torch import save_file
 
 from services.common import routing as wire
@@ -33,28 +42,6 @@ def debug_moe() -> ModelConfig:
     return ModelConfig(**tomllib.loads((CONFIG_DIR / "models" / "debug-moe.toml").read_text()))
 
 
-def small_moe(**kw: object) -> ModelConfig:
-    """A random small Qwen3-MoE: a leading dense layer, untied embeddings, 8 experts top-2."""
-    base: dict[str, object] = dict(
-        arch="qwen3_moe",
-        vocab_size=50,
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        hidden_dim=48,
-        max_seq_len=64,
-        tie_embeddings=False,
-        n_routed_experts=8,
-        n_experts_per_tok=2,
-        moe_hidden_dim=16,
-        first_k_dense=1,
-        norm_topk_prob=True,
-    )
-    return ModelConfig(**(base | kw))
-
-
 def moe_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
     model = enable_router_replay(build_model(m, seed=seed))
     # torchtitan inits the gate with a tiny std: make routing decisive so that recorded ids that
@@ -69,27 +56,11 @@ def moe_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def tokens(m: ModelConfig, b: int = 3, t: int = 12, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, m.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-class RouterTap:
-    """Captures each MoE router's input and output (ids) on every forward."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.handles = [r.register_forward_hook(self._hook) for r in moe_routers(model)]
-
-    def _hook(
-        self, mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]
-    ) -> None:
-        x = inp[0].detach()
-        own = torch.topk(torch.softmax(mod.gate(x).float(), dim=-1), mod.top_k, dim=-1).indices
-        self.calls.append((own, out[1].detach(), out[2].detach()))
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+def softmax_topk(call: RouterCall) -> torch.Tensor:
+    """The Qwen3-MoE router's own choice for the tapped input: top-k of the softmax scores."""
+    with torch.no_grad():
+        scores = torch.softmax(call.router.gate(call.x).float(), dim=-1)
+    return torch.topk(scores, call.router.top_k, dim=-1).indices
 
 
 def own_routes(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -99,15 +70,7 @@ def own_routes(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         model(x)
     tap.close()
     b, t = x.shape
-    return torch.stack([ids.view(b, t, -1) for _, ids, _ in tap.calls], dim=2)
-
-
-def random_routes(m: ModelConfig, b: int, t: int, seed: int = 2) -> torch.Tensor:
-    """Distinct random expert ids per (token, layer): [B, T, layers, k]."""
-    g = torch.Generator().manual_seed(seed)
-    n_layers = len(moe_layer_ids(m))
-    scores = torch.rand(b, t, n_layers, m.n_routed_experts, generator=g)
-    return scores.topk(m.n_experts_per_tok, dim=-1).indices
+    return torch.stack([call.ids.view(b, t, -1) for call in tap.calls], dim=2)
 
 
 # ------------------------------------------------------------------ the HF contract
@@ -183,7 +146,7 @@ def test_moe_model_has_replay_routers_and_hf_names_only() -> None:
     names = set(model.state_dict())
     assert enable_router_replay(model) is model and set(model.state_dict()) == names  # idempotent
     assert "layers.0.moe.router.gate.weight" in names and "layers.1.moe.experts.w1" in names
-    x = tokens(m)
+    x = tokens(m, b=3, t=12)
     with torch.no_grad():
         a = model(x)
         b = model(x)
@@ -215,9 +178,10 @@ def test_replay_routes_every_token_exactly_as_recorded() -> None:
         replayed_out = model(x)
     tap.close()
     assert len(tap.calls) == 2
-    for layer, (own, used, counts) in enumerate(tap.calls):
-        used = used.view(b, t, -1)
-        own = own.view(b, t, -1)
+    for layer, call in enumerate(tap.calls):
+        used = call.ids.view(b, t, -1)
+        own = softmax_topk(call).view(b, t, -1)
+        counts = call.counts
         want = torch.where(recorded[:, :, layer, None], routes[:, :, layer], own)
         assert torch.equal(used, want)
         assert torch.equal(counts, torch.bincount(want.reshape(-1), minlength=m.n_routed_experts))
@@ -232,7 +196,7 @@ def test_replay_routes_every_token_exactly_as_recorded() -> None:
 def test_replay_of_own_choice_changes_nothing() -> None:
     m = small_moe()
     model = moe_model(m)
-    x = tokens(m)
+    x = tokens(m, b=3, t=12)
     with torch.no_grad():
         ref = model(x)
         routes = own_routes(model, x)
@@ -245,7 +209,7 @@ def test_replay_of_own_choice_changes_nothing() -> None:
 def test_gate_gets_gradient_through_replayed_ids() -> None:
     m = small_moe()
     model = moe_model(m)
-    x = tokens(m)
+    x = tokens(m, b=3, t=12)
     b, t = x.shape
     # Every token is sent to experts {0, 1} in every MoE layer, whatever the router prefers.
     # (token_logprobs forwards tokens[:, :-1].)
@@ -298,24 +262,7 @@ def test_routing_rejects_wrong_layer_count() -> None:
 
 
 def make_sample(rid: str, n: int, m: ModelConfig, seed: int) -> tuple[Sample, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    layers = len(moe_layer_ids(m))
-    dtype = wire.routing_dtype(m.n_routed_experts)
-    ids = np.stack(
-        [rng.permutation(m.n_routed_experts)[: m.n_experts_per_tok] for _ in range(n * layers)]
-    ).reshape(n, layers, -1)
-    arr = ids.astype(dtype)
-    arr[-1] = wire.unrecorded(dtype)  # the last sampled token is never forwarded
-    s = Sample(
-        rollout_id=rid,
-        tokens=rng.integers(0, m.vocab_size, n).tolist(),
-        loss_mask=[0] * 2 + [1] * (n - 2),
-        logprobs=[0.0] * n,
-        versions=[0] * n,
-        reward=0.0,
-        routed_experts=wire.encode(arr),
-    )
-    return s, arr
+    return routed_sample(rid, n, m, np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -414,41 +361,12 @@ def test_engine_routing_replays_in_the_trainer(tmp_path: Path) -> None:
     """The trainer publishes debug-moe weights, the inference engine loads them, samples with
     routing capture, and the trainer reproduces the engine's log-probs; every recorded row is the
     trainer's own top-k set too (same weights, same function)."""
-    from services.common.config import EngineConfig
-    from services.common.schemas import GenerateRequest, SamplingParams
-    from services.engine import LLMEngine
     from trainer.model import save_weights_dir
 
     m = debug_moe()
     model = moe_model(m, seed=3)
     d = save_weights_dir(m, model.state_dict(), tmp_path / "step_0", {"version": 0})
-    eng = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=256, block_size=4))
-    prompts = [[5, 9, 14, 20, 3, 7], [30, 31, 2, 8, 11, 12, 40, 41, 13]]
-    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=4)
-    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
-    samples = []
-    for i, (p, resp) in enumerate(zip(prompts, eng.generate(reqs), strict=True)):
-        c = resp.choices[0]
-        n = len(p) + len(c.output_ids)
-        samples.append(
-            Sample(
-                rollout_id=f"s{i}",
-                tokens=p + c.output_ids,
-                loss_mask=[0] * len(p) + [1] * len(c.output_ids),
-                logprobs=[0.0] * len(p) + c.logprobs,
-                versions=[-1] * len(p) + c.versions,
-                reward=0.0,
-                routed_experts=c.routed_experts,
-            )
-        )
-        assert c.routed_experts is not None and c.routed_experts.shape[0] == n
-    (mb,) = micro_batches(samples, 10_000)  # one micro-batch (longest sample first)
-    (routes,) = micro_batch_routes(samples, m, False, 10_000)
-    assert routes is not None
-    with torch.no_grad(), routing(model, routes, replay=True) as rec:
-        logp, _ = token_logprobs(model, mb.tokens)
-    mask = mb.loss_mask > 0
-    torch.testing.assert_close(logp[mask], mb.logp_infer[mask], rtol=0, atol=2e-5)
+    rec, samples = replay_engine_samples(model, m, d, max_seq_len=256)
     assert rec.total.tolist() == [float(sum(len(s.tokens) - 1 for s in samples))] * 2
     assert torch.equal(rec.agree, rec.total)  # the engine's choices are the trainer's own
 

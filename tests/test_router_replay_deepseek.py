@@ -9,6 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.moe import (
+    RouterTap,
+    choice_sample,
+    random_routes,
+    replay_engine_samples,
+    routed_sample,
+    run_one_step,
+    small_ds,
+    tokens,
+)
 
 from services.common.config import ModelConfig
 from services.common.modeldir import hf_config, model_config_from_hf
@@ -23,41 +33,6 @@ from trainer.model import (
     to_hf_state,
 )
 from trainer.replay import UNRECORDED, ReplayRouter, moe_routers, routing
-
-
-def small_ds(**kw: object) -> ModelConfig:
-    """A random small DeepSeek-V3: low-rank q, MLA, one leading dense layer, sigmoid scores with a
-    correction bias, 4 groups of 2 experts (2 kept), top-2, one shared expert, scaling 2.5."""
-    base: dict[str, object] = dict(
-        arch="deepseek_v3",
-        vocab_size=64,  # the char tokenizer (61) padded
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=4,
-        head_dim=12,
-        hidden_dim=48,
-        max_seq_len=64,
-        qk_norm=False,
-        tie_embeddings=False,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        n_experts_per_tok=2,
-        moe_hidden_dim=16,
-        first_k_dense=1,
-        routed_scaling_factor=2.5,
-        router_score="sigmoid",
-        norm_topk_prob=True,
-        n_group=4,
-        topk_group=2,
-        expert_bias=True,
-        q_lora_rank=16,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-    )
-    return ModelConfig(**(base | kw))
 
 
 def ds_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
@@ -80,27 +55,6 @@ def ds_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
             if m.expert_bias:
                 moe.expert_bias.copy_(0.5 * torch.rand(m.n_routed_experts, generator=g))
     return model
-
-
-def tokens(m: ModelConfig, b: int = 2, t: int = 16, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, m.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-class RouterTap:
-    """Each MoE router's input, its returned (weights, ids) on every forward."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.handles = [r.register_forward_hook(self._hook) for r in moe_routers(model)]
-
-    def _hook(
-        self, mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]
-    ) -> None:
-        self.calls.append((inp[0].detach(), out[0].detach(), out[1].detach()))
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def reference_route(
@@ -129,7 +83,7 @@ def test_logits_match_hf_deepseek_v3(tmp_path: Path, q_lora: int, tied: bool) ->
     d = save_weights_dir(m, model.state_dict(), tmp_path / "w", {"version": 0})
     hf = DeepseekV3ForCausalLM.from_pretrained(str(d), dtype=torch.float32)
     hf.eval()
-    x = tokens(m)
+    x = tokens(m, b=2, t=16)
     with torch.no_grad():
         ours = model(x)
         theirs = hf(input_ids=x).logits
@@ -141,7 +95,8 @@ def test_logits_match_hf_deepseek_v3(tmp_path: Path, q_lora: int, tied: bool) ->
         model(x)
     tap.close()
     differs = 0
-    for layer, (inp, _, ids) in zip(moe_layer_ids(m), tap.calls, strict=True):
+    for layer, call in zip(moe_layer_ids(m), tap.calls, strict=True):
+        inp, ids = call.x, call.ids
         moe = model.layers[str(layer)].moe
         want = reference_route(inp, moe.router, moe.expert_bias, m)
         assert torch.equal(ids.sort(dim=-1).values, want)
@@ -220,11 +175,7 @@ def test_replay_routes_exactly_as_recorded_with_the_trainers_weights() -> None:
     x = tokens(m, b=3, t=12)
     b, t = x.shape
     n_layers = len(moe_layer_ids(m))
-    g = torch.Generator().manual_seed(2)
-    # Random ids, ignoring groups and bias: replay must not care.
-    routes = (
-        torch.rand(b, t, n_layers, m.n_routed_experts, generator=g).topk(m.n_experts_per_tok, dim=-1).indices
-    )
+    routes = random_routes(m, b, t, seed=2)  # ignoring groups and bias: replay must not care
     routes[1, 4:7] = UNRECORDED
     recorded = (routes >= 0).all(-1)
     tap = RouterTap(model)
@@ -234,7 +185,8 @@ def test_replay_routes_exactly_as_recorded_with_the_trainers_weights() -> None:
     with torch.no_grad():
         free = model(x)
     assert (out - free).abs().max().item() > 1e-3
-    for layer, (inp, weights, ids) in zip(moe_layer_ids(m), tap.calls, strict=True):
+    for layer, call in zip(moe_layer_ids(m), tap.calls, strict=True):
+        inp, weights, ids = call.x, call.weights, call.ids
         li = layer - m.first_k_dense
         moe = model.layers[str(layer)].moe
         own = reference_route(inp, moe.router, moe.expert_bias, m).view(b, t, -1)
@@ -252,7 +204,7 @@ def test_replay_routes_exactly_as_recorded_with_the_trainers_weights() -> None:
 def test_gate_gets_gradient_and_bias_none_through_replayed_ids() -> None:
     m = small_ds()
     model = ds_model(m)
-    x = tokens(m)
+    x = tokens(m, b=2, t=16)
     b, t = x.shape
     routes = torch.zeros(b, t - 1, len(moe_layer_ids(m)), 2, dtype=torch.long)
     routes[..., 1] = 5  # experts {0, 5}: groups 0 and 2, whatever the group limit prefers
@@ -277,41 +229,10 @@ def test_gate_gets_gradient_and_bias_none_through_replayed_ids() -> None:
 def test_engine_routing_replays_in_the_trainer_deepseek(tmp_path: Path) -> None:
     """The trainer publishes DeepSeek-V3 weights, the engine (MLA + DeepSeek MoE) samples with
     routing capture, and the trainer reproduces the engine's log-probs with the recorded ids."""
-    from services.common.config import EngineConfig
-    from services.common.schemas import GenerateRequest, Sample, SamplingParams
-    from services.engine import LLMEngine
-    from trainer.batch import micro_batches
-    from trainer.replay import micro_batch_routes
-
     m = small_ds(max_seq_len=128)
     model = ds_model(m, seed=3)
     d = save_weights_dir(m, model.state_dict(), tmp_path / "step_0", {"version": 0})
-    eng = LLMEngine(d, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4))
-    prompts = [[5, 9, 14, 20, 3, 7], [30, 31, 2, 8, 11, 12, 40, 41, 13]]
-    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=4)
-    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
-    samples = []
-    for i, (p, resp) in enumerate(zip(prompts, eng.generate(reqs), strict=True)):
-        c = resp.choices[0]
-        assert c.routed_experts is not None and c.routed_experts.shape[0] == len(p) + len(c.output_ids)
-        samples.append(
-            Sample(
-                rollout_id=f"s{i}",
-                tokens=p + c.output_ids,
-                loss_mask=[0] * len(p) + [1] * len(c.output_ids),
-                logprobs=[0.0] * len(p) + c.logprobs,
-                versions=[-1] * len(p) + c.versions,
-                reward=0.0,
-                routed_experts=c.routed_experts,
-            )
-        )
-    (mb,) = micro_batches(samples, 10_000)
-    (routes,) = micro_batch_routes(samples, m, False, 10_000)
-    assert routes is not None
-    with torch.no_grad(), routing(model, routes, replay=True) as rec:
-        logp, _ = token_logprobs(model, mb.tokens)
-    mask = mb.loss_mask > 0
-    torch.testing.assert_close(logp[mask], mb.logp_infer[mask], rtol=0, atol=2e-5)
+    rec, samples = replay_engine_samples(model, m, d, max_seq_len=128)
     n = float(sum(len(s.tokens) - 1 for s in samples))
     assert rec.total.tolist() == [n] * len(moe_layer_ids(m))
     assert torch.equal(rec.agree, rec.total)  # the engine's choices are the trainer's own
@@ -325,8 +246,6 @@ def test_packed_replay_equals_padded_replay() -> None:
     sample) give the MLA model the same replayed log-probs as a padded batch."""
     import numpy as np
 
-    from services.common import routing as wire
-    from services.common.schemas import Sample
     from trainer.attention import enable_document_attention, micro_batch_attention, packed_logprobs
     from trainer.batch import micro_batches
     from trainer.packing import packed_micro_batches
@@ -335,25 +254,9 @@ def test_packed_replay_equals_padded_replay() -> None:
     m = small_ds()
     model = enable_document_attention(ds_model(m), "sdpa")
     rng = np.random.default_rng(0)
-    layers, dtype = len(moe_layer_ids(m)), wire.routing_dtype(m.n_routed_experts)
-    samples = []
-    for i, n in enumerate([9, 5, 12]):
-        ids = np.stack([rng.permutation(m.n_routed_experts)[:2] for _ in range(n * layers)]).reshape(
-            n, layers, 2
-        )
-        arr = ids.astype(dtype)
-        arr[-1] = wire.unrecorded(dtype)
-        samples.append(
-            Sample(
-                rollout_id=f"s{i}",
-                tokens=rng.integers(0, m.vocab_size, n).tolist(),
-                loss_mask=[0] * 2 + [1] * (n - 2),
-                logprobs=[0.0] * n,
-                versions=[0] * n,
-                reward=0.0,
-                routed_experts=wire.encode(arr),
-            )
-        )
+    layers = len(moe_layer_ids(m))
+    # One generator for all three, drawn in order (each sample's ids, then its tokens).
+    samples = [routed_sample(f"s{i}", n, m, rng)[0] for i, n in enumerate([9, 5, 12])]
     per_sample: dict[str, dict[tuple[int, ...], torch.Tensor]] = {"padded": {}, "packed": {}}
     (mb,) = micro_batches(samples, 10_000)
     (routes,) = micro_batch_routes(samples, m, False, 10_000)
@@ -384,7 +287,7 @@ def test_packed_replay_equals_padded_replay() -> None:
 def engine_groups(step0: Path) -> list[RolloutGroup]:
     """Two groups of 4 samples the engine draws from `step0` with routing capture."""
     from services.common.config import EngineConfig
-    from services.common.schemas import GenerateRequest, Sample, SamplingParams
+    from services.common.schemas import GenerateRequest, SamplingParams
     from services.engine import LLMEngine
 
     eng = LLMEngine(step0, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4))
@@ -398,18 +301,7 @@ def engine_groups(step0: Path) -> list[RolloutGroup]:
         samples = []
         for i, c in enumerate(resp.choices):
             reward = float(i % 2)
-            samples.append(
-                Sample(
-                    rollout_id=f"g{gi}.{i}",
-                    tokens=prompt + c.output_ids,
-                    loss_mask=[0] * len(prompt) + [1] * len(c.output_ids),
-                    logprobs=[0.0] * len(prompt) + c.logprobs,
-                    versions=[-1] * len(prompt) + c.versions,
-                    reward=reward,
-                    advantage=reward - 0.5,
-                    routed_experts=c.routed_experts,
-                )
-            )
+            samples.append(choice_sample(f"g{gi}.{i}", prompt, c, reward=reward, advantage=reward - 0.5))
         groups.append(RolloutGroup(group_id=f"ds-{gi}", env="reverse", seed=gi, samples=samples))
     return groups
 
@@ -425,18 +317,11 @@ def train_one_step(
 ) -> tuple[TrainerStepMetrics, dict[str, torch.Tensor]]:
     """One trainer step (trainer.train.run; under torchrun for nproc > 1) on `groups`, from a copy
     of `step0`: (the step's metrics, the published step_1 tensors)."""
-    import os
     import shutil
-    import subprocess
     import uuid
 
-    from safetensors.torch import load_file
-
-    from services.common.bus import Bus
-    from services.common.config import REPO_ROOT, RunConfig
+    from services.common.config import RunConfig
     from services.common.modeldir import step_dir
-    from trainer.launch import trainer_command
-    from trainer.train import run as run_trainer
 
     shutil.copytree(step0, step_dir(run_dir, 0))
     tree = RunConfig().model_dump()
@@ -445,27 +330,7 @@ def train_one_step(
     tree["run"].update(max_steps=1, dir=str(run_dir))
     tree["orchestrator"].update(batch_size=2, group_size=4)
     tree["trainer"].update(lr=1e-2, micro_batch_tokens=64, nproc=nproc, **trainer)
-    cfg = RunConfig.model_validate(tree)
-    (run_dir / "config.json").write_text(cfg.dump())
-    bus = Bus(redis_url, cfg.redis.prefix)
-    for g in groups:
-        bus.push_group(g)
-    if nproc == 1:
-        assert run_trainer(cfg, run_dir, redis_url) == 0
-    else:
-        log = run_dir / "trainer.log"
-        with open(log, "wb") as fh:
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-            proc = subprocess.Popen(
-                trainer_command(cfg, run_dir, redis_url), cwd=REPO_ROOT, stdout=fh, stderr=fh, env=env
-            )
-        try:
-            assert proc.wait(300) == 0, log.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    ((_, mt),) = bus.read_metrics()
-    return mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))
+    return run_one_step(RunConfig.model_validate(tree), run_dir, redis_url, groups, timeout_s=300)
 
 
 def test_trainer_step_replays_engine_routing_and_publishes_deepseek(
@@ -556,7 +421,7 @@ def bf16_replay_mismatch(device: str) -> dict[str, float]:
     import tempfile
 
     from services.common.config import EngineConfig
-    from services.common.schemas import GenerateRequest, Sample, SamplingParams
+    from services.common.schemas import GenerateRequest, SamplingParams
     from services.engine import LLMEngine
     from trainer.batch import micro_batches
     from trainer.replay import micro_batch_routes
@@ -588,18 +453,7 @@ def bf16_replay_mismatch(device: str) -> dict[str, float]:
         (resp,) = eng.generate(
             [GenerateRequest(input_ids=[5, 9, 14, 20, 3, 7], sampling=params, return_routed_experts=True)]
         )
-    samples = [
-        Sample(
-            rollout_id=f"s{i}",
-            tokens=[5, 9, 14, 20, 3, 7] + c.output_ids,
-            loss_mask=[0] * 6 + [1] * len(c.output_ids),
-            logprobs=[0.0] * 6 + c.logprobs,
-            versions=[-1] * 6 + c.versions,
-            reward=0.0,
-            routed_experts=c.routed_experts,
-        )
-        for i, c in enumerate(resp.choices)
-    ]
+    samples = [choice_sample(f"s{i}", [5, 9, 14, 20, 3, 7], c) for i, c in enumerate(resp.choices)]
     (mb,) = micro_batches(samples, 100_000)
     (routes,) = micro_batch_routes(samples, m, False, 100_000)
     assert routes is not None

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,16 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers.sandbox import session, session_root
 from test_sandbox_service import Sandbox
 
 
 @pytest.fixture(scope="module")
 def workroot(bwrap: str) -> Iterator[Path]:
-    # Not under pytest's tmp dir: its parents are 0700, and session uids must traverse them.
-    root = Path(tempfile.mkdtemp(prefix="relay-sbx-test-"))
-    root.chmod(0o711)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with session_root("relay-sbx-test-") as root:
+        yield root
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +41,6 @@ def sb(redis_server: str, tmp_path_factory: pytest.TempPathFactory, workroot: Pa
 def client(sb: Sandbox) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=sb.url, timeout=30) as c:
         yield c
-
-
-def session(c: httpx.Client) -> str:
-    r = c.post("/v1/sessions", json={"env": "echo", "seed": 0})
-    assert r.status_code == 200, r.text
-    return r.json()["session_id"]
 
 
 def sessions_on_disk(workroot: Path) -> list[str]:

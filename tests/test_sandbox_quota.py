@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.sandbox import session, session_root
 from test_sandbox_service import Sandbox
 
 from services.sandbox.isolation import Limits, WorkspaceManager, mounts_under
@@ -27,11 +26,8 @@ INODES = 200
 def workroot(bwrap: str) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("the disk quota mounts a tmpfs per session: needs root")
-    # Not under pytest's tmp dir: its parents are 0700, and session uids must traverse them.
-    root = Path(tempfile.mkdtemp(prefix="relay-quota-test-"))
-    root.chmod(0o711)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with session_root("relay-quota-test-") as root:
+        yield root
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +50,6 @@ def sb(redis_server: str, tmp_path_factory: pytest.TempPathFactory, workroot: Pa
 def client(sb: Sandbox) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=sb.url, timeout=60) as c:
         yield c
-
-
-def session(c: httpx.Client) -> str:
-    r = c.post("/v1/sessions", json={"env": "echo", "seed": 0})
-    assert r.status_code == 200, r.text
-    return r.json()["session_id"]
 
 
 def run(c: httpx.Client, sid: str, cmd: str) -> dict[str, object]:

@@ -8,11 +8,9 @@ completion tokens in a favoured set, so learning shows up as that set's probabil
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,18 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.trainer_process import run_trainer_steps, start_trainer
 from safetensors.torch import load_file
 
 from services.common.bus import TRAINER_GROUP, Bus
 from services.common.config import RunConfig
 from services.common.modeldir import step_dir
 from services.common.schemas import RolloutGroup, Sample
-from trainer.launch import trainer_command
 from trainer.model import build_model, load_weights_dir
 from trainer.train import Trainer, latest_checkpoint
 from trainer.train import run as run_trainer
 
-REPO = Path(__file__).resolve().parents[1]
 FAVOURED = set(range(16))  # a quarter of the 64-token vocab
 PROMPT = [20, 21, 22]
 
@@ -147,6 +144,19 @@ class Feeder(threading.Thread):
             self.error = e
 
 
+def run_with_feeder(cfg: RunConfig, run_dir: Path, redis_url: str) -> Feeder:
+    """trainer.train.run in this process to run.max_steps while a Feeder pushes its groups;
+    returns the stopped feeder (the caller checks its `error` and what it pushed)."""
+    feeder = Feeder(cfg, redis_url, run_dir)
+    feeder.start()
+    try:
+        assert run_trainer(cfg, run_dir, redis_url) == 0
+    finally:
+        feeder.stop.set()
+        feeder.join(10)
+    return feeder
+
+
 def metrics(bus: Bus) -> list[dict[str, object]]:
     return [m.model_dump() for _, m in bus.read_metrics()]
 
@@ -191,13 +201,7 @@ def check_ledger(bus: Bus, feeder: Feeder) -> dict[str, int]:
 def test_full_run_publishes_acks_and_learns(redis_server: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir)
-    feeder = Feeder(cfg, redis_server, run_dir)
-    feeder.start()
-    try:
-        assert run_trainer(cfg, run_dir, redis_server) == 0
-    finally:
-        feeder.stop.set()
-        feeder.join(10)
+    feeder = run_with_feeder(cfg, run_dir, redis_server)
     assert feeder.error is None
     bus = Bus(redis_server, cfg.redis.prefix)
     n = cfg.run.max_steps
@@ -228,12 +232,6 @@ def test_full_run_publishes_acks_and_learns(redis_server: str, tmp_path: Path) -
     assert after > before + 0.1, (before, after)
 
 
-def _start(cfg: RunConfig, run_dir: Path, url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "ab") as fh:
-        return subprocess.Popen(trainer_command(cfg, run_dir, url), cwd=REPO, stdout=fh, stderr=fh, env=env)
-
-
 def _events(log: Path, msg: str) -> list[dict[str, object]]:
     out = []
     for line in log.read_text().splitlines():
@@ -256,7 +254,7 @@ def test_sigkill_restart_resumes_from_checkpoint_without_double_training(
     feeder = Feeder(cfg, redis_server, run_dir)
     feeder.start()
     try:
-        proc = _start(cfg, run_dir, redis_server, log)
+        proc = start_trainer(cfg, run_dir, redis_server, log)
         deadline = time.monotonic() + 60
         while (w := bus.latest_weights()) is None or w.version < 3:
             assert proc.poll() is None, log.read_text()
@@ -267,7 +265,7 @@ def test_sigkill_restart_resumes_from_checkpoint_without_double_training(
         published_before_kill = bus.latest_weights().version  # type: ignore[union-attr]
         ckpt = latest_checkpoint(run_dir)
         assert ckpt is not None
-        proc = _start(cfg, run_dir, redis_server, log)
+        proc = start_trainer(cfg, run_dir, redis_server, log)
         assert proc.wait(90) == 0, log.read_text()
     finally:
         feeder.stop.set()
@@ -298,13 +296,7 @@ def test_resume_when_published_weights_are_newer_than_checkpoint(redis_server: s
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir)
     cfg.run.max_steps = 3
-    feeder = Feeder(cfg, redis_server, run_dir)
-    feeder.start()
-    try:
-        assert run_trainer(cfg, run_dir, redis_server) == 0
-    finally:
-        feeder.stop.set()
-        feeder.join(10)
+    feeder = run_with_feeder(cfg, run_dir, redis_server)
     shutil.rmtree(run_dir / "checkpoints" / "step_3")  # as if killed before checkpointing 3
     first_step3 = (step_dir(run_dir, 3) / "model.safetensors").read_bytes()
 
@@ -350,7 +342,7 @@ def test_stop_key_and_sigterm_exit_cleanly(redis_server: str, tmp_path: Path) ->
     bus.r.delete(bus.k.control_stop)
 
     log = run_dir / "trainer.log"
-    proc = _start(cfg, run_dir, redis_server, log)
+    proc = start_trainer(cfg, run_dir, redis_server, log)
     try:
         deadline = time.monotonic() + 60
         while bus.r.hget(bus.k.trainer_state, "pid") != str(proc.pid):
@@ -388,20 +380,10 @@ def test_two_processes_match_one(redis_server: str, tmp_path: Path, fast: bool) 
         cfg.run.max_steps = 1
         if fast and nproc == 2:
             cfg.trainer.packing, cfg.trainer.logprob_chunk_tokens = True, 5
-        (run_dir / "config.json").write_text(cfg.dump())
         bus = Bus(redis_server, cfg.redis.prefix)
         for g in groups:
             bus.push_group(g)
-        if nproc == 1:
-            assert run_trainer(cfg, run_dir, redis_server) == 0
-        else:
-            log = run_dir / "trainer.log"
-            proc = _start(cfg, run_dir, redis_server, log)
-            try:
-                assert proc.wait(120) == 0, log.read_text()
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
+        run_trainer_steps(cfg, run_dir, redis_server, timeout_s=120)
         assert bus.ledger()["trained"] == {f"same-{i}": 1 for i in range(4)}
         (mt,) = metrics(bus)
         outs.append((mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))))
@@ -416,21 +398,6 @@ def test_two_processes_match_one(redis_server: str, tmp_path: Path, fast: bool) 
     for k in w1:
         assert (w1[k] - w0[k]).abs().max() > 0 or k.endswith("norm.weight"), k
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
-
-
-def _run_steps(cfg: RunConfig, run_dir: Path, url: str) -> None:
-    """Run the trainer on run_dir's config: in this process for nproc 1, else under torchrun."""
-    (run_dir / "config.json").write_text(cfg.dump())
-    if cfg.trainer.nproc == 1:
-        assert run_trainer(cfg, run_dir, url) == 0
-        return
-    log = run_dir / "trainer.log"
-    proc = _start(cfg, run_dir, url, log)
-    try:
-        assert proc.wait(180) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
@@ -456,7 +423,7 @@ def test_checkpoint_resumes_on_other_world_size(redis_server: str, tmp_path: Pat
 
     cfg, ref_dir, ref_bus = prepare("ref")
     cfg.run.max_steps = 2
-    _run_steps(cfg, ref_dir, redis_server)
+    run_trainer_steps(cfg, ref_dir, redis_server, timeout_s=180)
     ref = metrics(ref_bus)
     assert [m["step"] for m in ref] == [1, 2] and ref[1]["masked_ratio_frac"] < 0.05
     ref_w = load_file(str(step_dir(ref_dir, 2) / "model.safetensors"))
@@ -465,7 +432,7 @@ def test_checkpoint_resumes_on_other_world_size(redis_server: str, tmp_path: Pat
         cfg, run_dir, bus = prepare(f"w{first}to{second}")
         cfg.run.max_steps = 1
         cfg.trainer.nproc = first
-        _run_steps(cfg, run_dir, redis_server)
+        run_trainer_steps(cfg, run_dir, redis_server, timeout_s=180)
         ckpt = latest_checkpoint(run_dir)
         assert ckpt is not None and ckpt[0] == 1
         state = torch.load(ckpt[1] / "state.pt", weights_only=True)
@@ -473,7 +440,7 @@ def test_checkpoint_resumes_on_other_world_size(redis_server: str, tmp_path: Pat
 
         cfg.run.max_steps = 2
         cfg.trainer.nproc = second
-        _run_steps(cfg, run_dir, redis_server)
+        run_trainer_steps(cfg, run_dir, redis_server, timeout_s=180)
         ms = metrics(bus)
         assert [m["step"] for m in ms] == [1, 2], (first, second)  # resumed at 1, not from scratch
         assert bus.ledger()["trained"] == {f"rs-{i}": 1 for i in range(8)}

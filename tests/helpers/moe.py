@@ -1,0 +1,216 @@
+"""What the MoE / Router Replay test modules (test_router_replay.py, test_router_replay_deepseek.py,
+test_mismatch.py) share: small random Qwen3-MoE and DeepSeek-V3 configs, random tokens and
+recorded routes, a tap on the MoE routers, samples carrying routed experts, the engine -> trainer
+replay check and one trainer step run in-process or under torchrun. Weight inits stay in their
+modules: each draws its random weights in its own order, which the tests' numbers depend on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from helpers.trainer_process import run_trainer_steps
+from services.common import routing as wire
+from services.common.bus import Bus
+from services.common.config import EngineConfig, ModelConfig, RunConfig
+from services.common.modeldir import step_dir
+from services.common.schemas import (
+    GenerateChoice,
+    GenerateRequest,
+    RolloutGroup,
+    Sample,
+    SamplingParams,
+    TrainerStepMetrics,
+)
+from trainer.batch import micro_batches
+from trainer.loss import token_logprobs
+from trainer.model import moe_layer_ids
+from trainer.replay import RoutingRecord, micro_batch_routes, moe_routers, routing
+
+
+def small_moe(**kw: object) -> ModelConfig:
+    """A random small Qwen3-MoE: a leading dense layer, untied embeddings, 8 experts top-2."""
+    base: dict[str, object] = dict(
+        arch="qwen3_moe",
+        vocab_size=50,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=48,
+        max_seq_len=64,
+        tie_embeddings=False,
+        n_routed_experts=8,
+        n_experts_per_tok=2,
+        moe_hidden_dim=16,
+        first_k_dense=1,
+        norm_topk_prob=True,
+    )
+    return ModelConfig(**(base | kw))
+
+
+def small_ds(**kw: object) -> ModelConfig:
+    """A random small DeepSeek-V3: low-rank q, MLA, one leading dense layer, sigmoid scores with a
+    correction bias, 4 groups of 2 experts (2 kept), top-2, one shared expert, scaling 2.5."""
+    base: dict[str, object] = dict(
+        arch="deepseek_v3",
+        vocab_size=64,  # the char tokenizer (61) padded
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=12,
+        hidden_dim=48,
+        max_seq_len=64,
+        qk_norm=False,
+        tie_embeddings=False,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_experts_per_tok=2,
+        moe_hidden_dim=16,
+        first_k_dense=1,
+        routed_scaling_factor=2.5,
+        router_score="sigmoid",
+        norm_topk_prob=True,
+        n_group=4,
+        topk_group=2,
+        expert_bias=True,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+    )
+    return ModelConfig(**(base | kw))
+
+
+def tokens(m: ModelConfig, *, b: int, t: int, seed: int = 1) -> torch.Tensor:
+    """Seeded random token ids [b, t] in the model's vocabulary. b and t have no defaults: the
+    modules that share this used to have different ones."""
+    return torch.randint(0, m.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def random_routes(m: ModelConfig, b: int, t: int, seed: int = 2) -> torch.Tensor:
+    """Distinct random expert ids per (token, layer): [B, T, layers, k]. They ignore groups and
+    correction biases: replay must not care."""
+    g = torch.Generator().manual_seed(seed)
+    n_layers = len(moe_layer_ids(m))
+    scores = torch.rand(b, t, n_layers, m.n_routed_experts, generator=g)
+    return scores.topk(m.n_experts_per_tok, dim=-1).indices
+
+
+class RouterCall(NamedTuple):
+    """One forward of one MoE router: the router, its input and its (weights, ids, counts)."""
+
+    router: torch.nn.Module
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
+
+
+class RouterTap:
+    """Captures each MoE router's input and output on every forward, in call order (one call per
+    MoE layer per model forward)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls: list[RouterCall] = []
+        self.handles = [r.register_forward_hook(self._hook) for r in moe_routers(model)]
+
+    def _hook(
+        self, mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]
+    ) -> None:
+        self.calls.append(RouterCall(mod, inp[0].detach(), out[0].detach(), out[1].detach(), out[2].detach()))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def routed_sample(rid: str, n: int, m: ModelConfig, rng: np.random.Generator) -> tuple[Sample, np.ndarray]:
+    """A sample of n random tokens (2 prompt, n - 2 trained) with random distinct expert ids per
+    (token, MoE layer) drawn from `rng`, the last token unrecorded as the engine leaves it (it is
+    never forwarded). Returns the sample and its routing array [n, layers, k]."""
+    layers = len(moe_layer_ids(m))
+    dtype = wire.routing_dtype(m.n_routed_experts)
+    ids = np.stack(
+        [rng.permutation(m.n_routed_experts)[: m.n_experts_per_tok] for _ in range(n * layers)]
+    ).reshape(n, layers, -1)
+    arr = ids.astype(dtype)
+    arr[-1] = wire.unrecorded(dtype)
+    s = Sample(
+        rollout_id=rid,
+        tokens=rng.integers(0, m.vocab_size, n).tolist(),
+        loss_mask=[0] * 2 + [1] * (n - 2),
+        logprobs=[0.0] * n,
+        versions=[0] * n,
+        reward=0.0,
+        routed_experts=wire.encode(arr),
+    )
+    return s, arr
+
+
+def choice_sample(
+    rid: str, prompt: list[int], c: GenerateChoice, reward: float = 0.0, advantage: float = 0.0
+) -> Sample:
+    """The sample of one engine choice: the prompt untrained, the output trained with the engine's
+    log-probs, versions and routed experts."""
+    return Sample(
+        rollout_id=rid,
+        tokens=prompt + c.output_ids,
+        loss_mask=[0] * len(prompt) + [1] * len(c.output_ids),
+        logprobs=[0.0] * len(prompt) + c.logprobs,
+        versions=[-1] * len(prompt) + c.versions,
+        reward=reward,
+        advantage=advantage,
+        routed_experts=c.routed_experts,
+    )
+
+
+def replay_engine_samples(
+    model: torch.nn.Module, m: ModelConfig, model_dir: Path, max_seq_len: int
+) -> tuple[RoutingRecord, list[Sample]]:
+    """The CPU engine loads `model_dir` (the weights of `model`) and samples two prompts with
+    routing capture; the trainer's `model` scores the samples in one padded micro-batch replaying
+    the recorded ids and must reproduce the engine's log-probs. Returns the replay's record and
+    the samples, for the caller's checks of the counts."""
+    from services.engine import LLMEngine  # the engine is heavy: only the tests that use it
+
+    eng = LLMEngine(
+        model_dir, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=max_seq_len, block_size=4)
+    )
+    prompts = [[5, 9, 14, 20, 3, 7], [30, 31, 2, 8, 11, 12, 40, 41, 13]]
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=4)
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
+    samples = []
+    for i, (p, resp) in enumerate(zip(prompts, eng.generate(reqs), strict=True)):
+        c = resp.choices[0]
+        assert c.routed_experts is not None and c.routed_experts.shape[0] == len(p) + len(c.output_ids)
+        samples.append(choice_sample(f"s{i}", p, c))
+    (mb,) = micro_batches(samples, 10_000)  # one micro-batch (longest sample first)
+    (routes,) = micro_batch_routes(samples, m, False, 10_000)
+    assert routes is not None
+    with torch.no_grad(), routing(model, routes, replay=True) as rec:
+        logp, _ = token_logprobs(model, mb.tokens)
+    mask = mb.loss_mask > 0
+    torch.testing.assert_close(logp[mask], mb.logp_infer[mask], rtol=0, atol=2e-5)
+    return rec, samples
+
+
+def run_one_step(
+    cfg: RunConfig, run_dir: Path, redis_url: str, groups: list[RolloutGroup], timeout_s: float
+) -> tuple[TrainerStepMetrics, dict[str, torch.Tensor]]:
+    """One trainer step on `groups` for `cfg` (run.max_steps 1, its step_0 weights in run_dir),
+    run by `run_trainer_steps` (under torchrun for nproc > 1, waited for at most timeout_s).
+    Returns the step's metrics and the published step_1 tensors."""
+    bus = Bus(redis_url, cfg.redis.prefix)
+    for g in groups:
+        bus.push_group(g)
+    run_trainer_steps(cfg, run_dir, redis_url, timeout_s)
+    ((_, mt),) = bus.read_metrics()
+    return mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))
