@@ -15,7 +15,13 @@ import torch
 from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.kv_transfer import chain_hashes, export_pages, page_nbytes, reusable_pages
+from services.engine.kv_transfer import (
+    StagingBuffers,
+    chain_hashes,
+    export_pages,
+    page_nbytes,
+    reusable_pages,
+)
 from trainer.model import build_model, save_weights_dir
 
 PROMPT = [(7 * i + 3) % 60 for i in range(41)]  # 41 tokens: 10 full pages of 4 + 1
@@ -36,7 +42,8 @@ def cfg(device: str) -> EngineConfig:
 
 def req() -> GenerateRequest:
     return GenerateRequest(
-        input_ids=PROMPT, sampling=SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=6, ignore_eos=True)
+        input_ids=PROMPT,
+        sampling=SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=6, ignore_eos=True),
     )
 
 
@@ -109,3 +116,22 @@ def test_a_request_staged_with_its_pages_is_admitted_on_them(model_dir: Path) ->
         assert [c.output_ids for c in got.choices] == [c.output_ids for c in want.choices]
         assert b.stats.prefix_cache_hit_tokens == 40
         assert b.stats.computed_tokens_total == 1 + 5 * 2
+
+
+def test_staging_buffers_pick_the_smallest_that_fits_and_reserve_up_front() -> None:
+    """Regression (H200 interference run): with idle buffers of different sizes, take() removed
+    the chosen one with list.remove, which compares tensors elementwise and raised, so every pull
+    after the first failed over to a recompute."""
+    g = StagingBuffers.GRAIN
+    bufs = StagingBuffers(pin=False, keep_bytes=64 * g)
+    bufs.reserve(2, 3 * g)
+    bufs.give(torch.empty(g, dtype=torch.uint8))
+    assert bufs.allocations == 2 and bufs.idle_bytes == 7 * g
+    small = bufs.take(g // 2)
+    assert small.numel() == g  # the smallest that fits, not a reserved one
+    big = bufs.take(2 * g)
+    assert big.numel() == 3 * g and bufs.idle_bytes == 3 * g
+    assert bufs.take(3 * g).numel() == 3 * g and bufs.allocations == 2  # reserved: nothing new
+    bufs.give(small)
+    bufs.give(big)
+    assert bufs.idle_bytes == 4 * g

@@ -24,7 +24,7 @@ case "$WHAT" in
     # tiered / tiered-always keep a 12 GiB pinned near tier in the engine's process (also every page
     # of the run: 4 agents cycle, so a smaller LRU would evict each agent's chain before its next
     # turn); tiered-remote has none (every pull crosses the gateway's TCP data plane).
-    python3 -m bench.kv.multiturn "${COMMON[@]}" --turns 40 --obs-tokens 500 --agents 4 \
+    python3 -m bench.kv.multiturn "${COMMON[@]}" --turns 50 --obs-tokens 500 --agents 4 \
       --modes nocache,local,tiered,tiered-always,tiered-remote --mode-budget-s 30 \
       --ram-bytes $((24 << 30)) --disk-bytes 0 --near-bytes $((12 << 30)) \
       --out "$OUT/multiturn_h200.json" 2>&1 | tee "$OUT/multiturn.log" | tail -n 40

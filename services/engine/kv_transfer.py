@@ -296,11 +296,10 @@ class StagingBuffers:
     def take(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 host tensor of at least nbytes (its first nbytes are the caller's)."""
         with self._lock:
-            fits = [t for t in self._idle if t.numel() >= nbytes]
+            fits = [i for i, t in enumerate(self._idle) if t.numel() >= nbytes]
             if fits:
-                best = min(fits, key=lambda t: t.numel())
-                self._idle.remove(best)
-                return best
+                # By position: list.remove would compare tensors with ==, elementwise.
+                return self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
             # Multi-turn contexts grow every turn: grow buffers by half again, so a growing pull
             # allocates (and pins) a logarithmic number of times, not once a turn.
             want = max(nbytes, 1)
@@ -310,6 +309,20 @@ class StagingBuffers:
             self._largest = max(self._largest, size)
             self.allocations += 1
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def reserve(self, count: int, nbytes: int) -> None:
+        """Allocate (pin) `count` idle buffers of `nbytes` now. Pinning takes the driver's lock for
+        about a second per couple of GB, during which the engine's loop cannot launch a step (a
+        1 s stall of every stream, measured on an H200): a service reserves at start, not on its
+        first long pull."""
+        size = -(-max(nbytes, 1) // self.GRAIN) * self.GRAIN
+        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for _ in range(count)]
+        with self._lock:
+            self.keep_bytes = max(self.keep_bytes, count * size + sum(t.numel() for t in self._idle))
+            self._largest = max(self._largest, size)
+            self.allocations += count
+        for b in bufs:
+            self.give(b)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:

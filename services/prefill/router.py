@@ -281,6 +281,13 @@ class KVRouter:
         self.engine = engine
         self.policy = engine_policy(engine, self.cfg.kvstore.pull)
         attach_near(engine, self.store, self.cfg)
+        if engine.kv.k.device.type == "cuda":
+            # Pin the host memory pulls land in now: pinning later, on a long prompt's first
+            # pull, holds the driver lock for ~1 s and stalls every decoding stream (measured).
+            if self.store.near is not None:
+                self.store.near.reserve()
+            seq_bytes = engine.kv.blocks_for(engine.cfg.max_seq_len) * page_nbytes(engine.kv)
+            engine.pages.buffers.reserve(2, min(seq_bytes, 4 << 30))
         self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
         engine.pages.sink = self.publisher
 
