@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 from torchtitan.models.attention import FlexAttentionWrapper, VarlenAttentionWrapper, create_attention_mask
 
@@ -36,17 +37,58 @@ from trainer.loss import micro_batch_logprobs, sequence_logprobs
 from trainer.packing import DocumentSDPA, PackedMicroBatch, block_causal_mask
 
 AttentionKind = Literal["sdpa", "flex", "varlen"]
+SdpaBackend = Literal["auto", "cudnn", "flash", "efficient"]
+
+# The SDPA kernel priority per trainer.sdpa_backend. "auto" is torchtitan's own list (what the
+# trainer always ran). A forced backend still has the others behind it: a shape or dtype it does
+# not support (or the CPU) falls through instead of failing the step.
+SDPA_PRIORITY: dict[str, list[SDPBackend]] = {
+    "auto": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+    "cudnn": [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ],
+    "flash": [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ],
+    "efficient": [
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ],
+}
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, KV, T, D] -> [B, H, T, D]: each kv head repeated for its group of q heads (SDPA's
+    enable_gqa grouping: q head i reads kv head i // (H / KV))."""
+    rep = n_heads // k.shape[-3]
+    return k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
 
 
 class DocumentAttention(DocumentSDPA):
     """The inner attention of one block: causal SDPA, SDPA with a dense mask (DocumentSDPA's
-    `mask`), or the flex/varlen kernel with the state micro_batch_attention sets."""
+    `mask`), or the flex/varlen kernel with the state micro_batch_attention sets.
 
-    def __init__(self, kind: AttentionKind = "sdpa") -> None:
+    SDPA runs with `sdpa_backend`'s kernel priority; `expand_kv` repeats GQA's kv heads first
+    (for a backend that would otherwise refuse enable_gqa; flex/varlen take GQA natively)."""
+
+    def __init__(
+        self, kind: AttentionKind = "sdpa", sdpa_backend: SdpaBackend = "auto", expand_kv: bool = False
+    ) -> None:
         super().__init__()
         self.kind: AttentionKind = kind
         self.block_mask: object | None = None  # flex BlockMask
         self.varlen: tuple[torch.Tensor, int] | None = None  # (cu_seqlens int32, max_len)
+        self.sdpa_backend: SdpaBackend = sdpa_backend
+        self.sdpa_backends = list(SDPA_PRIORITY[sdpa_backend])  # read by the SDPA wrapper
+        self.expand_kv = expand_kv
 
     def forward(  # type: ignore[override]
         self,
@@ -78,6 +120,14 @@ class DocumentAttention(DocumentSDPA):
             )
             # [T, H, D] -> the [B, H, T, D] layout the calling Attention module expects.
             return out.view(b, t, h, d).transpose(1, 2)  # type: ignore[no-any-return]
+        if self.expand_kv and enable_gqa and k.shape[-3] != q.shape[-3]:
+            k, v = expand_kv(k, v, q.shape[-3])
+            enable_gqa = False
+        if self.mask is not None and self.sdpa_backend != "auto":
+            # A forced backend orders the dense-mask call too ("auto" keeps torch's default
+            # order there, which unlike torchtitan's causal list includes the efficient kernel).
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                return super().forward(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal)
         return super().forward(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal)
 
 
@@ -99,12 +149,17 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
     return [layer.attention for layer in model.layers.values()]  # type: ignore[union-attr]
 
 
-def enable_document_attention(model: nn.Module, kind: AttentionKind = "sdpa") -> nn.Module:
+def enable_document_attention(
+    model: nn.Module,
+    kind: AttentionKind = "sdpa",
+    sdpa_backend: SdpaBackend = "auto",
+    expand_kv: bool = False,
+) -> nn.Module:
     """Give every block a DocumentAttention of `kind` (call before AC/compile/sharding)."""
     for attn in _attentions(model):
         if attn.attn_type != "sdpa":
             raise ValueError(f"document attention wraps attn_type 'sdpa', not {attn.attn_type!r}")
-        attn.inner_attention = DocumentAttention(kind)
+        attn.inner_attention = DocumentAttention(kind, sdpa_backend, expand_kv)
     return model
 
 

@@ -10,11 +10,16 @@ log-softmax, its gradient). Values equal `logprobs_from_logits(h @ weight.T, tar
 that returns logits as usual, or, inside `logprob_targets(model, targets, chunk)`, the pair
 (logp, entropy) computed as above. The head runs inside the model's forward, so under FSDP2 the
 root's parameters are gathered exactly as for the plain output layer.
+
+Speed (issue 9, bench/trainer/profile.py): the weight gradient is a tensor-core GEMM with a
+float32 output (`_mm_float32`), not a float32 GEMM over float32 copies; with `fused` (CUDA +
+trainer.compile) each chunk's softmax math is one compiled kernel or two over the model-dtype
+logits instead of ~10 eager passes over float32 [chunk x vocab] tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,79 +30,169 @@ from torch import nn
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+        ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, fused: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = h.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=h.device)
         ent = torch.empty(n, dtype=torch.float32, device=h.device)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            logits = (h[s:e] @ weight.t()).float()  # model dtype matmul, then float32 (as the full path)
-            z = torch.logsumexp(logits, dim=-1)
-            lse[s:e] = z
-            logp[s:e] = logits.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - z
-            # H = lse - sum p * logits  (= -sum p log p)
-            p = torch.exp(logits - z.unsqueeze(-1))
-            ent[s:e] = z - (p * logits).sum(-1)
-            del logits, p
+        stats = _compiled("stats") if fused else chunk_stats
+        with torch.profiler.record_function("relay::logprob_head_fwd"):
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                # Model-dtype matmul; the float32 math on its (rounded) logits is in chunk_stats.
+                lse[s:e], logp[s:e], ent[s:e] = stats(h[s:e] @ weight.t(), targets[s:e])
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk = chunk
+        # The GEMM dtype the forward ran in (bf16 under autocast even for float32 weights): the
+        # backward may run outside autocast and must recompute the same logits.
+        ctx.mm_dtype = torch.promote_types(h.dtype, weight.dtype)
+        if torch.is_autocast_enabled(h.device.type):
+            ctx.mm_dtype = torch.get_autocast_dtype(h.device.type)
+        ctx.chunk, ctx.fused = chunk, fused
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_logp: torch.Tensor, _grad_ent: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         h, weight, targets, lse = ctx.saved_tensors
         chunk: int = ctx.chunk
+        dlogits_of = _compiled("dlogits") if ctx.fused else chunk_dlogits
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         n = h.shape[0]
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
-            g = grad_logp[s:e].float()
-            logits = (h[s:e] @ weight.t()).float()
-            # d logp_t / d logits = onehot(target) - softmax(logits)
-            dlogits = torch.exp(logits - lse[s:e].unsqueeze(-1)).mul_(-g.unsqueeze(-1))
-            del logits
-            dlogits.scatter_add_(-1, targets[s:e].unsqueeze(-1), g.unsqueeze(-1))
-            d = dlogits.to(h.dtype)
-            if grad_h is not None:
-                grad_h[s:e] = d @ weight
-            if grad_w is not None:
-                grad_w.add_(d.t().float() @ h[s:e].float())
-            del dlogits, d
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None
+        # One cast (autocast only; under FSDP mixed precision both are already the GEMM dtype).
+        hm, wm = h.to(ctx.mm_dtype), weight.to(ctx.mm_dtype)
+        with torch.profiler.record_function("relay::logprob_head_bwd"):
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                d = dlogits_of(hm[s:e] @ wm.t(), lse[s:e], grad_logp[s:e].float(), targets[s:e])
+                if grad_h is not None:
+                    grad_h[s:e] = d @ wm
+                if grad_w is not None:
+                    grad_w.add_(_mm_float32(d.t(), hm[s:e]))
+                del d
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
+
+
+def chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's (log-sum-exp, log-prob of the target, entropy) from its logits [c, V] in the
+    model dtype, all in float32 (as the full path: logits rounded to the model dtype, then float32).
+    Entropy H = lse - sum p * logits (= -sum p log p). In-place ops where a temporary is fresh,
+    so eager runs ~4 [c x V] float32 passes fewer allocations."""
+    x = logits.float()
+    z = torch.logsumexp(x, dim=-1)
+    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - z
+    p = (x - z.unsqueeze(-1)).exp_()
+    ent = z - p.mul_(x).sum(-1)
+    return z, logp, ent
+
+
+def chunk_dlogits(
+    logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """d(sum g * logp) / d logits = g * (onehot(target) - softmax(logits)), in the logits' dtype.
+    `logits` is a fresh matmul output, clobbered in place (no float32 copy when it is float32)."""
+    x = logits.float()
+    d = x.sub_(lse.unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+    d.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
+    return d.to(logits.dtype)
+
+
+def chunk_dlogits_pointwise(
+    logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """chunk_dlogits as one pointwise expression (the scatter becomes a where on the target
+    column), which torch.compile fuses into a single pass reading the low-precision logits and
+    writing the low-precision gradient: no [c x V] float32 tensor at all. Same values: at the
+    target column -g * p + g, elsewhere -g * p."""
+    x = logits.float()
+    dl = torch.exp(x - lse.unsqueeze(-1)) * (-g.unsqueeze(-1))
+    col = torch.arange(x.shape[-1], device=x.device)
+    d = torch.where(col == targets.unsqueeze(-1), dl + g.unsqueeze(-1), dl)
+    return d.to(logits.dtype)
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled(which: str) -> Callable[..., Any]:
+    """torch.compile'd chunk math (built on first use, shared by every model of the process).
+    dynamic=True: the last chunk of every micro-batch has its own row count, and a static compile
+    would recompile per distinct size until dynamo's cache limit, then silently run eager."""
+    fn = _COMPILED.get(which)
+    if fn is None:
+        fn = torch.compile(chunk_stats if which == "stats" else chunk_dlogits_pointwise, dynamic=True)
+        _COMPILED[which] = fn
+    return fn
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _mm_out_dtype_works(device: torch.device) -> bool:
+    """Whether this torch's mm takes out_dtype=float32 for bf16/fp16 inputs on `device` (CUDA
+    has it since torch 2.8; CPU builds lack the kernel). Probed once per device type."""
+    key = device.type
+    if key not in _MM_OUT_DTYPE:
+        try:
+            a = torch.ones(16, 8, dtype=torch.bfloat16, device=device)
+            out = torch.mm(a.t(), a, out_dtype=torch.float32)
+            _MM_OUT_DTYPE[key] = out.dtype == torch.float32 and float(out[0, 0]) == 16.0
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as float32 for the weight gradient. Low-precision inputs used to be copied to
+    float32 first (a [V x chunk] copy and a float32 GEMM without tensor cores: on the H200 at 16k
+    tokens and vocab 152k, ~5 TFLOP run at fp32 SIMT speed). The tensor-core GEMM with float32
+    output computes the same products (bf16 values are exact in float32) with float32 accumulation."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if _mm_out_dtype_works(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.is_cuda:
+        # Older torch: the low-precision GEMM (float32 accumulation inside), rounded once per
+        # chunk; the gradient returned for a bf16 weight is rounded to bf16 anyway.
+        return (a @ b).float()
+    return a.float() @ b.float()
 
 
 def chunked_logprobs(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [..., D], weight [V, D], targets [...] -> (logp [...], entropy [...]), float32.
 
-    logp carries the gradient (to h and weight); entropy is detached (logged only)."""
+    logp carries the gradient (to h and weight); entropy is detached (logged only).
+    fused: run each chunk's softmax math torch.compile'd (one or two passes over the
+    low-precision logits instead of ~10 over float32 copies; the same values to rounding)."""
     if chunk <= 0:
         raise ValueError("chunk must be positive")
     lead = targets.shape
     logp, ent = _ChunkedLogProbs.apply(
-        h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1).long(), int(chunk)
+        h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1).long(), int(chunk), bool(fused)
     )
     return logp.view(lead), ent.view(lead)
 
 
 class ChunkedOutput(nn.Linear):
-    """The output layer; with `targets` set it returns (logp, entropy) instead of logits."""
+    """The output layer; with `targets` set it returns (logp, entropy) instead of logits.
+    `fused` (set by trainer.parallel when trainer.compile is on, CUDA only): compiled chunk math."""
 
     targets: torch.Tensor | None = None
     chunk: int = 0
+    fused: bool = False
 
     def forward(self, h: torch.Tensor) -> Any:  # type: ignore[override]
         if self.targets is None:
             return super().forward(h)
-        return chunked_logprobs(h, self.weight, self.targets, self.chunk)
+        return chunked_logprobs(h, self.weight, self.targets, self.chunk, self.fused)
 
 
 def enable_chunked_output(model: nn.Module) -> nn.Module:

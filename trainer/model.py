@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.moe.moe import TokenReorderer
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.model import FeedForward, Qwen3Model
+from torchtitan.models.qwen3.model.model import (
+    Attention,
+    FeedForward,
+    Qwen3Model,
+    reshape_for_broadcast,
+    rotate_half,
+)
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from services.common.config import ModelConfig, RopeScaling
@@ -22,7 +29,9 @@ from trainer.moe_routing import (
     RelayDeepSeekV3Model,
     add_expert_bias,
     build_deepseek_v3,
+    count_per_expert,
     deepseek_moe_args,
+    routed_experts_like,
 )
 
 
@@ -53,8 +62,8 @@ def moe_args(m: ModelConfig) -> MoEArgs:
         top_k=m.n_experts_per_tok,
         num_expert_groups=None,
         num_limited_groups=None,
-        # The for-loop path computes in the parameters' dtype on any device; torchtitan's grouped
-        # GEMM casts to bf16, which would add a trainer/inference mismatch of its own.
+        # Built as the for-loop path (the parameters' dtype on any device); trainer.moe_grouped_mm
+        # switches to grouped GEMMs at parallelize (trainer/moe_routing.py RoutedExperts).
         use_grouped_mm=False,
         # No auxiliary-loss-free balancing bias: it is not part of Qwen3-MoE and, being a
         # persistent buffer, would change the routing the published weights describe.
@@ -153,6 +162,13 @@ def build_model(
         # deepseek_v3: torchtitan's DeepSeek-V3 (MLA + DeepSeek MoE), trainer/moe_routing.py.
         model = build_deepseek_v3(m) if m.arch == "deepseek_v3" else RelayQwen3Model(model_args(m))
         _moe_blocks(model, m)
+    if m.arch != "deepseek_v3":
+        bf16_residual_under_autocast(model)
+        for block in model.layers.values():
+            block.attention.__class__ = RelayAttention  # same parameters and names: see its docstring
+            block.attention_norm.__class__ = RelayRMSNorm
+            block.ffn_norm.__class__ = RelayRMSNorm
+        model.norm.__class__ = RelayRMSNorm
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
@@ -166,15 +182,107 @@ def build_model(
     return model
 
 
+class RelayAttention(Attention):
+    """torchtitan's Qwen3 attention with the per-head q/k RMSNorm and RoPE computed in float32 and
+    rounded once to the compute dtype, as the engine's fused GPU kernel (and its CPU path,
+    services/engine/model.py norm_rope) computes them; cos/sin hold compute-dtype values, as in HF
+    and the engine. torchtitan rounds to bf16 after the norm and after each RoPE op (with FSDP's
+    bf16 parameters; CUDA autocast instead runs rms_norm and RoPE in float32 with float32 cos/sin):
+    on bench/r3/numerics.py that one difference alone puts the engine and the FSDP trainer as far
+    apart as all the others together. Installed by build_model on every Qwen3 / Llama block
+    (`__class__` swap: same parameters, names and inner_attention, which trainer/attention.py
+    replaces); attention types other than sdpa (the trainer's) run torchtitan's forward."""
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        attention_masks: Any,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.attn_type != "sdpa" or isinstance(self.wq.weight, DTensor):
+            # (tensor parallelism: q_norm/k_norm are DTensor modules whose hooks convert their
+            # inputs; FSDP2's unsharded parameters are plain tensors and take the path below)
+            return super().forward(x, rope_cache, attention_masks, positions)
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        dt = xq.dtype  # the linears' output: bf16 under autocast or FSDP, else float32
+        qf, kf = xq.float(), xk.float()
+        if self.q_norm is not None and self.k_norm is not None:
+            # The norm weights in the compute dtype's values, as the engine holds them.
+            qw, kw = self.q_norm.weight.to(dt).float(), self.k_norm.weight.to(dt).float()
+            qf = torch.nn.functional.rms_norm(qf, (self.head_dim,), qw, self.q_norm.eps)
+            kf = torch.nn.functional.rms_norm(kf, (self.head_dim,), kw, self.k_norm.eps)
+        # cos/sin in the compute dtype's values (HF's cos.to(x.dtype); the engine's rope tables are
+        # cast with the model), the rotation in float32.
+        rc = reshape_for_broadcast(rope_cache, xq, positions).to(dt).float()
+        cos, sin = rc[..., : self.head_dim], rc[..., self.head_dim :]
+        qf, kf = qf * cos + rotate_half(qf) * sin, kf * cos + rotate_half(kf) * sin
+        out = self.inner_attention(
+            qf.to(dt).transpose(1, 2),
+            kf.to(dt).transpose(1, 2),
+            xv.transpose(1, 2),
+            scale=self.scaling,
+            enable_gqa=self.enable_gqa,
+        )
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class RelayRMSNorm(torch.nn.RMSNorm):
+    """nn.RMSNorm that, under autocast, multiplies by its weight's autocast-dtype values: what the
+    engine (bf16 weights) and the FSDP trainer (bf16 parameters) multiply by. Autocast runs
+    rms_norm in float32 with the float32 master weight, and every other weight reaches its op
+    cast to bf16 (the same rounding as the engine's), so after training (weights no longer bf16
+    values) the norms were the one place the autocast trainer differed: 1.9e-3 mean |dlogp| on
+    bench/r3/numerics.py --perturb-norms. Output float32, rounded by the next op as before.
+    Installed by build_model on Qwen3 / Llama blocks and the final norm (`__class__` swap)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        w = self.weight
+        if w is None or not torch.is_autocast_enabled(dev) or isinstance(w, DTensor):
+            return super().forward(x)
+        wv = w.to(torch.get_autocast_dtype(dev)).float()
+        with torch.autocast(dev, enabled=False):
+            return torch.nn.functional.rms_norm(x.float(), self.normalized_shape, wv, self.eps)
+
+
+def _round_to_autocast_dtype(_mod: torch.nn.Module, _inp: Any, out: torch.Tensor) -> torch.Tensor | None:
+    dev = out.device.type
+    if out.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return out.to(torch.get_autocast_dtype(dev))
+    return None  # float32 training, or FSDP's bf16 compute: unchanged
+
+
+def bf16_residual_under_autocast(model: torch.nn.Module) -> None:
+    """Under autocast (the single-process bf16 trainer: float32 weights), keep the residual stream
+    in the autocast dtype, as the engine, HF's bf16 model and the FSDP2 bf16 trainer keep it: the
+    embedding output, every MoE output (float32 under autocast: torchtitan sums the experts in
+    float32 and casts to its float32 input's dtype) and every block's output are rounded to bf16,
+    so each residual add rounds where the engine's does. Without this autocast carries
+    a float32 residual stream (float32 embedding + bf16 layer outputs) and the engine a bf16 one,
+    a rounding difference in every layer that Router Replay cannot remove (bench/r3/numerics.py:
+    most of the autocast trainer's bf16 distance from the engine). Forward hooks, so torchtitan's
+    blocks, activation checkpointing and compile are untouched; a no-op outside autocast."""
+    model.tok_embeddings.register_forward_hook(_round_to_autocast_dtype)  # type: ignore[union-attr]
+    for block in model.layers.values():  # type: ignore[union-attr]
+        if getattr(block, "moe_enabled", False):
+            block.moe.register_forward_hook(_round_to_autocast_dtype)
+        block.register_forward_hook(_round_to_autocast_dtype)
+
+
 class CountingReorderer(TokenReorderer):
-    """torchtitan's TokenReorderer with the per-expert token count from bincount: its histc has no
-    CPU kernel for integer expert ids (the same counts, as int64, on any device)."""
+    """torchtitan's TokenReorderer with the per-expert token count from count_per_expert: its histc
+    has no CPU kernel for integer expert ids, and bincount syncs with the host on CUDA (the same
+    counts, as int64, on any device)."""
 
     def forward(  # type: ignore[override]
         self, top_scores: torch.Tensor, selected_experts_indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = selected_experts_indices.reshape(-1)
-        num_tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
+        num_tokens_per_expert = count_per_expert(flat, self.num_experts)
         order = torch.argsort(flat, stable=True)
         return top_scores.reshape(-1)[order], order, num_tokens_per_expert
 
@@ -192,7 +300,9 @@ def _moe_blocks(model: Qwen3Model, m: ModelConfig) -> None:
     for block in model.layers.values():
         if block.moe_enabled:
             block.moe.reorderer = CountingReorderer(m.n_routed_experts, m.n_experts_per_tok)
-    # The router too counts with bincount; outside trainer.replay.routing(...) it is exactly
+            # Loop or grouped GEMMs, chosen by trainer.moe_grouped_mm at parallelize.
+            block.moe.experts = routed_experts_like(block.moe.experts)
+    # The router too counts with count_per_expert; outside trainer.replay.routing(...) it is exactly
     # torchtitan's token-choice top-k router.
     enable_router_replay(model)
 

@@ -17,6 +17,10 @@ names through torchtitan's DeepSeekV3StateDictAdapter (`DeepSeekV3Adapter` adds 
 
 Not covered: glm_moe_dsa (its DSA indexer is not in the trainer), YaRN RoPE (refused, as the engine
 refuses it), deepseek_v3 without MLA (no HF model has that layout).
+
+The routed experts of every trainer MoE (qwen3_moe and deepseek_v3) are `RoutedExperts` (below):
+torchtitan's per-expert loop, or torch._grouped_mm GEMMs per `trainer.moe_grouped_mm`, and token
+counts per expert without a host sync (`count_per_expert`).
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model.model import DeepSeekV3Model
 from torchtitan.models.deepseek_v3.model.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.moe import MoEArgs
+from torchtitan.models.moe import moe as tt_moe
+from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.utils import indices_padding_wrapper
 
 from services.common.config import ModelConfig
 
@@ -50,7 +59,7 @@ def deepseek_moe_args(m: ModelConfig) -> MoEArgs:
         top_k=m.n_experts_per_tok,
         num_expert_groups=m.n_group if m.n_group > 1 else None,
         num_limited_groups=m.topk_group if m.n_group > 1 else None,
-        # For-loop experts: in the parameters' dtype on any device (grouped GEMM casts to bf16).
+        # Built as the per-expert loop; trainer.moe_grouped_mm switches it (RoutedExperts, below).
         use_grouped_mm=False,
         # None: torchtitan would otherwise own (and update) expert_bias; add_expert_bias registers
         # the checkpoint's e_score_correction_bias instead, which nothing updates.
@@ -136,3 +145,102 @@ class DeepSeekV3Adapter(DeepSeekV3StateDictAdapter):
         if self.tied:
             state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
         return super().to_hf(state_dict)
+
+
+# ------------------------------------------------------------------ routed experts (both archs)
+
+
+def count_per_expert(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert, int64 [n_experts], for expert ids of any shape (int64).
+
+    Not torch.bincount: on CUDA it reads the ids' min and max back to the host to size its output,
+    a device sync in every MoE layer's router and reorderer, forward and SAC recompute alike (the
+    host then waits instead of queueing the next kernels). Not torchtitan's histc: no CPU kernel
+    for integer ids. A scatter-add of ones into a fixed-size vector has neither problem, is exact
+    in int64 and traces under torch.compile(fullgraph=True) (static output shape)."""
+    flat = ids.reshape(-1)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def grouped_mm_enabled(setting: str, device: torch.device, dtype: str) -> bool:
+    """trainer.moe_grouped_mm -> whether the routed experts run torch._grouped_mm.
+
+    "auto": on for bf16 on CUDA (the fast path: one GEMM per projection for all local experts, no
+    per-layer host sync for the loop's split sizes); off otherwise, where the float32 loop is the
+    reference (torch._grouped_mm also runs on CPU, in float32 and bf16, through torch's fallback:
+    "on" uses it there, which is how the tests compare the two paths)."""
+    if setting == "auto":
+        return device.type == "cuda" and dtype == "bfloat16"
+    return setting == "on"
+
+
+def set_grouped_mm(model: nn.Module, on: bool) -> int:
+    """Switch every MoE block's routed experts to the grouped GEMMs (or back to the loop). Returns
+    the number of MoE blocks switched (0 for a dense model)."""
+    n = 0
+    for block in model.layers.values():  # type: ignore[union-attr]
+        if getattr(block, "moe_enabled", False):
+            block.moe.experts.use_grouped_mm = on
+            n += 1
+    return n
+
+
+def _grouped_mm_native(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's _run_experts_grouped_mm in the inputs' own dtype (torchtitan's always casts to
+    bf16): the loop's math, one grouped GEMM per projection. Rows past the last group are left as
+    the GEMM leaves them (torchtitan's padding paths drop them)."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+
+class RoutedExperts(GroupedExperts):
+    """torchtitan's GroupedExperts (same parameters w1/w2/w3 [experts, ...], same names) whose grouped
+    path keeps float32 in float32.
+
+    - loop (`use_grouped_mm = False`): torchtitan's per-expert loop, in the parameters' dtype; one
+      host sync per call (its split sizes are a Python list).
+    - grouped, bf16 (FSDP2 bf16 params, or autocast): torchtitan's `_run_experts_grouped_mm`, looked
+      up at call time so that trainer.compile's compiled version (torchtitan's apply_compile
+      replaces the module function) is the one that runs.
+    - grouped, float32: the same GEMMs in float32 (torch._grouped_mm's fallback on CPU), so the two
+      paths can be compared to float32 rounding.
+
+    Token order and counts come from the reorderer (and, with EP, from torchtitan's dispatch), which
+    are fed by the router's ids: with Router Replay the recorded ids drive these GEMMs exactly as
+    they drive the loop. Without EP on CUDA, torchtitan pads every expert's rows to its grouped-GEMM
+    alignment first (its indices_padding_wrapper); with EP its dispatch already did; on CPU the
+    fallback needs no alignment."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if not self.use_grouped_mm:
+            return super().forward(x, num_tokens_per_expert)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        mesh_dims = self.w1.device_mesh.mesh_dim_names if isinstance(self.w1, DTensor) else None
+        ep = "ep" in (mesh_dims or ())
+        dev, out_dtype = x.device.type, x.dtype
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w1.dtype
+        if dtype == torch.bfloat16:
+            fn = tt_moe._run_experts_grouped_mm
+        else:
+            fn = _grouped_mm_native
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        if not ep and dev == "cuda":
+            fn = indices_padding_wrapper(fn)
+        return fn(w1, w2, w3, x, num_tokens_per_expert).to(out_dtype)
+
+
+def routed_experts_like(old: GroupedExperts) -> RoutedExperts:
+    """A RoutedExperts holding `old`'s parameters (same tensors, so same names and values)."""
+    w1 = old.w1
+    with torch.device("meta"):  # its own placeholders are replaced at once: allocate nothing
+        new = RoutedExperts(
+            dim=w1.shape[2], hidden_dim=w1.shape[1], num_experts=old.num_experts, use_grouped_mm=False
+        )
+    new.w1, new.w2, new.w3 = old.w1, old.w2, old.w3
+    new.use_grouped_mm = old.use_grouped_mm
+    return new

@@ -119,24 +119,48 @@ def _sac_ignores_profiler_ranges() -> None:
             SAC_IGNORED_OPS.add(getattr(packet, overload))
 
 
+# MoE models' SAC keeps these too (on top of torchtitan's Qwen3 list). all_to_all_single: as
+# torchtitan's own MoE models (llama4, deepseek_v3) do, so the recompute inside backward does not
+# run the EP token dispatch/combine (and their split-count exchange) a second time. _grouped_mm:
+# the expert GEMMs are most of an MoE layer's FLOPs; keeping their outputs (~3 x [tokens * top_k,
+# moe_hidden or dim] per layer) skips recomputing them. A module-level set so the benchmark can
+# compare without it (bench/trainer/step.py).
+MOE_SAC_SAVE_OPS: set[Any] = {
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.aten._grouped_mm.default,
+}
+
+
+def sac_save_list(model: nn.Module) -> set[Any]:
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+
+    return set(_op_sac_save_list) | (MOE_SAC_SAVE_OPS if _moe_blocks(model) else set())
+
+
 def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> None:
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac
-    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
     if mode == "selective":
         _sac_ignores_profiler_ranges()
     cfg = ActivationCheckpoint(mode=mode, selective_ac_option="op")
-    apply_ac(model, cfg, model_compile_enabled=compiled, op_sac_save_list=_op_sac_save_list)
+    apply_ac(model, cfg, model_compile_enabled=compiled, op_sac_save_list=sac_save_list(model))
 
 
-def apply_compile(model: nn.Module, ep: bool) -> None:
+def apply_compile(model: nn.Module, ep: bool, backend: str = "inductor") -> None:
     """torchtitan's per-block torch.compile (identical blocks: one compile serves all); MoE
-    blocks get their submodules compiled around the experts (data-dependent token counts)."""
+    blocks get their submodules compiled around the experts (data-dependent token counts).
+    `backend`: tests trace with "aot_eager" (dynamo + autograd, no inductor C++ build)."""
     from torchtitan.config.job_config import Compile
     from torchtitan.models.llama4.infra.parallelize import apply_compile as tt_apply_compile
 
-    tt_apply_compile(model, Compile(enable=True, components=["model"]), ep)
+    tt_apply_compile(model, Compile(enable=True, components=["model"], backend=backend), ep)
+    # MoE routers stay eager: a ReplayRouter takes per-call recorded ids and counts its agreement
+    # with a host-side check (not traceable with fullgraph=True), and trainer.replay.routing finds
+    # the routers by type. It is a [tokens, dim] x [dim, experts] GEMM plus a top-k: little to fuse.
+    for block in _moe_blocks(model):
+        router = block.moe.router
+        block.moe.router = getattr(router, "_orig_mod", router)
 
 
 def _moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -211,7 +235,11 @@ def parallelize(
     deg = degrees(tc, world)
     if tc.attention != "sdpa" and device.type != "cuda":
         raise ValueError(f"trainer.attention {tc.attention!r} needs CUDA, the trainer runs on {device}")
-    enable_document_attention(model, tc.attention)
+    enable_document_attention(model, tc.attention, tc.sdpa_backend, tc.sdpa_expand_kv)
+    if _moe_blocks(model):  # routed experts: per-expert loop or grouped GEMMs (trainer/moe_routing.py)
+        from trainer.moe_routing import grouped_mm_enabled, set_grouped_mm
+
+        set_grouped_mm(model, grouped_mm_enabled(tc.moe_grouped_mm, device, tc.dtype))
     meshes: dict[str, Any] = build_meshes(deg, device) if distributed else {}
     if deg.ep > 1:
         if not _moe_blocks(model):
@@ -233,6 +261,9 @@ def parallelize(
         apply_activation_checkpoint(model, tc.activation_checkpoint, tc.compile)
     if tc.compile:
         apply_compile(model, deg.ep > 1)
+        head = getattr(model, "output", None)
+        if device.type == "cuda" and hasattr(head, "fused"):
+            head.fused = True  # the chunked log-prob head's softmax math compiled too (chunked.py)
     if distributed:
         apply_fsdp(model, meshes["fsdp"], DTYPES[tc.dtype], meshes.get("efsdp"))
     return model, deg, meshes

@@ -30,21 +30,31 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
 from services.common import routing as wire
 from services.common.config import ModelConfig
 from services.common.schemas import Sample
 from trainer.batch import plan_micro_batches
+from trainer.moe_routing import count_per_expert
 from trainer.packing import plan_packs
 
 UNRECORDED = -1  # in the trainer's int64 routing tensors
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the model computes in: autocast's, else the activations' (FSDP's bf16 or float32)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 class ReplayRouter(TokenChoiceTopKRouter):
     """torchtitan's token-choice top-k router that can follow recorded expert ids.
 
-    Outside `routing(...)` it computes exactly what TokenChoiceTopKRouter computes."""
+    Outside `routing(...)` it computes what TokenChoiceTopKRouter computes: exactly in float32;
+    in bf16 with float32 router logits and bf16-valued routing weights, as the engine computes
+    them (gate_logits, forward; bench/r3/numerics.py)."""
 
     replay_ids: torch.Tensor | None = None  # [N, top_k] int64, UNRECORDED rows = own top-k
     replay: bool = False
@@ -56,7 +66,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         if self._debug_force_load_balance:
             raise ValueError("ReplayRouter does not support _debug_force_load_balance")
         # float32 scores, as TokenChoiceTopKRouter (softmax/sigmoid in low precision drifts).
-        logits = self.gate(x).to(torch.float32)
+        logits = self.gate_logits(x)
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else F.softmax(logits, dim=1)
         choice = scores if expert_bias is None else scores + expert_bias
         if self.num_expert_groups is not None:
@@ -85,9 +95,30 @@ class ReplayRouter(TokenChoiceTopKRouter):
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.route_scale
-        # bincount, not torchtitan's histc: histc has no CPU kernel for integer ids.
-        num_tokens_per_expert = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        dt = _compute_dtype(x)
+        if dt != torch.float32:
+            # The weights in the compute dtype's values, as HF (router_top_value.to(logits dtype))
+            # and the engine (ExpertWeights.combine) weight the experts: the float32 (FSDP) and the
+            # autocast (bf16 bmm) trainers then compute the same exact products, summed in float32.
+            top_scores = top_scores.to(dt).float()
+        # Not torchtitan's histc (no CPU kernel for integer ids) nor bincount (a host sync on CUDA).
+        num_tokens_per_expert = count_per_expert(ids, self.num_experts)
         return top_scores, ids, num_tokens_per_expert
+
+    def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 router logits of the compute dtype's input and weight, as the engine computes
+        them (services/engine/moe.py Router: float32 GEMM of the bf16 activations and the gate's
+        bf16 values). torchtitan's bf16 gate GEMM rounds the logits to bf16 (~4e-3 at |logit|
+        ~1), moving the routing weights of the replayed experts by ~1e-4 against the engine's: a
+        bf16 bias Router Replay cannot remove (bench/r3/numerics.py). Both operands hold bf16
+        values, so a TF32 GEMM would be exact too. float32 training: the gate as it was."""
+        dt = _compute_dtype(x)
+        w, b = self.gate.weight, self.gate.bias
+        if dt == torch.float32 or isinstance(w, DTensor):
+            # (tensor parallelism: the gate is a DTensor module whose hooks convert its input)
+            return self.gate(x).to(torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dt).float(), w.to(dt).float(), None if b is None else b.float())
 
 
 def moe_routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:

@@ -238,9 +238,7 @@ class Trainer:
         # perf path (issue 9): set by setup()
         self.degrees: Degrees
         self.meshes: dict[str, Any] = {}
-        self.publisher = Publisher(
-            cfg.model, self.d.is_main, getattr(torch, cfg.decode.engine.dtype)
-        )
+        self.publisher = Publisher(cfg.model, self.d.is_main, getattr(torch, cfg.decode.engine.dtype))
         tc = cfg.trainer
         self.entropy = EntropyControl(
             tc.entropy_coef, tc.entropy_target, tc.entropy_coef_lr, tc.entropy_coef_max
@@ -278,8 +276,14 @@ class Trainer:
             model.to(self.d.device), tc, self.d.world, self.d.device, self.d.enabled
         )
         # --- end perf path
+        # Fused on CUDA (one kernel per parameter group instead of foreach's several passes;
+        # bench/trainer/results/step_h200_0.6b_mfu.json: bf16+fused_adam), torch's default elsewhere.
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
+            self.model.parameters(),
+            lr=tc.lr,
+            betas=tc.betas,
+            weight_decay=tc.weight_decay,
+            fused=True if self.d.device.type == "cuda" else None,
         )
         if state is not None:
             set_optimizer_state_dict(

@@ -325,7 +325,7 @@ class OwnTopK:
 
     @torch.no_grad()
     def _hook(self, mod: Any, inp: tuple[torch.Tensor, ...], _out: Any) -> None:
-        logits = mod.gate(inp[0]).to(torch.float32)
+        logits = mod.gate_logits(inp[0])  # ReplayRouter's own float32 logits (trainer/replay.py)
         scores = torch.sigmoid(logits) if mod.score_func == "sigmoid" else torch.softmax(logits, dim=1)
         if len(inp) > 1 and inp[1] is not None:
             scores = scores + inp[1]

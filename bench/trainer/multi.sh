@@ -22,7 +22,7 @@ fsdp) $RUN --shapes 4b --tokens 16384 --variants "bf16+sac,bf16+sac+compile,pack
         --budget-s 480 --out "$OUT/trainer_multi_fsdp.json" ;;
 cp)   $RUN --shapes 4b --tokens 131072 --cp 2 --steps 4 --no-publish --variants "bf16+full_ac,bf16+sac" \
         --budget-s 480 --out "$OUT/trainer_multi_cp.json" ;;
-ep)   $RUN --shapes 30b-a3b --tokens 16384 --ep 2 --no-publish --variants "bf16+sac,bf16+sac+grouped_mm" \
+ep)   $RUN --shapes 30b-a3b --tokens 16384 --ep 2 --no-publish --variants "bf16+sac+loop,bf16+sac+grouped_mm,bf16+sac+grouped_mm+compile" \
         --budget-s 480 --out "$OUT/trainer_multi_ep.json" ;;
 *)    echo "usage: $0 fsdp|cp|ep" >&2; exit 2 ;;
 esac

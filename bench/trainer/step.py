@@ -84,6 +84,7 @@ import torch.distributed as dist  # noqa: E402
 
 from services.common.config import ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import Sample  # noqa: E402
+from trainer import parallel  # noqa: E402
 from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E402
 from trainer.batch import loss_token_count  # noqa: E402
 from trainer.chunked import enable_chunked_output  # noqa: E402
@@ -142,14 +143,41 @@ VARIANTS: dict[str, dict[str, Any]] = {
         pack=True, attention="varlen", activation_checkpoint="selective", compile=True
     ),
     "packed+varlen+full_ac": dict(pack=True, attention="varlen", activation_checkpoint="full"),
-    # MoE: the trainer's experts run a per-expert loop (use_grouped_mm=False, chosen for parity
-    # with inference); +grouped_mm switches to torchtitan's torch._grouped_mm (bf16) path.
-    "bf16+sac+grouped_mm": dict(activation_checkpoint="selective", grouped_mm=True),
+    # MoE (issue 9): trainer.moe_grouped_mm "off" = the per-expert loop (a host sync per layer),
+    # "on" = torch._grouped_mm experts ("auto", the default, is "on" for bf16 on CUDA: a plain
+    # "bf16+sac" is grouped now). moe_sac_extra=False: SAC with torchtitan's Qwen3 save list only,
+    # without trainer.parallel.MOE_SAC_SAVE_OPS (all-to-all, grouped GEMMs), to see what they buy.
+    "bf16+sac+loop": dict(activation_checkpoint="selective", moe_grouped_mm="off"),
+    "bf16+sac+grouped_mm": dict(activation_checkpoint="selective", moe_grouped_mm="on"),
+    "bf16+sac_ttlist+grouped_mm": dict(
+        activation_checkpoint="selective", moe_grouped_mm="on", moe_sac_extra=False
+    ),
+    "bf16+grouped_mm": dict(moe_grouped_mm="on"),
+    "bf16+grouped_mm+fused_adam": dict(moe_grouped_mm="on", optimizer="fused"),
+    "bf16+sac+grouped_mm+compile": dict(activation_checkpoint="selective", moe_grouped_mm="on", compile=True),
+    "bf16+grouped_mm+compile+fused_adam": dict(moe_grouped_mm="on", compile=True, optimizer="fused"),
+    # Issue 9 (MFU): the SDPA kernel (trainer.sdpa_backend / sdpa_expand_kv), the chunked
+    # log-prob head's compiled softmax math alone (compile_head: what trainer.compile adds to
+    # the head on CUDA) and fused AdamW (optimizer="fused"; the trainer builds foreach today).
+    "bf16+cudnn": dict(sdpa_backend="cudnn"),
+    "bf16+flash": dict(sdpa_backend="flash"),
+    "bf16+cudnn+expand_kv": dict(sdpa_backend="cudnn", sdpa_expand_kv=True),
+    "bf16+compile_head": dict(compile_head=True),
+    "bf16+fused_adam": dict(optimizer="fused"),
+    "bf16+compile+fused_adam": dict(compile=True, optimizer="fused"),
+    "bf16+compile+cudnn+fused_adam": dict(compile=True, sdpa_backend="cudnn", optimizer="fused"),
+    "bf16+compile+cudnn+expand_kv+fused_adam": dict(
+        compile=True, sdpa_backend="cudnn", sdpa_expand_kv=True, optimizer="fused"
+    ),
+    "bf16+sac+compile+cudnn+fused_adam": dict(
+        compile=True, activation_checkpoint="selective", sdpa_backend="cudnn", optimizer="fused"
+    ),
 }
+BENCH_ONLY_KNOBS = ("pack", "moe_sac_extra", "compile_head", "optimizer")
 DEFAULT_VARIANTS = {
     "0.6b": ["bf16", "bf16+sac", "bf16+compile", "packed+sdpa(dense mask)", "packed+varlen", "packed+flex"],
     "4b": ["bf16+sac", "bf16+full_ac", "bf16+sac+compile", "packed+varlen+sac"],
-    "30b-a3b": ["bf16+sac", "bf16+sac+grouped_mm"],
+    "30b-a3b": ["bf16+sac+loop", "bf16+sac+grouped_mm"],
 }
 CHUNK = 4096  # trainer.logprob_chunk_tokens: 4096 x 151936 float32 logits = 2.5 GB per chunk
 
@@ -271,16 +299,23 @@ def build_ours(
         ep=ep,
         logprob_chunk_tokens=CHUNK,
         packing=True,
-        **{k: v for k, v in knobs.items() if k not in ("pack", "grouped_mm")},
+        **{k: v for k, v in knobs.items() if k not in BENCH_ONLY_KNOBS},
     )
     model = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
-    if knobs.get("grouped_mm"):
-        for block in model.layers.values():  # type: ignore[union-attr]
-            if getattr(block, "moe_enabled", False):
-                block.moe.experts.use_grouped_mm = True
-    model, deg, meshes = parallelize(model, tc, ctx.world, ctx.device, distributed=True)
-    # As trainer/train.py builds it.
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+    extra = set(parallel.MOE_SAC_SAVE_OPS)
+    if knobs.get("moe_sac_extra") is False:
+        parallel.MOE_SAC_SAVE_OPS.clear()  # read by parallelize's AC step; restored below
+    try:
+        model, deg, meshes = parallelize(model, tc, ctx.world, ctx.device, distributed=True)
+    finally:
+        parallel.MOE_SAC_SAVE_OPS.update(extra)
+    if knobs.get("compile_head"):
+        model.output.fused = True  # type: ignore[union-attr]
+    # As trainer/train.py builds it (foreach on CUDA by torch's default), or fused AdamW.
+    fused = {"fused": True} if knobs.get("optimizer") == "fused" else {}
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay, **fused
+    )
     return model, opt, deg, meshes
 
 
@@ -420,15 +455,39 @@ def correctness(ctx: Ctx) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref_model.parameters())
     ref_loss, ref_gn = our_step(ref_model, ref_opt, [mb], n, ref_deg, {}, ctx.device)
     out: dict[str, Any] = {"reference_fp32": {"loss": ref_loss, "grad_norm": ref_gn}}
-    for attention in ("sdpa", "flex", "varlen") if ctx.cuda else ("sdpa",):
+    # The same pack through each kernel, and the issue-9 knobs (forced cuDNN first with expanded
+    # kv, the compiled log-prob head); "one_doc": a one-sample pack, the plain causal SDPA path.
+    one = pack(make_samples([1023], m.vocab_size, seed=8, jitter=0.3))
+    n_one = loss_token_count(make_samples([1023], m.vocab_size, seed=8, jitter=0.3))
+    ref1 = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
+    ref1_model, _, _ = parallelize(ref1, TrainerSection(), 1, ctx.device, distributed=False)
+    ref1_loss, ref1_gn = our_step(
+        ref1_model, torch.optim.AdamW(ref1_model.parameters()), [one], n_one, ref_deg, {}, ctx.device
+    )
+    out["reference_fp32_one_doc"] = {"loss": ref1_loss, "grad_norm": ref1_gn}
+    del ref1, ref1_model
+    # (compile_head on the GPU only: the CPU smoke run would spend minutes in the C++ compiler)
+    issue9 = {"sdpa_backend": "cudnn", "sdpa_expand_kv": True, "compile_head": ctx.cuda}
+    checks: dict[str, tuple[dict[str, Any], PackedMicroBatch, int, float, float]] = {
+        "bf16_sdpa": ({"attention": "sdpa"}, mb, n, ref_loss, ref_gn),
+        "bf16_sdpa_one_doc_cudnn_expand_kv_compile_head": (issue9, one, n_one, ref1_loss, ref1_gn),
+    }
+    if ctx.cuda:
+        checks.update(
+            bf16_flex=({"attention": "flex"}, mb, n, ref_loss, ref_gn),
+            bf16_varlen=({"attention": "varlen"}, mb, n, ref_loss, ref_gn),
+            bf16_sdpa_cudnn_expand_kv_compile_head=(issue9, mb, n, ref_loss, ref_gn),
+            bf16_sdpa_one_doc_auto=({}, one, n_one, ref1_loss, ref1_gn),
+        )
+    for key, (knobs, batch, count, r_loss, r_gn) in checks.items():
         try:
-            model, opt, deg, meshes = build_ours(m, {"attention": attention}, ctx)
-            loss, gn = our_step(model, opt, [mb], n, deg, meshes, ctx.device)
-            ok = abs(loss - ref_loss) <= 2e-2 * abs(ref_loss) + 1e-3 and abs(gn - ref_gn) <= 5e-2 * ref_gn
-            out[f"bf16_{attention}"] = {"loss": loss, "grad_norm": gn, "agrees": ok}
+            model, opt, deg, meshes = build_ours(m, knobs, ctx)
+            loss, gn = our_step(model, opt, [batch], count, deg, meshes, ctx.device)
+            ok = abs(loss - r_loss) <= 2e-2 * abs(r_loss) + 1e-3 and abs(gn - r_gn) <= 5e-2 * r_gn
+            out[key] = {"knobs": knobs, "loss": loss, "grad_norm": gn, "agrees": ok}
             del model, opt
         except Exception as e:  # recorded, the benchmark goes on
-            out[f"bf16_{attention}"] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+            out[key] = {"knobs": knobs, "error": repr(e), "trace": traceback.format_exc()[-2000:]}
         free()
     return out
 
@@ -525,9 +584,28 @@ def compile_steps(ctx: Ctx, shape: str, tokens: int, steps: int) -> dict[str, An
     return out
 
 
-def run_ours(
-    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, ep: int, publish: bool
-) -> dict[str, Any]:
+class Prepared:
+    """One variant ready to step: `one()` runs a step; what the report needs to count it."""
+
+    def __init__(
+        self,
+        one: Any,
+        m: ModelConfig,
+        docs: list[int],
+        tokens: int,
+        info: dict[str, Any],
+        model: torch.nn.Module,
+    ) -> None:
+        self.one, self.m, self.docs, self.tokens, self.info, self.model = one, m, docs, tokens, info, model
+        self.losses: list[float] = []
+
+    @property
+    def flops(self) -> float:
+        return step_flops(self.m, self.docs)
+
+
+def prepare_ours(ctx: Ctx, shape: str, variant: str, tokens: int, cp: int = 1, ep: int = 1) -> Prepared:
+    """Build our model for `variant` and its batch (also bench/trainer/profile_step.py's)."""
     knobs = VARIANTS[variant]
     m = model_config(shape, max(tokens, 4096))
     model, opt, deg, meshes = build_ours(m, knobs, ctx, cp=cp, ep=ep)
@@ -538,18 +616,25 @@ def run_ours(
     mine, total = rank_data(lens_per_rank, m.vocab_size, deg, ctx.rank, seed=11)
     mbs = [pack(mine)]
     assert mbs[0].inputs.shape[1] == tokens
-    losses: list[float] = []
 
     def one() -> None:
-        losses.append(our_step(model, opt, mbs, total, deg, meshes, ctx.device)[0])
+        prep.losses.append(our_step(model, opt, mbs, total, deg, meshes, ctx.device)[0])
 
-    times = timed(one, steps)
     docs = [x for lens in lens_per_rank for x in lens]
-    res = summarise(times, step_flops(m, docs), sum(sum(x) for x in lens_per_rank), ctx.world)
-    res.update(variant=variant, knobs=knobs, docs_per_rank=len(lens_per_rank[0]), losses=losses[:3])
-    res["degrees"] = vars(deg)
+    info = dict(variant=variant, knobs=knobs, docs_per_rank=len(lens_per_rank[0]), degrees=vars(deg))
+    prep = Prepared(one, m, docs, sum(sum(x) for x in lens_per_rank), info, model)
+    return prep
+
+
+def run_ours(
+    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, ep: int, publish: bool
+) -> dict[str, Any]:
+    prep = prepare_ours(ctx, shape, variant, tokens, cp, ep)
+    times = timed(prep.one, steps)
+    res = summarise(times, prep.flops, prep.tokens, ctx.world)
+    res.update(prep.info, losses=prep.losses[:3])
     if publish:
-        res["publish"] = publish_time(model, m, ctx, one)
+        res["publish"] = publish_time(prep.model, prep.m, ctx, prep.one)
     return res  # model and optimizer go with this frame
 
 
@@ -557,7 +642,7 @@ def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) ->
     """Publish twice (the first allocates the pinned buffers): blocked seconds, background write
     seconds, and one training step run while the write is in flight."""
     root = Path(tempfile.mkdtemp(prefix="relay-publish-", dir=os.environ.get("PUBLISH_DIR", "/tmp")))
-    pub = Publisher(m, ctx.main)
+    pub = Publisher(m, ctx.main, torch.bfloat16)  # what a bf16 engine fleet loads
     out: dict[str, Any] = {"dir": str(root)}
     try:
         for i in (1, 2):
@@ -584,14 +669,25 @@ def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) ->
     return out
 
 
-def run_baseline(ctx: Ctx, shape: str, tokens: int, steps: int) -> dict[str, Any]:
+def prepare_hf(ctx: Ctx, shape: str, tokens: int) -> Prepared:
     m = model_config(shape, max(tokens, 4096))
     model, opt = build_hf(m, ctx.device, ac=shape != "0.6b", fused=ctx.cuda)
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, m.vocab_size, (1, tokens + 1), generator=g).to(ctx.device)
-    times = timed(lambda: hf_step(model, opt, toks, tokens), steps)
-    res = summarise(times, step_flops(m, [tokens]), tokens, 1)
-    res.update(variant="hf_transformers", gradient_checkpointing=shape != "0.6b")
+
+    def one() -> None:
+        prep.losses.append(hf_step(model, opt, toks, tokens))
+
+    info = dict(variant="hf_transformers", gradient_checkpointing=shape != "0.6b")
+    prep = Prepared(one, m, [tokens], tokens, info, model)
+    return prep
+
+
+def run_baseline(ctx: Ctx, shape: str, tokens: int, steps: int) -> dict[str, Any]:
+    prep = prepare_hf(ctx, shape, tokens)
+    times = timed(prep.one, steps)
+    res = summarise(times, prep.flops, tokens, 1)
+    res.update(prep.info)
     return res
 
 

@@ -24,7 +24,7 @@ from services.common.config import ModelConfig, RopeScaling
 from services.engine.batch import ForwardBatch
 from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
-from services.engine.moe import PER_EXPERT, ExpertWeights, MoE
+from services.engine.moe import PER_EXPERT, ExpertWeights, MoE, Router
 from services.engine.rope_scaling import llama3_scale_freqs
 
 
@@ -53,6 +53,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos = cos.to(x.dtype)[:, None, :]
     sin = sin.to(x.dtype)[:, None, :]
     return x * cos + rotate_half(x) * sin
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm (when the model has it) and RoPE in float32, rounded once to
+    x's dtype: what the GPU path's fused kernel computes (kernels/qk_rope.py) and what the trainer
+    computes (trainer/model.py, RelayAttention), so the CPU path is the same function as the GPU
+    one and both round where the trainer does. x: [T, heads, head_dim]; cos/sin as apply_rope (the
+    rope tables are cast with the model, so in bf16 they hold bf16 values, as HF's cos/sin do)."""
+    y = x.float()
+    if norm is not None:
+        y = F.rms_norm(y, (y.shape[-1],), norm.weight.float(), norm.eps)
+    return apply_rope(y, cos, sin).to(x.dtype)
 
 
 def fuse_rows(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -141,9 +153,7 @@ class Attention(nn.Module):
                 0.0 if qn is None else qn.eps, kc, vc, batch.slot_mapping,
             )  # fmt: skip
             return self.o_proj(attend(q, kc, vc, batch.paged, self.scale, kv.block_size).view(t, -1))
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm_rope(q, cos, sin, self.q_norm), norm_rope(k, cos, sin, self.k_norm)
 
         # New keys/values go into the cache first, so every query reads its whole context
         # (earlier steps' tokens and this step's) from one place.
@@ -323,6 +333,9 @@ class CausalLM(nn.Module):
             p.copy_(src.to(dtype=p.dtype, device=p.device))
         for experts, index, proj, w in per_expert:
             experts.load_expert(index, proj, w)
+        for mod in self.modules():
+            if isinstance(mod, Router):  # the gate in the model dtype's values (Router.round_weight_)
+                mod.round_weight_()
 
 
 def _drop_mtp_layers(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:

@@ -81,12 +81,28 @@ class Router(nn.Module):
             nn.Parameter(torch.zeros(m.n_routed_experts)) if m.expert_bias else None
         )
 
+    # The dtype the rest of the model computes in (set by the cast that made it so, see _apply).
+    value_dtype: torch.dtype = torch.float32
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # Stay float32 when the model is cast to bf16 (see the module docstring); device moves apply.
         super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:  # a dtype cast (a device move keeps float32)
+            self.value_dtype = self.weight.dtype
         for p in self.parameters(recurse=False):
             p.data = p.data.float()
         return self
+
+    @torch.no_grad()
+    def round_weight_(self) -> None:
+        """Give the gate weight the values of the model's dtype (float32 storage). Called after
+        every load: the bf16 trainer's router multiplies the same bf16 activations by its bf16
+        (FSDP's cast, or autocast's) copy of the weight in float32 (trainer/replay.py), and HF
+        holds the gate in the checkpoint's dtype; a float32 master copy here would give router
+        weights ~1e-4 apart from the trainer's, a bias Router Replay cannot remove. The bias
+        (selection only) stays float32, as HF keeps it."""
+        if self.value_dtype != torch.float32:
+            self.weight.copy_(self.weight.to(self.value_dtype))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)
@@ -135,7 +151,7 @@ class ExpertWeights(nn.Module):
             flat = ids.reshape(-1)
             gate, up = torch.bmm(xk, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, dim=-1)
             y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2)).view(t, k, -1)
-            return (y * weights[..., None].to(y.dtype)).sum(dim=1)
+            return self.combine(y, weights)
         flat = ids.reshape(-1)
         # Sort the T*k (token, expert) assignments by expert: each expert's rows are contiguous.
         order = flat.argsort(stable=True)
@@ -159,9 +175,22 @@ class ExpertWeights(nn.Module):
                     gate, up = F.linear(xs[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
                     ys[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
                     start += n
-        # HF weights each expert's output (the SwiGLU is not linear, so the order matters).
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        # Back to (token, slot) order for the weighted sum below.
+        return self.combine(torch.empty_like(ys).index_copy_(0, order, ys).view(t, k, -1), weights)
+
+    @staticmethod
+    def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y [T, k, D] (expert outputs, slot order of ids), weights [T, k] float32 -> [T, D].
+
+        Each expert's OUTPUT is weighted (HF; the SwiGLU is not linear, so the order matters) by
+        its routing weight rounded to the model dtype (HF rounds them too), and the weighted sum
+        runs in float32 with one rounding at the end, as the trainer's torchtitan MoE computes it
+        (a bmm of the scores with the float32 outputs; trainer/replay.py rounds its scores the
+        same way). Weighting and summing in bf16 (k + 1 roundings, HF's index_add order) was a
+        rounding difference from the trainer that Router Replay cannot remove
+        (bench/r3/numerics.py)."""
+        w = weights.to(y.dtype).float()
+        return torch.bmm(w[:, None, :], y.float()).squeeze(1).to(y.dtype)
 
 
 class SharedExperts(nn.Module):

@@ -1,0 +1,138 @@
+"""The bf16 engine and the bf16 trainer compute the same function (issue 7: Router Replay's KL floor).
+
+bench/r3/numerics.py runs one random model in the engine (bf16, CPU torch path) and in the trainer
+(autocast over float32 weights, and bf16 parameters as FSDP2's mixed precision computes) with the
+engine's expert ids replayed, and compares every layer and the final log-probs.
+
+Measured with that harness (4-layer MoE, dim 256, 64 experts top-8, 4 x 64 tokens, HF init;
+`.venv/bin/python bench/r3/numerics.py`), engine vs trainer with replay:
+
+    before (2026-11-30)   autocast:    |dlogp| mean 1.75e-3, max 7.8e-3, KL 2.9e-6
+                          bf16 params: |dlogp| mean 1.29e-3, max 5.9e-3, KL 1.6e-6
+    after                 both:        0 (bitwise equal hidden states and log-probs)
+
+where "before" already had the engine's CPU path rounding q/k-norm and RoPE like the trainer; with
+the engine's GPU formulation (float32 norm + RoPE, one rounding, now also its CPU path) the
+bf16-parameter trainer was 1.5e-3 mean / 5.9e-3 max apart before RelayAttention. The alignments:
+router logits in float32 from the compute dtype's input and gate values (trainer/replay.py,
+services/engine/moe.py Router.round_weight_), routing weights rounded to the model dtype and the
+expert sum in float32 with one rounding (ExpertWeights.combine, ReplayRouter), q/k-norm + RoPE in
+float32 with one rounding and compute-dtype cos/sin (trainer/model.py RelayAttention,
+services/engine/model.py norm_rope), the autocast trainer's residual stream kept in bf16
+(bf16_residual_under_autocast) and its RMSNorms multiplying by bf16 weight values (RelayRMSNorm:
+with norm weights that are not bf16 values, as after training, `--perturb-norms`, autocast was
+1.9e-3 mean / 8.0e-3 max apart without it). The bounds below leave room for a stray bf16 ulp from
+a kernel, not for a formulation difference (those give ~1e-3 mean)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engine.moe import ExpertWeights, Router
+from trainer.model import build_model
+from trainer.replay import moe_routers
+
+# bench/ is not an installed package: load the harness by path (as tests/test_bench_r3.py does).
+_spec = importlib.util.spec_from_file_location(
+    "bench_r3_numerics", Path(__file__).resolve().parents[1] / "bench" / "r3" / "numerics.py"
+)
+assert _spec is not None and _spec.loader is not None
+numerics = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = numerics  # its dataclasses look their module up there
+_spec.loader.exec_module(numerics)
+TRAINER_PATHS, dense_config, measure, moe_config = (
+    numerics.TRAINER_PATHS,
+    numerics.dense_config,
+    numerics.measure,
+    numerics.moe_config,
+)
+
+LOGP_MEAN = 1e-6  # reached: 0.0 (before: 1.3e-3 / 1.75e-3)
+LOGP_MAX = 1e-4  # reached: 0.0 (before: 5.9e-3 / 7.8e-3)
+HIDDEN_MEAN = 1e-6  # per layer, residual stream after the layer; reached: 0.0
+
+
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    m = moe_config(3) if request.param == "moe" else dense_config(3)
+    # perturb_norms: norm weights that are not bf16 values, as after training (see below)
+    return measure(m, rows=2, seq=48, seed=3, perturb_norms=True, workdir=tmp_path_factory.mktemp("numerics"))
+
+
+@pytest.mark.parametrize("path", TRAINER_PATHS)
+def test_bf16_engine_equals_bf16_trainer_with_replay(result: dict[str, Any], path: str) -> None:
+    r = result[f"engine_vs_trainer_{path}"]
+    for i, layer in enumerate(r["layers"]):
+        assert layer["resid"]["mean"] <= HIDDEN_MEAN, (path, i, layer)
+        assert layer["attn"]["mean"] <= HIDDEN_MEAN, (path, i, layer)
+        assert layer["mlp"]["mean"] <= HIDDEN_MEAN, (path, i, layer)
+        if "router_w" in layer:
+            assert layer["router_w"]["max"] <= 1e-6, (path, i, layer)
+    assert r["logp_abs_mean"] <= LOGP_MEAN, r
+    assert r["logp_abs_max"] <= LOGP_MAX, r
+    assert r["kl_full_mean"] <= 1e-9, r
+
+
+def test_harness_sees_bf16_rounding(result: dict[str, Any]) -> None:
+    """The comparison is not vacuous: each bf16 side is far from the float32 reference (bf16
+    rounding, ~1e-3 in log-prob), and the float32 engine equals the float32 trainer."""
+    for key in ("engine_bf16_vs_fp32", *(f"trainer_{p}_vs_fp32" for p in TRAINER_PATHS)):
+        assert result[key]["logp_abs_mean"] > 1e-4, (key, result[key])
+        assert result[key]["layers"][-1]["resid"]["mean"] > 1e-5, key
+    parity = result["fp32_engine_vs_fp32_trainer"]
+    assert parity["logp_abs_max"] <= 1e-5, parity
+    assert result["tokens"] == 2 * 47
+
+
+def test_engine_router_holds_model_dtype_values(tmp_path: Path) -> None:
+    """After loading a float32 checkpoint, a bf16 engine's float32 gate holds bf16 values (the
+    trainer's bf16 gate); a float32 engine keeps the checkpoint's values."""
+    from services.common.config import EngineConfig
+    from services.engine import LLMEngine
+    from trainer.model import save_weights_dir
+
+    m = moe_config(1)
+    model = build_model(m, seed=0)
+    d = save_weights_dir(m, model.state_dict(), tmp_path / "w", {"version": 0})
+    ref = model.layers["0"].moe.router.gate.weight.detach()
+    for dtype, want in (("bfloat16", ref.bfloat16().float()), ("float32", ref)):
+        eng = LLMEngine(d, EngineConfig(device="cpu", dtype=dtype, max_batch_size=1, max_seq_len=32))
+        gate = eng.model.model.layers[0].mlp.gate
+        assert isinstance(gate, Router) and gate.weight.dtype == torch.float32
+        assert torch.equal(gate.weight, want), dtype
+    assert not torch.equal(ref.bfloat16().float(), ref)  # the rounding is visible at all
+
+
+def test_expert_combine_rounds_once() -> None:
+    """sum_k round_bf16(w_k) * y_k in float32, rounded once to bf16."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(5, 4, 16, generator=g).bfloat16()
+    w = torch.rand(5, 4, generator=g)
+    want = (w.bfloat16().float()[..., None] * y.float()).sum(1).bfloat16()
+    torch.testing.assert_close(ExpertWeights.combine(y, w), want, rtol=0, atol=0)
+    assert ExpertWeights.combine(y.float(), w).dtype == torch.float32
+
+
+def test_trainer_router_logits_in_float32_under_autocast() -> None:
+    """Under autocast the replay router's logits are the float32 product of bf16 values, not
+    torchtitan's bf16 gate GEMM; in float32 training they are the gate's own output."""
+    m = moe_config(1)
+    model = build_model(m, seed=0)
+    (router,) = moe_routers(model)
+    x = torch.randn(7, m.dim, generator=torch.Generator().manual_seed(1))
+    w = router.gate.weight.detach()
+    want = x.bfloat16().float() @ w.bfloat16().float().T
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router.gate_logits(x)
+        bf16_gemm = router.gate(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (bf16_gemm.float() - want).abs().max() > 1e-4  # what it replaces rounds visibly
+    with torch.no_grad():
+        torch.testing.assert_close(router.gate_logits(x), x @ w.T, rtol=1e-6, atol=1e-6)
