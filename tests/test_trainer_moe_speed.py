@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers.moe import random_routes, tokens
+from helpers.moe import random_routes, small_ds, small_moe, tokens
 from pydantic import ValidationError
 
 from services.common.config import ModelConfig, TrainerSection
@@ -30,59 +30,6 @@ from trainer.model import CountingReorderer, build_model, moe_layer_ids
 from trainer.moe_routing import RoutedExperts, count_per_expert, grouped_mm_enabled
 from trainer.parallel import MOE_SAC_SAVE_OPS, apply_compile, parallelize, sac_save_list
 from trainer.replay import ReplayRouter, moe_routers, routing
-
-
-def qwen_moe(**kw: object) -> ModelConfig:
-    base: dict[str, object] = dict(
-        arch="qwen3_moe",
-        vocab_size=50,
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        hidden_dim=48,
-        max_seq_len=64,
-        tie_embeddings=False,
-        n_routed_experts=8,
-        n_experts_per_tok=2,
-        moe_hidden_dim=16,
-        first_k_dense=1,
-        norm_topk_prob=True,
-    )
-    return ModelConfig(**(base | kw))
-
-
-def deepseek_moe() -> ModelConfig:
-    return ModelConfig(
-        arch="deepseek_v3",
-        vocab_size=64,
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=4,
-        head_dim=12,
-        hidden_dim=48,
-        max_seq_len=64,
-        qk_norm=False,
-        tie_embeddings=False,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        n_experts_per_tok=2,
-        moe_hidden_dim=16,
-        first_k_dense=1,
-        routed_scaling_factor=2.5,
-        router_score="sigmoid",
-        norm_topk_prob=True,
-        n_group=4,
-        topk_group=2,
-        expert_bias=True,
-        q_lora_rank=16,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-    )
 
 
 def decisive(model: torch.nn.Module, m: ModelConfig, seed: int = 0) -> torch.nn.Module:
@@ -152,7 +99,7 @@ def test_knob_resolves_and_validates_with_the_key_named() -> None:
     assert TrainerSection().moe_grouped_mm == "auto"
     with pytest.raises(ValidationError, match="moe_grouped_mm"):
         TrainerSection(moe_grouped_mm="fast")  # type: ignore[arg-type]
-    m = qwen_moe()
+    m = small_moe()
     for setting, on in (("auto", False), ("on", True), ("off", False)):
         experts = experts_of(build(m, setting), m)
         assert experts and all(isinstance(e, RoutedExperts) and e.use_grouped_mm is on for e in experts)
@@ -173,7 +120,7 @@ def test_counts_per_expert_equal_bincount() -> None:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("ac", ["none", "selective"])
 def test_grouped_mm_gives_the_loops_logprobs_and_gradients(arch: str, ac: str) -> None:
-    m = qwen_moe() if arch == "qwen3_moe" else deepseek_moe()
+    m = small_moe() if arch == "qwen3_moe" else small_ds()
     x = tokens(m, b=2, t=24)
     loop = loss_and_grads(build(m, "off"), x)
     grouped = loss_and_grads(build(m, "on", ac=ac), x)
@@ -183,7 +130,7 @@ def test_grouped_mm_gives_the_loops_logprobs_and_gradients(arch: str, ac: str) -
 def test_router_replay_drives_the_grouped_gemms() -> None:
     """Recorded ids (far from the trainer's own choice) replayed on both paths: the same output and
     gradients, gate included; and replay changed the output (the ids really drove the GEMMs)."""
-    m = qwen_moe()
+    m = small_moe()
     x = tokens(m, b=2, t=24)
     routes = random_routes(m, b=2, t=23)
     grouped_model = build(m, "on", ac="selective")
@@ -198,7 +145,7 @@ def test_router_replay_drives_the_grouped_gemms() -> None:
 def test_grouped_mm_bf16_autocast_close_to_the_loop() -> None:
     """bf16 (autocast, as a single bf16 process runs): torchtitan's bf16 grouped GEMMs vs the loop's
     bf16 matmuls; both round differently, so close, not equal."""
-    m = qwen_moe()
+    m = small_moe()
     x = tokens(m, b=2, t=24)
     loop = loss_and_grads(build(m, "off", dtype="bfloat16"), x, autocast=True)
     grouped = loss_and_grads(build(m, "on", dtype="bfloat16"), x, autocast=True)
@@ -229,7 +176,7 @@ def _ep_worker(rank: int, port: int, out: dict[str, Any]) -> None:
 
     dist.init_process_group("gloo")
     try:
-        m = qwen_moe(n_routed_experts=4)
+        m = small_moe(n_routed_experts=4)
         x = tokens(m, b=2, t=20, seed=10 + rank)  # each EP rank trains its own tokens
         routes = random_routes(m, b=2, t=19, seed=20 + rank)
         res: dict[str, Any] = {}
@@ -285,7 +232,7 @@ def test_expert_parallel_grouped_mm_matches_the_loop() -> None:
 
 
 def test_moe_sac_keeps_all_to_all_and_grouped_gemms() -> None:
-    m = qwen_moe()
+    m = small_moe()
     moe_list = sac_save_list(build_model(m, seed=0))
     assert MOE_SAC_SAVE_OPS <= moe_list
     assert torch.ops.aten.mm.default in moe_list  # torchtitan's Qwen3 list is still all there
@@ -294,7 +241,7 @@ def test_moe_sac_keeps_all_to_all_and_grouped_gemms() -> None:
 
 
 def test_compile_keeps_routers_eager_and_the_reorderer_traces() -> None:
-    m = qwen_moe()
+    m = small_moe()
     tc = TrainerSection(compile=True, activation_checkpoint="selective", moe_grouped_mm="on")
     model, _, _ = parallelize(decisive(build_model(m, seed=0), m), tc, 1, torch.device("cpu"), False)
     routers = moe_routers(model)
@@ -319,8 +266,7 @@ def test_compiled_moe_blocks_with_replay_match_eager(monkeypatch: pytest.MonkeyP
 
     # torchtitan's apply_compile swaps this module function for a compiled one, process-wide.
     monkeypatch.setattr(tt_moe, "_run_experts_grouped_mm", tt_moe._run_experts_grouped_mm)
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
-    m = qwen_moe()
+    m = small_moe()
     x, routes = tokens(m, b=2, t=24), random_routes(m, b=2, t=23)
 
     def make(compiled: bool) -> torch.nn.Module:
@@ -330,5 +276,8 @@ def test_compiled_moe_blocks_with_replay_match_eager(monkeypatch: pytest.MonkeyP
         return model
 
     eager = loss_and_grads(make(False), x, routes)
-    logp, loss, grads = loss_and_grads(make(True), x, routes)
+    # config.patch, not monkeypatch: monkeypatch's undo deletes the attribute from dynamo's config
+    # module (it reads as absent from the instance), and every later compile in the process fails.
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):
+        logp, loss, grads = loss_and_grads(make(True), x, routes)
     assert_same((logp, loss, {k.replace("_orig_mod.", ""): g for k, g in grads.items()}), eager, 1e-5, 1e-6)
