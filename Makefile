@@ -50,6 +50,9 @@ cluster-stop:
 	bash sbatch/cluster.sh stop
 
 test: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not full"
+
+test-full: $(STAMP)
 	$(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)

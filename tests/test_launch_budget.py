@@ -22,7 +22,7 @@ def test_time_budget_ends_the_run_gracefully(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis") as redis:
         cmd = [
             sys.executable, "-m", "sbatch.launch", "run", "debug", f"--run.dir={run_dir}",
-            f"--redis.url={redis.url}", "--run.max_steps=100000", "--run.time_budget_s=40",
+            f"--redis.url={redis.url}", "--run.max_steps=100000", "--run.time_budget_s=20",
             "--run.timeout_s=300", "--run.stop_on_targets=false",
         ]  # fmt: skip
         t0 = time.monotonic()

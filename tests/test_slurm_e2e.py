@@ -121,6 +121,7 @@ def test_debug_run_as_het_job_completes(slurm_cluster: str, tmp_path: Path) -> N
     print(f"debug het-job run: {time.monotonic() - t0:.0f}s for 4 steps")
 
 
+@pytest.mark.full  # 90 s: learning is CI's test_e2e (same code path); Slurm is the other tests here
 def test_debug_run_on_slurm_learns(slurm_cluster: str, tmp_path: Path) -> None:
     """The same debug run as locally, as a het job: the reward rises from its random-init level
     as it does in a local run (bench/calibration: ~0.02 -> 0.1-0.2 by step 80)."""
