@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.debug_weights import spread_debug_versions
 
-from services.common.config import EngineConfig, load_config
+from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import (
@@ -22,7 +23,6 @@ from services.engine.kv_transfer import (
     page_nbytes,
     reusable_pages,
 )
-from trainer.model import build_model, save_weights_dir
 
 PROMPT = [(7 * i + 3) % 60 for i in range(41)]  # 41 tokens: 10 full pages of 4 + 1
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream import is CUDA only")
@@ -30,10 +30,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    m = load_config("debug").model
-    state = build_model(m, seed=0).state_dict()
-    state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
-    return save_weights_dir(m, state, tmp_path_factory.mktemp("kva") / "step_0", {"version": 0})
+    return spread_debug_versions(tmp_path_factory.mktemp("kva"))[0]
 
 
 def cfg(device: str) -> EngineConfig:

@@ -25,17 +25,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers.debug_weights import random_model_dir
 from helpers.service_process import start_service
 from prometheus_client import REGISTRY, generate_latest
 
 from services.common.bus import Bus
 from services.common.config import EngineConfig, KVNearSection, KVPullSection, ModelConfig, RunConfig
-from services.common.modeldir import hf_config, write_model_dir
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import export_pages, import_pages, page_nbytes
-from services.engine.model import CausalLM
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.dataplane import DataPlaneServer
 from services.kvstore.near_cache import NearCache, near_budget
@@ -362,22 +361,13 @@ TINY = ModelConfig(
 ENGINE = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=512, block_size=8, num_kv_blocks=40)
 
 
-def make_model_dir(dest: Path, seed: int, version: int) -> Path:
-    torch.manual_seed(seed)
-    model = CausalLM(TINY, TINY.max_seq_len)
-    state = {
-        n: torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) * 0.05
-        for n, p in model.named_parameters()
-    }
-    return write_model_dir(
-        dest, state, hf_config(TINY, eos_token_id=TINY.vocab_size - 1), None, {"version": version}
-    )
-
-
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("kvnear")
-    return make_model_dir(root / "step_0", 0, 0), make_model_dir(root / "step_1", 1, 1)
+    return (
+        random_model_dir(TINY, root / "step_0", 0, 0, std=0.05),
+        random_model_dir(TINY, root / "step_1", 1, 1, std=0.05),
+    )
 
 
 def generate(eng: LLMEngine, prompt: list[int], seed: int) -> GenerateResponse:

@@ -23,17 +23,16 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers.debug_weights import random_model_dir
 from helpers.service_process import start_service
 from prometheus_client import REGISTRY, generate_latest
 
 from services.common.bus import Bus
 from services.common.config import EngineConfig, KVPullSection, ModelConfig, RunConfig
-from services.common.modeldir import hf_config, write_model_dir
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
 from services.engine import LLMEngine
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import StagingBuffers, export_pages, import_pages, page_nbytes
-from services.engine.model import CausalLM
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.dataplane import (
     OP_GET_PREFIX,
@@ -335,17 +334,6 @@ PULL_PAYS = ModelConfig(
 ENGINE = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=2048, block_size=16, num_kv_blocks=256)
 
 
-def make_model_dir(m: ModelConfig, dest: Path) -> Path:
-    """Random weights (normal(0, 0.02) matrices, unit norms) as an HF model directory, version 0."""
-    torch.manual_seed(0)
-    model = CausalLM(m, m.max_seq_len)
-    state = {
-        n: torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) * 0.02
-        for n, p in model.named_parameters()
-    }
-    return write_model_dir(dest, state, hf_config(m, eos_token_id=m.vocab_size - 1), None, {"version": 0})
-
-
 def wait_url(bus: Bus, kind: str, proc: subprocess.Popen[bytes], log: Path) -> str:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -359,7 +347,7 @@ def wait_url(bus: Bus, kind: str, proc: subprocess.Popen[bytes], log: Path) -> s
 
 # A gateway and a decode process on two shared cores: ~15 s.
 def test_real_decode_pulls_when_it_pays(redis_url: str, tmp_path: Path) -> None:
-    weights = make_model_dir(PULL_PAYS, tmp_path / "weights" / "step_0")
+    weights = random_model_dir(PULL_PAYS, tmp_path / "weights" / "step_0")
     cfg = RunConfig(model=PULL_PAYS)
     cfg.redis.prefix = f"test-kvpull-{uuid.uuid4().hex[:8]}"
     cfg.redis.heartbeat_s = 0.2

@@ -278,36 +278,22 @@ class Timer:
     def __init__(self, dev: torch.device):
         self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=dev)
 
-    def capture(self, fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # compile / load outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
-    def replays(self, g: torch.cuda.CUDAGraph, reps: int) -> float:
+    def replays(self, replay: Callable[[], None], reps: int) -> float:
         ev = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
         ]
         for a, b in ev:
             self.flush.zero_()
             a.record()
-            g.replay()
+            replay()
             b.record()
         torch.cuda.synchronize()
         return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
 
     def time(self, fn: Callable[[], Any], reps: int) -> float:
-        g = self.capture(fn)
-        try:
-            return self.replays(g, reps)
-        finally:
-            del g
+        import gemm as bench  # bench/fp8/gemm.py: the same capture its table is timed with
+
+        return self.replays(bench.graphed(fn), reps)
 
 
 def attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:

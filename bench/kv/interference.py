@@ -38,9 +38,8 @@ from bench.kv.common import ResultWriter, add_common_args, engine_config, prepar
 from services.common.config import RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.kv_transfer import page_nbytes
 from services.kvstore.client import KVStoreClient
-from services.prefill.router import prompt_keys, pull_prefix
+from services.prefill.router import prompt_keys, pull_prefix, reserve_pinned
 from services.prefill.schemas import PrefillRequest, PrefillResponse
 
 
@@ -96,11 +95,9 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         if mode == "disaggregated"
         else None
     )
-    if store is not None and args.device == "cuda":
-        # What the decode service does when it attaches its router (services/prefill/router.py):
-        # the pinned buffers pulls land in are allocated up front (pinning takes the driver lock).
-        per_long = -(-args.long_tokens // args.block_size) * page_nbytes(eng.kv)
-        eng.pages.buffers.reserve(3, per_long)
+    if store is not None:
+        # As the decode service's router does at attach; 3 buffers: pulls overlap here.
+        reserve_pinned(eng, store, buffers=3)
     prefill_url = svc.url("prefill", "prefill") if mode == "disaggregated" else None
 
     def remote(i: int, req: GenerateRequest) -> None:

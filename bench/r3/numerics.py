@@ -90,19 +90,8 @@ def moe_config(layers: int = 4) -> ModelConfig:
 
 def dense_config(layers: int = 4) -> ModelConfig:
     """The dense Qwen3 of the same size (SwiGLU of width 512)."""
-    return ModelConfig(
-        arch="qwen3",
-        vocab_size=2048,
-        dim=256,
-        n_layers=layers,
-        n_heads=8,
-        n_kv_heads=2,
-        head_dim=32,
-        hidden_dim=512,
-        max_seq_len=256,
-        rope_theta=1_000_000.0,
-        tie_embeddings=False,
-    )
+    moe = {"n_routed_experts", "n_experts_per_tok", "moe_hidden_dim", "router_score", "norm_topk_prob"}
+    return ModelConfig(**(moe_config(layers).model_dump(exclude=moe) | {"arch": "qwen3"}))
 
 
 @torch.no_grad()

@@ -124,6 +124,19 @@ def attach_near(engine: LLMEngine, store: KVStoreClient, cfg: RunConfig) -> None
         engine.pages.host_pages = store.near.hold_export
 
 
+def reserve_pinned(engine: LLMEngine, store: KVStoreClient, buffers: int = 2) -> None:
+    """On CUDA, pin the host memory pulls land in now (the near tier, and `buffers` staging
+    buffers of one full-length sequence's pages, at most 4 GiB each): pinning later, on a long
+    prompt's first pull, holds the driver lock for ~1 s and stalls every decoding stream
+    (measured on an H200)."""
+    if engine.kv.k.device.type != "cuda":
+        return
+    if store.near is not None:
+        store.near.reserve()
+    seq_bytes = engine.kv.blocks_for(engine.cfg.max_seq_len) * page_nbytes(engine.kv)
+    engine.pages.buffers.reserve(buffers, min(seq_bytes, 4 << 30))
+
+
 def pull_prefix(
     engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None = None
 ) -> int:
@@ -281,13 +294,7 @@ class KVRouter:
         self.engine = engine
         self.policy = engine_policy(engine, self.cfg.kvstore.pull)
         attach_near(engine, self.store, self.cfg)
-        if engine.kv.k.device.type == "cuda":
-            # Pin the host memory pulls land in now: pinning later, on a long prompt's first
-            # pull, holds the driver lock for ~1 s and stalls every decoding stream (measured).
-            if self.store.near is not None:
-                self.store.near.reserve()
-            seq_bytes = engine.kv.blocks_for(engine.cfg.max_seq_len) * page_nbytes(engine.kv)
-            engine.pages.buffers.reserve(2, min(seq_bytes, 4 << 30))
+        reserve_pinned(engine, self.store)
         self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
         engine.pages.sink = self.publisher
 

@@ -1,11 +1,29 @@
-"""Weight directories of the debug model for engine and decode tests that need two versions."""
+"""Weight directories for engine and decode tests: the debug model in two versions, and random
+weights of any small config."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from services.common.config import load_config
+import torch
+
+from services.common.config import ModelConfig, load_config
+from services.common.modeldir import hf_config, write_model_dir
+from services.engine.model import CausalLM
 from trainer.model import build_model, save_weights_dir
+
+
+def random_model_dir(m: ModelConfig, dest: Path, seed: int = 0, version: int = 0, std: float = 0.02) -> Path:
+    """An HF directory of `m` with normal(0, std) matrices and unit norms (EOS: the last id)."""
+    torch.manual_seed(seed)
+    model = CausalLM(m, m.max_seq_len)
+    state = {
+        n: torch.ones_like(p) if p.dim() == 1 else torch.randn_like(p) * std
+        for n, p in model.named_parameters()
+    }
+    return write_model_dir(
+        dest, state, hf_config(m, eos_token_id=m.vocab_size - 1), None, {"version": version}
+    )
 
 
 def spread_debug_versions(root: Path) -> tuple[Path, Path]:
