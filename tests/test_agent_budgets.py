@@ -300,7 +300,7 @@ class EchoDecode:
     def __init__(self) -> None:
         self.requests: list[tuple[int, int]] = []
 
-    async def generate(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
+    async def generate(self, req: GenerateRequest, prefer: str | None = None) -> tuple[str, GenerateResponse]:
         self.requests.append((len(req.input_ids), req.sampling.max_tokens))
         ids = [*TOK.encode("a").ids, EOS][: req.sampling.max_tokens]
         choice = GenerateChoice(
@@ -414,7 +414,7 @@ def test_context_truncate_when_not_even_the_marker_fits() -> None:
 
 def test_max_tokens_clamped_to_what_the_context_has_left() -> None:
     r, decode = context_runner("stop", max_len=50, obs=OBS, max_tokens=16)
-    (choice,) = asyncio.run(r._generate(list(range(3, 48)), 1, None))
+    _url, (choice,) = asyncio.run(r._generate(list(range(3, 48)), 1, None))
     assert decode.requests[-1] == (45, 50 - 45) and len(choice.output_ids) <= 5
     asyncio.run(r._generate([3, 4], 1, None))
     assert decode.requests[-1] == (2, 16)  # the configured value when it fits
@@ -434,7 +434,7 @@ class ConstantDecode:
             output_ids=ids, logprobs=[-0.5] * 3, versions=[2] * 3, finish_reason="stop"
         )
 
-    async def generate(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
+    async def generate(self, req: GenerateRequest, prefer: str | None = None) -> tuple[str, GenerateResponse]:
         self.cpu.append(time.thread_time())
         self.input_lens.append(len(req.input_ids))
         return "inproc://decode", GenerateResponse(
@@ -590,7 +590,7 @@ class ToolPolicy:
         self.end = tok.token_to_id("<|im_end|>")  # type: ignore[attr-defined]
         self.inputs: list[str] = []
 
-    async def generate(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
+    async def generate(self, req: GenerateRequest, prefer: str | None = None) -> tuple[str, GenerateResponse]:
         text = self.tok.decode(req.input_ids, skip_special_tokens=False)  # type: ignore[attr-defined]
         self.inputs.append(text)
         turn = text.count("<tool_response>")

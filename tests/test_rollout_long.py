@@ -34,7 +34,7 @@ class ScriptedDecode:
         self.calls = 0
         self.max_input = 0
 
-    async def generate(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
+    async def generate(self, req: GenerateRequest, prefer: str | None = None) -> tuple[str, GenerateResponse]:
         self.calls += 1
         self.max_input = max(self.max_input, len(req.input_ids))
         text = TOK.decode(req.input_ids)

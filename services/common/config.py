@@ -269,6 +269,9 @@ class EngineConfig(Strict):
     # roofline (bench/engine/results/w1_h200_4.json); off on CPU, where the forward is synchronous
     # and nothing overlaps. true / false force it (the CPU tests force it on).
     overlap_schedule: Literal["auto"] | bool = "auto"
+    # LM-head logits as the bf16 GEMM's float32 output, not rounded to bf16 (services/common/
+    # lm_head.py): the trainer's head does the same (trainer.logits_fp32); docs/loss.md "bf16 numerics".
+    logits_fp32: bool = True
 
 
 class DecodeSection(ServiceSection):
@@ -412,6 +415,11 @@ class OrchestratorSection(ServiceSection):
     max_inflight_groups: int = Field(64, gt=0)
     max_turns: int = Field(8, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
+    # A sample's later turns go back to the decode replica that served its previous turn (its
+    # context's KV pages are in that replica's prefix cache: only the new tokens are prefilled)
+    # unless that replica has more than this many requests in flight above the least-loaded one;
+    # None: plain least-outstanding routing.
+    decode_affinity_slack: int | None = Field(8, ge=0)
     # Wall clock of one turn of one sample (its generation + its env step) and of a whole group's
     # episode; None: unbounded. A sample past either ends with finish_reason "turn_timeout" /
     # "rollout_timeout" and is scored on what it did (docs/environments.md, "Agent loop budgets").
@@ -475,6 +483,8 @@ class TrainerSection(Strict):
     packing: bool = False
     # > 0: project to the vocabulary this many tokens at a time (no [tokens x vocab] tensor).
     logprob_chunk_tokens: int = Field(0, ge=0)
+    # LM-head logits in float32 from the bf16 GEMM (as decode.engine.logits_fp32; docs/loss.md).
+    logits_fp32: bool = True
     # MoE: route every token to the experts inference recorded for it (Sample.routed_experts)
     # instead of the trainer's own top-k; the gate still learns through its scores at those ids.
     router_replay: bool = True
@@ -485,6 +495,10 @@ class TrainerSection(Strict):
     # bfloat16: FSDP2 mixed precision (bf16 params/compute, float32 master weights, optimizer
     # state and gradient reduction). A plain single process (no FSDP) uses torch.autocast.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # FSDP2 wrapping: "auto" only when the data-parallel world is > 1 (one process, even under
+    # torchrun, trains plain float32 parameters, bf16 through torch.autocast: no all-gather /
+    # reduce-scatter copies); "always" under any process group, also of one rank (docs/trainer.md).
+    fsdp: Literal["auto", "always"] = "auto"
     # torchtitan activation checkpointing per transformer block ("selective" = per-op SAC).
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     compile: bool = False  # torch.compile each transformer block

@@ -31,6 +31,7 @@ from services.common.schemas import (
     StepResponse,
     UpdateWeightsRequest,
 )
+from services.orchestrator.metrics import AFFINITY
 
 
 class ServiceUnavailable(RuntimeError):
@@ -70,14 +71,17 @@ class Registry:
 
 
 class Router:
-    """Least-outstanding-requests choice among live replicas of one kind."""
+    """Least-outstanding-requests choice among live replicas of one kind, with affinity: a
+    preferred replica (where a sample's previous turn ran) is kept while its load is within
+    `affinity_slack` requests of the least-loaded one."""
 
-    def __init__(self, registry: Registry, kind: str):
+    def __init__(self, registry: Registry, kind: str, affinity_slack: int | None = None):
         self.registry, self.kind = registry, kind
+        self.affinity_slack = affinity_slack
         self.outstanding: dict[str, int] = defaultdict(int)
         self._rr = itertools.count()
 
-    async def pick(self) -> str:
+    async def pick(self, prefer: str | None = None) -> str:
         infos = await self.registry.live(self.kind)
         if not infos:
             infos = await self.registry.live(self.kind, force=True)
@@ -85,7 +89,15 @@ class Router:
             raise NoLiveService(f"no live {self.kind} service")
         tie = next(self._rr)
         best = min(range(len(infos)), key=lambda j: (self.outstanding[infos[j].url], (j - tie) % len(infos)))
-        return infos[best].url
+        least = infos[best].url
+        if prefer is None or self.affinity_slack is None:
+            return least
+        # A replica that is no longer live (crashed, quarantined) is simply not among `infos`.
+        kept = any(i.url == prefer for i in infos) and (
+            self.outstanding[prefer] <= self.outstanding[least] + self.affinity_slack
+        )
+        AFFINITY.labels(self.kind, "kept" if kept else "moved").inc()
+        return prefer if kept else least
 
 
 TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
@@ -120,8 +132,9 @@ class DecodeClient:
     def __init__(self, client: aiohttp.ClientSession, router: Router):
         self.client, self.router = client, router
 
-    async def generate(self, req: GenerateRequest) -> tuple[str, GenerateResponse]:
-        url = await self.router.pick()
+    async def generate(self, req: GenerateRequest, prefer: str | None = None) -> tuple[str, GenerateResponse]:
+        """Returns the replica that served the request (a later turn's `prefer`) and its answer."""
+        url = await self.router.pick(prefer)
         self.router.outstanding[url] += 1
         try:
             # pydantic's Rust serialiser writes the JSON directly: at ~90k-token contexts

@@ -338,7 +338,9 @@ class Orchestrator:
             timeout=aiohttp.ClientTimeout(total=self.o.request_timeout_s, connect=5.0),
             connector=aiohttp.TCPConnector(limit=256),
         )
-        self.decode = DecodeClient(self._http, Router(self.registry, "decode"))
+        self.decode = DecodeClient(
+            self._http, Router(self.registry, "decode", affinity_slack=self.o.decode_affinity_slack)
+        )
         self.sandbox = SandboxClient(
             self._http, Router(self.registry, "sandbox"), credit=self.o.advantage == "token"
         )

@@ -14,3 +14,8 @@ POLICY_VERSION = Gauge("relay_orchestrator_policy_version", "weight version serv
 REWARD = Histogram(
     "relay_orchestrator_group_reward", "mean reward per group", ["env"], buckets=[i / 10 for i in range(11)]
 )
+AFFINITY = Counter(
+    "relay_orchestrator_affinity_total",
+    "requests routed with a preferred replica (a sample's previous turn's): kept there or moved",
+    ["kind", "outcome"],
+)

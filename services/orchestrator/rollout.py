@@ -119,15 +119,16 @@ class Trajectory:
     versions: list[int]
     turns: int = 0
     finish_reason: str = "stop"
-    decode_urls: set[str] = field(default_factory=set)
+    # the decode replica that served the last model turn: the next turn prefers it (its prefix cache)
+    decode_url: str | None = None
     routing: RoutingTrace = field(default_factory=RoutingTrace)
     # where each model turn's action lies in `tokens` (token credit, services/orchestrator/credit.py)
     actions: list[ActionSpan] = field(default_factory=list)
 
     @classmethod
-    def start(cls, prompt_ids: list[int]) -> Trajectory:
+    def start(cls, prompt_ids: list[int], decode_url: str | None = None) -> Trajectory:
         n = len(prompt_ids)
-        return cls(list(prompt_ids), [0] * n, [0.0] * n, [-1] * n)
+        return cls(list(prompt_ids), [0] * n, [0.0] * n, [-1] * n, decode_url=decode_url)
 
     def add_model(self, choice: GenerateChoice) -> None:
         self.tokens += choice.output_ids
@@ -212,8 +213,11 @@ class RolloutRunner:
         eot = end_of_turn_id(model_dir, tok, chat)
         return cls(cfg, decode, sandbox, tok, eot, chat=chat, eos_ids=model_eos_ids(model_dir))
 
-    async def _generate(self, ids: list[int], n: int, seed: int | None) -> list[GenerateChoice]:
-        """One turn's generation, re-issued on another replica if the serving one vanishes."""
+    async def _generate(
+        self, ids: list[int], n: int, seed: int | None, prefer: str | None = None
+    ) -> tuple[str, list[GenerateChoice]]:
+        """One turn's generation, re-issued on another replica if the serving one vanishes.
+        Returns the replica that served it; `prefer`: the one that served this sample's last turn."""
         # max_tokens never asks for more than the context has left, so the engine never
         # rejects a turn (the budget checks below normally leave a full turn anyway).
         max_tokens = min(self.sampling.max_tokens, self.max_len - len(ids))
@@ -230,8 +234,8 @@ class RolloutRunner:
         attempt = 0
         while True:
             try:
-                _url, resp = await self.decode.generate(req)
-                return resp.choices
+                url, resp = await self.decode.generate(req, prefer)
+                return url, resp.choices
             except ServiceUnavailable:
                 # The replica vanished (the client dropped it from the routing cache); a
                 # restarted or other replica picks the turn up from the same tokens.
@@ -356,7 +360,7 @@ class RolloutRunner:
             traj.add_env(obs_ids)
             try:
                 async with asyncio.timeout_at(turn.at):
-                    (choice,) = await self._generate(traj.tokens, 1, None)
+                    traj.decode_url, (choice,) = await self._generate(traj.tokens, 1, None, traj.decode_url)
             except TimeoutError:
                 # asyncio.timeout_at raises TimeoutError only for its own deadline; transport
                 # timeouts below it arrive as ServiceUnavailable (clients._post).
@@ -406,14 +410,14 @@ class RolloutRunner:
             turn = _Deadline(o.turn_timeout_s, rollout_at)
             try:
                 async with asyncio.timeout_at(turn.at):
-                    first = await self._generate(prompt_ids, g, seed)
+                    url, first = await self._generate(prompt_ids, g, seed)
             except TimeoutError:
                 budget = "turn_timeout_s" if turn.reason == "turn_timeout" else "rollout_timeout_s"
                 raise GroupTimedOut(
                     f"{turn.reason}: the group's first generation outlasted "
                     f"orchestrator.{budget}={getattr(o, budget):g} s; no sample has a model turn"
                 ) from None
-            trajs = [Trajectory.start(prompt_ids) for _ in range(g)]
+            trajs = [Trajectory.start(prompt_ids, url) for _ in range(g)]
             scored = await _gather_or_cancel(
                 [
                     self._finish_sample(s, t, c, turn, rollout_at, conv)
