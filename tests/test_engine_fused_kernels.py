@@ -18,7 +18,7 @@ from helpers import triton_interp
 # The kernels run under Triton's interpreter without CUDA (tests/helpers/triton_interp.py); if
 # triton was imported too early for that, this file's tests skip and test_fused_kernel_tests_in_child_process
 # runs them in a child process.
-INTERPRET, IN_CHILD = triton_interp.prepare(("sampling", "fused_norm", "paged_attention", "qk_rope"))
+INTERPRET, IN_CHILD = triton_interp.prepare(("sampling", "fused_norm", "paged_attention", "qk_rope", "gemv"))
 needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
 triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
 
@@ -33,7 +33,7 @@ from services.common.config import EngineConfig, load_config  # noqa: E402
 from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.kernels import fused_norm, sampling  # noqa: E402
+from services.engine.kernels import fused_norm, gemv, sampling  # noqa: E402
 from services.engine.model import CausalLM  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
 
@@ -114,6 +114,23 @@ def test_seeded_rows_reproduce_and_ignore_the_batch() -> None:
     # Different seeds give different draws somewhere (300 near-flat tokens: collisions are rare).
     c, _ = run(logits, [1.0] * 5, [s + 1 for s in seeds])
     assert c != a
+
+
+@needs_interpreter
+def test_chunking_a_row_changes_nothing() -> None:
+    """A row split over many programs (batch 1 on a GPU) picks the same tokens as one program per
+    row, greedy ties included, with the same log-probs up to summation order."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 1000, generator=g) * 2
+    logits[0, 10] = logits[0, 900] = 50.0  # a greedy tie in the first and the last chunk
+    logits[2, :] = float("-inf")  # a dead row: the uniform race, also chunked
+    t = torch.tensor([0.0, 0.8, 1.0], device=DEVICE)
+    s = torch.tensor([7, 8, 9], dtype=torch.int64, device=DEVICE)
+    x = logits.to(DEVICE)
+    one_tok, one_lp = sampling.fused_sample(x, t, s, block=16, programs=1)
+    many_tok, many_lp = sampling.fused_sample(x, t, s, block=16, programs=3 * 40)
+    assert many_tok.tolist() == one_tok.tolist() and one_tok[0] == 10
+    assert torch.allclose(many_lp, one_lp, atol=1e-5)
 
 
 @needs_interpreter
@@ -265,3 +282,17 @@ def test_engine_with_fused_elementwise_matches_torch_backend(tmp_path: Path) -> 
     for a, b in zip(ref2, engine.generate(reqs), strict=True):
         assert a.choices[0].output_ids == b.choices[0].output_ids
         assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv_equals_linear(m: int) -> None:
+    """The decode GEMV (kernels/gemv.py), every configuration it may pick, against F.linear: N and K
+    not multiples of the tiles (masked edges), M rows padded to its bucket."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 300, generator=g).to(DEVICE)
+    w = torch.randn(40, 300, generator=g).to(DEVICE)
+    ref = torch.nn.functional.linear(x, w)
+    for cfg in gemv.CONFIGS:
+        out = gemv.gemv(x, w, cfg)
+        assert out.shape == (m, 40) and torch.allclose(out, ref, atol=1e-4, rtol=1e-5), cfg

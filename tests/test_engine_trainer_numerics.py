@@ -22,7 +22,12 @@ services/engine/model.py norm_rope), the autocast trainer's residual stream kept
 (bf16_residual_under_autocast) and its RMSNorms multiplying by bf16 weight values (RelayRMSNorm:
 with norm weights that are not bf16 values, as after training, `--perturb-norms`, autocast was
 1.9e-3 mean / 8.0e-3 max apart without it). The bounds below leave room for a stray bf16 ulp from
-a kernel, not for a formulation difference (those give ~1e-3 mean)."""
+a kernel, not for a formulation difference (those give ~1e-3 mean).
+
+Both sides' LM-head logits are float32 by default (services/common/lm_head.py, `logits_fp32`);
+the bf16-output head (`logits_fp32` off) is still bitwise equal on CPU. `floor_sources` emulates
+the GPU's accumulation-order differences on the trainer side and shows what rounding the logits
+to bf16 adds (docs/loss.md "bf16 numerics")."""
 
 from __future__ import annotations
 
@@ -65,9 +70,20 @@ def result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return measure(m, rows=2, seq=48, seed=3, perturb_norms=True, workdir=tmp_path_factory.mktemp("numerics"))
 
 
-@pytest.mark.parametrize("path", TRAINER_PATHS)
-def test_bf16_engine_equals_bf16_trainer_with_replay(result: dict[str, Any], path: str) -> None:
-    r = result[f"engine_vs_trainer_{path}"]
+@pytest.fixture(scope="module")
+def result_bf16_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return measure(
+        moe_config(3),
+        rows=2,
+        seq=48,
+        seed=3,
+        perturb_norms=True,
+        workdir=tmp_path_factory.mktemp("n16"),
+        logits_fp32=False,
+    )
+
+
+def _check_equal(r: dict[str, Any], path: str) -> None:
     for i, layer in enumerate(r["layers"]):
         assert layer["resid"]["mean"] <= HIDDEN_MEAN, (path, i, layer)
         assert layer["attn"]["mean"] <= HIDDEN_MEAN, (path, i, layer)
@@ -77,6 +93,35 @@ def test_bf16_engine_equals_bf16_trainer_with_replay(result: dict[str, Any], pat
     assert r["logp_abs_mean"] <= LOGP_MEAN, r
     assert r["logp_abs_max"] <= LOGP_MAX, r
     assert r["kl_full_mean"] <= 1e-9, r
+
+
+@pytest.mark.parametrize("path", TRAINER_PATHS)
+def test_bf16_engine_equals_bf16_trainer_with_replay(result: dict[str, Any], path: str) -> None:
+    """In the default (float32 logits on both sides)."""
+    assert result["logits_fp32"] is True
+    _check_equal(result[f"engine_vs_trainer_{path}"], path)
+
+
+@pytest.mark.parametrize("path", TRAINER_PATHS)
+def test_bf16_logits_head_still_equal_with_replay(result_bf16_logits: dict[str, Any], path: str) -> None:
+    """logits_fp32 off on both sides (the bf16-output head): still the same function."""
+    assert result_bf16_logits["logits_fp32"] is False
+    _check_equal(result_bf16_logits[f"engine_vs_trainer_{path}"], path)
+
+
+def test_float32_logits_remove_the_head_rounding_term() -> None:
+    """floor_sources: with the same hidden states and only the head's float32 sums in another
+    order, bf16 logits turn that into whole-ulp differences (a KL hundreds of times larger than
+    the float32 head's); with no emulated difference the float32 arms are bitwise equal."""
+    rows = numerics.floor_sources(moe_config(2), rows=2, seq=32, seed=1)["rows"]
+    none, head = rows["none"], rows["head_order"]
+    assert none["fp32_logits"]["logits_differ_frac"] == 0.0
+    assert none["fp32_logits"]["kl_full_mean"] == 0.0
+    assert head["fp32_logits"]["logits_differ_frac"] > 0.5  # the emulated order noise is there
+    assert 0.0 < head["fp32_logits"]["kl_full_mean"] * 100 < head["bf16_logits"]["kl_full_mean"]
+    for name in ("body_flip_1e-3", "body_flip_1e-2", "head_order+body_flip_1e-3"):
+        for arm in ("bf16_logits", "fp32_logits"):
+            assert rows[name][arm]["kl_full_mean"] > 0.0, (name, arm)
 
 
 def test_harness_sees_bf16_rounding(result: dict[str, Any]) -> None:

@@ -102,6 +102,8 @@ def _trajectory(
     cfg.trainer.logprob_chunk_tokens = 16
     cfg.trainer.compile = compile
     cfg.trainer.activation_checkpoint = activation_checkpoint  # type: ignore[assignment]
+    # FSDP2 on a 1-rank group too (the default "auto" skips it there); no effect without a group.
+    cfg.trainer.fsdp = "always"
     if compile:
         # A fresh dynamo cache: an earlier test of the same blocks must not lend its graphs, so the
         # graph count below shows this run compiling once and never again.

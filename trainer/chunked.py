@@ -15,6 +15,12 @@ Speed (issue 9, bench/trainer/profile.py): the weight gradient is a tensor-core 
 float32 output (`_mm_float32`), not a float32 GEMM over float32 copies; with `fused` (CUDA +
 trainer.compile) each chunk's softmax math is one compiled kernel or two over the model-dtype
 logits instead of ~10 eager passes over float32 [chunk x vocab] tensors.
+
+Float32 logits (issue 7, `trainer.logits_fp32`, default on): the head's logits are the model-dtype
+GEMM's float32 output (`services.common.lm_head.float32_logits`, what the engine's `logits()`
+returns), not rounded to bf16, in the forward, in the backward's recomputation and in the plain
+(unchunked) head alike. The logits' gradient is rounded to the GEMM dtype before the two gradient
+GEMMs, as autograd does for a bf16 output.
 """
 
 from __future__ import annotations
@@ -26,36 +32,49 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.common.lm_head import float32_logits, gemm_dtype, mm_out_dtype_works
+
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, fused: bool
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        fused: bool,
+        fp32: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = h.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=h.device)
         ent = torch.empty(n, dtype=torch.float32, device=h.device)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         stats = _compiled("stats") if fused else chunk_stats
+        # The GEMM dtype the forward runs in (bf16 under autocast even for float32 weights): the
+        # backward may run outside autocast and must recompute the same logits.
+        mm_dtype = gemm_dtype(h, weight)
+        # fp32: cast once (autocast's float32 weights), not per chunk inside float32_logits.
+        hm, wm = (h.to(mm_dtype), weight.to(mm_dtype)) if fp32 else (h, weight)
         with torch.profiler.record_function("relay::logprob_head_fwd"):
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
-                # Model-dtype matmul; the float32 math on its (rounded) logits is in chunk_stats.
-                lse[s:e], logp[s:e], ent[s:e] = stats(h[s:e] @ weight.t(), targets[s:e])
+                # fp32: the GEMM's float32 output; else the model-dtype matmul (rounded logits).
+                # The float32 math on them is in chunk_stats.
+                x = float32_logits(hm[s:e], wm, mm_dtype) if fp32 else h[s:e] @ weight.t()
+                lse[s:e], logp[s:e], ent[s:e] = stats(x, targets[s:e])
+                del x
+        del hm, wm
         ctx.save_for_backward(h, weight, targets, lse)
-        # The GEMM dtype the forward ran in (bf16 under autocast even for float32 weights): the
-        # backward may run outside autocast and must recompute the same logits.
-        ctx.mm_dtype = torch.promote_types(h.dtype, weight.dtype)
-        if torch.is_autocast_enabled(h.device.type):
-            ctx.mm_dtype = torch.get_autocast_dtype(h.device.type)
-        ctx.chunk, ctx.fused = chunk, fused
+        ctx.mm_dtype = mm_dtype
+        ctx.chunk, ctx.fused, ctx.fp32 = chunk, fused, fp32
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_logp: torch.Tensor, _grad_ent: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         h, weight, targets, lse = ctx.saved_tensors
         chunk: int = ctx.chunk
         dlogits_of = _compiled("dlogits") if ctx.fused else chunk_dlogits
@@ -68,20 +87,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with torch.profiler.record_function("relay::logprob_head_bwd"):
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
-                d = dlogits_of(hm[s:e] @ wm.t(), lse[s:e], grad_logp[s:e].float(), targets[s:e])
+                # The forward's logits again (float32 ones with fp32); the gradient in the GEMM dtype.
+                x = float32_logits(hm[s:e], wm, ctx.mm_dtype) if ctx.fp32 else hm[s:e] @ wm.t()
+                d = dlogits_of(x, lse[s:e], grad_logp[s:e].float(), targets[s:e], ctx.mm_dtype)
+                del x
                 if grad_h is not None:
                     grad_h[s:e] = d @ wm
                 if grad_w is not None:
                     grad_w.add_(_mm_float32(d.t(), hm[s:e]))
                 del d
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
 
 
 def chunk_stats(
     logits: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's (log-sum-exp, log-prob of the target, entropy) from its logits [c, V] in the
-    model dtype, all in float32 (as the full path: logits rounded to the model dtype, then float32).
+    """One chunk's (log-sum-exp, log-prob of the target, entropy) from its logits [c, V] (float32,
+    or the model dtype without logits_fp32), all in float32, as the full path computes them.
     Entropy H = lse - sum p * logits (= -sum p log p). In-place ops where a temporary is fresh,
     so eager runs ~4 [c x V] float32 passes fewer allocations."""
     x = logits.float()
@@ -93,18 +115,27 @@ def chunk_stats(
 
 
 def chunk_dlogits(
-    logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """d(sum g * logp) / d logits = g * (onehot(target) - softmax(logits)), in the logits' dtype.
-    `logits` is a fresh matmul output, clobbered in place (no float32 copy when it is float32)."""
+    """d(sum g * logp) / d logits = g * (onehot(target) - softmax(logits)), in `dtype` (default:
+    the logits' dtype). `logits` is a fresh matmul output, clobbered in place (no float32 copy
+    when it is float32)."""
     x = logits.float()
     d = x.sub_(lse.unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
     d.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
-    return d.to(logits.dtype)
+    return d.to(logits.dtype if dtype is None else dtype)
 
 
 def chunk_dlogits_pointwise(
-    logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """chunk_dlogits as one pointwise expression (the scatter becomes a where on the target
     column), which torch.compile fuses into a single pass reading the low-precision logits and
@@ -114,7 +145,7 @@ def chunk_dlogits_pointwise(
     dl = torch.exp(x - lse.unsqueeze(-1)) * (-g.unsqueeze(-1))
     col = torch.arange(x.shape[-1], device=x.device)
     d = torch.where(col == targets.unsqueeze(-1), dl + g.unsqueeze(-1), dl)
-    return d.to(logits.dtype)
+    return d.to(logits.dtype if dtype is None else dtype)
 
 
 _COMPILED: dict[str, Callable[..., Any]] = {}
@@ -131,23 +162,6 @@ def _compiled(which: str) -> Callable[..., Any]:
     return fn
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}
-
-
-def _mm_out_dtype_works(device: torch.device) -> bool:
-    """Whether this torch's mm takes out_dtype=float32 for bf16/fp16 inputs on `device` (CUDA
-    has it since torch 2.8; CPU builds lack the kernel). Probed once per device type."""
-    key = device.type
-    if key not in _MM_OUT_DTYPE:
-        try:
-            a = torch.ones(16, 8, dtype=torch.bfloat16, device=device)
-            out = torch.mm(a.t(), a, out_dtype=torch.float32)
-            _MM_OUT_DTYPE[key] = out.dtype == torch.float32 and float(out[0, 0]) == 16.0
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[key] = False
-    return _MM_OUT_DTYPE[key]
-
-
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as float32 for the weight gradient. Low-precision inputs used to be copied to
     float32 first (a [V x chunk] copy and a float32 GEMM without tensor cores: on the H200 at 16k
@@ -155,7 +169,7 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     output computes the same products (bf16 values are exact in float32) with float32 accumulation."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return a @ b
-    if _mm_out_dtype_works(a.device):
+    if mm_out_dtype_works(a.device):
         return torch.mm(a, b, out_dtype=torch.float32)
     if a.is_cuda:
         # Older torch: the low-precision GEMM (float32 accumulation inside), rounded once per
@@ -165,45 +179,88 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_logprobs(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, fused: bool = False
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    fused: bool = False,
+    fp32: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [..., D], weight [V, D], targets [...] -> (logp [...], entropy [...]), float32.
 
     logp carries the gradient (to h and weight); entropy is detached (logged only).
     fused: run each chunk's softmax math torch.compile'd (one or two passes over the
-    low-precision logits instead of ~10 over float32 copies; the same values to rounding)."""
+    low-precision logits instead of ~10 over float32 copies; the same values to rounding).
+    fp32: the chunk logits are the GEMM's float32 output (trainer.logits_fp32); else rounded
+    to the GEMM dtype."""
     if chunk <= 0:
         raise ValueError("chunk must be positive")
     lead = targets.shape
     logp, ent = _ChunkedLogProbs.apply(
-        h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1).long(), int(chunk), bool(fused)
+        h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1).long(), int(chunk), bool(fused), bool(fp32)
     )
     return logp.view(lead), ent.view(lead)
 
 
+class _Float32Logits(torch.autograd.Function):
+    """h [N, D] @ weight.T -> float32 logits [N, V] with a gradient (the unchunked head). Its own
+    backward because torch.mm's out_dtype has no autograd formula to rely on: the float32
+    gradient is rounded to the GEMM dtype first, as autograd does for a bf16 output, so both
+    gradient GEMMs stay tensor-core GEMMs; the weight's accumulates in float32."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mm_dtype = gemm_dtype(h, weight)
+        ctx.save_for_backward(h, weight)
+        return float32_logits(h, weight, ctx.mm_dtype)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        h, weight = ctx.saved_tensors
+        g, hm, wm = grad.to(ctx.mm_dtype), h.to(ctx.mm_dtype), weight.to(ctx.mm_dtype)
+        with torch.autocast(h.device.type, enabled=False):
+            grad_h = (g @ wm).to(h.dtype) if ctx.needs_input_grad[0] else None
+            grad_w = _mm_float32(g.t(), hm).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w
+
+
+def float32_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [..., D] -> float32 logits [..., V] (the plain head with trainer.logits_fp32)."""
+    out = _Float32Logits.apply(h.reshape(-1, h.shape[-1]), weight)
+    return out.view(*h.shape[:-1], weight.shape[0])
+
+
 class ChunkedOutput(nn.Linear):
     """The output layer; with `targets` set it returns (logp, entropy) instead of logits.
-    `fused` (set by trainer.parallel when trainer.compile is on, CUDA only): compiled chunk math."""
+    `fused` (set by trainer.parallel when trainer.compile is on, CUDA only): compiled chunk math.
+    `logits_fp32` (trainer.logits_fp32, default on): logits are the GEMM's float32 output, in
+    both modes (as the engine's; services/common/lm_head.py)."""
 
     targets: torch.Tensor | None = None
     chunk: int = 0
     fused: bool = False
+    logits_fp32: bool = True
 
     def forward(self, h: torch.Tensor) -> Any:  # type: ignore[override]
         if self.targets is None:
-            return super().forward(h)
-        return chunked_logprobs(h, self.weight, self.targets, self.chunk, self.fused)
+            return float32_head(h, self.weight) if self.logits_fp32 else super().forward(h)
+        return chunked_logprobs(h, self.weight, self.targets, self.chunk, self.fused, self.logits_fp32)
 
 
-def enable_chunked_output(model: nn.Module) -> nn.Module:
+def enable_chunked_output(model: nn.Module, logits_fp32: bool = True) -> nn.Module:
     """Swap the model's `output` Linear for a ChunkedOutput holding the SAME parameter (tying and
-    the state-dict name `output.weight` unchanged). Idempotent; call before sharding."""
+    the state-dict name `output.weight` unchanged). Idempotent (sets `logits_fp32` again);
+    call before sharding."""
     out = model.output  # type: ignore[union-attr]
     if isinstance(out, ChunkedOutput):
+        out.logits_fp32 = logits_fp32
         return model
     assert isinstance(out, nn.Linear) and out.bias is None
     head = ChunkedOutput(out.in_features, out.out_features, bias=False, device="meta")
     head.weight = out.weight
+    head.logits_fp32 = logits_fp32
     model.output = head  # type: ignore[union-attr]
     return model
 

@@ -12,10 +12,12 @@ Order (torchtitan's parallelize_qwen3, with torchtitan's functions where they fi
                         weight stay one parameter); MixedPrecisionPolicy bf16 params/compute,
                         float32 reduction; the sharded float32 parameters are the master weights.
 
-FSDP needs a process group. Under torchrun (or any initialised group, even of one process, which is
-what bench/trainer/step.py uses) it is always applied, so bf16 is FSDP's mixed precision. A plain
-single process (the CPU default) has no FSDP; there `bfloat16` means torch.autocast, torchtitan's
-choice for single-device training (`autocast_context`).
+FSDP needs a process group and, with trainer.fsdp = "auto" (the default), more than one rank
+(`use_fsdp`): as torchtitan, which applies no FSDP when dp_shard == 1. On one rank FSDP2 would only
+copy (all-gather copy-in/out of every parameter, reduce-scatter copies of every gradient, casts:
+~355 device copies, ~9 ms of a 0.6B step on an H200). Without FSDP `bfloat16` means float32
+parameters under torch.autocast, torchtitan's single-device choice (`autocast_context`);
+trainer.fsdp = "always" keeps FSDP on a 1-rank group (what bench/trainer/step.py measured first).
 
 Parallel degrees come from trainer.tp / cp / ep and the process count, checked with torchtitan's
 ParallelDims rules (dp = world / (tp * cp); ep divides world). Not wired, refused with a clear
@@ -26,6 +28,7 @@ TP-sharded tied embedding a replicated output).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,7 @@ class Degrees:
     tp: int
     cp: int
     ep: int
+    fsdp: bool = False  # whether parallelize wrapped the model in FSDP2 (use_fsdp)
 
     def data_rank(self, rank: int) -> int:
         """Which data-parallel shard of the batch `rank` trains: ranks of one cp x tp group
@@ -75,6 +79,13 @@ def degrees(tc: TrainerSection, world: int) -> Degrees:
         dp_replicate=1, dp_shard=-1, cp=tc.cp, tp=tc.tp, pp=1, ep=tc.ep, etp=1, world_size=world
     )
     return Degrees(world=world, dp=dims.dp_shard, tp=tc.tp, cp=tc.cp, ep=tc.ep)
+
+
+def use_fsdp(tc: TrainerSection, world: int, distributed: bool) -> bool:
+    """FSDP2 needs a process group; "auto" applies it only when there is something to shard over
+    (world > 1: dp, cp or ep ranks), "always" on any group. One rank without FSDP is a plain
+    model, so its checkpoints and published weights are the same full state dicts."""
+    return distributed and (tc.fsdp == "always" or world > 1)
 
 
 def _device_type(device: torch.device) -> str:
@@ -229,10 +240,10 @@ def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype, efsdp_mesh: Any 
 def parallelize(
     model: nn.Module, tc: TrainerSection, world: int, device: torch.device, distributed: bool
 ) -> tuple[nn.Module, Degrees, dict[str, Any]]:
-    """Apply trainer.{attention, cp, activation_checkpoint, compile, dtype} and FSDP2 (when a
-    process group exists) to `model` (already on `device`, float32). Returns the model, the
-    parallel degrees and the meshes (empty without a process group)."""
-    deg = degrees(tc, world)
+    """Apply trainer.{attention, cp, activation_checkpoint, compile, dtype} and FSDP2 (`use_fsdp`)
+    to `model` (already on `device`, float32). Returns the model, the parallel degrees (`fsdp`:
+    whether FSDP2 wraps it) and the meshes (empty without a process group)."""
+    deg = dataclasses.replace(degrees(tc, world), fsdp=use_fsdp(tc, world, distributed))
     if tc.attention != "sdpa" and device.type != "cuda":
         raise ValueError(f"trainer.attention {tc.attention!r} needs CUDA, the trainer runs on {device}")
     enable_document_attention(model, tc.attention, tc.sdpa_backend, tc.sdpa_expand_kv)
@@ -264,7 +275,7 @@ def parallelize(
         head = getattr(model, "output", None)
         if device.type == "cuda" and hasattr(head, "fused"):
             head.fused = True  # the chunked log-prob head's softmax math compiled too (chunked.py)
-    if distributed:
+    if deg.fsdp:
         apply_fsdp(model, meshes["fsdp"], DTYPES[tc.dtype], meshes.get("efsdp"))
     return model, deg, meshes
 
@@ -279,10 +290,21 @@ def clip_grad_norm(model: nn.Module, max_norm: float, deg: Degrees) -> torch.Ten
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def autocast_context(tc: TrainerSection, device: torch.device, distributed: bool) -> Any:
-    """bf16 without FSDP (a plain single process): autocast, float32 weights. With FSDP the
-    MixedPrecisionPolicy already casts, so nothing to do."""
-    if tc.dtype == "float32" or distributed:
+def autocast_context(tc: TrainerSection, device: torch.device, fsdp: bool) -> Any:
+    """bf16 without FSDP (`Degrees.fsdp` False: one rank): autocast, float32 weights. With FSDP
+    the MixedPrecisionPolicy already casts, so nothing to do.
+
+    Numerics against FSDP's MixedPrecisionPolicy(bf16, reduce float32): the same GEMMs and
+    attention (bf16 inputs; autocast casts each float32 weight to bf16 once per forward, as FSDP's
+    all-gather does) and the same gradient policy (each micro-batch's weight gradient comes out of
+    a bf16 GEMM and is accumulated in float32 on the float32 parameter, where FSDP casts it to
+    float32 for its reduce-scatter and accumulates in the float32 shard). Plain autocast would
+    keep a float32 residual stream (float32 embedding output) and float32 norm weights; the model
+    rounds those to bf16 as FSDP does (trainer.model.bf16_residual_under_autocast, RelayRMSNorm).
+    What stays different: elementwise ops autocast does not list (RoPE, SiLU * up, the norms'
+    arithmetic) run in float32 on bf16-rounded inputs where FSDP runs some in bf16, so autocast
+    rounds less often (tests/test_trainer_world1.py bounds the gap)."""
+    if tc.dtype == "float32" or fsdp:
         return contextlib.nullcontext()
     return torch.autocast(_device_type(device), dtype=torch.bfloat16)
 

@@ -263,7 +263,7 @@ class Trainer:
             self.version = 0
         # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
         # Both swaps keep parameters and names; they only act when packing / chunking is used.
-        enable_chunked_output(model)
+        enable_chunked_output(model, tc.logits_fp32)  # float32 logits as the engine's (docs/loss.md)
         enable_router_replay(model)  # MoE: routers that can follow recorded expert ids
         if tc.fp8:
             # Same FP8 recipe as an engine with quantization="fp8"; master weights stay as they are.
@@ -479,7 +479,7 @@ class Trainer:
         # FSDP2 averages gradients over its dp * cp ranks; the loss is a global sum / N (each cp
         # rank's loss covering its own shard), so scale it back.
         scale = float(deg.dp * deg.cp)
-        amp = autocast_context(tc, self.d.device, self.d.enabled)
+        amp = autocast_context(tc, self.d.device, deg.fsdp)  # bf16 without FSDP: autocast
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)

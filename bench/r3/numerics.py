@@ -28,10 +28,30 @@ float32 under autocast, CPU does not); the trainer now computes q/k-norm, RoPE a
 softmax in float32 explicitly, and a layer norm's bf16 output is the same rounding of the same
 float32 value either way, so both trainer paths compute the same function on both devices.
 The engine's CPU path computes q/k-norm + RoPE as its GPU kernel does (float32, one rounding).
+Both sides' LM-head logits are float32 by default (`logits_fp32`, services/common/lm_head.py);
+`--bf16-logits` measures the old bf16-output head.
 
-Run (CPU, ~10 s):
+Floor sources (`--sources`, `floor_sources()`): on CPU the two sides are bitwise equal with replay,
+so the GPU's floor (kernels summing in different orders) is emulated on the trainer side, one
+toggle at a time, and the mismatch KL is reported with bf16 and with float32 logits:
+  - `head_order`: the LM head's float32 accumulator perturbed by a relative N(0, eps) with
+    eps = 2^-24 * sqrt(dim) (the spread of float32 sums of `dim` products in another order, as
+    cuBLAS tiles or split-K give); the bf16-logits arm rounds the perturbed value to bf16, the
+    float32 arm keeps it;
+  - `body_flip`: every attention and MLP/MoE output element moved to its neighbouring bf16 value
+    with probability p (a bf16-output kernel whose float32 sum lands on the other side of a
+    rounding boundary: Triton paged attention vs SDPA, grouped vs per-expert GEMMs).
+These are models of the GPU's differences, not measurements of them; what they show is how much
+each source is amplified by rounding the logits to bf16.
+
+Head alone (`--head`, `head_only()`): the LM head at the real shape (dim 2048, vocabulary 151936)
+with a real accumulation-order difference (one float32 GEMM against the same products summed as
+4 split-K partial GEMMs), near-uniform (hf init) and peaked (trained-like) logits: the head's whole
+share of the floor with bf16 and with float32 logits.
+
+Run (CPU, ~10 s; --sources ~10 s more; --head ~2 min):
     .venv/bin/python bench/r3/numerics.py [--dense] [--perturb-norms] [--layers 4] [--rows 4] [--seq 64]
-        [--out x.json]
+        [--bf16-logits] [--sources] [--head] [--out x.json]
 """
 
 from __future__ import annotations
@@ -56,6 +76,7 @@ from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, Span  # noqa: E402
 from services.engine.moe import MoE as EngineMoE  # noqa: E402
+from trainer.chunked import enable_chunked_output  # noqa: E402
 from trainer.model import build_model, save_weights_dir  # noqa: E402
 from trainer.replay import moe_routers, routing  # noqa: E402
 
@@ -115,6 +136,7 @@ class Run:
 
     taps: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {t: [] for t in TAPS})
     logp: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # [N, V] as the head returned them (float32 or bf16)
     ids: list[torch.Tensor] = field(default_factory=list)  # engine only: [N, k] per MoE layer
 
 
@@ -148,6 +170,7 @@ def run_engine(eng: LLMEngine, rows: torch.Tensor) -> Run:
             batch = ForwardBatch.build(spans, eng.device, eng.kv.max_seq_len, eng.kv.block_size)
             logits = eng.model.logits(eng.model(batch, eng.kv))
             out.logp = torch.log_softmax(logits.float(), dim=-1)
+            out.logits = logits
     finally:
         for h in hooks:
             h.remove()
@@ -220,17 +243,26 @@ def measure(
     seed: int = 0,
     perturb_norms: bool = False,
     workdir: Path | None = None,
+    logits_fp32: bool = True,
 ) -> dict[str, Any]:
-    """Everything above for one model; returns a JSON-able dict (see the module docstring)."""
+    """Everything above for one model; returns a JSON-able dict (see the module docstring).
+    logits_fp32: both sides' LM head with a float32 output (EngineConfig / trainer.logits_fp32)."""
     torch.manual_seed(seed)
     model = build_model(m, seed=seed).eval()
     hf_init(model, seed, perturb_norms)
+    enable_chunked_output(model, logits_fp32)  # the trainer's head, as train.py sets it up
     tokens = torch.randint(0, m.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(seed + 1))
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         d = save_weights_dir(m, model.state_dict(), workdir / "w", {"version": 0})
-        ecfg = dict(device="cpu", max_batch_size=rows, max_seq_len=max(seq, 16), block_size=16)
+        ecfg = dict(
+            device="cpu",
+            max_batch_size=rows,
+            max_seq_len=max(seq, 16),
+            block_size=16,
+            logits_fp32=logits_fp32,
+        )
         eng = LLMEngine(d, EngineConfig(dtype="bfloat16", **ecfg))
         eng32 = LLMEngine(d, EngineConfig(dtype="float32", **ecfg))
         e16 = run_engine(eng, tokens)
@@ -249,6 +281,7 @@ def measure(
     out: dict[str, Any] = {
         "model": m.model_dump(include={"arch", "dim", "n_layers", "n_routed_experts", "n_experts_per_tok"}),
         "tokens": rows * (seq - 1),
+        "logits_fp32": logits_fp32,
         # float32 engine vs float32 trainer replaying its ids: the parity floor (~1e-6)
         "fp32_engine_vs_fp32_trainer": compare(e32, ref_own, tokens),
         "engine_bf16_vs_fp32": compare(e16, ref, tokens),
@@ -257,6 +290,154 @@ def measure(
         out[f"trainer_{name}_vs_fp32"] = compare(run, ref, tokens)
         out[f"engine_vs_trainer_{name}"] = compare(e16, run, tokens)
     return out
+
+
+def _flip_hook(p: float, gen: torch.Generator) -> Any:
+    """Forward hook: each element of a bf16 output moves to a neighbouring bf16 value (up or down
+    at random) with probability p (`body_flip`)."""
+
+    def hook(m: torch.nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
+        assert o.dtype == torch.bfloat16, o.dtype
+        hit = torch.rand(o.shape, generator=gen) < p
+        to = torch.where(torch.rand(o.shape, generator=gen) < 0.5, float("inf"), float("-inf"))
+        return torch.where(hit, torch.nextafter(o, to.to(o.dtype)), o)
+
+    return hook
+
+
+def _order_hook(eps: float, gen: torch.Generator, store: list[torch.Tensor]) -> Any:
+    """Forward hook on the trainer's float32 head: x * (1 + N(0, eps)) (`head_order`); keeps the
+    result in `store` (the arms are derived from it)."""
+
+    def hook(m: torch.nn.Module, i: Any, o: torch.Tensor) -> torch.Tensor:
+        assert o.dtype == torch.float32, o.dtype
+        if eps > 0:
+            o = o * (1 + eps * torch.randn(o.shape, generator=gen))
+        store.append(o)
+        return o
+
+    return hook
+
+
+SOURCE_ROWS: dict[str, tuple[bool, float]] = {
+    # name: (head_order on, body_flip probability)
+    "none": (False, 0.0),
+    "head_order": (True, 0.0),
+    "body_flip_1e-3": (False, 1e-3),
+    "body_flip_1e-2": (False, 1e-2),
+    "head_order+body_flip_1e-3": (True, 1e-3),
+}
+
+
+def floor_sources(
+    m: ModelConfig, *, rows: int = 4, seq: int = 64, seed: int = 0, perturb_norms: bool = False
+) -> dict[str, Any]:
+    """The replay floor by emulated source (module docstring, "Floor sources"), each with the
+    logits rounded to bf16 (`bf16_logits`: the engine with logits_fp32 off, the trainer's float32
+    accumulator rounded) and kept in float32 (`fp32_logits`: both sides' logits_fp32 head).
+    Trainer: bf16 parameters (FSDP2's mixed precision), the engine's expert ids replayed."""
+    torch.manual_seed(seed)
+    model = build_model(m, seed=seed).eval()
+    hf_init(model, seed, perturb_norms)
+    enable_chunked_output(model, True)
+    tokens = torch.randint(0, m.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(seed + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        d = save_weights_dir(m, model.state_dict(), Path(tmp) / "w", {"version": 0})
+        ecfg = EngineConfig(device="cpu", dtype="bfloat16", max_batch_size=rows, max_seq_len=max(seq, 16))
+        eng = LLMEngine(d, ecfg)
+        engine: dict[str, Run] = {}
+        for arm, fp32 in (("bf16_logits", False), ("fp32_logits", True)):
+            eng.model.logits_fp32 = fp32
+            engine[arm] = run_engine(eng, tokens)
+    routes = torch.stack(engine["fp32_logits"].ids, dim=1).view(rows, seq, len(engine["fp32_logits"].ids), -1)
+    trainer_model = bf16_params(model)
+    eps = 2.0**-24 * m.dim**0.5
+    out: dict[str, Any] = {"tokens": rows * (seq - 1), "head_order_eps": eps, "rows": {}}
+    for name, (order, p) in SOURCE_ROWS.items():
+        gen = torch.Generator().manual_seed(seed + 7)
+        store: list[torch.Tensor] = []
+        hooks = [trainer_model.output.register_forward_hook(_order_hook(eps if order else 0.0, gen, store))]
+        if p > 0:
+            for block in trainer_model.layers.values():  # type: ignore[union-attr]
+                ffn = block.moe if getattr(block, "moe_enabled", False) else block.feed_forward
+                hooks.append(block.attention.register_forward_hook(_flip_hook(p, gen)))
+                hooks.append(ffn.register_forward_hook(_flip_hook(p, gen)))
+        try:
+            run_trainer(trainer_model, tokens, routes, contextlib.nullcontext())  # logits: `store`
+        finally:
+            for h in hooks:
+                h.remove()
+        (x,) = store
+        row: dict[str, Any] = {}
+        for arm, logits in (("bf16_logits", x.bfloat16()), ("fp32_logits", x)):
+            mine = engine[arm].logits
+            assert mine is not None and mine.dtype == logits.dtype, (arm, mine, logits.dtype)
+            row[arm] = _logits_kl(mine, logits.reshape(mine.shape), tokens)
+        b, f = row["bf16_logits"]["kl_full_mean"], row["fp32_logits"]["kl_full_mean"]
+        row["kl_bf16_over_fp32"] = b / f if f > 0 else (float("inf") if b > 0 else 1.0)
+        out["rows"][name] = row
+    return out
+
+
+def _logits_kl(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> dict[str, float]:
+    """KL(softmax(a) || softmax(b)) and the target log-prob difference, in float64 from the two
+    sides' logits [N, V]: KLs of 1e-12 are below the float32 log-softmax's own rounding."""
+    bsz, t = rows.shape
+    la = torch.log_softmax(a.double(), -1).view(bsz, t, -1)[:, :-1]
+    lb = torch.log_softmax(b.double(), -1).view(bsz, t, -1)[:, :-1]
+    dlogp = (la.gather(-1, rows[:, 1:, None]) - lb.gather(-1, rows[:, 1:, None])).squeeze(-1)
+    return {
+        "logits_differ_frac": float((a != b).double().mean()),
+        "logp_abs_max": float(dlogp.abs().max()),
+        "logp_abs_mean": float(dlogp.abs().mean()),
+        "kl_full_mean": float((la.exp() * (la - lb)).sum(-1).mean()),
+    }
+
+
+def head_only(
+    dim: int = 2048, vocab: int = 151936, rows: int = 256, splits: int = 4, seed: int = 0
+) -> dict[str, Any]:
+    """The LM head alone at the real shape (Qwen3-30B-A3B: dim 2048, vocabulary 151936), with a
+    *real* accumulation-order difference instead of an emulated one: side A is one float32 GEMM
+    of the bf16 inputs, side B the same products summed as `splits` split-K partial GEMMs (what a
+    split-K or differently tiled kernel does). Same hidden states on both sides, so this is the
+    head's whole share of the floor: KL between the sides with the logits rounded to bf16 and kept
+    in float32. Hidden rows N(0, 1) (a final RMSNorm's output); weights N(0, std) for std 0.02
+    (the hf init: logits ~ N(0, 0.9), near-uniform) and 0.2 (logits ~ N(0, 9): peaked
+    distributions, entropy a few nats, closer to a trained model's)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, dim, generator=g).bfloat16().float()
+    out: dict[str, Any] = {"dim": dim, "vocab": vocab, "rows": rows, "splits": splits, "by_weight_std": {}}
+    w0 = torch.randn(vocab, dim, generator=g)
+    for std in (0.02, 0.2):
+        w = (w0 * std).bfloat16().float()
+        a = h @ w.t()
+        k = dim // splits
+        b = sum(h[:, j * k : (j + 1) * k] @ w[:, j * k : (j + 1) * k].t() for j in range(splits))
+        assert isinstance(b, torch.Tensor)
+        row: dict[str, Any] = {"logit_std": float(a.std())}
+        for arm, (xa, xb) in (("bf16_logits", (a.bfloat16(), b.bfloat16())), ("fp32_logits", (a, b))):
+            la, lb = torch.log_softmax(xa.double(), -1), torch.log_softmax(xb.double(), -1)
+            row[arm] = {
+                "logits_differ_frac": float((xa != xb).double().mean()),
+                "kl_full_mean": float((la.exp() * (la - lb)).sum(-1).mean()),
+            }
+        row["entropy_mean"] = float(-(la.exp() * la).sum(-1).mean())
+        out["by_weight_std"][str(std)] = row
+    return out
+
+
+def sources_summary(res: dict[str, Any]) -> str:
+    lines = [f"floor sources (emulated on the trainer side; head_order eps {res['head_order_eps']:.2e}):"]
+    head = ("KL bf16 logits", "KL fp32 logits", "bf16/fp32", "differ bf16", "differ fp32")
+    lines.append(f"{'source':28s}" + "".join(f"{h:>16s}" for h in head))
+    for name, r in res["rows"].items():
+        b, f = r["bf16_logits"], r["fp32_logits"]
+        lines.append(
+            f"{name:28s}{b['kl_full_mean']:16.3e}{f['kl_full_mean']:16.3e}{r['kl_bf16_over_fp32']:16.2f}"
+            f"{b['logits_differ_frac']:16.3e}{f['logits_differ_frac']:16.3e}"
+        )
+    return "\n".join(lines)
 
 
 def summary(res: dict[str, Any]) -> str:
@@ -288,12 +469,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--perturb-norms", action="store_true", help="norm weights 1 + N(0, 0.2), as if trained")
+    ap.add_argument("--bf16-logits", action="store_true", help="both sides' LM head with a bf16 output")
+    ap.add_argument("--sources", action="store_true", help="also the floor by emulated source (docstring)")
+    ap.add_argument("--head", action="store_true", help="also the head alone at the real shape (head_only)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     m = dense_config(args.layers) if args.dense else moe_config(args.layers)
-    res = measure(m, rows=args.rows, seq=args.seq, seed=args.seed, perturb_norms=args.perturb_norms)
+    kw = dict(rows=args.rows, seq=args.seq, seed=args.seed, perturb_norms=args.perturb_norms)
+    res = measure(m, logits_fp32=not args.bf16_logits, **kw)
     print(summary(res))
+    if args.sources:
+        res["floor_sources"] = floor_sources(m, **kw)
+        print(sources_summary(res["floor_sources"]))
+    if args.head:
+        res["head_only"] = head_only(seed=args.seed)
+        print("head alone (real shape, split-K order on one side):")
+        for std, r in res["head_only"]["by_weight_std"].items():
+            b, f = r["bf16_logits"], r["fp32_logits"]
+            print(
+                f"  weight std {std}: logit std {r['logit_std']:.2f}, entropy {r['entropy_mean']:.2f}:"
+                f" KL bf16 logits {b['kl_full_mean']:.3e} (differ {b['logits_differ_frac']:.2e}),"
+                f" fp32 logits {f['kl_full_mean']:.3e} (differ {f['logits_differ_frac']:.2e})"
+            )
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1))
     return 0

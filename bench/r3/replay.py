@@ -28,7 +28,13 @@ Per initialisation (`--inits`, default both):
      off/on (goal: >= 10), and the KL split between sampled tokens whose own routing flipped in
      some layer and the rest (bench/r3/README.md).
 Plus a float32 sanity row on a tiny config (engine and trainer float32): replay on must give
-agreement 1.0 and a near-zero KL.
+agreement 1.0 and a near-zero KL; and `logits_check`: the float32 LM head on the device at the
+real head shape against a float64 reference, and the chunked head against the plain one.
+
+LM-head precision (`--logits`, default fp32): "fp32" runs both sides' logits as the bf16 GEMM's
+float32 output (decode.engine.logits_fp32 / trainer.logits_fp32, the default); "bf16" the old bf16
+output. `--logits fp32,bf16` runs every initialisation with each, in one process (phases
+`bf16/<init>` and `bf16/<init>/bf16_logits`; every phase records `logits_fp32`).
 
 Initialisations: "trainer" is torchtitan's init as trainer.model.build_model draws it (embeddings
 std 1, layers std 0.02 with depth-scaled output projections: the residual stream is dominated by
@@ -273,6 +279,7 @@ def sample_with_engine(
         )
     info = {
         "engine_dtype": ecfg.dtype,
+        "engine_logits_fp32": ecfg.logits_fp32,
         "attention_backend": eng.attention_backend,
         "cuda_graphs": eng.graphs is not None,
         "engine_load_s": round(load_s, 2),
@@ -296,6 +303,7 @@ def publish_and_sample(
     max_seq_len: int,
     new_tokens: int,
     seed: int,
+    logits_fp32: bool = True,
 ) -> tuple[list[Sample], dict[str, Any]]:
     """Publish `model` as version 0 at `dest` and sample `new_tokens` per prompt from our engine
     loading it in `dtype`: the samples, and the publish and engine numbers for the report."""
@@ -306,6 +314,7 @@ def publish_and_sample(
         max_batch_size=len(prompts),
         max_seq_len=max_seq_len,
         torch_threads=engine_threads(device),
+        logits_fp32=logits_fp32,
     )
     samples, info["engine"] = sample_with_engine(dest, ecfg, prompts, new_tokens, seed)
     return samples, info
@@ -446,7 +455,10 @@ def score_mode(
         return off_on(model, m, samples, tc, device, autocast_context(tc, device, False))
     group = OneRankGroup(device)
     try:
-        sharded, _, _ = parallelize(model, tc, 1, device, distributed=True)
+        # fsdp "always": the default "auto" would not wrap a 1-rank group (trainer.parallel.use_fsdp)
+        sharded, _, _ = parallelize(
+            model, tc.model_copy(update={"fsdp": "always"}), 1, device, distributed=True
+        )
         res = off_on(sharded, m, samples, tc, device, autocast_context(tc, device, True))
         res["note"] = "FSDP2 on a 1-rank group, MixedPrecisionPolicy(param_dtype=bf16)"
         return res
@@ -483,15 +495,23 @@ class OneRankGroup:
             os.environ.pop(k, None)
 
 
-def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdir: Path) -> dict[str, Any]:
-    """One initialisation: publish, sample with the bf16 engine, score in the bf16 trainer."""
+def phase_bf16(
+    args: argparse.Namespace, init: str, device: torch.device, workdir: Path, logits_fp32: bool = True
+) -> dict[str, Any]:
+    """One initialisation: publish, sample with the bf16 engine, score in the bf16 trainer.
+    logits_fp32: both sides' LM head with a float32 output (else rounded to bf16)."""
     cuda = device.type == "cuda"
     shapes = {"qwen3-30b-a3b": qwen3_30b_a3b, "mid": mid_moe, "smoke": smoke_moe}
     m = shapes[args.shape](args.layers)
-    out: dict[str, Any] = {"init": init, "model": m.model_dump(include=_SHAPE_FIELDS)}
+    out: dict[str, Any] = {
+        "init": init,
+        "model": m.model_dump(include=_SHAPE_FIELDS),
+        "logits_fp32": logits_fp32,
+    }
     t0 = time.perf_counter()
     model = build_trainer_model(m, init, args.seed, device)
-    enable_chunked_output(model)  # as train.py: same parameters, chunked head when chunk > 0
+    # as train.py: same parameters, chunked head when chunk > 0, its logits' precision
+    enable_chunked_output(model, logits_fp32)
     out["build_s"] = round(time.perf_counter() - t0, 2)
     prompts = make_prompts(args.prompts, args.prompt_min, args.prompt_max, m.vocab_size, args.seed)
     # CPU smoke: bf16 too (the torch path); the engine picks its own kernels on CUDA.
@@ -505,6 +525,7 @@ def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdi
         max_seq_len=args.prompt_max + args.new_tokens + 16,
         new_tokens=args.new_tokens,
         seed=args.seed,
+        logits_fp32=logits_fp32,
     )
     out.update(info)
     tc = TrainerSection(
@@ -512,6 +533,7 @@ def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdi
         dtype="bfloat16",
         micro_batch_tokens=args.micro_batch_tokens,
         logprob_chunk_tokens=args.chunk,
+        logits_fp32=logits_fp32,
     )
     model = single_process(model, tc, device)
     out["autocast"] = _try(lambda: score_mode(model, m, samples, tc, device, fsdp=False))
@@ -520,6 +542,50 @@ def phase_bf16(args: argparse.Namespace, init: str, device: torch.device, workdi
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     return out  # the model and its shards are freed by the caller's free()
+
+
+def phase_logits_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """On the device, the float32 LM head at the real head shape (dim 2048, vocab 151936, 64 rows):
+    services.common.lm_head.float32_logits (CUDA: torch.mm out_dtype) against a float64 reference
+    of the bf16 inputs, the bf16-output GEMM's error for scale, and the trainer's chunked head
+    (forward + backward, logits recomputed) against the plain float32 head."""
+    from services.common.lm_head import float32_logits, mm_out_dtype_works
+    from trainer.chunked import chunked_logprobs, float32_head
+    from trainer.loss import logprobs_from_logits
+
+    dim, vocab, rows = (64, 1000, 16) if args.smoke else (2048, 151936, 64)
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    h = torch.randn(rows, dim, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(vocab, dim, generator=g) * 0.02).to(device, torch.bfloat16)
+    ref = h.double() @ w.double().t()
+    got = float32_logits(h, w)
+    old = torch.nn.functional.linear(h, w)
+    out: dict[str, Any] = {
+        "shape": [rows, dim, vocab],
+        "mm_out_dtype": mm_out_dtype_works(device),
+        "dtype": str(got.dtype),
+        "fp32_abs_err_max": float((got.double() - ref).abs().max()),
+        "bf16_abs_err_max": float((old.double() - ref).abs().max()),
+    }
+    t = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    res = []
+    for chunked in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        logp = (
+            chunked_logprobs(hh, ww, t, 16)[0]
+            if chunked
+            else logprobs_from_logits(float32_head(hh, ww), t)[0]
+        )
+        logp.sum().backward()
+        assert hh.grad is not None and ww.grad is not None
+        res.append((logp.detach().double(), hh.grad.double(), ww.grad.double()))
+    (lc, ghc, gwc), (lf, ghf, gwf) = res
+    out["chunked_vs_plain"] = {
+        "logp_abs_max": float((lc - lf).abs().max()),
+        "grad_h_rel": float((ghc - ghf).norm() / ghf.norm()),
+        "grad_w_rel": float((gwc - gwf).norm() / gwf.norm()),
+    }
+    return out
 
 
 def phase_fp32_sanity(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict[str, Any]:
@@ -616,7 +682,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(r, dict) or "replay_on" not in r:
                 continue
             off, on = r["replay_off"], r["replay_on"]
-            rows[f"{phase['init']}/{path}"] = {
+            tag = "" if phase.get("logits_fp32", True) else "/bf16_logits"
+            rows[f"{phase['init']}/{path}{tag}"] = {
+                "logits_fp32": phase.get("logits_fp32", True),
                 "kl_off": off["mismatch_kl_k3"],
                 "kl_on": on["mismatch_kl_k3"],
                 "kl_ratio_off_on": r["kl_ratio_off_on"],
@@ -654,7 +722,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP2 trainer path")
     ap.add_argument("--no-sanity", dest="sanity", action="store_false", help="skip the float32 row")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--logits",
+        default="fp32",
+        help="LM-head output precision on both sides, comma-separated: fp32 (default), bf16",
+    )
     args = ap.parse_args(argv)
+    args.logits = [s.strip() for s in args.logits.split(",") if s.strip()]
+    if not args.logits or any(x not in ("fp32", "bf16") for x in args.logits):
+        ap.error("--logits: a comma-separated list of fp32, bf16")
     defaults: dict[str, Any] = (
         {"layers": 2, "prompts": 6, "new_tokens": 12, "prompt_min": 8, "prompt_max": 24}
         if args.smoke
@@ -698,11 +774,16 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="r3-") as tmp:
         phases: list[tuple[str, Any]] = [
-            (f"bf16/{init}", lambda init=init: phase_bf16(args, init, device, Path(tmp)))
+            (
+                f"bf16/{init}" + ("" if lg == "fp32" else "/bf16_logits"),
+                lambda init=init, lg=lg: phase_bf16(args, init, device, Path(tmp), lg == "fp32"),
+            )
             for init in [s.strip() for s in args.inits.split(",") if s.strip()]
+            for lg in args.logits
         ]
         if args.sanity:
             phases.append(("fp32_sanity", lambda: phase_fp32_sanity(args, device, Path(tmp))))
+        phases.append(("logits_check", lambda: phase_logits_check(args, device)))
         for name, fn in phases:
             t0 = time.perf_counter()
             result[name] = _try(fn)

@@ -26,7 +26,10 @@ backward ops run on the autograd thread and are named after their forward, e.g.
 
 Reported per step: GPU busy time (union of kernel intervals), the sum of kernel times, the wall
 time, and the gap (wall - busy = host overhead / idle GPU); ms and share per category; the top 25
-kernels by total time with their category. --device cpu profiles the tiny shape on CPU (the CPU
+kernels by total time with their category; counts per step: kernels per category and copies
+(`copies_per_step`: memcpy kernels on CUDA, `aten::copy_` ops on CPU, with their ms;
+`fsdp_copies_per_step`: those launched inside FSDP2's hooks), which is where FSDP2's copy-in/out
+on one rank shows (issue 9: `bf16+compile` vs `bf16+compile+nofsdp`). --device cpu profiles the tiny shape on CPU (the CPU
 ops that do the work stand in for kernels): a smoke run of this script's logic.
 """
 
@@ -206,12 +209,25 @@ def busy_us(kernels: list[Kernel]) -> float:
     return total
 
 
+def is_copy(name: str) -> bool:
+    """A device copy (CUDA memcpy kernel) or, in a CPU profile, the op that does a copy's work."""
+    n = name.lower()
+    return "memcpy" in n or n == "aten::copy_"
+
+
 def table(kernels: list[Kernel], steps: int, wall_s: list[float], top: int = 25) -> dict[str, Any]:
     cats: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+    counts: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+    copies, copy_us, fsdp_copies = 0, 0.0, 0
     per_kernel: dict[str, list[Any]] = {}
     for k in kernels:
         c = classify(k.name, k.stack)
         cats[c] += k.dur
+        counts[c] += 1
+        if is_copy(k.name):
+            copies += 1
+            copy_us += k.dur
+            fsdp_copies += any("fsdp::" in x.lower() for x in k.stack)
         row = per_kernel.setdefault(k.name, [c, 0, 0.0])
         row[1] += 1
         row[2] += k.dur
@@ -225,6 +241,10 @@ def table(kernels: list[Kernel], steps: int, wall_s: list[float], top: int = 25)
         "kernel_sum_ms_per_step": kernel_sum / 1e3 / steps,
         "gap_ms_per_step": wall_ms - busy_ms,
         "categories_ms_per_step": {c: v / 1e3 / steps for c, v in cats.items()},
+        "kernels_per_step": {c: n / steps for c, n in counts.items()},
+        "copies_per_step": copies / steps,
+        "copies_ms_per_step": copy_us / 1e3 / steps,
+        "fsdp_copies_per_step": fsdp_copies / steps,  # launched inside FSDP2's hooks
         "categories_share_of_kernel_sum": {
             c: (v / kernel_sum if kernel_sum else 0.0) for c, v in cats.items()
         },
@@ -312,8 +332,9 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(report, indent=2))
         r = report["results"][key]
         cats = {c: round(ms, 1) for c, ms in r.get("categories_ms_per_step", {}).items()}
+        copies = f"copies {r.get('copies_per_step', 0):.0f}/step ({r.get('copies_ms_per_step', 0):.1f} ms)"
         print(
-            f"[{time.monotonic() - ctx.t0:5.0f}s] {key}: wall {r.get('wall_step_ms', 0):.1f} ms {cats} {r.get('error', '')}",
+            f"[{time.monotonic() - ctx.t0:5.0f}s] {key}: wall {r.get('wall_step_ms', 0):.1f} ms {copies} {cats} {r.get('error', '')}",
             flush=True,
         )
     report["total_s"] = time.monotonic() - ctx.t0

@@ -13,7 +13,10 @@ random weights of a Qwen3-0.6B / Qwen3-4B shape (vocabulary 151936, tied embeddi
     FSDP2 mixed precision bf16 / float32 master weights and reductions, AC, compile, attention
     kernel; trainer.attention micro_batch_attention + packed_logprobs with the chunked log-prob
     head; trainer.loss.ratio_loss; clip_grad_norm_; AdamW as the trainer builds it).
-    One process still runs FSDP2 over a 1-rank NCCL group: that is the trainer's bf16 path.
+    One process runs in a 1-rank NCCL group. The variants named before issue 9's world-1 work
+    keep FSDP2 on it (trainer.fsdp = "always", what they measured); `+nofsdp` variants use the
+    trainer's default "auto": no FSDP at world 1, float32 parameters under torch.autocast(bf16),
+    which is what the trainer runs on one GPU (trainer.parallel.use_fsdp).
 
 First a correctness check on a tiny shape: our bf16 path (sdpa / flex / varlen, packed documents)
 against a float32 reference (no FSDP, dense document mask): loss and gradient norm must agree.
@@ -172,7 +175,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+sac+compile+cudnn+fused_adam": dict(
         compile=True, activation_checkpoint="selective", sdpa_backend="cudnn", optimizer="fused"
     ),
+    # Issue 9, world 1: trainer.fsdp = "auto" (the trainer's default) applies no FSDP on one rank:
+    # float32 parameters, bf16 through autocast, no all-gather / reduce-scatter copies. Compare with
+    # "bf16+compile" (FSDP2 on the 1-rank group, reshard_after_forward=False as apply_fsdp sets
+    # for one rank). fused_adam: the AdamW the trainer builds on CUDA.
+    "bf16+nofsdp": dict(fsdp="auto"),
+    "bf16+compile+nofsdp": dict(compile=True, fsdp="auto"),
+    "bf16+compile+nofsdp+fused_adam": dict(compile=True, fsdp="auto", optimizer="fused"),
+    "bf16+compile+fused_adam+fsdp": dict(compile=True, optimizer="fused"),
 }
+# Variants without an "fsdp" knob keep FSDP2 on a 1-rank group (what they always measured).
+BENCH_FSDP_DEFAULT = "always"
 BENCH_ONLY_KNOBS = ("pack", "moe_sac_extra", "compile_head", "optimizer")
 DEFAULT_VARIANTS = {
     "0.6b": ["bf16", "bf16+sac", "bf16+compile", "packed+sdpa(dense mask)", "packed+varlen", "packed+flex"],
@@ -291,6 +304,10 @@ def free() -> None:
 def build_ours(
     m: ModelConfig, knobs: dict[str, Any], ctx: Ctx, dtype: str = "bfloat16", cp: int = 1, ep: int = 1
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Degrees, dict[str, Any]]:
+    trainer_knobs = {
+        "fsdp": BENCH_FSDP_DEFAULT,
+        **{k: v for k, v in knobs.items() if k not in BENCH_ONLY_KNOBS},
+    }
     tc = TrainerSection(
         nproc=ctx.world,
         device="cuda" if ctx.cuda else "cpu",
@@ -299,7 +316,7 @@ def build_ours(
         ep=ep,
         logprob_chunk_tokens=CHUNK,
         packing=True,
-        **{k: v for k, v in knobs.items() if k not in BENCH_ONLY_KNOBS},
+        **trainer_knobs,
     )
     model = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
     extra = set(parallel.MOE_SAC_SAVE_OPS)
@@ -311,11 +328,14 @@ def build_ours(
         parallel.MOE_SAC_SAVE_OPS.update(extra)
     if knobs.get("compile_head"):
         model.output.fused = True  # type: ignore[union-attr]
-    # As trainer/train.py builds it (foreach on CUDA by torch's default), or fused AdamW.
+    # foreach (torch's default on CUDA, what these variants always measured) or fused AdamW
+    # (optimizer="fused": what trainer/train.py builds on CUDA now).
     fused = {"fused": True} if knobs.get("optimizer") == "fused" else {}
     opt = torch.optim.AdamW(
         model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay, **fused
     )
+    # train_step's autocast (bf16 without FSDP), carried with the meshes to our_step.
+    meshes = {**meshes, "amp": parallel.autocast_context(tc, ctx.device, deg.fsdp)}
     return model, opt, deg, meshes
 
 
@@ -330,6 +350,7 @@ def our_step(
 ) -> tuple[float, float]:
     """trainer/train.py train_step's compute, for pre-built micro-batches. Returns (loss, grad norm)."""
     scale = float(deg.dp * deg.cp)
+    amp = meshes.get("amp") or contextlib.nullcontext()  # as train_step: forward under autocast
     opt.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     for mb in mbs:
@@ -337,7 +358,8 @@ def our_step(
         if deg.cp > 1:
             mb = cp_micro_batch(mb, meshes["cp"], deg.cp)
         with micro_batch_attention(model, mb):
-            logp, ent = packed_logprobs(model, mb, CHUNK)
+            with amp:
+                logp, ent = packed_logprobs(model, mb, CHUNK)
             loss, _ = ratio_loss(
                 logp,
                 mb.logp_infer,
@@ -470,6 +492,7 @@ def correctness(ctx: Ctx) -> dict[str, Any]:
     issue9 = {"sdpa_backend": "cudnn", "sdpa_expand_kv": True, "compile_head": ctx.cuda}
     checks: dict[str, tuple[dict[str, Any], PackedMicroBatch, int, float, float]] = {
         "bf16_sdpa": ({"attention": "sdpa"}, mb, n, ref_loss, ref_gn),
+        "bf16_sdpa_nofsdp": ({"attention": "sdpa", "fsdp": "auto"}, mb, n, ref_loss, ref_gn),
         "bf16_sdpa_one_doc_cudnn_expand_kv_compile_head": (issue9, one, n_one, ref1_loss, ref1_gn),
     }
     if ctx.cuda:

@@ -81,6 +81,7 @@ class LLMEngine:
         self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
         self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype).eval()
         self.model.load_hf_state(ckpt.state)
+        self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/loss.md)
         if cfg.quantization == "fp8":
             # After the load and the dtype cast: attention/MLP linears become Fp8Linear (weights
             # quantised 128x128 from the loaded ones); lm_head, norms, embeddings stay in dtype.

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig, RopeScaling
+from services.common.lm_head import float32_logits
 from services.engine.batch import ForwardBatch
 from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
@@ -130,8 +131,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None and batch.paged is not None:
+            from services.engine.kernels.gemv import decode_linear
+
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # strided views
+            q, k, v = decode_linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # strided views
             q = q.view(t, self.n_heads, self.head_dim)
             k = k.view(t, self.n_kv_heads, self.head_dim)
             v = v.view(t, self.n_kv_heads, self.head_dim)
@@ -152,7 +155,12 @@ class Attention(nn.Module):
                 q, k, v, cos, sin, None if qn is None else qn.weight, None if kn is None else kn.weight,
                 0.0 if qn is None else qn.eps, kc, vc, batch.slot_mapping,
             )  # fmt: skip
-            return self.o_proj(attend(q, kc, vc, batch.paged, self.scale, kv.block_size).view(t, -1))
+            out = attend(q, kc, vc, batch.paged, self.scale, kv.block_size).view(t, -1)
+            if type(self.o_proj) is nn.Linear:  # not an fp8-converted layer
+                from services.engine.kernels.gemv import decode_linear
+
+                return decode_linear(out, self.o_proj.weight, self.o_proj.bias)
+            return self.o_proj(out)
         q, k = norm_rope(q, cos, sin, self.q_norm), norm_rope(k, cos, sin, self.k_norm)
 
         # New keys/values go into the cache first, so every query reads its whole context
@@ -193,11 +201,15 @@ class MLP(nn.Module):
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """GPU path: SiLU and the product in one Triton kernel (kernels/fused_norm.py)."""
         from services.engine.kernels.fused_norm import silu_mul
+        from services.engine.kernels.gemv import decode_linear
 
-        if self.gate_up is None:
+        if self.gate_up is None:  # fp8-converted layers: their own GEMMs
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # strided views: silu_mul reads strides
-        return self.down_proj(silu_mul(gate, up))
+        gate, up = decode_linear(x, *self.gate_up).chunk(2, dim=-1)  # strided views: silu_mul reads strides
+        act = silu_mul(gate, up)
+        if type(self.down_proj) is nn.Linear:
+            return decode_linear(act, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -279,6 +291,8 @@ class CausalLM(nn.Module):
         # SiLU-mul kernels (kernels/fused_norm.py, 3 kernels fewer per layer); the CPU path keeps
         # the torch ops bit for bit.
         self.fused_elementwise = False
+        # Set by the engine from EngineConfig.logits_fp32 (see logits()).
+        self.logits_fp32 = True
 
     def fuse_projections(self) -> list[str]:
         """GPU path: q/k/v and gate/up of every dense attention/MLP become one GEMM each (fuse_rows;
@@ -306,7 +320,12 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, dim] -> [rows, vocab]. With `logits_fp32` (EngineConfig.logits_fp32, default on)
+        float32: the model-dtype GEMM's float32 accumulator, not rounded to bf16, exactly as the
+        trainer's head computes it (services/common/lm_head.py); else in the model dtype."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.logits_fp32:
+            return float32_logits(hidden, weight)
         return F.linear(hidden, weight)
 
     @torch.no_grad()

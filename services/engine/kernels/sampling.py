@@ -35,23 +35,30 @@ BLOCK_V = 2048  # vocabulary columns per loop iteration
 
 
 @triton.jit
-def _sample_row(
+def _sample_chunk(
     logits_ptr,
     stride_row,
     temps_ptr,
     seeds_ptr,
-    tokens_ptr,
-    logprobs_ptr,
+    part_f_ptr,
+    part_i_ptr,
     vocab,
+    chunk_cols,
+    n_chunks,
     BLOCK: tl.constexpr,
 ):
+    """One (row, chunk of columns) program: the chunk's online log-sum-exp, greedy max and both
+    races, written to the row's partials (6 floats and 3 ints per chunk)."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
     seed = tl.load(seeds_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     cols = tl.arange(0, BLOCK)
+    lo = chunk * chunk_cols
+    hi = tl.minimum(lo + chunk_cols, vocab)
 
     m = -float("inf")  # running max of x
     s = 0.0  # running sum of exp(x - m)
@@ -62,9 +69,9 @@ def _sample_row(
     race_x = -float("inf")
     dead_k = -float("inf")  # the same race on a uniform row (used if nothing is finite)
     dead_i = 0
-    for start in range(0, vocab, BLOCK):
+    for start in range(lo, hi, BLOCK):
         j = start + cols
-        inside = j < vocab
+        inside = j < hi
         raw = tl.load(base + j, mask=inside, other=0.0).to(tl.float32)
         x = raw * inv_t
         x = tl.where(x != x, -float("inf"), x)  # NaN
@@ -103,8 +110,61 @@ def _sample_row(
         dead_i = tl.where(d_max > dead_k, start + d_arg, dead_i)
         dead_k = tl.maximum(dead_k, d_max)
 
+    pf = part_f_ptr + (row.to(tl.int64) * n_chunks + chunk) * 6
+    tl.store(pf + 0, m)
+    tl.store(pf + 1, s)
+    tl.store(pf + 2, best_x)
+    tl.store(pf + 3, race_k)
+    tl.store(pf + 4, race_x)
+    tl.store(pf + 5, dead_k)
+    pi = part_i_ptr + (row.to(tl.int64) * n_chunks + chunk) * 3
+    tl.store(pi + 0, best_i)
+    tl.store(pi + 1, race_i)
+    tl.store(pi + 2, dead_i)
+
+
+@triton.jit
+def _sample_combine(
+    temps_ptr,
+    part_f_ptr,
+    part_i_ptr,
+    tokens_ptr,
+    logprobs_ptr,
+    vocab,
+    n_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    """One row: merge its chunks' partials. Chunks are in column order, so the first chunk holding
+    the maximum holds the row's first maximum (greedy ties as torch.argmax)."""
+    row = tl.program_id(0)
+    greedy = tl.load(temps_ptr + row) == 0.0
+    c = tl.arange(0, BLOCK_C)
+    valid = c < n_chunks
+    pf = part_f_ptr + (row.to(tl.int64) * n_chunks + c) * 6
+    pi = part_i_ptr + (row.to(tl.int64) * n_chunks + c) * 3
+    neg = -float("inf")
+    m_c = tl.load(pf + 0, mask=valid, other=neg)
+    s_c = tl.load(pf + 1, mask=valid, other=0.0)
+    best_x_c = tl.load(pf + 2, mask=valid, other=neg)
+    race_k_c = tl.load(pf + 3, mask=valid, other=neg)
+    race_x_c = tl.load(pf + 4, mask=valid, other=neg)
+    dead_k_c = tl.load(pf + 5, mask=valid, other=neg)
+
+    m = tl.max(m_c, axis=0)
+    alive = m > neg
+    shift = tl.where(alive, m, 0.0)
+    s = tl.sum(tl.where(m_c > neg, s_c * tl.exp(m_c - shift), 0.0), axis=0)
     lse = m + tl.log(s)
-    alive = m > -float("inf")
+
+    b = tl.argmax(best_x_c, axis=0)
+    best_x = tl.max(best_x_c, axis=0)
+    r = tl.argmax(race_k_c, axis=0)
+    race_x = tl.max(tl.where(c == r, race_x_c, neg), axis=0)
+    d = tl.argmax(dead_k_c, axis=0)
+    best_i = tl.sum(tl.where(c == b, tl.load(pi + 0, mask=valid, other=0), 0), axis=0)
+    race_i = tl.sum(tl.where(c == r, tl.load(pi + 1, mask=valid, other=0), 0), axis=0)
+    dead_i = tl.sum(tl.where(c == d, tl.load(pi + 2, mask=valid, other=0), 0), axis=0)
+
     token = tl.where(greedy, best_i, race_i)
     lp = tl.where(greedy, best_x, race_x) - lse
     uniform_lp = -tl.log(vocab.to(tl.float32))
@@ -114,20 +174,69 @@ def _sample_row(
     tl.store(logprobs_ptr + row, lp)
 
 
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the GPU busy: two per SM (a batch-1 row split over ~264 H200 programs
+    instead of one program walking 152k columns alone: 265 us -> a few us)."""
+    if device.type != "cuda":
+        return 16  # the interpreter (tests): several chunks per row, few programs
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return 2 * _SMS[idx]
+
+
+_SMS: dict[int, int] = {}
+
+
 def fused_sample(
-    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, block: int = BLOCK_V
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    seeds: torch.Tensor,
+    block: int = BLOCK_V,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, last dim contiguous), temps float32 [B] (0: greedy),
     seeds int64 [B] (non-negative, < 2^63). Returns tokens int64 [B] and their log-probs float32 [B].
-    block: columns per loop iteration (a power of two; small in tests, for several iterations)."""
+    block: columns per loop iteration (a power of two; small in tests, for several iterations).
+    Each row is split into chunks of whole blocks so that about `programs` programs run (default:
+    two per SM); a second kernel merges a row's chunks. The random stream is keyed by the column,
+    so the chunking never changes which token a seed picks."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
-        _sample_row[(batch,)](
-            logits, logits.stride(0), temps, seeds, tokens, logprobs, vocab, BLOCK=block, num_warps=8
+        n_blocks = -(-vocab // block)
+        want = programs if programs is not None else _target_programs(logits.device)
+        n_chunks = min(n_blocks, max(1, -(-want // batch)))
+        chunk_cols = -(-n_blocks // n_chunks) * block
+        n_chunks = -(-vocab // chunk_cols)
+        part_f = torch.empty(batch, n_chunks, 6, dtype=torch.float32, device=logits.device)
+        part_i = torch.empty(batch, n_chunks, 3, dtype=torch.int32, device=logits.device)
+        _sample_chunk[(batch, n_chunks)](
+            logits,
+            logits.stride(0),
+            temps,
+            seeds,
+            part_f,
+            part_i,
+            vocab,
+            chunk_cols,
+            n_chunks,
+            BLOCK=block,
+            num_warps=8,
+        )
+        _sample_combine[(batch,)](
+            temps,
+            part_f,
+            part_i,
+            tokens,
+            logprobs,
+            vocab,
+            n_chunks,
+            BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
+            num_warps=1,
         )
     return tokens, logprobs
 

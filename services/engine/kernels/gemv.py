@@ -1,0 +1,158 @@
+"""Decode-sized GEMMs (M <= 8 rows) as a Triton GEMV, where it beats cuBLAS.
+
+At batch 1 the decode step is a chain of small GEMMs whose weights are read once each. cuBLAS
+picks poor kernels for some of these shapes on the H200 (bench/engine/results/profile_batch1_h200.json:
+Qwen3-0.6B's o_proj, N=1024 x K=2048, runs in 12.4 us as 16 CTAs of 8x64 tiles, 12.6x the time to
+read its 4 MB; the fused qkv / gate_up GEMMs take 2-4x their read time). This kernel tiles the
+weight over N only (each program owns BLOCK_N output columns for all M rows and walks the whole
+K), so even N = 1024 fills the GPU with 128-256 programs, and every weight byte is read once, in
+the order it lies in memory (K contiguous). No split-K: the result does not depend on the launch
+and needs no second pass.
+
+`decode_linear` chooses per (N, K, M bucket) on its first call outside CUDA-graph capture (the
+decode graphs' warm-up forward): it times the best of a few GEMV configurations against F.linear
+with CUDA events and keeps the faster, so it can only make a shape faster. During capture, or on
+CPU, or for bigger M, it is F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+MAX_M = 8  # rows up to which the GEMV is considered (decode batches; beyond, cuBLAS tiles well)
+# (BLOCK_N, BLOCK_K, num_warps): few enough that the first call's timing stays ~10 ms per shape
+CONFIGS = ((4, 512, 4), (8, 512, 4), (8, 256, 2), (16, 256, 4), (16, 512, 8), (32, 256, 8))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, M_PAD)
+    n_ok = offs_n < N
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        w = tl.load(
+            w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        for m in tl.static_range(M_PAD):
+            row_ok = (offs_k * 0 + m) < M  # a vector mask: the interpreter rejects a scalar & vector one
+            xm = tl.load(x_ptr + m * stride_xm + kk, mask=k_ok & row_ok, other=0.0).to(tl.float32)
+            part = tl.sum(w * xm[None, :], axis=1)
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
+
+
+def m_bucket(m: int) -> int:
+    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T for M <= MAX_M (float32 accumulation, output in x's dtype)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        raise ValueError("gemv: the weight's rows must be contiguous")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        M_PAD=m_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+# (N, K, M bucket, dtype) -> the GEMV config to use, or None for F.linear
+_CHOICE: dict[tuple[int, int, int, torch.dtype], tuple[int, int, int] | None] = {}
+
+
+def _time_us(fn: object, reps: int = 20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()  # type: ignore[operator]
+    start.record()
+    for _ in range(reps):
+        fn()  # type: ignore[operator]
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def _choose(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int] | None:
+    """Time F.linear and each GEMV config on this shape (outputs checked against F.linear)."""
+    ref = F.linear(x, w)
+    best: tuple[float, tuple[int, int, int] | None] = (_time_us(lambda: F.linear(x, w)), None)
+    base_us = best[0]
+    tol = 2e-2 * float(ref.float().abs().max()) + 1e-3
+    for cfg in CONFIGS:
+        try:
+            out = gemv(x, w, cfg)
+            if not torch.allclose(out.float(), ref.float(), atol=tol, rtol=2e-2):
+                log.warning("gemv %s disagrees with F.linear on %s: not used", cfg, tuple(w.shape))
+                continue
+            us = _time_us(lambda cfg=cfg: gemv(x, w, cfg))
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile is just not a candidate
+            log.warning("gemv %s failed on %s: %s", cfg, tuple(w.shape), e)
+            continue
+        if us < best[0]:
+            best = (us, cfg)
+    log.info(
+        "decode GEMM N=%d K=%d M<=%d: %s (%.1f us; F.linear %.1f us)",
+        w.shape[0], w.shape[1], m_bucket(x.shape[0]), best[1] or "F.linear", best[0], base_us,
+    )  # fmt: skip
+    return best[1]
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b), through the GEMV where it was measured faster for this shape."""
+    m = x.shape[0]
+    if (
+        x.dim() != 2
+        or m > MAX_M
+        or m == 0
+        or not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or w.dtype != x.dtype
+    ):
+        return F.linear(x, w, b)
+    key = (w.shape[0], w.shape[1], m_bucket(m), x.dtype)
+    if key not in _CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return F.linear(x, w, b)  # never time inside a capture; the warm-up decides
+        _CHOICE[key] = _choose(x.contiguous(), w)
+    cfg = _CHOICE[key]
+    if cfg is None:
+        return F.linear(x, w, b)
+    y = gemv(x, w, cfg)
+    return y if b is None else y + b
+
+
+__all__ = ["MAX_M", "decode_linear", "gemv"]
