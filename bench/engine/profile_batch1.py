@@ -180,6 +180,9 @@ def main() -> None:
         report["categories_us_per_replay"] = {k: round(v, 1) for k, v in cats.items()}
         report["kernels"] = rows[:40]
         report["gemm_vs_bandwidth"] = gemm_vs_bandwidth(eng.model, device, bw)
+        from services.engine.kernels import gemv
+
+        report["decode_gemm_choices"] = gemv.choices()  # kernels/gemv.py, chosen at graph warm-up
         # The whole step (graph + logits + sampler + host), for where the rest goes.
         state = eng.add_request(
             GenerateRequest(

@@ -18,6 +18,7 @@ CPU, or for bigger M, it is F.linear.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,16 +95,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torc
 _CHOICE: dict[tuple[int, int, int, torch.dtype], tuple[int, int, int] | None] = {}
 
 
-def _time_us(fn: object, reps: int = 20) -> float:
+def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU time of one call, replayed from a CUDA graph: eager timing would measure the launch
+    (a Triton launch from Python costs more CPU than these kernels take on the GPU), while in the
+    engine the decode step is a graph replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()  # type: ignore[operator]
     start.record()
-    for _ in range(reps):
-        fn()  # type: ignore[operator]
+    for _ in range(5):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int] | None:
@@ -131,6 +140,11 @@ def _choose(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int] | None:
     return best[1]
 
 
+def choices() -> dict[str, str]:
+    """What each decode GEMM shape runs: "N x K, M<=b" -> the GEMV config or "F.linear"."""
+    return {f"{n}x{k},M<={b}": str(cfg or "F.linear") for (n, k, b, _dt), cfg in _CHOICE.items()}
+
+
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b), through the GEMV where it was measured faster for this shape."""
     m = x.shape[0]
@@ -155,4 +169,4 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return y if b is None else y + b
 
 
-__all__ = ["MAX_M", "decode_linear", "gemv"]
+__all__ = ["MAX_M", "choices", "decode_linear", "gemv"]
