@@ -183,6 +183,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+compile+nofsdp": dict(compile=True, fsdp="auto"),
     "bf16+compile+nofsdp+fused_adam": dict(compile=True, fsdp="auto", optimizer="fused"),
     "bf16+compile+fused_adam+fsdp": dict(compile=True, optimizer="fused"),
+    # The LM head's logits rounded to bf16 (trainer.logits_fp32 = false, the pre-session-5 head):
+    # what float32 logits (the mismatch fix, docs/loss.md) cost in step time.
+    "bf16+compile+fused_adam+fsdp+bf16_logits": dict(compile=True, optimizer="fused", logits_fp32=False),
 }
 # Variants without an "fsdp" knob keep FSDP2 on a 1-rank group (what they always measured).
 BENCH_FSDP_DEFAULT = "always"
