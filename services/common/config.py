@@ -330,6 +330,10 @@ class KVNearSection(Strict):
     bytes: int | None = Field(None, ge=0)  # None: default_cuda_bytes / default_cpu_bytes by device
     default_cuda_bytes: int = Field(4 << 30, ge=0)
     default_cpu_bytes: int = Field(64 << 20, ge=0)
+    # > 0: a prefill's near tier is in /dev/shm segments and its answers hand the prompt's pages
+    # to a same-host decode (services/kvstore/handoff.py), slots held this long or until acked.
+    # 0: private memory, gateway only. Default on: another host, or a full /dev/shm, falls back.
+    shared_lease_s: float = Field(30.0, ge=0)
 
 
 class KVStoreSection(ServiceSection):

@@ -15,6 +15,11 @@ evicts its key meanwhile.
 
 Thread-safety: one lock over the index; page bytes are copied outside it (a slot being written is
 held by the writer and indexed only once complete).
+
+Shared (`shared=True`, the prefill's tier when `kvstore.near.shared_lease_s > 0`): chunks are
+named shared-memory segments (shared_segment.py) and every slot write is stamped (generation, key),
+so `handoff()` can give a same-host decode process the segment names and slots of a prompt's pages
+to copy straight from, validating each slot's stamp around its copy (services/kvstore/handoff.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from services.engine.kv_transfer import as_uint8
+from services.kvstore.shared_segment import SharedSegment, shm_room, sweep_dead
 
 if TYPE_CHECKING:
     from services.common.config import KVNearSection
@@ -121,10 +127,23 @@ class NearRun:
 class NearCache:
     """LRU of `page_bytes`-sized pages under `budget_bytes` (rounded down to whole pages)."""
 
-    def __init__(self, budget_bytes: int, page_bytes: int, pin: bool, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(
+        self,
+        budget_bytes: int,
+        page_bytes: int,
+        pin: bool,
+        chunk_bytes: int = CHUNK_BYTES,
+        shared: bool = False,
+    ):
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be > 0, not {page_bytes}")
         self.page_bytes, self.pin = page_bytes, pin
+        # One SharedSegment per chunk when shared (None for a chunk that had to be private: a
+        # full /dev/shm); empty when not.
+        self.shared = shared
+        self._segments: list[SharedSegment | None] = []
+        if shared:
+            sweep_dead()
         self.capacity = max(0, budget_bytes) // page_bytes  # slots
         self.budget_bytes = self.capacity * page_bytes
         self.chunk_slots = max(1, min(self.capacity, chunk_bytes // page_bytes))
@@ -175,11 +194,36 @@ class NearCache:
         # staged one. Chunks are never returned: the tier keeps what it has filled. Not an
         # inference tensor, whichever thread grows the tier (an engine's loop thread runs under
         # inference_mode): pull and publisher threads write into it too.
-        with torch.inference_mode(False):
-            chunk = torch.empty((n, self.page_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        seg = self._new_segment(n) if self.shared else None
+        if seg is not None:
+            chunk = seg.data
+        else:
+            with torch.inference_mode(False):
+                chunk = torch.empty((n, self.page_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        if self.shared:
+            self._segments.append(seg)
         self._chunks.append(chunk)
         for s in range(have, have + n):
             heapq.heappush(self._free, s)
+
+    def _new_segment(self, n: int) -> SharedSegment | None:
+        """A shared chunk of n slots, or None (a private chunk instead: no handoff of its pages)
+        when /dev/shm has no room for it."""
+        size = SharedSegment.segment_bytes(n, self.page_bytes)
+        try:
+            if shm_room() < size:
+                log.warning(f"/dev/shm has no room for a {size}-byte kv segment: private chunk (no handoff)")
+                return None
+            with torch.inference_mode(False):
+                return SharedSegment.create(n, self.page_bytes, self.pin, tag=f"-{len(self._chunks)}")
+        except OSError as e:
+            log.warning(f"cannot create a kv segment ({e}): private chunk (no handoff)")
+            return None
+
+    def _segment_of(self, slot: int) -> tuple[SharedSegment | None, int]:
+        """The segment holding `slot` (None: private) and the slot's index inside it."""
+        c, i = divmod(slot, self.chunk_slots)
+        return (self._segments[c] if self.shared else None), i
 
     def _alloc(self) -> int | None:
         """A free slot, held by the caller (lock held). Grows a chunk while under budget, else
@@ -304,6 +348,10 @@ class NearCache:
             self._touch(list(keys))
         # Copies outside the lock: the slots are held by this writer and not yet indexed.
         device_src = src.device.type == "cuda"
+        for slot in slots:  # a reader that recorded the slot's old generation now sees a change
+            seg, i = self._segment_of(slot)
+            if seg is not None:
+                seg.begin_write(i)
         try:
             for start, first, m in self._chunk_runs(slots):
                 idx = todo[start : start + m]
@@ -318,6 +366,10 @@ class NearCache:
         except BaseException:
             self._unhold(slots)  # never indexed: the slots go back to the free list
             raise
+        for i, slot in zip(todo, slots, strict=True):
+            seg, j = self._segment_of(slot)
+            if seg is not None:
+                seg.end_write(j, keys[i])
         stored = 0
         with self._lock:
             for i, slot in zip(todo, slots, strict=True):
@@ -344,6 +396,35 @@ class NearCache:
             return run
         run.release()
         return None
+
+    def handoff(self, keys: Sequence[bytes]) -> tuple[NearRun, list[tuple[SharedSegment, int, int]]]:
+        """The leading run of `keys` that lies in shared segments, held (release it when the
+        reader is done or its lease ends), with each page's (segment, slot in it, generation)."""
+        run = self.acquire(keys, count=False)
+        refs: list[tuple[SharedSegment, int, int]] = []
+        for slot in run.slots:
+            seg, i = self._segment_of(slot)
+            if seg is None:
+                break
+            refs.append((seg, i, seg.generation(i)))
+        if len(refs) < len(run):  # only a shared prefix can be handed off: let the rest go
+            tail = NearRun(self, run.keys[len(refs) :], run.slots[len(refs) :])
+            run = NearRun(self, run.keys[: len(refs)], run.slots[: len(refs)])
+            tail.release()
+        return run, refs
+
+    @property
+    def shared_segments(self) -> list[SharedSegment]:
+        """The tier's shared segments (chunks that had to be private left out)."""
+        return [s for s in self._segments if s is not None]
+
+    def close(self) -> None:
+        """Unlink the shared segments (no /dev/shm left behind); the tier is unusable after.
+        Idempotent."""
+        for seg in self._segments:
+            if seg is not None:
+                seg.close()
+        self._segments = [None] * len(self._segments)
 
     def clear(self) -> None:
         """Forget every page (slots held by readers are freed when released)."""
@@ -377,8 +458,9 @@ def near_budget(section: KVNearSection, device_type: str) -> int:
     return section.default_cuda_bytes if device_type == "cuda" else section.default_cpu_bytes
 
 
-def near_for_engine(engine: LLMEngine, section: KVNearSection) -> NearCache | None:
-    """The near tier for this engine's page layout (None when its budget is under one page)."""
+def near_for_engine(engine: LLMEngine, section: KVNearSection, shared: bool = False) -> NearCache | None:
+    """The near tier for this engine's page layout (None when its budget is under one page).
+    `shared`: in named shared-memory segments, handed off to same-host readers (a prefill's)."""
     from services.engine.kv_transfer import page_nbytes
 
     device = engine.kv.k.device.type
@@ -387,9 +469,9 @@ def near_for_engine(engine: LLMEngine, section: KVNearSection) -> NearCache | No
     if budget < per:
         log.info(f"kv near tier off (kvstore.near.bytes={budget})")
         return None
-    cache = NearCache(budget, per, pin=device == "cuda")
+    cache = NearCache(budget, per, pin=device == "cuda", shared=shared)
     log.info(
         f"kv near tier: {cache.budget_bytes} bytes ({cache.capacity} pages of {per} bytes), "
-        f"{'pinned' if cache.pin else 'pageable'} host memory"
+        f"{'pinned' if cache.pin else 'pageable'} {'shared' if shared else 'private'} host memory"
     )
     return cache

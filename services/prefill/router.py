@@ -9,6 +9,8 @@ Decode calls `KVRouter.generate` instead of submitting straight to its engine:
   3. the pages still missing locally are pulled from the store (the longest cached prefix) and
      staged into the engine, which imports them before its next admission, but only when the
      pull is expected to be faster than recomputing those tokens (pull_policy.py, measured);
+     when the prefill answered with a handoff (same host), its pages are first copied straight
+     from the prefill's shared near tier (services/kvstore/handoff.py) and only the rest pulled;
   4. the request is submitted, with the first tokens from step 2 if any: decode continues from
      there (same seed, same per-sample RNG stream, so the tokens equal a colocated run's).
 Every remote step is best effort: a gateway or prefill service that is down, slow, or on other
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -38,17 +41,22 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
 from services.kvstore.client import KVStoreClient, PagePublisher
+from services.kvstore.handoff import HandoffReader
 from services.kvstore.near_cache import near_for_engine
 from services.prefill.pull_policy import PullPolicy
-from services.prefill.schemas import PrefillRequest, PrefillResponse
+from services.prefill.schemas import HandoffAck, KVHandoff, PrefillRequest, PrefillResponse
 
 log = logging.getLogger(__name__)
 
 PULLED_PAGES = Counter("relay_kv_pulled_pages", "KV pages pulled from the KV store into the engine")
 PULL_ERRORS = Counter("relay_kv_pull_errors", "pulls that failed inside decode (the prefix is recomputed)")
 REMOTE_PREFILLS = Counter("relay_kv_remote_prefills", "prompts prefilled by a prefill service", ["outcome"])
+HANDOFF_ACK_ERRORS = Counter("relay_kv_handoff_ack_errors", "handoff acks that failed (the lease ends them)")
 DISCOVERY_TTL_S = 1.0
 JSON = {"content-type": "application/json"}
+ACK_TIMEOUT_S = 2.0
+# Segment mappings are cached per process (one registration per segment): one reader for all pulls.
+HANDOFF_READER = HandoffReader()
 
 
 class Registry:
@@ -114,11 +122,16 @@ def engine_policy(engine: LLMEngine, cfg: KVPullSection) -> PullPolicy:
     )
 
 
-def attach_near(engine: LLMEngine, store: KVStoreClient, cfg: RunConfig) -> None:
+def attach_near(engine: LLMEngine, store: KVStoreClient, cfg: RunConfig, shared: bool = False) -> None:
     """Give `store` a near tier (kvstore.near) for this engine's page layout, in pinned host memory
-    on CUDA: pulled and published pages stay in this process, one host -> device copy away."""
+    on CUDA: pulled and published pages stay in this process, one host -> device copy away.
+    `shared`: in named shared-memory segments, for handoffs (a prefill service's tier)."""
     if store.near is None:
-        store.near = near_for_engine(engine, cfg.kvstore.near)
+        store.near = near_for_engine(engine, cfg.kvstore.near, shared=shared)
+        if store.near is not None and shared:
+            # Every segment exists from the start, so a decode's first handoff lists (and maps)
+            # the whole tier at once (handoff.HandoffLeases.grant).
+            store.near.reserve()
     if store.near is not None and store.near.page_bytes == page_nbytes(engine.kv):
         # Exports go device -> pinned slots once; the publisher sends from there.
         engine.pages.host_pages = store.near.hold_export
@@ -138,23 +151,61 @@ def reserve_pinned(engine: LLMEngine, store: KVStoreClient, buffers: int = 2) ->
 
 
 def pull_prefix(
-    engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None = None
+    engine: LLMEngine,
+    store: KVStoreClient,
+    keys: list[bytes],
+    policy: PullPolicy | None = None,
+    handoff: KVHandoff | None = None,
 ) -> int:
     """Stage the longest prefix of `keys` the store has and the local cache lacks, if the policy
     says pulling beats recomputing it (no policy: always pull). Blocking; returns pages staged.
     The reply is received into a reused (on CUDA pinned) staging buffer that is given back once
-    the engine has imported it. Never raises: whatever goes wrong here (a staging buffer that
-    cannot be allocated, ...) is logged and counted, and the prefix is computed instead."""
+    the engine has imported it. `handoff` (a prefill response's, same host): its pages are copied
+    from the prefill's shared near tier first (validated), the handoff acked, and only the pages
+    after them pulled. Never raises: whatever goes wrong here (a staging buffer that cannot be
+    allocated, ...) is logged and counted, and the prefix is computed instead."""
     try:
-        return _pull_prefix(engine, store, keys, policy)
+        return _pull_prefix(engine, store, keys, policy, handoff)
     except Exception:  # noqa: BLE001 - a pull is an optimisation: never a failed request
         PULL_ERRORS.inc()
         log.exception("kv pull failed; computing the prefix instead")
         return 0
+    finally:
+        if handoff is not None:
+            ack_handoff(handoff)
+
+
+def ack_handoff(handoff: KVHandoff) -> None:
+    """Tell the prefill its handed-off slots may go (best effort: else its lease ends them)."""
+    try:
+        r = httpx.post(
+            handoff.ack_url,
+            content=HandoffAck(id=handoff.id).model_dump_json(),
+            headers=JSON,
+            timeout=ACK_TIMEOUT_S,
+        )
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        HANDOFF_ACK_ERRORS.inc()
+        log.warning(f"kv handoff ack to {handoff.ack_url} failed ({e}); its lease will end it")
+
+
+def _pull_handoff(engine: LLMEngine, keys: list[bytes], have: int, missing: list[bytes], h: KVHandoff) -> int:
+    """Stage the leading pages of `missing` (keys[have:]) that copy intact from handoff `h`."""
+    if h.page_bytes != page_nbytes(engine.kv):
+        return 0
+    got, pages = HANDOFF_READER.fetch(h, missing, have, engine.kv.k.device)
+    if got and pages is not None:
+        engine.pages.stage(missing[:got], pages, pin=keys[:have])
+    return got
 
 
 def _pull_prefix(
-    engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None
+    engine: LLMEngine,
+    store: KVStoreClient,
+    keys: list[bytes],
+    policy: PullPolicy | None,
+    handoff: KVHandoff | None = None,
 ) -> int:
     have = local_prefix_pages(engine, keys)
     missing = keys[have:]
@@ -163,6 +214,25 @@ def _pull_prefix(
     missing = missing[: max(0, engine.kv.blocks.num_free - have)]
     if not missing:
         return 0
+    handed = _pull_handoff(engine, keys, have, missing, handoff) if handoff is not None else 0
+    if handed:
+        PULLED_PAGES.inc(handed)
+        if handed == len(missing):
+            return handed
+        # The rest (pages the handoff did not cover, or stale ones) from the store.
+        have, missing = have + handed, missing[handed:]
+        keys = keys[: have + len(missing)]
+    return handed + _pull_store(engine, store, keys, have, missing, policy)
+
+
+def _pull_store(
+    engine: LLMEngine,
+    store: KVStoreClient,
+    keys: list[bytes],
+    have: int,
+    missing: list[bytes],
+    policy: PullPolicy | None,
+) -> int:
     per = page_nbytes(engine.kv)
     near = store.near.run_length(missing) if store.near is not None and store.near.page_bytes == per else 0
     near_limit = None
@@ -270,10 +340,14 @@ def _pull_near_then_remote(
 
 
 async def pull_pages(
-    engine: LLMEngine, store: KVStoreClient, keys: list[bytes], policy: PullPolicy | None = None
+    engine: LLMEngine,
+    store: KVStoreClient,
+    keys: list[bytes],
+    policy: PullPolicy | None = None,
+    handoff: KVHandoff | None = None,
 ) -> int:
     """pull_prefix off the event loop."""
-    return await asyncio.to_thread(pull_prefix, engine, store, keys, policy)
+    return await asyncio.to_thread(pull_prefix, engine, store, keys, policy, handoff)
 
 
 class KVRouter:
@@ -287,6 +361,7 @@ class KVRouter:
         self.policy: PullPolicy | None = None
         self._rr = itertools.count()
         self._quarantine: dict[str, float] = {}
+        self._same_host: set[str] = set()  # prefill URLs registered from this host
         self.counts = {"local": 0, "remote": 0, "remote_failed": 0, "pulled_pages": 0}
 
     def attach(self, engine: LLMEngine) -> None:
@@ -303,14 +378,21 @@ class KVRouter:
             return None
         now = time.monotonic()
         live = [
-            s.url
-            for s in self.prefills.get()
-            if s.version == version and self._quarantine.get(s.url, 0) < now
+            s for s in self.prefills.get() if s.version == version and self._quarantine.get(s.url, 0) < now
         ]
-        return live[next(self._rr) % len(live)] if live else None
+        if not live:
+            return None
+        pick = live[next(self._rr) % len(live)]
+        if pick.host == socket.gethostname():
+            self._same_host.add(pick.url)
+        return pick.url
 
     async def _remote_prefill(self, url: str, req: GenerateRequest, rid: str) -> PrefillResponse | None:
-        body = PrefillRequest(input_ids=req.input_ids, sampling=req.sampling, request_id=rid)
+        # A handoff only from a prefill on this host (its registry entry says so): one given to
+        # another host would let the prefill answer before the store has the pages.
+        body = PrefillRequest(
+            input_ids=req.input_ids, sampling=req.sampling, request_id=rid, handoff=url in self._same_host
+        )
         try:
             r = await self.http.post(f"{url}/v1/prefill", content=body.model_dump_json(), headers=JSON)
             r.raise_for_status()
@@ -329,6 +411,7 @@ class KVRouter:
         keys = prompt_keys(engine, req.input_ids)
         new_tokens = len(req.input_ids) - local_prefix_pages(engine, keys) * engine.kv.block_size
         first = None
+        resp: PrefillResponse | None = None
         # Top-k log-probs of the first token are not carried back from a prefill service.
         remote = new_tokens >= self.cfg.prefill.min_new_tokens and not req.sampling.logprobs
         url = self._prefill_url(engine.version) if remote else None
@@ -348,7 +431,11 @@ class KVRouter:
         # After a remote prefill its pages are pulled whatever the estimate: that is what the
         # prefill service computed them for (and it keeps prefill chunks out of decode's steps).
         policy = self.policy if first is None and engine is self.engine else None
-        pulled = await pull_pages(engine, self.store, keys, policy)  # (not `+= await`: lost updates)
+        handoff = resp.handoff if resp is not None else None
+        if first is None and handoff is not None:  # a rejected answer: only let its slots go
+            await asyncio.to_thread(ack_handoff, handoff)
+            handoff = None
+        pulled = await pull_pages(engine, self.store, keys, policy, handoff)  # (not `+= await`: lost updates)
         self.counts["pulled_pages"] += pulled
         if first is None:
             return await aengine.submit(req)
@@ -365,6 +452,7 @@ class KVRouter:
             out["publish_dropped_batches"] = self.publisher.batches_dropped
         out["store_failures"] = self.store.failures
         out.update(self.store.near_stats())
+        out.update(HANDOFF_READER.stats())
         if self.policy is not None:
             out.update(self.policy.stats())
         if self.engine is not None:
@@ -381,3 +469,4 @@ class KVRouter:
         log.info("kv routing totals", extra={"fields": self.stats()})
         await self.http.aclose()
         self.store.close()
+        HANDOFF_READER.close()  # unmap prefill segments (their memory goes once unlinked too)

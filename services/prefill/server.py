@@ -7,6 +7,11 @@ It runs its own engine (prefill.engine, default decode's: the page layout must m
 pulls pages the store already has before computing (a growing multi-turn context is computed once),
 and follows the trainer's published weights by polling Redis (decode only routes to a prefill
 service registered with its own weight version). POST /update_weights works as on decode.
+
+Same host (kvstore.near.shared_lease_s > 0): the near tier lives in /dev/shm segments and the
+answer carries a handoff of the prompt's pages there (services/kvstore/handoff.py); it is sent as
+soon as the pages are in that tier, the gateway publish going on in the background. The decode
+POSTs /v1/handoff/ack once it has copied them (else the lease ends the hold).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, UpdateWeightsRequest
 from services.common.service import Service, create_app, log_event, start_service
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
-from services.engine.kv_transfer import chain_hashes, page_nbytes
+from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
 from services.kvstore.client import PagePublisher
+from services.kvstore.handoff import HandoffLeases
 from services.prefill.pull_policy import PullPolicy
 from services.prefill.router import (
     attach_near,
@@ -35,9 +41,10 @@ from services.prefill.router import (
     pull_pages,
     store_client,
 )
-from services.prefill.schemas import FirstToken, PrefillRequest, PrefillResponse
+from services.prefill.schemas import FirstToken, HandoffAck, KVHandoff, PrefillRequest, PrefillResponse
 
 WEIGHTS_POLL_S = 0.5
+LEASE_SWEEP_S = 1.0
 
 
 class Prefill:
@@ -49,6 +56,8 @@ class Prefill:
         self.store = store_client(self.cfg, service.bus.services)
         self.publisher: PagePublisher | None = None
         self.policy: PullPolicy | None = None
+        lease_s = self.cfg.kvstore.near.shared_lease_s
+        self.leases = HandoffLeases(lease_s, f"{service.url}/v1/handoff/ack") if lease_s > 0 else None
         self._lock = asyncio.Lock()
         self.served = 0
 
@@ -56,8 +65,8 @@ class Prefill:
         async with self._lock:
             if self.engine is None:
                 eng = await asyncio.to_thread(LLMEngine, path, self.engine_cfg, version)
-                attach_near(eng, self.store, self.cfg)
-                self.publisher = PagePublisher(self.store, page_nbytes(eng.kv))
+                attach_near(eng, self.store, self.cfg, shared=self.leases is not None)
+                self.publisher = PagePublisher(self.store, page_nbytes(eng.kv), **self._publish_bound())
                 eng.pages.sink = self.publisher
                 self.policy = engine_policy(eng, self.cfg.kvstore.pull)
                 self.engine = AsyncEngine(eng).start()
@@ -67,6 +76,17 @@ class Prefill:
                 log_event(self.service.log, "weights updated", path=path, version=version)
             self.service.version = self.engine.version
             return self.engine.version
+
+    def _publish_bound(self) -> dict[str, int]:
+        """With a shared near tier, the publisher may hold at most half of it: it sends from the
+        tier's slots at the gateway's pace (~0.6 GB/s on the H200 host), and a tier full of its
+        holds would leave no room for new prompts' pages, hence no handoff. Past that the gateway
+        misses batches (recomputed by whoever needs them elsewhere); same-host decodes still get
+        every page through the handoff."""
+        near = self.store.near
+        if near is None or not near.shared:
+            return {}
+        return {"max_queue_bytes": max(near.page_bytes, near.budget_bytes // 2)}
 
     async def follow_weights(self) -> None:
         """Load the latest published weights, now and whenever a newer version appears."""
@@ -115,21 +135,33 @@ class Prefill:
         except RuntimeError as e:
             self.publisher.forget(rid)
             raise HTTPException(503, str(e)) from None
-        # Answer once the pages are in the store: decode pulls them right after.
-        try:
-            stored = await asyncio.wait_for(asyncio.wrap_future(published), self.cfg.kvstore.timeout_s * 4)
-        except TimeoutError:
-            self.publisher.forget(rid)
-            stored = 0  # decode finds fewer pages in the store and computes the rest itself
         if any(not c.output_ids for c in resp.choices):
+            self.publisher.forget(rid)
             raise HTTPException(503, "prefill aborted (engine stopping or request timed out)")
-        self.served += 1
         choices = [
             FirstToken(token=c.output_ids[0], logprob=c.logprobs[0], version=c.versions[0])
             for c in resp.choices
         ]
         bs = eng.kv.block_size
         all_keys = chain_hashes(req.input_ids, choices[0].version, eng.layout, bs)
+        # The pages are in the near tier already (exported before the request finished).
+        handoff = self._handoff(all_keys) if req.handoff else None
+        if handoff is not None and len(handoff.slots) >= reusable_pages(len(req.input_ids), bs):
+            # The decode copies every page it can use (a prompt's last token is always computed,
+            # kv_transfer.reusable_pages) from shared memory: no need to wait for the gateway
+            # (the publish goes on in the background, for other consumers and restarts).
+            self.publisher.forget(rid)
+            stored = 0
+        else:
+            # Answer once the pages are in the store: decode pulls them right after.
+            try:
+                stored = await asyncio.wait_for(
+                    asyncio.wrap_future(published), self.cfg.kvstore.timeout_s * 4
+                )
+            except TimeoutError:
+                self.publisher.forget(rid)
+                stored = 0  # decode finds fewer pages in the store and computes the rest itself
+        self.served += 1
         return PrefillResponse(
             request_id=rid,
             version=choices[0].version if choices else version,
@@ -141,7 +173,28 @@ class Prefill:
             pulled_tokens=pulled * bs,
             computed_tokens=len(req.input_ids) - (local + pulled) * bs,
             choices=choices,
+            handoff=handoff,
         )
+
+    def _handoff(self, keys: list[bytes]) -> KVHandoff | None:
+        """A lease on the leading run of `keys` in the shared near tier (None: off or empty)."""
+        near = self.store.near
+        if self.leases is None or near is None or not near.shared or not keys:
+            return None
+        run, refs = near.handoff(keys)
+        return self.leases.grant(run, refs, near.shared_segments)
+
+    async def expire_leases(self) -> None:
+        while self.leases is not None:
+            self.leases.expire()
+            await asyncio.sleep(LEASE_SWEEP_S)
+
+    def close_near(self) -> None:
+        """Let every lease go and unlink the shared segments (no /dev/shm left behind)."""
+        if self.leases is not None:
+            self.leases.close()
+        if self.store.near is not None:
+            self.store.near.close()
 
     def health(self) -> dict[str, Any]:
         eng = self.engine
@@ -154,6 +207,7 @@ class Prefill:
             "queue": eng.num_waiting if eng else 0,
             "running": eng.num_running if eng else 0,
             "published_pages": self.publisher.pages_published if self.publisher else 0,
+            **(self.leases.stats() if self.leases is not None else {}),
             **(self.policy.stats() if self.policy is not None else {}),
             **self.store.near_stats(),
         }
@@ -166,14 +220,17 @@ def build_app(service: Service) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async with service.registered():
             follower = asyncio.create_task(state.follow_weights())
+            sweeper = asyncio.create_task(state.expire_leases())
             try:
                 yield
             finally:
                 follower.cancel()
+                sweeper.cancel()
                 if state.engine is not None:
                     await asyncio.to_thread(state.engine.stop)
                 if state.publisher is not None:
                     await asyncio.to_thread(state.publisher.close)
+                state.close_near()
                 log_event(service.log, "engine stopped")
 
     app = create_app("relay-prefill", state.health, lifespan)
@@ -182,6 +239,11 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/v1/prefill", response_model=PrefillResponse)
     async def prefill(req: PrefillRequest) -> PrefillResponse:
         return await state.prefill(req)
+
+    @app.post("/v1/handoff/ack")
+    async def handoff_ack(req: HandoffAck) -> dict[str, bool]:
+        """The decode has copied a handoff's pages: its slots may be reused."""
+        return {"released": state.leases is not None and state.leases.ack(req.id)}
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:

@@ -1,0 +1,264 @@
+"""Same-host prefill -> decode KV handoff through the prefill's shared near tier.
+
+Prefill side (`HandoffLeases`): after a prefill, the prompt's pages are in the prefill's shared
+near tier (near_cache.py with shared segments); their slots are held under a lease and their
+segment names, slot ids and generations go back in the prefill response (`KVHandoff`). The
+slots are let go when the decode POSTs the ack or the lease ends, whichever first: a crashed
+decode costs only the lease, and the LRU never reuses a slot a reader may still be copying.
+
+Decode side (`HandoffReader`): maps the named segments (once per name; a name that is not here,
+another host's, is remembered as such), checks each page's stamp (generation and key), copies the
+pages host -> device (one DMA from the registered mapping), and checks the stamps again: the
+leading pages whose stamps held are used; from the first that changed on, the pages come from the
+gateway or are recomputed. A stale page is never returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+from prometheus_client import Counter
+
+from services.kvstore.near_cache import NearRun
+from services.kvstore.shared_segment import SegmentUnavailable, SharedSegment
+from services.prefill.schemas import HandoffSegment, KVHandoff
+
+log = logging.getLogger(__name__)
+
+HANDOFFS = Counter("relay_kv_handoffs", "same-host kv handoffs by the prefill service", ["outcome"])
+HANDOFF_PAGES = Counter("relay_kv_handoff_pages", "pages a decode took from a handoff", ["outcome"])
+
+
+class HandoffLeases:
+    """Prefill side: handed-off slots held until acked or `lease_s` old. Thread-safe."""
+
+    def __init__(self, lease_s: float, ack_url: str):
+        self.lease_s, self.ack_url = lease_s, ack_url
+        self._held: dict[str, tuple[NearRun, float]] = {}
+        self._lock = threading.Lock()
+        self.granted = self.acked = self.expired = 0
+
+    def grant(
+        self,
+        run: NearRun,
+        refs: Sequence[tuple[SharedSegment, int, int]],
+        tier: Sequence[SharedSegment] = (),
+    ) -> KVHandoff | None:
+        """A handoff of `run` (held by the caller; this lease owns it from now), None if empty.
+        `tier`: every segment of the near tier, listed too, so a reader maps (and registers) them
+        all at its first handoff: one stall of its loop then, not one per segment later."""
+        if not refs:
+            run.release()
+            return None
+        names: dict[str, int] = {}
+        segments: list[HandoffSegment] = []
+        for seg in [*tier, *(r[0] for r in refs)]:
+            if seg.name not in names:
+                names[seg.name] = len(segments)
+                segments.append(HandoffSegment(name=seg.name, token=seg.token.hex()))
+        seg_ix, slots, gens = [], [], []
+        for seg, slot, gen in refs:
+            seg_ix.append(names[seg.name])
+            slots.append(slot)
+            gens.append(gen)
+        hid = uuid.uuid4().hex
+        with self._lock:
+            self._held[hid] = (run, time.monotonic() + self.lease_s)
+            self.granted += 1
+        HANDOFFS.labels("granted").inc()
+        return KVHandoff(
+            id=hid,
+            page_bytes=run.page_bytes,
+            segments=segments,
+            seg=seg_ix,
+            slots=slots,
+            gens=gens,
+            lease_s=self.lease_s,
+            ack_url=self.ack_url,
+        )
+
+    def ack(self, hid: str) -> bool:
+        """Let the slots of handoff `hid` go; False if it is unknown (already expired or acked)."""
+        with self._lock:
+            held = self._held.pop(hid, None)
+            if held is not None:
+                self.acked += 1
+        if held is None:
+            return False
+        held[0].release()
+        HANDOFFS.labels("acked").inc()
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        """Let go of every lease past its end; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            done = [hid for hid, (_, end) in self._held.items() if end <= now]
+            runs = [self._held.pop(hid)[0] for hid in done]
+            self.expired += len(runs)
+        for run in runs:
+            run.release()
+        if runs:
+            HANDOFFS.labels("expired").inc(len(runs))
+        return len(runs)
+
+    @property
+    def held_pages(self) -> int:
+        with self._lock:
+            return sum(len(run) for run, _ in self._held.values())
+
+    def close(self) -> None:
+        self.expire(float("inf"))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "handoffs_granted": self.granted,
+            "handoffs_acked": self.acked,
+            "handoffs_expired": self.expired,
+            "handoff_held_pages": self.held_pages,
+        }
+
+
+class HandoffReader:
+    """Decode side: maps prefill segments (cached per name) and copies validated pages out.
+    Thread-safe (pulls run in worker threads)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, SharedSegment | None] = {}  # None: not mappable here
+        self._lock = threading.Lock()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._active = 0  # fetches in progress: a mapping is only dropped when none is
+        self.copied = self.stale = self.unmapped = 0
+
+    def _segment(self, s: HandoffSegment, page_bytes: int, pin: bool) -> SharedSegment | None:
+        with self._lock:
+            if s.name in self._maps:
+                seg = self._maps[s.name]
+                if seg is None or seg.token.hex() == s.token:
+                    return seg
+            try:
+                # Registering (pinning) a mapping is paid once per segment, here: later copies
+                # from it are single DMAs.
+                seg = SharedSegment.attach(s.name, bytes.fromhex(s.token), page_bytes, pin)
+            except SegmentUnavailable as e:
+                log.info(f"kv handoff segment not mappable here ({e}): using the store")
+                seg = None
+            old = self._maps.get(s.name)
+            if old is not None:
+                old.close()  # a stale file of the same name: replaced
+            self._maps[s.name] = seg
+            return seg
+
+    def _drop_unlinked(self) -> None:
+        """Unmap segments whose owner unlinked them (a prefill that exited or restarted): the
+        mapping alone would keep their memory (and its pinning) for as long as this process
+        lives. Lock held, no fetch in progress (one may be reading such a segment)."""
+        for name, seg in list(self._maps.items()):
+            if seg is not None and not seg.path.exists():
+                seg.close()
+                del self._maps[name]
+
+    def fetch(
+        self, h: KVHandoff, keys: Sequence[bytes], first: int, device: torch.device
+    ) -> tuple[int, torch.Tensor | None]:
+        """Pages first .. first+len(keys) of handoff `h` (keys[i] is page first+i's key): the
+        leading run of them that copied intact, as (count, [count, page_bytes] uint8 tensor on
+        `device`). A page whose stamp differs before or after the copy ends the run."""
+        with self._lock:
+            if not self._active:
+                self._drop_unlinked()
+            self._active += 1
+        try:
+            return self._fetch(h, keys, first, device)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _fetch(
+        self, h: KVHandoff, keys: Sequence[bytes], first: int, device: torch.device
+    ) -> tuple[int, torch.Tensor | None]:
+        n = max(0, min(len(keys), len(h.slots) - first))
+        pin = device.type == "cuda"
+        # Every listed segment (the prefill's whole tier), mapped now if new: the registrations of
+        # a first contact happen together, not one per segment over later pulls.
+        segs = [self._segment(s, h.page_bytes, pin) for s in h.segments]
+        want: list[tuple[SharedSegment, int, int, bytes]] = []
+        for i in range(n):
+            j = first + i
+            seg = segs[h.seg[j]]
+            if seg is None:
+                self.unmapped += n - i
+                HANDOFF_PAGES.labels("unmapped").inc(n - i)
+                break
+            if not 0 <= h.slots[j] < seg.slots:
+                break
+            want.append((seg, h.slots[j], h.gens[j], keys[i]))
+        ok = _intact(want)
+        if ok < len(want):
+            self._stale(len(want) - ok)
+        if not ok:
+            return 0, None
+        out = self._copy(want[:ok], h.page_bytes, device)
+        good = _intact(want[:ok])  # the seqlock's second read: after the copy has landed
+        if good < ok:
+            self._stale(ok - good)
+        self.copied += good
+        HANDOFF_PAGES.labels("copied").inc(good)
+        return good, (out[:good] if good else None)
+
+    def _stale(self, pages: int) -> None:
+        self.stale += pages
+        HANDOFF_PAGES.labels("stale").inc(pages)
+
+    def _copy(
+        self, want: list[tuple[SharedSegment, int, int, bytes]], page_bytes: int, device: torch.device
+    ) -> torch.Tensor:
+        out = torch.empty((len(want), page_bytes), dtype=torch.uint8, device=device)
+        runs: list[tuple[SharedSegment, int, int, int]] = []  # segment, first slot, dst row, count
+        for row, (seg, slot, _gen, _key) in enumerate(want):
+            last = runs[-1] if runs else None
+            if last is not None and last[0] is seg and last[1] + last[3] == slot:
+                runs[-1] = (seg, last[1], last[2], last[3] + 1)
+            else:
+                runs.append((seg, slot, row, 1))
+        if device.type != "cuda":
+            for seg, slot, row, m in runs:
+                out[row : row + m].copy_(seg.data[slot : slot + m])
+            return out
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # `out` is allocated on that stream
+        with torch.cuda.stream(stream):
+            for seg, slot, row, m in runs:
+                out[row : row + m].copy_(seg.data[slot : slot + m], non_blocking=True)
+        stream.synchronize()  # the copy must have landed before the stamps are read again
+        out.record_stream(stream)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in self._maps.values():
+                if seg is not None:
+                    seg.close()
+            self._maps.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "handoff_pages_copied": self.copied,
+            "handoff_pages_stale": self.stale,
+            "handoff_pages_unmapped": self.unmapped,
+        }
+
+
+def _intact(want: Sequence[tuple[SharedSegment, int, int, bytes]]) -> int:
+    """How many leading pages still carry the (generation, key) the handoff recorded."""
+    for i, (seg, slot, gen, key) in enumerate(want):
+        if seg.stamp(slot) != (gen, key):
+            return i
+    return len(want)
