@@ -28,8 +28,20 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 MAX_M = 8  # rows up to which the GEMV is considered (decode batches; beyond, cuBLAS tiles well)
-# (BLOCK_N, BLOCK_K, num_warps): few enough that the first call's timing stays ~10 ms per shape
-CONFIGS = ((4, 512, 4), (8, 512, 4), (8, 256, 2), (16, 256, 4), (16, 512, 8), (32, 256, 8))
+# (BLOCK_N, BLOCK_K, num_warps), each timed per shape at warm-up (a few ms each).
+# Wide BLOCK_K: a program issues all its loads at once (K <= BLOCK_K: one iteration), which is what
+# a latency-bound GEMV needs; narrow BLOCK_N: enough programs for N = 1024.
+CONFIGS = (
+    (4, 512, 4),
+    (8, 512, 4),
+    (16, 256, 4),
+    (16, 512, 8),
+    (2, 1024, 4),
+    (4, 1024, 4),
+    (8, 1024, 8),
+    (2, 2048, 8),
+    (4, 2048, 8),
+)
 
 
 @triton.jit
