@@ -18,8 +18,8 @@ router logits in float32 from the compute dtype's input and gate values (trainer
 services/engine/moe.py Router.round_weight_), routing weights rounded to the model dtype and the
 expert sum in float32 with one rounding (ExpertWeights.combine, ReplayRouter), q/k-norm + RoPE in
 float32 with one rounding and compute-dtype cos/sin (trainer/model.py RelayAttention,
-services/engine/model.py norm_rope), the autocast trainer's residual stream kept in bf16
-(bf16_residual_under_autocast) and its RMSNorms multiplying by bf16 weight values (RelayRMSNorm:
+services/engine/model.py norm_rope), the residual stream rounded where the engine rounds it
+(residual_stream_like_engine: float32 with model.fp32_residual, the default, else bf16) and the RMSNorms multiplying by bf16 weight values (RelayRMSNorm:
 with norm weights that are not bf16 values, as after training, `--perturb-norms`, autocast was
 1.9e-3 mean / 8.0e-3 max apart without it). The bounds below leave room for a stray bf16 ulp from
 a kernel, not for a formulation difference (those give ~1e-3 mean).
@@ -83,6 +83,21 @@ def result_bf16_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     )
 
 
+@pytest.fixture(scope="module")
+def result_bf16_residual(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """ModelConfig.fp32_residual off on both sides: the bf16 residual stream (the engine reads the
+    key from config.json, where hf_config writes it)."""
+    return measure(
+        moe_config(3),
+        rows=2,
+        seq=48,
+        seed=3,
+        perturb_norms=True,
+        workdir=tmp_path_factory.mktemp("nres16"),
+        fp32_residual=False,
+    )
+
+
 def _check_equal(r: dict[str, Any], path: str) -> None:
     for i, layer in enumerate(r["layers"]):
         assert layer["resid"]["mean"] <= HIDDEN_MEAN, (path, i, layer)
@@ -107,6 +122,75 @@ def test_bf16_logits_head_still_equal_with_replay(result_bf16_logits: dict[str, 
     """logits_fp32 off on both sides (the bf16-output head): still the same function."""
     assert result_bf16_logits["logits_fp32"] is False
     _check_equal(result_bf16_logits[f"engine_vs_trainer_{path}"], path)
+
+
+@pytest.mark.parametrize("path", TRAINER_PATHS)
+def test_bf16_residual_stream_still_equal_with_replay(
+    result_bf16_residual: dict[str, Any], path: str
+) -> None:
+    """fp32_residual off on both sides (the bf16 stream of session 4): still the same function."""
+    assert result_bf16_residual["fp32_residual"] is False
+    _check_equal(result_bf16_residual[f"engine_vs_trainer_{path}"], path)
+
+
+def test_fp32_residual_brings_the_bf16_engine_closer_to_float32(
+    result: dict[str, Any], result_bf16_residual: dict[str, Any]
+) -> None:
+    """Same model, tokens and expert ids: with the float32 stream the bf16 engine (and each bf16
+    trainer path) is nearer the float32 reference, in the last layer's stream and in log-probs."""
+    assert result["fp32_residual"] is True
+    for key in ("engine_bf16_vs_fp32", *(f"trainer_{p}_vs_fp32" for p in TRAINER_PATHS)):
+        f32, b16 = result[key], result_bf16_residual[key]
+        assert f32["logp_abs_mean"] < b16["logp_abs_mean"], (key, f32["logp_abs_mean"], b16["logp_abs_mean"])
+        last = len(f32["layers"]) - 1
+        assert f32["layers"][last]["resid"]["mean"] < b16["layers"][last]["resid"]["mean"], key
+
+
+def test_fp32_residual_stream_dtypes(tmp_path: Path) -> None:
+    """The engine's hidden state between layers is float32 with the key on and bf16 with it off,
+    and the key survives the HF directory (config.json) into the engine; the trainer's blocks
+    under bf16 parameters and under autocast carry the same dtypes."""
+    import contextlib
+
+    from services.common.config import EngineConfig
+    from services.engine import LLMEngine
+    from trainer.model import save_weights_dir
+
+    for fp32 in (True, False):
+        m = moe_config(2).model_copy(update={"fp32_residual": fp32})
+        model = build_model(m, seed=0).eval()
+        d = save_weights_dir(m, model.state_dict(), tmp_path / f"w{fp32}", {"version": 0})
+        eng = LLMEngine(d, EngineConfig(device="cpu", dtype="bfloat16", max_batch_size=1, max_seq_len=32))
+        assert eng.model_config.fp32_residual is fp32 and eng.model.fp32_residual is fp32
+        seen: list[torch.dtype] = []
+        hook = eng.model.model.layers[0].register_forward_hook(lambda _m, _i, o, s=seen: s.append(o.dtype))
+        tokens = torch.randint(0, m.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        numerics.run_engine(eng, tokens)
+        hook.remove()
+        assert seen == [torch.float32 if fp32 else torch.bfloat16], (fp32, seen)
+        for name, net, amp in (
+            ("autocast", model, torch.autocast("cpu", dtype=torch.bfloat16)),
+            ("bf16_params", numerics.bf16_params(model), contextlib.nullcontext()),
+        ):
+            got: list[torch.dtype] = []
+            h = net.layers["0"].register_forward_hook(lambda _m, _i, o, s=got: s.append(o.dtype))
+            with torch.no_grad(), amp:
+                net(tokens)
+            h.remove()
+            assert got == [torch.float32 if fp32 else torch.bfloat16], (name, fp32, got)
+
+
+def test_fp32_residual_lowers_the_emulated_kernel_floor() -> None:
+    """residual_sources: sublayer outputs moved by one bf16 ulp with probability p (the GPU's
+    kernel-order differences, emulated on the trainer side) cost less KL with the float32 stream;
+    with nothing emulated both streams are bitwise equal (float32 logits)."""
+    res = numerics.residual_sources(moe_config(2), rows=2, seq=32, seed=1)
+    ratio = res["kl_bf16_over_fp32_residual"]
+    for arm in ("bf16", "fp32"):
+        none = res["by_residual"][arm]["rows"]["none"]["fp32_logits"]
+        assert none["kl_full_mean"] == 0.0 and none["logits_differ_frac"] == 0.0, arm
+    for name in ("body_flip_1e-3", "body_flip_1e-2"):
+        assert ratio[name] > 1.0, (name, ratio)
 
 
 def test_float32_logits_remove_the_head_rounding_term() -> None:

@@ -163,7 +163,7 @@ def build_model(
         model = build_deepseek_v3(m) if m.arch == "deepseek_v3" else RelayQwen3Model(model_args(m))
         _moe_blocks(model, m)
     if m.arch != "deepseek_v3":
-        bf16_residual_under_autocast(model)
+        residual_stream_like_engine(model, m.fp32_residual)
         for block in model.layers.values():
             block.attention.__class__ = RelayAttention  # same parameters and names: see its docstring
             block.attention_norm.__class__ = RelayRMSNorm
@@ -242,6 +242,12 @@ class RelayRMSNorm(torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
         w = self.weight
+        if w is not None and not isinstance(w, DTensor) and x.dtype == torch.float32 != w.dtype:
+            # ModelConfig.fp32_residual with bf16 parameters (FSDP2's mixed precision): the float32
+            # stream normalised and weighted in float32, rounded once to the parameters' dtype
+            # (the next GEMM's input), as the engine's RMSNorm and fused add_rms_norm compute.
+            y = torch.nn.functional.rms_norm(x, self.normalized_shape, w.float(), self.eps)
+            return y.to(w.dtype)
         if w is None or not torch.is_autocast_enabled(dev) or isinstance(w, DTensor):
             return super().forward(x)
         wv = w.to(torch.get_autocast_dtype(dev)).float()
@@ -256,21 +262,43 @@ def _round_to_autocast_dtype(_mod: torch.nn.Module, _inp: Any, out: torch.Tensor
     return None  # float32 training, or FSDP's bf16 compute: unchanged
 
 
-def bf16_residual_under_autocast(model: torch.nn.Module) -> None:
-    """Under autocast (the single-process bf16 trainer: float32 weights), keep the residual stream
-    in the autocast dtype, as the engine, HF's bf16 model and the FSDP2 bf16 trainer keep it: the
-    embedding output, every MoE output (float32 under autocast: torchtitan sums the experts in
-    float32 and casts to its float32 input's dtype) and every block's output are rounded to bf16,
-    so each residual add rounds where the engine's does. Without this autocast carries
-    a float32 residual stream (float32 embedding + bf16 layer outputs) and the engine a bf16 one,
-    a rounding difference in every layer that Router Replay cannot remove (bench/r3/numerics.py:
-    most of the autocast trainer's bf16 distance from the engine). Forward hooks, so torchtitan's
-    blocks, activation checkpointing and compile are untouched; a no-op outside autocast."""
-    model.tok_embeddings.register_forward_hook(_round_to_autocast_dtype)  # type: ignore[union-attr]
+def _embedding_fp32(_mod: torch.nn.Module, _inp: Any, out: torch.Tensor) -> torch.Tensor | None:
+    """The float32 residual stream's start: the embedding row in the compute dtype's values (the
+    engine's bf16 table; autocast's float32 master rows rounded), held in float32."""
+    dev = out.device.type
+    if out.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return out.to(torch.get_autocast_dtype(dev)).float()
+    return None if out.dtype == torch.float32 else out.float()  # FSDP's bf16 table: upcast once
+
+
+def residual_stream_like_engine(model: torch.nn.Module, fp32: bool) -> None:
+    """Make the residual stream round where the engine's does (services/engine/model.py), as
+    ModelConfig.fp32_residual says. Forward hooks, so torchtitan's blocks, activation checkpointing
+    and compile are untouched.
+
+    fp32 (default): the stream is float32 under autocast AND with FSDP2's bf16 parameters: the
+    embedding output in bf16 values upcast once (_embedding_fp32); sublayer outputs stay bf16
+    (every MoE output rounded to the compute dtype: under autocast torchtitan sums the experts in
+    float32 and casts to its float32 input's dtype, the engine rounds that sum once to bf16), and
+    torchtitan's `h = x + out` then adds in float32 by type promotion; RelayRMSNorm reads the
+    float32 stream and rounds once to the next GEMM's dtype. FSDP2 must not cast the blocks'
+    float32 inputs to bf16 (trainer/parallel.py apply_fsdp: cast_forward_inputs off, read from
+    `model.fp32_residual`).
+
+    bf16: under autocast (float32 weights) the embedding output, every MoE output and every block's
+    output are rounded to bf16, as the engine, HF's bf16 model and the FSDP2 bf16 trainer keep
+    the stream; without it autocast carries a float32 stream and the engine a bf16 one, a
+    rounding difference in every layer that Router Replay cannot remove (bench/r3/numerics.py).
+    A no-op outside autocast."""
+    # Read by trainer/parallel.py apply_fsdp (FSDP2's input cast).
+    model.fp32_residual = fp32  # type: ignore[assignment]
+    embed = _embedding_fp32 if fp32 else _round_to_autocast_dtype
+    model.tok_embeddings.register_forward_hook(embed)  # type: ignore[union-attr]
     for block in model.layers.values():  # type: ignore[union-attr]
         if getattr(block, "moe_enabled", False):
             block.moe.register_forward_hook(_round_to_autocast_dtype)
-        block.register_forward_hook(_round_to_autocast_dtype)
+        if not fp32:
+            block.register_forward_hook(_round_to_autocast_dtype)
 
 
 class CountingReorderer(TokenReorderer):

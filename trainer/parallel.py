@@ -18,6 +18,9 @@ copy (all-gather copy-in/out of every parameter, reduce-scatter copies of every 
 ~355 device copies, ~9 ms of a 0.6B step on an H200). Without FSDP `bfloat16` means float32
 parameters under torch.autocast, torchtitan's single-device choice (`autocast_context`);
 trainer.fsdp = "always" keeps FSDP on a 1-rank group (what bench/trainer/step.py measured first).
+trainer.fsdp = "master" is "auto" with, at world 1 and bfloat16, bf16 parameters and float32
+master weights instead of autocast (trainer/master_weights.py): neither FSDP's copies nor
+autocast's per-forward casts of every weight.
 
 Parallel degrees come from trainer.tp / cp / ep and the process count, checked with torchtitan's
 ParallelDims rules (dp = world / (tp * cp); ep divides world). Not wired, refused with a clear
@@ -38,6 +41,8 @@ from torch import nn
 from services.common.config import TrainerSection
 from trainer.attention import enable_document_attention
 from trainer.batch import MicroBatch
+from trainer.master_weights import attach as attach_master_weights
+from trainer.master_weights import masters_of
 from trainer.packing import PackedMicroBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,6 +56,7 @@ class Degrees:
     cp: int
     ep: int
     fsdp: bool = False  # whether parallelize wrapped the model in FSDP2 (use_fsdp)
+    master: bool = False  # bf16 parameters + float32 masters (use_master_weights)
 
     def data_rank(self, rank: int) -> int:
         """Which data-parallel shard of the batch `rank` trains: ranks of one cp x tp group
@@ -86,6 +92,12 @@ def use_fsdp(tc: TrainerSection, world: int, distributed: bool) -> bool:
     (world > 1: dp, cp or ep ranks), "always" on any group. One rank without FSDP is a plain
     model, so its checkpoints and published weights are the same full state dicts."""
     return distributed and (tc.fsdp == "always" or world > 1)
+
+
+def use_master_weights(tc: TrainerSection, fsdp: bool) -> bool:
+    """trainer.fsdp = "master" where FSDP does not apply (one rank) and the dtype is bf16: bf16
+    parameters, float32 masters (trainer/master_weights.py). float32 needs no masters."""
+    return tc.fsdp == "master" and not fsdp and tc.dtype == "bfloat16"
 
 
 def _device_type(device: torch.device) -> str:
@@ -212,7 +224,10 @@ def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype, efsdp_mesh: Any 
 
     # Reductions in float32 whatever the compute dtype: summing bf16 gradients over ranks and
     # micro-batches loses the small per-token policy-gradient contributions.
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # ModelConfig.fp32_residual (trainer.model.residual_stream_like_engine): blocks take the float32
+    # residual stream as it is; FSDP's default would cast every block's input to bf16.
+    cast = not getattr(model, "fp32_residual", False)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast)
     # One rank: nothing to free by resharding after forward, and backward would re-cast every
     # parameter; several ranks: reshard (the memory is the point of FSDP).
     reshard = mesh.size() > 1
@@ -243,7 +258,12 @@ def parallelize(
     """Apply trainer.{attention, cp, activation_checkpoint, compile, dtype} and FSDP2 (`use_fsdp`)
     to `model` (already on `device`, float32). Returns the model, the parallel degrees (`fsdp`:
     whether FSDP2 wraps it) and the meshes (empty without a process group)."""
-    deg = dataclasses.replace(degrees(tc, world), fsdp=use_fsdp(tc, world, distributed))
+    fsdp = use_fsdp(tc, world, distributed)
+    deg = dataclasses.replace(degrees(tc, world), fsdp=fsdp, master=use_master_weights(tc, fsdp))
+    if deg.master:
+        # Before compile traces anything: the masters copy the float32 weights as loaded, then
+        # the parameters become bf16 in place (trainer.master_weights.masters_of finds them).
+        attach_master_weights(model, DTYPES[tc.dtype])
     if tc.attention != "sdpa" and device.type != "cuda":
         raise ValueError(f"trainer.attention {tc.attention!r} needs CUDA, the trainer runs on {device}")
     enable_document_attention(model, tc.attention, tc.sdpa_backend, tc.sdpa_expand_kv)
@@ -282,7 +302,11 @@ def parallelize(
 
 def clip_grad_norm(model: nn.Module, max_norm: float, deg: Degrees) -> torch.Tensor:
     """clip_grad_norm_ over every parameter; with EP, torchtitan's version, which combines the
-    norms of the expert (sparse mesh) and dense parameters (torch's cannot mix meshes)."""
+    norms of the expert (sparse mesh) and dense parameters (torch's cannot mix meshes). With
+    master weights: the masters' float32 gradients (the parameters' bf16 ones are freed)."""
+    masters = masters_of(model)
+    if masters is not None:
+        return torch.nn.utils.clip_grad_norm_(masters.masters, max_norm)
     if deg.ep > 1:
         from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -300,12 +324,12 @@ def autocast_context(tc: TrainerSection, device: torch.device, fsdp: bool) -> An
     a bf16 GEMM and is accumulated in float32 on the float32 parameter, where FSDP casts it to
     float32 for its reduce-scatter and accumulates in the float32 shard). Plain autocast would
     keep a float32 residual stream (float32 embedding output) and float32 norm weights; the model
-    rounds those to bf16 as FSDP does (trainer.model.bf16_residual_under_autocast, RelayRMSNorm).
+    rounds those to bf16 as FSDP does (trainer.model.residual_stream_like_engine, RelayRMSNorm).
     What stays different: elementwise ops autocast does not list (RoPE, SiLU * up, the norms'
     arithmetic) run in float32 on bf16-rounded inputs where FSDP runs some in bf16, so autocast
     rounds less often (tests/test_trainer_world1.py bounds the gap)."""
-    if tc.dtype == "float32" or fsdp:
-        return contextlib.nullcontext()
+    if tc.dtype == "float32" or fsdp or use_master_weights(tc, fsdp):
+        return contextlib.nullcontext()  # bf16 parameters (FSDP's or master_weights'): no casts
     return torch.autocast(_device_type(device), dtype=torch.bfloat16)
 
 

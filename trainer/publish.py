@@ -141,9 +141,15 @@ class Publisher:
         """Collective: full HF-named CPU tensors on rank 0 ({} elsewhere), one parameter at a time."""
         from torch.distributed.tensor import DTensor
 
+        # Lazy: trainer.master_weights imports clean_name from here.
+        from trainer.master_weights import masters_of
+
         out: dict[str, torch.Tensor] = {}
         cuda = False
-        for name, t in model.state_dict().items():
+        # With master weights (trainer.fsdp = "master") the float32 masters, not their bf16 copy:
+        # an engine in float32 gets the exact weights; cast to bf16 they equal the parameters.
+        mw = masters_of(model)
+        for name, t in (mw.state_dict(model) if mw is not None else model.state_dict()).items():
             name = clean_name(name)
             if name == "output.weight" and self.m.tie_embeddings:
                 continue  # the same parameter as tok_embeddings.weight; HF stores it once

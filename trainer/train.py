@@ -62,6 +62,7 @@ from trainer.batch import (
 from trainer.chunked import enable_chunked_output
 from trainer.entropy import EntropyControl
 from trainer.loss import LossStats, ratio_loss
+from trainer.master_weights import masters_of, optimizer_params, sync_params
 from trainer.mismatch import MismatchStats, micro_batch_versions, token_mismatch
 from trainer.model import build_model, load_weights_dir, moe_layer_ids, save_weights_dir
 from trainer.packing import PackedMicroBatch, packed_micro_batches
@@ -279,16 +280,19 @@ class Trainer:
         # Fused on CUDA (one kernel per parameter group instead of foreach's several passes;
         # bench/trainer/results/step_h200_0.6b_mfu.json: bf16+fused_adam), torch's default elsewhere.
         self.opt = torch.optim.AdamW(
-            self.model.parameters(),
+            optimizer_params(self.model),  # trainer.fsdp = "master": the float32 masters
             lr=tc.lr,
             betas=tc.betas,
             weight_decay=tc.weight_decay,
             fused=True if self.d.device.type == "cuda" else None,
         )
         if state is not None:
-            set_optimizer_state_dict(
-                self.model, self.opt, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
+            if (mw := masters_of(self.model)) is not None:  # keyed by name, as below
+                mw.load_optimizer_state_dict(self.opt, state["optimizer"])
+            else:
+                set_optimizer_state_dict(
+                    self.model, self.opt, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+                )
             # The checkpoint restores Adam's moments; the hyper-parameters come from the config,
             # so a restart with a changed lr/betas/weight_decay takes effect.
             for group in self.opt.param_groups:
@@ -340,6 +344,8 @@ class Trainer:
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         # Collective under FSDP2: every rank must call it; rank 0 gets full CPU tensors.
+        if (mw := masters_of(self.model)) is not None:
+            return mw.full_state_dict(self.model)  # the float32 masters, not their bf16 copy
         return get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -360,8 +366,11 @@ class Trainer:
         """All ranks gather; rank 0 writes one full checkpoint (model, optimizer keyed by
         parameter name, per-rank RNG), so it reloads under any world size."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(self.model, options=opts)
-        optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
+        if (mw := masters_of(self.model)) is not None:  # one rank: the float32 masters, by name
+            model_sd, optim_sd = mw.full_state_dict(self.model), mw.optimizer_state_dict(self.opt)
+        else:
+            model_sd = get_model_state_dict(self.model, options=opts)
+            optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
         rng = self.d.all_gather(torch.get_rng_state())
         if self.d.is_main:
             payload = {
@@ -531,6 +540,7 @@ class Trainer:
                 (out.sum() * 0.0).backward()
         grad_norm = _to_float(clip_grad_norm(self.model, tc.grad_clip, deg))  # perf path: EP-aware
         self.opt.step()
+        sync_params(self.model)  # master weights: the stepped masters into the bf16 parameters
         tot = self.d.all_reduce(
             torch.cat([stats.as_tensor(), torch.tensor([float(n_tokens)], dtype=torch.float64)])
         )

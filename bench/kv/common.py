@@ -5,6 +5,7 @@ processes, and result files with command, machine and date."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -214,6 +216,15 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def synchronize_stream(device: str) -> None:
+    """Wait for the current (the engine loop's) stream only. A serving loop never waits for its
+    device's other streams (page imports and handoff copies run on side streams, joined by events
+    only where a step needs their pages); a device-wide synchronize after every step would charge
+    their transfer time to the decoding streams' inter-token latency."""
+    if device.startswith("cuda"):
+        torch.cuda.current_stream().synchronize()
+
+
 class ResultWriter:
     """Writes the result file after every update (`partial: true` until `done`), so a run killed
     by its time limit still leaves what it measured."""
@@ -224,3 +235,73 @@ class ResultWriter:
     def write(self, body: dict[str, Any], done: bool = False) -> None:
         result = {"benchmark": self.benchmark, "params": self.params, "partial": not done, **body}
         write_result(self.path, result, quiet=not done)
+
+
+class GcTrace:
+    """Every cyclic-GC collection while installed (gc.callbacks): (start, end, generation), on
+    the perf_counter clock. A collection in any thread stalls the step loop (it holds the GIL)."""
+
+    def __init__(self) -> None:
+        self.collections: list[tuple[float, float, int]] = []
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.collections.append((self._t0, time.perf_counter(), info["generation"]))
+
+    def __enter__(self) -> GcTrace:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def ms_within(self, t0: float, t1: float) -> float:
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b, _ in self.collections) * 1000
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for g in (0, 1, 2):
+            ms = [(b - a) * 1000 for a, b, gen in self.collections if gen == g]
+            out[f"gen{g}"] = {
+                "n": len(ms),
+                "total_ms": round(sum(ms), 2),
+                "max_ms": round(max(ms, default=0.0), 2),
+            }
+        return out
+
+
+class Timeline:
+    """Background threads' events (prefill HTTP, page pull, staging): name, start, end, detail;
+    thread-safe (list.append is atomic under the GIL)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, float, dict[str, Any]]] = []
+
+    @contextmanager
+    def span(self, name: str, **detail: Any) -> Iterator[dict[str, Any]]:
+        """Records the block as one event; the caller may add to the yielded detail (bytes, ...)."""
+        t0 = time.perf_counter()
+        try:
+            yield detail
+        finally:
+            self.events.append((name, t0, time.perf_counter(), detail))
+
+    def add(self, name: str, t0: float, t1: float, **detail: Any) -> None:
+        self.events.append((name, t0, t1, detail))
+
+    def overlapping(self, t0: float, t1: float) -> list[str]:
+        return [
+            name + "".join(f" {k}={v}" for k, v in d.items())
+            for name, a, b, d in self.events
+            if a < t1 and b > t0
+        ]
+
+    def compact(self, origin: float) -> list[list[Any]]:
+        """[name, start ms, end ms, detail] relative to `origin` (the window's start)."""
+        return [
+            [name, round((a - origin) * 1000, 1), round((b - origin) * 1000, 1), d]
+            for name, a, b, d in sorted(self.events, key=lambda e: e[1])
+        ]

@@ -13,7 +13,9 @@
 ITL is measured per stream between consecutive tokens, from the engine's own step loop, over the
 window in which the long prompts arrive and are served (until the last one has finished; baseline:
 the window the arrivals span plus 2 s). A stream that finishes is replaced by a new one, so
-`--streams` streams decode throughout the window whatever its length. CPU:
+`--streams` streams decode throughout the window whatever its length. Each mode's slowest steps
+carry their phase times, GC ms and overlapping background events (bench/kv/README.md, "Decode
+stalls"); `--no-host-tune` runs without services/engine/host_tuning.py (the "before"). CPU:
     .venv/bin/python -m bench.kv.interference --out bench/kv/results/interference_cpu.json
 GPU (the lead; 2 GPUs: decode on GPU 0, prefill service on GPU 1):
     python -m bench.kv.interference --device cuda --model qwen3-0.6b-shape --dtype bfloat16 \\
@@ -34,10 +36,21 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.kv.common import ResultWriter, add_common_args, engine_config, prepare, services, synchronize
+from bench.kv.common import (
+    GcTrace,
+    ResultWriter,
+    Timeline,
+    add_common_args,
+    engine_config,
+    prepare,
+    services,
+    synchronize_stream,
+)
 from services.common.config import RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
+from services.engine.host_tuning import tune_after_startup
+from services.engine.sequence import Status
 from services.kvstore.client import KVStoreClient
 from services.prefill.router import prompt_keys, pull_prefix, reserve_pinned
 from services.prefill.schemas import PrefillRequest, PrefillResponse
@@ -85,6 +98,9 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     # Warm up: every stream prefilled and decoding before the window opens.
     while any(not s.seqs[0].output for s in streams):
         eng.step()
+    # As the decode service does once its engine is built (services/engine/host_tuning.py).
+    tuned = tune_after_startup() if args.host_tune else {}
+    timeline = Timeline()  # the background threads' events, for slowest_steps
     long_count = 0 if mode == "baseline" else args.long_count
     window_s = args.long_count * args.long_every_s + 2.0  # baseline only
     longs = [[rng.randrange(vocab) for _ in range(args.long_tokens)] for _ in range(long_count)]
@@ -105,12 +121,13 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         assert store is not None and prefill_url is not None
         # Same host (the prefill service runs here): ask for a handoff of its shared near tier.
         body = PrefillRequest(input_ids=req.input_ids, sampling=req.sampling, request_id=rid, handoff=True)
-        r = httpx.post(
-            f"{prefill_url}/v1/prefill",
-            content=body.model_dump_json(),
-            headers={"content-type": "application/json"},
-            timeout=600,
-        )
+        with timeline.span("prefill_http", id=rid):
+            r = httpx.post(
+                f"{prefill_url}/v1/prefill",
+                content=body.model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=600,
+            )
         r.raise_for_status()
         resp = PrefillResponse.model_validate_json(r.content)
         # After a remote prefill decode pulls whatever the store has (no cost model: router.py),
@@ -122,7 +139,11 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         """prefill_and_pull off the loop, then the request is handed to the loop."""
         t0 = time.perf_counter()
         resp = prefill_and_pull(req, f"long-{i}")
-        eng.pages.stage_first(f"long-{i}", [(c.token, c.logprob, c.version) for c in resp.choices])
+        # The pull: from the prefill's reply to prefill_and_pull's return (handoff copy + TCP pull).
+        http_end = max(e[2] for e in timeline.events if e[0] == "prefill_http" and e[3]["id"] == f"long-{i}")
+        timeline.add("pull", http_end, time.perf_counter(), id=f"long-{i}")
+        with timeline.span("stage_first", id=f"long-{i}"):
+            eng.pages.stage_first(f"long-{i}", [(c.token, c.logprob, c.version) for c in resp.choices])
         pull_ms.append((time.perf_counter() - t0) * 1000)
         ready.put((i, req.model_copy(update={"request_id": f"long-{i}"})))
 
@@ -156,8 +177,12 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     sent = 0
     threads = []
     prev_end = 0.0
-    # (step ms, ms between steps, tokens fed, pages imported) of every step: what made a step slow
-    slow: list[tuple[float, float, int, int]] = []
+    # (step ms, ms between steps, tokens fed, pages imported, start, end, phases) of every step:
+    # what made a step slow
+    slow: list[tuple[float, float, int, int, float, float, dict[str, float]]] = []
+    # Long prompt -> prefix-cache hit tokens at its admission: pulled pages (or local fallback).
+    long_hit: dict[int, int] = {}
+    gct = GcTrace().__enter__()
     while True:
         now = time.perf_counter()
         while sent < long_count and now - t_start >= sent * args.long_every_s:
@@ -181,9 +206,14 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         t0 = time.perf_counter()
         fed = eng.stats.computed_tokens_total
         imported = eng.pages.imported_pages_total
+        hits = eng.stats.prefix_cache_hit_tokens
+        waiting = [i for i, st in long_states.items() if i not in long_hit]
         eng.step()
-        synchronize(args.device)
+        synchronize_stream(args.device)  # the loop's stream, not the side streams (common.py)
         now = time.perf_counter()
+        for i in waiting:  # admitted in this step: the hits were its (streams' prompts are random)
+            if long_states[i].seqs[0].status is not Status.WAITING:
+                long_hit[i] = eng.stats.prefix_cache_hit_tokens - hits
         step_ms.append((now - t0) * 1000)
         gap_ms = (t0 - prev_end) * 1000 if prev_end else 0.0  # time outside step(): the loop itself
         prev_end = now
@@ -193,6 +223,9 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
                 gap_ms,
                 eng.stats.computed_tokens_total - fed,
                 eng.pages.imported_pages_total - imported,
+                t0,
+                now,
+                eng.stats.last_step_phases,
             )
         )
         for s in streams:
@@ -218,22 +251,43 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         done_longs = sent == long_count and len(long_states) == long_count
         if done_longs and all(st.finished for st in long_states.values()):
             break
+    gct.__exit__()
     ttft = [(firsts[i] - arrivals[i]) * 1000 for i in sorted(firsts)]
+
+    def step_row(x: tuple[float, float, int, int, float, float, dict[str, float]]) -> dict[str, Any]:
+        a, b, c, d, t0, t1, ph = x
+        return {
+            "step_ms": round(a, 2),
+            "gap_before_ms": round(b, 2),
+            "tokens_fed": c,
+            "pages_imported": d,
+            "at_ms": round((t0 - t_start) * 1000, 1),
+            "phases_ms": {k: round(v * 1000, 2) for k, v in ph.items()},
+            "gc_ms": round(gct.ms_within(t0 - b / 1000, t1), 2),  # in the step or the gap before it
+            "background": timeline.overlapping(t0 - b / 1000, t1),
+        }
+
+    pages = {i: h // args.block_size for i, h in long_hit.items()}
+    prompt_pages = args.long_tokens // args.block_size
     out = {
         "itl_ms_p50": percentile(itl, 50),
         "itl_ms_p99": percentile(itl, 99),
         "itl_ms_max": max(itl) if itl else float("nan"),
         "itl_samples": len(itl),
         "step_ms_p50": percentile(step_ms, 50),
-        "slowest_steps": [
-            {"step_ms": a, "gap_before_ms": b, "tokens_fed": c, "pages_imported": d}
-            for a, b, c, d in sorted(slow, reverse=True)[:8]
-        ],
-        "largest_gaps": [
-            {"step_ms": a, "gap_before_ms": b, "tokens_fed": c, "pages_imported": d}
-            for a, b, c, d in sorted(slow, key=lambda x: -x[1])[:4]
-        ],
+        "slowest_steps": [step_row(x) for x in sorted(slow, key=lambda x: -x[0])[:8]],
+        "largest_gaps": [step_row(x) for x in sorted(slow, key=lambda x: -x[1])[:4]],
+        "gc": gct.summary(),
+        "host_tuning": tuned,
+        "background_events": timeline.compact(t_start),
+        # Pages each long prompt found cached at admission (pulled; fewer than half its pages:
+        # it was prefilled locally, the fallback).
+        "long_pages_hit": [pages[i] for i in sorted(pages)],
+        "long_via_pull": sum(1 for n in pages.values() if 2 * n >= prompt_pages),
+        "long_local_fallback": sum(1 for n in pages.values() if 2 * n < prompt_pages),
         "long_ttft_ms": ttft,
+        "long_ttft_ms_p50": percentile(ttft, 50),
+        "long_ttft_ms_max": max(ttft) if ttft else float("nan"),
         "long_served": len(firsts),
         "window_s": time.perf_counter() - t_start,
         "streams_started": born,
@@ -261,6 +315,13 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk budget)")
     p.add_argument("--prefill-gpu", default="", help="CUDA_VISIBLE_DEVICES of the prefill service")
     p.add_argument("--modes", default="baseline,colocated,disaggregated")
+    p.add_argument(
+        "--host-tune",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze, gen-0 threshold, GIL switch interval after warm-up, as the services do "
+        "(services/engine/host_tuning.py; --no-host-tune: without)",
+    )
     args = p.parse_args()
     work, model_dir = prepare(args)
     writer = ResultWriter(Path(args.out), "interference", args)
@@ -294,7 +355,12 @@ def main() -> None:
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
-    out = {f"{m}_{k}": r[k] for m, r in results.items() for k in ("itl_ms_p50", "itl_ms_p99")}
+    keys = ("itl_ms_p50", "itl_ms_p99", "itl_ms_max")
+    out = {f"{m}_{k}": r[k] for m, r in results.items() for k in keys}
+    for m, r in results.items():
+        if m != "baseline":
+            for k in ("long_via_pull", "long_local_fallback", "long_ttft_ms_p50", "long_ttft_ms_max"):
+                out[f"{m}_{k}"] = r[k]
     base = results.get("baseline")
     if base:  # the issue's bar: disaggregated p99 within 1.5x of the no-interference p99
         for m in ("colocated", "disaggregated"):

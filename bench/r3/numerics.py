@@ -44,6 +44,12 @@ toggle at a time, and the mismatch KL is reported with bf16 and with float32 log
 These are models of the GPU's differences, not measurements of them; what they show is how much
 each source is amplified by rounding the logits to bf16.
 
+Residual stream (`--residual`, `residual_sources()`): ModelConfig.fp32_residual on both sides
+(default fp32: the hidden state between layers in float32, each residual add in float32; bf16:
+rounded at every add). `--residual fp32,bf16 --sources` runs the floor sources with each stream,
+side by side: how much of the emulated body_flip floor the float32 stream removes (a sub-ulp
+sublayer difference is no longer rounded up to a whole ulp of the larger residual).
+
 Head alone (`--head`, `head_only()`): the LM head at the real shape (dim 2048, vocabulary 151936)
 with a real accumulation-order difference (one float32 GEMM against the same products summed as
 4 split-K partial GEMMs), near-uniform (hf init) and peaked (trained-like) logits: the head's whole
@@ -51,7 +57,7 @@ share of the floor with bf16 and with float32 logits.
 
 Run (CPU, ~10 s; --sources ~10 s more; --head ~2 min):
     .venv/bin/python bench/r3/numerics.py [--dense] [--perturb-norms] [--layers 4] [--rows 4] [--seq 64]
-        [--bf16-logits] [--sources] [--head] [--out x.json]
+        [--bf16-logits] [--residual fp32|bf16|fp32,bf16] [--sources] [--head] [--out x.json]
 """
 
 from __future__ import annotations
@@ -244,9 +250,12 @@ def measure(
     perturb_norms: bool = False,
     workdir: Path | None = None,
     logits_fp32: bool = True,
+    fp32_residual: bool = True,
 ) -> dict[str, Any]:
     """Everything above for one model; returns a JSON-able dict (see the module docstring).
-    logits_fp32: both sides' LM head with a float32 output (EngineConfig / trainer.logits_fp32)."""
+    logits_fp32: both sides' LM head with a float32 output (EngineConfig / trainer.logits_fp32).
+    fp32_residual: ModelConfig.fp32_residual on both sides (the engine reads it from config.json)."""
+    m = m.model_copy(update={"fp32_residual": fp32_residual})
     torch.manual_seed(seed)
     model = build_model(m, seed=seed).eval()
     hf_init(model, seed, perturb_norms)
@@ -282,6 +291,7 @@ def measure(
         "model": m.model_dump(include={"arch", "dim", "n_layers", "n_routed_experts", "n_experts_per_tok"}),
         "tokens": rows * (seq - 1),
         "logits_fp32": logits_fp32,
+        "fp32_residual": fp32_residual,
         # float32 engine vs float32 trainer replaying its ids: the parity floor (~1e-6)
         "fp32_engine_vs_fp32_trainer": compare(e32, ref_own, tokens),
         "engine_bf16_vs_fp32": compare(e16, ref, tokens),
@@ -330,12 +340,20 @@ SOURCE_ROWS: dict[str, tuple[bool, float]] = {
 
 
 def floor_sources(
-    m: ModelConfig, *, rows: int = 4, seq: int = 64, seed: int = 0, perturb_norms: bool = False
+    m: ModelConfig,
+    *,
+    rows: int = 4,
+    seq: int = 64,
+    seed: int = 0,
+    perturb_norms: bool = False,
+    fp32_residual: bool = True,
 ) -> dict[str, Any]:
     """The replay floor by emulated source (module docstring, "Floor sources"), each with the
     logits rounded to bf16 (`bf16_logits`: the engine with logits_fp32 off, the trainer's float32
     accumulator rounded) and kept in float32 (`fp32_logits`: both sides' logits_fp32 head).
-    Trainer: bf16 parameters (FSDP2's mixed precision), the engine's expert ids replayed."""
+    Trainer: bf16 parameters (FSDP2's mixed precision), the engine's expert ids replayed.
+    fp32_residual: ModelConfig.fp32_residual on both sides (`residual_sources` runs both)."""
+    m = m.model_copy(update={"fp32_residual": fp32_residual})
     torch.manual_seed(seed)
     model = build_model(m, seed=seed).eval()
     hf_init(model, seed, perturb_norms)
@@ -352,7 +370,12 @@ def floor_sources(
     routes = torch.stack(engine["fp32_logits"].ids, dim=1).view(rows, seq, len(engine["fp32_logits"].ids), -1)
     trainer_model = bf16_params(model)
     eps = 2.0**-24 * m.dim**0.5
-    out: dict[str, Any] = {"tokens": rows * (seq - 1), "head_order_eps": eps, "rows": {}}
+    out: dict[str, Any] = {
+        "tokens": rows * (seq - 1),
+        "head_order_eps": eps,
+        "fp32_residual": fp32_residual,
+        "rows": {},
+    }
     for name, (order, p) in SOURCE_ROWS.items():
         gen = torch.Generator().manual_seed(seed + 7)
         store: list[torch.Tensor] = []
@@ -377,6 +400,33 @@ def floor_sources(
         row["kl_bf16_over_fp32"] = b / f if f > 0 else (float("inf") if b > 0 else 1.0)
         out["rows"][name] = row
     return out
+
+
+def residual_sources(
+    m: ModelConfig, *, rows: int = 4, seq: int = 64, seed: int = 0, perturb_norms: bool = False
+) -> dict[str, Any]:
+    """floor_sources with the residual stream in bf16 and in float32 (ModelConfig.fp32_residual),
+    same model, tokens and emulated differences; `kl_bf16_over_fp32_residual` per source: what the
+    float32 stream removes of that source's floor (float32 logits, the default head)."""
+    kw = dict(rows=rows, seq=seq, seed=seed, perturb_norms=perturb_norms)
+    arms = {
+        name: floor_sources(m, fp32_residual=fp32, **kw) for name, fp32 in (("bf16", False), ("fp32", True))
+    }
+    ratio: dict[str, float] = {}
+    for name in SOURCE_ROWS:
+        b, f = (arms[a]["rows"][name]["fp32_logits"]["kl_full_mean"] for a in ("bf16", "fp32"))
+        ratio[name] = b / f if f > 0 else (float("inf") if b > 0 else 1.0)
+    return {"by_residual": arms, "kl_bf16_over_fp32_residual": ratio}
+
+
+def residual_summary(res: dict[str, Any]) -> str:
+    lines = ["floor by emulated source, float32 logits, residual stream bf16 vs float32 (fp32_residual):"]
+    lines.append(f"{'source':28s}{'KL bf16 resid':>16s}{'KL fp32 resid':>16s}{'bf16/fp32':>12s}")
+    arms = res["by_residual"]
+    for name, r in res["kl_bf16_over_fp32_residual"].items():
+        b, f = (arms[a]["rows"][name]["fp32_logits"]["kl_full_mean"] for a in ("bf16", "fp32"))
+        lines.append(f"{name:28s}{b:16.3e}{f:16.3e}{r:12.2f}")
+    return "\n".join(lines)
 
 
 def _logits_kl(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> dict[str, float]:
@@ -471,17 +521,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--perturb-norms", action="store_true", help="norm weights 1 + N(0, 0.2), as if trained")
     ap.add_argument("--bf16-logits", action="store_true", help="both sides' LM head with a bf16 output")
     ap.add_argument("--sources", action="store_true", help="also the floor by emulated source (docstring)")
+    ap.add_argument(
+        "--residual",
+        default="fp32",
+        help="fp32 or bf16: ModelConfig.fp32_residual for the main table and --sources; "
+        "fp32,bf16: also the --sources floor with each, side by side (residual_sources)",
+    )
     ap.add_argument("--head", action="store_true", help="also the head alone at the real shape (head_only)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    residual = [x.strip() for x in args.residual.split(",") if x.strip()]
+    if not residual or any(x not in ("fp32", "bf16") for x in residual):
+        ap.error("--residual: fp32, bf16 or fp32,bf16")
     torch.set_num_threads(1)
     m = dense_config(args.layers) if args.dense else moe_config(args.layers)
     kw = dict(rows=args.rows, seq=args.seq, seed=args.seed, perturb_norms=args.perturb_norms)
-    res = measure(m, logits_fp32=not args.bf16_logits, **kw)
+    fp32_residual = residual[0] == "fp32"
+    res = measure(m, logits_fp32=not args.bf16_logits, fp32_residual=fp32_residual, **kw)
     print(summary(res))
     if args.sources:
-        res["floor_sources"] = floor_sources(m, **kw)
+        res["floor_sources"] = floor_sources(m, fp32_residual=fp32_residual, **kw)
         print(sources_summary(res["floor_sources"]))
+        if len(residual) > 1:
+            res["residual_sources"] = residual_sources(m, **kw)
+            print(residual_summary(res["residual_sources"]))
     if args.head:
         res["head_only"] = head_only(seed=args.seed)
         print("head alone (real shape, split-K order on one side):")

@@ -36,6 +36,13 @@ float32 output (decode.engine.logits_fp32 / trainer.logits_fp32, the default); "
 output. `--logits fp32,bf16` runs every initialisation with each, in one process (phases
 `bf16/<init>` and `bf16/<init>/bf16_logits`; every phase records `logits_fp32`).
 
+Residual stream (`--residual`, default fp32): ModelConfig.fp32_residual on both sides ("fp32": the
+hidden state between layers is float32 in the engine and the trainer; "bf16": rounded to bf16 at
+every residual add, as before). The published config.json carries it to the engine
+(`relay_fp32_residual`), which reports what it loaded (`engine.engine_fp32_residual`).
+`--residual fp32,bf16` runs every initialisation with each, in one process (phases
+`bf16/<init>` and `bf16/<init>/bf16_residual`; every phase records `fp32_residual`).
+
 Initialisations: "trainer" is torchtitan's init as trainer.model.build_model draws it (embeddings
 std 1, layers std 0.02 with depth-scaled output projections: the residual stream is dominated by
 the token embedding, every layer's contribution is small); "hf" is transformers' Qwen3-MoE init
@@ -280,6 +287,7 @@ def sample_with_engine(
     info = {
         "engine_dtype": ecfg.dtype,
         "engine_logits_fp32": ecfg.logits_fp32,
+        "engine_fp32_residual": eng.model.fp32_residual,  # as loaded from config.json
         "attention_backend": eng.attention_backend,
         "cuda_graphs": eng.graphs is not None,
         "engine_load_s": round(load_s, 2),
@@ -496,17 +504,24 @@ class OneRankGroup:
 
 
 def phase_bf16(
-    args: argparse.Namespace, init: str, device: torch.device, workdir: Path, logits_fp32: bool = True
+    args: argparse.Namespace,
+    init: str,
+    device: torch.device,
+    workdir: Path,
+    logits_fp32: bool = True,
+    fp32_residual: bool = True,
 ) -> dict[str, Any]:
     """One initialisation: publish, sample with the bf16 engine, score in the bf16 trainer.
-    logits_fp32: both sides' LM head with a float32 output (else rounded to bf16)."""
+    logits_fp32: both sides' LM head with a float32 output (else rounded to bf16).
+    fp32_residual: ModelConfig.fp32_residual on both sides (else the bf16 residual stream)."""
     cuda = device.type == "cuda"
     shapes = {"qwen3-30b-a3b": qwen3_30b_a3b, "mid": mid_moe, "smoke": smoke_moe}
-    m = shapes[args.shape](args.layers)
+    m = shapes[args.shape](args.layers).model_copy(update={"fp32_residual": fp32_residual})
     out: dict[str, Any] = {
         "init": init,
         "model": m.model_dump(include=_SHAPE_FIELDS),
         "logits_fp32": logits_fp32,
+        "fp32_residual": fp32_residual,
     }
     t0 = time.perf_counter()
     model = build_trainer_model(m, init, args.seed, device)
@@ -683,8 +698,10 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
                 continue
             off, on = r["replay_off"], r["replay_on"]
             tag = "" if phase.get("logits_fp32", True) else "/bf16_logits"
+            tag += "" if phase.get("fp32_residual", True) else "/bf16_residual"
             rows[f"{phase['init']}/{path}{tag}"] = {
                 "logits_fp32": phase.get("logits_fp32", True),
+                "fp32_residual": phase.get("fp32_residual", True),
                 "kl_off": off["mismatch_kl_k3"],
                 "kl_on": on["mismatch_kl_k3"],
                 "kl_ratio_off_on": r["kl_ratio_off_on"],
@@ -727,10 +744,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fp32",
         help="LM-head output precision on both sides, comma-separated: fp32 (default), bf16",
     )
+    ap.add_argument(
+        "--residual",
+        default="fp32",
+        help="residual stream on both sides (model.fp32_residual), comma-separated: fp32 (default), bf16",
+    )
     args = ap.parse_args(argv)
     args.logits = [s.strip() for s in args.logits.split(",") if s.strip()]
     if not args.logits or any(x not in ("fp32", "bf16") for x in args.logits):
         ap.error("--logits: a comma-separated list of fp32, bf16")
+    args.residual = [s.strip() for s in args.residual.split(",") if s.strip()]
+    if not args.residual or any(x not in ("fp32", "bf16") for x in args.residual):
+        ap.error("--residual: a comma-separated list of fp32, bf16")
     defaults: dict[str, Any] = (
         {"layers": 2, "prompts": 6, "new_tokens": 12, "prompt_min": 8, "prompt_max": 24}
         if args.smoke
@@ -775,11 +800,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="r3-") as tmp:
         phases: list[tuple[str, Any]] = [
             (
-                f"bf16/{init}" + ("" if lg == "fp32" else "/bf16_logits"),
-                lambda init=init, lg=lg: phase_bf16(args, init, device, Path(tmp), lg == "fp32"),
+                f"bf16/{init}"
+                + ("" if lg == "fp32" else "/bf16_logits")
+                + ("" if res == "fp32" else "/bf16_residual"),
+                lambda init=init, lg=lg, res=res: phase_bf16(
+                    args, init, device, Path(tmp), lg == "fp32", res == "fp32"
+                ),
             )
             for init in [s.strip() for s in args.inits.split(",") if s.strip()]
             for lg in args.logits
+            for res in args.residual
         ]
         if args.sanity:
             phases.append(("fp32_sanity", lambda: phase_fp32_sanity(args, device, Path(tmp))))

@@ -92,6 +92,7 @@ from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E4
 from trainer.batch import loss_token_count  # noqa: E402
 from trainer.chunked import enable_chunked_output  # noqa: E402
 from trainer.loss import ratio_loss  # noqa: E402
+from trainer.master_weights import optimizer_params, sync_params  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.packing import PackedMicroBatch, pack  # noqa: E402
 from trainer.parallel import Degrees, clip_grad_norm, cp_micro_batch, parallelize  # noqa: E402
@@ -183,6 +184,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+compile+nofsdp": dict(compile=True, fsdp="auto"),
     "bf16+compile+nofsdp+fused_adam": dict(compile=True, fsdp="auto", optimizer="fused"),
     "bf16+compile+fused_adam+fsdp": dict(compile=True, optimizer="fused"),
+    # World 1, trainer.fsdp = "master": bf16 parameters (no FSDP copies, no autocast casts), a
+    # float32 master per parameter for AdamW, bf16 gradients accumulated into float32 main grads
+    # (trainer/master_weights.py). Compare with bf16+compile+fused_adam+fsdp.
+    "bf16+master": dict(fsdp="master"),
+    "bf16+compile+master+fused_adam": dict(compile=True, fsdp="master", optimizer="fused"),
     # The LM head's logits rounded to bf16 (trainer.logits_fp32 = false, the pre-session-5 head):
     # what float32 logits (the mismatch fix, docs/loss.md) cost in step time.
     "bf16+compile+fused_adam+fsdp+bf16_logits": dict(compile=True, optimizer="fused", logits_fp32=False),
@@ -334,8 +340,8 @@ def build_ours(
     # foreach (torch's default on CUDA, what these variants always measured) or fused AdamW
     # (optimizer="fused": what trainer/train.py builds on CUDA now).
     fused = {"fused": True} if knobs.get("optimizer") == "fused" else {}
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay, **fused
+    opt = torch.optim.AdamW(  # fsdp="master": the float32 masters, as train.py
+        optimizer_params(model), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay, **fused
     )
     # train_step's autocast (bf16 without FSDP), carried with the meshes to our_step.
     meshes = {**meshes, "amp": parallel.autocast_context(tc, ctx.device, deg.fsdp)}
@@ -374,8 +380,9 @@ def our_step(
             )
             (loss * scale).backward()
         loss_sum += loss.detach()
-    norm = clip_grad_norm(model, 1e9, deg)  # as train_step (EP-aware)
+    norm = clip_grad_norm(model, 1e9, deg)  # as train_step (EP-aware; the masters' gradients)
     opt.step()
+    sync_params(model)  # as train_step: master weights into the bf16 parameters
     full = getattr(norm, "full_tensor", None)
     gn = float((full() if callable(full) else norm).item())
     if dist.get_world_size() > 1:

@@ -69,6 +69,11 @@ class ModelConfig(Strict):
     tie_embeddings: bool = True
     # "char": the built-in debug tokenizer; "hf": the checkpoint's own tokenizer.json.
     tokenizer: Literal["char", "hf"] = "char"
+    # Residual stream in float32 on both sides (engine and trainer; sublayer outputs and norm
+    # outputs stay in the compute dtype): a bf16 stream turns a sub-ulp kernel difference in a
+    # sublayer output into a whole-ulp difference of the residual (Router Replay's KL floor,
+    # docs/loss.md "bf16 numerics"). Carried in config.json as relay_fp32_residual when off.
+    fp32_residual: bool = True
     # --- Mixture of Experts (n_routed_experts = 0: every layer is dense)
     n_routed_experts: int = Field(0, ge=0)
     n_shared_experts: int = Field(0, ge=0)
@@ -501,8 +506,10 @@ class TrainerSection(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # FSDP2 wrapping: "auto" only when the data-parallel world is > 1 (one process, even under
     # torchrun, trains plain float32 parameters, bf16 through torch.autocast: no all-gather /
-    # reduce-scatter copies); "always" under any process group, also of one rank (docs/trainer.md).
-    fsdp: Literal["auto", "always"] = "auto"
+    # reduce-scatter copies); "always" under any process group, also of one rank (docs/trainer.md);
+    # "master": as "auto", but one rank in bfloat16 trains bf16 parameters with float32 master
+    # weights instead of autocast (trainer/master_weights.py).
+    fsdp: Literal["auto", "always", "master"] = "auto"
     # torchtitan activation checkpointing per transformer block ("selective" = per-op SAC).
     activation_checkpoint: Literal["none", "selective", "full"] = "none"
     compile: bool = False  # torch.compile each transformer block

@@ -37,6 +37,8 @@ def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[
     if m.rope_scaling is not None:
         # The pre-5.0 HF key, which transformers 5 still reads (it folds it into rope_parameters).
         extra["rope_scaling"] = m.rope_scaling.model_dump()
+    if not m.fp32_residual:  # relay's key (HF ignores it): the engine must round where the trainer does
+        extra["relay_fp32_residual"] = False
     base = extra | {
         "architectures": ["LlamaForCausalLM" if llama else "Qwen3ForCausalLM"],
         "model_type": "llama" if llama else "qwen3",
@@ -62,6 +64,12 @@ def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[
 
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Inverse of hf_config, for loading any Qwen3-family HF directory."""
+    m = _model_config_from_hf(cfg)
+    # ModelConfig.fp32_residual: written by hf_config only when off; Hub configs lack it (default).
+    return m if cfg.get("relay_fp32_residual", True) else m.model_copy(update={"fp32_residual": False})
+
+
+def _model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     if cfg.get("model_type") in MOE_MODEL_TYPES:
         return _moe_mla_from_hf(cfg)
     if cfg.get("model_type") not in ("qwen3", "llama", "qwen2"):

@@ -43,6 +43,7 @@ from services.decode.openai import (
 )
 from services.decode.streaming import sse_events
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
+from services.engine.host_tuning import tune_after_startup
 from services.prefill.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
@@ -85,6 +86,8 @@ class Decode:
                     self.log.error(f"{path}: {e}")
                 if self.kv is not None:
                     self.kv.attach(engine)
+                # Start-up's objects out of the GC's way, the GIL back to the step loop sooner (host_tuning.py).
+                log_event(self.log, "host tuned", **tune_after_startup())
                 self.engine = AsyncEngine(engine).start()
                 if self.paused:
                     self.engine.pause()

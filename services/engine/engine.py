@@ -114,6 +114,7 @@ class LLMEngine:
         # Overlap scheduling (cfg.overlap_schedule, docs/engine.md): the launched step whose tokens
         # have not been appended yet.
         self._inflight: InFlight | None = None
+        self._resolve_s = 0.0  # seconds the last _land waited for its tokens (stats.last_step_phases)
         ov = cfg.overlap_schedule
         self.overlap = ov is True or (ov == "auto" and self.device.type == "cuda")
         # Set by AsyncEngine: then only its thread may call step().
@@ -266,25 +267,42 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestState]:
         """One batched forward + sample; returns the requests that finished in this step."""
+        t_begin = time.perf_counter()
+        self.stats.last_step_phases = {}  # stays empty if nothing is scheduled
         expired = self._expire() if self.cfg.request_timeout_s is not None else []
         if self._born_finished:
             expired, self._born_finished = self._born_finished + expired, []
         if self.pages.pending:
             self.pages.drain()  # pages pulled from the KV store: prefix hits for this admission
+        t_drain = time.perf_counter()
         if self.overlap:
-            return expired + self._step_overlapped()
+            return expired + self._step_overlapped(t_drain - t_begin)
         plan = self.scheduler.schedule()
         if plan.empty:
             return expired
         t0 = time.perf_counter()
-        hidden, last_index = self._forward(self.spans(plan))
+        spans = self.spans(plan)
+        t1 = time.perf_counter()
+        hidden, last_index = self._forward(spans)
+        t2 = time.perf_counter()
         # Host bookkeeping that needs no sampled token runs here, while the forward is in flight.
         seqs, rows = self.advance(plan)
+        t3 = time.perf_counter()
         out = self.sample(hidden, last_index, seqs, rows)  # the step's one host <-> device sync
+        t4 = time.perf_counter()
         finished = self.commit(seqs, out)  # counts the generated tokens
         self.stats.observe_step(plan.num_seqs, 0, time.perf_counter() - t0)
         if self.watchers:
             self._notify_watchers(seqs)
+        t5 = time.perf_counter()
+        self.stats.last_step_phases = {
+            "drain": t_drain - t_begin,
+            "schedule": t0 - t_drain,
+            "prep": t1 - t0,
+            "forward": t2 - t1,
+            "sample": t4 - t3,
+            "post": (t3 - t2) + (t5 - t4),
+        }
         return expired + finished
 
     def spans(self, plan: StepPlan) -> list[Span]:
@@ -382,26 +400,39 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ overlap scheduling
 
-    def _step_overlapped(self) -> list[RequestState]:
+    def _step_overlapped(self, drain_s: float = 0.0) -> list[RequestState]:
         """Step N+1 launched before step N's tokens are read (docs/engine.md, "Overlap scheduling"):
         schedule, launch forward + sampling (pending tokens fed on the device), then land N (wait
         for its tokens, append, stop, free) while N+1 computes, then N+1's page bookkeeping."""
+        t_sched = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
             return self.flush()
         t0 = time.perf_counter()
         spans, feed = self._spans_overlapped(plan)
         seqs, rows = self._sampling_rows(plan)
+        t1 = time.perf_counter()
         hidden, last_index = self._forward(spans, feed)
         launched = self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
         for j, s in enumerate(seqs):
             s.pending += 1
             s.pending_row = j
+        t2 = time.perf_counter()
         prev, self._inflight = self._inflight, (InFlight(seqs, launched, self.version) if launched else None)
+        self._resolve_s = 0.0
         finished = self._land(prev) if prev is not None else []
         self._advance_overlapped(plan)
         # commit() counts the generated tokens: a discarded one is not generated.
-        self.stats.observe_step(plan.num_seqs, 0, time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        self.stats.observe_step(plan.num_seqs, 0, t3 - t0)
+        self.stats.last_step_phases = {
+            "drain": drain_s,
+            "schedule": t0 - t_sched,
+            "prep": t1 - t0,
+            "forward": t2 - t1,
+            "sample": self._resolve_s,  # the wait for the previous step's tokens
+            "post": t3 - t2 - self._resolve_s,
+        }
         return finished
 
     def flush(self) -> list[RequestState]:
@@ -411,7 +442,9 @@ class LLMEngine:
         return self._land(prev) if prev is not None else []
 
     def _land(self, rec: InFlight) -> list[RequestState]:
+        t = time.perf_counter()
         out = rec.sample.resolve()  # the wait for that step's tokens (the next one is queued)
+        self._resolve_s = time.perf_counter() - t
         for s in rec.seqs:
             s.pending -= 1
         # Before commit: a sequence finished already gets no token (and its watcher no call).

@@ -101,6 +101,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            # The float32 residual stream (ModelConfig.fp32_residual) of a lower-precision model:
+            # normalise and weight in float32, round once to the model dtype (the next GEMM's
+            # input), as kernels/fused_norm.py add_rms_norm and the trainer's RelayRMSNorm do.
+            y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+            return y.to(self.weight.dtype)
         # Same kernel as torch.nn.RMSNorm, which torchtitan uses.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
@@ -293,6 +299,10 @@ class CausalLM(nn.Module):
         self.fused_elementwise = False
         # Set by the engine from EngineConfig.logits_fp32 (see logits()).
         self.logits_fp32 = True
+        # ModelConfig.fp32_residual (the checkpoint's config.json, as the trainer's): the hidden
+        # state between layers is float32 (the embedding upcast once, every residual add in
+        # float32, each RMSNorm reading it and writing the model-dtype input of the next GEMM).
+        self.fp32_residual = m.fp32_residual
 
     def fuse_projections(self) -> list[str]:
         """GPU path: q/k/v and gate/up of every dense attention/MLP become one GEMM each (fuse_rows;
@@ -307,6 +317,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         h = self.model.embed_tokens(batch.input_ids)
+        if self.fp32_residual:
+            h = h.float()  # sublayer outputs stay in the model dtype; `h + out` promotes
         if self.fused_elementwise and batch.paged is not None:
             from services.engine.kernels.fused_norm import add_rms_norm
 

@@ -7,6 +7,10 @@ import bisect
 from dataclasses import dataclass, field
 
 BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# Phases of one engine step, in order: imported pages registered (drain), scheduling, the fed
+# tokens gathered (prep), forward launched (or graph replayed), the wait for sampled tokens
+# (sample: the step's host <-> device sync), then appending them / stop checks / page bookkeeping.
+PHASES: tuple[str, ...] = ("drain", "schedule", "prep", "forward", "sample", "post")
 
 
 @dataclass
@@ -37,6 +41,9 @@ class EngineStats:
     prefill_step_tokens_total: int = 0
     prefill_step_seconds_total: float = 0.0
     _computed_at_last_step: int = field(default=0, repr=False)
+    # Seconds in each phase of the last step (PHASES; overwritten every step, a few perf_counter
+    # calls): what a slow step spent its time on (bench/kv/interference.py reads it per step).
+    last_step_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

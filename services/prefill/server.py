@@ -29,6 +29,7 @@ from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, UpdateWeightsRequest
 from services.common.service import Service, create_app, log_event, start_service
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
+from services.engine.host_tuning import tune_after_startup
 from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
 from services.kvstore.client import PagePublisher
 from services.kvstore.handoff import HandoffLeases
@@ -69,6 +70,8 @@ class Prefill:
                 self.publisher = PagePublisher(self.store, page_nbytes(eng.kv), **self._publish_bound())
                 eng.pages.sink = self.publisher
                 self.policy = engine_policy(eng, self.cfg.kvstore.pull)
+                # Start-up's objects out of the GC's way, the GIL back to the step loop sooner (host_tuning.py).
+                log_event(self.service.log, "host tuned", **tune_after_startup())
                 self.engine = AsyncEngine(eng).start()
                 log_event(self.service.log, "engine ready", path=path, version=version, layout=eng.layout)
             elif version > self.engine.version:

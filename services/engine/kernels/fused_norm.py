@@ -1,9 +1,13 @@
 """Two elementwise fusions of the decoder layer for the GPU path (fewer kernels per layer).
 
 - `add_rms_norm(x, delta, w, eps)` -> (h, y): the residual add and the next RMSNorm in one kernel,
-  h = x + delta (rounded to x's dtype, as the torch add), y = rms_norm(h) * w. In torch that is an
-  add plus the norm's kernels; the layer does it twice (after attention, after the MLP, whose add
-  is fused into the next layer's input norm or the final norm).
+  h = x + delta (rounded to x's dtype, as the torch add), y = rms_norm(h) * w in float32, rounded
+  once to delta's dtype. In torch that is an add plus the norm's kernels; the layer does it twice
+  (after attention, after the MLP, whose add is fused into the next layer's input norm or the
+  final norm). Two variants by x's dtype: the model dtype (bf16 residual stream), or float32
+  (ModelConfig.fp32_residual: float32 h in and out, bf16 delta, bf16 y), where the add is exact
+  up to float32 and the sublayers' sub-ulp kernel differences are not rounded up to a whole bf16
+  ulp of the (larger) residual.
 - `silu_mul(gate, up)` = silu(gate) * up in one kernel (torch: two), float32 inside, one rounding.
 
 Why: a batch-1 decode step reads its weights in ~0.3 ms but runs ~15 kernels per layer; inside a
@@ -26,7 +30,7 @@ def _add_rms_norm(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, stride_x, stride_d, dim, ep
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
-    h = (x + d).to(h_ptr.dtype.element_ty)  # the residual stream keeps the model dtype
+    h = (x + d).to(h_ptr.dtype.element_ty)  # the residual stream keeps its dtype (bf16 or float32)
     tl.store(h_ptr + row * dim + cols, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / dim + eps)
@@ -52,11 +56,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta [T, D]; returns (x + delta, rms_norm(x + delta) * weight), both [T, D] in x's dtype."""
+    """x, delta [T, D]; returns (x + delta in x's dtype, rms_norm(x + delta) * weight in delta's
+    dtype): x is the residual stream (model dtype, or float32 with fp32_residual), delta a
+    sublayer's output and y the next GEMM's input, both in the model dtype."""
     x, delta = _rows(x), _rows(delta)
     t, dim = x.shape
     h = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty_like(h)
+    y = torch.empty_like(h, dtype=delta.dtype)
     if t:
         block = triton.next_power_of_2(dim)
         _add_rms_norm[(t,)](
