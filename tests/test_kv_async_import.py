@@ -132,3 +132,16 @@ def test_staging_buffers_pick_the_smallest_that_fits_and_reserve_up_front() -> N
     bufs.give(small)
     bufs.give(big)
     assert bufs.idle_bytes == 4 * g
+
+
+def test_copy_to_device_in_pieces_equals_one_copy() -> None:
+    """Host -> device page copies go in pieces (kv_transfer.copy_to_device: a big copy would hold the
+    copy engine and delay the decode loop's own uploads); the pieces must add up to the whole."""
+    from services.engine.kv_transfer import copy_to_device
+
+    src = torch.arange(7 * 96, dtype=torch.int64).to(torch.uint8).reshape(7, 96)
+    dst = torch.zeros_like(src)
+    copy_to_device(dst, src, chunk_bytes=200)  # 2 rows per piece: 4 pieces, the last one short
+    assert torch.equal(dst, src)
+    empty = torch.empty(0, 96, dtype=torch.uint8)
+    copy_to_device(empty, empty)  # no rows: nothing to do

@@ -136,6 +136,23 @@ class HostPages(Protocol):
 PageBytes = bytes | bytearray | memoryview | torch.Tensor | HostPages
 
 
+# Host -> device page copies go in pieces of about this many bytes (see copy_to_device).
+H2D_CHUNK_BYTES = 32 << 20
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = H2D_CHUNK_BYTES) -> None:
+    """dst.copy_(src, non_blocking=True) along dim 0 in pieces of about `chunk_bytes`. One large
+    host -> device copy holds the GPU's copy engine for its whole length (a 16k-token prompt's
+    1.8 GB: ~36 ms over PCIe), and the decode loop's own small input uploads queue behind it on the
+    same engine: on the H200 every handoff made one 35 ms decode step. Pieces let them through
+    between chunks."""
+    rows = dst.shape[0]
+    row_bytes = dst[0].numel() * dst.element_size() if rows else 1
+    per = max(1, chunk_bytes // max(1, row_bytes))
+    for i in range(0, rows, per):
+        dst[i : i + per].copy_(src[i : i + per], non_blocking=True)
+
+
 def as_uint8(data: PageBytes) -> torch.Tensor:
     """A flat uint8 tensor over `data` without copying (a tensor is taken as it is)."""
     if isinstance(data, torch.Tensor):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from prometheus_client import Counter
 
+from services.engine.kv_transfer import copy_to_device
 from services.kvstore.near_cache import NearRun
 from services.kvstore.shared_segment import SegmentUnavailable, SharedSegment
 from services.prefill.schemas import HandoffSegment, KVHandoff
@@ -236,7 +237,7 @@ class HandoffReader:
         stream.wait_stream(torch.cuda.current_stream(device))  # `out` is allocated on that stream
         with torch.cuda.stream(stream):
             for seg, slot, row, m in runs:
-                out[row : row + m].copy_(seg.data[slot : slot + m], non_blocking=True)
+                copy_to_device(out[row : row + m], seg.data[slot : slot + m])
         stream.synchronize()  # the copy must have landed before the stamps are read again
         out.record_stream(stream)
         return out
