@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bench.engine.w1 import QWEN3_0_6B, SMOKE_MODEL, build_model_dir, environment, measure_bandwidth
+from services.engine.kernels.gemv import graph_time_us, replay_us
 
 
 def categorize(name: str) -> str:
@@ -75,20 +76,7 @@ def gemm_vs_bandwidth(model: Any, device: torch.device, bw: float) -> list[dict[
         x = torch.randn(1, w.shape[1], device=device, dtype=w.dtype)
         for _ in range(10):
             torch.nn.functional.linear(x, w)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(20):
-                torch.nn.functional.linear(x, w)
-        g.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        b.synchronize()
-        us = a.elapsed_time(b) * 1e3 / 200
+        us = graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
         read_us = w.numel() * w.element_size() / bw * 1e6
         out.append(
             {
@@ -154,16 +142,7 @@ def main() -> None:
         report["bandwidth_bytes_s"] = bw
         report["weight_read_ms"] = weight_bytes / bw * 1e3
         g = eng.graphs.graphs[1]
-        for _ in range(5):
-            g.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(50):
-            g.replay()
-        b.record()
-        b.synchronize()
-        report["graph_replay_ms"] = a.elapsed_time(b) / 50
+        report["graph_replay_ms"] = replay_us(g, 50) / 1e3
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -107,7 +107,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torc
 _CHOICE: dict[tuple[int, int, int, torch.dtype], tuple[int, int, int] | None] = {}
 
 
-def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+    """Microseconds per replay of a captured graph (after one untimed replay)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
     """GPU time of one call, replayed from a CUDA graph: eager timing would measure the launch
     (a Triton launch from Python costs more CPU than these kernels take on the GPU), while in the
     engine the decode step is a graph replay."""
@@ -117,20 +129,13 @@ def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
+    return replay_us(graph) / reps
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int] | None:
     """Time F.linear and each GEMV config on this shape (outputs checked against F.linear)."""
     ref = F.linear(x, w)
-    best: tuple[float, tuple[int, int, int] | None] = (_time_us(lambda: F.linear(x, w)), None)
+    best: tuple[float, tuple[int, int, int] | None] = (graph_time_us(lambda: F.linear(x, w)), None)
     base_us = best[0]
     tol = 2e-2 * float(ref.float().abs().max()) + 1e-3
     for cfg in CONFIGS:
@@ -139,7 +144,7 @@ def _choose(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int] | None:
             if not torch.allclose(out.float(), ref.float(), atol=tol, rtol=2e-2):
                 log.warning("gemv %s disagrees with F.linear on %s: not used", cfg, tuple(w.shape))
                 continue
-            us = _time_us(lambda cfg=cfg: gemv(x, w, cfg))
+            us = graph_time_us(lambda cfg=cfg: gemv(x, w, cfg))
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is just not a candidate
             log.warning("gemv %s failed on %s: %s", cfg, tuple(w.shape), e)
             continue
@@ -181,4 +186,4 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return y if b is None else y + b
 
 
-__all__ = ["MAX_M", "choices", "decode_linear", "gemv"]
+__all__ = ["MAX_M", "choices", "decode_linear", "gemv", "graph_time_us", "replay_us"]
