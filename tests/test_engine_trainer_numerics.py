@@ -70,32 +70,29 @@ def result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return measure(m, rows=2, seq=48, seed=3, perturb_norms=True, workdir=tmp_path_factory.mktemp("numerics"))
 
 
-@pytest.fixture(scope="module")
-def result_bf16_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def measure_moe(tmp_path_factory: pytest.TempPathFactory, name: str, **switches: bool) -> dict[str, Any]:
+    """The MoE result fixture's measurement with some numerics switch turned off."""
     return measure(
         moe_config(3),
         rows=2,
         seq=48,
         seed=3,
         perturb_norms=True,
-        workdir=tmp_path_factory.mktemp("n16"),
-        logits_fp32=False,
+        workdir=tmp_path_factory.mktemp(name),
+        **switches,
     )
+
+
+@pytest.fixture(scope="module")
+def result_bf16_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return measure_moe(tmp_path_factory, "n16", logits_fp32=False)
 
 
 @pytest.fixture(scope="module")
 def result_bf16_residual(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """ModelConfig.fp32_residual off on both sides: the bf16 residual stream (the engine reads the
     key from config.json, where hf_config writes it)."""
-    return measure(
-        moe_config(3),
-        rows=2,
-        seq=48,
-        seed=3,
-        perturb_norms=True,
-        workdir=tmp_path_factory.mktemp("nres16"),
-        fp32_residual=False,
-    )
+    return measure_moe(tmp_path_factory, "nres16", fp32_residual=False)
 
 
 def _check_equal(r: dict[str, Any], path: str) -> None:
