@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime
 import json
 import sys
 import tempfile
@@ -78,6 +79,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.machine import machine  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, Span  # noqa: E402
@@ -556,7 +558,16 @@ def main(argv: list[str] | None = None) -> int:
                 f" fp32 logits {f['kl_full_mean']:.3e} (differ {f['logits_differ_frac']:.2e})"
             )
     if args.out is not None:
-        args.out.write_text(json.dumps(res, indent=1))
+        record = {
+            "command": " ".join(
+                ["python3", "bench/r3/numerics.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "baseline": "the float32 engine against the float32 trainer in the same process "
+            "(fp32_engine_vs_fp32_trainer); each bf16 row is also measured against float32",
+        }
+        args.out.write_text(json.dumps({**record, **res}, indent=1))
     return 0
 
 

@@ -61,7 +61,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import random
 import shutil
 import socket
@@ -108,6 +107,7 @@ _ensure_wheels()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import GenerateRequest, Sample, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
@@ -663,27 +663,6 @@ def _try(fn: Any) -> Any:
         return fn()
     except Exception:  # noqa: BLE001 - one failed part must not lose the others
         return {"error": traceback.format_exc()}
-
-
-def machine() -> dict[str, Any]:
-    def sh(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
-        except Exception as e:  # noqa: BLE001 - e.g. no nvidia-smi on a CPU machine
-            return repr(e)
-
-    versions: dict[str, str] = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "transformers", "torchtitan", "pydantic"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            versions[mod] = repr(e)
-    return {
-        "nvidia_smi": sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"]),
-        "hostname": platform.node(),
-        "cpus": os.cpu_count(),
-        "versions": versions,
-    }
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
