@@ -5,12 +5,11 @@ comes from the gateway, and the tokens equal an engine that recomputes everythin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers.debug_weights import random_model_dir
-from test_kv_near_cache import ENGINE, TINY, Gateway
+from test_kv_near_cache import ENGINE, TINY, Gateway, gateway
 
 from services.common.config import KVNearSection, RunConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
@@ -20,6 +19,8 @@ from services.kvstore.client import PagePublisher
 from services.kvstore.handoff import HandoffLeases
 from services.prefill.router import HANDOFF_READER, attach_near, prompt_keys, pull_prefix
 
+__all__ = ["gateway"]  # the real gateway fixture of test_kv_near_cache
+
 MB = 1 << 20
 ACK_URL = "http://127.0.0.1:9/v1/handoff/ack"  # nothing listens: the ack fails fast, the lease ends it
 
@@ -27,15 +28,6 @@ ACK_URL = "http://127.0.0.1:9/v1/handoff/ack"  # nothing listens: the ack fails 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return random_model_dir(TINY, tmp_path_factory.mktemp("kvhandoff") / "step_0", 0, 0, std=0.05)
-
-
-@pytest.fixture
-def gateway() -> Iterator[Gateway]:
-    gw = Gateway()
-    try:
-        yield gw
-    finally:
-        gw.close()
 
 
 def generate(eng: LLMEngine, prompt: list[int]) -> GenerateResponse:

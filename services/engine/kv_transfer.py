@@ -140,21 +140,19 @@ PageBytes = bytes | bytearray | memoryview | torch.Tensor | HostPages
 H2D_CHUNK_BYTES = 32 << 20
 
 
-def copy_to_device(
-    dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = H2D_CHUNK_BYTES, paced: bool = False
-) -> None:
-    """dst.copy_(src, non_blocking=True) along dim 0 in pieces of about `chunk_bytes`. One large
-    host -> device copy holds the GPU's copy engine for its whole length (a 16k-token prompt's
-    1.8 GB: ~36 ms over PCIe), and the decode loop's own small input uploads can queue behind it:
-    on the H200 every handoff made one 35 ms decode step. `paced` (a background thread's copy on
-    its own stream): each piece is waited for before the next is queued, so what other streams
-    queue meanwhile is served between pieces rather than after the whole transfer."""
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = H2D_CHUNK_BYTES) -> None:
+    """dst.copy_(src) host -> device along dim 0 in pieces of about `chunk_bytes`, each waited for
+    before the next is queued: blocks the calling thread, so for worker threads (a handoff's pull).
+    One large copy held the GPU's copy engine for its whole length (a 16k-token prompt's 1.8 GB:
+    ~36 ms over PCIe) and the decode loop's own small input uploads waited behind it, one 35 ms
+    decode step per handoff on the H200; pieces queued all at once did the same (interference
+    run 7), paced pieces let the loop's uploads through between them (run 8)."""
     rows = dst.shape[0]
     row_bytes = dst[0].numel() * dst.element_size() if rows else 1
     per = max(1, chunk_bytes // max(1, row_bytes))
     for i in range(0, rows, per):
         dst[i : i + per].copy_(src[i : i + per], non_blocking=True)
-        if paced and dst.is_cuda:
+        if dst.is_cuda:
             torch.cuda.current_stream(dst.device).synchronize()
 
 

@@ -237,7 +237,7 @@ class HandoffReader:
         stream.wait_stream(torch.cuda.current_stream(device))  # `out` is allocated on that stream
         with torch.cuda.stream(stream):
             for seg, slot, row, m in runs:
-                copy_to_device(out[row : row + m], seg.data[slot : slot + m], paced=True)  # a worker thread
+                copy_to_device(out[row : row + m], seg.data[slot : slot + m])
         stream.synchronize()  # the copy must have landed before the stamps are read again
         out.record_stream(stream)
         return out

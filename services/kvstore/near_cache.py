@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from prometheus_client import Counter, Gauge
 
-from services.engine.kv_transfer import as_uint8, copy_to_device
+from services.engine.kv_transfer import as_uint8
 from services.kvstore.shared_segment import SharedSegment, shm_room, sweep_dead
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class NearRun:
             return segs[0][1]  # already one host block: the import reads it in place
         out = torch.empty((n, self.page_bytes), dtype=torch.uint8, device=device)
         for start, seg in segs:
-            copy_to_device(out[start : start + seg.shape[0]], seg)
+            out[start : start + seg.shape[0]].copy_(seg, non_blocking=True)
         if device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record()
