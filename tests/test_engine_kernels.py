@@ -39,7 +39,13 @@ from services.engine.batch import (  # noqa: E402
     decode_splits,
     split_partition,
 )
-from services.engine.cuda_graphs import InputBuffers, ladder, padded_size  # noqa: E402
+from services.engine.cuda_graphs import (  # noqa: E402
+    InputBuffers,
+    MixedBuffers,
+    ladder,
+    padded_size,
+    token_ladder,
+)
 from services.engine.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     reference_attention,
@@ -345,6 +351,33 @@ def test_graph_input_buffers_pad_rows() -> None:
         buf.fill(HostBatch.build(make_spans([(30, 1)], 4, 20)[0], 4), 1, 64)
 
 
+def test_mixed_buffers_block_list_and_padding() -> None:
+    """A mixed step's fixed-shape inputs: decodes keep their rows, prefill spans' query blocks are
+    listed (span, block within span), and every unused decode row, token row and grid program is
+    padding (query row -1, slot -1, span -1)."""
+    assert token_ladder(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert token_ladder(100) == [64, 100] and token_ladder(64) == [64]
+    buf = MixedBuffers([16, 32], max_decode=4, max_prefill=2, width=8, block_m=4, device=torch.device("cpu"))
+    spans, _ = make_spans([(3, 1), (0, 9), (9, 1), (4, 5)], page=4, n_pages=30)
+    hb = HostBatch.build(spans, 4)
+    size = buf.fits(hb)
+    assert size == 16  # 1 + 9 + 1 + 5 tokens
+    last = buf.fill(hb, 16, splits=2)
+    h = buf.h
+    assert h["ids"][:16].tolist() == hb.ids.tolist() and (h["slots"][16:32] == -1).all()
+    assert h["dec_qloc"][:4].tolist() == [0, 10, -1, -1] and h["dec_ctx"][:4].tolist() == [4, 10, 0, 0]
+    assert h["pre_qstart"].tolist() == [1, 11] and h["pre_qlens"].tolist() == [9, 5]
+    # 9 queries in blocks of 4: 3 blocks of span 0; 5 queries: 2 blocks of span 1; the rest unused.
+    nb = buf.num_blocks(16)
+    assert h["blocks"][0, :nb].tolist() == [0, 0, 0, 1, 1, -1]
+    assert h["blocks"][1, :5].tolist() == [0, 1, 2, 0, 1]
+    assert last.tolist() == (hb.q_start + hb.q_lens - 1).tolist()
+    # Too many prompt chunks, too many tokens, or a table wider than captured: no graph.
+    assert buf.fits(HostBatch.build(make_spans([(0, 2)] * 3, 4, 30)[0], 4)) is None
+    assert buf.fits(HostBatch.build(make_spans([(0, 33)], 4, 30)[0], 4)) is None
+    assert buf.fits(HostBatch.build(make_spans([(0, 40)], 4, 30)[0], 4)) is None
+
+
 def test_attention_backend_config() -> None:
     assert EngineConfig().attention_backend == "auto"
     with pytest.raises(ValidationError, match="attention_backend"):
@@ -410,6 +443,40 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     graphs.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), graphs.splits[size]))
     static = engine.model(graphs.static_batch(size), engine.kv)
     torch.testing.assert_close(static[: len(spans)], eager, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
+    """What a captured mixed-step graph runs on (cuda_graphs.MixedBuffers: padded token rows,
+    padded decode rows, the prefill kernel's fixed grid over a block list) gives the eager paged
+    batch's hidden states for decodes next to prompt chunks of several query blocks."""
+    from services.engine.cuda_graphs import MixedGraphs
+
+    cfg = EngineConfig(
+        device="cpu", max_batch_size=8, max_seq_len=192, block_size=4, attention_backend="triton"
+    )
+    engine = LLMEngine(model_dir, cfg)
+    for i, n in enumerate((5, 17)):
+        engine.add_request(GenerateRequest(input_ids=list(range(3, 3 + n)), sampling=SamplingParams(seed=i)))
+    while engine.num_waiting or any(s.num_cached < len(s.prompt) for s in engine.scheduler.running):
+        engine.step()
+    for i, n in enumerate((70, 9)):  # 70 queries: two blocks of 64
+        engine.add_request(
+            GenerateRequest(input_ids=[(5 + j) % 60 + 2 for j in range(n)], sampling=SamplingParams(seed=9 + i))
+        )
+    plan = engine.scheduler.schedule()
+    spans = [Span(s.block_table, s.num_cached, s.uncached_tokens()[:n]) for s, n in plan.compute]
+    hb = HostBatch.build(spans, 4, engine.block_tables)
+    assert sorted(hb.q_lens.tolist()) == [1, 1, 9, 70]
+    eager = engine.model(hb.to_forward_batch(engine.device, 2, engine.num_sms), engine.kv)
+    graphs = MixedGraphs(engine.model, engine.kv, 256, 8, 4, num_sms=64, device=engine.device)
+    size = graphs.buf.fits(hb)
+    assert size == 128 and graphs.splits[size] >= 1
+    last = graphs.buf.fill(hb, size, graphs.splits[size])
+    static = engine.model(graphs.buf.static_batch(size, graphs.splits[size]), engine.kv)
+    assert static.shape[0] == 128 and torch.isfinite(static).all()  # padding rows stay finite
+    torch.testing.assert_close(static[: len(hb.ids)], eager, atol=1e-5, rtol=1e-5)
+    assert last.tolist() == (hb.q_start + hb.q_lens - 1).tolist()
 
 
 def test_backend_auto_resolution(model_dir: Path) -> None:

@@ -86,6 +86,89 @@ def host_op_table(prof: Any, top: int = 30) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["self_cpu_ms"])[:top]
 
 
+def iter_same(a: list[int], b: list[int]):  # noqa: ANN201
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            return
+        yield x
+
+
+def greedy_outputs(eng: Any) -> tuple[list[list[int]], list[float]]:
+    """16 greedy requests, half added after the first have started decoding: every step mixes."""
+    from services.common.schemas import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    states = []
+    for i in range(16):
+        n = 40 + 37 * i
+        states.append(
+            eng.add_request(
+                GenerateRequest(input_ids=[(11 * i + j) % 400 + 3 for j in range(n)], sampling=sp)
+            )
+        )
+        if i % 4 == 3:
+            for _ in range(2):
+                eng.step()
+    while not all(s.finished for s in states):
+        eng.step()
+    outs = [s.response().choices[0] for s in states]
+    return [c.output_ids for c in outs], [c.logprobs[0] for c in outs]
+
+
+def measure(eng: Any, cuda: bool, streams: int, sizes: list[int], repeats: int) -> dict[str, Any]:
+    from services.common.schemas import GenerateRequest, SamplingParams
+
+    out: dict[str, Any] = {}
+    long = SamplingParams(temperature=1.0, max_tokens=100_000, ignore_eos=True)
+    plen = 128 if cuda else 8
+    for i in range(streams):
+        eng.add_request(
+            GenerateRequest(input_ids=[(7 * i + j) % 400 + 2 for j in range(plen)], sampling=long)
+        )
+    for _ in range(8):  # every stream prefilled and decoding
+        eng.step()
+    dec = [timed_step(eng, cuda)[0] for _ in range(30)]
+    out["decode_step_ms"] = {"median": statistics.median(dec), "max": max(dec)}
+    mixed: dict[str, Any] = {}
+    one = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    for n in sizes:
+        runs = []
+        for r in range(repeats):
+            eng.add_request(
+                GenerateRequest(input_ids=[(13 * r + j) % 400 + 2 for j in range(n)], sampling=one)
+            )
+            ms, phases, fed = timed_step(eng, cuda)
+            runs.append({"ms": round(ms, 2), "fed_tokens": fed, "phases_ms": phases})
+            for _ in range(3):
+                eng.step()
+        mixed[str(n)] = {"median_ms": statistics.median(x["ms"] for x in runs), "runs": runs}
+    out["mixed_step"] = mixed
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        n = sizes[0]
+        eng.add_request(GenerateRequest(input_ids=list(range(2, 2 + n)), sampling=one))
+        sync(cuda)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.step()
+            sync(cuda)
+            wall = (time.perf_counter() - t0) * 1e3
+        gpu_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        launches = sum(1 for e in prof.events() if "LaunchKernel" in e.name or e.name == "cuLaunchKernelEx")
+        out["profiled_mixed_step"] = {
+            "prefill_tokens": n,
+            "wall_ms_under_profiler": round(wall, 2),
+            "gpu_kernel_ms": round(gpu_us / 1e3, 2),
+            "kernel_launches": launches,
+            "host_ops": host_op_table(prof, top=12),
+        }
+    eng.abort_all()
+    while eng.has_work():
+        eng.step()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -104,16 +187,15 @@ def main() -> None:
         "command": " ".join(["python3", *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), **environment(device)},
-        "baseline": "a decode-only step of the same streams (CUDA graph), same process",
+        "baseline": "the same steps with mixed steps eager (cuda_graph_mixed = false), and a decode-only step of the same streams; same process",
     }
     from services.common.config import EngineConfig
-    from services.common.schemas import GenerateRequest, SamplingParams
     from services.engine import LLMEngine
 
     root = Path(tempfile.mkdtemp(prefix="profmix-"))
     hf = build_model_dir(model_kw, device, dtype, root)
     del hf
-    cfg = EngineConfig(
+    base = dict(
         device=device.type,
         dtype="bfloat16" if cuda else "float32",
         max_batch_size=max(128, streams + 8),
@@ -121,52 +203,34 @@ def main() -> None:
         num_kv_blocks=(streams + 16) * 4096 // 16,
         enable_prefix_caching=False,
     )
-    eng = LLMEngine(root, cfg)
-    report["config"] = {"streams": streams, "sizes": sizes, "engine": cfg.model_dump()}
-    long = SamplingParams(temperature=1.0, max_tokens=100_000, ignore_eos=True)
-    plen = 128 if cuda else 8
-    for i in range(streams):
-        eng.add_request(
-            GenerateRequest(input_ids=[(7 * i + j) % 1000 + 2 for j in range(plen)], sampling=long)
-        )
-    for _ in range(8):  # every stream prefilled and decoding
-        eng.step()
-    dec = [timed_step(eng, cuda)[0] for _ in range(30)]
-    report["decode_step_ms"] = {"median": statistics.median(dec), "max": max(dec)}
-    mixed: dict[str, Any] = {}
-    one = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    for n in sizes:
-        runs = []
-        for r in range(args.repeats):
-            eng.add_request(
-                GenerateRequest(input_ids=[(13 * r + j) % 1000 + 2 for j in range(n)], sampling=one)
-            )
-            ms, phases, fed = timed_step(eng, cuda)
-            runs.append({"ms": round(ms, 2), "fed_tokens": fed, "phases_ms": phases})
-            for _ in range(3):
-                eng.step()
-        mixed[str(n)] = {"median_ms": statistics.median(x["ms"] for x in runs), "runs": runs}
-    report["mixed_step"] = mixed
+    report["config"] = {"streams": streams, "sizes": sizes, "engine": base}
+    variants = {"mixed_graphs": True, "eager_mixed": False} if cuda else {"eager_mixed": False}
+    tokens: dict[str, list[list[int]]] = {}
+    for name, mixed_graphs in variants.items():
+        eng = LLMEngine(root, EngineConfig(**base, cuda_graph_mixed=mixed_graphs))
+        report[name] = measure(eng, cuda, streams, sizes, args.repeats)
+        tokens[name], report[name]["logprobs_head"] = greedy_outputs(eng)
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
     if cuda:
         report["launch_us"] = launch_cost_us(device)
-        from torch.profiler import ProfilerActivity, profile
-
-        n = sizes[0]
-        eng.add_request(GenerateRequest(input_ids=list(range(2, 2 + n)), sampling=one))
-        sync(cuda)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            eng.step()
-            sync(cuda)
-            wall = (time.perf_counter() - t0) * 1e3
-        gpu_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        launches = sum(1 for e in prof.events() if "LaunchKernel" in e.name or e.name == "cuLaunchKernelEx")
-        report["profiled_mixed_step"] = {
-            "prefill_tokens": n,
-            "wall_ms_under_profiler": round(wall, 2),
-            "gpu_kernel_ms": round(gpu_us / 1e3, 2),
-            "kernel_launches": launches,
-            "host_ops": host_op_table(prof),
+    if len(tokens) == 2:
+        a, b = tokens.values()
+        same = sum(x == y for x, y in zip(a, b, strict=True))
+        first = [sum(1 for _ in iter_same(x, y)) for x, y in zip(a, b, strict=True)]
+        report["correctness"] = {
+            "what": "greedy outputs of 16 staggered requests (mixed steps throughout): graphs vs eager",
+            "identical_sequences": f"{same}/{len(a)}",
+            "leading_tokens_agree_min": min(first),
+            "logprob_max_abs_diff_first_token": max(
+                abs(x - y)
+                for x, y in zip(
+                    report["mixed_graphs"]["logprobs_head"],
+                    report["eager_mixed"]["logprobs_head"],
+                    strict=True,
+                )
+            ),
         }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "config")}, indent=1)[:8000])

@@ -6,7 +6,9 @@
   disaggregated  a real prefill service (its own process and device) prefills them and publishes
                  the pages to a real KV store gateway; the decode engine pulls the pages in a
                  background thread, imports them between steps and continues from the prefill's
-                 first token (the same path as services/prefill/router.py)
+                 first token (the same path as services/prefill/router.py: pull_prefilled, every
+                 full page and, from a same-host handoff, the partial last one, so a long prompt's
+                 first decode step feeds only its first token)
 
   baseline       the same streams and no long prompts: the ITL the other two are compared with
 
@@ -52,7 +54,7 @@ from services.engine import LLMEngine
 from services.engine.host_tuning import tune_after_startup
 from services.engine.sequence import Status
 from services.kvstore.client import KVStoreClient
-from services.prefill.router import prompt_keys, pull_prefix, reserve_pinned
+from services.prefill.router import pull_prefilled, reserve_pinned
 from services.prefill.schemas import PrefillRequest, PrefillResponse
 
 
@@ -131,19 +133,20 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         r.raise_for_status()
         resp = PrefillResponse.model_validate_json(r.content)
         # After a remote prefill decode pulls whatever the store has (no cost model: router.py),
-        # the handoff's pages first (copied from the prefill's shared memory, then acked).
-        pull_prefix(eng, store, prompt_keys(eng, req.input_ids), handoff=resp.handoff)
+        # the handoff's pages first (copied from the prefill's shared memory, then acked), and
+        # stages the first tokens: pull_prefilled, as KVRouter.generate does.
+        first = [(c.token, c.logprob, c.version) for c in resp.choices]
+        pull_prefilled(eng, store, req.input_ids, rid, first, resp.handoff)
         return resp
 
     def remote(i: int, req: GenerateRequest) -> None:
         """prefill_and_pull off the loop, then the request is handed to the loop."""
         t0 = time.perf_counter()
-        resp = prefill_and_pull(req, f"long-{i}")
-        # The pull: from the prefill's reply to prefill_and_pull's return (handoff copy + TCP pull).
+        prefill_and_pull(req, f"long-{i}")
+        # The pull: from the prefill's reply to prefill_and_pull's return (handoff copy + TCP pull
+        # + staging the first token).
         http_end = max(e[2] for e in timeline.events if e[0] == "prefill_http" and e[3]["id"] == f"long-{i}")
         timeline.add("pull", http_end, time.perf_counter(), id=f"long-{i}")
-        with timeline.span("stage_first", id=f"long-{i}"):
-            eng.pages.stage_first(f"long-{i}", [(c.token, c.logprob, c.version) for c in resp.choices])
         pull_ms.append((time.perf_counter() - t0) * 1000)
         ready.put((i, req.model_copy(update={"request_id": f"long-{i}"})))
 
@@ -158,6 +161,8 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         )
         t0 = time.perf_counter()
         prefill_and_pull(warm, "warm-up")
+        eng.pages.take_first("warm-up")  # never submitted: only its pages were wanted
+        eng.pages.take_tail("warm-up")
         while eng.pages.pending:
             eng.step()
         print(
@@ -289,6 +294,8 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         "long_ttft_ms_p50": percentile(ttft, 50),
         "long_ttft_ms_max": max(ttft) if ttft else float("nan"),
         "long_served": len(firsts),
+        # Long prompts admitted with their partial last page from a handoff (whole prompt cached).
+        "long_tail_pages_used": eng.scheduler.tail_pages_used,
         "window_s": time.perf_counter() - t_start,
         "streams_started": born,
     }

@@ -192,6 +192,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The LM head's logits rounded to bf16 (trainer.logits_fp32 = false, the pre-session-5 head):
     # what float32 logits (the mismatch fix, docs/loss.md) cost in step time.
     "bf16+compile+fused_adam+fsdp+bf16_logits": dict(compile=True, optimizer="fused", logits_fp32=False),
+    # The chunked head recomputing its logits in the backward (trainer.head_cache_gib = 0, the
+    # pre-issue-9 head); the variants without it keep the forward's probabilities (default 12 GiB).
+    "bf16+compile+fused_adam+fsdp+head_recompute": dict(compile=True, optimizer="fused", head_cache_gib=0.0),
 }
 # Variants without an "fsdp" knob keep FSDP2 on a 1-rank group (what they always measured).
 BENCH_FSDP_DEFAULT = "always"
@@ -327,7 +330,10 @@ def build_ours(
         packing=True,
         **trainer_knobs,
     )
-    model = enable_chunked_output(build_model(m, seed=0, device=ctx.device, init_std=0.02))
+    # The head's knobs as trainer/train.py passes them (logits_fp32 used to stay at its default here).
+    model = enable_chunked_output(
+        build_model(m, seed=0, device=ctx.device, init_std=0.02), tc.logits_fp32, tc.head_cache_gib
+    )
     extra = set(parallel.MOE_SAC_SAVE_OPS)
     if knobs.get("moe_sac_extra") is False:
         parallel.MOE_SAC_SAVE_OPS.clear()  # read by parallelize's AC step; restored below

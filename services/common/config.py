@@ -258,6 +258,11 @@ class EngineConfig(Strict):
     # to min(max_batch_size, cuda_graph_max_batch_size) (services/engine/cuda_graphs.py).
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = Field(512, gt=0)
+    # With cuda_graphs: steps that carry prefill tokens (mixed steps) replay a graph too, one per
+    # power-of-two token count up to max_num_batched_tokens, for steps of at most
+    # cuda_graph_max_prefill_spans prompt chunks (cuda_graphs.MixedGraphs); others run eagerly.
+    cuda_graph_mixed: bool = True
+    cuda_graph_max_prefill_spans: int = Field(16, gt=0)
     # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
     # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). On by
     # default since `bench/engine/gpu_fused_check.py` passed on an H200 and W1 went from 46% to 56%
@@ -494,6 +499,10 @@ class TrainerSection(Strict):
     logprob_chunk_tokens: int = Field(0, ge=0)
     # LM-head logits in float32 from the bf16 GEMM (as decode.engine.logits_fp32; docs/loss.md).
     logits_fp32: bool = True
+    # Chunked head (logprob_chunk_tokens > 0): keep the forward's float32 probabilities for the
+    # backward (no logits GEMM there) when a micro-batch's tokens x vocab x 4 bytes fit in this
+    # many GiB; 0: always recompute. Same gradients (trainer/chunked.py; docs/trainer.md).
+    head_cache_gib: float = Field(12.0, ge=0)
     # MoE: route every token to the experts inference recorded for it (Sample.routed_experts)
     # instead of the trainer's own top-k; the gate still learns through its scores at those ids.
     router_replay: bool = True

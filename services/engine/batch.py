@@ -171,6 +171,10 @@ class PrefillMeta:
     block_tables: torch.Tensor  # [S, P]
     ctx_lens: torch.Tensor  # [S] keys after this step: the last query sits at position ctx - 1
     max_q_len: int  # host copy: sizes the grid
+    # Set for a fixed grid (a CUDA graph's, cuda_graphs.MixedGraphs): [2, n] int64 (unit stride
+    # along n), the span of each query block of BLOCK_M queries and its block index within the
+    # span (span -1: an unused program). The grid is n blocks x heads.
+    blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -178,6 +182,7 @@ class PagedMeta:
     decode: DecodeMeta | None
     prefill: PrefillMeta | None
     flex: object | None = None  # kernels.flex_attention.FlexMeta: backend "flex" instead of both
+    padded: bool = False  # token rows past the real ones (a CUDA graph's fixed size): see attend
 
 
 def decode_splits(batch: int, n_kv_heads: int, max_ctx: int, num_sms: int) -> tuple[int, int]:

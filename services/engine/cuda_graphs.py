@@ -5,7 +5,8 @@ one from Python that costs more than the GPU work at small batches. The model fo
 decode-only step is captured once per ladder size (1, 2, 4, 8, 16, 32, then every 32 up to the
 largest batch) and replayed: a batch of n sequences runs the graph of the next ladder size >= n,
 its extra rows being padding (slot -1: nothing stored; context 0: nothing read; output dropped).
-Prefill and mixed steps, and batches above the largest size, run eagerly.
+Batches above the largest size run eagerly. Steps that carry prefill tokens run MixedGraphs
+(below): one graph per token count of a ladder, the decode graphs' memory pool shared.
 
 Inputs live in static device buffers the graphs were captured on (one int64 buffer: token ids,
 positions, slots, context lengths, block tables, the decode partition) and are refreshed from a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 
 from services.engine.batch import (
@@ -30,6 +32,7 @@ from services.engine.batch import (
     ForwardBatch,
     HostBatch,
     PagedMeta,
+    PrefillMeta,
     decode_splits,
     split_partition,
 )
@@ -123,6 +126,7 @@ class DecodeGraphs:
         }
         self.outputs: dict[int, torch.Tensor] = {}
         self.arange = torch.arange(self.sizes[-1], device=device)
+        self.pool: object | None = None  # the graphs' memory pool, once captured
 
     def static_batch(self, size: int) -> ForwardBatch:
         b = self.buf
@@ -150,6 +154,7 @@ class DecodeGraphs:
                 self.outputs[size] = self.model(batch, self.kv)
             pool = graph.pool()
             self.graphs[size] = graph
+        self.pool = pool
         torch.cuda.synchronize(self.device)
 
     def can_run(self, hb: HostBatch) -> bool:
@@ -167,4 +172,204 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
 
-__all__ = ["DecodeGraphs", "InputBuffers", "ladder", "padded_size"]
+def token_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
+    """Captured token counts of mixed steps: powers of two from `smallest`, ending at max_tokens
+    (a step's token budget). Padding costs at most the step's own size again, in GEMM rows only:
+    attention and the KV writes skip padding rows."""
+    sizes = []
+    size = smallest
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_tokens]
+
+
+class MixedBuffers:
+    """Static inputs of mixed steps (decodes + prefill chunks) for the largest token count, and
+    the fixed-shape batch each token count's graph runs on. Device-agnostic (CPU tests run the
+    static batches eagerly under the Triton interpreter); one pinned host mirror, one copy a step.
+
+    A size-T batch has T token rows (real ones first, then padding: slot -1, so nothing is stored),
+    up to min(T, max_decode) decode rows (padding: query row -1 and context 0: nothing read or
+    written) and `max_prefill` prefill spans whose query blocks the prefill kernel takes from a
+    block list (kernels/paged_attention.py, BLOCK_MAP) sized T / BLOCK_M + max_prefill, enough
+    for any split of T tokens over that many spans."""
+
+    def __init__(
+        self,
+        sizes: list[int],
+        max_decode: int,
+        max_prefill: int,
+        width: int,
+        block_m: int,
+        device: torch.device,
+    ):
+        self.sizes, self.max_decode, self.max_prefill = sizes, max_decode, max_prefill
+        self.width, self.block_m = width, block_m
+        t, d, p = sizes[-1], self.decode_rows(sizes[-1]), max_prefill
+        nb = self.num_blocks(t)
+        parts = {
+            "ids": t, "pos": t, "slots": t, "last": d + p,
+            "dec_qloc": d, "dec_ctx": d, "dec_tables": d * width,
+            "pre_qstart": p, "pre_qlens": p, "pre_ctx": p, "pre_tables": p * width,
+            "blocks": 2 * nb, "partition": 1,
+        }  # fmt: skip
+        n = sum(parts.values())
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.h: dict[str, np.ndarray] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        at = 0
+        hnp = self.host.numpy()
+        for name, size in parts.items():
+            self.h[name], self.d[name] = hnp[at : at + size], self.dev[at : at + size]
+            at += size
+        for name, rows in (("dec_tables", d), ("pre_tables", p), ("blocks", 2)):
+            self.h[name] = self.h[name].reshape(rows, -1)
+            self.d[name] = self.d[name].view(rows, -1)
+        self.h["slots"][:] = -1
+        self.h["dec_qloc"][:] = -1
+        self.h["blocks"][0] = -1
+        self.h["partition"][0] = DECODE_BLOCK_N
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def decode_rows(self, size: int) -> int:
+        return min(size, self.max_decode)
+
+    def num_blocks(self, size: int) -> int:
+        return size // self.block_m + self.max_prefill
+
+    def fits(self, hb: HostBatch) -> int | None:
+        """The token count whose graph can run this batch, or None."""
+        t = len(hb.ids)
+        size = padded_size(t, self.sizes)
+        if size is None or hb.tables.shape[1] > self.width:
+            return None
+        n_pre = int((hb.q_lens > 1).sum())
+        if n_pre > self.max_prefill or len(hb.q_lens) - n_pre > self.decode_rows(size):
+            return None
+        return size
+
+    def static_batch(self, size: int, splits: int) -> ForwardBatch:
+        d, nd = self.d, self.decode_rows(size)
+        decode = DecodeMeta(
+            d["dec_qloc"][:nd], d["dec_tables"][:nd], d["dec_ctx"][:nd], splits, d["partition"]
+        )
+        prefill = PrefillMeta(
+            d["pre_qstart"],
+            d["pre_qlens"],
+            d["pre_tables"],
+            d["pre_ctx"],
+            0,
+            d["blocks"][:, : self.num_blocks(size)],
+        )
+        return ForwardBatch(
+            d["ids"][:size], d["pos"][:size], d["slots"][:size], [], d["last"],
+            PagedMeta(decode, prefill, padded=True),
+        )  # fmt: skip
+
+    def fill(self, hb: HostBatch, size: int, splits: int) -> torch.Tensor:
+        """Write the batch into the host mirror (padding past it), copy it to the device; returns
+        the device row of each span's last token."""
+        h = self.h
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has read the host mirror
+        t, p = len(hb.ids), hb.tables.shape[1]
+        h["ids"][:t], h["pos"][:t], h["slots"][:t] = hb.ids, hb.positions, hb.slots
+        h["ids"][t:size], h["pos"][t:size], h["slots"][t:size] = 0, 0, -1
+        dec = np.flatnonzero(hb.q_lens == 1)
+        pre = np.flatnonzero(hb.q_lens > 1)
+        nd, npre, dmax = len(dec), len(pre), self.decode_rows(size)
+        h["dec_qloc"][:nd], h["dec_ctx"][:nd] = hb.q_start[dec], hb.ctx_lens[dec]
+        h["dec_qloc"][nd:dmax], h["dec_ctx"][nd:dmax] = -1, 0
+        h["dec_tables"][:nd, :p] = hb.tables[dec]  # columns past p: stale, never read (ctx bounds)
+        h["pre_qstart"][:npre], h["pre_qlens"][:npre] = hb.q_start[pre], hb.q_lens[pre]
+        h["pre_ctx"][:npre] = hb.ctx_lens[pre]
+        h["pre_tables"][:npre, :p] = hb.tables[pre]
+        per_span = -(-hb.q_lens[pre] // self.block_m)
+        nb, cap = int(per_span.sum()), self.num_blocks(size)
+        first = np.cumsum(per_span) - per_span
+        h["blocks"][0, :nb] = np.repeat(np.arange(npre), per_span)
+        h["blocks"][1, :nb] = np.arange(nb) - np.repeat(first, per_span)
+        h["blocks"][0, nb:cap] = -1
+        max_ctx = int(hb.ctx_lens[dec].max()) if nd else 1
+        h["partition"][0] = split_partition(max_ctx, splits)
+        s = len(hb.q_lens)
+        h["last"][:s] = hb.q_start + hb.q_lens - 1
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        return self.d["last"][:s]
+
+
+class MixedGraphs:
+    """CUDA graphs for steps that carry prefill tokens, one per size of token_ladder: eagerly such
+    a step is launch-bound (~320 kernel launches from Python for a 28-layer model, ~9 ms on an
+    idle H200 host and 25-46 ms on a busy one, for ~2 ms of GPU work: bench/engine/profile_mixed.py).
+    Captured after the decode graphs, in their memory pool (one graph runs at a time)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        max_tokens: int,
+        max_decode: int,
+        max_prefill: int,
+        num_sms: int,
+        device: torch.device,
+    ):
+        from services.engine.kernels.paged_attention import PREFILL_TUNING
+
+        self.model, self.kv, self.device = model, kv, device
+        sizes = token_ladder(max_tokens)
+        width = -(-kv.max_seq_len // kv.block_size)
+        self.buf = MixedBuffers(sizes, max_decode, max_prefill, width, PREFILL_TUNING["block_m"], device)
+        n_kv = model.config.n_kv_heads
+        self.splits = {
+            size: decode_splits(self.buf.decode_rows(size), n_kv, kv.max_seq_len, num_sms)[0]
+            for size in sizes
+        }
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def capture(self, pool: object | None = None) -> None:
+        """Largest first, in `pool` (the decode graphs'). The buffers hold padding only: no KV
+        is read or written."""
+        self.buf.dev.copy_(self.buf.host)
+        for size in reversed(self.buf.sizes):
+            batch = self.buf.static_batch(size, self.splits[size])
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.model(batch, self.kv)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.model(batch, self.kv)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, hb: HostBatch) -> bool:
+        return not hb.decode_only and self.buf.fits(hb) is not None
+
+    def run(self, hb: HostBatch, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [size, dim] with the batch's rows first, each span's last row)."""
+        size = self.buf.fits(hb)
+        assert size is not None
+        last = self.buf.fill(hb, size, self.splits[size])
+        feed_pending(self.buf.d["ids"], feed)
+        self.graphs[size].replay()
+        return self.outputs[size], last
+
+
+__all__ = [
+    "DecodeGraphs",
+    "InputBuffers",
+    "MixedBuffers",
+    "MixedGraphs",
+    "ladder",
+    "padded_size",
+    "token_ladder",
+]

@@ -36,7 +36,7 @@ from services.engine.batch import (
     host_to_device,
     num_sms,
 )
-from services.engine.cuda_graphs import DecodeGraphs
+from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
@@ -108,7 +108,7 @@ class LLMEngine:
         # Pages travel between engines (prefill -> KV store -> decode) keyed by hash chains rooted
         # at (weight version, layout): kv_transfer.py.
         self.layout = self.scheduler.layout = layout_id(m.arch, self.kv)
-        self.pages = PageExchange(self.kv)
+        self.pages = PageExchange(self.kv, layout=self.layout)
         self.scheduler.landing = self.pages.landing_keys
         self._born_finished: list[RequestState] = []  # every sample ended on its prefilled token
         # Overlap scheduling (cfg.overlap_schedule, docs/engine.md): the launched step whose tokens
@@ -130,6 +130,7 @@ class LLMEngine:
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
         self.num_sms = num_sms(self.device)
         self.graphs = self._capture_graphs()
+        self.mixed_graphs = self._capture_mixed_graphs()
 
     def _attention_backend(self) -> str:
         want = self.cfg.attention_backend
@@ -158,6 +159,25 @@ class LLMEngine:
             return None
         return graphs
 
+    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+        if self.graphs is None or not self.cfg.cuda_graph_mixed:
+            return None
+        graphs = MixedGraphs(
+            self.model,
+            self.kv,
+            self.cfg.max_num_batched_tokens,
+            self.graphs.sizes[-1],
+            self.cfg.cuda_graph_max_prefill_spans,
+            self.num_sms,
+            self.device,
+        )
+        try:
+            graphs.capture(self.graphs.pool)
+        except RuntimeError:
+            log.exception("CUDA graph capture of mixed steps failed; they run eagerly")
+            return None
+        return graphs
+
     def _forward(self, spans: list[Span], feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states of the flat batch and the row of each span's last token. `feed`:
         rows whose token is still on the device (overlap scheduling), written in before the forward."""
@@ -168,6 +188,8 @@ class LLMEngine:
         hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
         if self.graphs is not None and self.graphs.can_run(hb):
             return self.graphs.run(hb, feed), self.graphs.arange[: len(spans)]
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(hb):
+            return self.mixed_graphs.run(hb, feed)
         batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
         feed_pending(batch.input_ids, feed)
         if self.attention_backend == "flex":
@@ -219,10 +241,17 @@ class LLMEngine:
         self.validate(req)
         state = RequestState(req.request_id or uuid.uuid4().hex, req, self.tokenizer)
         first = self.pages.take_first(state.request_id)
+        tail = self.pages.take_tail(state.request_id)
         if first is not None:
             self._seed_first_tokens(state, first)
             if state.finished:
                 self._born_finished.append(state)  # the next step() reports it
+            elif tail is not None:
+                # The prompt's partial last page, from the prefill that sampled the first token:
+                # each sample copies it into its own page at admission (Scheduler._admit).
+                for s in state.seqs:
+                    if s.status is not Status.FINISHED:
+                        self.scheduler.tails[s] = tail
         self.scheduler.add(state)
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += len(state.prompt)

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import warnings
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -77,10 +78,61 @@ def chain_hashes(
     return out
 
 
-def reusable_pages(num_tokens: int, block_size: int) -> int:
+def reusable_pages(num_tokens: int, block_size: int, seeded: bool = False) -> int:
     """Full pages a prompt of num_tokens can take from a cache: its last token is always computed
-    (its logits give the next token), as in Scheduler._admit."""
+    (its logits give the next token), as in Scheduler._admit. `seeded`: the request comes with its
+    first token sampled elsewhere (a prefill service), so no prompt token needs its logits here and
+    every full page can be taken: the first step feeds only that token (a pure decode step)."""
+    if seeded:
+        return num_tokens // block_size
     return max(0, (num_tokens - 1) // block_size)
+
+
+TAIL_DOMAIN = b"relay-kv-tail|"
+
+
+def tail_hash(prev: bytes, tokens: Seq[int]) -> bytes:
+    """Key of a prompt's partial last page holding `tokens` (fewer than a page), after the chain
+    key `prev` (the last full page's, or the root). Hashed in its own domain and over the token
+    count, so it never equals any full page's key: a tail can never be looked up as a full page,
+    only by a reader that knows the prompt it ends (PromptTail, Scheduler._admit)."""
+    body = TAIL_DOMAIN + prev + len(tokens).to_bytes(4, "little") + array("q", list(tokens)).tobytes()
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+def prompt_tail_key(tokens: Seq[int], version: int, layout: str, block_size: int) -> bytes | None:
+    """tail_hash of the prompt's partial last page (None: the prompt ends on a page boundary)."""
+    full = len(tokens) // block_size
+    if len(tokens) == full * block_size:
+        return None
+    keys = chain_hashes(tokens, version, layout, block_size)
+    prev = keys[-1] if keys else root_hash(version, layout)
+    return tail_hash(prev, tokens[full * block_size :])
+
+
+@dataclass(frozen=True)
+class PromptTail:
+    """The KV of a prompt's partial last page, computed elsewhere (a same-host prefill's handoff):
+    `tokens` valid rows of one page, `data` its bytes ([page_bytes] uint8, on the cache's device).
+    Never registered in a prefix cache (a partial page is not a reusable page): the scheduler
+    copies it into the admitted sequence's own page when the sequence's cached prefix is exactly
+    the prompt's full pages and `key` is the tail_hash of that chain (same weights, same layout,
+    same tokens), so the sequence starts with the whole prompt cached."""
+
+    key: bytes
+    tokens: int
+    data: torch.Tensor
+
+    def matches(self, prev: bytes, tail_tokens: Seq[int]) -> bool:
+        return len(tail_tokens) == self.tokens and tail_hash(prev, tail_tokens) == self.key
+
+    def write(self, kv: KVCache, page: int) -> None:
+        """Fill `page` of `kv` (a page the sequence owns) with the tail's bytes: on the caller's
+        (compute) stream, so ordered before the forward that reads it."""
+        if self.data.is_cuda:
+            # `data` may be freed right after (the tail is used once): not before this copy ran.
+            self.data.record_stream(torch.cuda.current_stream(self.data.device))
+        write_pages(kv, [page], self.data)
 
 
 def _rows(kv: KVCache, pages: Seq[int]) -> torch.Tensor:
@@ -382,6 +434,9 @@ PageSink = Callable[[list[bytes], "bytes | HostPages", list[str]], None]
 # Copies exported pages ([n, page_bytes] on the cache's device) into host slots of its own and
 # returns them held, or None when it cannot hold them all (export_pages' bytes are used then).
 HostPageTarget = Callable[[list[bytes], torch.Tensor], "HostPages | None"]
+# Receives (tail_hash key, [1, page_bytes] uint8 on the cache's device) of a partial last prompt
+# page: loop thread, must not block for long nor raise (PageExchange.tail_sink).
+TailSink = Callable[[bytes, torch.Tensor], None]
 
 
 class PageExchange:
@@ -392,11 +447,19 @@ class PageExchange:
     export(seqs, finished)    loop thread, before pages are released: hand new full pages to `sink`
     stage_first(id, tokens)   any thread: first tokens sampled elsewhere (a prefill service) for
                               the request with that id; add_request takes them
+    stage_tail(id, tail)      any thread: that request's partial last prompt page (PromptTail),
+                              computed elsewhere; add_request hands it to the scheduler
     """
 
-    def __init__(self, kv: KVCache, remember: int = 1 << 16):
+    def __init__(self, kv: KVCache, remember: int = 1 << 16, layout: str = ""):
         self.kv = kv
+        self.layout = layout  # the engine's layout_id: roots the tail keys export computes
         self.sink: PageSink | None = None
+        # Set by a prefill service that hands off (services/prefill/server.py): receives the
+        # partial last prompt page of every finished sequence that fed exactly its prompt
+        # (key = tail_hash, [1, page_bytes] on the device). Kept apart from `sink`: a partial page
+        # must never reach the gateway or a prefix cache as a full page.
+        self.tail_sink: TailSink | None = None
         # Set with a near tier (services/prefill/router.attach_near): exported pages go from the
         # device straight into its pinned slots (one DMA), and the sink sends them from there.
         self.host_pages: HostPageTarget | None = None
@@ -408,6 +471,7 @@ class PageExchange:
         self._landing: deque[_Landing] = deque()
         self.landing_keys: set[bytes] = set()
         self._first: dict[str, list[tuple[int, float, int]]] = {}
+        self._tails: dict[str, PromptTail] = {}
         self._lock = threading.Lock()
         # Keys this engine already pushed or pulled: the store has them, no need to send again.
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -540,6 +604,14 @@ class PageExchange:
         with self._lock:
             return self._first.pop(request_id, None)
 
+    def stage_tail(self, request_id: str, tail: PromptTail) -> None:
+        with self._lock:
+            self._tails[request_id] = tail
+
+    def take_tail(self, request_id: str) -> PromptTail | None:
+        with self._lock:
+            return self._tails.pop(request_id, None)
+
     def _mark(self, hashes: Seq[bytes]) -> None:
         for h in hashes:
             self._known[h] = None
@@ -548,6 +620,8 @@ class PageExchange:
             self._known.popitem(last=False)
 
     def export(self, seqs: Seq[Sequence], finished: list[str]) -> None:
+        if self.tail_sink is not None:
+            self._export_tails(seqs)
         if self.sink is None:
             return
         hashes: list[bytes] = []
@@ -572,3 +646,30 @@ class PageExchange:
         self._mark(hashes)
         self.exported_pages_total += len(hashes)
         self.sink(hashes, data, finished)
+
+    def _export_tails(self, seqs: Seq[Sequence]) -> None:
+        """Hand `tail_sink` the partial last prompt page of each sequence that computed exactly its
+        prompt (a prefill's: its first token sampled, not fed), once per key. Its rows past the
+        prompt are stale bytes the reader overwrites by computing them."""
+        assert self.tail_sink is not None
+        bs = self.kv.block_size
+        seen: set[bytes] = set()
+        for s in seqs:
+            n = len(s.prompt)
+            full = n // bs
+            if (
+                n == full * bs
+                or s.num_cached != n
+                or len(s.block_hashes) != full
+                or len(s.block_table) <= full
+            ):
+                continue
+            prev = s.block_hashes[-1] if full else root_hash(s.salt, self.layout)
+            key = tail_hash(prev, s.prompt[full * bs :])
+            if key in seen:
+                continue  # the samples of one request share the prompt (forked copies)
+            seen.add(key)
+            try:
+                self.tail_sink(key, export_blob(self.kv, [s.block_table[full]]))
+            except (RuntimeError, ValueError) as e:  # the decode computes the tail then
+                log.warning(f"exporting a prompt's partial last page failed: {e}")

@@ -30,6 +30,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 
 from services.engine.kv_cache import KVCache, block_hash, root_hash
+from services.engine.kv_transfer import PromptTail
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
 
@@ -74,6 +75,10 @@ class Scheduler:
         self.layout = ""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        # Partial last prompt pages computed elsewhere (a same-host prefill's handoff), per waiting
+        # sequence seeded with its first token: used, or dropped, at its first admission.
+        self.tails: dict[Sequence, PromptTail] = {}
+        self.tail_pages_used = 0
 
     def add(self, request: RequestState) -> None:
         # Samples already finished (their first token came from a prefill service) never run.
@@ -189,18 +194,38 @@ class Scheduler:
                 hits.append(block)
                 hashes.append(prev)
         cached = len(hits) * bs
+        tail = self._tail(seq, hashes) if self.tails else None
+        if tail is not None:
+            cached = len(seq.prompt)  # the whole prompt: only the seeded token(s) are fed
         n = min(seq.num_tokens - cached, budget)
         # Cached pages nobody uses sit in the evictable pool: taking them costs free pages too.
         cost = sum(self.blocks.ref[b] == 0 for b in hits) + self.kv.blocks_for(cached + n) - len(hits)
         if cost > self.kv.num_free:
             return 0
+        self.tails.pop(seq, None)  # one chance: after a preemption the tail is recomputed
         for b in hits:
             self.blocks.acquire(b)
         seq.block_table, seq.block_hashes, seq.num_cached = hits, hashes, cached
         self._grow(seq, cached + n)
+        if tail is not None:  # into its own page after the hits, never a cached one
+            tail.write(self.kv, seq.block_table[len(hashes)])
+            self.tail_pages_used += 1
         self.stats.prefix_cache_queried_tokens += seq.num_tokens
         self.stats.prefix_cache_hit_tokens += cached
         return n
+
+    def _tail(self, seq: Sequence, hashes: list[bytes]) -> PromptTail | None:
+        """The staged tail of `seq` if it continues exactly its cached prefix: every full prompt
+        page is a hit (no more: a longer hit already covers the tail's page), a seeded token is left
+        to feed, and the tail's key is the tail_hash of this chain (same weights and layout, same
+        tokens); else None and the tail's tokens are computed."""
+        tail = self.tails.get(seq)
+        bs = self.kv.block_size
+        full = len(seq.prompt) // bs
+        if tail is None or len(hashes) != full or seq.num_tokens <= len(seq.prompt):
+            return None
+        prev = hashes[-1] if hashes else root_hash(seq.salt, self.layout)
+        return tail if tail.matches(prev, seq.prompt[full * bs :]) else None
 
     def _fork(self, child: Sequence, parent: Sequence) -> bool:
         """Reserve the child's private copy of the parent's partly filled last prompt page (the
@@ -266,6 +291,7 @@ class Scheduler:
     def abort(self, request: RequestState) -> None:
         """Drop a request's sequences wherever they are (finish_reason "abort"); frees their pages."""
         for s in request.seqs:
+            self.tails.pop(s, None)
             if s.status is not Status.FINISHED:
                 s.status, s.finish_reason = Status.FINISHED, "abort"
         self.waiting = deque(s for s in self.waiting if s.request is not request)

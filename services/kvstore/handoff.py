@@ -25,7 +25,7 @@ import torch
 from prometheus_client import Counter
 
 from services.engine.kv_transfer import copy_to_device
-from services.kvstore.near_cache import NearRun
+from services.kvstore.near_cache import NearCache, NearRun
 from services.kvstore.shared_segment import SegmentUnavailable, SharedSegment
 from services.prefill.schemas import HandoffSegment, KVHandoff
 
@@ -49,19 +49,18 @@ class HandoffLeases:
         run: NearRun,
         refs: Sequence[tuple[SharedSegment, int, int]],
         tier: Sequence[SharedSegment] = (),
+        tail_tokens: int = 0,
     ) -> KVHandoff | None:
         """A handoff of `run` (held by the caller; this lease owns it from now), None if empty.
         `tier`: every segment of the near tier, listed too, so a reader maps (and registers) them
-        all at its first handoff: one stall of its loop then, not one per segment later."""
+        all at its first handoff: one stall of its loop then, not one per segment later.
+        `tail_tokens` > 0: the run's last page is the prompt's partial last page (that many
+        tokens; KVHandoff.tail_tokens)."""
         if not refs:
             run.release()
             return None
-        names: dict[str, int] = {}
-        segments: list[HandoffSegment] = []
-        for seg in [*tier, *(r[0] for r in refs)]:
-            if seg.name not in names:
-                names[seg.name] = len(segments)
-                segments.append(HandoffSegment(name=seg.name, token=seg.token.hex()))
+        segments = segment_list([*tier, *(r[0] for r in refs)])
+        names = {s.name: i for i, s in enumerate(segments)}
         seg_ix, slots, gens = [], [], []
         for seg, slot, gen in refs:
             seg_ix.append(names[seg.name])
@@ -81,7 +80,20 @@ class HandoffLeases:
             gens=gens,
             lease_s=self.lease_s,
             ack_url=self.ack_url,
+            tail_tokens=tail_tokens,
         )
+
+    def grant_prompt(
+        self, near: NearCache, keys: Sequence[bytes], tail: bytes | None = None, tail_tokens: int = 0
+    ) -> KVHandoff | None:
+        """A handoff of a prompt's pages in the shared near tier `near`: the leading run of its
+        full pages `keys`, and its partial last page (key `tail`, `tail_tokens` tokens) when every
+        full page is there (a tail is only usable on top of all of them). None: nothing there."""
+        if not near.shared or not (keys or tail is not None):
+            return None
+        run, refs = near.handoff([*keys, tail] if tail is not None else list(keys))
+        with_tail = tail is not None and len(refs) == len(keys) + 1
+        return self.grant(run, refs, near.shared_segments, tail_tokens if with_tail else 0)
 
     def ack(self, hid: str) -> bool:
         """Let the slots of handoff `hid` go; False if it is unknown (already expired or acked)."""
@@ -125,6 +137,17 @@ class HandoffLeases:
         }
 
 
+def segment_list(segs: Sequence[SharedSegment]) -> list[HandoffSegment]:
+    """The wire form of `segs` (names and tokens), each segment once, in order."""
+    out: list[HandoffSegment] = []
+    seen: set[str] = set()
+    for seg in segs:
+        if seg.name not in seen:
+            seen.add(seg.name)
+            out.append(HandoffSegment(name=seg.name, token=seg.token.hex()))
+    return out
+
+
 class HandoffReader:
     """Decode side: maps prefill segments (cached per name) and copies validated pages out.
     Thread-safe (pulls run in worker threads)."""
@@ -135,6 +158,8 @@ class HandoffReader:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._active = 0  # fetches in progress: a mapping is only dropped when none is
         self.copied = self.stale = self.unmapped = 0
+        self.tails_copied = 0  # partial last prompt pages (counted apart from the full pages)
+        self.premapped = 0  # segments mapped ahead of any handoff (map_segments)
 
     def _segment(self, s: HandoffSegment, page_bytes: int, pin: bool) -> SharedSegment | None:
         with self._lock:
@@ -155,6 +180,24 @@ class HandoffReader:
             self._maps[s.name] = seg
             return seg
 
+    def map_segments(self, segments: Sequence[HandoffSegment], page_bytes: int, pin: bool) -> int:
+        """Map (and with `pin` register) a same-host prefill's segments before any handoff names
+        them (its GET /v1/handoff/segments), so the first handoff does not pay the mapping and
+        pinning on the serving path. Returns how many were newly mapped; a segment already mapped
+        or not mappable here is left as it is."""
+        with self._lock:
+            if not self._active:
+                self._drop_unlinked()  # a restarted prefill's old segments: let them go first
+            known = {n: seg.token.hex() for n, seg in self._maps.items() if seg is not None}
+        new = 0
+        for s in segments:
+            if known.get(s.name) == s.token:
+                continue
+            if self._segment(s, page_bytes, pin) is not None:
+                new += 1
+        self.premapped += new
+        return new
+
     def _drop_unlinked(self) -> None:
         """Unmap segments whose owner unlinked them (a prefill that exited or restarted): the
         mapping alone would keep their memory (and its pinning) for as long as this process
@@ -165,25 +208,26 @@ class HandoffReader:
                 del self._maps[name]
 
     def fetch(
-        self, h: KVHandoff, keys: Sequence[bytes], first: int, device: torch.device
+        self, h: KVHandoff, keys: Sequence[bytes], first: int, device: torch.device, tail: bool = False
     ) -> tuple[int, torch.Tensor | None]:
         """Pages first .. first+len(keys) of handoff `h` (keys[i] is page first+i's key): the
         leading run of them that copied intact, as (count, [count, page_bytes] uint8 tensor on
-        `device`). A page whose stamp differs before or after the copy ends the run."""
+        `device`). A page whose stamp differs before or after the copy ends the run. Only full
+        pages are read, unless `tail` (keys = [the tail's key], first = its index)."""
         with self._lock:
             if not self._active:
                 self._drop_unlinked()
             self._active += 1
         try:
-            return self._fetch(h, keys, first, device)
+            return self._fetch(h, keys, first, device, tail)
         finally:
             with self._lock:
                 self._active -= 1
 
     def _fetch(
-        self, h: KVHandoff, keys: Sequence[bytes], first: int, device: torch.device
+        self, h: KVHandoff, keys: Sequence[bytes], first: int, device: torch.device, tail: bool
     ) -> tuple[int, torch.Tensor | None]:
-        n = max(0, min(len(keys), len(h.slots) - first))
+        n = max(0, min(len(keys), (len(h.slots) if tail else h.full_pages) - first))
         pin = device.type == "cuda"
         # Every listed segment (the prefill's whole tier), mapped now if new: the registrations of
         # a first contact happen together, not one per segment over later pulls.
@@ -208,8 +252,11 @@ class HandoffReader:
         good = _intact(want[:ok])  # the seqlock's second read: after the copy has landed
         if good < ok:
             self._stale(ok - good)
-        self.copied += good
-        HANDOFF_PAGES.labels("copied").inc(good)
+        if tail:
+            self.tails_copied += good
+        else:
+            self.copied += good
+        HANDOFF_PAGES.labels("tail_copied" if tail else "copied").inc(good)
         return good, (out[:good] if good else None)
 
     def _stale(self, pages: int) -> None:
@@ -254,6 +301,8 @@ class HandoffReader:
             "handoff_pages_copied": self.copied,
             "handoff_pages_stale": self.stale,
             "handoff_pages_unmapped": self.unmapped,
+            "handoff_tail_pages_copied": self.tails_copied,
+            "handoff_segments_premapped": self.premapped,
         }
 
 

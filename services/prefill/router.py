@@ -22,6 +22,7 @@ prompt + output as the prefix of the next prompt; those pages are in the local c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import socket
@@ -39,12 +40,18 @@ from services.common.config import KVPullSection, RunConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, ServiceInfo
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
-from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
+from services.engine.kv_transfer import (
+    PromptTail,
+    chain_hashes,
+    page_nbytes,
+    prompt_tail_key,
+    reusable_pages,
+)
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.handoff import HandoffReader
-from services.kvstore.near_cache import near_for_engine
+from services.kvstore.near_cache import NearCache, near_for_engine
 from services.prefill.pull_policy import PullPolicy
-from services.prefill.schemas import HandoffAck, KVHandoff, PrefillRequest, PrefillResponse
+from services.prefill.schemas import HandoffAck, HandoffSegments, KVHandoff, PrefillRequest, PrefillResponse
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,9 @@ HANDOFF_ACK_ERRORS = Counter("relay_kv_handoff_ack_errors", "handoff acks that f
 DISCOVERY_TTL_S = 1.0
 JSON = {"content-type": "application/json"}
 ACK_TIMEOUT_S = 2.0
+# How often decode looks for same-host prefills whose shared segments it has not mapped yet.
+PREMAP_INTERVAL_S = 2.0
+SEGMENTS_TIMEOUT_S = 5.0
 # Segment mappings are cached per process (one registration per segment): one reader for all pulls.
 HANDOFF_READER = HandoffReader()
 
@@ -106,9 +116,13 @@ def local_prefix_pages(engine: LLMEngine, keys: list[bytes]) -> int:
     return n
 
 
-def prompt_keys(engine: LLMEngine, prompt: list[int]) -> list[bytes]:
+def prompt_keys(engine: LLMEngine, prompt: list[int], seeded: bool = False) -> list[bytes]:
+    """Keys of the prompt's pages the engine can take from elsewhere: all but the one holding the
+    last prompt token (computed for its logits), or with `seeded` (the first token came from a
+    prefill service) every full page (kv_transfer.reusable_pages)."""
     bs = engine.kv.block_size
-    return chain_hashes(prompt, engine.version, engine.layout, bs, limit=reusable_pages(len(prompt), bs))
+    limit = reusable_pages(len(prompt), bs, seeded=seeded)
+    return chain_hashes(prompt, engine.version, engine.layout, bs, limit=limit)
 
 
 def engine_policy(engine: LLMEngine, cfg: KVPullSection) -> PullPolicy:
@@ -137,6 +151,23 @@ def attach_near(engine: LLMEngine, store: KVStoreClient, cfg: RunConfig, shared:
         engine.pages.host_pages = store.near.hold_export
 
 
+def keep_tails(engine: LLMEngine, near: NearCache) -> None:
+    """A prefill that hands off: the partial last prompt page of every prompt it computes goes
+    into its shared near tier under its tail key (kv_transfer.tail_hash), never to the gateway nor
+    a prefix cache (a partial page is not a reusable page), so a handoff can carry it and the
+    decode computes no prompt token at all (pull_prefilled). No-op for a private tier."""
+    if not near.shared:
+        return
+
+    def sink(key: bytes, blob: torch.Tensor) -> None:  # loop thread: must not raise
+        try:
+            near.put([key], blob)
+        except (RuntimeError, ValueError) as e:  # the decode computes the tail itself then
+            log.warning(f"keeping a partial last page in the near tier failed: {e}")
+
+    engine.pages.tail_sink = sink
+
+
 def reserve_pinned(engine: LLMEngine, store: KVStoreClient, buffers: int = 2) -> None:
     """On CUDA, pin the host memory pulls land in now (the near tier, and `buffers` staging
     buffers of one full-length sequence's pages, at most 4 GiB each): pinning later, on a long
@@ -156,16 +187,22 @@ def pull_prefix(
     keys: list[bytes],
     policy: PullPolicy | None = None,
     handoff: KVHandoff | None = None,
+    tail: tuple[str, list[int]] | None = None,
 ) -> int:
     """Stage the longest prefix of `keys` the store has and the local cache lacks, if the policy
     says pulling beats recomputing it (no policy: always pull). Blocking; returns pages staged.
     The reply is received into a reused (on CUDA pinned) staging buffer that is given back once
     the engine has imported it. `handoff` (a prefill response's, same host): its pages are copied
     from the prefill's shared near tier first (validated), the handoff acked, and only the pages
-    after them pulled. Never raises: whatever goes wrong here (a staging buffer that cannot be
-    allocated, ...) is logged and counted, and the prefix is computed instead."""
+    after them pulled. `tail` (request id, prompt) with a handoff: the prompt's partial last page
+    is copied from it too (validated the same way) and staged for that request (PromptTail).
+    Never raises: whatever goes wrong here (a staging buffer that cannot be allocated, ...) is
+    logged and counted, and the prefix is computed instead."""
     try:
-        return _pull_prefix(engine, store, keys, policy, handoff)
+        got = _pull_prefix(engine, store, keys, policy, handoff)
+        if handoff is not None and tail is not None:
+            _pull_tail(engine, handoff, *tail)
+        return got
     except Exception:  # noqa: BLE001 - a pull is an optimisation: never a failed request
         PULL_ERRORS.inc()
         log.exception("kv pull failed; computing the prefix instead")
@@ -173,6 +210,26 @@ def pull_prefix(
     finally:
         if handoff is not None:
             ack_handoff(handoff)
+
+
+def pull_prefilled(
+    engine: LLMEngine,
+    store: KVStoreClient,
+    prompt: list[int],
+    request_id: str,
+    first: list[tuple[int, float, int]],
+    handoff: KVHandoff | None = None,
+) -> int:
+    """After a remote prefill: stage every full page of the prompt (the handoff's, then the
+    store's), the partial last page when the handoff carries it, and the first tokens, so the
+    request is admitted with the whole prompt cached and its first step feeds only the prefilled
+    token: a decode step (a CUDA graph), not a mixed one. What is missing or stale is computed
+    (the tail too). Blocking; returns full pages staged. The caller submits the request with
+    `request_id` and drops what it did not consume (`engine.pages.take_first/take_tail`)."""
+    keys = prompt_keys(engine, prompt, seeded=True)
+    got = pull_prefix(engine, store, keys, None, handoff, tail=(request_id, prompt))
+    engine.pages.stage_first(request_id, first)
+    return got
 
 
 def ack_handoff(handoff: KVHandoff) -> None:
@@ -198,6 +255,24 @@ def _pull_handoff(engine: LLMEngine, keys: list[bytes], have: int, missing: list
     if got and pages is not None:
         engine.pages.stage(missing[:got], pages, pin=keys[:have])
     return got
+
+
+def _pull_tail(engine: LLMEngine, h: KVHandoff, request_id: str, prompt: list[int]) -> bool:
+    """Stage the prompt's partial last page for `request_id` if handoff `h` lists it and it copies
+    intact (its stamp's key is the tail_hash this engine computes for the prompt, so a tail of
+    other tokens, weights or layout never matches). The scheduler uses it only on top of the
+    prompt's full pages (Scheduler._tail)."""
+    bs = engine.kv.block_size
+    if not h.tail_tokens or h.tail_tokens != len(prompt) % bs or h.page_bytes != page_nbytes(engine.kv):
+        return False
+    key = prompt_tail_key(prompt, engine.version, engine.layout, bs)
+    if key is None:
+        return False
+    got, pages = HANDOFF_READER.fetch(h, [key], len(h.slots) - 1, engine.kv.k.device, tail=True)
+    if not got or pages is None:
+        return False
+    engine.pages.stage_tail(request_id, PromptTail(key, h.tail_tokens, pages[0]))
+    return True
 
 
 def _pull_prefix(
@@ -355,6 +430,8 @@ class KVRouter:
         self.cfg = cfg
         self.store = store_client(cfg, lookup)
         self.prefills = Registry(lookup, "prefill") if lookup is not None else None
+        # Its own view for premap_segments: its reads never make the routing view's cache older.
+        self._premap_view = Registry(lookup, "prefill") if lookup is not None else None
         self.http = httpx.AsyncClient(timeout=cfg.prefill.timeout_s)
         self.publisher: PagePublisher | None = None
         self.engine: LLMEngine | None = None
@@ -363,6 +440,8 @@ class KVRouter:
         self._quarantine: dict[str, float] = {}
         self._same_host: set[str] = set()  # prefill URLs registered from this host
         self.counts = {"local": 0, "remote": 0, "remote_failed": 0, "pulled_pages": 0}
+        self._premapper: asyncio.Task[None] | None = None
+        self._premapped: set[tuple[str, tuple[str, ...]]] = set()  # (prefill URL, its segment names)
 
     def attach(self, engine: LLMEngine) -> None:
         """Publish the pages of every sequence the engine finishes (multi-turn reuse, restarts)."""
@@ -372,6 +451,49 @@ class KVRouter:
         reserve_pinned(engine, self.store)
         self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
         engine.pages.sink = self.publisher
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None  # attached outside a service (a bench, a test): no background mapping
+        if loop is not None and self.prefills is not None and self.cfg.kvstore.near.shared_lease_s > 0:
+            self._premapper = loop.create_task(self.premap_segments())
+
+    async def premap_segments(self, interval_s: float = PREMAP_INTERVAL_S) -> None:
+        """Background task: map (and on CUDA pin) the shared segments of every prefill that
+        registers from this host, as soon as it appears, so the first handoff from it does not
+        stall the serving path on mapping and cudaHostRegister (~1 s per couple of GB)."""
+        while True:
+            try:
+                await self.premap_once()
+            except Exception:  # noqa: BLE001 - an optimisation: the first handoff maps them otherwise
+                log.exception("mapping same-host prefill segments failed; the first handoff will")
+            await asyncio.sleep(interval_s)
+
+    async def premap_once(self) -> int:
+        """One round of premap_segments: returns how many segments were newly mapped. A prefill
+        still loading (503), gone, of another page layout, or already mapped is skipped."""
+        engine = self.engine
+        if self._premap_view is None or engine is None:
+            return 0
+        here = socket.gethostname()
+        per = page_nbytes(engine.kv)
+        pin = engine.kv.k.device.type == "cuda"
+        new = 0
+        for svc in await asyncio.to_thread(self._premap_view.get):  # a Redis read: off the loop
+            if svc.host != here:
+                continue
+            try:
+                r = await self.http.get(f"{svc.url}/v1/handoff/segments", timeout=SEGMENTS_TIMEOUT_S)
+                r.raise_for_status()
+                segs = HandoffSegments.model_validate_json(r.content)
+            except (httpx.HTTPError, ValueError):
+                continue  # loading or gone: the next round asks again
+            names = (svc.url, tuple(s.name for s in segs.segments))
+            if segs.page_bytes != per or not segs.segments or names in self._premapped:
+                continue
+            new += await asyncio.to_thread(HANDOFF_READER.map_segments, segs.segments, per, pin)
+            self._premapped.add(names)
+        return new
 
     def _prefill_url(self, version: int) -> str | None:
         if self.prefills is None:
@@ -435,15 +557,22 @@ class KVRouter:
         if first is None and handoff is not None:  # a rejected answer: only let its slots go
             await asyncio.to_thread(ack_handoff, handoff)
             handoff = None
-        pulled = await pull_pages(engine, self.store, keys, policy, handoff)  # (not `+= await`: lost updates)
-        self.counts["pulled_pages"] += pulled
         if first is None:
+            pulled = await pull_pages(engine, self.store, keys, policy)  # (not `+= await`: lost updates)
+            self.counts["pulled_pages"] += pulled
             return await aengine.submit(req)
-        engine.pages.stage_first(rid, first)
+        # Every full page, the partial last one from a handoff, and the first tokens: the request
+        # starts as a pure decode (pull_prefilled).
+        pulled = await asyncio.to_thread(
+            pull_prefilled, engine, self.store, req.input_ids, rid, first, handoff
+        )
+        self.counts["pulled_pages"] += pulled
         try:
             return await aengine.submit(req.model_copy(update={"request_id": rid}))
         finally:
-            engine.pages.take_first(rid)  # consumed by add_request; dropped if it never got there
+            # Consumed by add_request; dropped if the request never got there.
+            engine.pages.take_first(rid)
+            engine.pages.take_tail(rid)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counts)
@@ -464,6 +593,10 @@ class KVRouter:
         return out
 
     async def close(self) -> None:
+        if self._premapper is not None:
+            self._premapper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._premapper
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.close)
         log.info("kv routing totals", extra={"fields": self.stats()})

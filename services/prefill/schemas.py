@@ -1,4 +1,5 @@
-"""Wire messages of the prefill service (POST /v1/prefill, POST /v1/handoff/ack)."""
+"""Wire messages of the prefill service (POST /v1/prefill, POST /v1/handoff/ack,
+GET /v1/handoff/segments)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ class KVHandoff(Wire):
     gens: list[int]
     lease_s: float
     ack_url: str
+    # > 0: the last listed page is not a full page but the prompt's partial last page, holding its
+    # last `tail_tokens` tokens (key kv_transfer.tail_hash; never a full page anywhere). 0: every
+    # listed page is full.
+    tail_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _same_lengths(self) -> KVHandoff:
@@ -68,11 +73,26 @@ class KVHandoff(Wire):
             raise ValueError("seg, slots and gens must have one entry per page")
         if any(not 0 <= s < len(self.segments) for s in self.seg):
             raise ValueError("seg names a segment that is not listed")
+        if self.tail_tokens and not self.slots:
+            raise ValueError("tail_tokens: a partial last page is announced but no page is listed")
         return self
+
+    @property
+    def full_pages(self) -> int:
+        """Full pages listed (chain order from the prompt's first)."""
+        return len(self.slots) - (1 if self.tail_tokens else 0)
 
 
 class HandoffAck(Wire):
     id: str
+
+
+class HandoffSegments(Wire):
+    """GET /v1/handoff/segments: every segment of the prefill's shared near tier, for a decode on
+    the same host to map (and pin) before its first handoff (empty: no shared tier)."""
+
+    page_bytes: int = Field(ge=0)  # 0 when there is no shared tier
+    segments: list[HandoffSegment]
 
 
 PrefillResponse.model_rebuild()  # its handoff field names KVHandoff, defined after it

@@ -11,7 +11,8 @@ service registered with its own weight version). POST /update_weights works as o
 Same host (kvstore.near.shared_lease_s > 0): the near tier lives in /dev/shm segments and the
 answer carries a handoff of the prompt's pages there (services/kvstore/handoff.py); it is sent as
 soon as the pages are in that tier, the gateway publish going on in the background. The decode
-POSTs /v1/handoff/ack once it has copied them (else the lease ends the hold).
+POSTs /v1/handoff/ack once it has copied them (else the lease ends the hold). GET
+/v1/handoff/segments lists the tier's segments, which a same-host decode maps ahead of traffic.
 """
 
 from __future__ import annotations
@@ -30,19 +31,27 @@ from services.common.schemas import GenerateRequest, UpdateWeightsRequest
 from services.common.service import Service, create_app, log_event, start_service
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
-from services.engine.kv_transfer import chain_hashes, page_nbytes, reusable_pages
+from services.engine.kv_transfer import chain_hashes, page_nbytes, prompt_tail_key
 from services.kvstore.client import PagePublisher
-from services.kvstore.handoff import HandoffLeases
+from services.kvstore.handoff import HandoffLeases, segment_list
 from services.prefill.pull_policy import PullPolicy
 from services.prefill.router import (
     attach_near,
     engine_policy,
+    keep_tails,
     local_prefix_pages,
     prompt_keys,
     pull_pages,
     store_client,
 )
-from services.prefill.schemas import FirstToken, HandoffAck, KVHandoff, PrefillRequest, PrefillResponse
+from services.prefill.schemas import (
+    FirstToken,
+    HandoffAck,
+    HandoffSegments,
+    KVHandoff,
+    PrefillRequest,
+    PrefillResponse,
+)
 
 WEIGHTS_POLL_S = 0.5
 LEASE_SWEEP_S = 1.0
@@ -69,6 +78,8 @@ class Prefill:
                 attach_near(eng, self.store, self.cfg, shared=self.leases is not None)
                 self.publisher = PagePublisher(self.store, page_nbytes(eng.kv), **self._publish_bound())
                 eng.pages.sink = self.publisher
+                if self.leases is not None and self.store.near is not None:
+                    keep_tails(eng, self.store.near)  # handed off with the full pages
                 self.policy = engine_policy(eng, self.cfg.kvstore.pull)
                 # Start-up's objects out of the GC's way, the GIL back to the step loop sooner (host_tuning.py).
                 log_event(self.service.log, "host tuned", **tune_after_startup())
@@ -147,12 +158,16 @@ class Prefill:
         ]
         bs = eng.kv.block_size
         all_keys = chain_hashes(req.input_ids, choices[0].version, eng.layout, bs)
-        # The pages are in the near tier already (exported before the request finished).
-        handoff = self._handoff(all_keys) if req.handoff else None
-        if handoff is not None and len(handoff.slots) >= reusable_pages(len(req.input_ids), bs):
-            # The decode copies every page it can use (a prompt's last token is always computed,
-            # kv_transfer.reusable_pages) from shared memory: no need to wait for the gateway
-            # (the publish goes on in the background, for other consumers and restarts).
+        # The pages are in the near tier already (exported before the request finished), the
+        # partial last one too (tail_sink).
+        handoff = None
+        if req.handoff:
+            tail = prompt_tail_key(req.input_ids, choices[0].version, eng.layout, bs)
+            handoff = self._handoff(all_keys, tail, len(req.input_ids) % bs)
+        if handoff is not None and handoff.full_pages >= len(all_keys):
+            # The decode has the first token, so it takes every full page (kv_transfer.
+            # reusable_pages, seeded) and they are all in shared memory: no need to wait for the
+            # gateway (the publish goes on in the background, for other consumers and restarts).
             self.publisher.forget(rid)
             stored = 0
         else:
@@ -179,13 +194,20 @@ class Prefill:
             handoff=handoff,
         )
 
-    def _handoff(self, keys: list[bytes]) -> KVHandoff | None:
-        """A lease on the leading run of `keys` in the shared near tier (None: off or empty)."""
+    def _handoff(self, keys: list[bytes], tail: bytes | None, tail_tokens: int) -> KVHandoff | None:
+        """A lease on the prompt's pages in the shared near tier (None: off or empty)."""
         near = self.store.near
-        if self.leases is None or near is None or not near.shared or not keys:
+        if self.leases is None or near is None:
             return None
-        run, refs = near.handoff(keys)
-        return self.leases.grant(run, refs, near.shared_segments)
+        return self.leases.grant_prompt(near, keys, tail, tail_tokens)
+
+    def segments(self) -> HandoffSegments:
+        """The shared tier's segments (a read: no grant, no hold, no counter)."""
+        self.ready()  # the tier exists once the engine is loaded: 503 until then
+        near = self.store.near
+        if self.leases is None or near is None or not near.shared:
+            return HandoffSegments(page_bytes=0, segments=[])
+        return HandoffSegments(page_bytes=near.page_bytes, segments=segment_list(near.shared_segments))
 
     async def expire_leases(self) -> None:
         while self.leases is not None:
@@ -247,6 +269,12 @@ def build_app(service: Service) -> FastAPI:
     async def handoff_ack(req: HandoffAck) -> dict[str, bool]:
         """The decode has copied a handoff's pages: its slots may be reused."""
         return {"released": state.leases is not None and state.leases.ack(req.id)}
+
+    @app.get("/v1/handoff/segments", response_model=HandoffSegments)
+    async def handoff_segments() -> HandoffSegments:
+        """Every segment of the shared near tier: a same-host decode maps them before its first
+        handoff (services/prefill/router.py, KVRouter.premap_segments)."""
+        return state.segments()
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:

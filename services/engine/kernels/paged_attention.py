@@ -126,9 +126,11 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * G + offs_g
     gmask = offs_g < G
+    # q_loc -1: a mixed CUDA graph's unused decode row (cuda_graphs.MixedGraphs): no q, no output.
+    qmask = offs_g < tl.where(row >= 0, G, 0)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gmask[:, None],
+        mask=qmask[:, None],
         other=0.0,
     )
     partition = tl.load(partition_ptr).to(tl.int32)
@@ -161,7 +163,7 @@ def _decode_kernel(
         tl.store(
             out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
-            mask=gmask[:, None],
+            mask=qmask[:, None],
         )
     else:
         idx = (b.to(tl.int64) * H + heads) * splits + sp
@@ -197,10 +199,12 @@ def _merge_kernel(
     o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     total = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+    # q_loc -1: no output row (see _decode_kernel).
+    dmask = offs_d < tl.where(row >= 0, D, 0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "blk_stride"])
 def _prefill_kernel(
     q_ptr,
     kc_ptr,
@@ -210,6 +214,8 @@ def _prefill_kernel(
     q_len_ptr,
     bt_ptr,
     ctx_ptr,
+    blk_ptr,
+    blk_stride,
     stride_qt,
     stride_qh,
     stride_ct,
@@ -225,10 +231,21 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    BLOCK_MAP: tl.constexpr,
 ):
-    s_idx = tl.program_id(0)
-    mb = tl.program_id(1)
-    h = tl.program_id(2)
+    if BLOCK_MAP:
+        # Grid (blocks, heads) of a fixed size (a CUDA graph's): program i takes query block i of
+        # the host-built list blk = [[span of each block], [block index within the span]] (rows
+        # blk_stride apart); span -1 marks the unused tail of the grid.
+        s_idx = tl.load(blk_ptr + tl.program_id(0)).to(tl.int32)
+        mb = tl.load(blk_ptr + blk_stride + tl.program_id(0)).to(tl.int32)
+        h = tl.program_id(1)
+        if s_idx < 0:
+            return
+    else:
+        s_idx = tl.program_id(0)
+        mb = tl.program_id(1)
+        h = tl.program_id(2)
     kvh = h // G
     q_len = tl.load(q_len_ptr + s_idx).to(tl.int32)
     q0 = tl.load(q_start_ptr + s_idx).to(tl.int64)
@@ -350,13 +367,22 @@ def prefill_attention(
     s = meta.q_start.shape[0]
     _, h, d = q.shape
     g = h // k_cache.shape[1]
-    grid = (s, -(-meta.max_q_len // cfg["block_m"]), h)
+    if meta.blocks is not None:  # a fixed grid over a host-built block list (CUDA graphs)
+        if cfg["block_m"] != PREFILL_TUNING["block_m"]:
+            raise ValueError("a block list is built for PREFILL_TUNING's block_m")
+        grid: tuple[int, ...] = (meta.blocks.shape[1], h)
+        blocks, blk_stride = meta.blocks, meta.blocks.stride(0)
+    else:
+        blocks, blk_stride = meta.q_start, 0
+        grid = (s, -(-meta.max_q_len // cfg["block_m"]), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.q_start, meta.q_lens, meta.block_tables, meta.ctx_lens,
+        blocks, blk_stride,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale * LOG2E,
         G=g, D=d, PAGE=page_size, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_prec(k_cache.dtype),
-        UPCAST=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UPCAST=INTERPRET, BLOCK_MAP=meta.blocks is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -391,7 +417,9 @@ def attend(
 
         assert isinstance(meta.flex, FlexMeta)
         return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
-    out = torch.empty_like(q)
+    # A fixed-shape (CUDA graph) batch has padding token rows that no span attends for; zeros
+    # keep them finite through the layers after (an MoE router must not see NaN garbage).
+    out = torch.zeros_like(q) if meta.padded else torch.empty_like(q)
     if meta.decode is not None:
         decode_attention(q, k_cache, v_cache, out, meta.decode, scale, page_size)
     if meta.prefill is not None:

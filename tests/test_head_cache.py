@@ -1,0 +1,332 @@
+"""Issue 9: the chunked LM head keeps the forward's probabilities for its backward
+(`trainer.head_cache_gib`) instead of recomputing the logits there.
+
+On CPU (eager) the cached backward must give the SAME gradients as the recomputing one, to the
+bit (torch.equal): p is the same float32 expression of the same float32 logits. Also: the budget
+decides (a budget one byte short recomputes), nothing is kept past the backward, the knob reaches
+the head from the config and from bench/trainer/step.py's `head_recompute` variant. The compiled
+(`fused`) forms are checked against the eager ones in a slow test. The speed is measured on the
+H200 (bench/trainer/step.py, docs/trainer.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import socket
+import sys
+import weakref
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from pydantic import ValidationError
+
+from services.common.config import ModelConfig, TrainerSection
+from trainer.chunked import (
+    ChunkedOutput,
+    chunk_dlogits,
+    chunk_dlogits_from_p,
+    chunk_dlogits_from_p_pointwise,
+    chunk_stats,
+    chunk_stats_keep_p,
+    chunk_stats_keep_p_pointwise,
+    chunked_logprobs,
+    enable_chunked_output,
+    head_cache_fits,
+)
+from trainer.loss import sequence_logprobs
+from trainer.model import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+N_ROWS, SEQ, DIM, VOCAB = 2, 13, 32, 300  # 26 tokens: ragged last chunks for most chunk sizes
+FITS = N_ROWS * SEQ * VOCAB * 4 / 2**30  # the cache's size in GiB: exactly within this budget
+
+
+def _case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(N_ROWS, SEQ, DIM, generator=g).to(dtype)
+    w = (0.3 * torch.randn(VOCAB, DIM, generator=g)).to(dtype)
+    t = torch.randint(0, VOCAB, (N_ROWS, SEQ), generator=g)
+    coef = torch.randn(N_ROWS, SEQ, generator=g)  # a per-token upstream gradient (advantages)
+    return h, w, t, coef
+
+
+def _amp(on: bool) -> AbstractContextManager[Any]:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
+def _head_node(out: torch.Tensor) -> Any:
+    """The chunked head's autograd node (its ctx) behind `out`, through views and other ops."""
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "_ChunkedLogProbsBackward":
+            return node
+        todo.extend(f for f, _ in node.next_functions)
+    raise AssertionError("no chunked head in the graph")
+
+
+def _run(
+    dtype: torch.dtype, chunk: int, cache_gib: float, *, autocast: bool = False, fp32: bool = True
+) -> tuple[list[torch.Tensor], int | None]:
+    """(logp, entropy, grad h, grad w) and how many chunks the forward kept (None: recompute)."""
+    h0, w0, t, coef = _case(dtype)
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with _amp(autocast):
+        logp, ent = chunked_logprobs(h, w, t, chunk, fp32=fp32, cache_gib=cache_gib)
+    kept = _head_node(logp).p_cache
+    n_kept = None if kept is None else len(kept)
+    (logp * coef).sum().backward()  # outside autocast, as train_step calls it
+    assert h.grad is not None and w.grad is not None
+    return [logp.detach(), ent.detach(), h.grad, w.grad], n_kept
+
+
+# ------------------------------------------------------------------ same gradients, to the bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [5, 8, 26, 64])  # ragged last chunk, one chunk, chunk > tokens
+def test_cached_head_equals_recompute(dtype: torch.dtype, chunk: int) -> None:
+    cached, n_cached = _run(dtype, chunk, cache_gib=1.0)
+    recomputed, n_recomputed = _run(dtype, chunk, cache_gib=0.0)
+    assert n_cached == math.ceil(N_ROWS * SEQ / chunk) and n_recomputed is None  # both paths ran
+    for name, a, b in zip(("logp", "entropy", "grad_h", "grad_w"), cached, recomputed, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert cached[2].dtype == dtype and cached[3].dtype == dtype
+    assert float(cached[3].abs().max()) > 1e-3  # the gradients compared are not all zero
+
+
+@pytest.mark.parametrize("chunk", [5, 26])
+@pytest.mark.parametrize("fp32", [True, False])
+def test_cached_head_equals_recompute_under_autocast(chunk: int, fp32: bool) -> None:
+    """float32 weights under bf16 autocast (the single-process trainer), float32 logits or
+    bf16-rounded ones (trainer.logits_fp32 off): the backward runs outside autocast."""
+    cached, n_cached = _run(torch.float32, chunk, 1.0, autocast=True, fp32=fp32)
+    recomputed, _ = _run(torch.float32, chunk, 0.0, autocast=True, fp32=fp32)
+    assert n_cached == math.ceil(N_ROWS * SEQ / chunk)
+    for name, a, b in zip(("logp", "entropy", "grad_h", "grad_w"), cached, recomputed, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_chunk_math_with_p_equals_the_recompute_math() -> None:
+    """The building blocks: the stats with p are chunk_stats' values, p is what chunk_dlogits
+    computes after its exp, and the gradient from p is chunk_dlogits' (eager and the pointwise
+    forms that torch.compile gets, uncompiled here), all torch.equal."""
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(7, VOCAB, generator=g)
+    t = torch.randint(0, VOCAB, (7,), generator=g)
+    up = torch.randn(7, generator=g)
+    z, lp, ent = chunk_stats(logits.clone(), t)
+    for fn in (chunk_stats_keep_p, chunk_stats_keep_p_pointwise):
+        z2, lp2, ent2, p = fn(logits.clone(), t)
+        assert torch.equal(z2, z) and torch.equal(lp2, lp) and torch.equal(ent2, ent), fn.__name__
+        assert torch.equal(p, (logits - z.unsqueeze(-1)).exp())
+    _, _, _, p = chunk_stats_keep_p(logits.clone(), t)
+    for dt in (torch.float32, torch.bfloat16):
+        ref = chunk_dlogits(logits.clone(), z, up, t, dt)
+        assert torch.equal(chunk_dlogits_from_p(p.clone(), up, t, dt), ref), dt
+        assert torch.equal(chunk_dlogits_from_p_pointwise(p.clone(), up, t, dt), ref), dt
+    assert float(ref.float().abs().max()) > 1e-2
+
+
+# ------------------------------------------------------------------ the budget
+
+
+def test_budget_decides_and_falls_back_to_the_same_result() -> None:
+    assert head_cache_fits(26, VOCAB, FITS) and not head_cache_fits(26, VOCAB, FITS * (1 - 1e-6))
+    assert not head_cache_fits(26, VOCAB, 0.0)
+    assert head_cache_fits(16384, 151936, 12.0)  # the 0.6B step's 16k tokens: 9.3 GiB
+    exact, n_exact = _run(torch.bfloat16, 8, FITS)
+    short, n_short = _run(torch.bfloat16, 8, FITS * (1 - 1e-6))  # a few bytes short: recompute
+    assert n_exact == 4 and n_short is None
+    for a, b in zip(exact, short, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="cache_gib"):
+        chunked_logprobs(*_case(torch.float32)[:3], 8, cache_gib=-1.0)
+
+
+def test_no_cache_without_a_backward_to_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad (reference log-probs) or with nothing requiring grad the forward keeps
+    nothing (Function.apply still runs it; p would be written for nothing). Counted by wrapping
+    the real stats function the forward looks up."""
+    import trainer.chunked as chunked
+
+    calls: list[int] = []
+
+    def counting(logits: torch.Tensor, targets: torch.Tensor) -> Any:
+        calls.append(int(logits.shape[0]))
+        return chunk_stats_keep_p(logits, targets)
+
+    monkeypatch.setattr(chunked, "chunk_stats_keep_p", counting)
+    h, w, t, _ = _case(torch.float32)
+    hr = h.clone().requires_grad_()
+    with torch.no_grad():
+        lp, _ = chunked_logprobs(hr, w, t, 8, cache_gib=1.0)
+    lp2, _ = chunked_logprobs(h, w, t, 8, cache_gib=1.0)  # nothing requires grad
+    assert calls == [] and lp2.grad_fn is None
+    lp3, _ = chunked_logprobs(hr, w, t, 8, cache_gib=1.0)  # grad on: kept
+    assert calls == [8, 8, 8, 2] and len(_head_node(lp3).p_cache) == 4
+    assert torch.equal(lp, lp3.detach()) and torch.equal(lp2, lp)
+
+
+# ------------------------------------------------------------------ nothing kept past the backward
+
+
+def test_cache_released_by_the_backward() -> None:
+    h0, w0, t, coef = _case(torch.bfloat16)
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    logp, _ = chunked_logprobs(h, w, t, 8, cache_gib=1.0)
+    node = _head_node(logp)
+    kept = node.p_cache
+    assert kept is not None and len(kept) == 4
+    assert [tuple(p.shape) for p in kept] == [(8, VOCAB)] * 3 + [(2, VOCAB)]
+    assert all(p.dtype == torch.float32 for p in kept)
+    refs = [weakref.ref(p) for p in kept]
+    del kept
+    assert all(r() is not None for r in refs)  # the forward's context holds them until backward
+    (logp * coef).sum().backward()
+    gc.collect()
+    # logp (and through it the autograd node) is still alive; the probabilities are not.
+    assert node.p_cache is None
+    assert all(r() is None for r in refs)
+
+
+def test_second_backward_recomputes() -> None:
+    """retain_graph: the first backward used and dropped the probabilities, the second
+    recomputes the logits, with the same result (as the cache-less head twice)."""
+    h0, w0, t, coef = _case(torch.float32)
+    grads = []
+    for cache in (1.0, 0.0):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        logp, _ = chunked_logprobs(h, w, t, 5, cache_gib=cache)
+        first = torch.autograd.grad((logp * coef).sum(), (h, w), retain_graph=True)
+        second = torch.autograd.grad((logp * coef).sum(), (h, w))
+        grads.append((*first, *second))
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ the knob reaches the head
+
+
+M = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64)
+
+
+def test_config_field_validates() -> None:
+    assert TrainerSection().head_cache_gib == 12.0
+    assert TrainerSection(head_cache_gib=0).head_cache_gib == 0.0
+    with pytest.raises(ValidationError, match="head_cache_gib"):
+        TrainerSection(head_cache_gib=-1.0)
+    with pytest.raises(ValidationError, match="head_cache_gib"):
+        TrainerSection(head_cache_gib="lots")  # type: ignore[arg-type]
+
+
+def test_model_head_cache_and_recompute_give_the_same_gradients() -> None:
+    """The whole model through the ChunkedOutput head (as train.py builds it): every parameter's
+    gradient, with the head's probabilities kept or recomputed, torch.equal."""
+    toks = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(5))
+    coef = torch.randn(2, 16, generator=torch.Generator().manual_seed(6))
+    grads = []
+    for cache in (12.0, 0.0):
+        model = enable_chunked_output(build_model(M, seed=0), True, cache)
+        head = model.output
+        assert isinstance(head, ChunkedOutput) and head.head_cache_gib == cache
+        logp, _ = sequence_logprobs(model, toks[:, :-1], toks[:, 1:], chunk=6)
+        assert (_head_node(logp).p_cache is not None) == (cache > 0)
+        (logp * coef).sum().backward()
+        named = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        assert head.weight.grad is not None  # the head's weight (tied: the embedding's)
+        grads.append({**named, "head": head.weight.grad.clone()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters())) + 1
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+    # enable_chunked_output sets the knob again on a second call, and refuses a negative one
+    model = enable_chunked_output(build_model(M, seed=0), True, 12.0)
+    enable_chunked_output(model, True, 0.0)
+    assert model.output.head_cache_gib == 0.0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="head_cache_gib"):
+        enable_chunked_output(model, True, -1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bench_worker(rank: int, port: int, out: dict[str, Any]) -> None:
+    """Rank 0 of a 1-rank gloo group: bench/trainer/step.py's build_ours + our_step with the
+    `head_recompute` variant's head knob and without it (bf16, no FSDP: autocast, eager)."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    sys.path.insert(0, str(REPO / "bench" / "trainer"))
+    import step
+
+    ctx = step.Ctx("cpu")
+    try:
+        m = step.model_config("tiny", 1024)
+        mine, total = step.rank_data(
+            [[100, 37, 260, 120, 3]], m.vocab_size, step.Degrees(1, 1, 1, 1, 1), 0, 7
+        )
+        mb = step.pack(mine)
+        recompute = step.VARIANTS["bf16+compile+fused_adam+fsdp+head_recompute"]
+        cached = step.VARIANTS["bf16+compile+fused_adam+fsdp"]
+        out["variant_head_cache_gib"] = recompute["head_cache_gib"]
+        out["variant_diff"] = sorted(set(recompute.items()) ^ set(cached.items()))
+        for name, knobs in (
+            ("cached", {"fsdp": "auto"}),
+            ("recompute", {"fsdp": "auto", "head_cache_gib": recompute["head_cache_gib"]}),
+            ("bf16_logits", {"fsdp": "auto", "logits_fp32": False}),
+        ):
+            model, opt, deg, meshes = step.build_ours(m, knobs, ctx)
+            loss, gn = step.our_step(model, opt, [mb], total, deg, meshes, ctx.device)
+            head = model.output
+            out[name] = (loss, gn, head.head_cache_gib, head.logits_fp32)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
+def test_bench_head_recompute_variant_reaches_the_head() -> None:
+    """step.py's build_ours passes the trainer section's head knobs to the head as train.py does
+    (logits_fp32 included, which used to stay at its default there), and the two head paths give
+    the same loss and gradient norm. Spawned: step.Ctx joins a process group."""
+    out = mp.Manager().dict()
+    mp.start_processes(_bench_worker, args=(_free_port(), out), nprocs=1, start_method="spawn")
+    assert out["variant_head_cache_gib"] == 0.0
+    assert out["variant_diff"] == [("head_cache_gib", 0.0)]  # the only difference between the two
+    loss_c, gn_c, cache_c, fp32_c = out["cached"]
+    loss_r, gn_r, cache_r, fp32_r = out["recompute"]
+    assert cache_c == 12.0 and cache_r == 0.0 and fp32_c and fp32_r
+    assert loss_c == loss_r and gn_c == gn_r and math.isfinite(gn_c) and gn_c > 0
+    assert out["bf16_logits"][3] is False  # the bf16_logits variant's knob reaches the head now
+
+
+# ------------------------------------------------------------------ compiled (fused) forms
+
+
+@pytest.mark.slow
+def test_fused_cached_head_equals_eager() -> None:
+    """fused=True compiles the stats-with-p and the dlogits-from-p math (inductor's C++ backend
+    on CPU, Triton on CUDA): the same log-probs, entropy and gradients as the eager cached head
+    and as the fused recomputing head, to rounding (~1 min of compiling)."""
+    res = []
+    for fused, cache in ((False, 1.0), (True, 1.0), (True, 0.0)):
+        h0, w0, t, coef = _case(torch.float32)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        logp, ent = chunked_logprobs(h, w, t, 8, fused=fused, cache_gib=cache)
+        assert (_head_node(logp).p_cache is not None) == (cache > 0)
+        gh, gw = torch.autograd.grad((logp * coef).sum(), (h, w))
+        res.append((logp, ent, gh, gw))
+    for other in res[1:]:
+        for a, b in zip(res[0], other, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
