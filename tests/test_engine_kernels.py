@@ -462,7 +462,9 @@ def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> 
         engine.step()
     for i, n in enumerate((70, 9)):  # 70 queries: two blocks of 64
         engine.add_request(
-            GenerateRequest(input_ids=[(5 + j) % 60 + 2 for j in range(n)], sampling=SamplingParams(seed=9 + i))
+            GenerateRequest(
+                input_ids=[(5 + j) % 60 + 2 for j in range(n)], sampling=SamplingParams(seed=9 + i)
+            )
         )
     plan = engine.scheduler.schedule()
     spans = [Span(s.block_table, s.num_cached, s.uncached_tokens()[:n]) for s, n in plan.compute]
