@@ -378,6 +378,20 @@ def test_mixed_buffers_block_list_and_padding() -> None:
     assert buf.fits(HostBatch.build(make_spans([(0, 40)], 4, 30)[0], 4)) is None
 
 
+def test_long_context_split_variants() -> None:
+    """A graph size captured for max_seq_len 16k with one split (a big batch) gets a second,
+    long-context variant; a step takes it only when one program would walk > 2,048 keys."""
+    from services.engine.cuda_graphs import LONG_PARTITION_KEYS, pick_splits, split_options
+
+    assert split_options(1, 2048) == [1]  # short contexts: nothing more to capture
+    assert split_options(4, 8192) == [4]  # 2,048 keys per split at 8k: enough
+    opts = split_options(1, 16384)
+    assert opts == [1, 16]
+    assert pick_splits(opts, 1500) == 1 and pick_splits(opts, LONG_PARTITION_KEYS) == 1
+    assert pick_splits(opts, 16384) == 16 and split_partition(16384, 16) == 1024
+    assert split_options(1, 1 << 20)[-1] == 64  # capped: partials stay bounded
+
+
 def test_attention_backend_config() -> None:
     assert EngineConfig().attention_backend == "auto"
     with pytest.raises(ValidationError, match="attention_backend"):

@@ -381,3 +381,39 @@ def test_cuda_handed_off_request_starts_with_a_cuda_graph_decode_step(
         same(out, colocated(weights, prompt, 2, 6, cuda))
     finally:
         gen.close()
+
+
+def test_admission_reuses_the_pull_keys_and_never_stale_ones(weights: Path) -> None:
+    """The page keys pull_prefilled computed are what admission looks up (no second hashing of
+    the prompt in the loop thread); keys staged for another weight version are not used."""
+    import services.engine.scheduler as sched
+
+    eng = LLMEngine(weights, EngineConfig(device="cpu", max_seq_len=256, block_size=4))
+    prompt = list(range(3, 3 + 16))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    eng.generate([GenerateRequest(input_ids=prompt, sampling=greedy)])  # the prompt's pages cached
+    keys = prompt_keys(eng, prompt, seeded=True)
+    assert len(keys) == 4
+    real, calls = sched.block_hash, []
+
+    def counting(prev: bytes, toks: list[int]) -> bytes:
+        calls.append(len(toks))
+        return real(prev, toks)
+
+    for version, hashed in ((eng.version, 0), (eng.version + 7, 4)):
+        rid = f"r{version}"
+        eng.pages.stage_first(rid, [(5, -1.0, eng.version)])
+        eng.pages.stage_keys(rid, version, keys)
+        state = eng.add_request(GenerateRequest(input_ids=prompt, request_id=rid, sampling=greedy))
+        calls.clear()
+        sched.block_hash = counting
+        try:
+            plan = eng.scheduler.schedule()
+        finally:
+            sched.block_hash = real
+        assert len(calls) == hashed
+        seq = state.seqs[0]
+        assert seq.num_cached == 16 and [n for s, n in plan.compute if s is seq] == [1]
+        while not state.finished:
+            eng.step()
+    assert not eng.scheduler.known_keys

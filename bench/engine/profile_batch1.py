@@ -141,7 +141,7 @@ def main() -> None:
         bw = measure_bandwidth(device)
         report["bandwidth_bytes_s"] = bw
         report["weight_read_ms"] = weight_bytes / bw * 1e3
-        g = eng.graphs.graphs[1]
+        g = eng.graphs.graphs[1, eng.graphs.splits[1]]
         report["graph_replay_ms"] = replay_us(g, 50) / 1e3
         from torch.profiler import ProfilerActivity, profile
 

@@ -170,6 +170,7 @@ def engine_config(
     fused: bool = False,
     overlap: bool = False,
     fp8: bool = False,
+    mixed: bool = True,
 ) -> Any:
     from services.common.config import EngineConfig
 
@@ -188,6 +189,7 @@ def engine_config(
         enable_prefix_caching=False,  # random prompts share nothing; keep hashing out of the loop
         attention_backend=backend,  # type: ignore[arg-type]
         cuda_graphs=graphs,
+        cuda_graph_mixed=mixed,
         fused_kernels=fused,
         overlap_schedule=overlap,
         quantization="fp8" if fp8 else "none",
@@ -347,18 +349,22 @@ def engine_variant(
     fused: bool = False,
     overlap: bool = False,
     fp8: bool = False,
+    mixed: bool = True,
 ) -> dict[str, Any]:
     from services.engine import LLMEngine
 
     res: dict[str, Any] = {
         "attention_backend": backend,
         "cuda_graphs": graphs,
+        "cuda_graph_mixed": graphs and mixed,
         "fused_kernels": fused,
         "overlap_schedule": overlap,
         "quantization": "fp8" if fp8 else "none",
     }
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8))
+    engine = LLMEngine(
+        model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed)
+    )
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["graph_sizes"] = engine.graphs.sizes if engine.graphs is not None else []
@@ -394,7 +400,7 @@ def batch1_and_latency(
     if engine.graphs is not None:
         # The captured forward alone (no logits, no sampler), on the last step's inputs: it rewrites
         # that token's K/V with the same values into pages that are free by now.
-        g = engine.graphs.graphs[1]
+        g = engine.graphs.graphs[1, engine.graphs.splits[1]]
         for _ in range(5):
             g.replay()
         sync()
@@ -796,13 +802,14 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        # "<backend>[+graphs][+fused][+overlap][+fp8]" (EngineConfig.fused_kernels,
-        # .overlap_schedule, .quantization)
+        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed]" (EngineConfig.fused_kernels,
+        # .overlap_schedule, .quantization; nomixed: cuda_graph_mixed off, mixed steps eager)
         backend, *opts = name.split("+")
         graphs = "graphs" in opts and cuda
         fused = "fused" in opts
         overlap = "overlap" in opts
         fp8 = "fp8" in opts
+        mixed = "nomixed" not in opts
         if budget.left() < 40:
             report.data.setdefault("skipped", []).append(f"variant {name}: out of time")
             return
@@ -821,6 +828,7 @@ def main() -> None:
                 fused,
                 overlap,
                 fp8,
+                mixed,
             ),
         )
         if res is not None and first:

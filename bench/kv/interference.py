@@ -161,8 +161,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         )
         t0 = time.perf_counter()
         prefill_and_pull(warm, "warm-up")
-        eng.pages.take_first("warm-up")  # never submitted: only its pages were wanted
-        eng.pages.take_tail("warm-up")
+        eng.pages.forget("warm-up")  # never submitted: only its pages were wanted
         while eng.pages.pending:
             eng.step()
         print(

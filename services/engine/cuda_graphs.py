@@ -57,6 +57,31 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+# Keys one decode program may walk before a step takes the graph variant with more splits: a
+# sequence of 16k keys next to short ones (a long prompt handed over by a prefill service) in a
+# batch whose split count was sized for the batch (one split at 64+ rows) made every step wait
+# ~13 ms for that one row's 8 programs, 28 layers x 256 tiles in series (interference run 9).
+LONG_PARTITION_KEYS = 2048
+LONG_SPLIT_KEYS = 1024  # the long variant's partition at max_seq_len
+MAX_LONG_SPLITS = 64
+
+
+def split_options(short: int, max_seq_len: int) -> list[int]:
+    """Split counts captured for one graph size: the batch-sized one, plus a long-context one
+    when max_seq_len would otherwise leave a program more than LONG_PARTITION_KEYS keys."""
+    if split_partition(max_seq_len, short) <= LONG_PARTITION_KEYS:
+        return [short]
+    return [short, max(short, min(MAX_LONG_SPLITS, -(-max_seq_len // LONG_SPLIT_KEYS)))]
+
+
+def pick_splits(options: list[int], max_ctx: int) -> int:
+    """The fewest splits that keep every program within LONG_PARTITION_KEYS keys, else the most."""
+    for splits in options:
+        if split_partition(max_ctx, splits) <= LONG_PARTITION_KEYS:
+            return splits
+    return options[-1]
+
+
 class InputBuffers:
     """Static inputs for the largest size; smaller graphs use leading slices. Host side pinned:
     the H2D copy is asynchronous; the next fill waits for it (an event) before rewriting the host
@@ -104,6 +129,22 @@ class InputBuffers:
             self.copied.record()
 
 
+def capture_forward(
+    model: CausalLM, kv: KVCache, batch: ForwardBatch, device: torch.device, pool: object | None
+) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, object]:
+    """One forward captured as a graph in `pool`: (its output, the graph, the pool)."""
+    # Warm up outside the graph: Triton compiles, cuBLAS picks its kernels and workspaces.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        model(batch, kv)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = model(batch, kv)
+    return out, graph, graph.pool()
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -119,18 +160,22 @@ class DecodeGraphs:
         self.n_kv_heads = model.config.n_kv_heads
         self.num_sms = num_sms
         self.buf = InputBuffers(self.sizes[-1], self.width, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Decode splits per size: sized for the longest context, the partition follows each step's.
+        # Keyed (size, splits): each size has its batch-sized split count (`splits`, sized for the
+        # longest context; the partition follows each step's) and, for long max_seq_len, a
+        # long-context variant (split_options) that steps with a long sequence take.
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.splits = {
             size: decode_splits(size, self.n_kv_heads, kv.max_seq_len, num_sms)[0] for size in self.sizes
         }
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.options = {size: split_options(self.splits[size], kv.max_seq_len) for size in self.sizes}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.arange = torch.arange(self.sizes[-1], device=device)
         self.pool: object | None = None  # the graphs' memory pool, once captured
 
-    def static_batch(self, size: int) -> ForwardBatch:
+    def static_batch(self, size: int, splits: int | None = None) -> ForwardBatch:
         b = self.buf
-        decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], self.splits[size], b.partition)
+        splits = self.splits[size] if splits is None else splits
+        decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], splits, b.partition)
         return ForwardBatch(
             b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None)
         )
@@ -141,19 +186,10 @@ class DecodeGraphs:
         The buffers hold padding only (slot -1, context 0), so capture neither reads nor writes KV."""
         self.buf.dev.copy_(self.buf.host)
         pool = None
-        for size in reversed(self.sizes):
-            batch = self.static_batch(size)
-            # Warm up outside the graph: Triton compiles, cuBLAS picks its kernels and workspaces.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.model(batch, self.kv)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(batch, self.kv)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        for key in sorted(((size, sp) for size in self.sizes for sp in self.options[size]), reverse=True):
+            self.outputs[key], self.graphs[key], pool = capture_forward(
+                self.model, self.kv, self.static_batch(*key), self.device, pool
+            )
         self.pool = pool
         torch.cuda.synchronize(self.device)
 
@@ -166,10 +202,12 @@ class DecodeGraphs:
         n = len(hb.ids)
         size = padded_size(n, self.sizes)
         assert size is not None and hb.decode_only
-        self.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), self.splits[size]))
+        max_ctx = int(hb.ctx_lens.max())
+        splits = pick_splits(self.options[size], max_ctx)
+        self.buf.fill(hb, size, split_partition(max_ctx, splits))
         feed_pending(self.buf.ids, feed)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        self.graphs[size, splits].replay()
+        return self.outputs[size, splits][:n]
 
 
 def token_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
@@ -329,26 +367,19 @@ class MixedGraphs:
             size: decode_splits(self.buf.decode_rows(size), n_kv, kv.max_seq_len, num_sms)[0]
             for size in sizes
         }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.options = {size: split_options(self.splits[size], kv.max_seq_len) for size in sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     @torch.inference_mode()
     def capture(self, pool: object | None = None) -> None:
         """Largest first, in `pool` (the decode graphs'). The buffers hold padding only: no KV
         is read or written."""
         self.buf.dev.copy_(self.buf.host)
-        for size in reversed(self.buf.sizes):
-            batch = self.buf.static_batch(size, self.splits[size])
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.model(batch, self.kv)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(batch, self.kv)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        for key in sorted(((size, sp) for size in self.buf.sizes for sp in self.options[size]), reverse=True):
+            self.outputs[key], self.graphs[key], pool = capture_forward(
+                self.model, self.kv, self.buf.static_batch(*key), self.device, pool
+            )
         torch.cuda.synchronize(self.device)
 
     def can_run(self, hb: HostBatch) -> bool:
@@ -358,10 +389,12 @@ class MixedGraphs:
         """(final hidden states [size, dim] with the batch's rows first, each span's last row)."""
         size = self.buf.fits(hb)
         assert size is not None
-        last = self.buf.fill(hb, size, self.splits[size])
+        dec = hb.q_lens == 1
+        splits = pick_splits(self.options[size], int(hb.ctx_lens[dec].max()) if dec.any() else 1)
+        last = self.buf.fill(hb, size, splits)
         feed_pending(self.buf.d["ids"], feed)
-        self.graphs[size].replay()
-        return self.outputs[size], last
+        self.graphs[size, splits].replay()
+        return self.outputs[size, splits], last
 
 
 __all__ = [

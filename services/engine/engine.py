@@ -242,8 +242,13 @@ class LLMEngine:
         state = RequestState(req.request_id or uuid.uuid4().hex, req, self.tokenizer)
         first = self.pages.take_first(state.request_id)
         tail = self.pages.take_tail(state.request_id)
+        keys = self.pages.take_keys(state.request_id)
         if first is not None:
             self._seed_first_tokens(state, first)
+            if keys is not None:
+                for s in state.seqs:
+                    if s.status is not Status.FINISHED:
+                        self.scheduler.known_keys[s] = keys
             if state.finished:
                 self._born_finished.append(state)  # the next step() reports it
             elif tail is not None:

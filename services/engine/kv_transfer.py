@@ -449,6 +449,9 @@ class PageExchange:
                               the request with that id; add_request takes them
     stage_tail(id, tail)      any thread: that request's partial last prompt page (PromptTail),
                               computed elsewhere; add_request hands it to the scheduler
+    stage_keys(id, v, keys)   any thread: that request's prompt page keys at weight version v,
+                              already computed for its pull, so admission need not hash again
+    forget(id)                what a request that never reached add_request left staged
     """
 
     def __init__(self, kv: KVCache, remember: int = 1 << 16, layout: str = ""):
@@ -472,6 +475,7 @@ class PageExchange:
         self.landing_keys: set[bytes] = set()
         self._first: dict[str, list[tuple[int, float, int]]] = {}
         self._tails: dict[str, PromptTail] = {}
+        self._keys: dict[str, tuple[int, list[bytes]]] = {}
         self._lock = threading.Lock()
         # Keys this engine already pushed or pulled: the store has them, no need to send again.
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -611,6 +615,20 @@ class PageExchange:
     def take_tail(self, request_id: str) -> PromptTail | None:
         with self._lock:
             return self._tails.pop(request_id, None)
+
+    def stage_keys(self, request_id: str, version: int, keys: list[bytes]) -> None:
+        with self._lock:
+            self._keys[request_id] = (version, keys)
+
+    def take_keys(self, request_id: str) -> tuple[int, list[bytes]] | None:
+        with self._lock:
+            return self._keys.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._first.pop(request_id, None)
+            self._tails.pop(request_id, None)
+            self._keys.pop(request_id, None)
 
     def _mark(self, hashes: Seq[bytes]) -> None:
         for h in hashes:

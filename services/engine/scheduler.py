@@ -79,6 +79,10 @@ class Scheduler:
         # sequence seeded with its first token: used, or dropped, at its first admission.
         self.tails: dict[Sequence, PromptTail] = {}
         self.tail_pages_used = 0
+        # Prompt page keys computed off the loop thread (the pull that staged the pages), per
+        # waiting sequence: (weight version, keys). Used at first admission when the version is
+        # still the salt, else recomputed; dropped either way.
+        self.known_keys: dict[Sequence, tuple[int, list[bytes]]] = {}
 
     def add(self, request: RequestState) -> None:
         # Samples already finished (their first token came from a prefill service) never run.
@@ -183,9 +187,11 @@ class Scheduler:
         if self.prefix_caching:
             tokens = seq.tokens()
             prev = root_hash(seq.salt, self.layout)
+            known = self.known_keys.get(seq)
+            keys = known[1] if known is not None and known[0] == seq.salt else []
             # At least the last token is computed: its logits give the next token.
             for i in range((len(tokens) - 1) // bs):
-                prev = block_hash(prev, tokens[i * bs : (i + 1) * bs])
+                prev = keys[i] if i < len(keys) else block_hash(prev, tokens[i * bs : (i + 1) * bs])
                 block = self.blocks.lookup(prev)
                 if block is None:
                     if prev in self.landing:
@@ -203,6 +209,7 @@ class Scheduler:
         if cost > self.kv.num_free:
             return 0
         self.tails.pop(seq, None)  # one chance: after a preemption the tail is recomputed
+        self.known_keys.pop(seq, None)
         for b in hits:
             self.blocks.acquire(b)
         seq.block_table, seq.block_hashes, seq.num_cached = hits, hashes, cached
@@ -292,6 +299,7 @@ class Scheduler:
         """Drop a request's sequences wherever they are (finish_reason "abort"); frees their pages."""
         for s in request.seqs:
             self.tails.pop(s, None)
+            self.known_keys.pop(s, None)
             if s.status is not Status.FINISHED:
                 s.status, s.finish_reason = Status.FINISHED, "abort"
         self.waiting = deque(s for s in self.waiting if s.request is not request)
