@@ -417,3 +417,19 @@ def test_admission_reuses_the_pull_keys_and_never_stale_ones(weights: Path) -> N
         while not state.finished:
             eng.step()
     assert not eng.scheduler.known_keys
+
+
+def test_reader_reuses_released_device_buffers() -> None:
+    """The handoff reader's staging buffers come back on release and serve the next pull of a
+    size they hold (no allocation per pull); too small ones and unreleased ones are not reused."""
+    reader = HandoffReader()
+    cpu = torch.device("cpu")
+    buf = reader._buffer(1000, cpu)
+    pages = buf[:800].view(8, 100)
+    reader._taken[pages.data_ptr()] = buf
+    assert reader._buffer(900, cpu) is not buf  # still taken
+    reader.release(pages[:5])  # what the engine stages: a leading slice of the fetch
+    assert reader._buffer(2000, cpu) is not buf  # too small for this pull
+    assert reader._buffer(900, cpu) is buf
+    reader.release(torch.empty(4))  # not from the reader: ignored
+    assert not reader._free

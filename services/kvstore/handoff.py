@@ -148,6 +148,10 @@ def segment_list(segs: Sequence[SharedSegment]) -> list[HandoffSegment]:
     return out
 
 
+MAX_TAKEN_BUFFERS = 8  # device buffers handed out and not yet released that may come back
+MAX_FREE_BUFFERS = 2  # kept for reuse: two pulls in flight at once, then new allocations
+
+
 class HandoffReader:
     """Decode side: maps prefill segments (cached per name) and copies validated pages out.
     Thread-safe (pulls run in worker threads)."""
@@ -160,6 +164,10 @@ class HandoffReader:
         self.copied = self.stale = self.unmapped = 0
         self.tails_copied = 0  # partial last prompt pages (counted apart from the full pages)
         self.premapped = 0  # segments mapped ahead of any handoff (map_segments)
+        # Device staging buffers, reused (_buffer / release). Insertion-ordered: the oldest
+        # unreleased one is forgotten first (its holder still frees it the usual way).
+        self._free: list[torch.Tensor] = []
+        self._taken: dict[int, torch.Tensor] = {}
 
     def _segment(self, s: HandoffSegment, page_bytes: int, pin: bool) -> SharedSegment | None:
         with self._lock:
@@ -266,7 +274,15 @@ class HandoffReader:
     def _copy(
         self, want: list[tuple[SharedSegment, int, int, bytes]], page_bytes: int, device: torch.device
     ) -> torch.Tensor:
-        out = torch.empty((len(want), page_bytes), dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            buf = self._buffer(len(want) * page_bytes, device)
+            out = buf[: len(want) * page_bytes].view(len(want), page_bytes)
+            with self._lock:
+                self._taken[out.data_ptr()] = buf
+                while len(self._taken) > MAX_TAKEN_BUFFERS:
+                    self._taken.pop(next(iter(self._taken)))
+        else:
+            out = torch.empty((len(want), page_bytes), dtype=torch.uint8, device=device)
         runs: list[tuple[SharedSegment, int, int, int]] = []  # segment, first slot, dst row, count
         for row, (seg, slot, _gen, _key) in enumerate(want):
             last = runs[-1] if runs else None
@@ -286,8 +302,29 @@ class HandoffReader:
             for seg, slot, row, m in runs:
                 copy_to_device(out[row : row + m], seg.data[slot : slot + m])
         stream.synchronize()  # the copy must have landed before the stamps are read again
-        out.record_stream(stream)
         return out
+
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A device buffer of at least nbytes, reused across pulls. A fresh [1024 x page] tensor
+        per long pull went through the caching allocator, and, once the engine's own allocations
+        had split its cached block, through cudaMalloc (or cudaFree under memory pressure, which
+        synchronises the device): the decode steps overlapping a pull's start took 7-12 ms
+        (interference run 10). Grown to the largest pull seen, then kept."""
+        with self._lock:
+            fits = [b for b in self._free if b.device == device and b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                self._free.remove(best)
+                return best
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def release(self, pages: torch.Tensor) -> None:
+        """Give back the buffer behind pages from fetch() once nothing reads them any more (the
+        engine's import has landed). Pages not from a reused buffer are ignored."""
+        with self._lock:
+            buf = self._taken.pop(pages.data_ptr(), None)
+            if buf is not None and len(self._free) < MAX_FREE_BUFFERS:
+                self._free.append(buf)
 
     def close(self) -> None:
         with self._lock:

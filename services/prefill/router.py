@@ -257,7 +257,10 @@ def _pull_handoff(engine: LLMEngine, keys: list[bytes], have: int, missing: list
         return 0
     got, pages = HANDOFF_READER.fetch(h, missing, have, engine.kv.k.device)
     if got and pages is not None:
-        engine.pages.stage(missing[:got], pages, pin=keys[:have])
+        # The reader's device buffer goes back to it once the import has landed.
+        engine.pages.stage(
+            missing[:got], pages, pin=keys[:have], release=lambda: HANDOFF_READER.release(pages)
+        )
     return got
 
 
