@@ -433,3 +433,9 @@ def test_reader_reuses_released_device_buffers() -> None:
     assert reader._buffer(900, cpu) is buf
     reader.release(torch.empty(4))  # not from the reader: ignored
     assert not reader._free
+    # Two free buffers of different sizes: the smallest that fits is the one handed out.
+    small, big = reader._buffer(100, cpu), reader._buffer(5000, cpu)
+    for b in (big, small):
+        reader._taken[b.data_ptr()] = b
+        reader.release(b)
+    assert reader._buffer(50, cpu) is small and reader._buffer(50, cpu) is big

@@ -311,11 +311,9 @@ class HandoffReader:
         synchronises the device): the decode steps overlapping a pull's start took 7-12 ms
         (interference run 10). Grown to the largest pull seen, then kept."""
         with self._lock:
-            fits = [b for b in self._free if b.device == device and b.numel() >= nbytes]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
-                return best
+            fits = [i for i, b in enumerate(self._free) if b.device == device and b.numel() >= nbytes]
+            if fits:  # by index: list.remove would compare tensors elementwise
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def release(self, pages: torch.Tensor) -> None:
