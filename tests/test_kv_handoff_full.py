@@ -343,8 +343,9 @@ def test_segments_mapped_ahead_are_what_the_first_handoff_reads(prefill: Prefill
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("piece_pages", [0, 3])
 def test_cuda_handed_off_request_starts_with_a_cuda_graph_decode_step(
-    weights: Path, gateway: Gateway
+    weights: Path, gateway: Gateway, piece_pages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On CUDA (Triton attention, CUDA graphs, overlap scheduling): the handed-off request with a
     partial last page is admitted with the whole prompt cached, and its first step, like every
@@ -359,13 +360,22 @@ def test_cuda_handed_off_request_starts_with_a_cuda_graph_decode_step(
         assert handoff is not None and handoff.tail_tokens == 2
         decode = LLMEngine(weights, cuda, version=0)
         assert decode.graphs is not None and decode.overlap
+        if piece_pages:  # the import goes into the pool 3 pages per step (kv_transfer.drain)
+            import services.engine.kv_transfer as kvt
+
+            monkeypatch.setattr(kvt, "IMPORT_BYTES_PER_STEP", piece_pages * kvt.page_nbytes(decode.kv))
         dclient = gateway.client()
         try:
             assert pull_prefilled(decode, dclient, prompt, "g1", first, handoff) == 16
         finally:
             dclient.close()
+        drains = 0
         while decode.pages.pending:  # the import lands (side stream) before the request arrives
             decode.step()
+            drains += 1
+        assert decode.pages.imported_pages_total == 16 and not decode.pages.landing_keys
+        if piece_pages:
+            assert drains >= 16 // piece_pages
         graph_steps: list[int] = []
         run = decode.graphs.run
 

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from prometheus_client import Counter
 
@@ -342,8 +343,27 @@ class HandoffReader:
 
 
 def _intact(want: Sequence[tuple[SharedSegment, int, int, bytes]]) -> int:
-    """How many leading pages still carry the (generation, key) the handoff recorded."""
-    for i, (seg, slot, gen, key) in enumerate(want):
-        if seg.stamp(slot) != (gen, key):
-            return i
-    return len(want)
+    """How many leading pages still carry the (generation, key) the handoff recorded. Vectorised
+    per segment: a 16k-token prompt's 1,024 stamps read one by one took ~2 ms of Python in the
+    pull thread, twice per pull, and the decode loop waited for the GIL behind it (interference
+    runs 10 and 12: 6-7 ms decode steps at each pull's start)."""
+    n = len(want)
+    if n == 0:
+        return 0
+    key_len = len(want[0][3])
+    if any(len(w[3]) != key_len for w in want):  # mixed key sizes: one by one
+        for i, (seg, slot, gen, key) in enumerate(want):
+            if seg.stamp(slot) != (gen, key):
+                return i
+        return n
+    slots = np.fromiter((w[1] for w in want), np.int64, n)
+    gens = np.fromiter((w[2] for w in want), np.uint64, n)
+    keys = np.frombuffer(b"".join(w[3] for w in want), np.uint8).reshape(n, key_len)
+    ok = np.zeros(n, bool)
+    segs = {id(w[0]): w[0] for w in want}
+    seg_of = np.fromiter((id(w[0]) for w in want), np.int64, n)
+    for sid, seg in segs.items():
+        rows = np.flatnonzero(seg_of == sid)
+        ok[rows] = seg.stamps_match(slots[rows], gens[rows], keys[rows])
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else n

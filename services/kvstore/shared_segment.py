@@ -174,6 +174,14 @@ class SharedSegment:
         n = int(self._key_len[slot])
         return gen, self._keys[slot, :n].tobytes()
 
+    def stamps_match(self, slots: np.ndarray, gens: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """stamp(slot) == (gen, key) for many slots at once (keys: [n, key_len] uint8)."""
+        width = keys.shape[1]
+        if width > self._keys.shape[1]:
+            return np.zeros(len(slots), bool)
+        same = (self._gens[slots] == gens) & (self._key_len[slots] == width)
+        return same & (self._keys[slots, :width] == keys).all(axis=1)
+
     def generation(self, slot: int) -> int:
         return int(self._gens[slot])
 
