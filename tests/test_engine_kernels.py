@@ -355,8 +355,12 @@ def test_mixed_buffers_block_list_and_padding() -> None:
     """A mixed step's fixed-shape inputs: decodes keep their rows, prefill spans' query blocks are
     listed (span, block within span), and every unused decode row, token row and grid program is
     padding (query row -1, slot -1, span -1)."""
-    assert token_ladder(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    assert token_ladder(100) == [64, 100] and token_ladder(64) == [64]
+    assert token_ladder(8192) == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert (
+        token_ladder(100) == [64, 100]
+        and token_ladder(64) == [64]
+        and token_ladder(300) == [64, 128, 192, 256, 300]
+    )
     buf = MixedBuffers([16, 32], max_decode=4, max_prefill=2, width=8, block_m=4, device=torch.device("cpu"))
     spans, _ = make_spans([(3, 1), (0, 9), (9, 1), (4, 5)], page=4, n_pages=30)
     hb = HostBatch.build(spans, 4)

@@ -412,3 +412,41 @@ def test_overlap_schedule_is_on_with_cuda_only_by_default(dirs: tuple[Path, Path
     assert EngineConfig().overlap_schedule == "auto"
     assert LLMEngine(dirs[0], EngineConfig(device="cpu")).overlap is False
     assert LLMEngine(dirs[0], EngineConfig(device="cpu", overlap_schedule=True)).overlap is True
+
+
+def test_prefill_steps_are_timed_when_they_land(
+    dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With overlap scheduling a step's call time is its launch plus the previous step's landing,
+    so a prefill step is timed as the period between the landing before it and its own (what the
+    KV-pull policy divides prefill tokens by): the same prefill tokens as without overlap, and a
+    prefill time no shorter than the forward of those tokens takes on its own."""
+    import time
+
+    prompts = [list(range(3, 3 + n)) for n in (40, 9, 25)]
+    reqs = [
+        GenerateRequest(input_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        for p in prompts
+    ]
+    tokens = {}
+    for overlap in (False, True):
+        eng = LLMEngine(dirs[0], cfg(overlap, enable_prefix_caching=False))
+        assert eng.overlap is overlap
+        eng.generate(reqs)
+        tokens[overlap] = eng.stats.prefill_step_tokens_total
+        assert eng.stats.prefill_step_seconds_total > 0 and eng._prefill_lag is None
+    assert tokens[True] == tokens[False] == sum(map(len, prompts))
+    # Make the landing slow, as the wait for a GPU's tokens is: the prefill step's time must
+    # include the wait for its own tokens (the old call-time measure gave it only its launch).
+    from services.engine.sampler import PendingSample
+
+    resolve = PendingSample.resolve
+
+    def slow(self):  # noqa: ANN001, ANN202 - the real resolve, 50 ms later
+        time.sleep(0.05)
+        return resolve(self)
+
+    monkeypatch.setattr(PendingSample, "resolve", slow)
+    eng = LLMEngine(dirs[0], cfg(True, enable_prefix_caching=False))
+    eng.generate(reqs[:1])
+    assert eng.stats.prefill_step_seconds_total >= 0.05

@@ -211,13 +211,17 @@ class DecodeGraphs:
 
 
 def token_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
-    """Captured token counts of mixed steps: powers of two from `smallest`, ending at max_tokens
-    (a step's token budget). Padding costs at most the step's own size again, in GEMM rows only:
-    attention and the KV writes skip padding rows."""
+    """Captured token counts of mixed steps: powers of two from `smallest` and the midpoints 1.5x
+    between them, ending at max_tokens (a step's token budget). Padding costs at most half the
+    step's own size, in GEMM rows only (attention and the KV writes skip padding rows): with
+    powers of two alone a 2,112-token step ran the 4,096 graph, 11.9 ms against 9.7 ms eager on
+    an idle host (bench/engine/results/profile_mixed_h200_*.json)."""
     sizes = []
     size = smallest
     while size < max_tokens:
         sizes.append(size)
+        if size * 3 // 2 < max_tokens and size >= 2 * smallest:
+            sizes.append(size * 3 // 2)
         size *= 2
     return [*sizes, max_tokens]
 
@@ -343,7 +347,8 @@ class MixedBuffers:
 class MixedGraphs:
     """CUDA graphs for steps that carry prefill tokens, one per size of token_ladder: eagerly such
     a step is launch-bound (~320 kernel launches from Python for a 28-layer model, ~9 ms on an
-    idle H200 host and 25-46 ms on a busy one, for ~2 ms of GPU work: bench/engine/profile_mixed.py).
+    idle H200 host, ~14.5 ms on a busy one (bench/engine/profile_mixed.py), 25-46 ms inside the
+    interference bench, for ~2 ms of GPU work).
     Captured after the decode graphs, in their memory pool (one graph runs at a time)."""
 
     def __init__(

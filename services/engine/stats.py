@@ -49,14 +49,22 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hit_tokens / max(self.prefix_cache_queried_tokens, 1)
 
-    def observe_step(self, batch_size: int, generated: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, generated: int, seconds: float, prefill: bool = True) -> int:
+        """Count a step; returns the tokens it fed. `prefill` False: a prefill step's time is
+        not `seconds` (overlap scheduling: the step's launch plus the landing of the one before)
+        and the caller reports it with observe_prefill once known."""
         self.steps_total += 1
         fed = self.computed_tokens_total - self._computed_at_last_step
         self._computed_at_last_step = self.computed_tokens_total
-        if fed > batch_size:
-            self.prefill_step_tokens_total += fed
-            self.prefill_step_seconds_total += seconds
+        if prefill and fed > batch_size:
+            self.observe_prefill(fed, seconds)
         self.generated_tokens_total += generated
         self.step_seconds_total += seconds
         self.batch_size_buckets[bisect.bisect_left(BATCH_BUCKETS, batch_size)] += 1
         self.batch_size_sum += batch_size
+        return fed
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step that fed prompt tokens: what the KV-pull decision weighs a pull against."""
+        self.prefill_step_tokens_total += tokens
+        self.prefill_step_seconds_total += seconds
