@@ -101,7 +101,12 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     while any(not s.seqs[0].output for s in streams):
         eng.step()
     # As the decode service does once its engine is built (services/engine/host_tuning.py).
-    tuned = tune_after_startup() if args.host_tune else {}
+    knobs: dict[str, float] = {}
+    if args.switch_interval_ms is not None:
+        knobs["switch_interval_s"] = args.switch_interval_ms / 1000
+    if args.gen0_threshold is not None:
+        knobs["gen0"] = args.gen0_threshold
+    tuned = tune_after_startup(**knobs) if args.host_tune else {}  # type: ignore[arg-type]
     timeline = Timeline()  # the background threads' events, for slowest_steps
     long_count = 0 if mode == "baseline" else args.long_count
     window_s = args.long_count * args.long_every_s + 2.0  # baseline only
@@ -328,6 +333,13 @@ def main() -> None:
         help="gc.freeze, gen-0 threshold, GIL switch interval after warm-up, as the services do "
         "(services/engine/host_tuning.py; --no-host-tune: without)",
     )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="the GIL switch interval host tuning sets (default: host_tuning.SWITCH_INTERVAL_S)",
+    )
+    p.add_argument("--gen0-threshold", type=int, default=None, help="the gen-0 GC threshold host tuning sets")
     args = p.parse_args()
     work, model_dir = prepare(args)
     writer = ResultWriter(Path(args.out), "interference", args)
