@@ -15,10 +15,7 @@ weight at the measured copy bandwidth: which kernels are latency-bound, not band
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -27,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.engine.w1 import QWEN3_0_6B, SMOKE_MODEL, build_model_dir, environment, measure_bandwidth
+from bench.engine.w1 import build_model_dir, measure_bandwidth, profile_setup
 from services.engine.kernels.gemv import graph_time_us, replay_us
 
 
@@ -96,16 +93,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    model_kw = QWEN3_0_6B if cuda else SMOKE_MODEL
-    report: dict[str, Any] = {
-        "command": " ".join(["python3", *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), **environment(device)},
-        "baseline": "the time to read the weights once at the measured device copy bandwidth (same process)",
-    }
+    cuda, device, dtype, model_kw, report = profile_setup(
+        args.smoke,
+        "the time to read the weights once at the measured device copy bandwidth (same process)",
+    )
     from services.common.config import EngineConfig
     from services.common.schemas import GenerateRequest, SamplingParams
     from services.engine import LLMEngine

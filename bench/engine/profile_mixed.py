@@ -20,9 +20,7 @@ kernels per layer x layers x launch cost).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,7 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.engine.w1 import QWEN3_0_6B, SMOKE_MODEL, build_model_dir, environment  # noqa: E402
+from bench.engine.w1 import build_model_dir, profile_setup  # noqa: E402
 
 
 def sync(cuda: bool) -> None:
@@ -179,18 +177,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="17,128,2048")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    model_kw = QWEN3_0_6B if cuda else SMOKE_MODEL
+    cuda, device, dtype, model_kw, report = profile_setup(
+        args.smoke,
+        "the same steps with mixed steps eager (cuda_graph_mixed = false), and a decode-only step of the same streams; same process",
+    )
     streams = args.streams if cuda else min(args.streams, 8)
     sizes = [int(s) for s in args.sizes.split(",")] if cuda else [5, 17]
-    report: dict[str, Any] = {
-        "command": " ".join(["python3", *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), **environment(device)},
-        "baseline": "the same steps with mixed steps eager (cuda_graph_mixed = false), and a decode-only step of the same streams; same process",
-    }
     from services.common.config import EngineConfig
     from services.engine import LLMEngine
 

@@ -690,6 +690,25 @@ def hf_batches(hf: Any, prompts: list[list[int]], new_tokens: int, size: int, ca
 # ----------------------------------------------------------------------------- main
 
 
+def profile_setup(
+    smoke: bool, baseline: str
+) -> tuple[bool, torch.device, torch.dtype, dict[str, Any], dict[str, Any]]:
+    """The profiling scripts' common start: (cuda, device, dtype, the model shape, the report's
+    header: command, date, machine, baseline). --smoke (or no GPU): the CPU smoke model in float32."""
+    import platform
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    report: dict[str, Any] = {
+        "command": " ".join(["python3", *sys.argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), **environment(device)},
+        "baseline": baseline,
+    }
+    dtype = torch.bfloat16 if cuda else torch.float32
+    return cuda, device, dtype, QWEN3_0_6B if cuda else SMOKE_MODEL, report
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     env: dict[str, Any] = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
