@@ -227,10 +227,8 @@ def chunk_dlogits(
     """d(sum g * logp) / d logits = g * (onehot(target) - softmax(logits)), in `dtype` (default:
     the logits' dtype). `logits` is a fresh matmul output, clobbered in place (no float32 copy
     when it is float32)."""
-    x = logits.float()
-    d = x.sub_(lse.unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
-    d.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
-    return d.to(logits.dtype if dtype is None else dtype)
+    p = logits.float().sub_(lse.unsqueeze(-1)).exp_()
+    return chunk_dlogits_from_p(p, g, targets, logits.dtype if dtype is None else dtype)
 
 
 def chunk_dlogits_pointwise(
@@ -244,11 +242,8 @@ def chunk_dlogits_pointwise(
     column), which torch.compile fuses into a single pass reading the low-precision logits and
     writing the low-precision gradient: no [c x V] float32 tensor at all. Same values: at the
     target column -g * p + g, elsewhere -g * p."""
-    x = logits.float()
-    dl = torch.exp(x - lse.unsqueeze(-1)) * (-g.unsqueeze(-1))
-    col = torch.arange(x.shape[-1], device=x.device)
-    d = torch.where(col == targets.unsqueeze(-1), dl + g.unsqueeze(-1), dl)
-    return d.to(logits.dtype if dtype is None else dtype)
+    p = torch.exp(logits.float() - lse.unsqueeze(-1))
+    return chunk_dlogits_from_p_pointwise(p, g, targets, logits.dtype if dtype is None else dtype)
 
 
 _COMPILED: dict[str, Callable[..., Any]] = {}

@@ -248,18 +248,17 @@ class LLMEngine:
         keys = self.pages.take_keys(state.request_id)
         if first is not None:
             self._seed_first_tokens(state, first)
-            if keys is not None:
-                for s in state.seqs:
-                    if s.status is not Status.FINISHED:
-                        self.scheduler.known_keys[s] = keys
             if state.finished:
                 self._born_finished.append(state)  # the next step() reports it
-            elif tail is not None:
-                # The prompt's partial last page, from the prefill that sampled the first token:
-                # each sample copies it into its own page at admission (Scheduler._admit).
-                for s in state.seqs:
-                    if s.status is not Status.FINISHED:
-                        self.scheduler.tails[s] = tail
+            for s in state.seqs:
+                if s.status is Status.FINISHED:
+                    continue
+                if keys is not None:  # the pull's page keys: admission need not hash again
+                    self.scheduler.known_keys[s] = keys
+                if tail is not None:
+                    # The prompt's partial last page, from the prefill that sampled the first
+                    # token: each sample copies it into its own page at admission.
+                    self.scheduler.tails[s] = tail
         self.scheduler.add(state)
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += len(state.prompt)

@@ -201,7 +201,7 @@ def pull_prefix(
     try:
         got = _pull_prefix(engine, store, keys, policy, handoff)
         if handoff is not None and tail is not None:
-            _pull_tail(engine, handoff, *tail)
+            _pull_tail(engine, handoff, *tail, keys=keys)
         return got
     except Exception:  # noqa: BLE001 - a pull is an optimisation: never a failed request
         PULL_ERRORS.inc()
@@ -264,7 +264,9 @@ def _pull_handoff(engine: LLMEngine, keys: list[bytes], have: int, missing: list
     return got
 
 
-def _pull_tail(engine: LLMEngine, h: KVHandoff, request_id: str, prompt: list[int]) -> bool:
+def _pull_tail(
+    engine: LLMEngine, h: KVHandoff, request_id: str, prompt: list[int], keys: list[bytes] | None = None
+) -> bool:
     """Stage the prompt's partial last page for `request_id` if handoff `h` lists it and it copies
     intact (its stamp's key is the tail_hash this engine computes for the prompt, so a tail of
     other tokens, weights or layout never matches). The scheduler uses it only on top of the
@@ -272,7 +274,7 @@ def _pull_tail(engine: LLMEngine, h: KVHandoff, request_id: str, prompt: list[in
     bs = engine.kv.block_size
     if not h.tail_tokens or h.tail_tokens != len(prompt) % bs or h.page_bytes != page_nbytes(engine.kv):
         return False
-    key = prompt_tail_key(prompt, engine.version, engine.layout, bs)
+    key = prompt_tail_key(prompt, engine.version, engine.layout, bs, keys=keys)
     if key is None:
         return False
     got, pages = HANDOFF_READER.fetch(h, [key], len(h.slots) - 1, engine.kv.k.device, tail=True)

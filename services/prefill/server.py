@@ -162,7 +162,7 @@ class Prefill:
         # partial last one too (tail_sink).
         handoff = None
         if req.handoff:
-            tail = prompt_tail_key(req.input_ids, choices[0].version, eng.layout, bs)
+            tail = prompt_tail_key(req.input_ids, choices[0].version, eng.layout, bs, keys=all_keys)
             handoff = self._handoff(all_keys, tail, len(req.input_ids) % bs)
         if handoff is not None and handoff.full_pages >= len(all_keys):
             # The decode has the first token, so it takes every full page (kv_transfer.
