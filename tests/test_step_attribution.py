@@ -91,3 +91,26 @@ def test_tune_after_startup_freezes_and_shortens_the_switch_interval() -> None:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
         sys.setswitchinterval(interval)
+
+
+def _blocked_in_the_driver() -> None:
+    time.sleep(0.04)  # stands for a CUDA call that releases the GIL and blocks
+
+
+def test_stall_sampler_names_where_a_slow_step_waited() -> None:
+    s = common.StallSampler(after_ms=5.0, period_ms=0.5)
+    try:
+        s.step_begin()
+        s.step_end()  # a fast step: nothing recorded
+        s.step_begin()
+        _blocked_in_the_driver()
+        s.step_end()
+    finally:
+        s.close()
+    assert len(s.steps) == 1
+    (rec,) = s.steps.values()
+    assert rec["samples"], rec
+    first = rec["samples"][0]
+    assert first["in_step_ms"] >= 5.0
+    assert any("_blocked_in_the_driver" in f for f in first["threads"]["LOOP"])
+    assert "stall-sampler" not in first["threads"]  # its own frames are left out

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -305,3 +306,75 @@ class Timeline:
             [name, round((a - origin) * 1000, 1), round((b - origin) * 1000, 1), d]
             for name, a, b, d in sorted(self.events, key=lambda e: e[1])
         ]
+
+
+class StallSampler:
+    """Why a step is slow when its phases do not say: while the loop thread has been inside one
+    step for more than `after_ms`, a sampler thread records every thread's innermost frames every
+    `period_ms` (at most `per_step` samples a step). If the loop thread's frames sit in a CUDA call
+    the host was blocked in the driver; if the sampler itself woke late (`lag_ms`), some thread
+    held the GIL inside one C call. `step_begin` / `step_end` bracket each step on the loop thread."""
+
+    def __init__(self, after_ms: float = 3.0, period_ms: float = 0.5, per_step: int = 4, depth: int = 5):
+        self.after_s, self.period_s, self.per_step, self.depth = (
+            after_ms / 1000,
+            period_ms / 1000,
+            per_step,
+            depth,
+        )
+        self._loop = threading.get_ident()
+        self._t0: float | None = None
+        self._cur: list[dict[str, Any]] = []
+        self._lag = 0.0
+        self.steps: dict[float, dict[str, Any]] = {}  # step start -> {"samples", "sampler_lag_ms"}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-sampler", daemon=True)
+        self._thread.start()
+
+    def step_begin(self) -> None:
+        self._cur, self._lag = [], 0.0
+        self._t0 = time.perf_counter()
+
+    def step_end(self) -> None:
+        t0, self._t0 = self._t0, None
+        if t0 is not None and (self._cur or self._lag > self.after_s):
+            self.steps[t0] = {"samples": self._cur, "sampler_lag_ms": round(self._lag * 1000, 2)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1)
+
+    def _run(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            time.sleep(self.period_s)
+            now = time.perf_counter()
+            t0 = self._t0
+            if t0 is None:
+                continue
+            self._lag = max(self._lag, now - t - self.period_s)
+            if now - t0 < self.after_s or len(self._cur) >= self.per_step:
+                continue
+            frames = sys._current_frames()
+            if any(i not in names for i in frames):
+                names = {t.ident: t.name for t in threading.enumerate()}
+            self._cur.append(
+                {
+                    "in_step_ms": round((now - t0) * 1000, 2),
+                    "threads": {
+                        ("LOOP" if i == self._loop else names.get(i, str(i))): _innermost(f, self.depth)
+                        for i, f in frames.items()
+                        if i != threading.get_ident()
+                    },
+                }
+            )
+
+
+def _innermost(frame: Any, depth: int) -> list[str]:
+    out = []
+    while frame is not None and len(out) < depth:
+        c = frame.f_code
+        out.append(f"{Path(c.co_filename).name}:{frame.f_lineno} {c.co_name}")
+        frame = frame.f_back
+    return out

@@ -41,6 +41,7 @@ import numpy as np
 from bench.kv.common import (
     GcTrace,
     ResultWriter,
+    StallSampler,
     Timeline,
     add_common_args,
     engine_config,
@@ -136,12 +137,14 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
                 timeout=600,
             )
         r.raise_for_status()
-        resp = PrefillResponse.model_validate_json(r.content)
+        with timeline.span("parse", id=rid):
+            resp = PrefillResponse.model_validate_json(r.content)
         # After a remote prefill decode pulls whatever the store has (no cost model: router.py),
         # the handoff's pages first (copied from the prefill's shared memory, then acked), and
         # stages the first tokens: pull_prefilled, as KVRouter.generate does.
         first = [(c.token, c.logprob, c.version) for c in resp.choices]
-        pull_prefilled(eng, store, req.input_ids, rid, first, resp.handoff)
+        with timeline.span("pull_prefilled", id=rid):
+            pull_prefilled(eng, store, req.input_ids, rid, first, resp.handoff)
         return resp
 
     def remote(i: int, req: GenerateRequest) -> None:
@@ -192,6 +195,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
     # Long prompt -> prefix-cache hit tokens at its admission: pulled pages (or local fallback).
     long_hit: dict[int, int] = {}
     gct = GcTrace().__enter__()
+    stalls = StallSampler(after_ms=args.stall_ms) if args.stall_ms > 0 else None
     while True:
         now = time.perf_counter()
         while sent < long_count and now - t_start >= sent * args.long_every_s:
@@ -217,8 +221,12 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         imported = eng.pages.imported_pages_total
         hits = eng.stats.prefix_cache_hit_tokens
         waiting = [i for i, st in long_states.items() if i not in long_hit]
+        if stalls is not None:
+            stalls.step_begin()
         eng.step()
         synchronize_stream(args.device)  # the loop's stream, not the side streams (common.py)
+        if stalls is not None:
+            stalls.step_end()
         now = time.perf_counter()
         for i in waiting:  # admitted in this step: the hits were its (streams' prompts are random)
             if long_states[i].seqs[0].status is not Status.WAITING:
@@ -261,6 +269,8 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         if done_longs and all(st.finished for st in long_states.values()):
             break
     gct.__exit__()
+    if stalls is not None:
+        stalls.close()
     ttft = [(firsts[i] - arrivals[i]) * 1000 for i in sorted(firsts)]
 
     def step_row(x: tuple[float, float, int, int, float, float, dict[str, float]]) -> dict[str, Any]:
@@ -274,6 +284,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
             "phases_ms": {k: round(v * 1000, 2) for k, v in ph.items()},
             "gc_ms": round(gct.ms_within(t0 - b / 1000, t1), 2),  # in the step or the gap before it
             "background": timeline.overlapping(t0 - b / 1000, t1),
+            **({"stall": stalls.steps[t0]} if stalls is not None and t0 in stalls.steps else {}),
         }
 
     pages = {i: h // args.block_size for i, h in long_hit.items()}
@@ -340,6 +351,12 @@ def main() -> None:
         help="the GIL switch interval host tuning sets (default: host_tuning.SWITCH_INTERVAL_S)",
     )
     p.add_argument("--gen0-threshold", type=int, default=None, help="the gen-0 GC threshold host tuning sets")
+    p.add_argument(
+        "--stall-ms",
+        type=float,
+        default=3.0,
+        help="steps longer than this get every thread's stack sampled (common.StallSampler); 0: off",
+    )
     args = p.parse_args()
     work, model_dir = prepare(args)
     writer = ResultWriter(Path(args.out), "interference", args)
