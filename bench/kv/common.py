@@ -324,21 +324,23 @@ class StallSampler:
         )
         self._loop = threading.get_ident()
         self._t0: float | None = None
+        self._key = 0.0
         self._cur: list[dict[str, Any]] = []
         self._lag = 0.0
-        self.steps: dict[float, dict[str, Any]] = {}  # step start -> {"samples", "sampler_lag_ms"}
+        self.steps: dict[float, dict[str, Any]] = {}  # step key -> {"samples", "sampler_lag_ms"}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-sampler", daemon=True)
         self._thread.start()
 
-    def step_begin(self) -> None:
-        self._cur, self._lag = [], 0.0
+    def step_begin(self, key: float) -> None:
+        """`key`: how the caller will look the step up in `steps` (its own start time)."""
+        self._cur, self._lag, self._key = [], 0.0, key
         self._t0 = time.perf_counter()
 
     def step_end(self) -> None:
         t0, self._t0 = self._t0, None
         if t0 is not None and (self._cur or self._lag > self.after_s):
-            self.steps[t0] = {"samples": self._cur, "sampler_lag_ms": round(self._lag * 1000, 2)}
+            self.steps[self._key] = {"samples": self._cur, "sampler_lag_ms": round(self._lag * 1000, 2)}
 
     def close(self) -> None:
         self._stop.set()

@@ -51,7 +51,7 @@ from bench.kv.common import (
 )
 from services.common.config import RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
-from services.engine import LLMEngine
+from services.engine import LLMEngine, kv_transfer
 from services.engine.host_tuning import tune_after_startup
 from services.engine.sequence import Status
 from services.kvstore.client import KVStoreClient
@@ -222,7 +222,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         hits = eng.stats.prefix_cache_hit_tokens
         waiting = [i for i, st in long_states.items() if i not in long_hit]
         if stalls is not None:
-            stalls.step_begin()
+            stalls.step_begin(t0)
         eng.step()
         synchronize_stream(args.device)  # the loop's stream, not the side streams (common.py)
         if stalls is not None:
@@ -313,6 +313,10 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
         "long_tail_pages_used": eng.scheduler.tail_pages_used,
         "window_s": time.perf_counter() - t_start,
         "streams_started": born,
+        # The pool imports' own copy time (CUDA events on the copy stream): their bandwidth.
+        "import_pieces_bytes": eng.pages.import_bytes_total,
+        "import_gpu_ms": round(eng.pages.import_seconds_total * 1000, 2),
+        "import_bytes_per_step": kv_transfer.IMPORT_BYTES_PER_STEP,
     }
     if pull_ms:
         out["prefill_and_pull_ms"] = pull_ms
@@ -352,12 +356,20 @@ def main() -> None:
     )
     p.add_argument("--gen0-threshold", type=int, default=None, help="the gen-0 GC threshold host tuning sets")
     p.add_argument(
+        "--import-mib",
+        type=int,
+        default=None,
+        help="bytes a decode step imports into its pool (kv_transfer.IMPORT_BYTES_PER_STEP), MiB",
+    )
+    p.add_argument(
         "--stall-ms",
         type=float,
         default=3.0,
         help="steps longer than this get every thread's stack sampled (common.StallSampler); 0: off",
     )
     args = p.parse_args()
+    if args.import_mib is not None:
+        kv_transfer.IMPORT_BYTES_PER_STEP = args.import_mib << 20
     work, model_dir = prepare(args)
     writer = ResultWriter(Path(args.out), "interference", args)
     modes = args.modes.split(",")
