@@ -286,3 +286,24 @@ def test_pull_caps_at_free_pages_and_observes_only_round_trips(dirs: tuple[Path,
     finally:
         server.close()
         client.close()
+
+
+def test_background_hashing_lets_the_gil_go_and_keys_stay_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router's pull hashes a long prompt's chain off the engine's loop thread: it must pause
+    every BREATHE_PAGES pages (interference runs 19-21: without it, decode steps overlapping a pull
+    took 6-9 ms), and the keys must be the block_hash chain the scheduler computes."""
+    from services.engine import kv_transfer
+    from services.engine.kv_cache import block_hash, root_hash
+
+    prompt = [(i * 7919) % 50_000 for i in range(4 * kv_transfer.BREATHE_PAGES * 4 + 3)]
+    pauses: list[float] = []
+    monkeypatch.setattr(kv_transfer.time, "sleep", pauses.append)
+    quiet = chain_hashes(prompt, 5, "lay", 4)
+    assert pauses == []
+    loud = chain_hashes(prompt, 5, "lay", 4, breathe=True)
+    assert pauses == [kv_transfer.BREATHE_S] * 4 and all(p > 0 for p in pauses)
+    prev, want = root_hash(5, "lay"), []
+    for i in range(len(prompt) // 4):
+        prev = block_hash(prev, prompt[4 * i : 4 * i + 4])
+        want.append(prev)
+    assert quiet == loud == want

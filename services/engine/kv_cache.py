@@ -46,7 +46,13 @@ def root_hash(version: int, layout: str = "") -> bytes:
 
 def block_hash(prev: bytes, tokens: list[int]) -> bytes:
     """Chained page hash: covers this page's tokens and, through `prev`, every earlier one."""
-    return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
+    return page_hash(prev, array("q", tokens).tobytes())
+
+
+def page_hash(prev: bytes, raw: bytes | memoryview) -> bytes:
+    """block_hash of a page given as its tokens' int64 bytes (kv_transfer.chain_hashes hashes a
+    long prompt from one buffer)."""
+    return hashlib.blake2b(prev + raw, digest_size=16).digest()
 
 
 class BlockManager:

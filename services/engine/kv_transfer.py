@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from services.engine.kv_cache import KVCache, block_hash, root_hash
+from services.engine.kv_cache import KVCache, page_hash, root_hash
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
@@ -66,16 +66,36 @@ def layout_id(arch: str, kv: KVCache) -> str:
 
 
 def chain_hashes(
-    tokens: Seq[int], version: int, layout: str, block_size: int, limit: int | None = None
+    tokens: Seq[int],
+    version: int,
+    layout: str,
+    block_size: int,
+    limit: int | None = None,
+    breathe: bool = False,
 ) -> list[bytes]:
-    """Keys of the full pages of `tokens` (at most `limit`), as the scheduler computes them."""
+    """Keys of the full pages of `tokens` (at most `limit`), as the scheduler computes them
+    (kv_cache.block_hash, over one buffer of the tokens). `breathe`: the caller is a background thread (a
+    router's pull, a prefill request): it lets the GIL go every BREATHE_PAGES pages. A 16k-token
+    prompt's chain is ~1-2 ms of Python; held in switch-interval slices it made the engine loop
+    wait 0.5 ms at each of its GIL releases, and the decode steps overlapping a pull took 6-9 ms
+    instead of 2.5 (interference runs 19-21, stall samples)."""
     n = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
     prev = root_hash(version, layout)
+    buf = memoryview(array("q", tokens[: n * block_size]).tobytes())
+    width = block_size * 8  # int64 tokens
     out = []
     for i in range(n):
-        prev = block_hash(prev, list(tokens[i * block_size : (i + 1) * block_size]))
+        prev = page_hash(prev, buf[i * width : (i + 1) * width])
         out.append(prev)
+        if breathe and i % BREATHE_PAGES == BREATHE_PAGES - 1:
+            time.sleep(BREATHE_S)
     return out
+
+
+# Background hashing lets the GIL go this often, for this long: long enough that a waiting engine
+# loop takes it (a bare sleep(0) often hands it straight back to the sleeper), ~0.1 ms of work apart.
+BREATHE_PAGES = 64
+BREATHE_S = 20e-6
 
 
 def reusable_pages(num_tokens: int, block_size: int, seeded: bool = False) -> int:

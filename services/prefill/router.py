@@ -117,12 +117,12 @@ def local_prefix_pages(engine: LLMEngine, keys: list[bytes]) -> int:
 
 
 def prompt_keys(engine: LLMEngine, prompt: list[int], seeded: bool = False) -> list[bytes]:
-    """Keys of the prompt's pages the engine can take from elsewhere: all but the one holding the
+    """(Off the engine's loop thread: the hashing lets the GIL go, chain_hashes `breathe`.) Keys of the prompt's pages the engine can take from elsewhere: all but the one holding the
     last prompt token (computed for its logits), or with `seeded` (the first token came from a
     prefill service) every full page (kv_transfer.reusable_pages)."""
     bs = engine.kv.block_size
     limit = reusable_pages(len(prompt), bs, seeded=seeded)
-    return chain_hashes(prompt, engine.version, engine.layout, bs, limit=limit)
+    return chain_hashes(prompt, engine.version, engine.layout, bs, limit=limit, breathe=True)
 
 
 def engine_policy(engine: LLMEngine, cfg: KVPullSection) -> PullPolicy:

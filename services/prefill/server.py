@@ -157,7 +157,7 @@ class Prefill:
             for c in resp.choices
         ]
         bs = eng.kv.block_size
-        all_keys = chain_hashes(req.input_ids, choices[0].version, eng.layout, bs)
+        all_keys = chain_hashes(req.input_ids, choices[0].version, eng.layout, bs, breathe=True)
         # The pages are in the near tier already (exported before the request finished), the
         # partial last one too (tail_sink).
         handoff = None
