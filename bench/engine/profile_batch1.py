@@ -10,12 +10,26 @@ weight at the measured copy bandwidth: which kernels are latency-bound, not band
 
     python3 bench/engine/profile_batch1.py --out $OUT/profile_batch1.json      (H200)
     .venv/bin/python bench/engine/profile_batch1.py --out /tmp/p.json --smoke  (CPU: eager, no graph)
+
+--pdl-compare (Programmatic Dependent Launch, EngineConfig.pdl; docs/engine.md): in one process,
+builds the engine with PDL off and with PDL on (same weights, same decode-GEMM choices: they are
+made once per process), checks that the greedy tokens of a few prompts (each alone, then all as
+one batch) and every logits row those batch-1 runs computed are identical, and reports for both
+the batch-1 graph replay time (alternating between the two engines), the engine step time and the
+kernel count per replay. Exits 2, after writing the JSON, if tokens differ or logits differ by
+more than one float32 ulp:
+
+    python3 bench/engine/profile_batch1.py --pdl-compare --out $OUT/pdl_compare.json        (H200)
+    .venv/bin/python bench/engine/profile_batch1.py --pdl-compare --smoke --out /tmp/p.json   (CPU)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -87,74 +101,111 @@ def gemm_vs_bandwidth(model: Any, device: torch.device, bw: float) -> list[dict[
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--replays", type=int, default=20)
-    args = ap.parse_args()
-    cuda, device, dtype, model_kw, report = profile_setup(
-        args.smoke,
-        "the time to read the weights once at the measured device copy bandwidth (same process)",
-    )
+def engine_config(cuda: bool, device: torch.device, pdl: bool | None = None, max_batch: int = 8) -> Any:
+    """The engine's CUDA defaults (pdl None: the config default), a small pool and batch. With
+    pdl given (--pdl-compare), a 2,048-token step budget: fewer mixed-step graphs to capture twice
+    (prompts here are <= 512 tokens; the decode graphs do not depend on it)."""
     from services.common.config import EngineConfig
-    from services.common.schemas import GenerateRequest, SamplingParams
-    from services.engine import LLMEngine
 
-    root = Path(tempfile.mkdtemp(prefix="prof1-"))
-    hf = build_model_dir(model_kw, device, dtype, root)
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-    del hf
-    cfg = EngineConfig(
+    extra: dict[str, Any] = {} if pdl is None else {"pdl": pdl, "max_num_batched_tokens": 2048}
+    return EngineConfig(
         device=device.type,
         dtype="bfloat16" if cuda else "float32",
-        max_batch_size=8,
+        max_batch_size=max_batch,
         max_seq_len=1536,
         num_kv_blocks=256,
         enable_prefix_caching=False,
+        **extra,
     )
-    eng = LLMEngine(root, cfg)
-    prompt = list(range(2, 514)) if cuda else list(range(2, 40))
-    state = eng.add_request(
-        GenerateRequest(
-            input_ids=prompt, sampling=SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
-        )
-    )
-    step_ms = []
+
+
+def step_times_ms(eng: Any, prompt: list[int], cuda: bool, tokens: int = 64) -> dict[str, float | None]:
+    """One request of `tokens` tokens, stepped to the end: the median step with a sync after each
+    (the historical figure) and the mean step of the decode phase without per-step syncs (what
+    overlap scheduling delivers: step N+1 is launched before N's tokens are read)."""
+    from services.common.schemas import GenerateRequest, SamplingParams
+
+    def request() -> Any:
+        sampling = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+        return eng.add_request(GenerateRequest(input_ids=prompt, sampling=sampling))
+
+    state = request()
+    synced = []
     while not state.finished:
         t0 = time.perf_counter()
         eng.step()
         if cuda:
             torch.cuda.synchronize()
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-    report["engine_step_ms_median"] = sorted(step_ms[8:])[len(step_ms[8:]) // 2] if len(step_ms) > 8 else None
+        synced.append((time.perf_counter() - t0) * 1e3)
+    state = request()
+    for _ in range(8):  # prefill and the first decodes
+        eng.step()
+    if cuda:
+        torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    while not state.finished:
+        eng.step()
+        n += 1
+    if cuda:
+        torch.cuda.synchronize()
+    tail = synced[8:]
+    return {
+        "engine_step_ms_median": round(sorted(tail)[len(tail) // 2], 4) if tail else None,
+        "engine_step_ms_unsynced_mean": round((time.perf_counter() - t0) * 1e3 / n, 4) if n else None,
+    }
+
+
+def profile_replays(graph: Any, replays: int, n_layers: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Kernels of `replays` replays of a captured graph (CUPTI sees the kernels inside a graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = kernel_table(prof, replays)
+    per_replay = round(sum(r["calls_per_replay"] for r in rows), 1)
+    cats: dict[str, float] = defaultdict(float)
+    for r in rows:
+        cats[r["category"]] += r["us_per_replay"]
+    summary = {
+        "kernels_per_replay": per_replay,
+        "kernels_per_layer": round(per_replay / n_layers, 2),
+        # With PDL kernels overlap, so this sum can exceed the replay's wall time.
+        "kernel_us_per_replay": round(sum(r["us_per_replay"] for r in rows), 1),
+        "categories_us_per_replay": {k: round(v, 1) for k, v in cats.items()},
+    }
+    return summary, rows
+
+
+def profile_one(args: argparse.Namespace, cuda: bool, device: torch.device, root: Path, report: dict[str, Any],
+                weight_bytes: int) -> None:  # fmt: skip
+    """The single-engine profile (config defaults, PDL included): where the batch-1 step goes."""
+    from services.engine import LLMEngine
+
+    eng = LLMEngine(root, engine_config(cuda, device))
+    report["pdl"] = eng.pdl
+    prompt = list(range(2, 514)) if cuda else list(range(2, 40))
+    report.update(step_times_ms(eng, prompt, cuda))
     if cuda and eng.graphs is not None:
         bw = measure_bandwidth(device)
         report["bandwidth_bytes_s"] = bw
         report["weight_read_ms"] = weight_bytes / bw * 1e3
         g = eng.graphs.graphs[1, eng.graphs.splits[1]]
         report["graph_replay_ms"] = replay_us(g, 50) / 1e3
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.replays):
-                g.replay()
-            torch.cuda.synchronize()
-        rows = kernel_table(prof, args.replays)
-        report["kernels_per_replay"] = round(sum(r["calls_per_replay"] for r in rows), 1)
-        report["kernels_per_layer"] = round(report["kernels_per_replay"] / len(eng.model.model.layers), 2)
-        report["kernel_us_per_replay"] = round(sum(r["us_per_replay"] for r in rows), 1)
-        cats: dict[str, float] = defaultdict(float)
-        for r in rows:
-            cats[r["category"]] += r["us_per_replay"]
-        report["categories_us_per_replay"] = {k: round(v, 1) for k, v in cats.items()}
+        summary, rows = profile_replays(g, args.replays, len(eng.model.model.layers))
+        report.update(summary)
         report["kernels"] = rows[:40]
         report["gemm_vs_bandwidth"] = gemm_vs_bandwidth(eng.model, device, bw)
         from services.engine.kernels import gemv
 
         report["decode_gemm_choices"] = gemv.choices()  # kernels/gemv.py, chosen at graph warm-up
         # The whole step (graph + logits + sampler + host), for where the rest goes.
-        state = eng.add_request(
+        from torch.profiler import ProfilerActivity, profile
+
+        from services.common.schemas import GenerateRequest, SamplingParams
+
+        eng.add_request(
             GenerateRequest(
                 input_ids=prompt, sampling=SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
             )
@@ -168,8 +219,168 @@ def main() -> None:
             torch.cuda.synchronize()
         step_rows = kernel_table(prof, args.replays)
         report["step_kernels_outside_graph"] = [r for r in step_rows if r["calls_per_replay"] <= 3][:25]
+
+
+class LogitsTap:
+    """Keeps a copy of every logits tensor the engine computes (CausalLM.logits, called once per
+    step outside the graph), to compare two engines' numerics row by row."""
+
+    def __init__(self, model: Any):
+        self.model, self.rows = model, []
+        self.fn = model.logits
+        model.logits = self  # an instance attribute: shadows the method until close()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.fn(hidden)
+        self.rows.append(out.detach().clone())
+        return out
+
+    def close(self) -> list[torch.Tensor]:
+        del self.model.logits
+        return self.rows
+
+
+def greedy_runs(eng: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """Greedy tokens of each prompt alone (the batch-1 graph) with every logits row, then of all
+    prompts as one batch (a larger graph)."""
+    from services.common.schemas import GenerateRequest, SamplingParams
+
+    def req(p: list[int]) -> Any:
+        return GenerateRequest(
+            input_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        )
+
+    tap = LogitsTap(eng.model)
+    try:
+        alone = [eng.generate([req(p)])[0].choices[0].output_ids for p in prompts]
+    finally:
+        logits = tap.close()
+    batched = [r.choices[0].output_ids for r in eng.generate([req(p) for p in prompts])]
+    return {"alone": alone, "batched": batched, "logits": logits}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between same-shaped float tensors (same-sign
+    values: adjacent floats have adjacent integer bit patterns)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return -1
+    if not a.dtype.is_floating_point:
+        return 0 if torch.equal(a, b) else -1
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return int((a.view(as_int).long() - b.view(as_int).long()).abs().max()) if a.numel() else 0
+
+
+def pdl_compare(args: argparse.Namespace, cuda: bool, device: torch.device, root: Path, report: dict[str, Any],
+                weight_bytes: int, vocab: int) -> bool:  # fmt: skip
+    """Both engines in this process; returns True if their tokens and logits agree."""
+    from services.engine import LLMEngine
+
+    rng = random.Random(0)
+    lengths = (512, 100, 37, 300) if cuda else (30, 9, 17, 4)
+    prompts = [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
+    engines = {"off": LLMEngine(root, engine_config(cuda, device, False, 4))}
+    engines["on"] = LLMEngine(root, engine_config(cuda, device, True, 4))
+    res: dict[str, Any] = {name: {"pdl_resolved": e.pdl} for name, e in engines.items()}
+    if not engines["on"].pdl:
+        res["note"] = "PDL is not usable on this device (kernels/pdl.py): both engines run without it"
+    runs = {name: greedy_runs(e, prompts, args.check_tokens) for name, e in engines.items()}
+    off, on = runs["off"], runs["on"]
+    tokens_ok = off["alone"] == on["alone"] and off["batched"] == on["batched"]
+    pairs = list(zip(off["logits"], on["logits"], strict=True))
+    bitwise = all(torch.equal(a, b) for a, b in pairs)
+    ulps = [ulp_distance(a, b) for a, b in pairs]
+    max_ulp = -1 if any(u < 0 for u in ulps) else max(ulps, default=0)  # -1: shapes or dtypes differ
+    max_abs = max((float((a.float() - b.float()).abs().max()) for a, b in pairs), default=0.0)
+    res["check"] = {
+        "prompts": list(lengths),
+        "new_tokens": args.check_tokens,
+        "greedy_tokens_identical": tokens_ok,
+        "logits_rows_compared": sum(a.shape[0] for a, _ in pairs),
+        "logits_dtype": str(pairs[0][0].dtype) if pairs else None,
+        "logits_bitwise_identical": bitwise,
+        "logits_max_ulp": max_ulp,
+        "logits_max_abs_diff": max_abs,
+    }
+    if not tokens_ok:
+        res["check"]["tokens_off"] = off["alone"]
+        res["check"]["tokens_on"] = on["alone"]
+    del runs, off, on, pairs
+    prompt = prompts[0]
+    for _ in range(2):  # alternate, so clock or thermal drift hits both alike
+        for name, e in engines.items():
+            res[name].setdefault("_steps", []).append(step_times_ms(e, prompt, cuda))
+    for name in engines:
+        steps = res[name].pop("_steps")
+        for key in steps[0]:
+            vals = [s[key] for s in steps if s[key] is not None]
+            res[name][key] = round(statistics.median(vals), 4) if vals else None
+    if cuda and all(e.graphs is not None for e in engines.values()):
+        bw = measure_bandwidth(device)
+        report["bandwidth_bytes_s"] = bw
+        report["weight_read_ms"] = weight_bytes / bw * 1e3
+        graphs = {name: e.graphs.graphs[1, e.graphs.splits[1]] for name, e in engines.items()}
+        replay: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(5):
+            for name, g in graphs.items():
+                replay[name].append(replay_us(g, 50) / 1e3)
+        for name, e in engines.items():
+            res[name]["graph_replay_ms"] = round(statistics.median(replay[name]), 4)
+            res[name]["graph_replay_ms_all"] = [round(x, 4) for x in replay[name]]
+            summary, rows = profile_replays(graphs[name], args.replays, len(e.model.model.layers))
+            res[name].update(summary)
+            res[name]["kernels"] = rows[:25]
+            for key in ("graph_replay_ms", "engine_step_ms_median", "engine_step_ms_unsynced_mean"):
+                if res[name].get(key) is not None:
+                    res[name][f"{key}_over_weight_read"] = round(res[name][key] / report["weight_read_ms"], 3)
+        res["graph_replay_on_over_off"] = round(
+            res["on"]["graph_replay_ms"] / res["off"]["graph_replay_ms"], 4
+        )
+        from services.engine.kernels import gemv
+
+        res["decode_gemm_choices"] = gemv.choices()  # made once (the first engine's warm-up), shared
+    report["pdl_compare"] = res
+    # Logits may differ by one ulp at most (e.g. a reduction that compiled differently); tokens
+    # must not differ at all: a difference is a race (a kernel reading before its gdc_wait).
+    return tokens_ok and 0 <= max_ulp <= 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--pdl-compare", action="store_true", help="PDL off vs on in one process (see above)")
+    ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt (--pdl-compare)")
+    args = ap.parse_args()
+    cuda, device, dtype, model_kw, report = profile_setup(
+        args.smoke,
+        "the time to read the weights once at the measured device copy bandwidth (same process)",
+    )
+    root = Path(tempfile.mkdtemp(prefix="prof1-"))
+    hf = build_model_dir(model_kw, device, dtype, root)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    del hf
+    ok = True
+    if args.pdl_compare:
+        ok = pdl_compare(args, cuda, device, root, report, weight_bytes, model_kw["vocab_size"])
+        report["pdl_check"] = "passed" if ok else "FAILED: PDL changed the greedy tokens or the logits"
+    else:
+        profile_one(args, cuda, device, root, report, weight_bytes)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if k not in ("kernels", "machine")}, indent=1)[:6000])
+    skip = ("kernels", "machine")
+    brief = {k: v for k, v in report.items() if k not in skip}
+    if "pdl_compare" in brief:
+        brief["pdl_compare"] = {
+            k: ({kk: vv for kk, vv in v.items() if kk != "kernels"} if isinstance(v, dict) else v)
+            for k, v in brief["pdl_compare"].items()
+        }
+    print(json.dumps(brief, indent=1)[:8000])
+    if not ok:
+        print(
+            "PDL CHECK FAILED: tokens or logits differ between pdl off and on (see pdl_compare.check)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -367,6 +367,7 @@ def engine_variant(
     )
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
+    res["pdl"] = engine.pdl  # EngineConfig.pdl (default on), as resolved on this device
     res["graph_sizes"] = engine.graphs.sizes if engine.graphs is not None else []
     try:
         check = [p[: args.check_prompt_len] for p in prompts[:4]]

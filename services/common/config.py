@@ -263,6 +263,11 @@ class EngineConfig(Strict):
     # cuda_graph_max_prefill_spans prompt chunks (cuda_graphs.MixedGraphs); others run eagerly.
     cuda_graph_mixed: bool = True
     cuda_graph_max_prefill_spans: int = Field(16, gt=0)
+    # Programmatic Dependent Launch for the engine's Triton kernels (forward and fused sampler):
+    # each may launch while the one before it still runs and prefetch its weights before waiting
+    # (services/engine/kernels/pdl.py, docs/engine.md). Only where usable: off on CPU, under
+    # TRITON_INTERPRET and on GPUs below compute capability 9 (Hopper), whatever this says.
+    pdl: bool = True
     # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
     # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). On by
     # default since `bench/engine/gpu_fused_check.py` passed on an H200 and W1 went from 46% to 56%

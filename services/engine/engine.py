@@ -37,6 +37,7 @@ from services.engine.batch import (
     num_sms,
 )
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
+from services.engine.kernels import pdl
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
@@ -95,7 +96,10 @@ class LLMEngine:
             self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
         )
         # On CUDA, plain batches sample in one fused kernel (kernels/sampling.py: its own stream).
-        self.sampler = Sampler(fused=self.device.type == "cuda" and cfg.fused_kernels)
+        # Programmatic Dependent Launch of the Triton kernels (forward and fused sampler): on where
+        # EngineConfig.pdl asks and the device can (kernels/pdl.py); set before graph capture.
+        self.pdl = self.model.pdl = pdl.resolve(cfg.pdl, self.device)
+        self.sampler = Sampler(fused=self.device.type == "cuda" and cfg.fused_kernels, pdl=self.pdl)
         self.eos_token_ids = set(ckpt.eos_token_ids)
         # Stop strings and output text (sequence.py) need it; None when the directory has none.
         tok_file = ckpt.path / "tokenizer.json"

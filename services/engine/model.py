@@ -23,6 +23,7 @@ from torch import nn
 from services.common.config import ModelConfig, RopeScaling
 from services.common.lm_head import float32_logits
 from services.engine.batch import ForwardBatch
+from services.engine.kernels.pdl import scope as pdl_scope
 from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 from services.engine.moe import PER_EXPERT, ExpertWeights, MoE, Router
@@ -297,6 +298,9 @@ class CausalLM(nn.Module):
         # SiLU-mul kernels (kernels/fused_norm.py, 3 kernels fewer per layer); the CPU path keeps
         # the torch ops bit for bit.
         self.fused_elementwise = False
+        # Set by the engine: EngineConfig.pdl as resolved for its device (kernels/pdl.py); the
+        # Triton kernels of each forward launch with Programmatic Dependent Launch if True.
+        self.pdl = False
         # Set by the engine from EngineConfig.logits_fp32 (see logits()).
         self.logits_fp32 = True
         # ModelConfig.fp32_residual (the checkpoint's config.json, as the trainer's): the hidden
@@ -315,6 +319,12 @@ class CausalLM(nn.Module):
         return done
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        # The PDL setting reaches the kernel launchers through a context variable (kernels/pdl.py),
+        # so two engines in one process keep their own.
+        with pdl_scope(self.pdl):
+            return self._forward(batch, kv)
+
+    def _forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         h = self.model.embed_tokens(batch.input_ids)
         if self.fp32_residual:

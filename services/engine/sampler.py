@@ -134,11 +134,14 @@ def plain(p: SamplingParams, vocab: int) -> bool:
 
 
 class Sampler:
-    def __init__(self, fused: bool = False):
+    def __init__(self, fused: bool = False, pdl: bool = False):
         """fused: batches whose rows are all plain (greedy, or T > 0 without top-k/top-p/min-p)
         run kernels/sampling.py, one pass over the logits; the engine sets it on CUDA only, since
-        that path draws a different random stream from the torch path for the same seed."""
+        that path draws a different random stream from the torch path for the same seed.
+        pdl: launch those kernels with Programmatic Dependent Launch (EngineConfig.pdl, resolved
+        by the engine: kernels/pdl.py)."""
         self.fused = fused
+        self.pdl = pdl
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
@@ -211,6 +214,7 @@ class Sampler:
     def _sample_fused(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> PendingSample:
+        from services.engine.kernels.pdl import scope as pdl_scope
         from services.engine.kernels.sampling import fused_sample  # triton: only when used
 
         # One draw per sampled token from the row's RNG, as the torch path (a prefill service's
@@ -227,7 +231,8 @@ class Sampler:
             # Pinned + non_blocking: a pageable copy would wait here for the forward to finish.
             temps = host_to_device(temps, logits.device)
             seeds = host_to_device(seeds, logits.device)
-        tokens, logprobs = fused_sample(logits, temps, seeds)
+        with pdl_scope(self.pdl):
+            tokens, logprobs = fused_sample(logits, temps, seeds)
         # Reading the tokens (PendingSample.resolve) is the step's wait for the GPU.
         top = (
             self._top_launch(logits.float(), params) if any(p.logprobs is not None for p in params) else None

@@ -22,29 +22,52 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels import pdl
+
 
 @triton.jit
-def _add_rms_norm(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, stride_x, stride_d, dim, eps, BLOCK: tl.constexpr):
+def _add_rms_norm(
+    x_ptr,
+    d_ptr,
+    w_ptr,
+    h_ptr,
+    y_ptr,
+    stride_x,
+    stride_d,
+    dim,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    # The norm weight before the PDL wait (kernels/pdl.py): nothing in the forward writes it.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # x and delta come from earlier kernels
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     h = (x + d).to(h_ptr.dtype.element_ty)  # the residual stream keeps its dtype (bf16 or float32)
     tl.store(h_ptr + row * dim + cols, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * dim + cols, (hf * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _silu_mul(g_ptr, u_ptr, out_ptr, stride_g, stride_u, width, BLOCK: tl.constexpr):
+def _silu_mul(g_ptr, u_ptr, out_ptr, stride_g, stride_u, width, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # gate/up are the previous GEMM's output (kernels/pdl.py)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     out = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -65,9 +88,10 @@ def add_rms_norm(
     y = torch.empty_like(h, dtype=delta.dtype)
     if t:
         block = triton.next_power_of_2(dim)
+        gdc = pdl.launch(x)
         _add_rms_norm[(t,)](
-            x, delta, weight, h, y, x.stride(0), delta.stride(0), dim, eps, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            x, delta, weight, h, y, x.stride(0), delta.stride(0), dim, eps, BLOCK=block, USE_GDC=gdc,
+            num_warps=min(16, max(1, block // 256)), launch_pdl=gdc,
         )  # fmt: skip
     return h, y
 
@@ -79,8 +103,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, width), dtype=gate.dtype, device=gate.device)
     if t:
         block = min(1024, triton.next_power_of_2(width))
+        gdc = pdl.launch(gate)
         _silu_mul[(t, triton.cdiv(width, block))](
-            gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=block, num_warps=4
+            gate,
+            up,
+            out,
+            gate.stride(0),
+            up.stride(0),
+            width,
+            BLOCK=block,
+            USE_GDC=gdc,
+            num_warps=4,
+            launch_pdl=gdc,
         )
     return out
 

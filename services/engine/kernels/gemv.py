@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from services.engine.kernels import pdl
+
 log = logging.getLogger(__name__)
 
 MAX_M = 8  # rows up to which the GEMV is considered (decode batches; beyond, cuBLAS tiles well)
@@ -45,6 +47,17 @@ CONFIGS = (
 
 
 @triton.jit
+def _gemv_tile(acc, w, x_ptr, stride_xm, kk, k_ok, M, offs_k, offs_m, M_PAD: tl.constexpr):
+    """acc[m, :] += w @ x[m, kk] for every row m < M (w: one float32 weight tile [BLOCK_N, BLOCK_K])."""
+    for m in tl.static_range(M_PAD):
+        row_ok = (offs_k * 0 + m) < M  # a vector mask: the interpreter rejects a scalar & vector one
+        xm = tl.load(x_ptr + m * stride_xm + kk, mask=k_ok & row_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w * xm[None, :], axis=1)
+        acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -58,26 +71,30 @@ def _gemv_kernel(
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, M_PAD)
     n_ok = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first K tile of the weight is loaded before waiting for the previous kernel (PDL,
+    # kernels/pdl.py): no kernel of the forward writes weights, so with USE_GDC this read overlaps
+    # the previous kernel's tail; it is most of this program's bytes (K <= BLOCK_K: all of them).
+    k_ok = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output; y may be memory it still reads
+    acc = _gemv_tile(acc, w, x_ptr, stride_xm, offs_k, k_ok, M, offs_k, offs_m, M_PAD)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # the same sum order as one loop from 0: acc starts at 0
         kk = k0 + offs_k
         k_ok = kk < K
-        w = tl.load(
-            w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + kk[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        for m in tl.static_range(M_PAD):
-            row_ok = (offs_k * 0 + m) < M  # a vector mask: the interpreter rejects a scalar & vector one
-            xm = tl.load(x_ptr + m * stride_xm + kk, mask=k_ok & row_ok, other=0.0).to(tl.float32)
-            part = tl.sum(w * xm[None, :], axis=1)
-            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc = _gemv_tile(acc, w, x_ptr, stride_xm, kk, k_ok, M, offs_k, offs_m, M_PAD)
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & n_ok[None, :])
 
@@ -87,7 +104,8 @@ def m_bucket(m: int) -> int:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T for M <= MAX_M (float32 accumulation, output in x's dtype)."""
+    """x [M, K] @ w[N, K]^T for M <= MAX_M (float32 accumulation, output in x's dtype). Launched
+    with PDL where kernels/pdl.py says so (the engine's forward scope on a Hopper GPU)."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(-1) != 1:
@@ -96,9 +114,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torc
         raise ValueError("gemv: the weight's rows must be contiguous")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config
+    gdc = pdl.launch(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        M_PAD=m_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        M_PAD=m_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, USE_GDC=gdc, num_warps=warps, launch_pdl=gdc,
     )  # fmt: skip
     return y
 

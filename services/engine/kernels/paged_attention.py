@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from services.engine.batch import DECODE_BLOCK_N, DecodeMeta, PagedMeta, PrefillMeta
+from services.engine.kernels import pdl
 
 # Launch settings: reasonable first choices, not tuned on the H200 yet (bench/engine/w1.py's
 # "kernels" phase times alternatives; keys: tile sizes, warps, software-pipelining stages).
@@ -70,13 +71,18 @@ def _store_kv_kernel(
     H_KV: tl.constexpr,
     D: tl.constexpr,
     HD_PAD: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # step metadata: before the PDL wait (kernels/pdl.py)
     offs = tl.arange(0, HD_PAD)  # heads and dims flattened: rows are [n_kv * D] contiguous
     mask = offs < tl.where(slot >= 0, H_KV * D, 0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(kc_ptr + slot * stride_ct + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
@@ -114,13 +120,19 @@ def _decode_kernel(
     SINGLE: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     # Positions are int32 (loop bounds); addresses int64 (a large pool overflows 2^31 elements).
+    # Step metadata (context, query row, partition) before the PDL wait: the host copies it in
+    # before the forward and no kernel writes it (kernels/pdl.py); q and the pool after.
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     row = tl.load(q_loc_ptr + b).to(tl.int64)
+    partition = tl.load(partition_ptr).to(tl.int32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -133,7 +145,8 @@ def _decode_kernel(
         mask=qmask[:, None],
         other=0.0,
     )
-    partition = tl.load(partition_ptr).to(tl.int32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     start = sp * partition
     end = tl.minimum(start + partition, ctx)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -184,19 +197,24 @@ def _merge_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = tl.load(q_loc_ptr + b).to(tl.int64)
+    row = tl.load(q_loc_ptr + b).to(tl.int64)  # step metadata: before the PDL wait
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D)
     base = (b.to(tl.int64) * H + h) * splits
     smask = offs_s < splits
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # the partials are the decode kernel's output
     lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty partitions (-inf) weigh 0
     o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     total = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     # q_loc -1: no output row (see _decode_kernel).
@@ -232,7 +250,12 @@ def _prefill_kernel(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_MAP: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    # Step metadata (block list, spans) is read before the PDL wait: the host copies it in before
+    # the forward and no kernel writes it (kernels/pdl.py). Every program waits before it can
+    # return: a grid that finished without waiting would let the next kernel's wait pass while
+    # the kernel before this one still runs.
     if BLOCK_MAP:
         # Grid (blocks, heads) of a fixed size (a CUDA graph's): program i takes query block i of
         # the host-built list blk = [[span of each block], [block index within the span]] (rows
@@ -240,12 +263,16 @@ def _prefill_kernel(
         s_idx = tl.load(blk_ptr + tl.program_id(0)).to(tl.int32)
         mb = tl.load(blk_ptr + blk_stride + tl.program_id(0)).to(tl.int32)
         h = tl.program_id(1)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
         if s_idx < 0:
             return
     else:
         s_idx = tl.program_id(0)
         mb = tl.program_id(1)
         h = tl.program_id(2)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
     kvh = h // G
     q_len = tl.load(q_len_ptr + s_idx).to(tl.int32)
     q0 = tl.load(q_start_ptr + s_idx).to(tl.int64)
@@ -260,6 +287,8 @@ def _prefill_kernel(
         mask=mmask[:, None],
         other=0.0,
     )
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     # Keys up to the block's last query (causal); a block past the sequence's queries does nothing.
     hi = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)
     hi = tl.where(mb * BLOCK_M < q_len, hi, 0)
@@ -309,9 +338,10 @@ def store_kv(
     if t == 0:
         return
     k, v = k.contiguous(), v.contiguous()
+    gdc = pdl.launch(k)
     _store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
-        H_KV=h_kv, D=d, HD_PAD=triton.next_power_of_2(h_kv * d),
+        H_KV=h_kv, D=d, HD_PAD=triton.next_power_of_2(h_kv * d), USE_GDC=gdc, launch_pdl=gdc,
     )  # fmt: skip
 
 
@@ -338,18 +368,19 @@ def decode_attention(
         part_lse = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    gdc = pdl.launch(q)
     _decode_kernel[(b, n_kv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse, meta.q_loc, meta.block_tables, meta.ctx_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale * LOG2E, meta.partition, splits,
         H=h, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, PAGE=page_size,
         BLOCK_N=cfg["block_n"], SINGLE=splits == 1, PREC=_prec(k_cache.dtype), UPCAST=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_GDC=gdc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=gdc,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(b, h)](
             out, part_o, part_lse, meta.q_loc, out.stride(0), out.stride(1), splits,
-            H=h, D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            H=h, D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), USE_GDC=gdc, launch_pdl=gdc,
         )  # fmt: skip
 
 
@@ -375,14 +406,15 @@ def prefill_attention(
     else:
         blocks, blk_stride = meta.q_start, 0
         grid = (s, -(-meta.max_q_len // cfg["block_m"]), h)
+    gdc = pdl.launch(q)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.q_start, meta.q_lens, meta.block_tables, meta.ctx_lens,
         blocks, blk_stride,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale * LOG2E,
         G=g, D=d, PAGE=page_size, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], PREC=_prec(k_cache.dtype),
-        UPCAST=INTERPRET, BLOCK_MAP=meta.blocks is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UPCAST=INTERPRET, BLOCK_MAP=meta.blocks is not None, USE_GDC=gdc,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=gdc,
     )  # fmt: skip
 
 

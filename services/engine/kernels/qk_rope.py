@@ -18,12 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels import pdl
+
 
 @triton.jit
 def _rope_heads(
     x_ptr,
     stride_h,
-    w_ptr,
+    w1,
+    w2,
     cos_ptr,
     sin_ptr,
     eps,
@@ -32,7 +35,8 @@ def _rope_heads(
     HALF: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    """Load [N_HEADS, 2 * HALF] at x_ptr, RMS-normalise each head (NORM), rotate: both halves."""
+    """Load [N_HEADS, 2 * HALF] at x_ptr, RMS-normalise each head (NORM: by weight halves w1, w2,
+    already loaded), rotate: both halves."""
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, HALF)
     hmask = (offs_h < N_HEADS)[:, None]
@@ -42,8 +46,8 @@ def _rope_heads(
     if NORM:
         ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
         r = tl.rsqrt(ms + eps)[:, None]
-        x1 = x1 * r * tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
-        x2 = x2 * r * tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        x1 = x1 * r * w1[None, :]
+        x2 = x2 * r * w2[None, :]
     c1 = tl.load(cos_ptr + offs_d)[None, :]
     c2 = tl.load(cos_ptr + HALF + offs_d)[None, :]
     s1 = tl.load(sin_ptr + offs_d)[None, :]
@@ -82,29 +86,47 @@ def _qk_rope_store_kernel(
     HKV_PAD: tl.constexpr,
     HALF: tl.constexpr,
     NORM: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cos = cos_ptr + t * stride_cs
     sin = sin_ptr + t * stride_cs
     offs_d = tl.arange(0, HALF)
-    # q: normalise, rotate, write out.
-    q1, q2 = _rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, cos, sin, eps, H, H_PAD, HALF, NORM)
+    # Before the PDL wait (kernels/pdl.py) only what no kernel of the forward writes: the q/k norm
+    # weights and the token's slot (copied in by the host before the forward).
+    if NORM:
+        qw1 = tl.load(qw_ptr + offs_d).to(tl.float32)
+        qw2 = tl.load(qw_ptr + HALF + offs_d).to(tl.float32)
+        kw1 = tl.load(kw_ptr + offs_d).to(tl.float32)
+        kw2 = tl.load(kw_ptr + HALF + offs_d).to(tl.float32)
+    else:
+        qw1 = tl.zeros([HALF], tl.float32)  # unused without NORM
+        qw2 = qw1
+        kw1 = qw1
+        kw2 = qw1
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # q/k/v, cos/sin come from earlier kernels; the pool is read by earlier ones
+    # q, k: normalise, rotate; v: copied. Slot < 0 stores no k/v.
+    q1, q2 = _rope_heads(q_ptr + t * stride_qt, stride_qh, qw1, qw2, cos, sin, eps, H, H_PAD, HALF, NORM)
+    k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, kw1, kw2, cos, sin, eps, H_KV, HKV_PAD, HALF, NORM)
+    offs_k = tl.arange(0, HKV_PAD)
+    kmask = (offs_k < tl.where(slot >= 0, H_KV, 0))[:, None]
+    src = v_ptr + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :]
+    v1 = tl.load(src, mask=kmask)
+    v2 = tl.load(src + HALF, mask=kmask)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     offs_h = tl.arange(0, H_PAD)
     qo = q_out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     qmask = (offs_h < H)[:, None]
     tl.store(qo, q1.to(q_out_ptr.dtype.element_ty), mask=qmask)
     tl.store(qo + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=qmask)
-    # k: normalise, rotate, store in the pool; v: copy to the pool. Slot < 0 stores nothing.
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    k1, k2 = _rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, cos, sin, eps, H_KV, HKV_PAD, HALF, NORM)
-    offs_k = tl.arange(0, HKV_PAD)
-    kmask = (offs_k < tl.where(slot >= 0, H_KV, 0))[:, None]
     dst = slot * stride_ct + offs_k[:, None] * stride_ch + offs_d[None, :]
     tl.store(kc_ptr + dst, k1.to(kc_ptr.dtype.element_ty), mask=kmask)
     tl.store(kc_ptr + dst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kmask)
-    src = v_ptr + t * stride_vt + offs_k[:, None] * stride_vh + offs_d[None, :]
-    tl.store(vc_ptr + dst, tl.load(src, mask=kmask).to(vc_ptr.dtype.element_ty), mask=kmask)
-    tl.store(vc_ptr + dst + HALF, tl.load(src + HALF, mask=kmask).to(vc_ptr.dtype.element_ty), mask=kmask)
+    tl.store(vc_ptr + dst, v1.to(vc_ptr.dtype.element_ty), mask=kmask)
+    tl.store(vc_ptr + dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kmask)
 
 
 def qk_rope_store(
@@ -132,12 +154,13 @@ def qk_rope_store(
     norm = q_norm is not None and k_norm is not None
     qw = q_norm if q_norm is not None else cos  # unused without NORM
     kw = k_norm if k_norm is not None else cos
+    gdc = pdl.launch(q)
     _qk_rope_store_kernel[(t,)](
         q, k, v, cos, sin, qw, kw, q_out, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
         H=h, H_PAD=triton.next_power_of_2(h), H_KV=h_kv, HKV_PAD=triton.next_power_of_2(h_kv), HALF=d // 2,
-        NORM=norm,
+        NORM=norm, USE_GDC=gdc, launch_pdl=gdc,
     )  # fmt: skip
     return q_out
 

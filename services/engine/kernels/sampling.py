@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.kernels import pdl
+
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a jit kernel reads only constexpr globals
 BLOCK_V = 2048  # vocabulary columns per loop iteration
 
@@ -46,11 +48,14 @@ def _sample_chunk(
     chunk_cols,
     n_chunks,
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """One (row, chunk of columns) program: the chunk's online log-sum-exp, greedy max and both
     races, written to the row's partials (6 floats and 3 ints per chunk)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # the logits are the previous kernel's output (kernels/pdl.py)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
@@ -59,6 +64,10 @@ def _sample_chunk(
     cols = tl.arange(0, BLOCK)
     lo = chunk * chunk_cols
     hi = tl.minimum(lo + chunk_cols, vocab)
+    if USE_GDC:
+        # The merge kernel may launch now and wait for this grid: its launch hides behind the
+        # chunks' vocabulary walk.
+        tl.extra.cuda.gdc_launch_dependents()
 
     m = -float("inf")  # running max of x
     s = 0.0  # running sum of exp(x - m)
@@ -133,10 +142,13 @@ def _sample_combine(
     vocab,
     n_chunks,
     BLOCK_C: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """One row: merge its chunks' partials. Chunks are in column order, so the first chunk holding
     the maximum holds the row's first maximum (greedy ties as torch.argmax)."""
     row = tl.program_id(0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()  # the partials are the chunk kernel's output
     greedy = tl.load(temps_ptr + row) == 0.0
     c = tl.arange(0, BLOCK_C)
     valid = c < n_chunks
@@ -164,6 +176,8 @@ def _sample_combine(
     best_i = tl.sum(tl.where(c == b, tl.load(pi + 0, mask=valid, other=0), 0), axis=0)
     race_i = tl.sum(tl.where(c == r, tl.load(pi + 1, mask=valid, other=0), 0), axis=0)
     dead_i = tl.sum(tl.where(c == d, tl.load(pi + 2, mask=valid, other=0), 0), axis=0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
 
     token = tl.where(greedy, best_i, race_i)
     lp = tl.where(greedy, best_x, race_x) - lse
@@ -200,7 +214,8 @@ def fused_sample(
     block: columns per loop iteration (a power of two; small in tests, for several iterations).
     Each row is split into chunks of whole blocks so that about `programs` programs run (default:
     two per SM); a second kernel merges a row's chunks. The random stream is keyed by the column,
-    so the chunking never changes which token a seed picks."""
+    so the chunking never changes which token a seed picks. Launched with PDL where kernels/pdl.py
+    says so (the engine's sampler enters its scope)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
@@ -214,6 +229,7 @@ def fused_sample(
         n_chunks = -(-vocab // chunk_cols)
         part_f = torch.empty(batch, n_chunks, 6, dtype=torch.float32, device=logits.device)
         part_i = torch.empty(batch, n_chunks, 3, dtype=torch.int32, device=logits.device)
+        gdc = pdl.launch(logits)
         _sample_chunk[(batch, n_chunks)](
             logits,
             logits.stride(0),
@@ -225,7 +241,9 @@ def fused_sample(
             chunk_cols,
             n_chunks,
             BLOCK=block,
+            USE_GDC=gdc,
             num_warps=8,
+            launch_pdl=gdc,
         )
         _sample_combine[(batch,)](
             temps,
@@ -236,7 +254,9 @@ def fused_sample(
             vocab,
             n_chunks,
             BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
+            USE_GDC=gdc,
             num_warps=1,
+            launch_pdl=gdc,
         )
     return tokens, logprobs
 
