@@ -171,6 +171,7 @@ def engine_config(
     overlap: bool = False,
     fp8: bool = False,
     mixed: bool = True,
+    pdl: bool = True,
 ) -> Any:
     from services.common.config import EngineConfig
 
@@ -190,6 +191,7 @@ def engine_config(
         attention_backend=backend,  # type: ignore[arg-type]
         cuda_graphs=graphs,
         cuda_graph_mixed=mixed,
+        pdl=pdl,
         fused_kernels=fused,
         overlap_schedule=overlap,
         quantization="fp8" if fp8 else "none",
@@ -350,6 +352,7 @@ def engine_variant(
     overlap: bool = False,
     fp8: bool = False,
     mixed: bool = True,
+    pdl: bool = True,
 ) -> dict[str, Any]:
     from services.engine import LLMEngine
 
@@ -363,7 +366,7 @@ def engine_variant(
     }
     t0 = time.perf_counter()
     engine = LLMEngine(
-        model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed)
+        model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed, pdl)
     )
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
@@ -822,14 +825,16 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed]" (EngineConfig.fused_kernels,
-        # .overlap_schedule, .quantization; nomixed: cuda_graph_mixed off, mixed steps eager)
+        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed][+nopdl]" (EngineConfig.fused_kernels,
+        # .overlap_schedule, .quantization; nomixed: cuda_graph_mixed off, mixed steps eager;
+        # nopdl: EngineConfig.pdl off)
         backend, *opts = name.split("+")
         graphs = "graphs" in opts and cuda
         fused = "fused" in opts
         overlap = "overlap" in opts
         fp8 = "fp8" in opts
         mixed = "nomixed" not in opts
+        pdl = "nopdl" not in opts
         if budget.left() < 40:
             report.data.setdefault("skipped", []).append(f"variant {name}: out of time")
             return
@@ -849,6 +854,7 @@ def main() -> None:
                 overlap,
                 fp8,
                 mixed,
+                pdl,
             ),
         )
         if res is not None and first:
