@@ -262,7 +262,14 @@ PRE_WAIT_LOADS = {
     "_merge_kernel": {"q_loc_ptr"},
     "_prefill_kernel": {"blk_ptr"},
 }
-ENGINE_KERNEL_MODULES = ("gemv.py", "fused_norm.py", "qk_rope.py", "paged_attention.py", "sampling.py")
+ENGINE_KERNEL_MODULES = (
+    "gemv.py",
+    "fused_norm.py",
+    "qk_rope.py",
+    "paged_attention.py",
+    "sampling.py",
+    "page_copy.py",
+)
 
 
 def _is_tl_call(node: ast.AST, name: str) -> bool:

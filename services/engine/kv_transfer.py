@@ -51,8 +51,7 @@ def pool_tensors(kv: KVCache) -> list[torch.Tensor]:
 
 
 def page_nbytes(kv: KVCache) -> int:
-    bs = kv.block_size
-    return sum(t.shape[0] * bs * t[0, 0].numel() * t.element_size() for t in pool_tensors(kv))
+    return sum(_pool_page_bytes(kv, t) for t in pool_tensors(kv))
 
 
 def layout_id(arch: str, kv: KVCache) -> str:
@@ -186,8 +185,14 @@ def export_pages(kv: KVCache, pages: Seq[int]) -> bytes:
 
 def export_blob(kv: KVCache, pages: Seq[int]) -> torch.Tensor:
     """`pages` as one [n, page_nbytes] uint8 tensor on the cache's device (export_pages' bytes)."""
-    rows = _rows(kv, pages)
     n = len(pages)
+    device = pool_tensors(kv)[0].device
+    if device.type == "cuda" and n:
+        blob = torch.empty((n, page_nbytes(kv)), dtype=torch.uint8, device=device)
+        if _page_kernel(kv, blob):
+            _copy_page_chunks(kv, pages, blob, to_pool=False)
+            return blob
+    rows = _rows(kv, pages)
     parts = []
     for t in pool_tensors(kv):
         # [L, n*bs, ...] -> [n, L, bs, ...]: one page's rows of every layer are contiguous.
@@ -273,6 +278,9 @@ def write_pages(
     bs = kv.block_size
     # One host -> device copy of the whole batch (a DMA when `data` is a pinned staging buffer).
     blob = as_uint8(data).reshape(n, per).to(pools[0].device, non_blocking=non_blocking)
+    if _page_kernel(kv, blob):
+        _copy_page_chunks(kv, pages, blob, to_pool=True)
+        return blob
     runs = _runs(pages)
     # Few runs of consecutive pages (the usual case: pages come off the free list in order): one
     # strided copy per run and pool, straight from the batch (no gather, no temporary). Many
@@ -282,7 +290,7 @@ def write_pages(
     off = 0
     for t in pools:
         inner = tuple(t.shape[2:])
-        size = t.shape[0] * bs * t[0, 0].numel() * t.element_size()
+        size = _pool_page_bytes(kv, t)
         # [n, size] bytes -> [n, L, bs, ...] of the pool's dtype, a view of the batch.
         g = blob[:, off : off + size].view(t.dtype).reshape(n, t.shape[0], bs, *inner)
         if rows is not None:
@@ -293,6 +301,34 @@ def write_pages(
                 dst.copy_(g[start : start + m].transpose(0, 1))
         off += size
     return blob
+
+
+def _page_kernel(kv: KVCache, blob: torch.Tensor) -> bool:
+    """CUDA: pages move by kernels/page_copy.py (one streaming kernel per pool) where it fits."""
+    if not blob.is_cuda:
+        return False
+    from services.engine.kernels import page_copy  # triton: only on the GPU path
+
+    off, fit = 0, True
+    for t in pool_tensors(kv):
+        fit = fit and page_copy.fits(t, kv.block_size, blob, off)
+        off += _pool_page_bytes(kv, t)
+    return fit
+
+
+def _copy_page_chunks(kv: KVCache, pages: Seq[int], blob: torch.Tensor, to_pool: bool) -> None:
+    from services.engine.kernels import page_copy
+
+    idx = _index(list(pages), blob.device)
+    off = 0
+    for t in pool_tensors(kv):
+        page_copy.copy_pages(t, kv.block_size, idx, blob, off, to_pool)
+        off += _pool_page_bytes(kv, t)
+
+
+def _pool_page_bytes(kv: KVCache, t: torch.Tensor) -> int:
+    """Bytes of one page of pool `t` ([L, tokens, ...]) in a page's batch row: every layer's rows."""
+    return t.shape[0] * kv.block_size * t[0, 0].numel() * t.element_size()
 
 
 # Above this many runs of consecutive pages, a CUDA import writes with one indexed kernel per pool.
