@@ -21,19 +21,22 @@ def test_kernel_tests_in_child_process() -> None:
 
 from services.engine.kernels import page_copy  # noqa: E402
 
+# On a GPU machine the kernel runs compiled, on CUDA tensors; on CPU under the interpreter.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def _pools(L: int, blocks: int, bs: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(L, blocks * bs, 2, 8, generator=g).to(torch.bfloat16)
     v = torch.randn(L, blocks * bs, 3, 4, generator=g)  # another width and dtype
-    return [k, v]
+    return [k.to(DEV), v.to(DEV)]
 
 
 def _reference_export(pools: list[torch.Tensor], pages: list[int], bs: int) -> torch.Tensor:
     """kv_transfer.export_blob's torch path: per pool [n, L, bs, ...] bytes, pools side by side."""
     parts = []
     for t in pools:
-        rows = (torch.tensor(pages)[:, None] * bs + torch.arange(bs)).reshape(-1)
+        rows = (torch.tensor(pages, device=DEV)[:, None] * bs + torch.arange(bs, device=DEV)).reshape(-1)
         g = t[:, rows].reshape(t.shape[0], len(pages), bs, *t.shape[2:]).transpose(0, 1).contiguous()
         parts.append(g.view(torch.uint8).reshape(len(pages), -1))
     return torch.cat(parts, dim=1)
@@ -45,7 +48,7 @@ def test_export_and_import_match_the_torch_path(pages: list[int]) -> None:
     L, blocks, bs = 3, 12, 4
     pools = _pools(L, blocks, bs, seed=1)
     want = _reference_export(pools, pages, bs)
-    idx = torch.tensor(pages, dtype=torch.int64)
+    idx = torch.tensor(pages, dtype=torch.int64, device=DEV)
     blob = torch.zeros_like(want)
     off = 0
     for t in pools:
@@ -61,8 +64,8 @@ def test_export_and_import_match_the_torch_path(pages: list[int]) -> None:
     for t in dst:
         page_copy.copy_pages(t, bs, idx, want, off, to_pool=True)
         off += t.shape[0] * bs * t[0, 0].numel() * t.element_size()
-    rows = (idx[:, None] * bs + torch.arange(bs)).reshape(-1)
-    other = torch.ones(blocks * bs, dtype=torch.bool)
+    rows = (idx[:, None] * bs + torch.arange(bs, device=DEV)).reshape(-1)
+    other = torch.ones(blocks * bs, dtype=torch.bool, device=DEV)
     other[rows] = False
     for src, got in zip(pools, dst, strict=True):
         assert torch.equal(got[:, rows], src[:, rows])
