@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 from torchtitan.models.attention import FlexAttentionWrapper, VarlenAttentionWrapper, create_attention_mask
 
-from trainer.batch import MicroBatch
+from trainer.batch import MicroBatch, to_device
 from trainer.loss import micro_batch_logprobs, sequence_logprobs
 from trainer.packing import DocumentSDPA, PackedMicroBatch, block_causal_mask
 
@@ -170,9 +170,11 @@ def attention_kind(model: nn.Module) -> AttentionKind:
 
 def flex_block_mask(seq_lens: list[int], device: torch.device) -> object:
     """A BlockMask: causal and within the same document."""
+    # Lengths through pinned memory, output size from the host: no device-to-host read (issue 9).
     doc = torch.repeat_interleave(
         torch.arange(len(seq_lens), device=device, dtype=torch.int32),
-        torch.tensor(seq_lens, device=device),
+        to_device(torch.tensor(seq_lens), device),
+        output_size=sum(seq_lens),
     )
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -185,7 +187,7 @@ def flex_block_mask(seq_lens: list[int], device: torch.device) -> object:
 def varlen_metadata(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
     cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
-    return cu.to(device), max(seq_lens)
+    return to_device(cu, device), max(seq_lens)
 
 
 def _state_set(inner: list[nn.Module]) -> bool:

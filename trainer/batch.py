@@ -35,7 +35,7 @@ class MicroBatch:
         if device.type == "cpu":
             return self
         t = {
-            k: getattr(self, k).to(device, non_blocking=True)
+            k: to_device(getattr(self, k), device)
             for k in ("tokens", "loss_mask", "logp_infer", "advantages")
         }
         return MicroBatch(**t, n_tokens=self.n_tokens)
@@ -47,6 +47,17 @@ class MicroBatch:
     @property
     def targets(self) -> torch.Tensor:
         return self.tokens[:, 1:]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built CPU tensor on `device` without stalling the host (issue 9). A copy from
+    pageable memory may wait for the stream's queued work before it is staged, so a micro-batch
+    copied while the previous one's backward runs drained the GPU; from pinned memory the copy
+    is queued and the host goes on. (torch's pinned-memory allocator keeps the block until the
+    copy has run, so the pinned tensor may be dropped at once.)"""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def flatten(groups: list[RolloutGroup]) -> list[Sample]:

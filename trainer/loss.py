@@ -7,8 +7,6 @@ whatever the model's dtype, because importance ratios exp(a - b) amplify roundin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -80,30 +78,85 @@ def micro_batch_logprobs(
     return token_logprobs(model, mb.tokens, chunk=chunk, entropy_grad=entropy_grad)
 
 
-@dataclass
 class LossStats:
-    """Sums over one micro-batch; summed again across micro-batches and ranks before reporting."""
+    """Sums over one micro-batch; summed again across micro-batches and ranks before reporting:
+    loss_tokens (loss_mask 1), masked_tokens (of those, outside the ratio band: no gradient),
+    entropy_sum (entropy over loss tokens), loss_sum (this micro-batch's share of the step loss).
 
-    loss_tokens: float = 0.0  # tokens with loss_mask 1
-    masked_tokens: float = 0.0  # of those, outside the ratio band (no gradient)
-    entropy_sum: float = 0.0  # entropy summed over loss tokens
-    loss_sum: float = 0.0  # this micro-batch's contribution to the step loss
+    Held as ONE float64 tensor [4] on the loss's device, never read by ratio_loss or add(): four
+    .item() calls between the forward and the backward used to drain the GPU queue every
+    micro-batch (issue 9). Reading a field copies the tensor to the host once (cached until the
+    next add). The values are those of the float path before: each float32 sum widened exactly
+    to float64, then added in float64 in micro-batch order, as Python floats were."""
+
+    FIELDS = ("loss_tokens", "masked_tokens", "entropy_sum", "loss_sum")
+
+    def __init__(
+        self,
+        loss_tokens: float = 0.0,
+        masked_tokens: float = 0.0,
+        entropy_sum: float = 0.0,
+        loss_sum: float = 0.0,
+    ) -> None:
+        vals = (loss_tokens, masked_tokens, entropy_sum, loss_sum)
+        # None: nothing added yet, every field 0.0 (no tensor, so no host-to-device copy for it)
+        self._t: torch.Tensor | None = None if not any(vals) else torch.tensor(vals, dtype=torch.float64)
+        self._host: tuple[float, ...] | None = None
+
+    @classmethod
+    def of_tensor(cls, t: torch.Tensor) -> LossStats:
+        """Stats over a float64 tensor [4] in FIELDS order, on any device (not copied, not read)."""
+        if t.shape != (4,):
+            raise ValueError(f"LossStats needs a [4] tensor, got {tuple(t.shape)}")
+        st = cls()
+        st._t = t.to(torch.float64)
+        return st
+
+    def _values(self) -> tuple[float, ...]:
+        if self._host is None:
+            self._host = (0.0,) * 4 if self._t is None else tuple(float(x) for x in self._t.tolist())
+        return self._host
+
+    @property
+    def loss_tokens(self) -> float:
+        return self._values()[0]
+
+    @property
+    def masked_tokens(self) -> float:
+        return self._values()[1]
+
+    @property
+    def entropy_sum(self) -> float:
+        return self._values()[2]
+
+    @property
+    def loss_sum(self) -> float:
+        return self._values()[3]
 
     def add(self, other: LossStats) -> None:
-        self.loss_tokens += other.loss_tokens
-        self.masked_tokens += other.masked_tokens
-        self.entropy_sum += other.entropy_sum
-        self.loss_sum += other.loss_sum
+        """Elementwise sum, on the device (no host copy). 0 + x as the float path computed it
+        (so a -0.0 sum still reports 0.0)."""
+        if other._t is None:
+            return
+        base = torch.zeros_like(other._t) if self._t is None else self._t
+        self._t = base + other._t
+        self._host = None
 
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor(
-            [self.loss_tokens, self.masked_tokens, self.entropy_sum, self.loss_sum], dtype=torch.float64
-        )
+    def as_tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """The four sums as a float64 tensor [4], on the device they were computed on (zeros on
+        `device`, default CPU, when nothing was added)."""
+        return torch.zeros(4, dtype=torch.float64, device=device) if self._t is None else self._t
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> LossStats:
-        a, b, c, d = (float(x) for x in t.tolist())
-        return cls(a, b, c, d)
+        return cls.of_tensor(t)
+
+    def __repr__(self) -> str:
+        return (
+            "LossStats("
+            + ", ".join(f"{k}={v!r}" for k, v in zip(self.FIELDS, self._values(), strict=True))
+            + ")"
+        )
 
 
 def count_loss_tokens(loss_mask: torch.Tensor) -> int:
@@ -156,10 +209,11 @@ def ratio_loss(
         if entropy is None or not entropy.requires_grad:
             raise ValueError("entropy_coef > 0 needs the entropy with its gradient (entropy_grad=True)")
         loss = loss - entropy_coef * (entropy.float() * mask).sum() / float(total_loss_tokens)
-    stats = LossStats(
-        loss_tokens=float(mask.sum().item()),
-        masked_tokens=float(masked.item()),
-        entropy_sum=float((entropy.detach().float() * mask).sum().item()) if entropy is not None else 0.0,
-        loss_sum=float(loss.detach().item()),
+    # One device tensor, no .item(): the caller reads it once per step (LossStats).
+    ent_sum = (
+        (entropy.detach().float() * mask).sum()
+        if entropy is not None
+        else torch.zeros((), dtype=torch.float32, device=mask.device)
     )
+    stats = LossStats.of_tensor(torch.stack([mask.sum(), masked, ent_sum, loss.detach().float()]))
     return loss, stats

@@ -146,7 +146,51 @@ def micro_batch_versions(samples: list[Sample], packing: bool, token_budget: int
     return out
 
 
+# The summed fields of token_mismatch_tensors, in MismatchStats.sum_tensor's order.
+SUM_FIELDS = ("tokens", "k3_sum", "p_abs_sum", "ratio_out", "on_policy_tokens", "on_policy_k3_sum")
+
+
 @torch.no_grad()
+def token_mismatch_tensors(
+    logp_train: torch.Tensor,
+    logp_infer: torch.Tensor,
+    loss_mask: torch.Tensor,
+    on_policy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_mismatch's sums as a float64 tensor [6] (SUM_FIELDS order) and its max as one [1],
+    on the inputs' device and never read on the host: the trainer accumulates them over the
+    step's micro-batches and copies them to the host once (issue 9: the boolean-mask gathers and
+    seven .item() calls per micro-batch were host syncs). Positions outside the mask are zeroed
+    by torch.where (not multiplied: an inf or NaN there must not leak into a sum), instead of
+    gathered, so no shape depends on the data. The float64 sums run over zeros where the old
+    gather skipped positions: equal up to float64 summation order (~1e-16 relative)."""
+    m = loss_mask.detach().reshape(-1) > 0
+    a = logp_train.detach().reshape(-1).double()
+    b = logp_infer.detach().reshape(-1).double()
+    zero = torch.zeros((), dtype=torch.float64, device=a.device)
+    if a.numel() == 0:  # a shape, not a value: no sync
+        return zero.repeat(len(SUM_FIELDS)), zero.reshape(1)
+    log_r = a - b
+    # float64 exp overflows only past log r = 709; far beyond any ratio that means anything.
+    r = torch.exp(log_r.clamp(max=700.0))
+    k3 = r - 1.0 - log_r
+    p_abs = (a.exp() - b.exp()).abs()
+    low, high = RATIO_BAND
+    fresh = m & on_policy.reshape(-1).to(torch.bool) if on_policy is not None else torch.zeros_like(m)
+    p_abs_m = torch.where(m, p_abs, zero)
+    sums = torch.stack(
+        [
+            m.sum(dtype=torch.float64),
+            torch.where(m, k3, zero).sum(),
+            p_abs_m.sum(),
+            (m & ((r < low) | (r > high))).sum(dtype=torch.float64),
+            fresh.sum(dtype=torch.float64),
+            torch.where(fresh, k3, zero).sum(),
+        ]
+    )
+    return sums, p_abs_m.max().reshape(1)
+
+
 def token_mismatch(
     logp_train: torch.Tensor,
     logp_infer: torch.Tensor,
@@ -154,25 +198,8 @@ def token_mismatch(
     on_policy: torch.Tensor | None = None,
 ) -> MismatchStats:
     """Mismatch sums over the positions where loss_mask is 1 (any matching shapes); `on_policy`
-    (bool, same shape) marks the tokens sampled by the weights being trained."""
-    m = loss_mask.detach().reshape(-1) > 0
-    a = logp_train.detach().reshape(-1)[m].double()
-    b = logp_infer.detach().reshape(-1)[m].double()
-    if a.numel() == 0:
-        return MismatchStats()
-    log_r = a - b
-    # float64 exp overflows only past log r = 709; far beyond any ratio that means anything.
-    r = torch.exp(log_r.clamp(max=700.0))
-    k3 = r - 1.0 - log_r
-    p_abs = (a.exp() - b.exp()).abs()
-    low, high = RATIO_BAND
-    fresh = on_policy.reshape(-1)[m] if on_policy is not None else torch.zeros_like(k3, dtype=torch.bool)
-    return MismatchStats(
-        tokens=float(a.numel()),
-        on_policy_tokens=float(fresh.sum().item()),
-        on_policy_k3_sum=float(k3[fresh].sum().item()),
-        k3_sum=float(k3.sum().item()),
-        p_abs_sum=float(p_abs.sum().item()),
-        p_abs_max=float(p_abs.max().item()),
-        ratio_out=float(((r < low) | (r > high)).sum().item()),
-    )
+    (bool, same shape) marks the tokens sampled by the weights being trained. One host copy
+    (token_mismatch_tensors does the work on the device)."""
+    sums, maxed = token_mismatch_tensors(logp_train, logp_infer, loss_mask, on_policy)
+    v = torch.cat([sums, maxed]).tolist()
+    return MismatchStats(**dict(zip(SUM_FIELDS, v, strict=False)), p_abs_max=v[len(SUM_FIELDS)])

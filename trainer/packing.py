@@ -29,6 +29,7 @@ from torch import nn
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 
 from services.common.schemas import Sample
+from trainer.batch import to_device
 
 
 @dataclass
@@ -46,7 +47,7 @@ class PackedMicroBatch:
         if device.type == "cpu":
             return self
         t = {
-            k: getattr(self, k).to(device, non_blocking=True)
+            k: to_device(getattr(self, k), device)
             for k in ("inputs", "targets", "positions", "loss_mask", "logp_infer", "advantages")
         }
         return PackedMicroBatch(**t, seq_lens=self.seq_lens, n_tokens=self.n_tokens)
@@ -114,10 +115,13 @@ def packed_micro_batches(samples: list[Sample], token_budget: int) -> list[Packe
 
 def block_causal_mask(seq_lens: list[int], device: torch.device | None = None) -> torch.Tensor:
     """[T, T] bool, True = may attend: causal and within the same sample."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    # The lengths through pinned memory, the output size from the host: repeat_interleave on
+    # CUDA would otherwise read the lengths' sum back from the device (a host sync).
+    t = sum(seq_lens)
     doc = torch.repeat_interleave(
-        torch.arange(len(seq_lens), device=device), torch.tensor(seq_lens, device=device)
+        torch.arange(len(seq_lens), device=dev), to_device(torch.tensor(seq_lens), dev), output_size=t
     )
-    t = doc.numel()
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril_()
     return causal & (doc.unsqueeze(0) == doc.unsqueeze(1))
 

@@ -160,6 +160,7 @@ def enable_router_replay(model: nn.Module) -> nn.Module:
 class RoutingRecord:
     """Per-MoE-layer counts over the forwards run inside one `routing(...)` block."""
 
+    # With recorded routes, on their device (not copied to the host); else CPU zeros.
     agree: torch.Tensor  # [layers] float64: recorded tokens whose own top-k set == recorded set
     total: torch.Tensor  # [layers] float64: recorded tokens
     replayed: torch.Tensor  # [layers] float64: tokens routed by recorded ids (0 with replay off)
@@ -185,10 +186,19 @@ def routing(model: nn.Module, routes: torch.Tensor | None, replay: bool) -> Iter
     try:
         yield rec
     finally:
-        for i, r in enumerate(routers):
-            if isinstance(r, ReplayRouter) and r.stats is not None:
-                s = r.stats.detach().cpu()
-                rec.agree[i], rec.total[i], rec.replayed[i] = s[0], s[1], s[2]
+        counted = [isinstance(r, ReplayRouter) and r.stats is not None for r in routers]
+        if routers and all(counted):
+            # One stack on the routers' device, no per-layer host copy (issue 9: those were a
+            # host sync per MoE layer per micro-batch); the trainer reads them once per step.
+            s = torch.stack([r.stats.detach() for r in routers])  # type: ignore[union-attr]
+            rec.agree, rec.total, rec.replayed = s[:, 0], s[:, 1], s[:, 2]
+        else:
+            for i, r in enumerate(routers):
+                if counted[i]:
+                    s = r.stats.detach().cpu()  # type: ignore[union-attr]
+                    rec.agree[i], rec.total[i], rec.replayed[i] = s[0], s[1], s[2]
+        for r in routers:
+            if isinstance(r, ReplayRouter):
                 r.replay_ids, r.replay, r.stats = None, False, None
 
 

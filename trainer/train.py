@@ -57,13 +57,14 @@ from trainer.batch import (
     loss_token_count,
     micro_batches,
     split_for_ranks,
+    to_device,
     truncate,
 )
 from trainer.chunked import enable_chunked_output
 from trainer.entropy import EntropyControl
-from trainer.loss import LossStats, ratio_loss
+from trainer.loss import ratio_loss
 from trainer.master_weights import masters_of, optimizer_params, sync_params
-from trainer.mismatch import MismatchStats, micro_batch_versions, token_mismatch
+from trainer.mismatch import micro_batch_versions
 from trainer.model import build_model, load_weights_dir, moe_layer_ids, save_weights_dir
 from trainer.packing import PackedMicroBatch, packed_micro_batches
 from trainer.parallel import (
@@ -76,6 +77,7 @@ from trainer.parallel import (
 )
 from trainer.publish import Publisher  # perf path (issue 9)
 from trainer.replay import enable_router_replay, micro_batch_routes, routing
+from trainer.step_stats import StepStats
 
 CONSUMER = "trainer"
 CKPT_RE = re.compile(r"^step_(\d+)$")
@@ -128,6 +130,12 @@ class Dist:
             t = dev.cpu()
         return t
 
+    def all_reduce_(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce `t` (on this rank's device) in place, with no host copy; returns it."""
+        if self.enabled:
+            dist.all_reduce(t, op=op)
+        return t
+
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.enabled:
             return [obj]
@@ -144,9 +152,11 @@ class Dist:
             dist.destroy_process_group()
 
 
-def _to_float(x: torch.Tensor) -> float:
-    full = getattr(x, "full_tensor", None)  # a DTensor norm under FSDP2
-    return float((full() if callable(full) else x).item())
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor (the gradient norm under FSDP2) as a plain tensor, still on the device: a
+    collective, no host copy."""
+    full = getattr(x, "full_tensor", None)
+    return full() if callable(full) else x  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -494,9 +504,8 @@ class Trainer:
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        stats = LossStats()
-        mismatch = MismatchStats()
-        n_tokens = 0
+        # Loss and mismatch sums stay on the device until the step's one host read (issue 9).
+        acc = StepStats(self.d.device, len(moe_layer_ids(self.cfg.model)))
         for i in range(n_mb):
             if i < len(mbs):
                 mb = mbs[i].to(self.d.device)
@@ -506,7 +515,9 @@ class Trainer:
                 # Backward inside too: an activation-checkpoint recompute must route the same way.
                 with (
                     routing(
-                        self.model, route.to(self.d.device) if route is not None else None, tc.router_replay
+                        self.model,
+                        to_device(route, self.d.device) if route is not None else None,
+                        tc.router_replay,
                     ) as rec,
                     micro_batch_attention(self.model, mb),
                 ):  # perf path: masks held over backward too
@@ -526,11 +537,10 @@ class Trainer:
                         entropy_coef=self.entropy.coef,
                     )
                     (loss * scale).backward()
-                stats.add(st)
-                on_policy = versions[i].to(logp.device) == self.version if versions is not None else None
-                mismatch.add(token_mismatch(logp, mb.logp_infer, mb.loss_mask, on_policy))
-                mismatch.add_routing(rec.agree, rec.total, rec.replayed)
-                n_tokens += mb.n_tokens
+                on_policy = (
+                    to_device(versions[i], logp.device) == self.version if versions is not None else None
+                )
+                acc.add(st, logp, mb, on_policy, rec)
             else:
                 # This rank has fewer micro-batches than another: FSDP2 needs every rank in
                 # every forward/backward (all-gather, reduce-scatter), so run a zero-weight one.
@@ -540,19 +550,13 @@ class Trainer:
                 with amp:
                     out = self.model(dummy)
                 (out.sum() * 0.0).backward()
-        grad_norm = _to_float(clip_grad_norm(self.model, tc.grad_clip, deg))  # perf path: EP-aware
+        # The norm stays on the device: reading it here (before the optimizer) made the GPU idle
+        # while the host launched AdamW; it is read with the other sums below.
+        norm = _local(clip_grad_norm(self.model, tc.grad_clip, deg))  # perf path: EP-aware
         self.opt.step()
         sync_params(self.model)  # master weights: the stepped masters into the bf16 parameters
-        tot = self.d.all_reduce(
-            torch.cat([stats.as_tensor(), torch.tensor([float(n_tokens)], dtype=torch.float64)])
-        )
-        g = LossStats.from_tensor(tot[:4])
-        n_moe = len(moe_layer_ids(self.cfg.model))
-        mismatch = MismatchStats.from_tensors(
-            self.d.all_reduce(mismatch.sum_tensor(n_moe)),
-            self.d.all_reduce(mismatch.max_tensor(), dist.ReduceOp.MAX),
-            n_moe,
-        )
+        # Cross-rank reduction on the device, then ONE device-to-host copy for every metric.
+        g, n_tokens, mismatch, grad_norm = acc.read(norm, self.d.all_reduce_)
         entropy = g.entropy_sum / max(1.0, g.loss_tokens)
         coef = self.entropy.coef
         self.entropy.update(entropy)  # every rank sees the same all-reduced entropy
@@ -563,7 +567,7 @@ class Trainer:
             grad_norm=grad_norm,
             masked_ratio_frac=g.masked_tokens / max(1.0, g.loss_tokens),
             loss_tokens=int(g.loss_tokens),
-            tokens=int(tot[4].item()) // deg.cp,  # every cp rank counted the whole sample
+            tokens=int(n_tokens) // deg.cp,  # every cp rank counted the whole sample
             compute_s=time.monotonic() - t0,
             mismatch=mismatch.summary(),
         )

@@ -31,6 +31,19 @@ kernels by total time with their category; counts per step: kernels per category
 `fsdp_copies_per_step`: those launched inside FSDP2's hooks), which is where FSDP2's copy-in/out
 on one rank shows (issue 9: `bf16+compile` vs `bf16+compile+nofsdp`). --device cpu profiles the tiny shape on CPU (the CPU
 ops that do the work stand in for kernels): a smoke run of this script's logic.
+
+Where the GPU idles (`idle`, `idle_report`): each profiled step runs inside a `relay::profile_step`
+range (the step and the sync after it). Within it, every interval with no kernel / copy running
+longer than --idle-threshold-us (50) is listed with the host's state when the GPU went idle: the
+innermost CPU event (aten:: op, record_function range, python function or CUDA runtime call such
+as cudaStreamSynchronize / cudaMemcpyAsync) active at that moment on the thread that matters: one
+blocked in a synchronising runtime call if any, else the thread that launched the kernel ending
+the gap, else the deepest stack. Each gap also names that next kernel, the op that launched it,
+and how long after the GPU went idle it was launched (> 0: the host was behind). Summed per
+attributed op (`by_op`, ms per step) and per launching op (`by_next_launch`). On CPU (the smoke
+run) the spans of CPU ops stand in for kernels, so its gaps are host Python between ops.
+`allocator_per_step`: the CUDA caching allocator's device allocations, frees and retries per
+profiled step (a retry frees cached blocks with cudaFree, which waits for the whole device).
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step  # noqa: E402  (installs the carried wheels on the GPU machine, puts the repo on sys.path)
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 CATEGORIES = (
     "attention_fwd",
@@ -261,8 +275,226 @@ def table(kernels: list[Kernel], steps: int, wall_s: list[float], top: int = 25)
     }
 
 
+# ------------------------------------------------------------------ GPU idle attribution
+
+STEP_RANGE = "relay::profile_step"  # the record_function range around each profiled step
+# CPU-side events that can be "what the host was doing": ops, ranges, python frames, CUDA calls
+_HOST_CATS = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+_WORK_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# CUDA runtime/driver calls that block the host until queued GPU work is done
+_SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaFree",  # the caching allocator frees blocks (an allocation retry): synchronises the device
+    "cuStreamSynchronize",
+    "cuCtxSynchronize",
+    "cuEventSynchronize",
+    "cuMemcpyDtoH_v2",
+)
+NO_OP = "(host outside any profiled op)"
+_AFTER_US = 1e-3
+
+
+@dataclass
+class Work:
+    """One GPU kernel / copy (or, on CPU, one CPU op's span) as an interval of device time."""
+
+    ts: float  # us
+    end: float  # us
+    name: str
+    corr: int | None = None  # the launch's correlation id (CUDA)
+
+
+def work_intervals(events: list[dict[str, Any]], cuda: bool) -> list[Work]:
+    """The device's work: kernels, memcpy and memset (cuda=True), or on CPU every CPU op's span
+    (their union is the time the host spent inside ops; the gaps are Python between them)."""
+    cats = _WORK_CATS if cuda else ("cpu_op",)
+    return [
+        Work(
+            e["ts"],
+            e["ts"] + e.get("dur", 0.0),
+            e["name"],
+            e.get("args", {}).get("correlation") if cuda else None,
+        )
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in cats
+    ]
+
+
+def idle_intervals(work: list[Work], start: float, end: float) -> list[tuple[float, float, Work | None]]:
+    """The gaps in [start, end] with no work running (the union of `work` clipped to the window),
+    each with the work item that ends it (None for a gap running to `end`)."""
+    inside = sorted((w for w in work if w.end > start and w.ts < end), key=lambda w: w.ts)
+    gaps: list[tuple[float, float, Work | None]] = []
+    t = start
+    for w in inside:
+        if w.ts > t:
+            gaps.append((t, w.ts, w))
+        t = max(t, w.end)
+    if t < end:
+        gaps.append((t, end, None))
+    return gaps
+
+
+def step_windows(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The profiled steps' [start, end] (us) from their STEP_RANGE ranges, in time order; the
+    whole trace's CPU/GPU span if there are none (a profile made without them)."""
+    wins = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0.0))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == STEP_RANGE
+    )
+    if wins:
+        return wins
+    spans = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events if e.get("ph") == "X" and "ts" in e]
+    return [(min(a for a, _ in spans), max(b for _, b in spans))] if spans else []
+
+
+def _host_stacks(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], list[dict[str, Any]]]:
+    out: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _HOST_CATS:
+            out[(e.get("pid"), e.get("tid"))].append(e)
+    return out
+
+
+def _is_sync(name: str) -> bool:
+    return any(name == c or name.startswith(c + "_") for c in _SYNC_CALLS)
+
+
+def _is_runtime_call(name: str) -> bool:
+    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
+
+
+def _label(stack: list[str]) -> str:
+    """The attributed op: the innermost event, with the innermost op around a runtime call
+    (e.g. `aten::_local_scalar_dense / cudaStreamSynchronize`)."""
+    inner = [x for x in stack if x != STEP_RANGE]
+    if not inner:
+        return NO_OP
+    if _is_runtime_call(inner[-1]) and len(inner) > 1:
+        return f"{inner[-2]} / {inner[-1]}"
+    return inner[-1]
+
+
+def idle_report(
+    events: list[dict[str, Any]], cuda: bool, threshold_us: float = 50.0, max_listed: int = 400
+) -> dict[str, Any]:
+    """Per profiled step (step_windows), the device's idle intervals longer than `threshold_us`,
+    each attributed to the host's state when the device went idle (module docstring); the
+    shorter ones only counted. Sums per attributed op and per launching op, ms per step."""
+    work = work_intervals(events, cuda)
+    wins = step_windows(events)
+    host = _host_stacks(events)
+    launches: dict[int, tuple[Any, Any, float]] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (e.get("pid"), e.get("tid"), e["ts"])
+    gaps: list[dict[str, Any]] = []
+    per_step: list[dict[str, Any]] = []
+    for i, (s, e) in enumerate(wins):
+        idle = idle_intervals(work, s, e)
+        big = [(a, b, w) for a, b, w in idle if b - a > threshold_us]
+        small = [b - a for a, b, w in idle if b - a <= threshold_us]
+        per_step.append(
+            {
+                "step": i,
+                "window_ms": (e - s) / 1e3,
+                "idle_ms": sum(b - a for a, b, _ in idle) / 1e3,
+                "idle_listed_ms": sum(b - a for a, b, _ in big) / 1e3,
+                "small_gaps": {"count": len(small), "ms": sum(small) / 1e3},
+                "gaps": [],
+            }
+        )
+        for a, b, w in big:
+            launch = launches.get(w.corr) if w is not None and w.corr is not None else None
+            gaps.append({"step": i, "a": a, "b": b, "next": w, "launch": launch, "t0": s})
+    # The host stacks at every gap's start (all threads) and at every next kernel's launch.
+    points: dict[tuple[Any, Any], list[tuple[float, int]]] = defaultdict(list)
+    for k, g in enumerate(gaps):
+        for thread in host:
+            # Just after the device went idle: a host event ending at that very moment is over.
+            points[thread].append((g["a"] + _AFTER_US, 2 * k))
+        if g["launch"] is not None:
+            pid, tid, ts = g["launch"]
+            points[(pid, tid)].append((ts, 2 * k + 1))
+    stacks: dict[tuple[Any, Any], dict[int, list[str]]] = {
+        thread: _stacks_at(host.get(thread, []), pts) for thread, pts in points.items()
+    }
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_launch: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for k, g in enumerate(gaps):
+        at_idle = {thread: st[2 * k] for thread, st in stacks.items() if 2 * k in st}
+        launch_thread = (g["launch"][0], g["launch"][1]) if g["launch"] is not None else None
+        syncing = [t for t, st in at_idle.items() if st and _is_sync(st[-1])]
+        if syncing:
+            thread = syncing[0]
+        elif launch_thread is not None and at_idle.get(launch_thread):
+            thread = launch_thread
+        else:
+            thread = max(at_idle, key=lambda t: len(at_idle[t]), default=None)
+        stack = at_idle.get(thread, []) if thread is not None else []
+        dur = g["b"] - g["a"]
+        label = _label(stack)
+        by_op[label][0] += 1
+        by_op[label][1] += dur
+        row: dict[str, Any] = {
+            "start_ms": (g["a"] - g["t0"]) / 1e3,
+            "dur_us": dur,
+            "cpu_op": label,
+            "stack": [x for x in stack if x != STEP_RANGE][-6:],
+            "thread": None if thread is None else str(thread[1]),
+        }
+        nxt: Work | None = g["next"]
+        if nxt is not None:
+            row["next_kernel"] = nxt.name[:160]
+        if g["launch"] is not None:
+            launched_by = _label(stacks.get(launch_thread, {}).get(2 * k + 1, []))  # type: ignore[arg-type]
+            row["launched_by"] = launched_by
+            row["launch_after_idle_us"] = g["launch"][2] - g["a"]
+            by_launch[launched_by][0] += 1
+            by_launch[launched_by][1] += dur
+        lst = per_step[g["step"]]["gaps"]
+        if len(lst) < max_listed:
+            lst.append(row)
+        else:
+            per_step[g["step"]]["gaps_not_listed"] = per_step[g["step"]].get("gaps_not_listed", 0) + 1
+    n = max(1, len(wins))
+
+    def summed(d: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+        rows = sorted(d.items(), key=lambda kv: -kv[1][1])
+        return {k: {"ms_per_step": us / 1e3 / n, "gaps_per_step": c / n} for k, (c, us) in rows}
+
+    return {
+        "threshold_us": threshold_us,
+        "steps": len(wins),
+        "idle_ms_per_step": sum(p["idle_ms"] for p in per_step) / n,
+        "idle_listed_ms_per_step": sum(p["idle_listed_ms"] for p in per_step) / n,
+        "by_op": summed(by_op),
+        "by_next_launch": summed(by_launch),
+        "per_step": per_step,
+    }
+
+
+def allocator_counts(cuda: bool) -> dict[str, int]:
+    """The caching allocator's cumulative counters that mean device-level (possibly syncing) work."""
+    if not cuda:
+        return {}
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    return {k: int(st.get(k, 0)) for k in keys}
+
+
 def profile_variant(
-    ctx: step.Ctx, shape: str, variant: str, tokens: int, warmup: int, steps: int
+    ctx: step.Ctx,
+    shape: str,
+    variant: str,
+    tokens: int,
+    warmup: int,
+    steps: int,
+    idle_threshold_us: float = 50.0,
 ) -> dict[str, Any]:
     if variant == "baseline_hf":
         prep = step.prepare_hf(ctx, shape, tokens)
@@ -274,15 +506,23 @@ def profile_variant(
     plain = step.timed(prep.one, steps)  # the wall time without the profiler's overhead
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
     walls = []
+    mem0 = allocator_counts(ctx.cuda)
     with profile(activities=acts) as prof:
         for _ in range(steps):
             step.sync()
             t = time.perf_counter()
-            prep.one()
-            step.sync()
+            with record_function(STEP_RANGE):  # the window idle_report measures
+                prep.one()
+                step.sync()
             walls.append(time.perf_counter() - t)
-    kernels = kernels_from_trace(trace_events(prof), ctx.cuda)
+    events = trace_events(prof)
+    kernels = kernels_from_trace(events, ctx.cuda)
     res = table(kernels, steps, walls)
+    res["idle"] = idle_report(events, ctx.cuda, idle_threshold_us)
+    # Device allocations / frees / retries in the profiled steps: a retry frees cached blocks
+    # with cudaFree, which waits for the whole device (an idle gap labelled cudaFree).
+    mem1 = allocator_counts(ctx.cuda)
+    res["allocator_per_step"] = {k: (mem1[k] - mem0[k]) / steps for k in mem1}
     res["profiled_wall_s"] = walls
     res["unprofiled_wall_s"] = plain
     med = sorted(plain)[len(plain) // 2]
@@ -304,6 +544,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a logic smoke run")
     p.add_argument("--budget-s", type=float, default=400.0, help="skip variants once this is spent")
+    p.add_argument(
+        "--idle-threshold-us",
+        type=float,
+        default=50.0,
+        help="list (and attribute) idle gaps longer than this",
+    )
     args = p.parse_args()
     ctx = step.Ctx(args.device)
     report: dict[str, Any] = {
@@ -312,7 +558,9 @@ def main() -> int:
         "machine": step.machine(),
         "method": (
             "torch.profiler over --steps steps after --warmup; kernels attributed to their launching "
-            "op stack and classified (profile_step.classify); ms are per step"
+            "op stack and classified (profile_step.classify); ms are per step; `idle`: the GPU's idle "
+            "gaps per step over --idle-threshold-us, attributed to the host's op when the GPU went idle "
+            "(profile_step.idle_report)"
         ),
         "results": {},
     }
@@ -323,7 +571,9 @@ def main() -> int:
             continue
         t = time.monotonic()
         try:
-            report["results"][key] = profile_variant(ctx, args.shape, v, args.tokens, args.warmup, args.steps)
+            report["results"][key] = profile_variant(
+                ctx, args.shape, v, args.tokens, args.warmup, args.steps, args.idle_threshold_us
+            )
         except Exception as e:  # recorded, the rest goes on
             report["results"][key] = {"error": repr(e), "trace": traceback.format_exc()[-3000:]}
         report["results"][key]["wall_s"] = time.monotonic() - t
@@ -337,6 +587,13 @@ def main() -> int:
             f"[{time.monotonic() - ctx.t0:5.0f}s] {key}: wall {r.get('wall_step_ms', 0):.1f} ms {copies} {cats} {r.get('error', '')}",
             flush=True,
         )
+        if "idle" in r:
+            top = list(r["idle"]["by_op"].items())[:8]
+            print(
+                f"    idle {r['idle']['idle_ms_per_step']:.2f} ms/step, allocator {r.get('allocator_per_step')}; top: "
+                + "; ".join(f"{k} {v['ms_per_step']:.2f} ms" for k, v in top),
+                flush=True,
+            )
     report["total_s"] = time.monotonic() - ctx.t0
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
