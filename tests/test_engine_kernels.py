@@ -114,6 +114,27 @@ def test_decode_kernel_splits_and_gqa_float32() -> None:
 
 
 @needs_interpreter
+def test_empty_splits_write_no_partials_and_the_merge_reads_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short row's splits past its context write only their lse: with the partials' buffer full
+    of NaN (what a reused allocation may hold), the merged output is still the reference's."""
+    from services.engine.kernels import paged_attention as pa
+
+    real_empty = torch.empty
+
+    def nan_empty(*args: object, **kw: object) -> torch.Tensor:
+        t = real_empty(*args, **kw)  # type: ignore[call-overload]
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(pa.torch, "empty", nan_empty)
+    shapes = [(3, 1), (250, 1), (9, 1), (0, 1)]  # one long row, short ones: most splits empty
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.num_splits >= 4
+    rows = [0, 1, 2]  # the padding row (context 0) has no output to compare
+    assert torch.isfinite(out[rows]).all()
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("block_n", [32, 128])
 def test_decode_kernel_other_tiles(block_n: int) -> None:
     """A tile that does not match the 64-key partitions (the benchmark tries such settings)."""

@@ -30,7 +30,7 @@ import torch
 from bench.kv.common import ResultWriter, add_common_args, machine, prepare, synchronize, synchronize_stream
 from bench.kv.interference import build_engine
 from services.common.schemas import GenerateRequest, SamplingParams
-from services.engine import LLMEngine
+from services.engine import LLMEngine, cuda_graphs
 from services.engine.kv_transfer import page_nbytes
 
 
@@ -100,7 +100,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="timed steps per condition")
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--import-mib", type=int, default=256)
+    p.add_argument("--conditions", default="alone,import,long")
+    p.add_argument(
+        "--long-split-keys",
+        type=int,
+        default=None,
+        help="cuda_graphs.LONG_SPLIT_KEYS: keys per split of the long-context graph variant",
+    )
     args = p.parse_args()
+    if args.long_split_keys is not None:
+        cuda_graphs.LONG_SPLIT_KEYS = args.long_split_keys
+    conditions = args.conditions.split(",")
     # build_engine's sizing fields (interference.py): room for the streams and one long request.
     args.stream_tokens, args.long_count, args.long_out = 4096, 1, 4096
     _, model_dir = prepare(args)
@@ -111,7 +121,8 @@ def main() -> None:
     while any(not s.seqs[0].output for s in streams):
         eng.step()
     res: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    res["alone"] = {"step_ms": _summary(_steps(eng, args)), "kernels": _kernels(eng, args)}
+    if "alone" in conditions:
+        res["alone"] = {"step_ms": _summary(_steps(eng, args)), "kernels": _kernels(eng, args)}
 
     # Pages of random bytes under fresh keys, staged before each step: drain() imports them.
     per = page_nbytes(eng.kv)
@@ -121,20 +132,26 @@ def main() -> None:
     def stage() -> None:
         eng.pages.stage([os.urandom(16) for _ in range(n_pages)], blob)
 
-    res["import"] = {
-        "pages_per_step": n_pages,
-        "bytes_per_step": n_pages * per,
-        "step_ms": _summary(_steps(eng, args, stage)),
-        "kernels": _kernels(eng, args, stage),
-    }
-    while eng.pages.pending:
-        eng.pages.finish()
-        eng.step()
+    if "import" in conditions:
+        res["import"] = {
+            "pages_per_step": n_pages,
+            "bytes_per_step": n_pages * per,
+            "step_ms": _summary(_steps(eng, args, stage)),
+            "kernels": _kernels(eng, args, stage),
+        }
+        while eng.pages.pending:
+            eng.pages.finish()
+            eng.step()
 
-    long = eng.add_request(_request(rng, vocab, args.long_tokens, 10_000))
-    while not long.seqs[0].output:
-        eng.step()
-    res["long"] = {"step_ms": _summary(_steps(eng, args)), "kernels": _kernels(eng, args)}
+    if "long" in conditions:
+        long = eng.add_request(_request(rng, vocab, args.long_tokens, 10_000))
+        while not long.seqs[0].output:
+            eng.step()
+        res["long"] = {
+            "long_split_keys": cuda_graphs.LONG_SPLIT_KEYS,
+            "step_ms": _summary(_steps(eng, args)),
+            "kernels": _kernels(eng, args),
+        }
     res["baseline"] = "condition 'alone' (the same streams, nothing else) in the same process"
     ResultWriter(Path(args.out), "step_costs", args).write(res, done=True)
     print({k: v["step_ms"] for k, v in res.items() if isinstance(v, dict) and "step_ms" in v})

@@ -138,8 +138,16 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * G + offs_g
     gmask = offs_g < G
+    start = sp * partition
+    # A split past the row's context (a short row in a batch split for a long one) loads nothing
+    # and writes only its lse (-inf): the merge reads no o for it. A 16k row beside 64 short ones
+    # made ~98% of the programs such empty splits (bench/kv/step_costs.py).
+    if SINGLE:
+        live = ctx >= 0  # every row as before (a tensor, so the masks below keep one dtype)
+    else:
+        live = start < ctx
     # q_loc -1: a mixed CUDA graph's unused decode row (cuda_graphs.MixedGraphs): no q, no output.
-    qmask = offs_g < tl.where(row >= 0, G, 0)
+    qmask = offs_g < tl.where((row >= 0) & live, G, 0)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=qmask[:, None],
@@ -147,7 +155,6 @@ def _decode_kernel(
     )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    start = sp * partition
     end = tl.minimum(start + partition, ctx)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -180,7 +187,9 @@ def _decode_kernel(
         )
     else:
         idx = (b.to(tl.int64) * H + heads) * splits + sp
-        tl.store(part_o_ptr + idx[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
+        tl.store(
+            part_o_ptr + idx[:, None] * D + offs_d[None, :], o, mask=(offs_g < tl.where(live, G, 0))[:, None]
+        )
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(part_lse_ptr + idx, lse, mask=gmask)
 
@@ -212,7 +221,12 @@ def _merge_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty partitions (-inf) weigh 0
-    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    # Only the splits that held keys wrote an o (_decode_kernel: empty ones write their lse only).
+    o = tl.load(
+        part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
+        mask=(smask & (lse > float("-inf")))[:, None],
+        other=0.0,
+    )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     total = tl.sum(w, 0)
