@@ -68,3 +68,19 @@ def test_base_config_is_merged_under_the_derived_one(tmp_path) -> None:
     bad.write_text("base = 3\n")
     with pytest.raises(ConfigError, match="base must be"):
         load_config(str(bad))
+
+
+def test_decode_step_budget_is_small_when_prefill_services_exist() -> None:
+    from services.common.config import DISAGG_DECODE_STEP_TOKENS, RunConfig
+
+    assert RunConfig().decode.engine.max_num_batched_tokens == 8192  # colocated: unchanged
+    for with_prefill in ({"prefill": {"replicas": 1}}, {"slurm": {"prefill": {"nodes": 2}}}):
+        cfg = RunConfig.model_validate(with_prefill)
+        assert cfg.decode.engine.max_num_batched_tokens == DISAGG_DECODE_STEP_TOKENS == 512
+        # What the launcher writes is what every service reads back.
+        assert RunConfig.model_validate_json(cfg.dump()).decode.engine.max_num_batched_tokens == 512
+    # Set by the user: kept. A batch of decodes always fits a step.
+    set_ = {"prefill": {"replicas": 1}, "decode": {"engine": {"max_num_batched_tokens": 4096}}}
+    assert RunConfig.model_validate(set_).decode.engine.max_num_batched_tokens == 4096
+    big = {"prefill": {"replicas": 1}, "decode": {"engine": {"max_batch_size": 1024}}}
+    assert RunConfig.model_validate(big).decode.engine.max_num_batched_tokens == 1024
