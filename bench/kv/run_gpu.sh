@@ -33,7 +33,7 @@ case "$WHAT" in
     NGPU=$(nvidia-smi -L | wc -l)
     PREFILL=(); [ "$NGPU" -ge 2 ] && PREFILL=(--prefill-gpu 1)
     python3 -m bench.kv.interference "${COMMON[@]}" "${PREFILL[@]}" --streams 64 --stream-tokens 512 \
-      --long-tokens 16384 --long-count 8 --long-every-s 0.5 --chunk 2048 \
+      --long-tokens 16384 --long-count 8 --long-every-s 0.5 --chunk 512 --stall-ms 4 \
       --out "$OUT/interference_h200.json" 2>&1 | tee "$OUT/interference.log" | tail -n 20
     ;;
   *) echo "unknown benchmark $WHAT" >&2; exit 2 ;;
