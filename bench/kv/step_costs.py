@@ -18,6 +18,7 @@ CPU smoke: python -m bench.kv.step_costs --streams 4 --long-tokens 256 --steps 6
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
@@ -80,6 +81,12 @@ def _kernels(eng: LLMEngine, args: argparse.Namespace, before: Any = None) -> di
     }
 
 
+def paged_attention_tuning() -> dict[str, int]:
+    from services.engine.kernels.paged_attention import DECODE_TUNING
+
+    return DECODE_TUNING
+
+
 def _summary(ms: list[float]) -> dict[str, float]:
     a = np.array(ms)
     return {
@@ -107,7 +114,16 @@ def main() -> None:
         default=None,
         help="cuda_graphs.LONG_SPLIT_KEYS: keys per split of the long-context graph variant",
     )
+    p.add_argument(
+        "--decode-tuning",
+        default="",
+        help='overrides of kernels/paged_attention.DECODE_TUNING, JSON (e.g. {"num_stages": 2})',
+    )
     args = p.parse_args()
+    if args.decode_tuning:
+        from services.engine.kernels import paged_attention
+
+        paged_attention.DECODE_TUNING.update(json.loads(args.decode_tuning))
     if args.long_split_keys is not None:
         cuda_graphs.LONG_SPLIT_KEYS = args.long_split_keys
     conditions = args.conditions.split(",")
@@ -149,6 +165,7 @@ def main() -> None:
             eng.step()
         res["long"] = {
             "long_split_keys": cuda_graphs.LONG_SPLIT_KEYS,
+            "decode_tuning": dict(paged_attention_tuning()),
             "step_ms": _summary(_steps(eng, args)),
             "kernels": _kernels(eng, args),
         }
