@@ -197,18 +197,22 @@ def test_flex_backend_matches_reference() -> None:
     shapes = [(10, 1), (0, 5), (33, 1), (7, 12)]
     n_pages = sum(-(-(s + n) // page) for s, n in shapes) + 3
     spans, _ = make_spans(shapes, page, n_pages)
-    kc, vc = torch.randn(n_pages * page, h_kv, d), torch.randn(n_pages * page, h_kv, d)
+    kc, vc = (
+        torch.randn(n_pages * page, h_kv, d, device=DEV),
+        torch.randn(n_pages * page, h_kv, d, device=DEV),
+    )
     hb = HostBatch.build(spans, page)
-    slots = torch.from_numpy(hb.slots)
-    meta = PagedMeta(None, None, build_flex_meta(hb, torch.device("cpu"), n_pages, page))
+    slots = torch.from_numpy(hb.slots).to(DEV)
+    meta = PagedMeta(None, None, build_flex_meta(hb, DEV, n_pages, page))
     t = len(hb.ids)
-    q, k, v = torch.randn(t, h, d), torch.randn(t, h_kv, d), torch.randn(t, h_kv, d)
+    q, k, v = (torch.randn(t, n, d, device=DEV) for n in (h, h_kv, h_kv))
     out = paged_attention(q, k, v, kc, vc, slots, meta, d**-0.5, page)
+    # (the reference after the call: paged_attention wrote this step's k/v into the pool)
     ref = reference_attention(
-        q, kc, vc, hb.q_start.tolist(), hb.q_lens.tolist(), hb.ctx_lens.tolist(),
+        q.cpu(), kc.cpu(), vc.cpu(), hb.q_start.tolist(), hb.q_lens.tolist(), hb.ctx_lens.tolist(),
         [s.block_table for s in spans], d**-0.5, page,
     )  # fmt: skip
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter
@@ -222,17 +226,17 @@ def test_fused_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
     t, h, h_kv, d = 5, 4, 2, 16
     cos_t, sin_t = rope_cache(d, 64, 10000.0)
     pos = torch.tensor([0, 7, 8, 30, 63])
-    cos, sin = cos_t[pos], sin_t[pos]
-    qkv = torch.randn(t, (h + 2 * h_kv) * d)  # one projection output, sliced: strided views
+    cos, sin = cos_t[pos].to(DEV), sin_t[pos].to(DEV)
+    qkv = torch.randn(t, (h + 2 * h_kv) * d, device=DEV)  # one projection output, sliced: strided views
     q = qkv[:, : h * d].view(t, h, d)
     k = qkv[:, h * d : (h + h_kv) * d].view(t, h_kv, d)
     v = qkv[:, (h + h_kv) * d :].view(t, h_kv, d)
-    qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    qn, kn = RMSNorm(d, 1e-6).to(DEV), RMSNorm(d, 1e-6).to(DEV)
     with torch.no_grad():
         qn.weight.uniform_(0.5, 1.5)
         kn.weight.uniform_(0.5, 1.5)
-    kc, vc = torch.zeros(40, h_kv, d), torch.zeros(40, h_kv, d)
-    slots = torch.tensor([3, 17, -1, 0, 39])
+    kc, vc = torch.zeros(40, h_kv, d, device=DEV), torch.zeros(40, h_kv, d, device=DEV)
+    slots = torch.tensor([3, 17, -1, 0, 39], device=DEV)
     with torch.no_grad():
         got = qk_rope_store(
             q,
@@ -253,7 +257,7 @@ def test_fused_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
     keep = slots >= 0
     torch.testing.assert_close(kc[slots[keep]], want_k[keep], atol=1e-5, rtol=1e-5)
     assert torch.equal(vc[slots[keep]], v[keep])
-    written = torch.zeros(40, dtype=torch.bool)
+    written = torch.zeros(40, dtype=torch.bool, device=DEV)
     written[slots[keep]] = True
     assert kc[~written].abs().sum() == 0 and vc[~written].abs().sum() == 0  # slot -1 wrote nothing
 
@@ -438,7 +442,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_engine_backend_matches_torch(model_dir: Path, backend: str) -> None:
     """Whole engine (chunked prefill, mixed and decode-only steps, paging, seeded sampling): the
     paged backends give the torch backend's tokens and log-probs."""
-    base = dict(device="cpu", max_batch_size=8, max_seq_len=96, block_size=4, max_num_batched_tokens=24)
+    # On a GPU machine: the compiled kernels, eagerly (no graphs), against the torch backend.
+    base = dict(
+        device=DEV.type,
+        max_batch_size=8,
+        max_seq_len=96,
+        block_size=4,
+        max_num_batched_tokens=24,
+        cuda_graphs=False,
+    )
     prompts = [list(range(3, 3 + n)) for n in (5, 30, 1, 17)]
     reqs = [
         GenerateRequest(
@@ -464,7 +476,12 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     from services.engine.cuda_graphs import DecodeGraphs
 
     cfg = EngineConfig(
-        device="cpu", max_batch_size=8, max_seq_len=96, block_size=4, attention_backend="triton"
+        device=DEV.type,
+        max_batch_size=8,
+        max_seq_len=96,
+        block_size=4,
+        attention_backend="triton",
+        cuda_graphs=False,
     )
     engine = LLMEngine(model_dir, cfg)
     for i, n in enumerate((5, 30, 17)):
@@ -492,7 +509,12 @@ def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> 
     from services.engine.cuda_graphs import MixedGraphs
 
     cfg = EngineConfig(
-        device="cpu", max_batch_size=8, max_seq_len=192, block_size=4, attention_backend="triton"
+        device=DEV.type,
+        max_batch_size=8,
+        max_seq_len=192,
+        block_size=4,
+        attention_backend="triton",
+        cuda_graphs=False,
     )
     engine = LLMEngine(model_dir, cfg)
     for i, n in enumerate((5, 17)):
