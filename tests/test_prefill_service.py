@@ -25,6 +25,7 @@ from services.common.bus import Bus
 from services.common.config import REPO_ROOT, EngineConfig, RunConfig, load_config
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
 from services.engine import LLMEngine
+from services.prefill.router import DISCOVERY_TTL_S
 from trainer.model import build_model, save_weights_dir
 
 ENGINE = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4)
@@ -98,6 +99,13 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     c.start("kvstore", "services.kvstore")
     c.start("prefill", "services.prefill")
     c.start("decode", "services.decode")
+    # The tests expect decode to route long prompts to the prefill service: wait until it is
+    # registered and decode's cached view of the registry (DISCOVERY_TTL_S) can include it. On a
+    # loaded machine the prefill came up after decode's first requests, which then prefilled
+    # locally (remote 0; the second turn found nothing in the prefill's cache).
+    c.url("prefill", "prefill")
+    c.url("decode", "decode")
+    time.sleep(DISCOVERY_TTL_S + 0.2)
     try:
         yield c
     finally:
