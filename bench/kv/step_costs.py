@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from bench.kv.common import ResultWriter, add_common_args, machine, prepare, synchronize, synchronize_stream
-from bench.kv.interference import build_engine
+from bench.kv.interference import build_engine, percentile
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine, cuda_graphs
+from services.engine.kernels import paged_attention
 from services.engine.kv_transfer import page_nbytes
 
 
@@ -81,18 +81,11 @@ def _kernels(eng: LLMEngine, args: argparse.Namespace, before: Any = None) -> di
     }
 
 
-def paged_attention_tuning() -> dict[str, int]:
-    from services.engine.kernels.paged_attention import DECODE_TUNING
-
-    return DECODE_TUNING
-
-
 def _summary(ms: list[float]) -> dict[str, float]:
-    a = np.array(ms)
     return {
-        "p50": round(float(np.percentile(a, 50)), 3),
-        "p99": round(float(np.percentile(a, 99)), 3),
-        "max": round(float(a.max()), 3),
+        "p50": round(percentile(ms, 50), 3),
+        "p99": round(percentile(ms, 99), 3),
+        "max": round(max(ms), 3),
         "n": len(ms),
     }
 
@@ -121,8 +114,6 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.decode_tuning:
-        from services.engine.kernels import paged_attention
-
         paged_attention.DECODE_TUNING.update(json.loads(args.decode_tuning))
     if args.long_split_keys is not None:
         cuda_graphs.LONG_SPLIT_KEYS = args.long_split_keys
@@ -165,7 +156,7 @@ def main() -> None:
             eng.step()
         res["long"] = {
             "long_split_keys": cuda_graphs.LONG_SPLIT_KEYS,
-            "decode_tuning": dict(paged_attention_tuning()),
+            "decode_tuning": dict(paged_attention.DECODE_TUNING),
             "step_ms": _summary(_steps(eng, args)),
             "kernels": _kernels(eng, args),
         }

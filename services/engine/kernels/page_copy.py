@@ -68,10 +68,15 @@ def _block(chunk_words: int) -> int:
     return block
 
 
+def chunk_bytes(pool: torch.Tensor, block_size: int) -> int:
+    """Bytes of one (page, layer) chunk of `pool` ([L, tokens, ...]): block_size rows."""
+    return block_size * pool[0, 0].numel() * pool.element_size()
+
+
 def fits(pool: torch.Tensor, block_size: int, blob: torch.Tensor, off: int) -> bool:
     """Whether copy_pages handles this pool and batch: contiguous tensors on one device, the
     chunks and the pool's byte offset in the batch whole words."""
-    chunk = block_size * pool[0, 0].numel() * pool.element_size()
+    chunk = chunk_bytes(pool, block_size)
     return (
         pool.is_contiguous()
         and blob.is_contiguous()
@@ -94,7 +99,7 @@ def copy_pages(
     n, L = len(pages), pool.shape[0]
     if n == 0:
         return
-    chunk_words = block_size * pool[0, 0].numel() * pool.element_size() // WORD
+    chunk_words = chunk_bytes(pool, block_size) // WORD
     words = pool.view(torch.uint8).view(torch.int64).view(L, -1)
     flat = blob.view(torch.int64)
     block = _block(chunk_words)
