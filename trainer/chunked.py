@@ -2,8 +2,8 @@
 
 `chunked_logprobs(h, weight, targets, chunk)` projects the final hidden states to the vocabulary
 `chunk` rows at a time. The forward keeps a per-token log-sum-exp (and, within the
-`cache_gib` budget, each chunk's probabilities: "Probabilities kept" below); the backward
-recomputes each chunk's logits (or reads its probabilities) and turns them into gradients for `h`
+`cache_gib` budget, each chunk's onehot - p: "Kept for the backward" below); the backward
+recomputes each chunk's logits (or reads what was kept) and turns them into gradients for `h`
 and `weight` at once. Peak extra memory without the cache is a few [chunk x vocab] float32
 tensors instead of several [tokens x vocab] ones (logits, log-softmax, its gradient). Values
 equal `logprobs_from_logits(h @ weight.T, targets)`.
@@ -13,38 +13,34 @@ that returns logits as usual, or, inside `logprob_targets(model, targets, chunk)
 (logp, entropy) computed as above. The head runs inside the model's forward, so under FSDP2 the
 root's parameters are gathered exactly as for the plain output layer.
 
-Speed (issue 9, bench/trainer/profile.py): the weight gradient is a tensor-core GEMM with a
-float32 output (`_mm_float32`), not a float32 GEMM over float32 copies; with `fused` (CUDA +
-trainer.compile) each chunk's softmax math is one compiled kernel or two over the model-dtype
-logits instead of ~10 eager passes over float32 [chunk x vocab] tensors.
+The backward's algebra: d(sum g * logp)/d logits = g * q row by row, with q = onehot(target) - p.
+So grad_h = g * (q @ W) and grad_W = q^T @ (g * h): the per-token upstream gradient g scales a
+[chunk x D] operand or result, and no pass over the [chunk x V] q is needed between the GEMMs.
+Both GEMMs run on the tensor cores with a float32 output (`_mm_float32`); q is in the GEMM dtype.
+
+Speed (issue 9, bench/trainer/profile_step.py): with `fused` (set on CUDA by trainer.parallel) the
+softmax math is two Triton kernels (trainer/head_kernel.py): the statistics in one pass over the
+logits, and q. On CPU the same math in plain torch.
 
 Float32 logits (issue 7, `trainer.logits_fp32`, default on): the head's logits are the model-dtype
 GEMM's float32 output (`services.common.lm_head.float32_logits`, what the engine's `logits()`
 returns), not rounded to bf16, in the forward, in the backward's recomputation and in the plain
-(unchunked) head alike. The logits' gradient is rounded to the GEMM dtype before the two gradient
-GEMMs, as autograd does for a bf16 output.
+(unchunked) head alike. q is rounded to the GEMM dtype before the two gradient GEMMs, as autograd
+rounds a bf16 output's gradient.
 
-Probabilities kept for the backward (issue 9, `trainer.head_cache_gib`, default 12): the
-recomputing backward repeats the forward's logits GEMM (2*N*V*D FLOP, ~5 TFLOP at 16k tokens,
-vocabulary 152k, dim 1024) and writes and reads the float32 [chunk x vocab] logits again (the
-head is ~48 ms of a 350 ms 0.6B step on the H200), while 100+ GiB of its memory sit unused. So
-when the [N x V] float32 probabilities fit the budget (N*V*4 bytes <= head_cache_gib GiB, checked
-before the forward starts, and only when a backward will come) the forward's stats step also
-returns p = exp(logits - lse) for its chunk and the forward keeps it: one [chunk x V] float32
-tensor per chunk (the compiled stats kernel's own output, so nothing is written into a view of a
-larger buffer, and each chunk can be freed on its own). The backward computes
-d = g * (onehot(target) - p), rounded to the GEMM dtype, and runs only the two gradient GEMMs;
-each chunk's p is dropped as soon as its gradient is computed, and the backward first takes the
-list off the autograd context, so nothing outlives the backward (gradient accumulation runs
-several micro-batches; a second backward with retain_graph recomputes). Over the budget, or with
-head_cache_gib = 0: the recomputing backward, unchanged. Eager, the two paths give identical
-logp, entropy and gradients of h and weight, to the bit, wherever the backward's GEMM reproduces
-the forward's logits exactly (CPU, where tests/test_head_cache.py checks it with torch.equal): the
-forward computes the same float32 logits x and lse either way, p is the same expression
-exp(x - lse) of them as the recomputing backward's, and d the same -g*p (+ g at the target)
-rounded the same way.
-Compiled (`fused`), p comes from the forward's compiled stats kernel instead of the backward's
-compiled dlogits kernel: the same expression in two kernels, equal to rounding.
+Kept for the backward (issue 9, `trainer.head_cache_gib`, default 12): the recomputing backward
+repeats the forward's logits GEMM (2*N*V*D FLOP, ~5 TFLOP at 16k tokens, vocabulary 152k, dim
+1024) and reads the float32 [chunk x vocab] logits again, while 100+ GiB of the GPU sit unused.
+So when the [N x V] q fits the budget (N*V*itemsize of the GEMM dtype <= head_cache_gib GiB,
+checked before the forward starts, and only when a backward will come) the forward also computes
+each chunk's q and keeps it; the backward runs only the two gradient GEMMs. Each chunk's q is
+dropped as soon as its gradient is computed, and the backward first takes the list off the
+autograd context, so nothing outlives the backward (gradient accumulation runs several
+micro-batches; a second backward with retain_graph recomputes). Over the budget, or with
+head_cache_gib = 0: the recomputing backward. The two paths give identical gradients, to the bit,
+wherever the backward's GEMM reproduces the forward's logits exactly (CPU, where
+tests/test_head_cache.py checks it with torch.equal): q is the same function of the same x and
+lse either way.
 """
 
 from __future__ import annotations
@@ -69,17 +65,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         chunk: int,
         fused: bool,
         fp32: bool,
-        keep_p: bool,
+        keep_q: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = h.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=h.device)
         ent = torch.empty(n, dtype=torch.float32, device=h.device)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
-        stats = _compiled("stats") if fused else chunk_stats
-        stats_p = _compiled("stats_p") if fused else chunk_stats_keep_p
-        # keep_p (chunked_logprobs checked the head_cache_gib budget): each chunk's probabilities
-        # for the backward, which then needs no logits GEMM.
-        kept: list[torch.Tensor | None] | None = [] if keep_p else None
+        stats, q_of = _chunk_math(fused)
+        # keep_q (chunked_logprobs checked the head_cache_gib budget): each chunk's
+        # onehot - p for the backward, which then needs no logits GEMM.
+        kept: list[torch.Tensor | None] | None = [] if keep_q else None
         # The GEMM dtype the forward runs in (bf16 under autocast even for float32 weights): the
         # backward may run outside autocast and must recompute the same logits.
         mm_dtype = gemm_dtype(h, weight)
@@ -89,21 +84,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 # fp32: the GEMM's float32 output; else the model-dtype matmul (rounded logits).
-                # The float32 math on them is in chunk_stats.
                 x = float32_logits(hm[s:e], wm, mm_dtype) if fp32 else h[s:e] @ weight.t()
-                if kept is None:
-                    lse[s:e], logp[s:e], ent[s:e] = stats(x, targets[s:e])
-                else:
-                    lse[s:e], logp[s:e], ent[s:e], p = stats_p(x, targets[s:e])
-                    kept.append(p)
-                    del p
+                lse[s:e], logp[s:e], ent[s:e] = stats(x, targets[s:e])
+                if kept is not None:
+                    kept.append(q_of(x, lse[s:e], targets[s:e], mm_dtype))
                 del x
         del hm, wm
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.mm_dtype = mm_dtype
         ctx.chunk, ctx.fused, ctx.fp32 = chunk, fused, fp32
         # On ctx, not save_for_backward: the backward drops each chunk as soon as it is used.
-        ctx.p_cache = kept
+        ctx.q_cache = kept
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -113,12 +104,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         h, weight, targets, lse = ctx.saved_tensors
         chunk: int = ctx.chunk
-        dlogits_of = _compiled("dlogits") if ctx.fused else chunk_dlogits
-        from_p = _compiled("dlogits_p") if ctx.fused else chunk_dlogits_from_p
-        # Take the kept probabilities off ctx: the list is now the only reference, emptied chunk
-        # by chunk below, so no [N x V] memory outlives this backward (ctx may: logp keeps it).
-        kept: list[torch.Tensor | None] | None = ctx.p_cache
-        ctx.p_cache = None
+        _, q_of = _chunk_math(ctx.fused)
+        # Take the kept chunks off ctx: the list is now the only reference, emptied chunk by
+        # chunk below, so no [N x V] memory outlives this backward (ctx may: logp keeps it).
+        kept: list[torch.Tensor | None] | None = ctx.q_cache
+        ctx.q_cache = None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -128,23 +118,22 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with torch.profiler.record_function("relay::logprob_head_bwd"):
             for i, s in enumerate(range(0, n, chunk)):
                 e = min(n, s + chunk)
-                g = grad_logp[s:e].float()
+                g = grad_logp[s:e].float().unsqueeze(-1)
                 if kept is not None:
-                    # The forward's probabilities of this chunk: no logits GEMM.
-                    p, kept[i] = kept[i], None
-                    assert p is not None
-                    d = from_p(p, g, targets[s:e], ctx.mm_dtype)
-                    del p
+                    q, kept[i] = kept[i], None  # the forward's onehot - p: no logits GEMM
+                    assert q is not None
                 else:
-                    # The forward's logits again (float32 ones with fp32); the gradient in the GEMM dtype.
+                    # The forward's logits again (float32 ones with fp32), then onehot - p.
                     x = float32_logits(hm[s:e], wm, ctx.mm_dtype) if ctx.fp32 else hm[s:e] @ wm.t()
-                    d = dlogits_of(x, lse[s:e], g, targets[s:e], ctx.mm_dtype)
+                    q = q_of(x, lse[s:e], targets[s:e], ctx.mm_dtype)
                     del x
+                # dlogits = g * q row by row, so g scales the GEMMs' [c x D] operand or result
+                # instead of a pass over the [c x V] q.
                 if grad_h is not None:
-                    grad_h[s:e] = d @ wm
+                    grad_h[s:e] = _mm_float32(q, wm).mul_(g)
                 if grad_w is not None:
-                    grad_w.add_(_mm_float32(d.t(), hm[s:e]))
-                del d
+                    grad_w.add_(_mm_float32(q.t(), (hm[s:e] * g).to(ctx.mm_dtype)))
+                del q
         del kept
         return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None, None
 
@@ -154,117 +143,33 @@ def chunk_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's (log-sum-exp, log-prob of the target, entropy) from its logits [c, V] (float32,
     or the model dtype without logits_fp32), all in float32, as the full path computes them.
-    Entropy H = lse - sum p * logits (= -sum p log p). In-place ops where a temporary is fresh,
-    so eager runs ~4 [c x V] float32 passes fewer allocations."""
+    logp and entropy are computed as trainer.loss.logprobs_from_logits computes them (the plain
+    head's values, to the bit): H = -sum p * log_softmax, not lse - sum p * logits, which subtracts
+    two large numbers (~1e-3 lost at |logits| ~ 200 in float32). The logits are not modified."""
     x = logits.float()
-    z = torch.logsumexp(x, dim=-1)
-    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - z
-    p = (x - z.unsqueeze(-1)).exp_()
-    ent = z - p.mul_(x).sum(-1)
-    return z, logp, ent
+    ls = x.log_softmax(dim=-1)
+    logp = ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -ls.exp().mul_(ls).sum(-1)
+    return torch.logsumexp(x, dim=-1), logp, ent
 
 
-def chunk_stats_keep_p(
-    logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunk_stats plus p = exp(logits - lse) [c, V] float32, kept for the backward. Every value
-    is chunk_stats' (the same operations on the same float32 x) and p is bit for bit what
-    chunk_dlogits computes from the recomputed logits and this lse, so the cached backward's
-    gradient equals the recomputing one. `logits` is a fresh matmul output, clobbered in place
-    (the entropy's product goes into x, as p must survive)."""
-    x = logits.float()
-    z = torch.logsumexp(x, dim=-1)
-    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - z
-    p = (x - z.unsqueeze(-1)).exp_()
-    ent = z - x.mul_(p).sum(-1)
-    return z, logp, ent, p
-
-
-def chunk_stats_keep_p_pointwise(
-    logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunk_stats_keep_p without in-place ops (what torch.compile gets: mutating an input would
-    cost a write-back): the reductions and p in one compiled kernel or two, p its one [c x V]
-    float32 output. Same values as chunk_stats_keep_p."""
-    x = logits.float()
-    z = torch.logsumexp(x, dim=-1)
-    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - z
-    p = torch.exp(x - z.unsqueeze(-1))
-    ent = z - (p * x).sum(-1)
-    return z, logp, ent, p
-
-
-def chunk_dlogits_from_p(
-    p: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None = None
+def chunk_onehot_minus_p(
+    logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """chunk_dlogits from the kept probabilities p [c, V] float32 (clobbered in place: each chunk
-    is used once): g * (onehot(target) - p) in `dtype` (default float32). The same operations on
-    the same p as chunk_dlogits after its exp, so the same values to the bit."""
-    d = p.mul_(-g.unsqueeze(-1))
-    d.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
-    return d.to(p.dtype if dtype is None else dtype)
+    """onehot(target) - softmax(logits) [c, V] in `dtype` (the GEMM dtype): the logits' gradient
+    per unit of upstream gradient, d(logp)/d(logits)."""
+    q = (logits.float() - lse.unsqueeze(-1)).exp_().neg_()
+    q.scatter_add_(-1, targets.unsqueeze(-1), torch.ones_like(q[:, :1]))
+    return q.to(dtype)
 
 
-def chunk_dlogits_from_p_pointwise(
-    p: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """chunk_dlogits_from_p as one pointwise expression (the scatter as a where on the target
-    column, as chunk_dlogits_pointwise): one compiled pass reading p, writing the GEMM-dtype
-    gradient."""
-    dl = p * (-g.unsqueeze(-1))
-    col = torch.arange(p.shape[-1], device=p.device)
-    d = torch.where(col == targets.unsqueeze(-1), dl + g.unsqueeze(-1), dl)
-    return d.to(p.dtype if dtype is None else dtype)
+def _chunk_math(fused: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(stats, onehot_minus_p): the Triton kernels (trainer/head_kernel.py) when fused, else torch."""
+    if fused:
+        from trainer import head_kernel
 
-
-def chunk_dlogits(
-    logits: torch.Tensor,
-    lse: torch.Tensor,
-    g: torch.Tensor,
-    targets: torch.Tensor,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """d(sum g * logp) / d logits = g * (onehot(target) - softmax(logits)), in `dtype` (default:
-    the logits' dtype). `logits` is a fresh matmul output, clobbered in place (no float32 copy
-    when it is float32)."""
-    p = logits.float().sub_(lse.unsqueeze(-1)).exp_()
-    return chunk_dlogits_from_p(p, g, targets, logits.dtype if dtype is None else dtype)
-
-
-def chunk_dlogits_pointwise(
-    logits: torch.Tensor,
-    lse: torch.Tensor,
-    g: torch.Tensor,
-    targets: torch.Tensor,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """chunk_dlogits as one pointwise expression (the scatter becomes a where on the target
-    column), which torch.compile fuses into a single pass reading the low-precision logits and
-    writing the low-precision gradient: no [c x V] float32 tensor at all. Same values: at the
-    target column -g * p + g, elsewhere -g * p."""
-    p = torch.exp(logits.float() - lse.unsqueeze(-1))
-    return chunk_dlogits_from_p_pointwise(p, g, targets, logits.dtype if dtype is None else dtype)
-
-
-_COMPILED: dict[str, Callable[..., Any]] = {}
-# What `fused` compiles: the pointwise/reduction forms (no scatter, no in-place input writes).
-_COMPILE_SOURCES: dict[str, Callable[..., Any]] = {
-    "stats": chunk_stats,
-    "stats_p": chunk_stats_keep_p_pointwise,
-    "dlogits": chunk_dlogits_pointwise,
-    "dlogits_p": chunk_dlogits_from_p_pointwise,
-}
-
-
-def _compiled(which: str) -> Callable[..., Any]:
-    """torch.compile'd chunk math (built on first use, shared by every model of the process).
-    dynamic=True: the last chunk of every micro-batch has its own row count, and a static compile
-    would recompile per distinct size until dynamo's cache limit, then silently run eager."""
-    fn = _COMPILED.get(which)
-    if fn is None:
-        fn = torch.compile(_COMPILE_SOURCES[which], dynamic=True)
-        _COMPILED[which] = fn
-    return fn
+        return head_kernel.row_stats, head_kernel.onehot_minus_p
+    return chunk_stats, chunk_onehot_minus_p
 
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -295,33 +200,34 @@ def chunked_logprobs(
     """h [..., D], weight [V, D], targets [...] -> (logp [...], entropy [...]), float32.
 
     logp carries the gradient (to h and weight); entropy is detached (logged only).
-    fused: run each chunk's softmax math torch.compile'd (one or two passes over the
-    low-precision logits instead of ~10 over float32 copies; the same values to rounding).
+    fused: each chunk's softmax math in the Triton kernels of trainer/head_kernel.py (CUDA; one
+    pass over the logits for the statistics; the same values to float32 rounding).
     fp32: the chunk logits are the GEMM's float32 output (trainer.logits_fp32); else rounded
     to the GEMM dtype.
-    cache_gib (trainer.head_cache_gib): keep the [N x V] float32 probabilities for the backward
-    when they fit in this many GiB (no logits GEMM in the backward, same gradients); 0: always
-    recompute."""
+    cache_gib (trainer.head_cache_gib): keep the [N x V] onehot - p (in the GEMM dtype) for the
+    backward when it fits in this many GiB (no logits GEMM in the backward, same gradients);
+    0: always recompute."""
     if chunk <= 0:
         raise ValueError("chunk must be positive")
     if cache_gib < 0:
         raise ValueError("cache_gib must be >= 0")
     lead = targets.shape
     hf = h.reshape(-1, h.shape[-1])
-    keep_p = head_cache_fits(hf.shape[0], weight.shape[0], cache_gib) and (
-        # Only when a backward will come: under no_grad (or frozen inputs) keeping p is waste.
+    itemsize = torch.empty(0, dtype=gemm_dtype(h, weight)).element_size()
+    keep_q = head_cache_fits(hf.shape[0], weight.shape[0], cache_gib, itemsize) and (
+        # Only when a backward will come: under no_grad (or frozen inputs) keeping q is waste.
         torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     )
     logp, ent = _ChunkedLogProbs.apply(
-        hf, weight, targets.reshape(-1).long(), int(chunk), bool(fused), bool(fp32), keep_p
+        hf, weight, targets.reshape(-1).long(), int(chunk), bool(fused), bool(fp32), keep_q
     )
     return logp.view(lead), ent.view(lead)
 
 
-def head_cache_fits(n: int, vocab: int, cache_gib: float) -> bool:
-    """Whether n tokens' float32 probabilities over `vocab` (n * vocab * 4 bytes) fit the
-    head_cache_gib budget (0 disables the cache)."""
-    return cache_gib > 0 and n * vocab * 4 <= cache_gib * 2**30
+def head_cache_fits(n: int, vocab: int, cache_gib: float, itemsize: int) -> bool:
+    """Whether n tokens' onehot - p over `vocab` in the GEMM dtype (n * vocab * itemsize bytes)
+    fits the head_cache_gib budget (0 disables the cache)."""
+    return cache_gib > 0 and n * vocab * itemsize <= cache_gib * 2**30
 
 
 class _Float32Logits(torch.autograd.Function):
@@ -356,7 +262,7 @@ def float32_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class ChunkedOutput(nn.Linear):
     """The output layer; with `targets` set it returns (logp, entropy) instead of logits.
-    `fused` (set by trainer.parallel when trainer.compile is on, CUDA only): compiled chunk math.
+    `fused` (set by trainer.parallel on CUDA): the Triton chunk math (trainer/head_kernel.py).
     `logits_fp32` (trainer.logits_fp32, default on): logits are the GEMM's float32 output, in
     both modes (as the engine's; services/common/lm_head.py).
     `head_cache_gib` (trainer.head_cache_gib): the budget for keeping the chunked head's

@@ -292,9 +292,9 @@ def parallelize(
         apply_activation_checkpoint(model, tc.activation_checkpoint, tc.compile)
     if tc.compile:
         apply_compile(model, deg.ep > 1)
-        head = getattr(model, "output", None)
-        if device.type == "cuda" and hasattr(head, "fused"):
-            head.fused = True  # the chunked log-prob head's softmax math compiled too (chunked.py)
+    head = getattr(model, "output", None)
+    if device.type == "cuda" and hasattr(head, "fused"):
+        head.fused = True  # the chunked log-prob head's softmax math in Triton (trainer/head_kernel.py)
     if deg.fsdp:
         apply_fsdp(model, meshes["fsdp"], DTYPES[tc.dtype], meshes.get("efsdp"))
     return model, deg, meshes

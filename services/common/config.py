@@ -504,8 +504,8 @@ class TrainerSection(Strict):
     logprob_chunk_tokens: int = Field(0, ge=0)
     # LM-head logits in float32 from the bf16 GEMM (as decode.engine.logits_fp32; docs/loss.md).
     logits_fp32: bool = True
-    # Chunked head (logprob_chunk_tokens > 0): keep the forward's float32 probabilities for the
-    # backward (no logits GEMM there) when a micro-batch's tokens x vocab x 4 bytes fit in this
+    # Chunked head (logprob_chunk_tokens > 0): keep the forward's onehot - p (GEMM dtype) for the
+    # backward (no logits GEMM there) when a micro-batch's tokens x vocab x itemsize fit in this
     # many GiB; 0: always recompute. Same gradients (trainer/chunked.py; docs/trainer.md).
     head_cache_gib: float = Field(12.0, ge=0)
     # MoE: route every token to the experts inference recorded for it (Sample.routed_experts)

@@ -35,13 +35,14 @@ def prepare(kernel_modules: tuple[str, ...]) -> tuple[bool, bool]:
     kernels run under the interpreter; in_child: this process cannot, the file's tests skip and
     its child-process test runs them. Otherwise `services.engine.kernels.<m>` for each m is
     (re)imported under TRITON_INTERPRET=1 (Triton reads it when @triton.jit decorates); the rest
-    of the session keeps the environment it had."""
+    of the session keeps the environment it had. A dotted name is a full module name
+(e.g. trainer.head_kernel)."""
     interpret = not torch.cuda.is_available()
     in_child = interpret and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
     if interpret and not in_child:
         saved = set_interpret("1")
         for mod in kernel_modules:
-            name = f"services.engine.kernels.{mod}"
+            name = mod if "." in mod else f"services.engine.kernels.{mod}"
             importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
         set_interpret(saved)
     return interpret, in_child
