@@ -33,11 +33,12 @@ from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E40
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import (  # noqa: E402
     BlockTables,
+    DecodePlan,
     ForwardBatch,
     HostBatch,
     Span,
-    decode_splits,
-    split_partition,
+    item_capacity,
+    plan_decode,
 )
 from services.engine.cuda_graphs import (  # noqa: E402
     InputBuffers,
@@ -106,17 +107,25 @@ def run_kernels(
 def test_decode_kernel_splits_and_gqa_float32() -> None:
     # Contexts from 1 key to several partitions; G = 4 query heads per KV head.
     shapes = [(0, 1), (5, 1), (63, 1), (64, 1), (200, 1), (130, 1)]
-    # 64 SMs for 6 x 2 (sequence, KV head) pairs: split into 64-key partitions, some empty.
+    # 64 SMs for 6 x 2 (sequence, KV head) pairs: 64-key partitions, 1+1+1+2+4+3 items; the
+    # one-item rows are written by the decode kernel, the others by the merge kernel.
     out, ref, _, fb = run_kernels(shapes, h=8, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
     assert fb.paged is not None and fb.paged.decode is not None and fb.paged.prefill is None
-    assert fb.paged.decode.num_splits == 4  # the merge kernel ran
+    work = fb.paged.decode.work
+    assert work is not None
+    assert work.item_row.tolist() == [0, 1, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5]
+    assert work.item_start.tolist() == [0, 0, 0, 0, 64, 0, 64, 128, 192, 0, 64, 128]
+    assert work.item_end.tolist() == [1, 6, 64, 64, 65, 64, 128, 192, 201, 64, 128, 131]
+    assert work.item_merge.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert work.row_first.tolist() == [0, 1, 2, 3, 5, 9] and work.row_items.tolist() == [1, 1, 1, 2, 4, 3]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter
-def test_empty_splits_write_no_partials_and_the_merge_reads_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A short row's splits past its context write only their lse: with the partials' buffer full
-    of NaN (what a reused allocation may hold), the merged output is still the reference's."""
+def test_partials_are_read_only_where_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One long row cut into items beside short rows of one item each (written directly, no
+    partials): with the partials' buffer full of NaN (what a reused allocation may hold), every
+    output is still the reference's, so the merge reads only the long row's items."""
     from services.engine.kernels import paged_attention as pa
 
     real_empty = torch.empty
@@ -126,9 +135,11 @@ def test_empty_splits_write_no_partials_and_the_merge_reads_none(monkeypatch: py
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(pa.torch, "empty", nan_empty)
-    shapes = [(3, 1), (250, 1), (9, 1), (0, 1)]  # one long row, short ones: most splits empty
+    shapes = [(3, 1), (250, 1), (9, 1), (0, 1)]  # one long row, short ones
     out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
-    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.num_splits >= 4
+    assert fb.paged is not None and fb.paged.decode is not None
+    work = fb.paged.decode.work
+    assert work is not None and work.item_row.tolist() == [0, 1, 1, 1, 1, 2, 3]
     rows = [0, 1, 2]  # the padding row (context 0) has no output to compare
     assert torch.isfinite(out[rows]).all()
     torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
@@ -142,8 +153,8 @@ def test_decode_kernel_other_tiles(block_n: int) -> None:
 
     shapes = [(0, 1), (70, 1), (150, 1)]
     _, _, hb, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
-    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.num_splits > 1
-    # Fresh inputs on the same batch layout (block tables, splits).
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.work is not None
+    # Fresh inputs on the same batch layout (block tables, work list).
     torch.manual_seed(1)
     n_pages = sum(-(-(s + n) // 4) for s, n in shapes) + 3
     kc = torch.randn(n_pages * 4, 2, 16, device=DEV)
@@ -165,7 +176,7 @@ def test_decode_kernel_single_split_bfloat16() -> None:
     shapes = [(i * 13 % 150, 1) for i in range(16)]
     out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=32, page=16, dtype=torch.bfloat16)
     assert fb.paged is not None and fb.paged.decode is not None
-    assert fb.paged.decode.num_splits == 1
+    assert fb.paged.decode.work is None
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
@@ -328,21 +339,50 @@ def test_host_batch_with_cache_matches_without() -> None:
             assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
 
 
-def test_decode_splits() -> None:
-    # A large batch fills the GPU alone: one split, the whole context in one partition.
-    assert decode_splits(256, 8, 1536, 132) == (1, 1536)
-    # Batch 1: split down to one 64-key tile per program.
-    assert decode_splits(1, 8, 1536, 132) == (24, 64)
-    for batch in (1, 3, 32, 64):
-        for ctx in (1, 64, 65, 1000, 2048):
-            splits, part = decode_splits(batch, 8, ctx, 132)
-            assert part % 64 == 0 and splits * part >= ctx and (splits - 1) * part < ctx
-            # A graph captured for 32k contexts spreads a shorter batch over its splits: the
-            # smallest whole-tile partition with which they cover the context.
-            graph_splits = decode_splits(batch, 8, 32768, 132)[0]
-            p = split_partition(ctx, graph_splits)
-            assert p % 64 == 0 and graph_splits * p >= ctx and (p == 64 or graph_splits * (p - 64) < ctx)
-    assert split_partition(1000, 16) == 64 and split_partition(1500, 16) == 128
+def test_plan_decode() -> None:
+    # A large batch of short rows fills the GPU alone: one program per row, no merge.
+    assert plan_decode(np.full(256, 1536), 8, 132) is None
+    # Batch 1: the context cut into 64-key items, enough programs to fill the GPU.
+    one = plan_decode(np.array([1536]), 8, 132)
+    assert one is not None and one.partition == 64 and len(one.item_row) == 24
+    assert one.item_start.tolist() == list(range(0, 1536, 64)) and one.row_first.tolist() == [0]
+    assert one.item_end.tolist() == list(range(64, 1537, 64)) and one.item_merge.tolist() == [1] * 24
+    # A 16k row beside 63 short ones: only the long row is split.
+    mixed = plan_decode(np.array([16384] + [600] * 63), 8, 132)
+    assert mixed is not None and mixed.partition == 896
+    assert (mixed.item_row == 0).sum() == 19 and len(mixed.item_row) == 19 + 63
+    assert len(mixed.item_row) <= item_capacity(64, 8, 132) == 128
+    # Any contexts: the items cover each row's context exactly, consecutively, within capacity.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        b = int(rng.integers(1, 300))
+        ctx = rng.integers(0, 40000, b) * (rng.random(b) < 0.9)  # some padding rows (0)
+        ctx[0] = max(ctx[0], 1)
+        plan = plan_decode(ctx, int(rng.choice([1, 2, 8])), int(rng.choice([4, 132])))
+        if plan is None:
+            continue
+        p = plan.partition
+        assert p % 64 == 0
+        n = np.bincount(plan.item_row, minlength=b)
+        assert (n * p >= ctx).all() and ((n - 1) * p < np.maximum(ctx, 1)).all()
+        assert (n[ctx == 0] == 0).all() and (plan.row_items == n).all()
+        assert (plan.row_first == np.cumsum(n) - n).all()
+        # each row's items tile [0, ctx) in order, in partitions of p keys
+        split = np.arange(len(plan.item_row)) - plan.row_first[plan.item_row]
+        assert (plan.item_start == split * p).all()
+        assert (plan.item_end == np.minimum(plan.item_start + p, ctx[plan.item_row])).all()
+        assert (plan.item_merge == (n[plan.item_row] > 1)).all()
+
+
+def test_plan_decode_stays_within_capacity() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        b, n_kv, sms = int(rng.integers(1, 300)), int(rng.choice([1, 2, 4, 8])), int(rng.choice([4, 132]))
+        ctx = rng.integers(0, 1 << int(rng.integers(1, 17)), b)
+        plan = plan_decode(ctx, n_kv, sms)
+        if plan is not None:
+            assert len(plan.item_row) <= item_capacity(b, n_kv, sms)
+            assert plan.partition < int(ctx.max())  # else one program per row would do
 
 
 def test_ladder_and_padding() -> None:
@@ -360,20 +400,29 @@ def test_ladder_and_padding() -> None:
 
 
 def test_graph_input_buffers_pad_rows() -> None:
-    buf = InputBuffers(max_batch=8, width=5, device=torch.device("cpu"))
+    buf = InputBuffers(max_batch=8, width=5, capacity=12, device=torch.device("cpu"))
     spans, _ = make_spans([(3, 1), (9, 1), (0, 1)], page=4, n_pages=20)
     hb = HostBatch.build(spans, 4)
-    buf.fill(hb, 4, 128)
+    assert plan_decode(np.array([4, 10, 1]), 1, 2) is None  # every row fits one 64-key partition
+    # A hand-made plan with 4-key partitions (the buffers take any plan).
+    plan = DecodePlan(
+        4, np.array([0, 1, 1, 1, 2]), np.array([0, 0, 4, 8, 0]), np.array([4, 4, 8, 10, 1]),
+        np.array([0, 1, 1, 1, 0]), np.array([0, 1, 4]), np.array([1, 3, 1]),
+    )  # fmt: skip
+    buf.fill(hb, 4, plan, capacity=7)
     assert buf.ids[:3].tolist() == hb.ids.tolist()
     assert buf.slots[:4].tolist() == [*hb.slots.tolist(), -1]  # padding row stores nothing
     assert buf.ctx[:4].tolist() == [4, 10, 1, 0]  # and reads nothing
     assert buf.tables[1, :3].tolist() == spans[1].block_table
-    assert buf.partition.tolist() == [128]
+    work = buf.work.work(4, 7)
+    assert work.item_row.tolist() == [0, 1, 1, 1, 2, -1, -1]  # spare items: unused programs
+    assert work.item_end[:5].tolist() == [4, 4, 8, 10, 1] and work.row_first[:3].tolist() == [0, 1, 4]
+    assert work.row_items.tolist() == [1, 3, 1, 0]  # the padding row has no items
     # A smaller batch next step turns the previous rows into padding again.
-    buf.fill(HostBatch.build(spans[:1], 4), 2, 64)
+    buf.fill(HostBatch.build(spans[:1], 4), 2, None, capacity=5)
     assert buf.slots[:2].tolist() == [hb.slots[0], -1] and buf.ctx[:2].tolist() == [4, 0]
     with pytest.raises(ValueError, match="width"):
-        buf.fill(HostBatch.build(make_spans([(30, 1)], 4, 20)[0], 4), 1, 64)
+        buf.fill(HostBatch.build(make_spans([(30, 1)], 4, 20)[0], 4), 1, None, 5)
 
 
 def test_mixed_buffers_block_list_and_padding() -> None:
@@ -386,13 +435,29 @@ def test_mixed_buffers_block_list_and_padding() -> None:
         and token_ladder(64) == [64]
         and token_ladder(300) == [64, 128, 192, 256, 300]
     )
-    buf = MixedBuffers([16, 32], max_decode=4, max_prefill=2, width=8, block_m=4, device=torch.device("cpu"))
+    buf = MixedBuffers(
+        [16, 32],
+        max_decode=4,
+        max_prefill=2,
+        width=8,
+        block_m=4,
+        n_kv_heads=2,
+        num_sms=4,
+        device=torch.device("cpu"),
+    )
     spans, _ = make_spans([(3, 1), (0, 9), (9, 1), (4, 5)], page=4, n_pages=30)
     hb = HostBatch.build(spans, 4)
     size = buf.fits(hb)
     assert size == 16  # 1 + 9 + 1 + 5 tokens
-    last = buf.fill(hb, 16, splits=2)
+    plan = DecodePlan(
+        4, np.array([0, 1, 1, 1]), np.array([0, 0, 4, 8]), np.array([4, 4, 8, 10]),
+        np.array([0, 1, 1, 1]), np.array([0, 1]), np.array([1, 3]),
+    )  # fmt: skip
+    last = buf.fill(hb, 16, plan)
     h = buf.h
+    assert buf.capacity(16) == item_capacity(4, 2, 4) == 8
+    assert h["item_row"][:8].tolist() == [0, 1, 1, 1, -1, -1, -1, -1]
+    assert h["row_items"].tolist() == [1, 3, 0, 0]  # rows past the plan's: no items
     assert h["ids"][:16].tolist() == hb.ids.tolist() and (h["slots"][16:32] == -1).all()
     assert h["dec_qloc"][:4].tolist() == [0, 10, -1, -1] and h["dec_ctx"][:4].tolist() == [4, 10, 0, 0]
     assert h["pre_qstart"].tolist() == [1, 11] and h["pre_qlens"].tolist() == [9, 5]
@@ -405,20 +470,6 @@ def test_mixed_buffers_block_list_and_padding() -> None:
     assert buf.fits(HostBatch.build(make_spans([(0, 2)] * 3, 4, 30)[0], 4)) is None
     assert buf.fits(HostBatch.build(make_spans([(0, 33)], 4, 30)[0], 4)) is None
     assert buf.fits(HostBatch.build(make_spans([(0, 40)], 4, 30)[0], 4)) is None
-
-
-def test_long_context_split_variants() -> None:
-    """A graph size captured for max_seq_len 16k with one split (a big batch) gets a second,
-    long-context variant; a step takes it only when one program would walk > 2,048 keys."""
-    from services.engine.cuda_graphs import LONG_PARTITION_KEYS, pick_splits, split_options
-
-    assert split_options(1, 2048) == [1]  # short contexts: nothing more to capture
-    assert split_options(4, 8192) == [4]  # 2,048 keys per split at 8k: enough
-    opts = split_options(1, 16384)
-    assert opts == [1, 16]
-    assert pick_splits(opts, 1500) == 1 and pick_splits(opts, LONG_PARTITION_KEYS) == 1
-    assert pick_splits(opts, 16384) == 16 and split_partition(16384, 16) == 1024
-    assert split_options(1, 1 << 20)[-1] == 64  # capped: partials stay bounded
 
 
 def test_attention_backend_config() -> None:
@@ -482,10 +533,13 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
         block_size=4,
         attention_backend="triton",
         cuda_graphs=False,
+        overlap_schedule=False,  # (auto: on with CUDA) every scheduled token on the host
     )
     engine = LLMEngine(model_dir, cfg)
-    for i, n in enumerate((5, 30, 17)):
-        engine.add_request(GenerateRequest(input_ids=list(range(3, 3 + n)), sampling=SamplingParams(seed=i)))
+    for i, n in enumerate((5, 90, 17)):  # 91 keys: more than one 64-key item
+        engine.add_request(
+            GenerateRequest(input_ids=[3 + j % 60 for j in range(n)], sampling=SamplingParams(seed=i))
+        )
     while engine.num_waiting or any(s.num_cached < len(s.prompt) for s in engine.scheduler.running):
         engine.step()
     plan = engine.scheduler.schedule()
@@ -495,10 +549,14 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     eager = engine.model(hb.to_forward_batch(engine.device, 2, engine.num_sms), engine.kv)
     graphs = DecodeGraphs(engine.model, engine.kv, 8, num_sms=64, device=engine.device)
     size = padded_size(len(spans), graphs.sizes)
-    assert size == 4 and graphs.splits[size] > 1  # a padding row, and the merge kernel
-    graphs.buf.fill(hb, size, split_partition(int(hb.ctx_lens.max()), graphs.splits[size]))
-    static = engine.model(graphs.static_batch(size), engine.kv)
-    torch.testing.assert_close(static[: len(spans)], eager, atol=1e-5, rtol=1e-5)
+    assert size == 4  # a padding row
+    # Both graphs of the size: the ragged work list (spare items unused) and one program per row.
+    plan = plan_decode(hb.ctx_lens, engine.model.config.n_kv_heads, 64)
+    assert plan is not None and len(plan.item_row) < graphs.capacity[size]
+    for p in (plan, None):
+        graphs.buf.fill(hb, size, p, graphs.capacity[size])
+        static = engine.model(graphs.static_batch(size, p is not None), engine.kv)
+        torch.testing.assert_close(static[: len(spans)], eager, atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter
@@ -515,10 +573,13 @@ def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> 
         block_size=4,
         attention_backend="triton",
         cuda_graphs=False,
+        overlap_schedule=False,  # (auto: on with CUDA) every scheduled token on the host
     )
     engine = LLMEngine(model_dir, cfg)
-    for i, n in enumerate((5, 17)):
-        engine.add_request(GenerateRequest(input_ids=list(range(3, 3 + n)), sampling=SamplingParams(seed=i)))
+    for i, n in enumerate((5, 80)):  # 81 keys: more than one 64-key decode item
+        engine.add_request(
+            GenerateRequest(input_ids=[3 + j % 60 for j in range(n)], sampling=SamplingParams(seed=i))
+        )
     while engine.num_waiting or any(s.num_cached < len(s.prompt) for s in engine.scheduler.running):
         engine.step()
     for i, n in enumerate((70, 9)):  # 70 queries: two blocks of 64
@@ -534,12 +595,15 @@ def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> 
     eager = engine.model(hb.to_forward_batch(engine.device, 2, engine.num_sms), engine.kv)
     graphs = MixedGraphs(engine.model, engine.kv, 256, 8, 4, num_sms=64, device=engine.device)
     size = graphs.buf.fits(hb)
-    assert size == 128 and graphs.splits[size] >= 1
-    last = graphs.buf.fill(hb, size, graphs.splits[size])
-    static = engine.model(graphs.buf.static_batch(size, graphs.splits[size]), engine.kv)
-    assert static.shape[0] == 128 and torch.isfinite(static).all()  # padding rows stay finite
-    torch.testing.assert_close(static[: len(hb.ids)], eager, atol=1e-5, rtol=1e-5)
-    assert last.tolist() == (hb.q_start + hb.q_lens - 1).tolist()
+    assert size == 128
+    plan = plan_decode(hb.ctx_lens[hb.q_lens == 1], engine.model.config.n_kv_heads, 64)
+    assert plan is not None
+    for p in (plan, None):
+        last = graphs.buf.fill(hb, size, p)
+        static = engine.model(graphs.buf.static_batch(size, p is not None), engine.kv)
+        assert static.shape[0] == 128 and torch.isfinite(static).all()  # padding rows stay finite
+        torch.testing.assert_close(static[: len(hb.ids)], eager, atol=1e-5, rtol=1e-5)
+        assert last.tolist() == (hb.q_start + hb.q_lens - 1).tolist()
 
 
 def test_backend_auto_resolution(model_dir: Path) -> None:

@@ -392,8 +392,8 @@ def test_feed_pending_writes_only_the_pending_rows() -> None:
     spans = [Span([0, 1], 5, [0]), Span([2], 2, [11]), Span([3, 4], 6, [0])]
     hb = HostBatch.build(spans, 4)
     feed = Feed(dst=[0, 2], src=[1, 0], tokens=torch.tensor([70, 80, 90]))
-    buf = InputBuffers(4, 8, torch.device("cpu"))
-    buf.fill(hb, 4, 64)
+    buf = InputBuffers(4, 8, 8, torch.device("cpu"))
+    buf.fill(hb, 4, None, 8)
     buf.dev.copy_(buf.host)
     before = buf.dev.clone()
     feed_pending(buf.ids, feed)

@@ -184,7 +184,7 @@ def test_decode_step_kernels_inside_a_pdl_scope_compute_the_same_function() -> N
     spans = [Span(list(range(38)), 150, [1]), Span([38, 39], 0, [1, 2, 3, 4, 5]), Span([40, 41, 42], 9, [1])]
     hb = HostBatch.build(spans, page)
     fb = hb.to_forward_batch(torch.device("cpu"), h_kv, 64)
-    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.num_splits > 1
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.work is not None
     assert fb.paged.prefill is not None
     kc0, vc0 = torch.randn(43 * page, h_kv, hd, generator=g), torch.randn(43 * page, h_kv, hd, generator=g)
     qa = torch.randn(len(hb.ids), h, hd, generator=g)
@@ -258,8 +258,15 @@ PRE_WAIT_LOADS = {
     "_add_rms_norm": {"w_ptr"},
     "_qk_rope_store_kernel": {"qw_ptr", "kw_ptr", "slot_ptr"},
     "_store_kv_kernel": {"slot_ptr"},
-    "_decode_kernel": {"ctx_ptr", "q_loc_ptr", "partition_ptr"},
-    "_merge_kernel": {"q_loc_ptr"},
+    "_decode_kernel": {
+        "ctx_ptr",
+        "q_loc_ptr",
+        "item_row_ptr",
+        "item_start_ptr",
+        "item_end_ptr",
+        "item_merge_ptr",
+    },
+    "_merge_kernel": {"q_loc_ptr", "row_first_ptr", "row_items_ptr"},
     "_prefill_kernel": {"blk_ptr"},
 }
 ENGINE_KERNEL_MODULES = (

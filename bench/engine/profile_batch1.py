@@ -191,7 +191,7 @@ def profile_one(args: argparse.Namespace, cuda: bool, device: torch.device, root
         bw = measure_bandwidth(device)
         report["bandwidth_bytes_s"] = bw
         report["weight_read_ms"] = weight_bytes / bw * 1e3
-        g = eng.graphs.graphs[1, eng.graphs.splits[1]]
+        g = eng.graphs.graphs[eng.graphs.last_key]
         report["graph_replay_ms"] = replay_us(g, 50) / 1e3
         summary, rows = profile_replays(g, args.replays, len(eng.model.model.layers))
         report.update(summary)
@@ -318,7 +318,7 @@ def pdl_compare(args: argparse.Namespace, cuda: bool, device: torch.device, root
         bw = measure_bandwidth(device)
         report["bandwidth_bytes_s"] = bw
         report["weight_read_ms"] = weight_bytes / bw * 1e3
-        graphs = {name: e.graphs.graphs[1, e.graphs.splits[1]] for name, e in engines.items()}
+        graphs = {name: e.graphs.graphs[e.graphs.last_key] for name, e in engines.items()}
         replay: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(5):
             for name, g in graphs.items():

@@ -404,7 +404,7 @@ def batch1_and_latency(
     if engine.graphs is not None:
         # The captured forward alone (no logits, no sampler), on the last step's inputs: it rewrites
         # that token's K/V with the same values into pages that are free by now.
-        g = engine.graphs.graphs[1, engine.graphs.splits[1]]
+        g = engine.graphs.graphs[engine.graphs.last_key]
         for _ in range(5):
             g.replay()
         sync()
@@ -543,7 +543,7 @@ def kernel_bench(args: argparse.Namespace, prompts: list[list[int]], model_kw: d
         res: dict[str, Any] = {
             "batch": len(ctxs),
             "kv_mb": round(kv_bytes / 2**20, 1),
-            "splits": meta.num_splits,
+            "decode_items": 0 if meta.work is None else int(meta.work.item_row.shape[0]),
         }
         ref = None
         runs = []

@@ -30,7 +30,7 @@ import torch
 from bench.kv.common import ResultWriter, add_common_args, machine, prepare, synchronize, synchronize_stream
 from bench.kv.interference import build_engine, percentile
 from services.common.schemas import GenerateRequest, SamplingParams
-from services.engine import LLMEngine, cuda_graphs
+from services.engine import LLMEngine
 from services.engine.kernels import paged_attention
 from services.engine.kv_transfer import page_nbytes
 
@@ -102,12 +102,6 @@ def main() -> None:
     p.add_argument("--import-mib", type=int, default=256)
     p.add_argument("--conditions", default="alone,import,long")
     p.add_argument(
-        "--long-split-keys",
-        type=int,
-        default=None,
-        help="cuda_graphs.LONG_SPLIT_KEYS: keys per split of the long-context graph variant",
-    )
-    p.add_argument(
         "--decode-tuning",
         default="",
         help='overrides of kernels/paged_attention.DECODE_TUNING, JSON (e.g. {"num_stages": 2})',
@@ -115,8 +109,6 @@ def main() -> None:
     args = p.parse_args()
     if args.decode_tuning:
         paged_attention.DECODE_TUNING.update(json.loads(args.decode_tuning))
-    if args.long_split_keys is not None:
-        cuda_graphs.LONG_SPLIT_KEYS = args.long_split_keys
     conditions = args.conditions.split(",")
     # build_engine's sizing fields (interference.py): room for the streams and one long request.
     args.stream_tokens, args.long_count, args.long_out = 4096, 1, 4096
@@ -155,7 +147,7 @@ def main() -> None:
         while not long.seqs[0].output:
             eng.step()
         res["long"] = {
-            "long_split_keys": cuda_graphs.LONG_SPLIT_KEYS,
+            "graph": None if eng.graphs is None else list(eng.graphs.last_key or ()),
             "decode_tuning": dict(paged_attention.DECODE_TUNING),
             "step_ms": _summary(_steps(eng, args)),
             "kernels": _kernels(eng, args),

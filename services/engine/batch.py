@@ -150,16 +150,33 @@ def _group(
 
 
 @dataclass
+class DecodeWork:
+    """A decode step's ragged work list: each program of the decode kernel attends one query row
+    over one partition of that row's context (keys [start, end)). A row of c keys has
+    cdiv(c, partition) items, consecutive from row_first[row]; a row with one item writes its
+    output directly, the others write partials that the merge kernel combines. So a 16k-token row
+    beside 63 short ones is cut into many items while the short rows keep one each; a uniform
+    split count gave every short row the long row's (empty) splits too (bench/kv/step_costs.py).
+    Every value is computed on the host (plan_decode), so a program's loads do not wait on each
+    other (at batch 1 a dependent load is a visible share of a 5 us kernel)."""
+
+    item_row: torch.Tensor  # [W] the row of each program (-1: unused, a CUDA graph's spare slot)
+    item_start: torch.Tensor  # [W] first key of the item
+    item_end: torch.Tensor  # [W] one past its last key
+    item_merge: torch.Tensor  # [W] 0: the row's only item writes the output; 1: a partial
+    row_first: torch.Tensor  # [B] each row's first item (where its partials start)
+    row_items: torch.Tensor  # [B] items of the row (0 for padding rows; <= 1: no merge)
+
+
+@dataclass
 class DecodeMeta:
     """Sequences feeding one token this step."""
 
     q_loc: torch.Tensor  # [B] flat row of each sequence's query (and output)
     block_tables: torch.Tensor  # [B, P] page ids; entries past a sequence's pages are never read
     ctx_lens: torch.Tensor  # [B] keys of each sequence, this step's token included (0: padding row)
-    num_splits: int  # context partitions per sequence (static: part of a CUDA graph's shape)
-    # [1] keys per partition, a multiple of DECODE_BLOCK_N: a device value, so a CUDA graph
-    # captured for the longest context still spreads a short batch over all its splits.
-    partition: torch.Tensor
+    # None: one program per (row, KV head) over the row's whole context, no merge.
+    work: DecodeWork | None = None
 
 
 @dataclass
@@ -185,20 +202,68 @@ class PagedMeta:
     padded: bool = False  # token rows past the real ones (a CUDA graph's fixed size): see attend
 
 
-def decode_splits(batch: int, n_kv_heads: int, max_ctx: int, num_sms: int) -> tuple[int, int]:
-    """(num_splits, partition) for the decode kernel: enough (sequence, KV head, split) programs to
-    fill the GPU about twice, never a partition shorter than one tile. A large batch gets one
-    split, which skips the merge kernel."""
-    tiles = max(1, -(-max_ctx // DECODE_BLOCK_N))
-    want = -(-2 * num_sms // max(1, batch * n_kv_heads))
-    splits = max(1, min(want, tiles))
-    partition = -(-tiles // splits) * DECODE_BLOCK_N
-    return max(1, -(-max_ctx // partition)), partition
+# Keys one program may walk before a batch that already fills the GPU is split: past this a
+# long row makes every step wait for its few programs (interference run 9: a 16k row next to 63
+# short ones took ~13 ms a step with one program per row).
+LONG_PARTITION_KEYS = 2048
 
 
-def split_partition(max_ctx: int, splits: int) -> int:
-    """Keys per partition when `splits` partitions cover contexts of up to max_ctx keys."""
-    return max(1, -(-max_ctx // (splits * DECODE_BLOCK_N))) * DECODE_BLOCK_N
+def target_items(batch: int, n_kv_heads: int, num_sms: int) -> int:
+    """How many (row, partition) items a decode step aims at: enough programs (x KV heads) to
+    fill the GPU about twice, and never fewer than the rows."""
+    return max(batch, -(-2 * num_sms // n_kv_heads))
+
+
+def item_capacity(batch: int, n_kv_heads: int, num_sms: int) -> int:
+    """The most items plan_decode makes for `batch` rows: the target plus one per row (each row's
+    last partition may be partial). A CUDA graph's fixed grid for that batch size."""
+    return batch + target_items(batch, n_kv_heads, num_sms)
+
+
+@dataclass
+class DecodePlan:
+    """plan_decode's host arrays (int64), what DecodeWork holds on the device."""
+
+    partition: int
+    item_row: np.ndarray  # [n]
+    item_start: np.ndarray  # [n]
+    item_end: np.ndarray  # [n]
+    item_merge: np.ndarray  # [n]
+    row_first: np.ndarray  # [B]
+    row_items: np.ndarray  # [B]
+
+    def arrays(self) -> list[np.ndarray]:
+        """In DecodeWork's field order."""
+        return [
+            self.item_row,
+            self.item_start,
+            self.item_end,
+            self.item_merge,
+            self.row_first,
+            self.row_items,
+        ]
+
+
+def plan_decode(ctx: np.ndarray, n_kv_heads: int, num_sms: int) -> DecodePlan | None:
+    """The work list for rows of these context lengths (0: a padding row, no item), or None when
+    one program per row is as good: every row fits one partition, or the rows alone fill the GPU
+    and none is longer than LONG_PARTITION_KEYS (one split, no merge kernel: W1's large batches).
+    The partition spreads the total context over target_items programs (a multiple of
+    DECODE_BLOCK_N), so the items number at most item_capacity(len(ctx))."""
+    b = len(ctx)
+    max_ctx = int(ctx.max()) if b else 0
+    if b * n_kv_heads >= 2 * num_sms and max_ctx <= LONG_PARTITION_KEYS:
+        return None
+    want = -(-int(ctx.sum()) // target_items(b, n_kv_heads, num_sms))
+    partition = max(1, -(-want // DECODE_BLOCK_N)) * DECODE_BLOCK_N
+    if max_ctx <= partition:
+        return None
+    n = -(-ctx // partition)  # 0 for padding rows
+    first = np.cumsum(n) - n
+    row = np.repeat(np.arange(b, dtype=np.int64), n)
+    start = (np.arange(len(row), dtype=np.int64) - first[row]) * partition
+    end = np.minimum(start + partition, ctx[row])
+    return DecodePlan(partition, row, start, end, (n[row] > 1).astype(np.int64), first, n.astype(np.int64))
 
 
 def num_sms(device: torch.device) -> int:
@@ -267,11 +332,10 @@ class HostBatch:
             self.q_lens[pre],
             self.ctx_lens[pre],
             self.tables[pre].ravel(),
-            np.zeros(1, np.int64),  # the decode partition, set below
         ]
-        splits = 1
-        if len(dec):
-            splits, parts[-1][0] = decode_splits(len(dec), n_kv_heads, int(self.ctx_lens[dec].max()), num_sms)
+        plan = plan_decode(self.ctx_lens[dec], n_kv_heads, num_sms) if len(dec) else None
+        if plan is not None:
+            parts += plan.arrays()
         # Each part starts 16-byte aligned (even int64 count before it): Triton specialises kernels
         # on pointer alignment, so a varying alignment would mean recompiles mid-run.
         sizes = [len(x) for x in parts]
@@ -281,7 +345,8 @@ class HostBatch:
         t, s, p = len(self.ids), len(self.q_lens), self.tables.shape[1]
         decode = prefill = None
         if len(dec):
-            decode = DecodeMeta(views[4], views[6].view(len(dec), p), views[5], splits, views[11])
+            work = DecodeWork(*views[11:17]) if plan is not None else None
+            decode = DecodeMeta(views[4], views[6].view(len(dec), p), views[5], work)
         if len(pre):
             prefill = PrefillMeta(
                 views[7], views[8], views[10].view(len(pre), p), views[9], int(self.q_lens[pre].max())

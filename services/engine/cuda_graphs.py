@@ -9,11 +9,12 @@ Batches above the largest size run eagerly. Steps that carry prefill tokens run 
 (below): one graph per token count of a ladder, the decode graphs' memory pool shared.
 
 Inputs live in static device buffers the graphs were captured on (one int64 buffer: token ids,
-positions, slots, context lengths, block tables, the decode partition) and are refreshed from a
-pinned host mirror with one copy per step. Each size's decode split count is fixed at capture
-(sized for max_seq_len); the keys per split follow the step's longest context, so a short batch
-still spreads over all splits. The logits projection and the sampler stay outside the graph: the sampler
-draws from per-request host RNGs and must stay exact about log-probs.
+positions, slots, context lengths, block tables, the decode work list) and are refreshed from a
+pinned host mirror with one copy per step. Each size has two graphs: one program per row
+(batch.plan_decode says None), and the ragged work list (batch.DecodeWork) with a fixed grid of
+item_capacity(size) items, unused ones -1; the step's plan fills it. The logits projection and
+the sampler stay outside the graph: the sampler draws from per-request host RNGs and must stay
+exact about log-probs.
 
 Weights are updated in place (CausalLM.load_hf_state), so captured graphs stay valid across
 weight versions; the KV pool is allocated once, so its addresses never change either.
@@ -27,14 +28,15 @@ import numpy as np
 import torch
 
 from services.engine.batch import (
-    DECODE_BLOCK_N,
     DecodeMeta,
+    DecodePlan,
+    DecodeWork,
     ForwardBatch,
     HostBatch,
     PagedMeta,
     PrefillMeta,
-    decode_splits,
-    split_partition,
+    item_capacity,
+    plan_decode,
 )
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM
@@ -57,29 +59,53 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-# Keys one decode program may walk before a step takes the graph variant with more splits: a
-# sequence of 16k keys next to short ones (a long prompt handed over by a prefill service) in a
-# batch whose split count was sized for the batch (one split at 64+ rows) made every step wait
-# ~13 ms for that one row's 8 programs, 28 layers x 256 tiles in series (interference run 9).
-LONG_PARTITION_KEYS = 2048
-LONG_SPLIT_KEYS = 1024  # the long variant's partition at max_seq_len
-MAX_LONG_SPLITS = 64
+class WorkBuffers:
+    """The decode work list's slots in a graph's int64 buffers (host mirror and device): the
+    DecodeWork arrays for `capacity` items and `rows` rows."""
+
+    ITEM = ("item_row", "item_start", "item_end", "item_merge")
+    ROW = ("row_first", "row_items")
+
+    def __init__(self, h: dict[str, np.ndarray], d: dict[str, torch.Tensor]):
+        self.h, self.d = h, d
+        h["item_row"][:] = -1
+
+    @classmethod
+    def sizes(cls, rows: int, capacity: int) -> dict[str, int]:
+        return {**dict.fromkeys(cls.ITEM, capacity), **dict.fromkeys(cls.ROW, rows)}
+
+    def work(self, rows: int, capacity: int) -> DecodeWork:
+        d = self.d
+        return DecodeWork(*(d[k][:capacity] for k in self.ITEM), *(d[k][:rows] for k in self.ROW))
+
+    def fill(self, plan: DecodePlan | None, capacity: int) -> None:
+        """The plan's items, then unused ones (row -1) up to this graph's capacity, and rows past
+        the plan's with no items (no plan: nothing to write, the graph reads none of it)."""
+        if plan is None:
+            return
+        h, n, b = self.h, len(plan.item_row), len(plan.row_first)
+        assert n <= capacity, (n, capacity)
+        for name, values in zip(self.ITEM + self.ROW, plan.arrays(), strict=True):
+            h[name][: len(values)] = values
+        h["item_row"][n:capacity] = -1
+        h["row_items"][b:] = 0
 
 
-def split_options(short: int, max_seq_len: int) -> list[int]:
-    """Split counts captured for one graph size: the batch-sized one, plus a long-context one
-    when max_seq_len would otherwise leave a program more than LONG_PARTITION_KEYS keys."""
-    if split_partition(max_seq_len, short) <= LONG_PARTITION_KEYS:
-        return [short]
-    return [short, max(short, min(MAX_LONG_SPLITS, -(-max_seq_len // LONG_SPLIT_KEYS)))]
-
-
-def pick_splits(options: list[int], max_ctx: int) -> int:
-    """The fewest splits that keep every program within LONG_PARTITION_KEYS keys, else the most."""
-    for splits in options:
-        if split_partition(max_ctx, splits) <= LONG_PARTITION_KEYS:
-            return splits
-    return options[-1]
+def carve(
+    parts: dict[str, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray], dict[str, torch.Tensor]]:
+    """One pinned int64 host mirror and its device buffer, cut into named consecutive slices."""
+    n = sum(parts.values())
+    host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+    dev = torch.zeros(n, dtype=torch.int64, device=device)
+    h: dict[str, np.ndarray] = {}
+    d: dict[str, torch.Tensor] = {}
+    at = 0
+    hnp = host.numpy()
+    for name, size in parts.items():
+        h[name], d[name] = hnp[at : at + size], dev[at : at + size]
+        at += size
+    return host, dev, h, d
 
 
 class InputBuffers:
@@ -87,26 +113,29 @@ class InputBuffers:
     the H2D copy is asynchronous; the next fill waits for it (an event) before rewriting the host
     mirror, which with overlap scheduling can come before the previous step's tokens are read."""
 
-    def __init__(self, max_batch: int, width: int, device: torch.device):
+    def __init__(self, max_batch: int, width: int, capacity: int, device: torch.device):
         self.max_batch, self.width = max_batch, width
         b = max_batch
-        n = 4 * b + b * width + 1
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
-        h = self.host.numpy()
-        self.h_ids, self.h_pos, self.h_slots, self.h_ctx = (h[i * b : (i + 1) * b] for i in range(4))
-        self.h_tables = h[4 * b : -1].reshape(b, width)
-        self.h_partition = h[-1:]
-        d = self.dev
-        self.ids, self.pos, self.slots, self.ctx = (d[i * b : (i + 1) * b] for i in range(4))
-        self.tables = d[4 * b : -1].view(b, width)
-        self.partition = d[-1:]
+        parts = {
+            "ids": b,
+            "pos": b,
+            "slots": b,
+            "ctx": b,
+            "tables": b * width,
+            **WorkBuffers.sizes(b, capacity),
+        }
+        self.host, self.dev, h, d = carve(parts, device)
+        self.h_ids, self.h_pos, self.h_slots, self.h_ctx = h["ids"], h["pos"], h["slots"], h["ctx"]
+        self.h_tables = h["tables"].reshape(b, width)
+        self.ids, self.pos, self.slots, self.ctx = d["ids"], d["pos"], d["slots"], d["ctx"]
+        self.tables = d["tables"].view(b, width)
+        self.work = WorkBuffers(h, d)
         self.h_slots[:] = -1  # every row starts as padding
-        self.h_partition[0] = DECODE_BLOCK_N
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def fill(self, hb: HostBatch, size: int, partition: int) -> None:
-        """Rows [0, n) from the batch, rows [n, size) padding; then one copy to the device."""
+    def fill(self, hb: HostBatch, size: int, plan: DecodePlan | None, capacity: int) -> None:
+        """Rows [0, n) from the batch, rows [n, size) padding, the work list; then one copy to
+        the device."""
         n, p = len(hb.ids), hb.tables.shape[1]
         if p > self.width:
             raise ValueError(f"block table of {p} pages exceeds the captured width {self.width}")
@@ -123,7 +152,7 @@ class InputBuffers:
         self.h_pos[n:size] = 0
         self.h_slots[n:size] = -1
         self.h_ctx[n:size] = 0
-        self.h_partition[0] = partition
+        self.work.fill(plan, capacity)
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -159,23 +188,19 @@ class DecodeGraphs:
         self.width = -(-kv.max_seq_len // kv.block_size)
         self.n_kv_heads = model.config.n_kv_heads
         self.num_sms = num_sms
-        self.buf = InputBuffers(self.sizes[-1], self.width, device)
-        # Keyed (size, splits): each size has its batch-sized split count (`splits`, sized for the
-        # longest context; the partition follows each step's) and, for long max_seq_len, a
-        # long-context variant (split_options) that steps with a long sequence take.
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.splits = {
-            size: decode_splits(size, self.n_kv_heads, kv.max_seq_len, num_sms)[0] for size in self.sizes
-        }
-        self.options = {size: split_options(self.splits[size], kv.max_seq_len) for size in self.sizes}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.capacity = {size: item_capacity(size, self.n_kv_heads, num_sms) for size in self.sizes}
+        self.buf = InputBuffers(self.sizes[-1], self.width, self.capacity[self.sizes[-1]], device)
+        # Keyed (size, ragged): one program per row, or the ragged work list (module docstring).
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.arange = torch.arange(self.sizes[-1], device=device)
         self.pool: object | None = None  # the graphs' memory pool, once captured
+        self.last_key: tuple[int, bool] | None = None  # the graph the last step replayed (benches)
 
-    def static_batch(self, size: int, splits: int | None = None) -> ForwardBatch:
+    def static_batch(self, size: int, ragged: bool) -> ForwardBatch:
         b = self.buf
-        splits = self.splits[size] if splits is None else splits
-        decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], splits, b.partition)
+        work = b.work.work(size, self.capacity[size]) if ragged else None
+        decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], work)
         return ForwardBatch(
             b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None)
         )
@@ -183,10 +208,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, all in one memory pool (a smaller graph reuses the larger one's blocks).
-        The buffers hold padding only (slot -1, context 0), so capture neither reads nor writes KV."""
+        The buffers hold padding only (slot -1, context 0, no items), so capture neither reads
+        nor writes KV."""
         self.buf.dev.copy_(self.buf.host)
         pool = None
-        for key in sorted(((size, sp) for size in self.sizes for sp in self.options[size]), reverse=True):
+        for key in sorted(((size, ragged) for size in self.sizes for ragged in (False, True)), reverse=True):
             self.outputs[key], self.graphs[key], pool = capture_forward(
                 self.model, self.kv, self.static_batch(*key), self.device, pool
             )
@@ -202,12 +228,12 @@ class DecodeGraphs:
         n = len(hb.ids)
         size = padded_size(n, self.sizes)
         assert size is not None and hb.decode_only
-        max_ctx = int(hb.ctx_lens.max())
-        splits = pick_splits(self.options[size], max_ctx)
-        self.buf.fill(hb, size, split_partition(max_ctx, splits))
+        plan = plan_decode(hb.ctx_lens, self.n_kv_heads, self.num_sms)
+        self.buf.fill(hb, size, plan, self.capacity[size])
         feed_pending(self.buf.ids, feed)
-        self.graphs[size, splits].replay()
-        return self.outputs[size, splits][:n]
+        key = self.last_key = (size, plan is not None)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
 
 
 def token_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
@@ -244,36 +270,34 @@ class MixedBuffers:
         max_prefill: int,
         width: int,
         block_m: int,
+        n_kv_heads: int,
+        num_sms: int,
         device: torch.device,
     ):
         self.sizes, self.max_decode, self.max_prefill = sizes, max_decode, max_prefill
         self.width, self.block_m = width, block_m
+        self.n_kv_heads, self.num_sms = n_kv_heads, num_sms
         t, d, p = sizes[-1], self.decode_rows(sizes[-1]), max_prefill
         nb = self.num_blocks(t)
         parts = {
             "ids": t, "pos": t, "slots": t, "last": d + p,
             "dec_qloc": d, "dec_ctx": d, "dec_tables": d * width,
             "pre_qstart": p, "pre_qlens": p, "pre_ctx": p, "pre_tables": p * width,
-            "blocks": 2 * nb, "partition": 1,
+            "blocks": 2 * nb, **WorkBuffers.sizes(d, self.capacity(t)),
         }  # fmt: skip
-        n = sum(parts.values())
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
-        self.h: dict[str, np.ndarray] = {}
-        self.d: dict[str, torch.Tensor] = {}
-        at = 0
-        hnp = self.host.numpy()
-        for name, size in parts.items():
-            self.h[name], self.d[name] = hnp[at : at + size], self.dev[at : at + size]
-            at += size
+        self.host, self.dev, self.h, self.d = carve(parts, device)
         for name, rows in (("dec_tables", d), ("pre_tables", p), ("blocks", 2)):
             self.h[name] = self.h[name].reshape(rows, -1)
             self.d[name] = self.d[name].view(rows, -1)
+        self.work = WorkBuffers(self.h, self.d)
         self.h["slots"][:] = -1
         self.h["dec_qloc"][:] = -1
         self.h["blocks"][0] = -1
-        self.h["partition"][0] = DECODE_BLOCK_N
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def capacity(self, size: int) -> int:
+        """The decode work list's items in the size-`size` graph."""
+        return item_capacity(self.decode_rows(size), self.n_kv_heads, self.num_sms)
 
     def decode_rows(self, size: int) -> int:
         return min(size, self.max_decode)
@@ -292,11 +316,10 @@ class MixedBuffers:
             return None
         return size
 
-    def static_batch(self, size: int, splits: int) -> ForwardBatch:
+    def static_batch(self, size: int, ragged: bool) -> ForwardBatch:
         d, nd = self.d, self.decode_rows(size)
-        decode = DecodeMeta(
-            d["dec_qloc"][:nd], d["dec_tables"][:nd], d["dec_ctx"][:nd], splits, d["partition"]
-        )
+        work = self.work.work(nd, self.capacity(size)) if ragged else None
+        decode = DecodeMeta(d["dec_qloc"][:nd], d["dec_tables"][:nd], d["dec_ctx"][:nd], work)
         prefill = PrefillMeta(
             d["pre_qstart"],
             d["pre_qlens"],
@@ -310,9 +333,9 @@ class MixedBuffers:
             PagedMeta(decode, prefill, padded=True),
         )  # fmt: skip
 
-    def fill(self, hb: HostBatch, size: int, splits: int) -> torch.Tensor:
-        """Write the batch into the host mirror (padding past it), copy it to the device; returns
-        the device row of each span's last token."""
+    def fill(self, hb: HostBatch, size: int, plan: DecodePlan | None) -> torch.Tensor:
+        """Write the batch and the decode rows' work list into the host mirror (padding past
+        them), copy it to the device; returns the device row of each span's last token."""
         h = self.h
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has read the host mirror
@@ -334,8 +357,7 @@ class MixedBuffers:
         h["blocks"][0, :nb] = np.repeat(np.arange(npre), per_span)
         h["blocks"][1, :nb] = np.arange(nb) - np.repeat(first, per_span)
         h["blocks"][0, nb:cap] = -1
-        max_ctx = int(hb.ctx_lens[dec].max()) if nd else 1
-        h["partition"][0] = split_partition(max_ctx, splits)
+        self.work.fill(plan, self.capacity(size))
         s = len(hb.q_lens)
         h["last"][:s] = hb.q_start + hb.q_lens - 1
         self.dev.copy_(self.host, non_blocking=True)
@@ -366,22 +388,22 @@ class MixedGraphs:
         self.model, self.kv, self.device = model, kv, device
         sizes = token_ladder(max_tokens)
         width = -(-kv.max_seq_len // kv.block_size)
-        self.buf = MixedBuffers(sizes, max_decode, max_prefill, width, PREFILL_TUNING["block_m"], device)
-        n_kv = model.config.n_kv_heads
-        self.splits = {
-            size: decode_splits(self.buf.decode_rows(size), n_kv, kv.max_seq_len, num_sms)[0]
-            for size in sizes
-        }
-        self.options = {size: split_options(self.splits[size], kv.max_seq_len) for size in sizes}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.buf = MixedBuffers(
+            sizes, max_decode, max_prefill, width, PREFILL_TUNING["block_m"], model.config.n_kv_heads,
+            num_sms, device,
+        )  # fmt: skip
+        # Keyed (size, ragged), as DecodeGraphs.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
     @torch.inference_mode()
     def capture(self, pool: object | None = None) -> None:
         """Largest first, in `pool` (the decode graphs'). The buffers hold padding only: no KV
         is read or written."""
         self.buf.dev.copy_(self.buf.host)
-        for key in sorted(((size, sp) for size in self.buf.sizes for sp in self.options[size]), reverse=True):
+        for key in sorted(
+            ((size, ragged) for size in self.buf.sizes for ragged in (False, True)), reverse=True
+        ):
             self.outputs[key], self.graphs[key], pool = capture_forward(
                 self.model, self.kv, self.buf.static_batch(*key), self.device, pool
             )
@@ -394,12 +416,13 @@ class MixedGraphs:
         """(final hidden states [size, dim] with the batch's rows first, each span's last row)."""
         size = self.buf.fits(hb)
         assert size is not None
-        dec = hb.q_lens == 1
-        splits = pick_splits(self.options[size], int(hb.ctx_lens[dec].max()) if dec.any() else 1)
-        last = self.buf.fill(hb, size, splits)
+        dec = hb.ctx_lens[hb.q_lens == 1]
+        plan = plan_decode(dec, self.buf.n_kv_heads, self.buf.num_sms) if len(dec) else None
+        last = self.buf.fill(hb, size, plan)
         feed_pending(self.buf.d["ids"], feed)
-        self.graphs[size, splits].replay()
-        return self.outputs[size, splits], last
+        key = (size, plan is not None)
+        self.graphs[key].replay()
+        return self.outputs[key], last
 
 
 __all__ = [

@@ -6,10 +6,12 @@ on a GPU it doubles the memory traffic of a memory-bound decode. These kernels n
 
 - `store_kv`: writes this step's K/V rows at their slots; a negative slot is skipped, which is how
   padding rows of a CUDA-graph batch write nothing (torch indexing would wrap -1 to the last row).
-- decode (one query per sequence): one program per (sequence, KV head, split). The G query heads
-  sharing a KV head are one tile (padded to 16 rows for tl.dot), so each K/V row is read once per
-  split. Long contexts are cut into `num_splits` partitions (flash-decoding) when the batch alone
-  would leave SMs idle; a second kernel merges the partial results by their log-sum-exp.
+- decode (one query per sequence): one program per (sequence, KV head), or, when the batch alone
+  would leave SMs idle or a row is long, per (item, KV head) of a ragged work list
+  (batch.DecodeWork, flash-decoding): each item is one partition of one row's context, so only
+  long rows are split. The G query heads sharing a KV head are one tile (padded to 16 rows for
+  tl.dot), so each K/V row is read once per item; a second kernel merges a split row's partial
+  results by their log-sum-exp.
 - prefill / mixed steps (any number of queries per sequence): one program per (sequence, block of
   BLOCK_M queries, query head), causal over absolute positions, keys read page by page.
 
@@ -39,6 +41,7 @@ DECODE_TUNING: dict[str, int] = {"block_n": DECODE_BLOCK_N, "num_warps": 4, "num
 PREFILL_TUNING: dict[str, int] = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 LOG2E = 1.4426950408889634
+MERGE_CHUNK = 32  # partials the merge kernel combines per iteration
 
 
 # Triton's CPU interpreter computes tl.dot on bfloat16 operands wrongly (triton 3.9: garbage of
@@ -88,9 +91,9 @@ def _store_kv_kernel(
 
 
 # Triton compiles a variant per value class of an int argument (== 1, divisible by 16): arguments
-# that change from step to step (table width, split count) must not be specialised, or the first
-# steps of a new shape pay a compile (~1.5 s on the H200 in the first W1 run).
-@triton.jit(do_not_specialize=["stride_bt", "splits"])
+# that change from step to step (table width) must not be specialised, or the first steps of a
+# new shape pay a compile (~1.5 s on the H200 in the first W1 run).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,
     kc_ptr,
@@ -101,6 +104,10 @@ def _decode_kernel(
     q_loc_ptr,
     bt_ptr,
     ctx_ptr,
+    item_row_ptr,
+    item_start_ptr,
+    item_end_ptr,
+    item_merge_ptr,
     stride_qt,
     stride_qh,
     stride_ct,
@@ -109,8 +116,6 @@ def _decode_kernel(
     stride_oh,
     stride_bt,
     scale,
-    partition_ptr,
-    splits,
     H: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -122,32 +127,37 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # SINGLE: program (b, kvh) attends row b over its whole context. Else program (w, kvh) takes
+    # item w of the ragged work list (batch.DecodeWork): one partition of one row; a row with one
+    # item writes its output, the others write partials at index w for _merge_kernel.
+    w = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
     # Positions are int32 (loop bounds); addresses int64 (a large pool overflows 2^31 elements).
-    # Step metadata (context, query row, partition) before the PDL wait: the host copies it in
-    # before the forward and no kernel writes it (kernels/pdl.py); q and the pool after.
-    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    # Step metadata (work list, context, query row) before the PDL wait: the host
+    # copies it in before the forward and no kernel writes it (kernels/pdl.py); q and the pool after.
+    if SINGLE:
+        b = w
+        ctx = tl.load(ctx_ptr + b).to(tl.int32)
+        start = ctx * 0
+        end = ctx
+        direct = ctx >= 0  # every row (a tensor, so the masks below keep one dtype)
+    else:
+        b_raw = tl.load(item_row_ptr + w)
+        valid = b_raw >= 0  # -1: a CUDA graph's unused slot
+        b = tl.maximum(b_raw, 0)
+        start = tl.load(item_start_ptr + w).to(tl.int32)
+        end = tl.where(valid, tl.load(item_end_ptr + w).to(tl.int32), start)
+        merge = tl.load(item_merge_ptr + w)
+        direct = merge == 0
     row = tl.load(q_loc_ptr + b).to(tl.int64)
-    partition = tl.load(partition_ptr).to(tl.int32)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * G + offs_g
-    gmask = offs_g < G
-    start = sp * partition
-    # A split past the row's context (a short row in a batch split for a long one) loads nothing
-    # and writes only its lse (-inf): the merge reads no o for it. A 16k row beside 64 short ones
-    # made ~98% of the programs such empty splits (bench/kv/step_costs.py).
-    if SINGLE:
-        live = ctx >= 0  # every row as before (a tensor, so the masks below keep one dtype)
-    else:
-        live = start < ctx
     # q_loc -1: a mixed CUDA graph's unused decode row (cuda_graphs.MixedGraphs): no q, no output.
-    qmask = offs_g < tl.where((row >= 0) & live, G, 0)
+    qmask = offs_g < tl.where((row >= 0) & (start < end), G, 0)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=qmask[:, None],
@@ -155,7 +165,6 @@ def _decode_kernel(
     )
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    end = tl.minimum(start + partition, ctx)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
@@ -176,63 +185,70 @@ def _decode_kernel(
         v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
-    # l_i == 0: an empty partition or a padding row (ctx 0); it contributes nothing.
+    # l_i == 0: a padding row (ctx 0); it contributes nothing.
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = acc / safe_l[:, None]
-    if SINGLE:
-        tl.store(
-            out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=qmask[:, None],
-        )
-    else:
-        idx = (b.to(tl.int64) * H + heads) * splits + sp
-        tl.store(
-            part_o_ptr + idx[:, None] * D + offs_d[None, :], o, mask=(offs_g < tl.where(live, G, 0))[:, None]
-        )
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(part_lse_ptr + idx, lse, mask=gmask)
+    has_q = (row >= 0) & (start < end)
+    omask = offs_g < tl.where(has_q & direct, G, 0)
+    tl.store(
+        out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=omask[:, None],
+    )
+    if not SINGLE:
+        idx = w.to(tl.int64) * H + heads
+        pmask = offs_g < tl.where(has_q & (merge != 0), G, 0)
+        tl.store(part_o_ptr + idx[:, None] * D + offs_d[None, :], o, mask=pmask[:, None])
+        tl.store(part_lse_ptr + idx, m_i + tl.log2(safe_l), mask=pmask)
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit
 def _merge_kernel(
     out_ptr,
     part_o_ptr,
     part_lse_ptr,
     q_loc_ptr,
+    row_first_ptr,
+    row_items_ptr,
     stride_ot,
     stride_oh,
-    splits,
     H: tl.constexpr,
     D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    # Program (b, h): row b's partials for head h, CHUNK items at a time, combined by their
+    # log-sum-exp with a running max. Rows of one item (written by _decode_kernel) skip.
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = tl.load(q_loc_ptr + b).to(tl.int64)  # step metadata: before the PDL wait
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D)
-    base = (b.to(tl.int64) * H + h) * splits
-    smask = offs_s < splits
+    # Step metadata: before the PDL wait.
+    row = tl.load(q_loc_ptr + b).to(tl.int64)
+    first = tl.load(row_first_ptr + b)
+    n = tl.load(row_items_ptr + b).to(tl.int32)
+    n = tl.where(n > 1, n, 0)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # the partials are the decode kernel's output
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # empty partitions (-inf) weigh 0
-    # Only the splits that held keys wrote an o (_decode_kernel: empty ones write their lse only).
-    o = tl.load(
-        part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
-        mask=(smask & (lse > float("-inf")))[:, None],
-        other=0.0,
-    )
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, D)
+    m = tl.full([1], -1.0e30, tl.float32)  # a finite floor: exp2(floor - m) = 0, never nan
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in range(0, n, CHUNK):
+        cmask = c0 + offs_c < n
+        idx = (first + c0 + offs_c).to(tl.int64) * H + h
+        lse = tl.load(part_lse_ptr + idx, mask=cmask, other=float("-inf"))
+        o = tl.load(part_o_ptr + idx[:, None] * D + offs_d[None, :], mask=cmask[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        wgt = tl.exp2(lse - m_new)  # masked items: exp2(-inf) = 0
+        total = total * alpha + tl.sum(wgt, 0)
+        acc = acc * alpha + tl.sum(wgt[:, None] * o, 0)
+        m = m_new
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
-    total = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    # q_loc -1: no output row (see _decode_kernel).
-    dmask = offs_d < tl.where(row >= 0, D, 0)
+    res = acc / tl.where(total > 0, total, 1.0)
+    # q_loc -1: no output row (see _decode_kernel); one-item rows were written there.
+    dmask = offs_d < tl.where((row >= 0) & (n > 1), D, 0)
     tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
@@ -376,25 +392,32 @@ def decode_attention(
     _, h, d = q.shape
     n_kv = k_cache.shape[1]
     g = h // n_kv
-    splits = meta.num_splits
-    if splits > 1:
-        part_o = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+    work = meta.work
+    if work is not None:
+        w = work.item_row.shape[0]
+        part_o = torch.empty((w, h, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((w, h), dtype=torch.float32, device=q.device)
+        items = (work.item_row, work.item_start, work.item_end, work.item_merge)
     else:
+        w = b
         part_o = part_lse = out  # unused
+        items = (meta.ctx_lens,) * 4  # unused
     gdc = pdl.launch(q)
-    _decode_kernel[(b, n_kv, splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, meta.q_loc, meta.block_tables, meta.ctx_lens,
+    _decode_kernel[(w, n_kv)](
+        q, k_cache, v_cache, out, part_o, part_lse, meta.q_loc, meta.block_tables, meta.ctx_lens, *items,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0), scale * LOG2E, meta.partition, splits,
+        meta.block_tables.stride(0), scale * LOG2E,
         H=h, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, PAGE=page_size,
-        BLOCK_N=cfg["block_n"], SINGLE=splits == 1, PREC=_prec(k_cache.dtype), UPCAST=INTERPRET,
+        BLOCK_N=cfg["block_n"], SINGLE=work is None, PREC=_prec(k_cache.dtype), UPCAST=INTERPRET,
         USE_GDC=gdc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=gdc,
     )  # fmt: skip
-    if splits > 1:
+    if work is not None:
+        # num_stages 1: a software-pipelined loop (the default on Hopper) staged the partials
+        # through shared memory and took 6.1 us a call at batch 1, the loop running once.
         _merge_kernel[(b, h)](
-            out, part_o, part_lse, meta.q_loc, out.stride(0), out.stride(1), splits,
-            H=h, D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), USE_GDC=gdc, launch_pdl=gdc,
+            out, part_o, part_lse, meta.q_loc, work.row_first, work.row_items,
+            out.stride(0), out.stride(1), H=h, D=d, CHUNK=MERGE_CHUNK, USE_GDC=gdc, launch_pdl=gdc,
+            num_stages=1,
         )  # fmt: skip
 
 
