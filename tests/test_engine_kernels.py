@@ -117,6 +117,7 @@ def test_decode_kernel_splits_and_gqa_float32() -> None:
     assert work.item_start.tolist() == [0, 0, 0, 0, 64, 0, 64, 128, 192, 0, 64, 128]
     assert work.item_end.tolist() == [1, 6, 64, 64, 65, 64, 128, 192, 201, 64, 128, 131]
     assert work.item_merge.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert torch.equal(work.item_qloc, fb.paged.decode.q_loc[work.item_row])
     assert work.row_first.tolist() == [0, 1, 2, 3, 5, 9] and work.row_items.tolist() == [1, 1, 1, 2, 4, 3]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -143,6 +144,19 @@ def test_partials_are_read_only_where_written(monkeypatch: pytest.MonkeyPatch) -
     rows = [0, 1, 2]  # the padding row (context 0) has no output to compare
     assert torch.isfinite(out[rows]).all()
     torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_merge_of_a_row_with_more_partials_than_one_chunk() -> None:
+    """A row cut into more items than the merge kernel takes in one shot (MERGE_CHUNK): the rest
+    are combined in its loop, with a running max."""
+    from services.engine.kernels.paged_attention import MERGE_CHUNK
+
+    shapes = [(64 * (MERGE_CHUNK + 9) - 1, 1), (5, 1)]
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=16, dtype=torch.float32, sms=64)
+    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.work is not None
+    assert fb.paged.decode.work.row_items.tolist() == [MERGE_CHUNK + 9, 1]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter
@@ -341,14 +355,15 @@ def test_host_batch_with_cache_matches_without() -> None:
 
 def test_plan_decode() -> None:
     # A large batch of short rows fills the GPU alone: one program per row, no merge.
-    assert plan_decode(np.full(256, 1536), 8, 132) is None
+    assert plan_decode(np.full(256, 1536), np.arange(256), 8, 132) is None
     # Batch 1: the context cut into 64-key items, enough programs to fill the GPU.
-    one = plan_decode(np.array([1536]), 8, 132)
+    one = plan_decode(np.array([1536]), np.array([7]), 8, 132)
     assert one is not None and one.partition == 64 and len(one.item_row) == 24
     assert one.item_start.tolist() == list(range(0, 1536, 64)) and one.row_first.tolist() == [0]
+    assert one.item_qloc.tolist() == [7] * 24  # every item reads and writes its row's query
     assert one.item_end.tolist() == list(range(64, 1537, 64)) and one.item_merge.tolist() == [1] * 24
     # A 16k row beside 63 short ones: only the long row is split.
-    mixed = plan_decode(np.array([16384] + [600] * 63), 8, 132)
+    mixed = plan_decode(np.array([16384] + [600] * 63), np.arange(64), 8, 132)
     assert mixed is not None and mixed.partition == 896
     assert (mixed.item_row == 0).sum() == 19 and len(mixed.item_row) == 19 + 63
     assert len(mixed.item_row) <= item_capacity(64, 8, 132) == 128
@@ -358,7 +373,8 @@ def test_plan_decode() -> None:
         b = int(rng.integers(1, 300))
         ctx = rng.integers(0, 40000, b) * (rng.random(b) < 0.9)  # some padding rows (0)
         ctx[0] = max(ctx[0], 1)
-        plan = plan_decode(ctx, int(rng.choice([1, 2, 8])), int(rng.choice([4, 132])))
+        q_loc = rng.permutation(b)
+        plan = plan_decode(ctx, q_loc, int(rng.choice([1, 2, 8])), int(rng.choice([4, 132])))
         if plan is None:
             continue
         p = plan.partition
@@ -372,6 +388,7 @@ def test_plan_decode() -> None:
         assert (plan.item_start == split * p).all()
         assert (plan.item_end == np.minimum(plan.item_start + p, ctx[plan.item_row])).all()
         assert (plan.item_merge == (n[plan.item_row] > 1)).all()
+        assert (plan.item_qloc == q_loc[plan.item_row]).all()
 
 
 def test_plan_decode_stays_within_capacity() -> None:
@@ -379,7 +396,7 @@ def test_plan_decode_stays_within_capacity() -> None:
     for _ in range(300):
         b, n_kv, sms = int(rng.integers(1, 300)), int(rng.choice([1, 2, 4, 8])), int(rng.choice([4, 132]))
         ctx = rng.integers(0, 1 << int(rng.integers(1, 17)), b)
-        plan = plan_decode(ctx, n_kv, sms)
+        plan = plan_decode(ctx, np.arange(b), n_kv, sms)
         if plan is not None:
             assert len(plan.item_row) <= item_capacity(b, n_kv, sms)
             assert plan.partition < int(ctx.max())  # else one program per row would do
@@ -403,10 +420,12 @@ def test_graph_input_buffers_pad_rows() -> None:
     buf = InputBuffers(max_batch=8, width=5, capacity=12, device=torch.device("cpu"))
     spans, _ = make_spans([(3, 1), (9, 1), (0, 1)], page=4, n_pages=20)
     hb = HostBatch.build(spans, 4)
-    assert plan_decode(np.array([4, 10, 1]), 1, 2) is None  # every row fits one 64-key partition
+    assert (
+        plan_decode(np.array([4, 10, 1]), np.arange(3), 1, 2) is None
+    )  # every row fits one 64-key partition
     # A hand-made plan with 4-key partitions (the buffers take any plan).
     plan = DecodePlan(
-        4, np.array([0, 1, 1, 1, 2]), np.array([0, 0, 4, 8, 0]), np.array([4, 4, 8, 10, 1]),
+        4, np.array([0, 1, 1, 1, 2]), np.array([0, 1, 1, 1, 2]), np.array([0, 0, 4, 8, 0]), np.array([4, 4, 8, 10, 1]),
         np.array([0, 1, 1, 1, 0]), np.array([0, 1, 4]), np.array([1, 3, 1]),
     )  # fmt: skip
     buf.fill(hb, 4, plan, capacity=7)
@@ -450,7 +469,7 @@ def test_mixed_buffers_block_list_and_padding() -> None:
     size = buf.fits(hb)
     assert size == 16  # 1 + 9 + 1 + 5 tokens
     plan = DecodePlan(
-        4, np.array([0, 1, 1, 1]), np.array([0, 0, 4, 8]), np.array([4, 4, 8, 10]),
+        4, np.array([0, 1, 1, 1]), np.array([0, 10, 10, 10]), np.array([0, 0, 4, 8]), np.array([4, 4, 8, 10]),
         np.array([0, 1, 1, 1]), np.array([0, 1]), np.array([1, 3]),
     )  # fmt: skip
     last = buf.fill(hb, 16, plan)
@@ -551,7 +570,7 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     size = padded_size(len(spans), graphs.sizes)
     assert size == 4  # a padding row
     # Both graphs of the size: the ragged work list (spare items unused) and one program per row.
-    plan = plan_decode(hb.ctx_lens, engine.model.config.n_kv_heads, 64)
+    plan = plan_decode(hb.ctx_lens, np.arange(len(spans)), engine.model.config.n_kv_heads, 64)
     assert plan is not None and len(plan.item_row) < graphs.capacity[size]
     for p in (plan, None):
         graphs.buf.fill(hb, size, p, graphs.capacity[size])
@@ -596,7 +615,8 @@ def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> 
     graphs = MixedGraphs(engine.model, engine.kv, 256, 8, 4, num_sms=64, device=engine.device)
     size = graphs.buf.fits(hb)
     assert size == 128
-    plan = plan_decode(hb.ctx_lens[hb.q_lens == 1], engine.model.config.n_kv_heads, 64)
+    dec = hb.q_lens == 1
+    plan = plan_decode(hb.ctx_lens[dec], hb.q_start[dec], engine.model.config.n_kv_heads, 64)
     assert plan is not None
     for p in (plan, None):
         last = graphs.buf.fill(hb, size, p)

@@ -262,6 +262,7 @@ PRE_WAIT_LOADS = {
         "ctx_ptr",
         "q_loc_ptr",
         "item_row_ptr",
+        "item_qloc_ptr",
         "item_start_ptr",
         "item_end_ptr",
         "item_merge_ptr",

@@ -20,7 +20,7 @@ step is a few ms and per-token Python would be a visible share of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import chain
 
 import numpy as np
@@ -161,6 +161,7 @@ class DecodeWork:
     other (at batch 1 a dependent load is a visible share of a 5 us kernel)."""
 
     item_row: torch.Tensor  # [W] the row of each program (-1: unused, a CUDA graph's spare slot)
+    item_qloc: torch.Tensor  # [W] that row's query (and output) row, q_loc[item_row]
     item_start: torch.Tensor  # [W] first key of the item
     item_end: torch.Tensor  # [W] one past its last key
     item_merge: torch.Tensor  # [W] 0: the row's only item writes the output; 1: a partial
@@ -226,6 +227,7 @@ class DecodePlan:
 
     partition: int
     item_row: np.ndarray  # [n]
+    item_qloc: np.ndarray  # [n]
     item_start: np.ndarray  # [n]
     item_end: np.ndarray  # [n]
     item_merge: np.ndarray  # [n]
@@ -233,19 +235,13 @@ class DecodePlan:
     row_items: np.ndarray  # [B]
 
     def arrays(self) -> list[np.ndarray]:
-        """In DecodeWork's field order."""
-        return [
-            self.item_row,
-            self.item_start,
-            self.item_end,
-            self.item_merge,
-            self.row_first,
-            self.row_items,
-        ]
+        """In DecodeWork's field order (the names are the same)."""
+        return [getattr(self, f.name) for f in fields(DecodeWork)]
 
 
-def plan_decode(ctx: np.ndarray, n_kv_heads: int, num_sms: int) -> DecodePlan | None:
-    """The work list for rows of these context lengths (0: a padding row, no item), or None when
+def plan_decode(ctx: np.ndarray, q_loc: np.ndarray, n_kv_heads: int, num_sms: int) -> DecodePlan | None:
+    """The work list for rows of these context lengths (0: a padding row, no item) and query rows,
+    or None when
     one program per row is as good: every row fits one partition, or the rows alone fill the GPU
     and none is longer than LONG_PARTITION_KEYS (one split, no merge kernel: W1's large batches).
     The partition spreads the total context over target_items programs (a multiple of
@@ -263,7 +259,8 @@ def plan_decode(ctx: np.ndarray, n_kv_heads: int, num_sms: int) -> DecodePlan | 
     row = np.repeat(np.arange(b, dtype=np.int64), n)
     start = (np.arange(len(row), dtype=np.int64) - first[row]) * partition
     end = np.minimum(start + partition, ctx[row])
-    return DecodePlan(partition, row, start, end, (n[row] > 1).astype(np.int64), first, n.astype(np.int64))
+    merge = (n[row] > 1).astype(np.int64)
+    return DecodePlan(partition, row, q_loc[row], start, end, merge, first, n.astype(np.int64))
 
 
 def num_sms(device: torch.device) -> int:
@@ -333,7 +330,7 @@ class HostBatch:
             self.ctx_lens[pre],
             self.tables[pre].ravel(),
         ]
-        plan = plan_decode(self.ctx_lens[dec], n_kv_heads, num_sms) if len(dec) else None
+        plan = plan_decode(self.ctx_lens[dec], self.q_start[dec], n_kv_heads, num_sms) if len(dec) else None
         if plan is not None:
             parts += plan.arrays()
         # Each part starts 16-byte aligned (even int64 count before it): Triton specialises kernels
@@ -345,7 +342,7 @@ class HostBatch:
         t, s, p = len(self.ids), len(self.q_lens), self.tables.shape[1]
         decode = prefill = None
         if len(dec):
-            work = DecodeWork(*views[11:17]) if plan is not None else None
+            work = DecodeWork(*views[11:]) if plan is not None else None
             decode = DecodeMeta(views[4], views[6].view(len(dec), p), views[5], work)
         if len(pre):
             prefill = PrefillMeta(

@@ -23,6 +23,7 @@ weight versions; the KV pool is allocated once, so its addresses never change ei
 from __future__ import annotations
 
 import bisect
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -63,8 +64,9 @@ class WorkBuffers:
     """The decode work list's slots in a graph's int64 buffers (host mirror and device): the
     DecodeWork arrays for `capacity` items and `rows` rows."""
 
-    ITEM = ("item_row", "item_start", "item_end", "item_merge")
-    ROW = ("row_first", "row_items")
+    # DecodeWork's fields: per item, then per row.
+    ITEM = tuple(f.name for f in fields(DecodeWork) if f.name.startswith("item_"))
+    ROW = tuple(f.name for f in fields(DecodeWork) if f.name.startswith("row_"))
 
     def __init__(self, h: dict[str, np.ndarray], d: dict[str, torch.Tensor]):
         self.h, self.d = h, d
@@ -228,7 +230,8 @@ class DecodeGraphs:
         n = len(hb.ids)
         size = padded_size(n, self.sizes)
         assert size is not None and hb.decode_only
-        plan = plan_decode(hb.ctx_lens, self.n_kv_heads, self.num_sms)
+        n_rows = len(hb.ctx_lens)
+        plan = plan_decode(hb.ctx_lens, np.arange(n_rows), self.n_kv_heads, self.num_sms)
         self.buf.fill(hb, size, plan, self.capacity[size])
         feed_pending(self.buf.ids, feed)
         key = self.last_key = (size, plan is not None)
@@ -416,8 +419,10 @@ class MixedGraphs:
         """(final hidden states [size, dim] with the batch's rows first, each span's last row)."""
         size = self.buf.fits(hb)
         assert size is not None
-        dec = hb.ctx_lens[hb.q_lens == 1]
-        plan = plan_decode(dec, self.buf.n_kv_heads, self.buf.num_sms) if len(dec) else None
+        dec = hb.q_lens == 1
+        plan = None
+        if dec.any():
+            plan = plan_decode(hb.ctx_lens[dec], hb.q_start[dec], self.buf.n_kv_heads, self.buf.num_sms)
         last = self.buf.fill(hb, size, plan)
         feed_pending(self.buf.d["ids"], feed)
         key = (size, plan is not None)
