@@ -238,6 +238,9 @@ def _merge_kernel(
     idx = (first + offs_c).to(tl.int64) * H + h
     lse = tl.load(part_lse_ptr + idx, mask=cmask, other=float("-inf"))
     o = tl.load(part_o_ptr + idx[:, None] * D + offs_d[None, :], mask=cmask[:, None], other=0.0)
+    if USE_GDC:
+        # Early, as in the other kernels: the next kernel's own wait covers this grid's stores.
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # a row without partials: nothing is stored anyway
     wgt = tl.exp2(lse - m)  # masked items: exp2(-inf) = 0
@@ -254,8 +257,6 @@ def _merge_kernel(
         total = total * alpha + tl.sum(wgt, 0)
         acc = acc * alpha + tl.sum(wgt[:, None] * o, 0)
         m = m_new
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     res = acc / tl.where(total > 0, total, 1.0)
     # q_loc -1: no output row (see _decode_kernel); one-item rows were written there.
     dmask = offs_d < tl.where((row >= 0) & (n > 1), D, 0)
