@@ -218,7 +218,8 @@ def test_flex_backend_matches_reference() -> None:
     from services.engine.kernels.flex_attention import build_flex_meta
 
     torch.manual_seed(0)
-    h, h_kv, d, page = 4, 2, 16, 4
+    # Compiled flex (CUDA) tiles the KV by page and needs >= 16 tokens a page (engine.py refuses less).
+    h, h_kv, d, page = 4, 2, 16, 16 if DEV.type == "cuda" else 4
     shapes = [(10, 1), (0, 5), (33, 1), (7, 12)]
     n_pages = sum(-(-(s + n) // page) for s, n in shapes) + 3
     spans, _ = make_spans(shapes, page, n_pages)
@@ -517,7 +518,7 @@ def test_engine_backend_matches_torch(model_dir: Path, backend: str) -> None:
         device=DEV.type,
         max_batch_size=8,
         max_seq_len=96,
-        block_size=4,
+        block_size=16 if DEV.type == "cuda" and backend == "flex" else 4,
         max_num_batched_tokens=24,
         cuda_graphs=False,
     )
@@ -624,6 +625,15 @@ def test_mixed_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> 
         assert static.shape[0] == 128 and torch.isfinite(static).all()  # padding rows stay finite
         torch.testing.assert_close(static[: len(hb.ids)], eager, atol=1e-5, rtol=1e-5)
         assert last.tolist() == (hb.q_start + hb.q_lens - 1).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention: CUDA only")
+def test_flex_on_cuda_refuses_small_pages(model_dir: Path) -> None:
+    cfg = EngineConfig(
+        device="cuda", max_seq_len=64, block_size=4, attention_backend="flex", cuda_graphs=False
+    )
+    with pytest.raises(ValueError, match="block_size"):
+        LLMEngine(model_dir, cfg)
 
 
 def test_backend_auto_resolution(model_dir: Path) -> None:

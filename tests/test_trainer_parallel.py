@@ -78,8 +78,10 @@ def test_knobs_validate_with_the_key_named() -> None:
     # The process count actually launched is checked too (torchrun may disagree with nproc).
     with pytest.raises(ValueError, match="not a multiple of trainer.tp"):
         degrees(TrainerSection(nproc=4, cp=2), 3)
-    with pytest.raises(NotImplementedError, match="trainer.tp > 1"):
-        degrees(TrainerSection(nproc=2, tp=2), 2)
+    d = degrees(TrainerSection(nproc=4, tp=2), 4)  # tensor parallel: tp fastest, as torchtitan
+    assert (d.dp, d.tp) == (2, 2) and [d.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(NotImplementedError, match="trainer.tp > 1 with trainer.cp or trainer.ep"):
+        degrees(TrainerSection(nproc=4, tp=2, cp=2), 4)
     # Through the run config, the error names the dotted key.
     cfg = RunConfig().model_dump()
     cfg["trainer"]["cp"] = 0

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from services.common.lm_head import float32_logits, gemm_dtype, mm_out_dtype_works
 
@@ -275,10 +276,13 @@ class ChunkedOutput(nn.Linear):
     head_cache_gib: float = 12.0
 
     def forward(self, h: torch.Tensor) -> Any:  # type: ignore[override]
+        # Under tensor parallel the weight is a Replicate DTensor (trainer.parallel): the head
+        # computes on its local copy; to_local's backward hands the gradient back as Replicate.
+        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         if self.targets is None:
-            return float32_head(h, self.weight) if self.logits_fp32 else super().forward(h)
+            return float32_head(h, w) if self.logits_fp32 else torch.nn.functional.linear(h, w)
         return chunked_logprobs(
-            h, self.weight, self.targets, self.chunk, self.fused, self.logits_fp32, self.head_cache_gib
+            h, w, self.targets, self.chunk, self.fused, self.logits_fp32, self.head_cache_gib
         )
 
 

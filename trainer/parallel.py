@@ -2,6 +2,8 @@
 
 Order (torchtitan's parallelize_qwen3, with torchtitan's functions where they fit):
   1. attention kernel   DocumentAttention of trainer.attention in every block (trainer.attention)
+  1b. tensor parallel   apply_tensor_parallel (tp > 1, dense models): Megatron-style column/row
+                        sharding of every block's projections and MLP, no sequence parallel
   2. expert parallel    torchtitan's apply_moe_ep_tp (EP only): routed experts split over the ep
                         ranks, all-to-all token dispatch/combine (ep > 1, MoE models)
   3. context parallel   torchtitan's apply_cp_to_attention_module on the cp mesh (cp > 1)
@@ -24,8 +26,16 @@ autocast's per-forward casts of every weight.
 
 Parallel degrees come from trainer.tp / cp / ep and the process count, checked with torchtitan's
 ParallelDims rules (dp = world / (tp * cp); ep divides world). Not wired, refused with a clear
-error: tp > 1 (the chunked log-prob head would need a vocabulary-parallel log-softmax, and a
-TP-sharded tied embedding a replicated output).
+error: tp with cp or with ep (MoE).
+
+Tensor parallel keeps the embedding, the norms and the LM head replicated (Replicate DTensors on
+the tp mesh, torchtitan's NoParallel): the chunked log-prob head then needs no vocabulary-parallel
+log-softmax, and a tied embedding stays one parameter. The blocks' q/k/v and w1/w3 are column-
+sharded (each rank computes its heads and its slice of the MLP), wo and w2 row-sharded (an
+all-reduce each), and q_norm/k_norm take their heads as a Shard(2) DTensor (torchtitan's Qwen3
+plan) so their weights' gradients are summed over the tp ranks. The replicated weights' gradients
+are identical on every tp rank (their inputs and the gradients reaching them are), so nothing
+reduces them over tp. FSDP then shards everything over the dp ranks (2D DTensors).
 """
 
 from __future__ import annotations
@@ -73,10 +83,9 @@ def degrees(tc: TrainerSection, world: int) -> Degrees:
         )
     if world % tc.ep:
         raise ValueError(f"trainer.ep = {tc.ep} does not divide the {world} trainer processes")
-    if tc.tp > 1:
+    if tc.tp > 1 and (tc.cp > 1 or tc.ep > 1):
         raise NotImplementedError(
-            "trainer.tp > 1 is not wired: the chunked log-prob head needs a vocabulary-parallel"
-            " log-softmax first (use FSDP (dp), cp and ep)"
+            "trainer.tp > 1 with trainer.cp or trainer.ep > 1 is not wired (use one of them)"
         )
     from torchtitan.distributed import ParallelDims
 
@@ -89,9 +98,9 @@ def degrees(tc: TrainerSection, world: int) -> Degrees:
 
 def use_fsdp(tc: TrainerSection, world: int, distributed: bool) -> bool:
     """FSDP2 needs a process group; "auto" applies it only when there is something to shard over
-    (world > 1: dp, cp or ep ranks), "always" on any group. One rank without FSDP is a plain
+    (world / tp > 1: dp, cp or ep ranks), "always" on any group. One rank without FSDP is a plain
     model, so its checkpoints and published weights are the same full state dicts."""
-    return distributed and (tc.fsdp == "always" or world > 1)
+    return distributed and (tc.fsdp == "always" or world // tc.tp > 1)
 
 
 def use_master_weights(tc: TrainerSection, fsdp: bool) -> bool:
@@ -113,8 +122,11 @@ def build_meshes(deg: Degrees, device: torch.device) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     dt = _device_type(device)
-    out: dict[str, Any] = {"cp": None, "ep": None, "efsdp": None}
-    if deg.cp == 1:
+    out: dict[str, Any] = {"cp": None, "ep": None, "efsdp": None, "tp": None}
+    if deg.tp > 1:  # (cp == 1, ep == 1: degrees()) tp fastest, as Degrees.data_rank
+        mesh = init_device_mesh(dt, (deg.world // deg.tp, deg.tp), mesh_dim_names=("fsdp", "tp"))
+        out.update(fsdp=mesh["fsdp"], tp=mesh["tp"])
+    elif deg.cp == 1:
         out["fsdp"] = init_device_mesh(dt, (deg.world,), mesh_dim_names=("fsdp",))
     else:
         mesh = init_device_mesh(dt, (deg.dp, deg.cp), mesh_dim_names=("dp", "cp"))
@@ -218,6 +230,52 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Any, device: torch.device) 
     apply_moe_ep_tp(model, tp_mesh=None, ep_mesh=ep_mesh, etp_mesh=None, ep_etp_mesh=None)
 
 
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """Shard every block over the tp mesh; embedding, norms and head replicated (module docstring)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torchtitan.distributed import NoParallel
+
+    tp = tp_mesh.size()
+    cfg = model.model_args  # type: ignore[union-attr]
+    for name, n in (
+        ("n_heads", cfg.n_heads),
+        ("n_kv_heads", cfg.n_kv_heads or cfg.n_heads),
+        ("hidden_dim", cfg.hidden_dim),
+    ):
+        if n % tp:
+            raise ValueError(f"trainer.tp = {tp} does not divide the model's {name} = {n}")
+    tied = model.output.weight is model.tok_embeddings.weight  # type: ignore[union-attr]
+    replicated = {"tok_embeddings": NoParallel(), "norm": NoParallel()}
+    parallelize_module(model, tp_mesh, replicated)  # type: ignore[arg-type]
+    # The head is called with local activations and runs its own autograd function: its weight is
+    # a Replicate DTensor that ChunkedOutput reads through to_local().
+    if tied:
+        model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
+    else:
+        parallelize_module(model.output, tp_mesh, NoParallel())  # type: ignore[arg-type]
+    for block in model.layers.values():  # type: ignore[union-attr]
+        plan = {
+            "attention_norm": NoParallel(),
+            "ffn_norm": NoParallel(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+        if getattr(block.attention, "q_norm", None) is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+
+
 def apply_fsdp(model: nn.Module, mesh: Any, dtype: torch.dtype, efsdp_mesh: Any = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
@@ -272,6 +330,12 @@ def parallelize(
 
         set_grouped_mm(model, grouped_mm_enabled(tc.moe_grouped_mm, device, tc.dtype))
     meshes: dict[str, Any] = build_meshes(deg, device) if distributed else {}
+    if deg.tp > 1:
+        if _moe_blocks(model):
+            raise NotImplementedError("trainer.tp > 1 for MoE models is not wired (use trainer.ep)")
+        if not distributed:
+            raise ValueError("trainer.tp > 1 needs torchrun with trainer.nproc processes")
+        apply_tensor_parallel(model, meshes["tp"])
     if deg.ep > 1:
         if not _moe_blocks(model):
             raise ValueError("trainer.ep > 1 needs a MoE model (model.arch qwen3_moe)")

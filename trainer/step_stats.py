@@ -67,10 +67,12 @@ class StepStats:
         self.n_tokens += mb.n_tokens
 
     def read(
-        self, grad_norm: torch.Tensor, all_reduce_: AllReduce
+        self, grad_norm: torch.Tensor, all_reduce_: AllReduce, copies: int = 1
     ) -> tuple[LossStats, float, MismatchStats, float]:
         """Reduce across ranks (on the device, `all_reduce_` = Dist.all_reduce_) and copy
-        everything to the host at once: (loss stats, tokens, mismatch stats, gradient norm)."""
+        everything to the host at once: (loss stats, tokens, mismatch stats, gradient norm).
+        copies: how many ranks computed each sum's terms (trainer.tp: a tp group's ranks train
+        the same samples), divided out of the sums."""
         dev, n = self.device, self.moe_layers
         f64 = torch.float64
         zeros = lambda k: torch.zeros(k, dtype=f64, device=dev)  # noqa: E731
@@ -82,6 +84,9 @@ class StepStats:
         mm_max = self.mm_max if self.mm_max is not None else zeros(1)
         all_reduce_(tot)
         all_reduce_(mm_sum)
+        if copies > 1:
+            tot /= copies
+            mm_sum /= copies
         all_reduce_(mm_max, dist.ReduceOp.MAX)
         host = torch.cat(
             [tot, mm_sum, mm_max, grad_norm.detach().reshape(1).to(device=dev, dtype=f64)]

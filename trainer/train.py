@@ -556,7 +556,7 @@ class Trainer:
         self.opt.step()
         sync_params(self.model)  # master weights: the stepped masters into the bf16 parameters
         # Cross-rank reduction on the device, then ONE device-to-host copy for every metric.
-        g, n_tokens, mismatch, grad_norm = acc.read(norm, self.d.all_reduce_)
+        g, n_tokens, mismatch, grad_norm = acc.read(norm, self.d.all_reduce_, copies=deg.tp)
         entropy = g.entropy_sum / max(1.0, g.loss_tokens)
         coef = self.entropy.coef
         self.entropy.update(entropy)  # every rank sees the same all-reduced entropy
