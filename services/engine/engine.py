@@ -152,8 +152,8 @@ class LLMEngine:
                 f"attention_backend: {want!r} needs standard attention with a power-of-two head_dim >= 16"
             )
         if want == "flex" and self.device.type == "cuda" and self.cfg.block_size < 16:
-            # Compiled FlexAttention tiles the KV in blocks of one page; tl.dot needs >= 16 rows
-            # (torch 2.11 fails to compile the kernel for 4-token pages; 16 verified on the H200).
+            # Compiled FlexAttention tiles the KV by page (flex_attention.kernel_options); tl.dot
+            # needs >= 16 rows (torch 2.11 fails to compile 4-token pages; 16 passes on the H200).
             raise ValueError(
                 f"block_size: attention_backend 'flex' on CUDA needs pages of >= 16 tokens, got {self.cfg.block_size}"
             )

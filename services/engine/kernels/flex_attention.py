@@ -90,6 +90,13 @@ def build_flex_meta(hb: HostBatch, device: torch.device, num_pages: int, page: i
     return FlexMeta(dev(q_index), dev(valid, torch.bool), dev(q_index[valid]), block_mask)
 
 
+def kernel_options(page: int) -> dict[str, Any]:
+    """Compiled flex tiles the KV in blocks that must divide the BlockMask's KV block (one page):
+    its default 64-128 key tiles failed to compile for 16-token pages (torch 2.11; with a tile of
+    one page the engine's flex tests pass on the H200). Pages under 16 tokens: engine.py refuses."""
+    return {"BLOCK_N": min(page, 128)}
+
+
 def flex_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlexMeta, scale: float
 ) -> torch.Tensor:
@@ -100,7 +107,16 @@ def flex_paged_attention(
     # One KV "sequence": the whole pool, shared by every batch row.
     k = k_cache.permute(1, 0, 2).unsqueeze(0).expand(s, -1, -1, -1)
     v = v_cache.permute(1, 0, 2).unsqueeze(0).expand(s, -1, -1, -1)
-    o = _flex(q.device)(qg, k, v, block_mask=meta.block_mask, scale=scale, enable_gqa=h != n_kv)
+    page = meta.block_mask.BLOCK_SIZE[1]
+    o = _flex(q.device)(
+        qg,
+        k,
+        v,
+        block_mask=meta.block_mask,
+        scale=scale,
+        enable_gqa=h != n_kv,
+        kernel_options=kernel_options(page),
+    )
     out = torch.empty_like(q)
     out[meta.out_rows] = o.transpose(1, 2)[meta.q_valid]
     return out
