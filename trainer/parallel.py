@@ -232,6 +232,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Any, device: torch.device) 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     """Shard every block over the tp mesh; embedding, norms and head replicated (module docstring)."""
+    from torch.distributed.tensor import distribute_module
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -256,8 +257,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     # a Replicate DTensor that ChunkedOutput reads through to_local().
     if tied:
         model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
-    else:
-        parallelize_module(model.output, tp_mesh, NoParallel())  # type: ignore[arg-type]
+    else:  # its parameter replicated, its input left local (no input/output hooks)
+        distribute_module(model.output, tp_mesh)  # type: ignore[arg-type]
     for block in model.layers.values():  # type: ignore[union-attr]
         plan = {
             "attention_norm": NoParallel(),
