@@ -242,14 +242,20 @@ class RelayRMSNorm(torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
         w = self.weight
+        if isinstance(w, DTensor) and not isinstance(x, DTensor):
+            # Tensor parallel replicates the norms' weights (trainer.parallel) and keeps the
+            # residual stream local: the local copy is the whole weight.
+            w = w.to_local()
         if w is not None and not isinstance(w, DTensor) and x.dtype == torch.float32 != w.dtype:
             # ModelConfig.fp32_residual with bf16 parameters (FSDP2's mixed precision): the float32
             # stream normalised and weighted in float32, rounded once to the parameters' dtype
             # (the next GEMM's input), as the engine's RMSNorm and fused add_rms_norm compute.
             y = torch.nn.functional.rms_norm(x, self.normalized_shape, w.float(), self.eps)
             return y.to(w.dtype)
-        if w is None or not torch.is_autocast_enabled(dev) or isinstance(w, DTensor):
+        if w is None or isinstance(w, DTensor):
             return super().forward(x)
+        if not torch.is_autocast_enabled(dev):
+            return torch.nn.functional.rms_norm(x, self.normalized_shape, w, self.eps)
         wv = w.to(torch.get_autocast_dtype(dev)).float()
         with torch.autocast(dev, enabled=False):
             return torch.nn.functional.rms_norm(x.float(), self.normalized_shape, wv, self.eps)

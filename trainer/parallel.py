@@ -29,7 +29,7 @@ ParallelDims rules (dp = world / (tp * cp); ep divides world). Not wired, refuse
 error: tp with cp or with ep (MoE).
 
 Tensor parallel keeps the embedding, the norms and the LM head replicated (Replicate DTensors on
-the tp mesh, torchtitan's NoParallel): the chunked log-prob head then needs no vocabulary-parallel
+the tp mesh; the residual stream stays a local tensor): the chunked log-prob head then needs no vocabulary-parallel
 log-softmax, and a tied embedding stays one parameter. The blocks' q/k/v and w1/w3 are column-
 sharded (each rank computes its heads and its slice of the MLP), wo and w2 row-sharded (an
 all-reduce each), and q_norm/k_norm take their heads as a Shard(2) DTensor (torchtitan's Qwen3
@@ -251,8 +251,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
         if n % tp:
             raise ValueError(f"trainer.tp = {tp} does not divide the model's {name} = {n}")
     tied = model.output.weight is model.tok_embeddings.weight  # type: ignore[union-attr]
-    replicated = {"tok_embeddings": NoParallel(), "norm": NoParallel()}
-    parallelize_module(model, tp_mesh, replicated)  # type: ignore[arg-type]
+    # The embedding takes its tokens as a Replicate DTensor and returns local activations; the
+    # norms' weights are only replicated (no hooks: RelayRMSNorm reads the local copy).
+    parallelize_module(model, tp_mesh, {"tok_embeddings": NoParallel()})  # type: ignore[arg-type]
+    distribute_module(model.norm, tp_mesh)  # type: ignore[arg-type]
     # The head is called with local activations and runs its own autograd function: its weight is
     # a Replicate DTensor that ChunkedOutput reads through to_local().
     if tied:
@@ -260,9 +262,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     else:  # its parameter replicated, its input left local (no input/output hooks)
         distribute_module(model.output, tp_mesh)  # type: ignore[arg-type]
     for block in model.layers.values():  # type: ignore[union-attr]
+        distribute_module(block.attention_norm, tp_mesh)
+        distribute_module(block.ffn_norm, tp_mesh)
         plan = {
-            "attention_norm": NoParallel(),
-            "ffn_norm": NoParallel(),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

@@ -7,6 +7,7 @@
 #    torchtitan's ring SDPA, head-tail load balancing), full / selective activation checkpointing.
 # 3. Qwen3-30B-A3B-shaped MoE (12 of 48 layers, 128 experts, top-8), expert parallel ep = 2,
 #    16k tokens per GPU: the trainer's per-expert loop, and torch._grouped_mm experts.
+# 4. Tensor parallel tp = 2 (session 8), Qwen3-4B shape, one 16k-token batch shared by both GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,5 +25,7 @@ cp)   $RUN --shapes 4b --tokens 131072 --cp 2 --steps 4 --no-publish --variants 
         --budget-s 480 --out "$OUT/trainer_multi_cp.json" ;;
 ep)   $RUN --shapes 30b-a3b --tokens 16384 --ep 2 --no-publish --variants "bf16+sac+loop,bf16+sac+grouped_mm,bf16+sac+grouped_mm+compile" \
         --budget-s 480 --out "$OUT/trainer_multi_ep.json" ;;
-*)    echo "usage: $0 fsdp|cp|ep" >&2; exit 2 ;;
+tp)   $RUN --shapes 4b --tokens 16384 --tp 2 --no-publish --variants "bf16+sac,bf16+sac+compile" \
+        --budget-s 480 --out "$OUT/trainer_multi_tp.json" ;;
+*)    echo "usage: $0 fsdp|cp|ep|tp" >&2; exit 2 ;;
 esac

@@ -314,7 +314,13 @@ def free() -> None:
 
 
 def build_ours(
-    m: ModelConfig, knobs: dict[str, Any], ctx: Ctx, dtype: str = "bfloat16", cp: int = 1, ep: int = 1
+    m: ModelConfig,
+    knobs: dict[str, Any],
+    ctx: Ctx,
+    dtype: str = "bfloat16",
+    cp: int = 1,
+    ep: int = 1,
+    tp: int = 1,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Degrees, dict[str, Any]]:
     trainer_knobs = {
         "fsdp": BENCH_FSDP_DEFAULT,
@@ -326,6 +332,7 @@ def build_ours(
         dtype=dtype,  # type: ignore[arg-type]
         cp=cp,
         ep=ep,
+        tp=tp,
         logprob_chunk_tokens=CHUNK,
         packing=True,
         **trainer_knobs,
@@ -393,7 +400,7 @@ def our_step(
     gn = float((full() if callable(full) else norm).item())
     if dist.get_world_size() > 1:
         dist.all_reduce(loss_sum)
-    return float(loss_sum.item()), gn
+    return float(loss_sum.item()) / deg.tp, gn  # a tp group's ranks computed the same loss
 
 
 def rank_data(
@@ -643,11 +650,13 @@ class Prepared:
         return step_flops(self.m, self.docs)
 
 
-def prepare_ours(ctx: Ctx, shape: str, variant: str, tokens: int, cp: int = 1, ep: int = 1) -> Prepared:
+def prepare_ours(
+    ctx: Ctx, shape: str, variant: str, tokens: int, cp: int = 1, ep: int = 1, tp: int = 1
+) -> Prepared:
     """Build our model for `variant` and its batch (also bench/trainer/profile_step.py's)."""
     knobs = VARIANTS[variant]
     m = model_config(shape, max(tokens, 4096))
-    model, opt, deg, meshes = build_ours(m, knobs, ctx, cp=cp, ep=ep)
+    model, opt, deg, meshes = build_ours(m, knobs, ctx, cp=cp, ep=ep, tp=tp)
     if knobs.get("pack"):
         lens_per_rank = [mixed_lengths(tokens, seed=r) for r in range(deg.dp)]
     else:
@@ -666,9 +675,9 @@ def prepare_ours(ctx: Ctx, shape: str, variant: str, tokens: int, cp: int = 1, e
 
 
 def run_ours(
-    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, ep: int, publish: bool
+    ctx: Ctx, shape: str, variant: str, tokens: int, steps: int, cp: int, ep: int, publish: bool, tp: int = 1
 ) -> dict[str, Any]:
-    prep = prepare_ours(ctx, shape, variant, tokens, cp, ep)
+    prep = prepare_ours(ctx, shape, variant, tokens, cp, ep, tp)
     times = timed(prep.one, steps)
     res = summarise(times, prep.flops, prep.tokens, ctx.world)
     res.update(prep.info, losses=prep.losses[:3])
@@ -759,6 +768,7 @@ def main() -> int:
     p.add_argument("--variants", default="", help="comma list (default: per shape, see DEFAULT_VARIANTS)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (torchrun, MoE shape)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun, dense shapes)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-publish", action="store_true")
@@ -827,7 +837,7 @@ def main() -> int:
             attempt(
                 f"{shape}/ours/{v}",
                 lambda s=shape, v=v, pub=pub: run_ours(
-                    ctx, s, v, args.tokens, args.steps, args.cp, args.ep, pub
+                    ctx, s, v, args.tokens, args.steps, args.cp, args.ep, pub, args.tp
                 ),
             )
     report["total_s"] = time.monotonic() - ctx.t0
