@@ -214,8 +214,7 @@ def chunked_logprobs(
         raise ValueError("cache_gib must be >= 0")
     lead = targets.shape
     hf = h.reshape(-1, h.shape[-1])
-    itemsize = torch.empty(0, dtype=gemm_dtype(h, weight)).element_size()
-    keep_q = head_cache_fits(hf.shape[0], weight.shape[0], cache_gib, itemsize) and (
+    keep_q = head_cache_fits(hf.shape[0], weight.shape[0], cache_gib, gemm_dtype(h, weight).itemsize) and (
         # Only when a backward will come: under no_grad (or frozen inputs) keeping q is waste.
         torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     )

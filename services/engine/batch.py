@@ -157,8 +157,8 @@ class DecodeWork:
     output directly, the others write partials that the merge kernel combines. So a 16k-token row
     beside 63 short ones is cut into many items while the short rows keep one each; a uniform
     split count gave every short row the long row's (empty) splits too (bench/kv/step_costs.py).
-    Every value is computed on the host (plan_decode), so a program's loads do not wait on each
-    other (at batch 1 a dependent load is a visible share of a 5 us kernel)."""
+    Every value is computed on the host (plan_decode), so a program's loads before its PDL wait
+    do not depend on each other."""
 
     item_row: torch.Tensor  # [W] the row of each program (-1: unused, a CUDA graph's spare slot)
     item_qloc: torch.Tensor  # [W] that row's query (and output) row, q_loc[item_row]
@@ -241,8 +241,7 @@ class DecodePlan:
 
 def plan_decode(ctx: np.ndarray, q_loc: np.ndarray, n_kv_heads: int, num_sms: int) -> DecodePlan | None:
     """The work list for rows of these context lengths (0: a padding row, no item) and query rows,
-    or None when
-    one program per row is as good: every row fits one partition, or the rows alone fill the GPU
+    or None when one program per row is as good: every row fits one partition, or the rows alone fill the GPU
     and none is longer than LONG_PARTITION_KEYS (one split, no merge kernel: W1's large batches).
     The partition spreads the total context over target_items programs (a multiple of
     DECODE_BLOCK_N), so the items number at most item_capacity(len(ctx))."""

@@ -232,8 +232,10 @@ def _merge_kernel(
         tl.extra.cuda.gdc_wait()  # the partials are the decode kernel's output
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D)
-    # The first CHUNK items in one shot, no loop (a row rarely has more; a loop-carried running
-    # max around even one iteration made this kernel 2.8x slower at batch 1: 5.8 vs 2.1 us).
+    # The first CHUNK items in one shot (a row rarely has more), the rest in the loop below. At
+    # batch 1 under PDL this kernel profiles at 5.3-5.8 us against 4.4 us for the session-7
+    # uniform-split merge (2.1-2.4 us vs 1.9-2.0 us without PDL); neither the one-shot first chunk
+    # nor num_stages moved that (bench/engine/README.md, "Session 8").
     cmask = offs_c < n
     idx = (first + offs_c).to(tl.int64) * H + h
     lse = tl.load(part_lse_ptr + idx, mask=cmask, other=float("-inf"))
