@@ -265,10 +265,11 @@ def test_engine_with_fused_elementwise_matches_torch_backend(tmp_path: Path) -> 
     attn, mlp = engine.model.model.layers[0].self_attn, engine.model.model.layers[0].mlp
     assert (
         attn.qkv is not None
-        and attn.k_proj.weight.data_ptr() == attn.qkv[0][attn.q_proj.weight.shape[0]].data_ptr()
+        and attn.k_proj.weight.data_ptr() == attn.qkv.weight[attn.q_proj.weight.shape[0]].data_ptr()
     )
     assert (
-        mlp.gate_up is not None and mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][m.hidden_dim].data_ptr()
+        mlp.gate_up is not None
+        and mlp.up_proj.weight.data_ptr() == mlp.gate_up.weight[m.hidden_dim].data_ptr()
     )
     assert set(engine.model.state_dict()) == set(LLMEngine(path, EngineConfig(**base)).model.state_dict())  # type: ignore[arg-type]
     for a, b in zip(ref, engine.generate(reqs), strict=True):

@@ -317,6 +317,47 @@ def test_engine_fp8_weight_update_requantises(weight_dirs: tuple[Path, Path]) ->
     assert torch.equal(buf.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_engine_fp8_fused_projections_equal_separate(weight_dirs: tuple[Path, Path]) -> None:
+    """The GPU path's fused q/k/v and gate/up GEMMs (model.fuse_projections) in FP8: one
+    quantisation + GEMM gives exactly the separate linears' outputs, the parts' buffers are views
+    of the fused ones, and a weight update reaches the fused GEMM."""
+    eng = LLMEngine(weight_dirs[0], engine_cfg("fp8"))
+    attn, mlp = eng.model.model.layers[1].self_attn, eng.model.model.layers[1].mlp
+    x = torch.randn(5, M_CFG.dim, generator=gen(11))
+    separate = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    separate_mlp = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+    assert len(eng.model.fuse_projections()) == 2 * M_CFG.n_layers
+    assert attn.qkv is not None and attn.qkv.fp8 is not None and mlp.gate_up is not None
+    assert attn.k_proj.weight_fp8.data_ptr() == attn.qkv.weight[attn.q_proj.out_features].data_ptr()
+    assert (
+        attn.k_proj.weight_scale.data_ptr()
+        == attn.qkv.fp8.weight_scale[attn.q_proj.out_features // 128].data_ptr()
+    )
+    assert torch.equal(attn.qkv(x), separate)
+    assert torch.equal(mlp.gate_up(x), separate_mlp)
+    # Weight loads still see only the HF names, and reach the fused buffers.
+    assert {n for n, _ in eng.model.named_modules() if isinstance(_, Fp8Linear)} == set(ENGINE_LINEARS)
+    eng.load_weights(weight_dirs[1], 1)
+    fresh = LLMEngine(weight_dirs[1], engine_cfg("fp8")).model.model.layers[1].self_attn
+    expect = torch.cat([fresh.q_proj(x), fresh.k_proj(x), fresh.v_proj(x)], dim=-1)
+    assert not torch.equal(expect, separate)
+    assert torch.equal(attn.qkv(x), expect)
+
+
+def test_fp8_rows_that_straddle_a_scale_block_are_not_fused() -> None:
+    from services.engine.fp8_linear import fuse_fp8_rows
+
+    torch.manual_seed(0)
+    parts = [Fp8Linear.from_linear(nn.Linear(256, n, bias=False)) for n in (192, 128)]
+    before = [p.weight_fp8 for p in parts]
+    assert fuse_fp8_rows(parts) is None  # 192 rows: the second scale block holds both parts
+    assert all(p.weight_fp8 is b for p, b in zip(parts, before, strict=True))
+    # The last part may be ragged: its trailing block is its own.
+    assert (
+        fuse_fp8_rows([Fp8Linear.from_linear(nn.Linear(256, n, bias=False)) for n in (128, 192)]) is not None
+    )
+
+
 # ------------------------------------------------------------------ trainer
 
 

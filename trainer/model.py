@@ -22,6 +22,7 @@ from torchtitan.models.qwen3.model.model import (
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from services.common.config import ModelConfig, RopeScaling
+from services.common.fp8_checkpoint import check_checkpoint, dequantize_state
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
 from trainer.moe_routing import (
@@ -395,4 +396,8 @@ def save_weights_dir(
 def load_weights_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     cfg, hf_state = read_model_dir(path)
     m = model_config_from_hf(cfg)
+    if check_checkpoint(cfg, hf_state):
+        # An fp8 checkpoint (HF quantization_config "fp8"): the trainer keeps high-precision
+        # master weights, so the pairs are dequantised once, in float32 (no second rounding).
+        hf_state = dequantize_state(hf_state, torch.float32)
     return m, from_hf_state(m, hf_state)

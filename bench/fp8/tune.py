@@ -651,7 +651,9 @@ def write_table(table: kern.Fp8Table, path: Path) -> None:
 # ------------------------------------------------------------------ main
 
 
-def build_tasks(ms: list[int], grouped: bool) -> list[tuple[str, Any, int, int, int, int]]:
+def build_tasks(
+    ms: list[int], grouped: bool, nks: list[tuple[int, int]] | None = None
+) -> list[tuple[str, Any, int, int, int, int]]:
     """One compile task per distinct (kind, config), at the first shape that uses it. The kernels
     do not specialise on the K-block count (do_not_specialize), and every tuned M, N, K is a
     multiple of 16, so one compile serves every shape. The kinds (decode GEMM, fused linear,
@@ -667,7 +669,7 @@ def build_tasks(ms: list[int], grouped: bool) -> list[tuple[str, Any, int, int, 
         "grouped": [],
     }
     for m in sorted(ms):
-        for n, k in bench.DENSE_NK:
+        for n, k in nks or bench.DENSE_NK:
             for cfg in dense_grid(m, n, k):
                 for kind in ("dense", "fused") if m <= SMALL_M_MAX and fused_ok(cfg) else ("dense",):
                     if (kind, cfg) not in seen:
@@ -685,6 +687,17 @@ def build_tasks(ms: list[int], grouped: bool) -> list[tuple[str, Any, int, int, 
     return [task for _, _, task in sorted(keyed, key=lambda t: (t[0], t[1]))]
 
 
+def parse_nk(text: str) -> list[tuple[int, int]] | None:
+    """Parse "4096x1024,1024x2048" into [(4096, 1024), (1024, 2048)]; "" gives None (gemm.py's shapes)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        n, sep, k = item.partition("x")
+        if not sep or not n.isdigit() or not k.isdigit():
+            raise SystemExit(f"--nk: {item!r} is not NxK")
+        out.append((int(n), int(k)))
+    return out or None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="fp8_tune.json", help="full results (every timing)")
@@ -693,6 +706,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=285.0, help="whole run, seconds")
     ap.add_argument("--compile-share", type=float, default=0.4, help="share of the budget for compiling")
     ap.add_argument("--m", default=",".join(map(str, TUNE_M)), help="M values to tune (comma list)")
+    ap.add_argument(
+        "--nk",
+        default="",
+        help="(N, K) shapes to tune as NxK comma list (default gemm.py's DeepSeek-V3 shapes); e.g. "
+        "Qwen3-0.6B's fused decode linears: 4096x1024,1024x2048,6144x1024,1024x3072",
+    )
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: CPU count - 1)")
     ap.add_argument("--skip-grouped", action="store_true")
     ap.add_argument("--keep-affinity", action="store_true", help="do not widen the CPU affinity")
@@ -703,11 +722,12 @@ def main() -> None:
         print(json.dumps(smoke(args.workers or 2)))
         return
     ms = [int(v) for v in args.m.split(",") if v]
-    tasks = build_tasks(ms, not args.skip_grouped)
+    nks = parse_nk(args.nk)
+    tasks = build_tasks(ms, not args.skip_grouped, nks)
     if args.dry_run:
         import gemm as bench
 
-        per_shape = {f"{m}x{n}x{k}": len(dense_grid(m, n, k)) for m in ms for n, k in bench.DENSE_NK}
+        per_shape = {f"{m}x{n}x{k}": len(dense_grid(m, n, k)) for m in ms for n, k in nks or bench.DENSE_NK}
         kinds = {kd: sum(1 for t in tasks if t[0] == kd) for kd in ("dense", "fused", "grouped")}
         print(
             json.dumps(
@@ -775,7 +795,7 @@ def main() -> None:
     result["dense"] = dense_rows
     grouped_reserve = 0.0 if args.skip_grouped else 0.1 * args.budget_s
     for m in sorted(ms):
-        for n, k in bench.DENSE_NK:
+        for n, k in nks or bench.DENSE_NK:
             if time.perf_counter() > deadline - grouped_reserve:
                 result["errors"].append(f"dense {m}x{n}x{k}: skipped, time budget")
                 continue

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from services.common import routing
 from services.common.config import EngineConfig
+from services.common.fp8_checkpoint import dequantize_state
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine import fp8_linear
 from services.engine.batch import (
@@ -81,12 +82,18 @@ class LLMEngine:
         # Positions past the model's own limit were never trained (and the trainer cannot score them).
         self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
         self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype).eval()
-        self.model.load_hf_state(ckpt.state)
+        # An fp8 checkpoint (HF quantization_config "fp8") is loaded dequantised first, so every
+        # parameter is set and convert_model below works as for any checkpoint.
+        self.model.load_hf_state(self._high_precision(ckpt))
         self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/loss.md)
         if cfg.quantization == "fp8":
             # After the load and the dtype cast: attention/MLP linears become Fp8Linear (weights
             # quantised 128x128 from the loaded ones); lm_head, norms, embeddings stay in dtype.
             fp8_linear.convert_model(self.model)
+            if ckpt.fp8:
+                # Then the checkpoint's own fp8 bits and scales replace that re-quantisation (the
+                # copies are exact; see fp8_linear.load_hf_state for the experts that cannot be).
+                fp8_linear.load_hf_state(self.model, ckpt.state)
         # GQA or MLA-latent layout, plus the routed-expert store of an MoE model (kv_cache.py).
         self.kv = KVCache.for_model(
             m, self._num_kv_blocks(), cfg.block_size, self.max_seq_len, self.dtype, self.device
@@ -133,7 +140,7 @@ class LLMEngine:
             self.device.type == "cuda" and self.attention_backend != "torch" and self.cfg.fused_kernels
         )
         if self.model.fused_elementwise:
-            self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (not fp8 layers)
+            self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (bf16 or fp8)
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
         self.num_sms = num_sms(self.device)
         self.graphs = self._capture_graphs()
@@ -635,13 +642,18 @@ class LLMEngine:
         """Swap weights in place. Call between steps only. Running sequences keep their KV (computed
         by the old weights) and continue; tokens sampled from now on are tagged `version`."""
         if self.cfg.quantization == "fp8":
-            fp8_linear.load_hf_state(self.model, ckpt.state)  # re-quantises into the fp8 buffers
+            # Re-quantises high-precision weights into the fp8 buffers; copies an fp8 checkpoint's.
+            fp8_linear.load_hf_state(self.model, ckpt.state)
         else:
-            self.model.load_hf_state(ckpt.state)
+            self.model.load_hf_state(self._high_precision(ckpt))
         # New admissions hash under the new version: pages computed by the old weights never match.
         self.version = self.scheduler.version = version
         self.model_dir = ckpt.path
         self.stats.weight_updates_total += 1
+
+    def _high_precision(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+        """The checkpoint's state with any fp8 pairs dequantised to the engine dtype."""
+        return dequantize_state(ckpt.state, self.dtype) if ckpt.fp8 else ckpt.state
 
     def load_weights(self, path: str | Path, version: int) -> None:
         self.apply_weights(self.read_weights(path), version)

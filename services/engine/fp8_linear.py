@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common import fp8 as ref
+from services.common import fp8_checkpoint
 from services.engine.kernels import fp8_gemm as kern
 from services.engine.moe import PER_EXPERT, ExpertWeights
 
@@ -203,6 +204,50 @@ class Fp8Linear(ref.Fp8Linear):
         return out
 
 
+def fuse_fp8_rows(linears: list[nn.Module]) -> Fp8Linear | None:
+    """One Fp8Linear over the concatenated rows of FP8 linears that read the same input (q/k/v,
+    gate/up): one activation quantisation and one GEMM instead of one each per linear. Each part's
+    fp8 weight, scales and bias become views of the fused buffers' row blocks, so in-place loads
+    (load_weight, load_hf_state) reach the fused GEMM. Exact: every part's rows but the last fill
+    whole 128-row scale blocks, so the fused scales are the parts' scales stacked and the GEMM
+    computes each output column from the same bits. None when that does not hold or the parts
+    differ in input, output dtype, scale rule, backend or bias."""
+    if not linears or not all(type(lin) is Fp8Linear for lin in linears):
+        return None
+    parts: list[Fp8Linear] = linears  # type: ignore[assignment]
+    first = parts[0]
+    same = all(
+        (p.in_features, p.out_dtype, p.pow2_scales, p.backend, p.bias is None)
+        == (first.in_features, first.out_dtype, first.pow2_scales, first.backend, first.bias is None)
+        for p in parts
+    )
+    if not same or any(p.out_features % ref.BLOCK for p in parts[:-1]):
+        return None
+    fused = Fp8Linear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=first.bias is not None,
+        out_dtype=first.out_dtype,
+        pow2_scales=first.pow2_scales,
+        backend=first.backend,
+        device=first.weight_fp8.device,
+    )
+    with torch.no_grad():
+        fused.weight_fp8.copy_(torch.cat([p.weight_fp8 for p in parts]))
+        fused.weight_scale.copy_(torch.cat([p.weight_scale for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))  # type: ignore[misc]
+        row = 0
+        for p in parts:
+            n, nb = p.out_features, ref._cdiv(p.out_features, ref.BLOCK)
+            p.weight_fp8 = fused.weight_fp8[row : row + n]
+            p.weight_scale = fused.weight_scale[row // ref.BLOCK : row // ref.BLOCK + nb]
+            if fused.bias is not None:
+                p.bias = nn.Parameter(fused.bias[row : row + n], requires_grad=False)
+            row += n
+    return fused
+
+
 class Fp8Experts(nn.Module):
     """MoE experts (services/engine/moe.ExpertWeights' interface and function) with fp8 weights:
     gate_up [E, 2I, D] and down [E, D, I], each expert quantised 128x128 on its own; per call the
@@ -248,6 +293,18 @@ class Fp8Experts(nn.Module):
         q, s = ref.quantize_weight(w.to(getattr(self, f"{dst}_fp8").device), self.pow2_scales)
         getattr(self, f"{dst}_fp8")[index].copy_(q)
         getattr(self, f"{dst}_scale")[index].copy_(s)
+
+    @torch.no_grad()
+    def copy_expert(self, index: int, proj: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Copy one expert's already quantised weight (an fp8 checkpoint's bits and 128x128
+        scales) into the buffers in place, without re-quantising."""
+        dst = "gate_up" if proj == "gate_up_proj" else "down"
+        getattr(self, f"{dst}_fp8")[index].copy_(q)
+        getattr(self, f"{dst}_scale")[index].copy_(scale)
+
+    def expected_scale_shape(self, proj: str) -> tuple[int, int]:
+        _, n, k = self.expected_shape(proj)
+        return (ref._cdiv(n, ref.BLOCK), ref._cdiv(k, ref.BLOCK))
 
     @torch.no_grad()
     def load_fused(self, proj: str, w: torch.Tensor) -> None:
@@ -313,14 +370,20 @@ def fp8_modules(model: nn.Module) -> dict[str, ref.Fp8Linear]:
 
 @torch.no_grad()
 def load_hf_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Weight load/update for a model with Fp8Linear / Fp8Experts layers: their tensors (bf16 or
-    fp32, HF names; experts fused or per expert) are quantised 128x128 into the fp8 buffers in
-    place; everything else (embeddings, norms, lm_head, router, biases) goes through the model's
-    own `load_hf_state` (which checks names and shapes). All names and shapes are checked before
-    anything is written."""
+    """Weight load/update for a model with Fp8Linear / Fp8Experts layers (HF names; experts fused
+    or per expert). Each of their weights is either high precision (bf16/fp32), quantised 128x128
+    into the fp8 buffers in place, or an fp8 checkpoint's pair `X.weight` (E4M3) +
+    `X.weight_scale_inv` (services/common/fp8_checkpoint.py), whose bits and scales are copied into
+    the buffers as they are. Pairs of tensors the model keeps in high precision (e.g. MLA's
+    kv_b_proj, engine_skip) are dequantised. Everything else (embeddings, norms, lm_head, router,
+    biases) goes through the model's own `load_hf_state` (which checks names and shapes). All
+    names and shapes are checked before anything is written; the buffers are only ever written
+    with copy_ (fused q/k/v and gate/up GEMMs hold views of them)."""
+    pairs = fp8_checkpoint.fp8_pairs(state)
     mods = fp8_modules(model)
     rest = dict(state)
     weights: dict[str, torch.Tensor] = {}
+    exact: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, mod in mods.items():
         key = f"{name}.weight"
         if key not in rest:
@@ -330,34 +393,53 @@ def load_hf_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             raise ValueError(
                 f"{key}: shape {tuple(w.shape)} != expected {(mod.out_features, mod.in_features)}"
             )
-        weights[name] = w
+        if key in pairs:
+            exact[name] = (w, rest.pop(pairs[key]))  # scale shape: checked by fp8_pairs
+        else:
+            weights[name] = w
     expert_loads = [
-        (mod, e, proj, w)
+        (mod, e, proj, w, scale)
         for prefix, mod in model.named_modules()
         if isinstance(mod, Fp8Experts)
-        for e, proj, w in _take_expert_weights(prefix, mod, rest)
+        for e, proj, w, scale in _take_expert_weights(prefix, mod, rest, pairs)
     ]
-    model.load_hf_state(rest)  # type: ignore[operator]
+    # Float32 here; the model's load_hf_state rounds to each parameter's dtype (one rounding).
+    model.load_hf_state(fp8_checkpoint.dequantize_state(rest, torch.float32))  # type: ignore[operator]
     for name, w in weights.items():
         mods[name].load_weight(w)
-    for mod, e, proj, w in expert_loads:
-        mod.load_expert(e, proj, w)
+    for name, (q, scale) in exact.items():
+        mods[name].weight_fp8.copy_(q)
+        mods[name].weight_scale.copy_(scale)
+    for mod, e, proj, w, scale in expert_loads:
+        if scale is None:
+            mod.load_expert(e, proj, w)
+        else:
+            mod.copy_expert(e, proj, w, scale)
+
+
+# (expert, fused proj, weight, scale): scale None = a high-precision weight to quantise; else the
+# weight is fp8 and (weight, scale) are copied as they are.
+ExpertLoad = tuple[int, str, torch.Tensor, torch.Tensor | None]
 
 
 def _take_expert_weights(
-    prefix: str, mod: Fp8Experts, rest: dict[str, torch.Tensor]
-) -> list[tuple[int, str, torch.Tensor]]:
+    prefix: str, mod: Fp8Experts, rest: dict[str, torch.Tensor], pairs: dict[str, str]
+) -> list[ExpertLoad]:
     """Pop one Fp8Experts' tensors out of `rest` (fused `<prefix>.gate_up_proj`/`.down_proj`, or
-    per-expert `<prefix>.<e>.{gate,up,down}_proj.weight`), checked, as (expert, fused proj, weight)."""
+    per-expert `<prefix>.<e>.{gate,up,down}_proj.weight`, each high precision or an fp8 pair whose
+    scale is popped too), checked, as ExpertLoads."""
     per: dict[tuple[int, str], torch.Tensor] = {}
+    scales: dict[tuple[int, str], torch.Tensor] = {}
     for key in [k for k in rest if k.startswith(prefix + ".")]:
         hit = PER_EXPERT.match(key)
         if hit is not None and hit[1] == prefix:
             per[(int(hit[2]), hit[3])] = rest.pop(key)
+            if key in pairs:
+                scales[(int(hit[2]), hit[3])] = rest.pop(pairs[key])
     fused = {p: rest.pop(f"{prefix}.{p}") for p in ("gate_up_proj", "down_proj") if f"{prefix}.{p}" in rest}
     if per and fused:
         raise ValueError(f"{prefix}: both fused and per-expert tensors given")
-    out: list[tuple[int, str, torch.Tensor]] = []
+    out: list[ExpertLoad] = []
     if per:
         want = {(e, p) for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")}
         if set(per) != want:
@@ -365,14 +447,19 @@ def _take_expert_weights(
                 f"{prefix}: per-expert tensors incomplete (missing {sorted(want - set(per))[:3]})"
             )
         for e in range(mod.n_experts):
-            # Gate rows then up rows, as moe.ExpertWeights fuses them (a 128-row tile may span both).
-            gate_up = torch.cat([per[(e, "gate_proj")], per[(e, "up_proj")]])
-            for p, w in (("gate_up_proj", gate_up), ("down_proj", per[(e, "down_proj")])):
+            for p, (w, scale) in (
+                ("gate_up_proj", _fuse_gate_up(mod, per, scales, e)),
+                ("down_proj", (per[(e, "down_proj")], scales.get((e, "down_proj")))),
+            ):
                 if tuple(w.shape) != mod.expected_shape(p)[1:]:
                     raise ValueError(
                         f"{prefix}.{e}.{p}: shape {tuple(w.shape)} != {mod.expected_shape(p)[1:]}"
                     )
-                out.append((e, p, w))
+                if scale is not None and tuple(scale.shape) != mod.expected_scale_shape(p):
+                    raise ValueError(
+                        f"{prefix}.{e}.{p}: scale shape {tuple(scale.shape)} != {mod.expected_scale_shape(p)}"
+                    )
+                out.append((e, p, w, scale))
         return out
     for p in ("gate_up_proj", "down_proj"):
         if p not in fused:
@@ -381,5 +468,29 @@ def _take_expert_weights(
             raise ValueError(
                 f"{prefix}.{p}: shape {tuple(fused[p].shape)} != expected {mod.expected_shape(p)}"
             )
-        out.extend((e, p, fused[p][e]) for e in range(mod.n_experts))
+        out.extend((e, p, fused[p][e], None) for e in range(mod.n_experts))
     return out
+
+
+def _fuse_gate_up(
+    mod: Fp8Experts,
+    per: dict[tuple[int, str], torch.Tensor],
+    scales: dict[tuple[int, str], torch.Tensor],
+    e: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert e's fused gate_up rows (gate then up, as moe.ExpertWeights fuses them; a 128-row
+    tile may span both) and, when they can be copied exactly, their scales."""
+    gate, up = per[(e, "gate_proj")], per[(e, "up_proj")]
+    gs, us = scales.get((e, "gate_proj")), scales.get((e, "up_proj"))
+    if gs is not None and us is not None and mod.inter % ref.BLOCK == 0:
+        # Both fp8 and the gate rows fill whole 128-row tiles: the fused weight's tiles are the
+        # gate's then the up's, so the checkpoint's bits and scales concatenate exactly.
+        return torch.cat([gate, up]), torch.cat([gs, us])
+    # Otherwise the fused weight's tile that straddles gate and up rows has no scale of its own in
+    # the checkpoint: dequantise (float32) and let load_expert re-quantise the expert 128x128.
+    # Its fp8 bits then differ from the checkpoint's (docs/fp8.md).
+    if gs is not None:
+        gate = fp8_checkpoint.dequantize_pair(gate, gs)
+    if us is not None:
+        up = fp8_checkpoint.dequantize_pair(up, us)
+    return torch.cat([gate, up]), None

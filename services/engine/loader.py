@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from services.common.config import ModelConfig
+from services.common.fp8_checkpoint import check_checkpoint
 from services.common.modeldir import model_config_from_hf, read_meta, read_model_dir
 from services.common.tokenizer import model_eos_ids
 
@@ -34,6 +35,9 @@ class Checkpoint:
     version: int | None  # relay.json's version, if the directory has one
     eos_token_ids: list[int]
     attention_bias: bool  # Qwen2-style q/k/v biases
+    # HF "fp8" quantization_config: quantised linears are (X.weight E4M3, X.weight_scale_inv) pairs
+    # (services/common/fp8_checkpoint.py); consumers dequantise them or copy them into fp8 buffers.
+    fp8: bool = False
 
     def same_architecture(self, other: ModelConfig) -> bool:
         # max_seq_len only bounds positions; a checkpoint may advertise a different one.
@@ -53,6 +57,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         hf, state = read_model_dir(p)
         config = model_config_from_hf(hf)
         meta = read_meta(p)
+        fp8 = check_checkpoint(hf, state)
     except (OSError, ValueError, KeyError, TypeError) as e:  # incl. JSON and safetensors errors
         raise WeightsError(f"{p}: {e}") from e
     except Exception as e:  # noqa: BLE001 - safetensors raises its own (non-ValueError) error type
@@ -89,4 +94,5 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         version=int(version) if version is not None else None,
         eos_token_ids=eos_ids,
         attention_bias=any(k.endswith(ATTENTION_BIAS_KEYS) for k in state),
+        fp8=fp8,
     )

@@ -16,6 +16,8 @@ replace the attention by mla.MLAttention. The dense path is unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,30 +71,52 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNo
     return apply_rope(y, cos, sin).to(x.dtype)
 
 
-def fuse_rows(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Concatenate the weights (and biases) of linears that read the same input into one tensor and
-    make each linear's parameter a view of its row block, so one GEMM computes all of them while
-    HF names, state_dict and in-place weight loads (load_hf_state copies into the views) keep
-    working. Call after the last .to() (which would re-allocate the views apart). Returns (weight,
-    bias) or None if any module is not a plain nn.Linear (e.g. converted to Fp8Linear)."""
-    if not all(type(lin) is nn.Linear for lin in linears):
+@dataclass(frozen=True)
+class FusedRows:
+    """Linears that read the same input (q/k/v, gate/up) as one GEMM: `weight` (and `bias`) are the
+    concatenated rows, and each linear's own tensors are views of their row block, so HF names,
+    state_dict and in-place weight loads keep working. `fp8` is set when the linears are FP8: the
+    fused Fp8Linear (not a registered submodule, so weight loads still see only the HF names)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    fp8: nn.Module | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8(x)
+        from services.engine.kernels.gemv import decode_linear
+
+        return decode_linear(x, self.weight, self.bias)
+
+
+def fuse_rows(linears: list[nn.Module]) -> FusedRows | None:
+    """Fuse linears that read the same input into one GEMM (FusedRows). Call after the last .to()
+    (which would re-allocate the views apart) and after any fp8 conversion. None when they cannot
+    be fused: mixed kinds, or FP8 parts whose 128-row scale blocks would straddle two of them."""
+    if all(type(lin) is nn.Linear for lin in linears):
+        with torch.no_grad():
+            weight = torch.cat([lin.weight for lin in linears])  # type: ignore[misc]
+            biases = [lin.bias for lin in linears]
+            bias = None
+            if all(b is not None for b in biases):
+                bias = torch.cat(biases)  # type: ignore[arg-type]
+            elif any(b is not None for b in biases):
+                return None
+            row = 0
+            for lin in linears:
+                n = lin.weight.shape[0]  # type: ignore[union-attr]
+                lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+                if bias is not None:
+                    lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+                row += n
+        return FusedRows(weight, bias)
+    from services.engine.fp8_linear import fuse_fp8_rows
+
+    fused = fuse_fp8_rows(linears)
+    if fused is None:
         return None
-    with torch.no_grad():
-        weight = torch.cat([lin.weight for lin in linears])  # type: ignore[misc]
-        biases = [lin.bias for lin in linears]
-        bias = None
-        if all(b is not None for b in biases):
-            bias = torch.cat(biases)  # type: ignore[arg-type]
-        elif any(b is not None for b in biases):
-            return None
-        row = 0
-        for lin in linears:
-            n = lin.weight.shape[0]  # type: ignore[union-attr]
-            lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-            if bias is not None:
-                lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
-            row += n
-    return weight, bias
+    return FusedRows(fused.weight_fp8, fused.bias, fp8=fused)
 
 
 class RMSNorm(nn.Module):
@@ -125,11 +149,11 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's q and k before RoPE; Llama/Qwen2 do not.
         self.q_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
         self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
-        # Set by fuse(): one [q + k + v, dim] weight whose row blocks ARE q/k/v_proj's parameters.
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # Set by fuse(): one [q + k + v, dim] GEMM whose weight's row blocks ARE q/k/v_proj's.
+        self.qkv: FusedRows | None = None
 
     def fuse(self) -> bool:
-        """One GEMM instead of three: see fuse_rows. False (nothing done) for converted (fp8) layers."""
+        """One GEMM instead of three (fuse_rows); False when nothing could be fused."""
         self.qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
         return self.qkv is not None
 
@@ -138,10 +162,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None and batch.paged is not None:
-            from services.engine.kernels.gemv import decode_linear
-
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = decode_linear(x, *self.qkv).split([nq, nkv, nkv], dim=-1)  # strided views
+            q, k, v = self.qkv(x).split([nq, nkv, nkv], dim=-1)  # strided views
             q = q.view(t, self.n_heads, self.head_dim)
             k = k.view(t, self.n_kv_heads, self.head_dim)
             v = v.view(t, self.n_kv_heads, self.head_dim)
@@ -195,13 +217,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(m.dim, m.hidden_dim, bias=False)
         self.up_proj = nn.Linear(m.dim, m.hidden_dim, bias=False)
         self.down_proj = nn.Linear(m.hidden_dim, m.dim, bias=False)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+        self.gate_up: FusedRows | None = None  # set by fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fuse(self) -> bool:
-        """gate/up as one GEMM (fuse_rows); False for converted (fp8) layers."""
+        """gate/up as one GEMM (fuse_rows); False when they could not be fused."""
         self.gate_up = fuse_rows([self.gate_proj, self.up_proj])
         return self.gate_up is not None
 
@@ -210,9 +232,9 @@ class MLP(nn.Module):
         from services.engine.kernels.fused_norm import silu_mul
         from services.engine.kernels.gemv import decode_linear
 
-        if self.gate_up is None:  # fp8-converted layers: their own GEMMs
+        if self.gate_up is None:  # not fused: their own GEMMs
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = decode_linear(x, *self.gate_up).chunk(2, dim=-1)  # strided views: silu_mul reads strides
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # strided views: silu_mul reads strides
         act = silu_mul(gate, up)
         if type(self.down_proj) is nn.Linear:
             return decode_linear(act, self.down_proj.weight, self.down_proj.bias)
@@ -310,8 +332,8 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> list[str]:
         """GPU path: q/k/v and gate/up of every dense attention/MLP become one GEMM each (fuse_rows;
-        used on paged batches). Call after .to() and after any fp8 conversion (converted layers
-        are left as they are). Returns the fused modules' names."""
+        used on paged batches), in bf16 and in FP8. Call after .to() and after any fp8 conversion.
+        Returns the fused modules' names."""
         done = []
         for name, mod in self.named_modules():
             if isinstance(mod, Attention | MLP) and mod.fuse():
