@@ -430,6 +430,7 @@ def test_trainer_converter_keeps_params_and_trains() -> None:
 def test_trainer_section_fp8_field() -> None:
     assert TrainerSection().fp8 is False
     assert TrainerSection(fp8=True).fp8 is True
+    assert TrainerSection().fp8_backward is True  # dgrad and wgrad in FP8 too (trainer/fp8.py)
     with pytest.raises(ValidationError, match="trainer.fp8"):
         TrainerSection(fp8=True, nproc=2, tp=2, device="cuda")
     with pytest.raises(ValidationError, match="trainer.fp8"):
@@ -601,10 +602,13 @@ def test_trainer_run_with_fp8_learns(
     from trainer.train import run as run_trainer
 
     converted: list[list[str]] = []
+    backward: list[tuple[object, object]] = []
     real_convert = trainer.fp8.convert
 
     def recording_convert(model: nn.Module, *args: object, **kw: object) -> list[str]:
         converted.append(real_convert(model, *args, **kw))  # type: ignore[arg-type]
+        mod = model.get_submodule(converted[-1][0])
+        backward.append((getattr(mod, "fp8_dgrad", None), getattr(mod, "fp8_wgrad", None)))
         return converted[-1]
 
     monkeypatch.setattr(trainer.fp8, "convert", recording_convert)
@@ -620,6 +624,7 @@ def test_trainer_run_with_fp8_learns(
         feeder.join(10)
     assert feeder.error is None
     assert converted and len(converted[0]) == 7 * cfg.model.n_layers  # the fp8 path really ran
+    assert backward == [(True, True)]  # trainer.fp8_backward (default): both backward GEMMs in FP8
     n = cfg.run.max_steps
     tensors = load_file(str(run_dir / "weights" / f"step_{n}" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in tensors.values())

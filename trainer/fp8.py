@@ -9,9 +9,12 @@ quantised forward removes it (bench/fp8/mismatch.py measures both).
 
 Backward (straight-through: the quantisers count as identity):
   grad_x = grad_out @ dequant(W_q)   in grad_out's dtype, or with `fp8_dgrad` the block-scaled GEMM
-           (grad_out quantised 1x128 along N; W_q^T reuses the 128x128 tiles transposed);
-  grad_W = grad_out^T @ dequant(x_q) in grad_out's dtype (the weight-gradient GEMM reduces over
-           tokens, which would need a different 128x1 activation quantisation; kept high precision);
+           (grad_out quantised 1x128 along N; W_q^T, the 128x128 tiles transposed, written by the
+           forward's weight quantiser in the same pass);
+  grad_W = grad_out^T @ dequant(x_q) in grad_out's dtype, or with `fp8_wgrad` an FP8 GEMM that
+           contracts over tokens: grad_out^T and x^T both quantised 1x128 along the tokens
+           (DeepSeek-V3's 128x1 backward quantisation; the forward then saves x^T quantised that
+           way instead of x_q, the same bytes), float32 output for float32 master weights;
   grad_b = sum of grad_out.
 The module stays an nn.Linear subclass with the same `weight`/`bias` parameters, so state dicts,
 checkpoints, FSDP2 and the HF weight export are unchanged and the optimizer updates the master
@@ -27,8 +30,14 @@ import torch
 from torch import nn
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
-from services.common.fp8 import default_skip, dequantize_act, dequantize_weight, quantize_weight
-from services.engine.fp8_linear import BACKENDS, fp8_gemm_dispatch, quantize_activation
+from services.common.fp8 import default_skip, dequantize_act, dequantize_weight, fp8_gemm_tokens
+from services.engine.fp8_linear import (
+    BACKENDS,
+    fp8_gemm_dispatch,
+    quantize_activation,
+    quantize_activation_t,
+    quantize_weight_fast,
+)
 
 CONVERTER_NAME = "quantize.linear.fp8_blockwise"
 
@@ -51,37 +60,55 @@ class _Fp8LinearFn(torch.autograd.Function):
         pow2: bool,
         backend: str,
         fp8_dgrad: bool,
+        fp8_wgrad: bool,
     ) -> torch.Tensor:
         k = x.shape[-1]
         out_dtype = _out_dtype(x)
-        wq, ws = quantize_weight(weight.detach(), pow2)
-        xq, xs = quantize_activation(x.detach().reshape(-1, k), pow2)
+        x2 = x.detach().reshape(-1, k)
+        wq, ws, wq_t = quantize_weight_fast(weight.detach(), pow2, transposed=fp8_dgrad)
+        xq, xs = quantize_activation(x2, pow2)
         out = fp8_gemm_dispatch(xq, xs, wq, ws, out_dtype, backend)
         if bias is not None:
             out = out + bias.to(out_dtype)
-        ctx.save_for_backward(xq, xs, wq, ws)
+        # What the backward reads: x^T quantised along the tokens for the FP8 wgrad (else x_q),
+        # the transposed weight tiles for the FP8 dgrad (else W_q).
+        xb = quantize_activation_t(x2, pow2) if fp8_wgrad else (xq, xs)
+        ctx.save_for_backward(*xb, wq_t if fp8_dgrad else wq, ws)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
-        ctx.has_bias, ctx.pow2, ctx.backend, ctx.fp8_dgrad = bias is not None, pow2, backend, fp8_dgrad
+        ctx.has_bias, ctx.pow2, ctx.backend = bias is not None, pow2, backend
+        ctx.fp8_dgrad, ctx.fp8_wgrad = fp8_dgrad, fp8_wgrad
         return out.reshape(*x.shape[:-1], wq.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        xq, xs, wq, ws = ctx.saved_tensors
-        g = grad_out.reshape(-1, wq.shape[0])
+        xb, xbs, wb, ws = ctx.saved_tensors
+        n = wb.shape[1] if ctx.fp8_dgrad else wb.shape[0]
+        g = grad_out.reshape(-1, n)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             if ctx.fp8_dgrad:
                 gq, gs = quantize_activation(g.contiguous(), ctx.pow2)
-                gx = fp8_gemm_dispatch(gq, gs, wq.t().contiguous(), ws.t().contiguous(), g.dtype, ctx.backend)
+                gx = fp8_gemm_dispatch(gq, gs, wb, ws.t(), g.dtype, ctx.backend)
             else:
-                gx = g @ dequantize_weight(wq, ws).to(g.dtype)
+                gx = g @ dequantize_weight(wb, ws).to(g.dtype)
             gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            gw = (g.t() @ dequantize_act(xq, xs).to(g.dtype)).to(ctx.w_dtype)
+            if ctx.fp8_wgrad:
+                gq_t, gs_t = quantize_activation_t(g, ctx.pow2)
+                out_dtype = torch.float32 if ctx.w_dtype == torch.float32 else g.dtype
+                gw = fp8_gemm_tokens(gq_t, gs_t, xb, xbs, out_dtype, _token_backend(ctx.backend))
+            else:
+                gw = g.t() @ dequantize_act(xb, xbs).to(g.dtype)
+            gw = gw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0).to(ctx.b_dtype)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
+
+
+def _token_backend(backend: str) -> str:
+    """The token GEMM has cuBLAS and the reference only: "triton" means cuBLAS there."""
+    return "torch" if backend == "triton" else backend
 
 
 def fp8_linear(
@@ -91,9 +118,10 @@ def fp8_linear(
     pow2_scales: bool = False,
     backend: str = "auto",
     fp8_dgrad: bool = False,
+    fp8_wgrad: bool = False,
 ) -> torch.Tensor:
     """F.linear through the FP8 block-scaled recipe, differentiable in x, weight and bias."""
-    return _Fp8LinearFn.apply(x, weight, bias, pow2_scales, backend, fp8_dgrad)  # type: ignore[no-any-return]
+    return _Fp8LinearFn.apply(x, weight, bias, pow2_scales, backend, fp8_dgrad, fp8_wgrad)  # type: ignore[no-any-return]
 
 
 class Fp8TrainLinear(nn.Linear):
@@ -103,9 +131,12 @@ class Fp8TrainLinear(nn.Linear):
     pow2_scales: bool = False
     backend: str = "auto"
     fp8_dgrad: bool = False
+    fp8_wgrad: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.pow2_scales, self.backend, self.fp8_dgrad)
+        return fp8_linear(
+            x, self.weight, self.bias, self.pow2_scales, self.backend, self.fp8_dgrad, self.fp8_wgrad
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=1x128/128x128, pow2_scales={self.pow2_scales}, backend={self.backend!r}"
@@ -122,6 +153,7 @@ def convert(
     pow2_scales: bool = False,
     backend: str = "auto",
     fp8_dgrad: bool = False,
+    fp8_wgrad: bool = False,
 ) -> list[str]:
     """Re-class every nn.Linear not matched by `trainer_skip` as Fp8TrainLinear, in place.
     Returns the converted names. Call before FSDP/compile wrapping (like torchtitan's converters)."""
@@ -131,7 +163,8 @@ def convert(
     for name, mod in model.named_modules():
         if type(mod) is nn.Linear and not trainer_skip(name):
             mod.__class__ = Fp8TrainLinear
-            mod.pow2_scales, mod.backend, mod.fp8_dgrad = pow2_scales, backend, fp8_dgrad
+            mod.pow2_scales, mod.backend = pow2_scales, backend
+            mod.fp8_dgrad, mod.fp8_wgrad = fp8_dgrad, fp8_wgrad
             names.append(name)
     return names
 
@@ -148,12 +181,14 @@ class Fp8BlockwiseConverter:
         pow2_scales: bool = False,
         backend: str = "auto",
         fp8_dgrad: bool = False,
+        fp8_wgrad: bool = False,
     ) -> None:
-        self.pow2_scales, self.backend, self.fp8_dgrad = pow2_scales, backend, fp8_dgrad
+        self.pow2_scales, self.backend = pow2_scales, backend
+        self.fp8_dgrad, self.fp8_wgrad = fp8_dgrad, fp8_wgrad
         self.converted: list[str] = []
 
     def convert(self, model: nn.Module) -> None:
-        self.converted = convert(model, self.pow2_scales, self.backend, self.fp8_dgrad)
+        self.converted = convert(model, self.pow2_scales, self.backend, self.fp8_dgrad, self.fp8_wgrad)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         # Nothing to refresh: the weights are re-quantised from the master weights every forward.

@@ -184,6 +184,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+compile+nofsdp": dict(compile=True, fsdp="auto"),
     "bf16+compile+nofsdp+fused_adam": dict(compile=True, fsdp="auto", optimizer="fused"),
     "bf16+compile+fused_adam+fsdp": dict(compile=True, optimizer="fused"),
+    # trainer.fp8 (no compile: refused with fp8), against the same without compile.
+    "bf16+fused_adam+fsdp": dict(optimizer="fused"),
+    "fp8+fused_adam+fsdp": dict(fp8=True, optimizer="fused"),
+    "fp8+fp8_backward+fused_adam+fsdp": dict(fp8=True, fp8_backward=True, optimizer="fused"),
     # World 1, trainer.fsdp = "master": bf16 parameters (no FSDP copies, no autocast casts), a
     # float32 master per parameter for AdamW, bf16 gradients accumulated into float32 main grads
     # (trainer/master_weights.py). Compare with bf16+compile+fused_adam+fsdp.
@@ -341,6 +345,10 @@ def build_ours(
     model = enable_chunked_output(
         build_model(m, seed=0, device=ctx.device, init_std=0.02), tc.logits_fp32, tc.head_cache_gib
     )
+    if tc.fp8:  # as trainer/train.py: before parallelisation
+        from trainer.fp8 import Fp8BlockwiseConverter
+
+        Fp8BlockwiseConverter(fp8_dgrad=tc.fp8_backward, fp8_wgrad=tc.fp8_backward).convert(model)
     extra = set(parallel.MOE_SAC_SAVE_OPS)
     if knobs.get("moe_sac_extra") is False:
         parallel.MOE_SAC_SAVE_OPS.clear()  # read by parallelize's AC step; restored below

@@ -514,6 +514,12 @@ class TrainerSection(Strict):
     # FP8 linears with the engine's recipe (1x128 activations, 128x128 weights) in the forward;
     # master weights, gradients and optimizer state stay in high precision (trainer/fp8.py).
     fp8: bool = False
+    # With fp8: the backward's two GEMMs in FP8 too (grad_out 1x128 x the transposed weight tiles;
+    # the weight gradient over tokens with grad_out^T and x^T quantised 1x128 along the tokens), as
+    # DeepSeek-V3 trains. false: both in the activations' dtype through the dequantised operands.
+    # H200: a training linear of >= ~25M weights is 1.14-1.35x bf16 with it, 0.71-0.94x without
+    # (bench/fp8/results/train_linear_h200.json; docs/fp8.md).
+    fp8_backward: bool = True
     # --- performance path (trainer/parallel.py, docs/trainer.md)
     # bfloat16: FSDP2 mixed precision (bf16 params/compute, float32 master weights, optimizer
     # state and gradient reduction). A plain single process (no FSDP) uses torch.autocast.

@@ -99,6 +99,88 @@ def quantize_weight(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
     return q.contiguous(), scale
 
 
+def quantize_act_t(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 quantisation of x^T for x (M, C): scales over 128 consecutive rows (tokens) of each
+    column. Returns (q^T (C, M_pad) fp8, scale (C, M_pad / 128)), M_pad = M rounded up to 128 with
+    zero columns: the operands of the FP8 weight-gradient GEMM, which contracts over tokens
+    (fp8_gemm_tokens). DeepSeek-V3 quantises the backward's activations this way (128x1)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_act_t expects a 2-D (M, C) tensor, got shape {tuple(x.shape)}")
+    return quantize_act(_pad_to(x.t().float(), 1, BLOCK), pow2)
+
+
+def fp8_gemm_tokens_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """out (N, K) = sum over 128-token blocks t of a_scale[:, t] b_scale[:, t]^T * (a_t @ b_t^T), for
+    a (N, T) and b (K, T) both quantised 1x128 along T (quantize_act_t): the weight gradient
+    grad_out^T @ x with both operands in FP8. Float32 accumulation."""
+    _check_token_gemm(a, a_scale, b, b_scale)
+    af, bf = a.float(), b.float()
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for t in range(a_scale.shape[1]):
+        blk = slice(t * BLOCK, (t + 1) * BLOCK)
+        out += (af[:, blk] @ bf[:, blk].T) * a_scale[:, t : t + 1].float() * b_scale[:, t].float()[None, :]
+    return out.to(out_dtype)
+
+
+def _check_token_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise TypeError(f"fp8 GEMM wants {FP8_DTYPE} operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.shape[1] % BLOCK:
+        raise ValueError(
+            f"token GEMM wants a (N, T) and b (K, T) with T a multiple of {BLOCK}, "
+            f"got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    tb = a.shape[1] // BLOCK
+    if tuple(a_scale.shape) != (a.shape[0], tb) or tuple(b_scale.shape) != (b.shape[0], tb):
+        raise ValueError(
+            f"token GEMM scales want {(a.shape[0], tb)} and {(b.shape[0], tb)}, "
+            f"got {tuple(a_scale.shape)} and {tuple(b_scale.shape)}"
+        )
+
+
+def fp8_gemm_tokens(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """fp8_gemm_tokens_reference's function; on CUDA torch's block-wise scaled_mm with 1x128 scales
+    on both operands (cuBLAS: the left one's along its rows, the right one's "128x1" along its
+    columns, both scale tensors (rows, T/128) and outer-dimension-major)."""
+    _check_token_gemm(a, a_scale, b, b_scale)
+    if not _use_gpu(backend, a):
+        return fp8_gemm_tokens_reference(a, a_scale, b, b_scale, out_dtype)
+    n, k = a.shape[0], b.shape[0]
+    # cuBLAS reads the left operand's scales in groups of 4 rows: pad N to 4 (zero rows).
+    a_p = _pad_to(a.view(torch.uint8), 0, 4).view(FP8_DTYPE)
+    sa = a_scale.float()
+    if n % 4:
+        sa = _pad_to(sa, 0, 4)
+    if sa.stride(0) != 1:
+        sa = sa.t().contiguous().t()
+    sb = b_scale.float()
+    if sb.stride(0) != 1:  # (K, TB) outer-dimension-major, as the left operand's (H200: the shape
+        sb = sb.t().contiguous().t()  # cuBLAS wants is (K, TB), not its transpose)
+    out = F.scaled_mm(
+        a_p.contiguous(),
+        b.contiguous().t(),
+        sa,
+        F.ScalingType.BlockWise1x128,
+        sb,
+        F.ScalingType.BlockWise1x128,
+        output_dtype=out_dtype,
+    )
+    return out[:n, :k]
+
+
 def dequantize_act(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Inverse of quantize_act, in float32."""
     k = q.shape[-1]

@@ -29,6 +29,7 @@ from torch import nn
 from services.common import fp8 as ref
 from services.common import fp8_checkpoint
 from services.engine.kernels import fp8_gemm as kern
+from services.engine.kernels import fp8_quant
 from services.engine.moe import PER_EXPERT, ExpertWeights
 
 Backend = Literal["auto", "reference", "torch", "triton"]
@@ -99,6 +100,41 @@ def quantize_activation(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tens
             TRITON_FAILURES["quantize_act"] = f"{type(e).__name__}: {e}"
             log.warning("fp8 triton quantiser failed, using the torch reference: %s", e)
     return ref.quantize_act(x, pow2)
+
+
+def _triton_ok(x: torch.Tensor, name: str) -> bool:
+    return x.is_cuda and kern.HAS_TRITON and name not in TRITON_FAILURES
+
+
+def _remember_failure(name: str, e: Exception) -> None:
+    TRITON_FAILURES[name] = f"{type(e).__name__}: {e}"
+    log.warning("fp8 triton %s failed, using the torch reference: %s", name, e)
+
+
+def quantize_weight_fast(
+    w: torch.Tensor, pow2: bool = False, transposed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """128x128 quantisation of a (N, K) weight: (fp8, scales, the fp8 transposed (K, N) contiguous
+    if asked for). One Triton pass on CUDA (kernels/fp8_quant.py), the torch reference elsewhere;
+    the same bits either way."""
+    if _triton_ok(w, "quantize_weight"):
+        try:
+            return fp8_quant.triton_quantize_weight(w, pow2, transposed)
+        except Exception as e:  # noqa: BLE001 - as in quantize_activation
+            _remember_failure("quantize_weight", e)
+    q, s = ref.quantize_weight(w, pow2)
+    return q, s, q.t().contiguous() if transposed else None
+
+
+def quantize_activation_t(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, C) -> x^T quantised 1x128 along M: (C, M_pad) fp8 and (C, M_pad / 128) scales
+    (services/common/fp8.quantize_act_t), for the FP8 weight-gradient GEMM. One Triton pass on CUDA."""
+    if _triton_ok(x, "quantize_act_t"):
+        try:
+            return fp8_quant.triton_quantize_act_t(x, pow2)
+        except Exception as e:  # noqa: BLE001 - as in quantize_activation
+            _remember_failure("quantize_act_t", e)
+    return ref.quantize_act_t(x, pow2)
 
 
 def fp8_gemm_dispatch(

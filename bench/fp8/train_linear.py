@@ -1,0 +1,186 @@
+"""The FP8 trainer's linear on the H200: a GPU self-check of the backward's pieces, then forward +
+backward time of one training linear (3 GEMMs) in bf16 and with trainer/fp8.py's recipe:
+
+  fp8_fwd        FP8 forward, bf16 backward through the dequantised weight / activations
+  fp8_fwd_dgrad  + the FP8 dgrad (grad_out 1x128 x the transposed 128x128 weight tiles)
+  fp8_all        + the FP8 weight gradient over tokens (grad_out^T and x^T quantised 1x128 along
+                 the tokens; torch block-wise scaled_mm with 1x128 scales on both operands)
+
+Self-check (bits and bounds, against services/common/fp8's references run on the GPU): the
+Triton weight quantiser and its transposed copy, the transposed activation quantiser, the token
+GEMM (cuBLAS) against the float32 reference, and each gradient of `fp8_all` against its formula.
+Shapes: DeepSeek-V3's (M = 8192 tokens) and Qwen3-0.6B/4B's (M = 16384).
+
+    python3 bench/fp8/train_linear.py --out $OUT/fp8_train_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import gemm as bench  # noqa: E402
+
+from services.common import fp8 as ref  # noqa: E402
+from services.engine.fp8_linear import fp8_gemm_dispatch, quantize_activation  # noqa: E402
+from services.engine.kernels.fp8_quant import triton_quantize_act_t, triton_quantize_weight  # noqa: E402
+from trainer.fp8 import fp8_linear  # noqa: E402
+
+SHAPES = [
+    (8192, 7168, 2048),
+    (8192, 4096, 7168),
+    (8192, 2048, 7168),
+    (8192, 18432, 7168),
+    (16384, 9728, 2560),
+    (16384, 2560, 9728),
+    (16384, 3072, 1024),
+    (16384, 1024, 3072),
+]
+VARIANTS = {"fp8_fwd": (False, False), "fp8_fwd_dgrad": (True, False), "fp8_all": (True, True)}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+
+
+def self_check(dev: torch.device) -> dict[str, Any]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    out: dict[str, Any] = {}
+    for pow2 in (False, True):
+        w = torch.randn(1000, 1300, device=dev, generator=g) * torch.exp(
+            torch.randn(1000, 1, device=dev, generator=g)
+        )
+        q, s, qt = triton_quantize_weight(w, pow2, transposed=True)
+        rq, rs = ref.quantize_weight(w, pow2)
+        assert qt is not None
+        out[f"weight_pow2={pow2}"] = (
+            same_bits(q, rq) and torch.equal(s, rs) and same_bits(qt, rq.t().contiguous())
+        )
+        x = torch.randn(1000, 700, device=dev, generator=g).to(torch.bfloat16)
+        q, s = triton_quantize_act_t(x, pow2)
+        rq, rs = ref.quantize_act_t(x, pow2)
+        out[f"act_t_pow2={pow2}"] = same_bits(q, rq) and torch.equal(s, rs)
+    gq, gs = triton_quantize_act_t(torch.randn(1000, 640, device=dev, generator=g))
+    xq, xs = triton_quantize_act_t(torch.randn(1000, 896, device=dev, generator=g))
+    fast = ref.fp8_gemm_tokens(gq, gs, xq, xs, torch.float32, backend="torch")
+    slow = ref.fp8_gemm_tokens_reference(gq, gs, xq, xs)
+    out["token_gemm_rel_err"] = ((fast - slow).norm() / slow.norm()).item()
+    # Gradients of the whole recipe against their formulas (the reference GEMMs on the GPU).
+    x = torch.randn(1000, 1024, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(768, 1024, device=dev, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(1000, 768, device=dev, generator=g).to(torch.bfloat16)
+    fp8_linear(x, w, None, False, "auto", True, True).backward(grad)
+    wq, ws = ref.quantize_weight(w.detach())
+    gx = ref.fp8_gemm_reference(*ref.quantize_act(grad), wq.t().contiguous(), ws.t().contiguous())
+    gw = ref.fp8_gemm_tokens_reference(*ref.quantize_act_t(grad), *ref.quantize_act_t(x.detach()))
+    assert x.grad is not None and w.grad is not None
+    out["dgrad_rel_err_vs_formula"] = ((x.grad.float() - gx).norm() / gx.norm()).item()
+    out["wgrad_rel_err_vs_formula"] = ((w.grad.float() - gw).norm() / gw.norm()).item()
+    exact_gw = grad.float().t() @ x.detach().float()
+    out["wgrad_rel_err_vs_float32"] = ((w.grad.float() - exact_gw).norm() / exact_gw.norm()).item()
+    # bf16 outputs: one bf16 rounding (2^-9) on top of wgmma's ~2^-13 block error.
+    out["ok"] = (
+        all(v for k, v in out.items() if k.startswith(("weight", "act_t")))
+        and out["token_gemm_rel_err"] < 1e-3
+        and out["dgrad_rel_err_vs_formula"] < 5e-3
+        and out["wgrad_rel_err_vs_formula"] < 5e-3
+        and out["wgrad_rel_err_vs_float32"] < 0.06
+    )
+    return out
+
+
+def fwd_bwd(fn: Any, grad: torch.Tensor) -> None:
+    fn().backward(grad)
+
+
+def train_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
+    flops = 3 * 2.0 * m * n * k
+    row: dict[str, Any] = {"M": m, "N": n, "K": k, "ms": {}, "tflops": {}, "errors": {}}
+    bench.timed(row, "bf16", flops, partial(fwd_bwd, partial(F.linear, x, w), grad), [x, w])
+    for name, (dgrad, wgrad) in VARIANTS.items():
+        fn = partial(fp8_linear, x, w, None, False, "auto", dgrad, wgrad)
+        bench.timed(row, name, flops, partial(fwd_bwd, fn, grad), [x, w])
+    # The pieces: the quantisers (what the recipe adds besides its GEMMs) and each FP8 GEMM
+    # against one bf16 GEMM of the same size.
+    xd, gd = x.detach(), grad
+    bench.timed(row, "quant_weight_triton", 0, lambda: triton_quantize_weight(w.detach(), False, True))
+    bench.timed(row, "quant_weight_torch", 0, lambda: ref.quantize_weight(w.detach()))
+    bench.timed(row, "quant_act_t_triton", 0, lambda: triton_quantize_act_t(xd))
+    bench.timed(row, "quant_act_triton", 0, lambda: quantize_activation(xd))
+    wq, ws, wq_t = triton_quantize_weight(w.detach(), False, True)
+    xq, xs = quantize_activation(xd)
+    gq, gs = quantize_activation(gd)
+    xq_t, xs_t = triton_quantize_act_t(xd)
+    gq_t, gs_t = triton_quantize_act_t(gd)
+    one = flops / 3
+    bench.timed(row, "gemm_bf16", one, lambda: F.linear(xd, w.detach()))
+    bench.timed(row, "gemm_fwd_fp8", one, lambda: fp8_gemm_dispatch(xq, xs, wq, ws, torch.bfloat16))
+    bench.timed(row, "gemm_dgrad_fp8", one, lambda: fp8_gemm_dispatch(gq, gs, wq_t, ws.t(), torch.bfloat16))
+    bench.timed(row, "gemm_wgrad_bf16", one, lambda: gd.t() @ xd)
+    bench.timed(
+        row,
+        "gemm_wgrad_fp8",
+        one,
+        lambda: ref.fp8_gemm_tokens(gq_t, gs_t, xq_t, xs_t, torch.bfloat16, "torch"),
+    )
+    bf = row["ms"].get("bf16")
+    row["speedup_vs_bf16"] = {v: bf / row["ms"][v] for v in VARIANTS if bf and v in row["ms"]}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(),
+        "machine": bench.machine(),
+        "baseline": "bf16 F.linear forward + backward (cuBLAS), same process",
+        "rows": [],
+    }
+    out = Path(args.out)
+    try:
+        result["self_check"] = self_check(dev)
+    except Exception:  # noqa: BLE001 - record it, still time the variants
+        result["self_check"] = {"ok": False, "error": traceback.format_exc()[-2000:]}
+    print(json.dumps(result["self_check"]), flush=True)
+    out.write_text(json.dumps(result, indent=1))
+    for m, n, k in SHAPES:
+        row = train_row(m, n, k, dev)
+        result["rows"].append(row)
+        print(
+            f"train M={m} N={n:5d} K={k:5d} | "
+            + " ".join(f"{v}={row['tflops'][v]:.0f}" for v in ("bf16", *VARIANTS) if v in row["tflops"])
+            + " | x bf16 "
+            + " ".join(f"{v}={sp:.2f}" for v, sp in row["speedup_vs_bf16"].items())
+            + " | us: "
+            + " ".join(
+                f"{key}={ms * 1e3:.0f}" for key, ms in row["ms"].items() if key.startswith(("quant", "gemm"))
+            )
+            + (f" | errors {row['errors']}" if row["errors"] else ""),
+            flush=True,
+        )
+        out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

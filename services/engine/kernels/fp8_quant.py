@@ -1,0 +1,162 @@
+"""Triton quantisers the FP8 trainer needs besides the 1x128 activation one (fp8_gemm.py):
+
+- `triton_quantize_weight`: 128x128 tiles of a (N, K) weight in one pass (the torch reference
+  in services/common/fp8.quantize_weight makes ~6 passes over a float32 copy), optionally also
+  writing the transposed fp8 weight (K, N) that the FP8 dgrad GEMM reads, so the backward needs no
+  transpose copy. The trainer re-quantises its master weights every step, and the engine on every
+  weight update.
+- `triton_quantize_act_t`: the 1x128 quantisation of x^T for x (M, C): scales over 128 consecutive
+  *rows* (tokens) per column, written transposed as (C, M_pad) fp8 with M_pad = M rounded up to
+  128 (zero columns). The FP8 weight-gradient GEMM contracts over tokens, so both of its operands
+  (grad_out^T and x^T) are quantised this way (DeepSeek-V3's 128x1 backward quantisation).
+
+Both round like the references (IEEE division `div_rn` for the scale and for every element,
+round-to-nearest-even fp8), so their bits equal services/common/fp8's on the GPU. The CPU
+interpreter's fp8 conversion is faulty (fp8_gemm.py's docstring), so CPU callers use the torch
+references (services/engine/fp8_linear.py dispatches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.fp8 import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, _cdiv
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU-only installs
+    HAS_TRITON = False
+
+
+if HAS_TRITON:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _AMAX_EPS = tl.constexpr(AMAX_EPS)
+
+    @triton.jit
+    def _scale_of(amax, POW2: tl.constexpr):
+        """services/common/fp8._scale_from_amax: IEEE amax / 448, or its power-of-two ceiling
+        taken on the bits (exact; log2 on the GPU is approximate)."""
+        s = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), _FP8_MAX)
+        if POW2:
+            bits = s.to(tl.int32, bitcast=True)
+            up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
+            s = up.to(tl.float32, bitcast=True)
+        return s
+
+    @triton.jit
+    def _quant_weight_kernel(
+        w_ptr,
+        q_ptr,
+        qt_ptr,
+        s_ptr,
+        N,
+        K,
+        stride_wn,
+        stride_sn,
+        POW2: tl.constexpr,
+        TRANSPOSED: tl.constexpr,
+    ):
+        """One 128x128 tile per program: scale = amax / 448 over the tile, q = w / scale."""
+        nb, kb = tl.program_id(0), tl.program_id(1)
+        rows = nb * 128 + tl.arange(0, 128)
+        cols = kb * 128 + tl.arange(0, 128)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        rows64 = rows.to(tl.int64)
+        w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+        q = tl.clamp(tl.math.div_rn(w, s), -_FP8_MAX, _FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q, mask=mask)
+        if TRANSPOSED:
+            # Stored as the transposed tile, so consecutive threads write consecutive bytes of a
+            # row of W^T (Triton moves the tile through shared memory to get there).
+            cols64 = cols.to(tl.int64)
+            tl.store(qt_ptr + cols64[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(s_ptr + nb * stride_sn + kb, s)
+
+    @triton.jit
+    def _quant_act_t_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        M,
+        C,
+        M_PAD,
+        stride_xm,
+        stride_sc,
+        stride_sb,
+        POW2: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """128 rows x BLOCK_C columns of x per program: per column, scale = amax over the 128 rows
+        / 448; q^T[c, m] = x[m, c] / scale, stored transposed (rows past M are zeros)."""
+        mb, cb = tl.program_id(0), tl.program_id(1)
+        rows = mb * 128 + tl.arange(0, 128)
+        cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        mask = (rows[:, None] < M) & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        s = _scale_of(tl.max(tl.abs(x), axis=0), POW2)
+        q = tl.clamp(tl.math.div_rn(x, s[None, :]), -_FP8_MAX, _FP8_MAX).to(q_ptr.dtype.element_ty)
+        # The padded rows (M <= m < M_PAD) are written too: zeros, as the reference's padding. The
+        # transposed tile is stored so that consecutive threads write consecutive tokens.
+        tl.store(
+            q_ptr + cols.to(tl.int64)[:, None] * M_PAD + rows[None, :], tl.trans(q), mask=col_ok[:, None]
+        )
+        tl.store(s_ptr + cols * stride_sc + mb * stride_sb, s, mask=col_ok)
+
+
+def triton_quantize_weight(
+    w: torch.Tensor, pow2: bool = False, transposed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(N, K) weight -> (fp8 (N, K), scales (NB, KB), fp8 (K, N) contiguous or None): the bits of
+    services/common/fp8.quantize_weight, and that weight transposed when asked for."""
+    if w.dim() != 2:
+        raise ValueError(f"triton_quantize_weight wants (N, K), got {tuple(w.shape)}")
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
+    qt = torch.empty(k, n, dtype=FP8_DTYPE, device=w.device) if transposed else None
+    s = torch.empty(_cdiv(n, BLOCK), _cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
+    if n and k:
+        _quant_weight_kernel[(s.shape[0], s.shape[1])](
+            w, q, q if qt is None else qt, s, n, k, w.stride(0), s.stride(0),
+            POW2=pow2, TRANSPOSED=transposed, num_warps=8,
+        )  # fmt: skip
+    return q, s, qt
+
+
+def padded_tokens(m: int) -> int:
+    """Rows of x rounded up to whole 128-token scale blocks (the transposed operands' width)."""
+    return _cdiv(m, BLOCK) * BLOCK
+
+
+def triton_quantize_act_t(
+    x: torch.Tensor, pow2: bool = False, scale_layout: str = "row"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, C) -> (q^T (C, M_pad) fp8, scales (C, M_pad / 128)): services/common/fp8's
+    quantize_act_t. `scale_layout` "row": scales stored row-major (C, MB); "col": a (C, MB) view
+    of a column-major buffer (strides (1, C)), the layout cuBLAS wants for the left operand."""
+    if x.dim() != 2:
+        raise ValueError(f"triton_quantize_act_t wants (M, C), got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, c = x.shape
+    m_pad = padded_tokens(m)
+    mb = m_pad // BLOCK
+    q = torch.empty(c, m_pad, dtype=FP8_DTYPE, device=x.device)
+    if scale_layout == "row":
+        s = torch.empty(c, mb, dtype=torch.float32, device=x.device)
+    elif scale_layout == "col":
+        s = torch.empty(mb, c, dtype=torch.float32, device=x.device).t()
+    else:
+        raise ValueError(f"scale_layout {scale_layout!r}: 'row' or 'col'")
+    if m and c:
+        block_c = 64
+        _quant_act_t_kernel[(mb, _cdiv(c, block_c))](
+            x, q, s, m, c, m_pad, x.stride(0), s.stride(0), s.stride(1),
+            POW2=pow2, BLOCK_C=block_c, num_warps=8,
+        )  # fmt: skip
+    return q, s

@@ -1,0 +1,162 @@
+"""The FP8 trainer's backward (trainer/fp8.py): the dgrad GEMM with the transposed weight tiles and
+the weight-gradient GEMM over tokens (both operands quantised 1x128 along the tokens), their
+references in services/common/fp8.py, and the Triton quantisers that feed them
+(services/engine/kernels/fp8_quant.py) against the references."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.fp8 import (
+    BLOCK,
+    FP8_MAX,
+    dequantize_act,
+    dequantize_weight,
+    fp8_gemm_reference,
+    fp8_gemm_tokens,
+    fp8_gemm_tokens_reference,
+    quantize_act,
+    quantize_act_t,
+    quantize_weight,
+)
+from services.engine.fp8_linear import quantize_weight_fast
+from trainer.fp8 import fp8_linear
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_quantize_act_t_scales_over_token_blocks() -> None:
+    x = torch.randn(300, 200, generator=gen(0)) * torch.exp(torch.randn(300, 1, generator=gen(1)))
+    q, s = quantize_act_t(x)
+    assert q.shape == (200, 384) and s.shape == (200, 3)  # 300 tokens -> 3 blocks of 128
+    assert torch.equal(q[:, 300:].float(), torch.zeros(200, 84))  # padding tokens are zeros
+    for t in range(3):
+        rows = x[t * BLOCK : (t + 1) * BLOCK]  # one scale per column over these 128 tokens
+        torch.testing.assert_close(s[:, t], rows.abs().amax(0) / FP8_MAX, rtol=0, atol=0)
+    deq = dequantize_act(q, s)[:, :300]
+    assert rel_err(deq, x.t()) < 0.04  # E4M3's error (docs/fp8.md)
+    assert q.abs().float().max() == FP8_MAX  # each column's largest value lands on 448
+
+
+def test_token_gemm_equals_dequantised_matmul() -> None:
+    g, x = torch.randn(256, 96, generator=gen(2)), torch.randn(256, 160, generator=gen(3))
+    gq, gs = quantize_act_t(g)
+    xq, xs = quantize_act_t(x)
+    out = fp8_gemm_tokens_reference(gq, gs, xq, xs)
+    assert out.shape == (96, 160)
+    expect = dequantize_act(gq, gs).double() @ dequantize_act(xq, xs).double().T
+    torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
+    assert rel_err(out, g.T @ x) < 0.06
+    assert torch.equal(fp8_gemm_tokens(gq, gs, xq, xs), out)  # CPU "auto" is the reference
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_gemm_tokens_reference(gq[:, :100], gs, xq[:, :100], xs)
+
+
+@pytest.mark.parametrize("dgrad,wgrad", [(False, False), (True, False), (False, True), (True, True)])
+def test_fp8_backward_gradients_are_the_recipe(dgrad: bool, wgrad: bool) -> None:
+    """Each gradient equals its FP8 formula exactly (the reference path computes what the GPU's
+    kernels compute, up to summation order) and the float32 gradient to E4M3's error."""
+    x = torch.randn(2, 150, 384, generator=gen(4), requires_grad=True)  # 300 tokens: ragged block
+    w = (torch.randn(256, 384, generator=gen(5)) * 0.05).requires_grad_()
+    b = torch.randn(256, generator=gen(6), requires_grad=True)
+    grad = torch.randn(2, 150, 256, generator=gen(7))
+    fp8_linear(x, w, b, fp8_dgrad=dgrad, fp8_wgrad=wgrad).backward(grad)
+
+    g2, x2 = grad.reshape(-1, 256), x.detach().reshape(-1, 384)
+    wq, ws = quantize_weight(w.detach())
+    if dgrad:
+        gq, gs = quantize_act(g2)
+        gx = fp8_gemm_reference(gq, gs, wq.t().contiguous(), ws.t().contiguous())
+    else:
+        gx = g2 @ dequantize_weight(wq, ws)
+    if wgrad:
+        gw = fp8_gemm_tokens_reference(*quantize_act_t(g2), *quantize_act_t(x2))
+    else:
+        gw = g2.t() @ dequantize_act(*quantize_act(x2))
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+    torch.testing.assert_close(x.grad.reshape(-1, 384), gx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, gw, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(b.grad, g2.sum(0))
+    # Against the exact float32 gradients: E4M3 (3 mantissa bits) on both operands.
+    assert rel_err(x.grad.reshape(-1, 384), g2 @ w.detach()) < 0.06
+    assert rel_err(w.grad, g2.t() @ x2) < 0.06
+
+
+def test_weight_quantiser_gives_the_transposed_copy() -> None:
+    w = torch.randn(200, 300, generator=gen(8))
+    q, s, qt = quantize_weight_fast(w, transposed=True)
+    rq, rs = quantize_weight(w)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert (
+        qt is not None and qt.is_contiguous() and torch.equal(qt.view(torch.uint8), rq.t().view(torch.uint8))
+    )
+    assert quantize_weight_fast(w)[2] is None
+
+
+TRITON_CHECK = textwrap.dedent(
+    """
+    import json, torch
+    from services.common.fp8 import quantize_act_t, quantize_weight
+    from services.engine.kernels.fp8_quant import triton_quantize_act_t, triton_quantize_weight
+    g = torch.Generator().manual_seed(0)
+    res = {}
+
+    def compare(q, rq, s, rs):
+        diff = q.float() != rq.float()
+        return {"scales_equal": bool(torch.equal(s, rs)), "mismatch": diff.float().mean().item(),
+                "only_lost_roundups": bool(((q.float()[diff].abs() < rq.float()[diff].abs())
+                                            & (q.float()[diff] * rq.float()[diff] >= 0)).all())}
+
+    for pow2 in (False, True):
+        w = torch.randn(200, 300, generator=g) * torch.exp(torch.randn(200, 1, generator=g))
+        q, s, qt = triton_quantize_weight(w, pow2, transposed=True)
+        rq, rs = quantize_weight(w, pow2)
+        res[f"weight_{pow2}"] = compare(q, rq, s, rs) | {
+            "transposed_is_q_t": bool(torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)))}
+        x = torch.randn(300, 200, generator=g) * torch.exp(torch.randn(300, 1, generator=g))
+        for layout in ("row", "col"):
+            q, s = triton_quantize_act_t(x, pow2, layout)
+            rq, rs = quantize_act_t(x, pow2)
+            res[f"act_t_{pow2}_{layout}"] = compare(q, rq, s, rs) | {
+                "shape": list(q.shape), "scale_strides": list(s.stride()),
+                "padding_zero": bool((q[:, 300:].float() == 0).all())}
+    print(json.dumps(res))
+    """
+)
+
+
+@pytest.mark.slow  # the Triton interpreter runs every program in Python
+def test_triton_quantisers_under_interpreter_match_reference() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res) == 6
+    for name, r in res.items():
+        assert r["scales_equal"], (name, r)  # div_rn: the reference's IEEE quotient
+        # The interpreter's fp32 -> e4m3 cast sometimes loses a round-up (fp8_gemm.py docstring):
+        # every mismatch must be that defect and rare; the exact bits are checked on the GPU.
+        assert r["mismatch"] < 0.05 and r["only_lost_roundups"], (name, r)
+        if name.startswith("weight"):
+            assert r["transposed_is_q_t"], name
+        else:
+            assert r["shape"] == [200, 384] and r["padding_zero"], (name, r)
+            assert r["scale_strides"] == ([3, 1] if name.endswith("row") else [1, 200]), (name, r)
