@@ -385,13 +385,17 @@ class Fp8Linear(nn.Module):
         """(Re)quantise from a high-precision (N, K) weight, in place (a weight update)."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
-        q, s = quantize_weight(weight.to(self.weight_fp8.device), self.pow2_scales)
+        q, s = self.quantize(weight.to(self.weight_fp8.device))
         self.weight_fp8.copy_(q)
         self.weight_scale.copy_(s)
         if bias is not None:
             if self.bias is None:
                 raise ValueError("this Fp8Linear has no bias")
             self.bias.copy_(bias)
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """128x128 quantisation of a weight for this layer (subclasses may run it faster)."""
+        return quantize_weight(weight, self.pow2_scales)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_weight(self.weight_fp8, self.weight_scale)

@@ -231,6 +231,11 @@ class Fp8Linear(ref.Fp8Linear):
     """The engine's FP8 linear: services/common/fp8.Fp8Linear (fp8 weight + 128x128 scales as
     buffers, `load_weight` re-quantises in place) with the CPU/Triton/cuBLAS dispatch above."""
 
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # One Triton pass on CUDA at every weight update; the reference's bits.
+        q, s, _ = quantize_weight_fast(weight, self.pow2_scales)
+        return q, s
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = fp8_matmul(
             x, self.weight_fp8, self.weight_scale, self.out_dtype, self.pow2_scales, self.backend
@@ -326,7 +331,7 @@ class Fp8Experts(nn.Module):
     def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
         """Quantise one expert's fused weight (gate_up_proj [2I, D] or down_proj [D, I]) in place."""
         dst = "gate_up" if proj == "gate_up_proj" else "down"
-        q, s = ref.quantize_weight(w.to(getattr(self, f"{dst}_fp8").device), self.pow2_scales)
+        q, s, _ = quantize_weight_fast(w.to(getattr(self, f"{dst}_fp8").device), self.pow2_scales)
         getattr(self, f"{dst}_fp8")[index].copy_(q)
         getattr(self, f"{dst}_scale")[index].copy_(s)
 
