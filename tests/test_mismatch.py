@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.moe import run_one_step
+from helpers.trainer_process import assert_first_adam_step_close
 
 from services.common import routing as wire
 from services.common.config import RunConfig, load_config
@@ -306,6 +307,6 @@ def test_moe_two_processes_match_one(redis_url: str, tmp_path: Path) -> None:
     ):
         assert getattr(m2, f) == pytest.approx(getattr(m1, f), rel=1e-5, abs=1e-7), f
     assert m2.routing_agreement == pytest.approx(m1.routing_agreement)
-    assert w1.keys() == w2.keys() and "model.layers.1.mlp.experts.7.down_proj.weight" in w1
-    for key in w1:
-        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5, msg=key)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in w1
+    # 1e-5: the MoE's per-rank expert sums; the first Adam step's near-eps elements may show more.
+    assert_first_adam_step_close(w1, w2, lr=base.trainer.lr, close=1e-5)

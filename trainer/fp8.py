@@ -18,8 +18,9 @@ Backward (straight-through: the quantisers count as identity):
   grad_b = sum of grad_out.
 The module stays an nn.Linear subclass with the same `weight`/`bias` parameters, so state dicts,
 checkpoints, FSDP2 and the HF weight export are unchanged and the optimizer updates the master
-weights. Converted: attention wq/wk/wv/wo and dense MLP w1/w2/w3; kept: `output` (lm_head),
-MoE routers (`...router.gate`), embeddings, norms (torchtitan's grouped experts are not nn.Linear).
+weights. Converted: attention wq/wk/wv/wo, dense MLP w1/w2/w3 and the MoEs' routed experts
+(`Fp8RoutedExperts`: the engine's Fp8Experts recipe, straight-through backward); kept: `output`
+(lm_head), MoE routers (`...router.gate`), embeddings, norms.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
@@ -34,10 +36,12 @@ from services.common.fp8 import default_skip, dequantize_act, dequantize_weight,
 from services.engine.fp8_linear import (
     BACKENDS,
     fp8_gemm_dispatch,
+    grouped_fp8_gemm_dispatch,
     quantize_activation,
     quantize_activation_t,
     quantize_weight_fast,
 )
+from trainer.moe_routing import RoutedExperts
 
 CONVERTER_NAME = "quantize.linear.fp8_blockwise"
 
@@ -111,6 +115,67 @@ def _token_backend(backend: str) -> str:
     return "torch" if backend == "triton" else backend
 
 
+class _Fp8ExpertsFn(torch.autograd.Function):
+    """The routed experts through the engine's FP8 MoE recipe (services/engine/fp8_linear.Fp8Experts):
+    gate and up fused as one [E, 2I, D] weight and each expert quantised 128x128 (a 128-row tile may
+    hold gate and up rows, as in the engine), the expert inputs and the SiLU-mul output quantised
+    1x128, both GEMMs grouped. Backward: straight-through, i.e. the gradients of the experts'
+    high-precision function at the dequantised weights (recomputed; RoutedExperts.run, loop or
+    grouped GEMMs as configured)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        counts: torch.Tensor,
+        experts: nn.Module,
+        pow2: bool,
+        backend: str,
+    ) -> torch.Tensor:
+        out_dtype = _out_dtype(x)
+        gu_q, gu_s, _ = quantize_weight_fast(torch.cat([w1, w3], dim=1).detach(), pow2)
+        dn_q, dn_s, _ = quantize_weight_fast(w2.detach(), pow2)
+        # Rows past the counted ones (an EP dispatch's padding) go to the last group: computed,
+        # then dropped by whoever padded them, as torchtitan's grouped path leaves them.
+        offs = counts.cumsum(0).to(torch.int32)
+        offs[-1] = x.shape[0]
+        xq, xs = quantize_activation(x.detach().to(out_dtype), pow2)
+        gate, up = grouped_fp8_gemm_dispatch(xq, xs, gu_q, gu_s, offs, out_dtype, backend).chunk(2, dim=-1)
+        aq, a_s = quantize_activation((F.silu(gate) * up).contiguous(), pow2)
+        out = grouped_fp8_gemm_dispatch(aq, a_s, dn_q, dn_s, offs, out_dtype, backend)
+        ctx.save_for_backward(x, gu_q, gu_s, dn_q, dn_s, counts)
+        ctx.experts, ctx.w_dtype, ctx.inter = experts, w1.dtype, w1.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, gu_q, gu_s, dn_q, dn_s, counts = ctx.saved_tensors
+        w1, w3 = dequantize_weight(gu_q, gu_s).to(ctx.w_dtype).split(ctx.inter, dim=1)
+        w2 = dequantize_weight(dn_q, dn_s).to(ctx.w_dtype)
+        leaves = [t.detach().requires_grad_() for t in (x, w1, w2, w3)]
+        with torch.enable_grad():
+            out = ctx.experts.run(leaves[1], leaves[2], leaves[3], leaves[0], counts)
+            gx, gw1, gw2, gw3 = torch.autograd.grad(out, leaves, grad_out)
+        return gx, gw1, gw2, gw3, None, None, None, None
+
+
+class Fp8RoutedExperts(RoutedExperts):
+    """RoutedExperts (same parameters w1/w2/w3, the master weights) whose forward runs the engine's
+    FP8 MoE recipe (_Fp8ExpertsFn). Made by re-classing a RoutedExperts in place (`convert`)."""
+
+    pow2_scales: bool = False
+    backend: str = "auto"
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.local_weights()
+        return _Fp8ExpertsFn.apply(  # type: ignore[no-any-return]
+            x, w1, w2, w3, num_tokens_per_expert, self, self.pow2_scales, self.backend
+        )
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -155,8 +220,9 @@ def convert(
     fp8_dgrad: bool = False,
     fp8_wgrad: bool = False,
 ) -> list[str]:
-    """Re-class every nn.Linear not matched by `trainer_skip` as Fp8TrainLinear, in place.
-    Returns the converted names. Call before FSDP/compile wrapping (like torchtitan's converters)."""
+    """Re-class every nn.Linear not matched by `trainer_skip` as Fp8TrainLinear, and every MoE's
+    RoutedExperts as Fp8RoutedExperts (the engine's Fp8Experts recipe), in place. Returns the
+    converted names. Call before FSDP/compile wrapping (like torchtitan's converters)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     names = []
@@ -165,6 +231,10 @@ def convert(
             mod.__class__ = Fp8TrainLinear
             mod.pow2_scales, mod.backend = pow2_scales, backend
             mod.fp8_dgrad, mod.fp8_wgrad = fp8_dgrad, fp8_wgrad
+            names.append(name)
+        elif type(mod) is RoutedExperts:
+            mod.__class__ = Fp8RoutedExperts
+            mod.pow2_scales, mod.backend = pow2_scales, backend
             names.append(name)
     return names
 

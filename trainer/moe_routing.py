@@ -217,9 +217,18 @@ class RoutedExperts(GroupedExperts):
     fallback needs no alignment."""
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.run(*self.local_weights(), x, num_tokens_per_expert)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w2, w3 as plain tensors (an EP shard's local experts under DTensor)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))  # type: ignore[return-value]
+
+    def run(
+        self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """This module's function with the given (local) weights: the loop or the grouped GEMMs."""
         if not self.use_grouped_mm:
-            return super().forward(x, num_tokens_per_expert)
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+            return tt_moe._run_experts_for_loop(w1, w2, w3, x, counts)
         mesh_dims = self.w1.device_mesh.mesh_dim_names if isinstance(self.w1, DTensor) else None
         ep = "ep" in (mesh_dims or ())
         dev, out_dtype = x.device.type, x.dtype
@@ -231,7 +240,7 @@ class RoutedExperts(GroupedExperts):
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         if not ep and dev == "cuda":
             fn = indices_padding_wrapper(fn)
-        return fn(w1, w2, w3, x, num_tokens_per_expert).to(out_dtype)
+        return fn(w1, w2, w3, x, counts).to(out_dtype)
 
 
 def routed_experts_like(old: GroupedExperts) -> RoutedExperts:

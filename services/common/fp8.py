@@ -188,9 +188,10 @@ def dequantize_act(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of quantize_weight, in float32."""
-    n, k = q.shape
-    s = scale.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
+    """Inverse of quantize_weight, in float32; also for stacked (E, N, K) weights with (E, NB, KB)
+    scales (MoE experts quantised per expert)."""
+    n, k = q.shape[-2:]
+    s = scale.repeat_interleave(BLOCK, dim=-2)[..., :n, :].repeat_interleave(BLOCK, dim=-1)[..., :k]
     return q.float() * s
 
 

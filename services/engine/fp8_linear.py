@@ -115,13 +115,19 @@ def quantize_weight_fast(
     w: torch.Tensor, pow2: bool = False, transposed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """128x128 quantisation of a (N, K) weight: (fp8, scales, the fp8 transposed (K, N) contiguous
-    if asked for). One Triton pass on CUDA (kernels/fp8_quant.py), the torch reference elsewhere;
-    the same bits either way."""
+    if asked for); of a stacked (E, N, K) one (MoE experts) per expert, without the transposed copy.
+    One Triton pass on CUDA (kernels/fp8_quant.py), the torch reference elsewhere; the same bits
+    either way."""
     if _triton_ok(w, "quantize_weight"):
         try:
             return fp8_quant.triton_quantize_weight(w, pow2, transposed)
         except Exception as e:  # noqa: BLE001 - as in quantize_activation
             _remember_failure("quantize_weight", e)
+    if w.dim() == 3:
+        if transposed:
+            raise ValueError("no transposed copy of stacked (E, N, K) weights")
+        pairs = [ref.quantize_weight(we, pow2) for we in w]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]), None
     q, s = ref.quantize_weight(w, pow2)
     return q, s, q.t().contiguous() if transposed else None
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import torch
+
 from services.common.config import REPO_ROOT, RunConfig
 from trainer.launch import trainer_command
 from trainer.train import run as run_trainer
@@ -37,3 +39,18 @@ def run_trainer_steps(cfg: RunConfig, run_dir: Path, redis_url: str, timeout_s: 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def assert_first_adam_step_close(
+    w_ref: dict[str, torch.Tensor], w_other: dict[str, torch.Tensor], lr: float, close: float = 1e-6
+) -> None:
+    """Weights after one AdamW step computed two ways (other process counts, sharding) agree. The
+    first step moves each weight by lr * g / (|g| + eps): an element whose gradient is ~eps (a sum
+    that cancels) moves by a g-dependent fraction of lr, so a different reduction order shows there
+    (seen: 1 of 2,048-4,096 k_proj elements off by 1.3-1.8% of lr; docs/loss.md). Everything else
+    agrees to `close`; at most 1 element in 1,000 may differ, by under 5% of lr."""
+    assert w_ref.keys() == w_other.keys()
+    for k in w_ref:
+        dd = (w_other[k] - w_ref[k]).abs()
+        assert float(dd.max()) < 0.05 * lr, (k, float(dd.max()))
+        assert int((dd > close).sum()) <= max(1, dd.numel() // 1000), (k, int((dd > close).sum()))

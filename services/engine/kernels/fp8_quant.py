@@ -56,11 +56,17 @@ if HAS_TRITON:
         K,
         stride_wn,
         stride_sn,
+        stride_we,
+        stride_se,
         POW2: tl.constexpr,
         TRANSPOSED: tl.constexpr,
     ):
-        """One 128x128 tile per program: scale = amax / 448 over the tile, q = w / scale."""
-        nb, kb = tl.program_id(0), tl.program_id(1)
+        """One 128x128 tile per program (axis 2: the expert of a stacked (E, N, K) weight): scale =
+        amax / 448 over the tile, q = w / scale."""
+        nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        w_ptr += e * stride_we
+        q_ptr += e * N * K
+        s_ptr += e * stride_se
         rows = nb * 128 + tl.arange(0, 128)
         cols = kb * 128 + tl.arange(0, 128)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
@@ -113,17 +119,23 @@ def triton_quantize_weight(
     w: torch.Tensor, pow2: bool = False, transposed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(N, K) weight -> (fp8 (N, K), scales (NB, KB), fp8 (K, N) contiguous or None): the bits of
-    services/common/fp8.quantize_weight, and that weight transposed when asked for."""
-    if w.dim() != 2:
-        raise ValueError(f"triton_quantize_weight wants (N, K), got {tuple(w.shape)}")
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    n, k = w.shape
-    q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
+    services/common/fp8.quantize_weight, and that weight transposed when asked for. A stacked
+    (E, N, K) weight (MoE experts) is quantised per expert in the same launch: (E, N, K) fp8 and
+    (E, NB, KB) scales (no transposed copy)."""
+    if w.dim() not in (2, 3) or (w.dim() == 3 and transposed):
+        raise ValueError(
+            f"triton_quantize_weight wants (N, K) or, untransposed, (E, N, K); got {tuple(w.shape)}"
+        )
+    w = w if w.stride(-1) == 1 and w.stride(-2) == w.shape[-1] else w.contiguous()
+    lead, (n, k) = w.shape[:-2], w.shape[-2:]
+    q = torch.empty(*lead, n, k, dtype=FP8_DTYPE, device=w.device)
     qt = torch.empty(k, n, dtype=FP8_DTYPE, device=w.device) if transposed else None
-    s = torch.empty(_cdiv(n, BLOCK), _cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
-    if n and k:
-        _quant_weight_kernel[(s.shape[0], s.shape[1])](
-            w, q, q if qt is None else qt, s, n, k, w.stride(0), s.stride(0),
+    s = torch.empty(*lead, _cdiv(n, BLOCK), _cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
+    experts = w.shape[0] if w.dim() == 3 else 1
+    if n and k and experts:
+        _quant_weight_kernel[(s.shape[-2], s.shape[-1], experts)](
+            w, q, q if qt is None else qt, s, n, k, w.stride(-2), s.stride(-2),
+            w.stride(0) if w.dim() == 3 else 0, s.stride(0) if w.dim() == 3 else 0,
             POW2=pow2, TRANSPOSED=transposed, num_warps=8,
         )  # fmt: skip
     return q, s, qt
