@@ -90,15 +90,49 @@ def self_check(dev: torch.device) -> dict[str, Any]:
     out["wgrad_rel_err_vs_formula"] = ((w.grad.float() - gw).norm() / gw.norm()).item()
     exact_gw = grad.float().t() @ x.detach().float()
     out["wgrad_rel_err_vs_float32"] = ((w.grad.float() - exact_gw).norm() / exact_gw.norm()).item()
+    # MoE: the stacked-expert quantiser, and the trainer's FP8 experts against the engine's.
+    ew = torch.randn(8, 384, 256, device=dev, generator=g).to(torch.bfloat16)
+    q, s, _ = triton_quantize_weight(ew)
+    pairs = [ref.quantize_weight(e) for e in ew]
+    out["stacked_experts"] = same_bits(q, torch.stack([p[0] for p in pairs])) and torch.equal(
+        s, torch.stack([p[1] for p in pairs])
+    )
+    out["moe_trainer_equals_engine"] = moe_trainer_equals_engine(dev, g)
     # bf16 outputs: one bf16 rounding (2^-9) on top of wgmma's ~2^-13 block error.
     out["ok"] = (
-        all(v for k, v in out.items() if k.startswith(("weight", "act_t")))
+        all(v for k, v in out.items() if k.startswith(("weight", "act_t", "stacked", "moe")))
         and out["token_gemm_rel_err"] < 1e-3
         and out["dgrad_rel_err_vs_formula"] < 5e-3
         and out["wgrad_rel_err_vs_formula"] < 5e-3
         and out["wgrad_rel_err_vs_float32"] < 0.06
     )
     return out
+
+
+def moe_trainer_equals_engine(dev: torch.device, g: torch.Generator) -> bool:
+    """trainer/fp8.Fp8RoutedExperts against services/engine/fp8_linear.Fp8Experts on the same
+    weights, tokens and (top-1) routing: the same bits."""
+    from services.engine.fp8_linear import Fp8Experts
+    from trainer.fp8 import convert
+    from trainer.moe_routing import RoutedExperts
+
+    e_n, dim, inter, t = 8, 512, 384, 1000
+    experts = RoutedExperts(dim=dim, hidden_dim=inter, num_experts=e_n, use_grouped_mm=True).to(dev)
+    with torch.no_grad():
+        for w in (experts.w1, experts.w2, experts.w3):
+            w.copy_(torch.randn(w.shape, device=dev, generator=g) * 0.05)
+    experts = experts.to(torch.bfloat16)
+    engine = Fp8Experts(e_n, inter, dim, device=dev)
+    engine.load_fused("gate_up_proj", torch.cat([experts.w1, experts.w3], dim=1).detach())
+    engine.load_fused("down_proj", experts.w2.detach())
+    convert(torch.nn.ModuleDict({"experts": experts}))
+    x = torch.randn(t, dim, device=dev, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e_n, (t,), device=dev, generator=g)
+    order = ids.argsort(stable=True)
+    with torch.no_grad():
+        sorted_out = experts(x[order], torch.bincount(ids, minlength=e_n))
+        want = engine(x, ids[:, None], torch.ones(t, 1, device=dev, dtype=torch.bfloat16))
+    return bool(torch.equal(torch.empty_like(sorted_out).index_copy(0, order, sorted_out), want))
 
 
 def fwd_bwd(fn: Any, grad: torch.Tensor) -> None:

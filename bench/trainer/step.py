@@ -132,6 +132,7 @@ SHAPES = {
         tie_embeddings=False,
     ),
 }
+SHAPES["30b-a3b-4l"] = {**SHAPES["30b-a3b"], "n_layers": 4}  # one GPU: FP8 MoE vs bf16
 # name -> trainer knobs (+ "pack": packed mixed-length documents instead of one sequence)
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": dict(),
@@ -188,6 +189,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+fused_adam+fsdp": dict(optimizer="fused"),
     "fp8+fused_adam+fsdp": dict(fp8=True, optimizer="fused"),
     "fp8+fp8_backward+fused_adam+fsdp": dict(fp8=True, fp8_backward=True, optimizer="fused"),
+    "bf16+grouped_mm+fused_adam+fsdp": dict(moe_grouped_mm="on", optimizer="fused"),
+    "fp8+grouped_mm+fused_adam+fsdp": dict(fp8=True, moe_grouped_mm="on", optimizer="fused"),
     # World 1, trainer.fsdp = "master": bf16 parameters (no FSDP copies, no autocast casts), a
     # float32 master per parameter for AdamW, bf16 gradients accumulated into float32 main grads
     # (trainer/master_weights.py). Compare with bf16+compile+fused_adam+fsdp.
