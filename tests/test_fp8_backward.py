@@ -160,3 +160,21 @@ def test_triton_quantisers_under_interpreter_match_reference() -> None:
         else:
             assert r["shape"] == [200, 384] and r["padding_zero"], (name, r)
             assert r["scale_strides"] == ([3, 1] if name.endswith("row") else [1, 200]), (name, r)
+
+
+@pytest.mark.parametrize("dgrad,wgrad", [(False, False), (True, True)])
+def test_fp8_linear_custom_ops_agree_with_their_fakes(dgrad: bool, wgrad: bool) -> None:
+    """The FP8 linear's custom ops (what trainer.compile traces): their fakes give the real outputs'
+    shapes, dtypes and strides, and they run under AOT dispatch (torch.library.opcheck; its schema
+    test compares tensors with ops float8 has no CPU kernel for)."""
+    from trainer.fp8 import fp8_linear_bwd, fp8_linear_fwd
+
+    x, w = torch.randn(300, 384, generator=gen(9)), torch.randn(256, 384, generator=gen(10)) * 0.05
+    fwd_args = (x, w, False, "auto", dgrad, wgrad, torch.float32)
+    tests = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(fp8_linear_fwd, fwd_args, test_utils=tests)
+    _, xb, xbs, wb, ws = fp8_linear_fwd(*fwd_args)
+    g = torch.randn(300, 256, generator=gen(11))
+    torch.library.opcheck(
+        fp8_linear_bwd, (g, xb, xbs, wb, ws, False, "auto", dgrad, wgrad, torch.float32), test_utils=tests
+    )

@@ -88,7 +88,7 @@ def _graphs() -> int:
 
 
 def _trajectory(
-    redis_url: str, root: Path, compile: bool, activation_checkpoint: str, d: Any
+    redis_url: str, root: Path, compile: bool, activation_checkpoint: str, d: Any, fp8: bool = False
 ) -> dict[str, Any]:
     """STEPS real train steps; the loss, the parameters and the graphs compiled so far after each."""
     from trainer.train import Trainer
@@ -101,6 +101,7 @@ def _trajectory(
     cfg.trainer.micro_batch_tokens = 64  # several documents per pack: the dense document mask
     cfg.trainer.logprob_chunk_tokens = 16
     cfg.trainer.compile = compile
+    cfg.trainer.fp8 = fp8
     cfg.trainer.activation_checkpoint = activation_checkpoint  # type: ignore[assignment]
     # FSDP2 on a 1-rank group too (the default "auto" skips it there); no effect without a group.
     cfg.trainer.fsdp = "always"
@@ -109,7 +110,7 @@ def _trajectory(
         # graph count below shows this run compiling once and never again.
         torch._dynamo.reset()
     base = _graphs()  # the counter is process-wide and survives reset
-    t = Trainer(cfg, root / f"{compile}-{activation_checkpoint}", redis_url, d)
+    t = Trainer(cfg, root / f"{compile}-{activation_checkpoint}-{fp8}", redis_url, d)
     t.setup()
     out: dict[str, Any] = {"losses": [], "params": [_params(t.model)], "graphs": []}
     for s in range(STEPS):
@@ -155,6 +156,21 @@ def test_compiled_steps_track_eager_float32(
     eager = _trajectory(redis_server, tmp_path, False, activation_checkpoint, d)
     compiled = _trajectory(redis_server, tmp_path, True, activation_checkpoint, d)
     _assert_tracks(eager, compiled)
+
+
+@pytest.mark.slow  # ~20 s with a cold inductor cache
+def test_compiled_fp8_steps_track_eager(redis_server: str, tmp_path: Path) -> None:
+    """trainer.fp8 with trainer.compile: the FP8 linears are custom ops (trainer/fp8.py), opaque to
+    the compiled blocks, which compile once with fullgraph=True (a graph break would raise) around
+    them; the steps track eager FP8."""
+    from trainer.train import Dist
+
+    d = Dist("cpu")
+    eager = _trajectory(redis_server, tmp_path, False, "none", d, fp8=True)
+    compiled = _trajectory(redis_server, tmp_path, True, "none", d, fp8=True)
+    _assert_tracks(eager, compiled)
+    # The FP8 recipe really ran: its losses are not the high-precision trainer's.
+    assert eager["losses"] != _trajectory(redis_server, tmp_path / "hp", False, "none", d)["losses"]
 
 
 def _free_port() -> int:

@@ -32,7 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
-from services.common.fp8 import default_skip, dequantize_act, dequantize_weight, fp8_gemm_tokens
+from services.common.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    default_skip,
+    dequantize_act,
+    dequantize_weight,
+    fp8_gemm_tokens,
+)
 from services.engine.fp8_linear import (
     BACKENDS,
     fp8_gemm_dispatch,
@@ -54,6 +61,111 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# The recipe's kernels are dispatched in Python (Triton or cuBLAS by shape, fallbacks on failure),
+# which torch.compile cannot trace. As custom ops they are opaque nodes with shape functions
+# (the fakes below), so trainer.compile compiles everything around them with fullgraph=True.
+
+
+@torch.library.custom_op("relay::fp8_linear_fwd", mutates_args=())
+def fp8_linear_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pow2: bool,
+    backend: str,
+    dgrad: bool,
+    wgrad: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) @ weight (N, K)^T through the recipe -> (out (M, N), then what the backward reads:
+    x^T quantised along the tokens (wgrad) or x_q, with its scales; W_q^T (dgrad) or W_q; the
+    weight's 128x128 scales)."""
+    wq, ws, wq_t = quantize_weight_fast(weight, pow2, transposed=dgrad)
+    xq, xs = quantize_activation(x, pow2)
+    out = fp8_gemm_dispatch(xq, xs, wq, ws, out_dtype, backend)
+    xb, xbs = quantize_activation_t(x, pow2) if wgrad else (xq, xs)
+    wb = wq_t if dgrad else wq
+    assert wb is not None
+    # Outputs of a custom op must not alias each other or the inputs, and their strides should be
+    # the fake's: contiguous copies of the views (the scales are tiny).
+    return out.contiguous(), xb.contiguous(), xbs.contiguous(), wb, ws
+
+
+@fp8_linear_fwd.register_fake
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pow2: bool,
+    backend: str,
+    dgrad: bool,
+    wgrad: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    (m, k), n = x.shape, weight.shape[0]
+    f8, f32 = FP8_DTYPE, torch.float32
+    blocks = (n + BLOCK - 1) // BLOCK, (k + BLOCK - 1) // BLOCK
+    if wgrad:
+        m_pad = (m + BLOCK - 1) // BLOCK * BLOCK
+        xb, xbs = x.new_empty(k, m_pad, dtype=f8), x.new_empty(k, m_pad // BLOCK, dtype=f32)
+    else:
+        xb, xbs = x.new_empty(m, k, dtype=f8), x.new_empty(m, blocks[1], dtype=f32)
+    wb = x.new_empty((k, n) if dgrad else (n, k), dtype=f8)
+    return x.new_empty(m, n, dtype=out_dtype), xb, xbs, wb, x.new_empty(blocks, dtype=f32)
+
+
+@torch.library.custom_op("relay::fp8_linear_bwd", mutates_args=())
+def fp8_linear_bwd(
+    g: torch.Tensor,
+    xb: torch.Tensor,
+    xbs: torch.Tensor,
+    wb: torch.Tensor,
+    ws: torch.Tensor,
+    pow2: bool,
+    backend: str,
+    dgrad: bool,
+    wgrad: bool,
+    w_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_out (M, N) -> (grad_x (M, K) in g's dtype, grad_W (N, K) in w_dtype): the straight-through
+    gradients, each GEMM in FP8 or through the dequantised operand (module docstring)."""
+    g = g.contiguous()
+    if dgrad:
+        gq, gs = quantize_activation(g, pow2)
+        gx = fp8_gemm_dispatch(gq, gs, wb, ws.t(), g.dtype, backend)
+    else:
+        gx = g @ dequantize_weight(wb, ws).to(g.dtype)
+    if wgrad:
+        gq_t, gs_t = quantize_activation_t(g, pow2)
+        gw = fp8_gemm_tokens(
+            gq_t,
+            gs_t,
+            xb,
+            xbs,
+            torch.float32 if w_dtype == torch.float32 else g.dtype,
+            _token_backend(backend),
+        )
+    else:
+        gw = g.t() @ dequantize_act(xb, xbs).to(g.dtype)
+    return gx.contiguous(), gw.to(w_dtype).contiguous()
+
+
+@fp8_linear_bwd.register_fake
+def _(
+    g: torch.Tensor,
+    xb: torch.Tensor,
+    xbs: torch.Tensor,
+    wb: torch.Tensor,
+    ws: torch.Tensor,
+    pow2: bool,
+    backend: str,
+    dgrad: bool,
+    wgrad: bool,
+    w_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = g.shape
+    k = wb.shape[0] if dgrad else wb.shape[1]
+    return g.new_empty(m, k), g.new_empty(n, k, dtype=w_dtype)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -68,46 +180,35 @@ class _Fp8LinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         k = x.shape[-1]
         out_dtype = _out_dtype(x)
-        x2 = x.detach().reshape(-1, k)
-        wq, ws, wq_t = quantize_weight_fast(weight.detach(), pow2, transposed=fp8_dgrad)
-        xq, xs = quantize_activation(x2, pow2)
-        out = fp8_gemm_dispatch(xq, xs, wq, ws, out_dtype, backend)
+        out, *saved = fp8_linear_fwd(
+            x.detach().reshape(-1, k), weight.detach(), pow2, backend, fp8_dgrad, fp8_wgrad, out_dtype
+        )
         if bias is not None:
             out = out + bias.to(out_dtype)
-        # What the backward reads: x^T quantised along the tokens for the FP8 wgrad (else x_q),
-        # the transposed weight tiles for the FP8 dgrad (else W_q).
-        xb = quantize_activation_t(x2, pow2) if fp8_wgrad else (xq, xs)
-        ctx.save_for_backward(*xb, wq_t if fp8_dgrad else wq, ws)
+        ctx.save_for_backward(*saved)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.has_bias, ctx.pow2, ctx.backend = bias is not None, pow2, backend
         ctx.fp8_dgrad, ctx.fp8_wgrad = fp8_dgrad, fp8_wgrad
-        return out.reshape(*x.shape[:-1], wq.shape[0])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         xb, xbs, wb, ws = ctx.saved_tensors
-        n = wb.shape[1] if ctx.fp8_dgrad else wb.shape[0]
-        g = grad_out.reshape(-1, n)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            if ctx.fp8_dgrad:
-                gq, gs = quantize_activation(g.contiguous(), ctx.pow2)
-                gx = fp8_gemm_dispatch(gq, gs, wb, ws.t(), g.dtype, ctx.backend)
-            else:
-                gx = g @ dequantize_weight(wb, ws).to(g.dtype)
-            gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            if ctx.fp8_wgrad:
-                gq_t, gs_t = quantize_activation_t(g, ctx.pow2)
-                out_dtype = torch.float32 if ctx.w_dtype == torch.float32 else g.dtype
-                gw = fp8_gemm_tokens(gq_t, gs_t, xb, xbs, out_dtype, _token_backend(ctx.backend))
-            else:
-                gw = g.t() @ dequantize_act(xb, xbs).to(g.dtype)
-            gw = gw.to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g.sum(0).to(ctx.b_dtype)
-        return gx, gw, gb, None, None, None, None
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        gx, gw = fp8_linear_bwd(
+            g, xb, xbs, wb, ws, ctx.pow2, ctx.backend, ctx.fp8_dgrad, ctx.fp8_wgrad, ctx.w_dtype
+        )
+        gb = g.sum(0).to(ctx.b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (
+            gx.reshape(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None,
+            gw if ctx.needs_input_grad[1] else None,
+            gb,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _token_backend(backend: str) -> str:

@@ -189,6 +189,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+fused_adam+fsdp": dict(optimizer="fused"),
     "fp8+fused_adam+fsdp": dict(fp8=True, optimizer="fused"),
     "fp8+fp8_backward+fused_adam+fsdp": dict(fp8=True, fp8_backward=True, optimizer="fused"),
+    "fp8+compile+fused_adam+fsdp": dict(fp8=True, compile=True, optimizer="fused"),
+    "bf16+sac+compile+fused_adam+fsdp": dict(
+        activation_checkpoint="selective", compile=True, optimizer="fused"
+    ),
+    "fp8+sac+compile+fused_adam+fsdp": dict(
+        fp8=True, activation_checkpoint="selective", compile=True, optimizer="fused"
+    ),
     "bf16+grouped_mm+fused_adam+fsdp": dict(moe_grouped_mm="on", optimizer="fused"),
     "fp8+grouped_mm+fused_adam+fsdp": dict(fp8=True, moe_grouped_mm="on", optimizer="fused"),
     # World 1, trainer.fsdp = "master": bf16 parameters (no FSDP copies, no autocast casts), a

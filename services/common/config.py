@@ -561,10 +561,6 @@ class TrainerSection(Strict):
         if self.fp8 and self.tp > 1:
             # Block scales are computed on whole 128x128 weight tiles; a TP shard sees only part.
             raise ValueError("trainer.fp8 needs trainer.tp = 1")
-        if self.fp8 and self.compile:
-            # compile uses fullgraph=True; the FP8 linear's kernel dispatch (Python, try/except
-            # fallbacks, Triton launches) has not been made traceable.
-            raise ValueError("trainer.fp8 cannot be combined with trainer.compile yet")
         if self.nproc % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.nproc ({self.nproc})")
         if self.attention != "sdpa" and self.device == "cpu":
