@@ -169,7 +169,14 @@ MOE_SAC_SAVE_OPS: set[Any] = {
 def sac_save_list(model: nn.Module) -> set[Any]:
     from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
-    return set(_op_sac_save_list) | (MOE_SAC_SAVE_OPS if _moe_blocks(model) else set())
+    from trainer.fp8 import FP8_SAC_SAVE_OPS, Fp8TrainLinear
+
+    ops = set(_op_sac_save_list) | (MOE_SAC_SAVE_OPS if _moe_blocks(model) else set())
+    if any(isinstance(m, Fp8TrainLinear) for m in model.modules()):
+        # The FP8 linear is one opaque op (not aten.mm): saved, or selective AC recomputes its
+        # quantisers and GEMM in the backward (H200, 4B: fp8 0.97x bf16 with the recompute).
+        ops |= FP8_SAC_SAVE_OPS
+    return ops
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> None:
