@@ -166,10 +166,6 @@ def _(
     return g.new_empty(m, k), g.new_empty(n, k, dtype=w_dtype)
 
 
-# Selective activation checkpointing keeps these ops' outputs (trainer/parallel.sac_save_list).
-FP8_SAC_SAVE_OPS = {torch.ops.relay.fp8_linear_fwd.default}
-
-
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]

@@ -169,14 +169,11 @@ MOE_SAC_SAVE_OPS: set[Any] = {
 def sac_save_list(model: nn.Module) -> set[Any]:
     from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
 
-    from trainer.fp8 import FP8_SAC_SAVE_OPS, Fp8TrainLinear
-
-    ops = set(_op_sac_save_list) | (MOE_SAC_SAVE_OPS if _moe_blocks(model) else set())
-    if any(isinstance(m, Fp8TrainLinear) for m in model.modules()):
-        # The FP8 linear is one opaque op (not aten.mm): saved, or selective AC recomputes its
-        # quantisers and GEMM in the backward (H200, 4B: fp8 0.97x bf16 with the recompute).
-        ops |= FP8_SAC_SAVE_OPS
-    return ops
+    # The FP8 linear (trainer/fp8.py) is one opaque op, not aten.mm, so selective AC recomputes it
+    # in the backward. Measured on the H200 (4B, docs/fp8.md): recomputed, 0.97x bf16's speed at 81%
+    # of its memory; saved, 1.00x at 138% (the op's outputs are more than an mm's, and torchtitan
+    # saves only every other mm). Recomputing keeps what selective AC is for.
+    return set(_op_sac_save_list) | (MOE_SAC_SAVE_OPS if _moe_blocks(model) else set())
 
 
 def apply_activation_checkpoint(model: nn.Module, mode: str, compiled: bool) -> None:
