@@ -24,8 +24,7 @@ first, then this with --sweep-budget-s 0); each row records the entry it used (`
    gate/up, DeepSeek-V3 expert width 2048) and (7168, 2048) (down); decode-sized (T = 256) and
    prefill-sized (T = 16384). Variants: bf16 torch._grouped_mm, bf16 per-expert loop, torch
    block-wise scaled_mm per-expert loop, triton grouped (heuristic, and a BLOCK_M/N sweep).
-4. Trainer linear at M = 8192 (forward + backward, 3 GEMMs): bf16 vs trainer/fp8.py with a bf16
-   backward and with the fp8 dgrad (does FP8 pay in the trainer, and does the fp8 dgrad?).
+The trainer's linear (forward + backward) is bench/fp8/train_linear.py's.
 
 Timing: triton.testing.do_bench (median), which clears a 256 MB buffer before every call, so each
 call reads its weight from HBM as in a real model (a decode step streams every layer's weights
@@ -610,53 +609,6 @@ def grouped_rows(dev: torch.device, t0: float) -> list[dict[str, Any]]:
     return rows
 
 
-# ------------------------------------------------------------------ trainer linear (fwd + bwd)
-
-
-def fwd_bwd(fn: Callable[[], torch.Tensor], grad: torch.Tensor) -> None:
-    fn().backward(grad)
-
-
-def train_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
-    """One training linear, forward + backward (3 GEMMs), bf16 vs trainer/fp8.py's recipe with a
-    bf16 backward and with the fp8 dgrad: does FP8 pay in the trainer, and does the fp8 dgrad?"""
-    from trainer.fp8 import fp8_linear  # needs torchtitan (carried in .whl)
-
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
-    grad = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
-    flops = 3 * 2.0 * m * n * k
-    row: dict[str, Any] = {"M": m, "N": n, "K": k, "ms": {}, "tflops": {}, "errors": {}}
-    timed(row, "bf16", flops, partial(fwd_bwd, partial(F.linear, x, w), grad), [x, w])
-    timed(row, "fp8_fwd_bf16_bwd", flops, partial(fwd_bwd, partial(fp8_linear, x, w), grad), [x, w])
-    timed(
-        row,
-        "fp8_fwd_fp8_dgrad",
-        flops,
-        partial(fwd_bwd, partial(fp8_linear, x, w, None, False, "auto", True), grad),
-        [x, w],
-    )
-    bf = row["ms"].get("bf16")
-    row["speedup_vs_bf16"] = {v: bf / ms for v, ms in row["ms"].items() if bf and v != "bf16"}
-    return row
-
-
-def train_rows(dev: torch.device) -> list[dict[str, Any]]:
-    rows = []
-    for n, k in DENSE_NK:
-        row = train_row(8192, n, k, dev)
-        rows.append(row)
-        print(
-            f"train M=8192 N={n:5d} K={k:5d} | "
-            + " ".join(f"{v}={row['tflops'][v]:.0f}" for v in row["tflops"])
-            + " | x bf16: "
-            + " ".join(f"{v}={sp:.2f}" for v, sp in row["speedup_vs_bf16"].items()),
-            flush=True,
-        )
-    return rows
-
-
 def summary(dense: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals for what the engine runs ("auto", the tuned dispatch): >= 1.7x bf16 at
     M >= 4096, never slower than bf16 at M = 64-128. Speedups from CUDA-graph replays (GPU time:
@@ -729,7 +681,6 @@ def main() -> None:
         ("self_check", lambda: self_check(dev)),
         ("dense", lambda: dense_rows(dev, t0, args.sweep_budget_s)),
         ("grouped", (lambda: []) if args.skip_grouped else (lambda: grouped_rows(dev, t0))),
-        ("train_linear", lambda: train_rows(dev)),
     ):
         try:
             result[section] = fn()

@@ -164,17 +164,12 @@ def fp8_gemm_tokens(
     sa = a_scale.float()
     if n % 4:
         sa = _pad_to(sa, 0, 4)
-    if sa.stride(0) != 1:
-        sa = sa.t().contiguous().t()
-    sb = b_scale.float()
-    if sb.stride(0) != 1:  # (K, TB) outer-dimension-major, as the left operand's (H200: the shape
-        sb = sb.t().contiguous().t()  # cuBLAS wants is (K, TB), not its transpose)
     out = F.scaled_mm(
         a_p.contiguous(),
         b.contiguous().t(),
-        sa,
+        _outer_major(sa),
         F.ScalingType.BlockWise1x128,
-        sb,
+        _outer_major(b_scale.float()),  # (K, TB), as the left one's (H200: not its transpose)
         F.ScalingType.BlockWise1x128,
         output_dtype=out_dtype,
     )
@@ -252,19 +247,23 @@ def _scaled_mm_blockwise(
     sa = a_scale.float()
     if m % 4:
         sa = _pad_to(sa, 0, 4)  # padded rows are zero: any scale, 0 is as good as 1
-    if sa.stride(0) != 1:  # row-major (the torch reference's) -> column-major; Triton's is already
-        sa = sa.t().contiguous().t()
     sb = _pad_to(w_scale.float(), 1, 4)  # the extra K blocks multiply nothing; layout only
     out = F.scaled_mm(
         a_p.contiguous(),
         w_p.contiguous().t(),
-        sa,
+        _outer_major(sa),  # the torch reference's are row-major, Triton's already column-major
         F.ScalingType.BlockWise1x128,
         sb.contiguous().t(),
         F.ScalingType.BlockWise128x128,
         output_dtype=out_dtype,
     )
     return out[:m, :n]
+
+
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same (rows, blocks) scales stored outer-dimension-major (stride(0) == 1), the layout
+    cuBLAS's block-wise scaled_mm wants for 1x128 scales; no copy when they already are."""
+    return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
 
 
 def _use_gpu(backend: str, a: torch.Tensor) -> bool:
