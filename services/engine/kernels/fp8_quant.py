@@ -115,6 +115,72 @@ if HAS_TRITON:
         tl.store(s_ptr + cols * stride_sc + mb * stride_sb, s, mask=col_ok)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _quant_act_both_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        qt_ptr,
+        st_ptr,
+        M,
+        K,
+        M_PAD,
+        stride_xm,
+        stride_sm,
+        stride_sk,
+        stride_stc,
+        stride_stb,
+        POW2: tl.constexpr,
+    ):
+        """One 128x128 tile of x, read once, quantised both ways: 1x128 along K (a scale per row:
+        triton_quantize_act's q and s) and 1x128 along M (a scale per column over the tile's 128
+        rows, stored transposed: triton_quantize_act_t's q^T and s^T)."""
+        mb, kb = tl.program_id(0), tl.program_id(1)
+        rows = mb * 128 + tl.arange(0, 128)
+        cols = kb * 128 + tl.arange(0, 128)
+        row_ok, col_ok = rows < M, cols < K
+        rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+        x = tl.load(
+            x_ptr + rows64[:, None] * stride_xm + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        x = x.to(tl.float32)
+        s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
+        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -_FP8_MAX, _FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(s_ptr + rows * stride_sm + kb * stride_sk, s, mask=row_ok)
+        st = _scale_of(tl.max(tl.abs(x), axis=0), POW2)
+        qt = tl.clamp(tl.math.div_rn(x, st[None, :]), -_FP8_MAX, _FP8_MAX).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + cols64[:, None] * M_PAD + rows[None, :], tl.trans(qt), mask=col_ok[:, None])
+        tl.store(st_ptr + cols * stride_stc + mb * stride_stb, st, mask=col_ok)
+
+
+def triton_quantize_act_both(
+    x: torch.Tensor, pow2: bool = False
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """x (M, K) read once -> ((q, s): fp8_gemm.triton_quantize_act's bits and layouts, (q^T, s^T):
+    triton_quantize_act_t's): what the FP8 trainer needs of its input (forward GEMM and weight
+    gradient) and of grad_out (dgrad and weight gradient)."""
+    if x.dim() != 2:
+        raise ValueError(f"triton_quantize_act_both wants (M, K), got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    m_pad, kb = padded_tokens(m), _cdiv(k, BLOCK)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(kb, m, dtype=torch.float32, device=x.device).t()  # column-major, as the 1x128 one
+    qt = torch.empty(k, m_pad, dtype=FP8_DTYPE, device=x.device)
+    st = torch.empty(k, m_pad // BLOCK, dtype=torch.float32, device=x.device)
+    if m and k:
+        _quant_act_both_kernel[(m_pad // BLOCK, kb)](
+            x, q, s, qt, st, m, k, m_pad, x.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
+            POW2=pow2, num_warps=8,
+        )  # fmt: skip
+    return (q, s), (qt, st)
+
+
 def triton_quantize_weight(
     w: torch.Tensor, pow2: bool = False, transposed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
