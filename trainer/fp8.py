@@ -45,7 +45,6 @@ from services.engine.fp8_linear import (
     fp8_gemm_dispatch,
     grouped_fp8_gemm_dispatch,
     quantize_activation,
-    quantize_activation_both,
     quantize_activation_t,
     quantize_weight_fast,
 )
@@ -81,11 +80,9 @@ def fp8_linear_fwd(
     x^T quantised along the tokens (wgrad) or x_q, with its scales; W_q^T (dgrad) or W_q; the
     weight's 128x128 scales)."""
     wq, ws, wq_t = quantize_weight_fast(weight, pow2, transposed=dgrad)
-    if wgrad:  # both orientations from one read of x
-        (xq, xs), (xb, xbs) = quantize_activation_both(x, pow2)
-    else:
-        xq, xs = xb, xbs = quantize_activation(x, pow2)
+    xq, xs = quantize_activation(x, pow2)
     out = fp8_gemm_dispatch(xq, xs, wq, ws, out_dtype, backend)
+    xb, xbs = quantize_activation_t(x, pow2) if wgrad else (xq, xs)
     wb = wq_t if dgrad else wq
     assert wb is not None
     # Outputs of a custom op must not alias each other or the inputs, and their strides should be
@@ -131,17 +128,13 @@ def fp8_linear_bwd(
     """grad_out (M, N) -> (grad_x (M, K) in g's dtype, grad_W (N, K) in w_dtype): the straight-through
     gradients, each GEMM in FP8 or through the dequantised operand (module docstring)."""
     g = g.contiguous()
-    if dgrad and wgrad:  # both orientations from one read of grad_out
-        (gq, gs), (gq_t, gs_t) = quantize_activation_both(g, pow2)
-    elif dgrad:
-        gq, gs = quantize_activation(g, pow2)
-    elif wgrad:
-        gq_t, gs_t = quantize_activation_t(g, pow2)
     if dgrad:
+        gq, gs = quantize_activation(g, pow2)
         gx = fp8_gemm_dispatch(gq, gs, wb, ws.t(), g.dtype, backend)
     else:
         gx = g @ dequantize_weight(wb, ws).to(g.dtype)
     if wgrad:
+        gq_t, gs_t = quantize_activation_t(g, pow2)
         gw = fp8_gemm_tokens(
             gq_t,
             gs_t,
