@@ -364,12 +364,15 @@ MOE = ModelConfig(
 )
 
 
-def _ep_worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, Any]) -> None:
+def _ep_worker(
+    rank: int, port: int, redis_url: str, root: str, out: dict[str, Any], fp8: bool = False
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     from torch.distributed.tensor import DTensor
 
+    from trainer.fp8 import Fp8RoutedExperts
     from trainer.train import Dist, Trainer
 
     d = Dist("cpu")
@@ -384,6 +387,7 @@ def _ep_worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, A
             cfg.trainer.packing = True
             cfg.trainer.micro_batch_tokens = 48
             cfg.trainer.router_replay = False
+            cfg.trainer.fp8 = fp8
             # EP's experts are an FSDP unit inside the checkpointed block: SAC must cope with it.
             cfg.trainer.activation_checkpoint = "selective" if ep == 2 else "none"
             run_dir = Path(root) / f"ep{ep}"
@@ -401,20 +405,25 @@ def _ep_worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, A
                     "grad_norms": [r.grad_norm for r in res],
                     "expert_mesh": list(w1.device_mesh.mesh_dim_names or ()),
                     "local_experts": int(w1.to_local().shape[0]),
+                    "fp8_experts": isinstance(t.model.layers["0"].moe.experts, Fp8RoutedExperts),
                 }
     finally:
         d.close()
 
 
-def test_expert_parallel_matches_fsdp_only(redis_server: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_expert_parallel_matches_fsdp_only(redis_server: str, tmp_path: Path, fp8: bool) -> None:
     """trainer.ep = 2 (with selective AC) on 2 processes: experts split over the ranks (all-to-all
     dispatch), yet the same losses, gradient norms and trained weights as plain FSDP without AC;
-    publishing gathers them back into HF's per-expert tensors exactly as the full-state-dict path."""
+    publishing gathers them back into HF's per-expert tensors exactly as the full-state-dict path.
+    With trainer.fp8 the experts are the FP8 ones (each expert quantised whole on its rank, the
+    dispatch's rows computed row by row), so the same holds."""
     out = mp.Manager().dict()
     mp.start_processes(
-        _ep_worker, args=(_free_port(), redis_server, str(tmp_path), out), nprocs=2, start_method="fork"
+        _ep_worker, args=(_free_port(), redis_server, str(tmp_path), out, fp8), nprocs=2, start_method="fork"
     )
     fsdp, ep = out[1], out[2]
+    assert ep["fp8_experts"] is fsdp["fp8_experts"] is fp8
     assert ep["expert_mesh"] == ["efsdp", "ep"] and ep["local_experts"] == 2  # 4 experts / 2 ranks
     assert fsdp["local_experts"] == 2  # FSDP alone shards the 4 experts' dim 0 too
     torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(fsdp["losses"]), rtol=1e-5, atol=1e-6)
