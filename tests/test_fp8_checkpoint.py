@@ -389,3 +389,40 @@ def test_fused_projections_take_fp8_checkpoint_bits(tmp_path: Path) -> None:
     check(dirs[0][1])
     eng.apply_weights(eng.read_weights(dirs[1][0]), 1)
     check(dirs[1][1])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "moe128", "deepseek"])
+def test_fp8_engine_never_allocates_high_precision_linears(
+    dirs: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """quantization = "fp8" builds the model in its FP8 layout on the meta device first
+    (fp8_linear.build_model), so a model whose bf16 weights would not fit is still served: no
+    nn.Linear or expert weight is created anywhere but on meta, and the engine equals one built
+    the plain way (high-precision model, load, convert) on the same high-precision weights."""
+    from torch import nn
+
+    from services.engine import moe
+    from services.engine.fp8_linear import convert_model, load_hf_state
+    from services.engine.model import CausalLM
+
+    created: list[str] = []
+    for cls in (nn.Linear, moe.ExpertWeights):
+        real = cls.__init__
+
+        def spy(self: nn.Module, *a: Any, _real: Any = real, **kw: Any) -> None:
+            _real(self, *a, **kw)
+            created.append(next(self.parameters()).device.type)
+
+        monkeypatch.setattr(cls, "__init__", spy)
+    _, deq_dir, _ = dirs[name]
+    eng = engine(deq_dir, quantization="fp8")
+    assert created and set(created) == {"meta"}, created
+    monkeypatch.undo()
+
+    ckpt = read_checkpoint(deq_dir)
+    plain = CausalLM(ckpt.config, eng.max_seq_len, ckpt.attention_bias)
+    plain.load_hf_state(ckpt.state)
+    convert_model(plain)
+    load_hf_state(plain, ckpt.state)  # the engine's update path: what it holds after a weight update
+    assert state_diff(eng.model, plain) == []
+    assert torch.equal(eng.model.rope_cos, plain.rope_cos) and torch.equal(eng.model.rope_sin, plain.rope_sin)

@@ -431,17 +431,32 @@ def convert_to_fp8(
     pow2_scales: bool = False,
     backend: str = "auto",
     linear_cls: type[Fp8Linear] = Fp8Linear,
+    empty: bool = False,
 ) -> list[str]:
     """Replace, in place, every nn.Linear of `model` whose qualified name `skip` does not match by
     an Fp8Linear quantised from its current weight. Returns the converted names. By default
     lm_head, routers (`...gate`, `...router`), embeddings and norms stay in high precision;
     `gate_proj` (an MLP projection) is converted. `linear_cls`: the Fp8Linear (sub)class to build
-    (the engine's services.engine.fp8_linear.Fp8Linear adds the GPU kernel dispatch)."""
+    (the engine's services.engine.fp8_linear.Fp8Linear adds the GPU kernel dispatch). `empty`:
+    build the Fp8Linears without quantising anything (their buffers hold no weight yet)."""
     targets = [
         (name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and not skip(name)
     ]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, linear_cls.from_linear(mod, pow2_scales=pow2_scales, backend=backend))
+        if empty:  # the layout only (e.g. on the meta device): weights are loaded into it later
+            w = mod.weight
+            new = linear_cls(
+                mod.in_features,
+                mod.out_features,
+                mod.bias is not None,
+                w.dtype,
+                pow2_scales,
+                backend,
+                w.device,
+            )
+        else:
+            new = linear_cls.from_linear(mod, pow2_scales=pow2_scales, backend=backend)
+        setattr(parent, child, new)
     return [name for name, _ in targets]

@@ -81,19 +81,20 @@ class LLMEngine:
         self.model_config = m = ckpt.config
         # Positions past the model's own limit were never trained (and the trainer cannot score them).
         self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
-        self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype).eval()
-        # An fp8 checkpoint (HF quantization_config "fp8") is loaded dequantised first, so every
-        # parameter is set and convert_model below works as for any checkpoint.
-        self.model.load_hf_state(self._high_precision(ckpt))
-        self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/loss.md)
         if cfg.quantization == "fp8":
-            # After the load and the dtype cast: attention/MLP linears become Fp8Linear (weights
-            # quantised 128x128 from the loaded ones); lm_head, norms, embeddings stay in dtype.
-            fp8_linear.convert_model(self.model)
-            if ckpt.fp8:
-                # Then the checkpoint's own fp8 bits and scales replace that re-quantisation (the
-                # copies are exact; see fp8_linear.load_hf_state for the experts that cannot be).
-                fp8_linear.load_hf_state(self.model, ckpt.state)
+            # Attention/MLP linears and experts are FP8 from the start (their high-precision
+            # weights are never allocated); lm_head, norms, embeddings, routers stay in dtype. The
+            # load quantises high-precision tensors 128x128 and copies an FP8 checkpoint's own bits
+            # and scales (fp8_linear.load_hf_state; docs/fp8.md).
+            self.model = fp8_linear.build_model(
+                m, self.max_seq_len, ckpt.attention_bias, self.device, self.dtype
+            )
+            fp8_linear.load_hf_state(self.model, ckpt.state)
+        else:
+            self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype)
+            self.model.load_hf_state(self._high_precision(ckpt))
+        self.model.eval()
+        self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/loss.md)
         # GQA or MLA-latent layout, plus the routed-expert store of an MoE model (kv_cache.py).
         self.kv = KVCache.for_model(
             m, self._num_kv_blocks(), cfg.block_size, self.max_seq_len, self.dtype, self.device

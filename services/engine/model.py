@@ -311,9 +311,8 @@ class CausalLM(nn.Module):
         self.config = m
         self.model = DecoderStack(m, attention_bias)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
-        # MLA rotates only the qk_rope_head_dim part of each head.
-        rope_dim = m.qk_rope_head_dim if m.is_mla else m.head_dim
-        cos, sin = rope_cache(rope_dim, max_seq_len, m.rope_theta, m.rope_scaling)
+        self.max_seq_len = max_seq_len
+        cos, sin = self._rope()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Set by the engine on the GPU path: paged batches run the fused residual-add + RMSNorm and
@@ -329,6 +328,19 @@ class CausalLM(nn.Module):
         # state between layers is float32 (the embedding upcast once, every residual add in
         # float32, each RMSNorm reading it and writing the model-dtype input of the next GEMM).
         self.fp32_residual = m.fp32_residual
+
+    def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.config
+        # MLA rotates only the qk_rope_head_dim part of each head.
+        rope_dim = m.qk_rope_head_dim if m.is_mla else m.head_dim
+        return rope_cache(rope_dim, self.max_seq_len, m.rope_theta, m.rope_scaling)
+
+    def reset_rope(self) -> None:
+        """Recompute the rope tables (not part of any checkpoint) in the buffers' device and dtype,
+        as construction + `.to()` leave them: for a model built on the meta device and
+        materialised with `to_empty` (fp8_linear.build_model)."""
+        cos, sin = (t.to(self.rope_cos.device, torch.float32).to(self.rope_cos.dtype) for t in self._rope())
+        self.rope_cos, self.rope_sin = cos, sin
 
     def fuse_projections(self) -> list[str]:
         """GPU path: q/k/v and gate/up of every dense attention/MLP become one GEMM each (fuse_rows;
