@@ -5,15 +5,12 @@ references in services/common/fp8.py, and the Triton quantisers that feed them
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import triton_interp
 
 from services.common.fp8 import (
     BLOCK,
@@ -143,12 +140,7 @@ TRITON_CHECK = textwrap.dedent(
 
 @pytest.mark.slow  # the Triton interpreter runs every program in Python
 def test_triton_quantisers_under_interpreter_match_reference() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = triton_interp.run_script_interpreted(TRITON_CHECK, timeout_s=300)
     assert len(res) == 6
     for name, r in res.items():
         assert r["scales_equal"], (name, r)  # div_rn: the reference's IEEE quotient

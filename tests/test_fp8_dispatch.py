@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import triton_interp
 
 from services.common import fp8 as ref
 from services.engine import fp8_linear as fl
@@ -135,12 +133,7 @@ TABLE_CHECK = textwrap.dedent(
 
 @pytest.mark.slow  # the Triton interpreter runs every program in Python (~20-60 s)
 def test_table_configs_and_fused_kernel_match_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", TABLE_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = triton_interp.run_script_interpreted(TABLE_CHECK, timeout_s=600)
     table = res["table"]
     assert len(table) >= 6 and any(c["cfg"].endswith("_lag") for c in table)
     for case in table:

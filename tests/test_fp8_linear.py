@@ -5,15 +5,13 @@ All on CPU (reference path; Triton kernels through TRITON_INTERPRET=1 in a subpr
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import triton_interp
 from pydantic import ValidationError
 from torch import nn
 
@@ -238,12 +236,7 @@ TRITON_CHECK = textwrap.dedent(
 
 @pytest.mark.slow  # ~10-30 s: the Triton interpreter runs every program in Python
 def test_triton_kernels_under_interpreter_match_reference() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = triton_interp.run_script_interpreted(TRITON_CHECK, timeout_s=300)
     # Same fp32 block products and scales; only the summation order differs (split-K, dot order).
     for case in res["dense"]:
         assert case["err"] < 1e-5, case

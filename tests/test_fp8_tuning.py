@@ -24,6 +24,7 @@ from pathlib import Path
 import pydantic
 import pytest
 import torch
+from helpers import triton_interp
 
 from services.engine import fp8_linear as fl
 from services.engine.kernels import fp8_gemm as kern
@@ -289,12 +290,7 @@ KERNEL_CHECK = textwrap.dedent(
 
 @pytest.mark.slow  # the Triton interpreter runs every program in Python (~30-60 s)
 def test_new_kernels_match_reference_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = triton_interp.run_script_interpreted(KERNEL_CHECK, timeout_s=900)
     assert len(res["dense"]) == 5
     for case in res["dense"]:
         assert case["err"] < 1e-5, case  # fp32 output: summation order only

@@ -8,11 +8,13 @@ kernel test file runs itself in a child process instead (`run_file_in_child`).""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,3 +72,15 @@ def run_file_in_child(file: str) -> None:
         env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def run_script_interpreted(script: str, timeout_s: float = 300) -> Any:
+    """Run `script` (Python source) in a fresh interpreter process with TRITON_INTERPRET=1 and the
+    repository on the path; return the JSON its last line of output holds."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=repo, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
