@@ -35,6 +35,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from services.common.fp8 import (
     BLOCK,
     FP8_DTYPE,
+    _cdiv,
     default_skip,
     dequantize_act,
     dequantize_weight,
@@ -102,9 +103,9 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     (m, k), n = x.shape, weight.shape[0]
     f8, f32 = FP8_DTYPE, torch.float32
-    blocks = (n + BLOCK - 1) // BLOCK, (k + BLOCK - 1) // BLOCK
+    blocks = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
     if wgrad:
-        m_pad = (m + BLOCK - 1) // BLOCK * BLOCK
+        m_pad = _cdiv(m, BLOCK) * BLOCK
         xb, xbs = x.new_empty(k, m_pad, dtype=f8), x.new_empty(k, m_pad // BLOCK, dtype=f32)
     else:
         xb, xbs = x.new_empty(m, k, dtype=f8), x.new_empty(m, blocks[1], dtype=f32)

@@ -125,11 +125,6 @@ def check_checkpoint(hf_config: Mapping[str, Any], state: Mapping[str, torch.Ten
     return bool(pairs)
 
 
-def dequantize_pair(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """One pair's float32 weight (services/common/fp8.dequantize_weight: the same convention)."""
-    return dequantize_weight(q, scale_inv.float())
-
-
 def dequantize_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`state` with every (X.weight fp8, X.weight_scale_inv) pair replaced by the dequantised
     X.weight in `dtype` (computed in float32, rounded once); other tensors are passed as they are."""
@@ -139,5 +134,5 @@ def dequantize_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> d
     for key, t in state.items():
         if key in scales:
             continue
-        out[key] = dequantize_pair(t, state[pairs[key]]).to(dtype) if key in pairs else t
+        out[key] = dequantize_weight(t, state[pairs[key]]).to(dtype) if key in pairs else t
     return out

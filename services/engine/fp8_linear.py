@@ -95,20 +95,21 @@ def quantize_activation(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tens
     """1x128 quantisation of x (M, K): one Triton launch on CUDA, the torch reference elsewhere.
     Both round the same way (IEEE divisions, round-to-nearest-even fp8), so the bits agree; the
     CPU interpreter's fp8 conversion is faulty, hence reference there even under TRITON_INTERPRET."""
-    if x.is_cuda and kern.HAS_TRITON and "quantize_act" not in TRITON_FAILURES:
+    if _triton_ok(x, "quantize_act"):
         try:
             return kern.triton_quantize_act(x, pow2)
         except Exception as e:  # noqa: BLE001 - a kernel that does not compile here: torch ops
-            TRITON_FAILURES["quantize_act"] = f"{type(e).__name__}: {e}"
-            log.warning("fp8 triton quantiser failed, using the torch reference: %s", e)
+            _remember_failure("quantize_act", e)
     return ref.quantize_act(x, pow2)
 
 
 def _triton_ok(x: torch.Tensor, name: str) -> bool:
+    """The Triton quantiser `name` may run on x: CUDA, Triton installed, not failed before."""
     return x.is_cuda and kern.HAS_TRITON and name not in TRITON_FAILURES
 
 
 def _remember_failure(name: str, e: Exception) -> None:
+    """A quantiser that does not compile or launch here: logged once, the torch reference after."""
     TRITON_FAILURES[name] = f"{type(e).__name__}: {e}"
     log.warning("fp8 triton %s failed, using the torch reference: %s", name, e)
 
@@ -338,10 +339,8 @@ class Fp8Experts(nn.Module):
     @torch.no_grad()
     def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
         """Quantise one expert's fused weight (gate_up_proj [2I, D] or down_proj [D, I]) in place."""
-        dst = "gate_up" if proj == "gate_up_proj" else "down"
-        q, s, _ = quantize_weight_fast(w.to(getattr(self, f"{dst}_fp8").device), self.pow2_scales)
-        getattr(self, f"{dst}_fp8")[index].copy_(q)
-        getattr(self, f"{dst}_scale")[index].copy_(s)
+        q, s, _ = quantize_weight_fast(w.to(self.gate_up_fp8.device), self.pow2_scales)
+        self.copy_expert(index, proj, q, s)
 
     @torch.no_grad()
     def copy_expert(self, index: int, proj: str, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -564,7 +563,7 @@ def _fuse_gate_up(
     # the checkpoint: dequantise (float32) and let load_expert re-quantise the expert 128x128.
     # Its fp8 bits then differ from the checkpoint's (docs/fp8.md).
     if gs is not None:
-        gate = fp8_checkpoint.dequantize_pair(gate, gs)
+        gate = ref.dequantize_weight(gate, gs)
     if us is not None:
-        up = fp8_checkpoint.dequantize_pair(up, us)
+        up = ref.dequantize_weight(up, us)
     return torch.cat([gate, up]), None

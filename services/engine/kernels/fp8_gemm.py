@@ -383,6 +383,18 @@ if HAS_TRITON:
     _C_AMAX_EPS = tl.constexpr(AMAX_EPS)
 
     @triton.jit
+    def _scale_of(amax, POW2: tl.constexpr):
+        """The decoding scale of services/common/fp8._scale_from_amax: IEEE amax / 448 (div_rn), or
+        its power-of-two ceiling taken on the bits (exact; log2 on the GPU is approximate: keep the
+        exponent, bump it when any mantissa bit is set; amax >= 1e-12 keeps the scale normal)."""
+        s = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
+        if POW2:
+            bits = s.to(tl.int32, bitcast=True)
+            up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
+            s = up.to(tl.float32, bitcast=True)
+        return s
+
+    @triton.jit
     def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """Grouped (swizzled) tile order: GROUP_M row tiles share each weight column tile while
         it is in L2."""
@@ -545,14 +557,7 @@ if HAS_TRITON:
         overflow here, |x/s| <= 448, and quotients in fp32's subnormal range round to fp8 zero
         either way). Run 2: one div_rn per element made the fused kernel 4-9x slower than the
         two-kernel linear (linear_fp8_fused_graph 0.11-0.28x bf16)."""
-        amax = tl.max(tl.abs(x), axis=1)
-        s = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
-        if POW2:
-            # Power-of-two ceiling on the bits (exact; log2 on the GPU is approximate): keep the
-            # exponent, bump it when any mantissa bit is set. s >= 1e-12 / 448 is normal.
-            bits = s.to(tl.int32, bitcast=True)
-            up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
-            s = up.to(tl.float32, bitcast=True)
+        s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
         y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         q0 = x * y[:, None]
         r = tl.fma(-q0, s[:, None], x)
@@ -848,14 +853,7 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
-        if POW2:
-            # Power-of-two ceiling on the bits (exact; log2 on the GPU is approximate): keep the
-            # exponent, bump it when any mantissa bit is set. scale >= 1e-12 / 448 is normal.
-            bits = scale.to(tl.int32, bitcast=True)
-            up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
-            scale = up.to(tl.float32, bitcast=True)
+        scale = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
         q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_C_FP8_MAX, _C_FP8_MAX)
         q_ptrs = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
         tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)

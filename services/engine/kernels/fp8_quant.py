@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.fp8 import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, _cdiv
+from services.common.fp8 import BLOCK, FP8_DTYPE, _cdiv
 
 try:
     import triton
@@ -32,19 +32,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 if HAS_TRITON:
-    _FP8_MAX = tl.constexpr(FP8_MAX)
-    _AMAX_EPS = tl.constexpr(AMAX_EPS)
-
-    @triton.jit
-    def _scale_of(amax, POW2: tl.constexpr):
-        """services/common/fp8._scale_from_amax: IEEE amax / 448, or its power-of-two ceiling
-        taken on the bits (exact; log2 on the GPU is approximate)."""
-        s = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), _FP8_MAX)
-        if POW2:
-            bits = s.to(tl.int32, bitcast=True)
-            up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + 0x00800000, bits & 0x7F800000)
-            s = up.to(tl.float32, bitcast=True)
-        return s
+    from services.engine.kernels.fp8_gemm import _C_FP8_MAX, _scale_of
 
     @triton.jit
     def _quant_weight_kernel(
@@ -73,7 +61,7 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-        q = tl.clamp(tl.math.div_rn(w, s), -_FP8_MAX, _FP8_MAX).to(q_ptr.dtype.element_ty)
+        q = tl.clamp(tl.math.div_rn(w, s), -_C_FP8_MAX, _C_FP8_MAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q, mask=mask)
         if TRANSPOSED:
             # Stored as the transposed tile, so consecutive threads write consecutive bytes of a
@@ -106,7 +94,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         s = _scale_of(tl.max(tl.abs(x), axis=0), POW2)
-        q = tl.clamp(tl.math.div_rn(x, s[None, :]), -_FP8_MAX, _FP8_MAX).to(q_ptr.dtype.element_ty)
+        q = tl.clamp(tl.math.div_rn(x, s[None, :]), -_C_FP8_MAX, _C_FP8_MAX).to(q_ptr.dtype.element_ty)
         # The padded rows (M <= m < M_PAD) are written too: zeros, as the reference's padding. The
         # transposed tile is stored so that consecutive threads write consecutive tokens.
         tl.store(
