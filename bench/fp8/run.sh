@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for what in "${@:-gemm}"; do
   case "$what" in
     gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
+    wgmma) python3 bench/fp8/wgmma.py --out "$OUT/fp8_wgmma.json" 2>&1 | tee "$OUT/fp8_wgmma.txt" ;;
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
-    *) echo "unknown benchmark $what (gemm | mismatch)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | mismatch)"; exit 2 ;;
   esac
 done

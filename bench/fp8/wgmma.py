@@ -1,0 +1,150 @@
+"""The warp-specialised CUDA FP8 GEMM (services/engine/kernels/fp8_wgmma.cu) against bf16 cuBLAS
+and torch's block-wise scaled_mm (cuBLAS) in the same process, at the issue's large-M shapes.
+
+First a self-check: build the library, then at ragged and full shapes (M tails, N not a multiple
+of 128, K = 128..7168) compare with the float32 reference of the recipe (services/common/fp8.py)
+on freshly drawn inputs, the output poisoned with NaN before every launch. Then CUDA-graph timings
+(triton.testing.do_bench_cudagraph, median) of each pipeline depth.
+
+    python3 bench/fp8/wgmma.py --out $OUT/fp8_wgmma.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.common import fp8 as ref  # noqa: E402
+from services.engine.kernels import fp8_wgmma  # noqa: E402
+
+CHECK_SHAPES = [(1, 256, 128), (77, 2112, 2048), (1000, 2048, 7168), (4096, 4096, 7168), (333, 18432, 1280)]
+TIME_MS = [4096, 8192]
+TIME_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
+VARIANT_IDS = list(range(len(fp8_wgmma.VARIANTS)))
+MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 reference
+
+
+def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+    wt = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    aq, a_s = ref.quantize_act(x)
+    wq, w_s = ref.quantize_weight(wt)
+    return {"x": x, "w": wt, "aq": aq, "a_s": a_s, "a_s_col": ref._outer_major(a_s), "wq": wq, "w_s": w_s}
+
+
+def vname(variant: int) -> str:
+    bn, stages, mode, cluster, math = fp8_wgmma.VARIANTS[variant]
+    return f"m{64 * math}n{bn}s{stages}{mode}c{cluster}"
+
+
+def is_probe(variant: int) -> bool:
+    return fp8_wgmma.VARIANTS[variant][2] == "unscaled"
+
+
+def self_check(dev: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for i, (m, n, k) in enumerate(CHECK_SHAPES):
+        d = quantised(m, n, k, dev, seed=100 + i)
+        want = ref.fp8_gemm_reference(d["aq"], d["a_s"], d["wq"], d["w_s"], torch.float32)
+        for variant in [v for v in VARIANT_IDS if not is_probe(v)]:
+            for layout in ("col", "row"):
+                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+                scales = d["a_s_col"] if layout == "col" else d["a_s"]
+                fp8_wgmma.fp8_gemm(d["aq"], scales, d["wq"], d["w_s"], out=out, variant=variant)
+                torch.cuda.synchronize()
+                finite = bool(torch.isfinite(out).all())
+                err = float((out.float() - want).norm() / want.norm())
+                ok = finite and err < MAX_REL_ERR
+                rows.append({"M": m, "N": n, "K": k, "variant": vname(variant), "scales": layout, "rel_err": err,
+                             "all_written": finite, "ok": ok})  # fmt: skip
+                print(rows[-1], flush=True)
+    return rows
+
+
+def bench_us(fn: Any) -> float:
+    return float(triton.testing.do_bench_cudagraph(fn)) * 1000
+
+
+def time_rows(dev: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for m in TIME_MS:
+        for n, k in TIME_NK:
+            d = quantised(m, n, k, dev, seed=m + n + k)
+            flops = 2 * m * n * k
+            row: dict[str, Any] = {"M": m, "N": n, "K": k}
+            row["bf16_us"] = bench_us(lambda d=d: torch.nn.functional.linear(d["x"], d["w"]))
+            row["torch_blockwise_us"] = bench_us(
+                lambda d=d: ref.fp8_gemm(
+                    d["aq"], d["a_s_col"], d["wq"], d["w_s"], torch.bfloat16, backend="torch"
+                )
+            )
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            for v in VARIANT_IDS:
+                row[f"wgmma_{vname(v)}_us"] = bench_us(
+                    lambda d=d, v=v, o=out: fp8_wgmma.fp8_gemm(
+                        d["aq"], d["a_s_col"], d["wq"], d["w_s"], out=o, variant=v
+                    )
+                )
+            for key in [kk for kk in row if kk.endswith("_us")]:
+                row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
+            for v in VARIANT_IDS:
+                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, dev)
+            best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS if not is_probe(v))
+            row["wgmma_best_vs_bf16"] = row["bf16_us"] / best
+            row["wgmma_best_vs_torch_blockwise"] = row["torch_blockwise_us"] / best
+            row["torch_blockwise_vs_bf16"] = row["bf16_us"] / row["torch_blockwise_us"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument(
+        "--variants", default="", help="comma-separated indices into fp8_wgmma.VARIANTS (default all)"
+    )
+    args = ap.parse_args()
+    if args.variants:
+        VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")]
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    lib = fp8_wgmma.build()
+    result: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(),
+        "machine": torch.cuda.get_device_name(),
+        "baseline": "bf16 cuBLAS (F.linear) and torch block-wise scaled_mm (cuBLAS), same process",
+        "build_s": time.perf_counter() - t0,
+        "library": lib.name,
+    }
+    result["check"] = self_check(dev)
+    result["check_ok"] = all(r["ok"] for r in result["check"])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if result["check_ok"] and not args.skip_timing:
+        result["rows"] = time_rows(dev)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print("check_ok", result["check_ok"])
+    for r in result.get("rows", []):
+        print(
+            f"M={r['M']:5d} N={r['N']:5d} K={r['K']:5d} bf16 {r['bf16_tflops']:6.0f} TF  cublas-bw "
+            f"{r['torch_blockwise_tflops']:6.0f} ({r['torch_blockwise_vs_bf16']:.2f}x)  wgmma "
+            + " ".join(f"{vname(v)} {r[f'wgmma_{vname(v)}_tflops']:5.0f}" for v in VARIANT_IDS)
+            + f"  best {r['wgmma_best_vs_bf16']:.2f}x bf16, {r['wgmma_best_vs_torch_blockwise']:.2f}x cublas-bw"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,557 @@
+// Block-scaled FP8 GEMM for Hopper (sm_90a), DeepSeek-V3 recipe:
+//   C (M, N) bf16 = sum over 128-wide K blocks kb of (A_kb @ B_kb^T) * sa[m, kb] * sb[n / 128, kb]
+// with A (M, K) and B (N, K) E4M3, K contiguous (both "K-major", the only fp8 wgmma layout).
+//
+// Why a CUDA kernel next to the Triton ones: the recipe promotes the tensor cores' partial sum
+// to float32 after every 128-wide K block. In Triton that promotion waits for the block's MMAs
+// and the tensor cores sit idle meanwhile (every Triton formulation measured 0.65-0.85 PFLOP/s,
+// bench/fp8/results/kernel_probe_h200.json). Here, as in DeepGEMM, the work is split by role:
+//   - one producer warp feeds a ring of shared-memory stages with the bulk tensor copy engine
+//     (TMA: A tile, B tile and the A tile's scales, one mbarrier per stage);
+//   - two math warpgroups each own 64 rows of the 128-row tile. A warpgroup issues the block's
+//     four m64nNk32 wgmmas into a fresh accumulator, waits, and scales-and-adds it into its
+//     float32 accumulator. While one warpgroup does that on the CUDA cores, the other one's
+//     wgmmas keep the tensor cores busy.
+// The grid is persistent (one CTA per SM, tiles in grouped order for L2 reuse), so the producer
+// prefetches the next tile while the math warpgroups store the last one.
+//
+// Built at run time by services/engine/kernels/fp8_wgmma.py (nvcc, then ctypes).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int BK = 128;  // one scale block: the promotion period
+constexpr int GROUP_M = 8;
+// MATH math warpgroups of 64 rows each after one producer warpgroup; the register split gives
+// the math warpgroups what the 64K registers allow (setmaxnreg takes multiples of 8).
+template <int MATH>
+struct Roles {
+  static constexpr int BM = 64 * MATH;
+  static constexpr int THREADS = 128 * (MATH + 1);
+  static constexpr int PRODUCER_REGS = MATH == 2 ? 40 : 32;
+  static constexpr int MATH_REGS = MATH == 2 ? 232 : 160;
+  static_assert(128 * (PRODUCER_REGS + MATH * MATH_REGS) <= 65536, "register file");
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra.uni DONE;\n"
+      "bra.uni WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major tile, 128-byte swizzle (what TMA's SWIZZLE_128B writes),
+// 8-row core groups 1024 bytes apart. The leading offset is unused for swizzled K-major tiles.
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+// Keeps the compiler from moving register reads or writes of an accumulator across a wgmma
+// issue or wait (the registers change asynchronously).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// D (64 x 128, f32) = (accumulate ? D : 0) + A (64 x 32, e4m3) @ B (128 x 32, e4m3)^T
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// Tile `tile` of a grouped (GROUP_M rows of tiles at a time) walk: better L2 reuse of B.
+__device__ __forceinline__ void tile_of(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
+  const int group_size = GROUP_M * tiles_n;
+  const int first_m = (tile / group_size) * GROUP_M;
+  const int rows = min(tiles_m - first_m, GROUP_M);
+  const int in_group = tile % group_size;
+  tm = first_m + in_group % rows;
+  tn = in_group / rows;
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// The same box lands at the same offset in every CTA of `mask`, signalling each one's mbarrier.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+template <int BN, int STAGES, int BM>
+struct Smem {
+  static constexpr int A = BM * BK;  // bytes per stage
+  static constexpr int B = BN * BK;
+  static constexpr int SA = BM * 4;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA) + 2 * STAGES * 8;
+};
+
+enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
+
+// BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
+// warpgroup runs the two halves one after the other through one 64-register partial sum, so the
+// float32 accumulators fit: 128 + 64 registers).
+// MODE (how a math warpgroup keeps the tensor cores busy while it promotes):
+//   PLAIN: issue a block's wgmmas, wait, promote; the other warpgroup's wgmmas fill the gap.
+//   PIPELINED (BN 128): two partial sums; block kb+1's wgmmas are issued before block kb is
+//     waited for and promoted, so each warpgroup always has work queued on the tensor cores.
+//   UNSCALED: a probe, not the recipe: no scales, one accumulator over all of K (what the tensor
+//     cores reach with this pipeline when nothing is promoted).
+// CLUSTER 2: two CTAs with the same columns and neighbouring rows share the B tile, each loading
+// half of it and multicasting it to both (a third less L2 -> SM traffic at BN 256).
+template <int BN, int STAGES, int MODE, int CLUSTER, int MATH>
+__global__ void __launch_bounds__(Roles<MATH>::THREADS, 1)
+    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                    const __grid_constant__ CUtensorMap tm_sa, const float* __restrict__ sb, __nv_bfloat16* __restrict__ c,
+                    int M, int N, int K, int ldc) {
+  static_assert(MODE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
+  constexpr int BM = Roles<MATH>::BM;
+  using L = Smem<BN, STAGES, BM>;
+  constexpr int HALVES = BN / 128;
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* s_a = smem;
+  uint8_t* s_b = s_a + STAGES * L::A;
+  float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_sa + STAGES * BM);
+  uint64_t* empty = full + STAGES;
+
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+  const int nkb = K / BK;
+  const int nb = (N + 127) / 128;  // weight-scale rows
+  const int tiles_m = (M + BM - 1) / BM;
+  const int tiles_n = (N + BN - 1) / BN;
+  // With a cluster, one step of the walk is CLUSTER vertically adjacent tiles, one per CTA.
+  const int walk_m = (tiles_m + CLUSTER - 1) / CLUSTER;
+  const int num_tiles = walk_m * tiles_n;
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int first = static_cast<int>(blockIdx.x) / CLUSTER;
+  const int stride = static_cast<int>(gridDim.x) / CLUSTER;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4 * MATH * CLUSTER);  // every math warp of every CTA reading the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (CLUSTER > 1)
+    cluster_sync();  // the peer's barriers exist before anything signals them
+  else
+    __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Roles<MATH>::PRODUCER_REGS) : "memory");
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_b)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sa)) : "memory");
+      int it = 0;
+      for (int tile = first; tile < num_tiles; tile += stride) {
+        int tm, tn;
+        tile_of(tile, walk_m, tiles_n, tm, tn);
+        const int m0 = (tm * CLUSTER + rank) * BM;
+        const int n0 = tn * BN;
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+          mbar_expect_tx(&full[s], L::A + L::B + L::SA);
+          tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
+          tma_load_2d(s_sa + s * BM, &tm_sa, &full[s], m0, kb);
+          if constexpr (CLUSTER == 1) {
+            tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
+          } else {
+            constexpr int PART = BN / CLUSTER;
+            tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART,
+                                  static_cast<uint16_t>((1 << CLUSTER) - 1));
+          }
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Roles<MATH>::MATH_REGS) : "memory");
+    const int half = wg - 1;  // rows half*64 .. half*64+63 of the tile
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int r_local = half * 64 + warp * 16 + lane / 4;  // and r_local + 8
+    float acc[HALVES][64];
+    float part[MODE == UNSCALED ? 1 : 64];
+    float part2[MODE == PIPELINED ? 64 : 1];
+    int it = 0;
+
+    // Block kb's wgmmas for one 128-column half h on stage s into p (accumulate: add to p).
+    auto issue = [&](float(&p)[64], int s, int h, int accumulate) {
+      const uint64_t da = smem_desc(s_a + s * L::A + half * 64 * BK);
+      const uint64_t db = smem_desc(s_b + s * L::B + h * 128 * BK);
+      fence_regs(p);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 32; ++kk) {
+        // +32 bytes along K inside the swizzled 128-byte row: the descriptor address is in
+        // 16-byte units, and the swizzle is applied to absolute addresses, so this is exact.
+        wgmma_m64n128k32(p, da + 2 * kk, db + 2 * kk, kk > 0 || accumulate);
+      }
+      wgmma_commit();
+    };
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane == 0) {
+        if constexpr (CLUSTER == 1) {
+          mbar_arrive(&empty[s]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(&empty[s], r);
+        }
+      }
+    };
+    // acc[h] += p * row scale * column-block scale.
+    auto promote = [&](float(&a)[64], const float(&p)[64], float s0, float s1) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        a[4 * j + 0] = fmaf(p[4 * j + 0], s0, a[4 * j + 0]);
+        a[4 * j + 1] = fmaf(p[4 * j + 1], s0, a[4 * j + 1]);
+        a[4 * j + 2] = fmaf(p[4 * j + 2], s1, a[4 * j + 2]);
+        a[4 * j + 3] = fmaf(p[4 * j + 3], s1, a[4 * j + 3]);
+      }
+    };
+
+    for (int tile = first; tile < num_tiles; tile += stride) {
+      int tm, tn;
+      tile_of(tile, walk_m, tiles_n, tm, tn);
+      const int m0 = (tm * CLUSTER + rank) * BM;
+      const int n0 = tn * BN;
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+      const float* sb_rows[HALVES];
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
+
+      if constexpr (MODE == UNSCALED) {
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(&full[s], (it / STAGES) & 1);
+#pragma unroll
+          for (int h = 0; h < HALVES; ++h) issue(acc[h], s, h, kb > 0);
+          wgmma_wait<0>();
+          release(s);
+        }
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) fence_regs(acc[h]);
+      } else if constexpr (MODE == PIPELINED) {
+        // Block kb lives in part when kb is even, part2 when odd: every register index stays a
+        // compile-time constant.
+        mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
+        issue(part, it % STAGES, 0, 0);
+        float sb_cur = __ldg(sb_rows[0]);
+        // Promote block `it` from cur after issuing the next block into nxt.
+        auto step = [&](float(&cur)[64], float(&nxt)[64], int kb) {
+          const int s = it % STAGES;
+          const int sn = (it + 1) % STAGES;
+          mbar_wait(&full[sn], ((it + 1) / STAGES) & 1);
+          issue(nxt, sn, 0, 0);
+          const float sb_nxt = __ldg(sb_rows[0] + kb + 1);
+          wgmma_wait<1>();
+          fence_regs(cur);
+          const float s0 = s_sa[s * BM + r_local] * sb_cur;
+          const float s1 = s_sa[s * BM + r_local + 8] * sb_cur;
+          release(s);
+          promote(acc[0], cur, s0, s1);
+          sb_cur = sb_nxt;
+          ++it;
+        };
+        // Promote the last block (nothing left to issue).
+        auto last = [&](float(&cur)[64]) {
+          const int s = it % STAGES;
+          wgmma_wait<0>();
+          fence_regs(cur);
+          const float s0 = s_sa[s * BM + r_local] * sb_cur;
+          const float s1 = s_sa[s * BM + r_local + 8] * sb_cur;
+          release(s);
+          promote(acc[0], cur, s0, s1);
+          ++it;
+        };
+        // The loop head always has exactly block kb in flight, in part: a shape ptxas can
+        // prove, so it keeps the wgmmas asynchronous.
+        int kb = 0;
+        for (; kb + 2 < nkb; kb += 2) {
+          step(part, part2, kb);
+          step(part2, part, kb + 1);
+        }
+        if (kb + 1 < nkb) {
+          step(part, part2, kb);
+          last(part2);
+        } else {
+          last(part);
+        }
+      } else {
+        float sb_now[HALVES];
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) sb_now[h] = __ldg(sb_rows[h]);
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(&full[s], (it / STAGES) & 1);
+          const float sa0 = s_sa[s * BM + r_local];
+          const float sa1 = s_sa[s * BM + r_local + 8];
+          float sb_next[HALVES];
+#pragma unroll
+          for (int h = 0; h < HALVES; ++h) {
+            issue(part, s, h, 0);
+            if (h == 0) {
+#pragma unroll
+              for (int g = 0; g < HALVES; ++g) sb_next[g] = kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
+            }
+            wgmma_wait<0>();
+            fence_regs(part);
+            if (h == HALVES - 1) release(s);
+            promote(acc[h], part, sa0 * sb_now[h], sa1 * sb_now[h]);
+          }
+#pragma unroll
+          for (int h = 0; h < HALVES; ++h) sb_now[h] = sb_next[h];
+        }
+      }
+
+      // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
+      // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
+      const int row0 = m0 + r_local;
+      const int row1 = row0 + 8;
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int col = n0 + h * 128 + 8 * j + 2 * (lane % 4);
+          if (col < N) {
+            if (row0 < M)
+              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row0) * ldc + col) =
+                  __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+            if (row1 < M)
+              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row1) * ldc + col) =
+                  __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+          }
+        }
+      }
+    }
+  }
+  // No CTA of a cluster leaves while its peer may still signal its barriers or write its tiles.
+  if constexpr (CLUSTER > 1) cluster_sync();
+}
+
+// The driver's tensor-map encoder, looked up through the runtime so that the library needs no
+// link-time libcuda (build machines without a driver can compile it).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (fn == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }
+  return fn;
+}
+
+CUresult encode_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr, uint64_t inner, uint64_t outer,
+                   uint64_t pitch_bytes, uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {pitch_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem[2] = {1, 1};
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  return encode(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// CTAs to launch: one per SM (max_ctas) or per tile; with clusters, no more than can be resident
+// at once (the persistent walk assumes every CTA runs from the start).
+template <int BN, int STAGES, int MODE, int CLUSTER, int MATH>
+int grid_for(int M, int N, int max_ctas) {
+  constexpr int BM = Roles<MATH>::BM;
+  const int walk = (M + BM * CLUSTER - 1) / (BM * CLUSTER) * ((N + BN - 1) / BN);
+  int clusters = max_ctas / CLUSTER;
+  if (CLUSTER > 1) {
+    const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER, MATH>;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(clusters * CLUSTER);
+    cfg.blockDim = dim3(Roles<MATH>::THREADS);
+    cfg.dynamicSmemBytes = Smem<BN, STAGES, BM>::BYTES;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int active = 0;
+    if (cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) != cudaSuccess) return -1;
+    if (active > 0) clusters = min(clusters, active);
+  }
+  return max(1, min(clusters, walk)) * CLUSTER;
+}
+
+template <int BN, int STAGES, int MODE, int CLUSTER, int MATH>
+int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, void* c, int M, int N, int K,
+           int ldc, int max_ctas, cudaStream_t stream) {
+  constexpr int BM = Roles<MATH>::BM;
+  CUtensorMap tm_a, tm_b, tm_sa;
+  if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, BM, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
+    return -1;
+  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, N, K, BK, BN / CLUSTER, CU_TENSOR_MAP_SWIZZLE_128B) !=
+      CUDA_SUCCESS)
+    return -2;
+  if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BM, 1,
+                CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
+    return -3;
+  const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER, MATH>;
+  const int bytes = Smem<BN, STAGES, BM>::BYTES;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const int grid = grid_for<BN, STAGES, MODE, CLUSTER, MATH>(M, N, max_ctas);
+  if (grid < 0) return -4;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(Roles<MATH>::THREADS);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&cfg, kernel, tm_a, tm_b, tm_sa, sb, static_cast<__nv_bfloat16*>(c), M, N, K, ldc);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  return static_cast<int>(cudaGetLastError());
+}
+
+struct Variant {
+  int (*launch)(const void*, const void*, int, const void*, const float*, void*, int, int, int, int, int,
+                cudaStream_t);
+  int (*grid)(int, int, int);
+  int smem_bytes;
+};
+
+template <int BN, int STAGES, int MODE, int CLUSTER, int MATH = 2>
+constexpr Variant variant() {
+  return {launch<BN, STAGES, MODE, CLUSTER, MATH>, grid_for<BN, STAGES, MODE, CLUSTER, MATH>,
+          Smem<BN, STAGES, Roles<MATH>::BM>::BYTES};
+}
+
+// The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
+constexpr Variant VARIANTS[] = {
+    variant<128, 5, PLAIN, 1>(),         variant<256, 4, PLAIN, 1>(),         variant<128, 5, PIPELINED, 1>(),
+    variant<256, 4, PLAIN, 2>(),         variant<128, 5, PIPELINED, 2>(),     variant<256, 4, UNSCALED, 1>(),
+    variant<128, 5, UNSCALED, 1>(),      variant<256, 4, UNSCALED, 2>(),      variant<128, 5, PLAIN, 1, 3>(),
+    variant<128, 4, PLAIN, 1, 3>(),      variant<128, 5, UNSCALED, 1, 3>(),   variant<128, 5, PLAIN, 2, 3>(),
+};
+constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
+
+}  // namespace
+
+// a: (M, K) e4m3, row pitch K. sa: the (M, K/128) scales stored K-block-major, row pitch sa_pitch
+// floats (>= M, a multiple of 4). b: (N, K) e4m3, row pitch K. sb: (ceil(N/128), K/128) float32,
+// contiguous. c: (M, N) bf16, row pitch ldc. K % 128 == 0, N even, 16-byte aligned pointers.
+// max_ctas: the most CTAs to launch (the SM count). Returns 0 or an error code.
+extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, void* c,
+                              int M, int N, int K, int ldc, int max_ctas, int variant, void* stream) {
+  if (variant < 0 || variant >= NUM_VARIANTS) return -10;
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, c, M, N, K, ldc, max_ctas,
+                                  static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int max_ctas) {
+  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas);
+}
+
+extern "C" int relay_fp8_gemm_smem_bytes(int variant) {
+  return variant < 0 || variant >= NUM_VARIANTS ? -1 : VARIANTS[variant].smem_bytes;
+}

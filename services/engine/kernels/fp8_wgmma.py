@@ -1,0 +1,194 @@
+"""The warp-specialised Hopper FP8 GEMM (`fp8_wgmma.cu`): built with nvcc on first use, loaded
+through ctypes, launched on torch's current stream.
+
+Why ctypes and not a torch extension: the kernel needs no torch headers, so the build is one nvcc
+call of a few seconds (a torch extension build takes a minute), and the library links no libcuda
+(it looks the tensor-map encoder up through the CUDA runtime), so it also builds where there is
+no driver. The library is cached under $RELAY_KERNEL_CACHE (default ~/.cache/relay/kernels),
+keyed by the source's and the flags' hash.
+
+Operands follow services/common/fp8.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
+e4m3 with w_scale (ceil(N/128), K/128) float32; the output is bf16. What the kernel needs
+(`unsupported_reason` says which one a call misses): Hopper (sm_90), K % 128 == 0, even N,
+row-major contiguous a and w, 16-byte aligned pointers. The activation scales are read K-block
+major (stride(0) == 1, what the Triton quantiser writes); other layouts are copied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
+NVCC_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+)
+BLOCK = 128
+# The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
+# cluster size, math warpgroups: 64 rows each); fp8_wgmma.cu describes the modes. "unscaled" is
+# a probe (no scales: not the recipe), for measuring what the promotion costs.
+VARIANTS: tuple[tuple[int, int, str, int, int], ...] = (
+    (128, 5, "plain", 1, 2),
+    (256, 4, "plain", 1, 2),
+    (128, 5, "pipelined", 1, 2),
+    (256, 4, "plain", 2, 2),
+    (128, 5, "pipelined", 2, 2),
+    (256, 4, "unscaled", 1, 2),
+    (128, 5, "unscaled", 1, 2),
+    (256, 4, "unscaled", 2, 2),
+    (128, 5, "plain", 1, 3),
+    (128, 4, "plain", 1, 3),
+    (128, 5, "unscaled", 1, 3),
+    (128, 5, "plain", 2, 3),
+)
+DEFAULT_VARIANT = 0
+
+
+class WgmmaError(RuntimeError):
+    """The kernel could not be built, loaded or launched."""
+
+
+def nvcc_path() -> str | None:
+    """nvcc from PATH, else $CUDA_HOME/bin, else the usual install prefix."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RELAY_KERNEL_CACHE", Path.home() / ".cache" / "relay" / "kernels"))
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / f"fp8_wgmma_{digest}.so"
+
+
+def build(out: Path | None = None) -> Path:
+    """Compile the library to `out` (default: the cache path); returns it. Atomic: the file is
+    renamed into place, so concurrent builders never load a half-written library."""
+    out = out or library_path()
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise WgmmaError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        proc = subprocess.run(
+            [nvcc, *NVCC_FLAGS, "-o", str(target), str(SOURCE)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise WgmmaError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        os.replace(target, out)
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    path = library_path()
+    if not path.exists():
+        build(path)
+    lib = ctypes.CDLL(str(path))
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.relay_fp8_gemm.restype = i
+    lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i]
+    lib.relay_fp8_gemm_grid.restype = i
+    lib.relay_fp8_gemm_smem_bytes.argtypes = [i]
+    lib.relay_fp8_gemm_smem_bytes.restype = i
+    return lib
+
+
+def launch_grid(variant: int, m: int, n: int, device: torch.device | None = None) -> int:
+    """The CTAs `fp8_gemm` launches for an (M, N) output with this variant."""
+    sms = torch.cuda.get_device_properties(device or torch.device("cuda")).multi_processor_count
+    return int(library().relay_fp8_gemm_grid(variant, m, n, sms))
+
+
+def unsupported_reason(a: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why this kernel cannot run a @ w^T, or None when it can."""
+    if not (a.is_cuda and w.is_cuda):
+        return "needs CUDA tensors"
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        return "needs a Hopper GPU (sm_90a wgmma)"
+    k = a.shape[1]
+    if k % BLOCK:
+        return f"K={k} is not a multiple of {BLOCK}"
+    if w.shape[0] % 2:
+        return f"N={w.shape[0]} is odd (the epilogue stores column pairs)"
+    for name, t in (("a", a), ("w", w)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
+def _k_block_major(a_scale: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
+    """The scales as the kernel's TMA reads them: K-block-major rows of `pitch` floats, pitch >= M
+    and a multiple of 4 (16-byte rows). No copy for the Triton quantiser's layout at M % 4 == 0."""
+    s = a_scale.float()
+    if s.stride(0) == 1 and s.stride(1) >= m and s.stride(1) % 4 == 0 and s.data_ptr() % 16 == 0:
+        return s, s.stride(1)
+    pitch = -(-m // 4) * 4
+    buf = torch.zeros(s.shape[1], pitch, dtype=torch.float32, device=s.device)
+    buf[:, :m] = s.t()
+    return buf, pitch
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    variant: int = DEFAULT_VARIANT,
+) -> torch.Tensor:
+    """(a, a_scale 1x128) @ (w, w_scale 128x128)^T in bf16 on the current stream; CUDA-graph safe
+    (no synchronisation, no allocation when `out` is given and the scales are K-block-major)."""
+    reason = unsupported_reason(a, w)
+    if reason is not None:
+        raise WgmmaError(reason)
+    if not 0 <= variant < len(VARIANTS):
+        raise ValueError(f"variant must be in [0, {len(VARIANTS)}), got {variant}")
+    m, k = a.shape
+    n = w.shape[0]
+    kb = k // BLOCK
+    if tuple(a_scale.shape) != (m, kb) or tuple(w_scale.shape) != (-(-n // BLOCK), kb):
+        raise ValueError(
+            f"scale shapes {tuple(a_scale.shape)}, {tuple(w_scale.shape)} do not fit M={m} N={n} K={k}"
+        )
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError("out must be a (M, N) bf16 tensor with unit column stride")
+    if m == 0:
+        return out
+    sa, pitch = _k_block_major(a_scale, m)
+    sb = w_scale.float().contiguous()
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    rc = library().relay_fp8_gemm(
+        a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), out.data_ptr(),
+        m, n, k, out.stride(0), sms, variant, stream,
+    )  # fmt: skip
+    if rc != 0:
+        raise WgmmaError(f"relay_fp8_gemm failed with code {rc}")
+    return out
