@@ -1,4 +1,4 @@
-"""The warp-specialised CUDA FP8 GEMM (services/engine/kernels/fp8_wgmma.cu) against bf16 cuBLAS
+"""The warp-specialised CUDA FP8 GEMM (bench/fp8/wgmma_kernel.cu) against bf16 cuBLAS
 and torch's block-wise scaled_mm (cuBLAS) in the same process, at the issue's large-M shapes.
 
 First a self-check: build the library, then at ragged and full shapes (M tails, N not a multiple
@@ -6,7 +6,7 @@ of 128, K = 128..7168) compare with the float32 reference of the recipe (service
 on freshly drawn inputs, the output poisoned with NaN before every launch. Then CUDA-graph timings
 (triton.testing.do_bench_cudagraph, median) of each pipeline depth.
 
-    python3 bench/fp8/wgmma.py --out $OUT/fp8_wgmma.json
+    python3 bench/fp8/wgmma.py --out $OUT/wgmma_lib.json
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import wgmma_lib  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
-from services.engine.kernels import fp8_wgmma  # noqa: E402
 
 CHECK_SHAPES = [(1, 256, 128), (77, 2112, 2048), (1000, 2048, 7168), (4096, 4096, 7168), (333, 18432, 1280)]
 TIME_MS = [4096, 8192]
 TIME_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
-VARIANT_IDS = list(range(len(fp8_wgmma.VARIANTS)))
+VARIANT_IDS = list(range(len(wgmma_lib.VARIANTS)))
 MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 reference
 
 
@@ -44,12 +46,12 @@ def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str,
 
 
 def vname(variant: int) -> str:
-    bn, stages, mode, cluster, math = fp8_wgmma.VARIANTS[variant]
-    return f"m{64 * math}n{bn}s{stages}{mode}c{cluster}"
+    bn, stages, mode, cluster = wgmma_lib.VARIANTS[variant]
+    return f"n{bn}s{stages}{mode}c{cluster}"
 
 
 def is_probe(variant: int) -> bool:
-    return fp8_wgmma.VARIANTS[variant][2] == "unscaled"
+    return wgmma_lib.VARIANTS[variant][2] == "unscaled"
 
 
 def self_check(dev: torch.device) -> list[dict[str, Any]]:
@@ -61,7 +63,7 @@ def self_check(dev: torch.device) -> list[dict[str, Any]]:
             for layout in ("col", "row"):
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 scales = d["a_s_col"] if layout == "col" else d["a_s"]
-                fp8_wgmma.fp8_gemm(d["aq"], scales, d["wq"], d["w_s"], out=out, variant=variant)
+                wgmma_lib.fp8_gemm(d["aq"], scales, d["wq"], d["w_s"], out=out, variant=variant)
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out).all())
                 err = float((out.float() - want).norm() / want.norm())
@@ -92,14 +94,14 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             for v in VARIANT_IDS:
                 row[f"wgmma_{vname(v)}_us"] = bench_us(
-                    lambda d=d, v=v, o=out: fp8_wgmma.fp8_gemm(
+                    lambda d=d, v=v, o=out: wgmma_lib.fp8_gemm(
                         d["aq"], d["a_s_col"], d["wq"], d["w_s"], out=o, variant=v
                     )
                 )
             for key in [kk for kk in row if kk.endswith("_us")]:
                 row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
             for v in VARIANT_IDS:
-                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, dev)
+                row[f"wgmma_{vname(v)}_grid"] = wgmma_lib.launch_grid(v, m, n, dev)
             best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS if not is_probe(v))
             row["wgmma_best_vs_bf16"] = row["bf16_us"] / best
             row["wgmma_best_vs_torch_blockwise"] = row["torch_blockwise_us"] / best
@@ -114,14 +116,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument(
-        "--variants", default="", help="comma-separated indices into fp8_wgmma.VARIANTS (default all)"
+        "--variants", default="", help="comma-separated indices into wgmma_lib.VARIANTS (default all)"
     )
     args = ap.parse_args()
     if args.variants:
         VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")]
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    lib = fp8_wgmma.build()
+    lib = wgmma_lib.build()
     result: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.now(UTC).isoformat(),

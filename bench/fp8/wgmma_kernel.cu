@@ -15,7 +15,7 @@
 // The grid is persistent (one CTA per SM, tiles in grouped order for L2 reuse), so the producer
 // prefetches the next tile while the math warpgroups store the last one.
 //
-// Built at run time by services/engine/kernels/fp8_wgmma.py (nvcc, then ctypes).
+// Built at run time by bench/fp8/wgmma_lib.py (nvcc, then ctypes).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -26,16 +26,11 @@ namespace {
 
 constexpr int BK = 128;  // one scale block: the promotion period
 constexpr int GROUP_M = 8;
-// MATH math warpgroups of 64 rows each after one producer warpgroup; the register split gives
-// the math warpgroups what the 64K registers allow (setmaxnreg takes multiples of 8).
-template <int MATH>
-struct Roles {
-  static constexpr int BM = 64 * MATH;
-  static constexpr int THREADS = 128 * (MATH + 1);
-  static constexpr int PRODUCER_REGS = MATH == 2 ? 40 : 32;
-  static constexpr int MATH_REGS = MATH == 2 ? 232 : 160;
-  static_assert(128 * (PRODUCER_REGS + MATH * MATH_REGS) <= 65536, "register file");
-};
+constexpr int BM = 128;        // two math warpgroups x 64 rows
+constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
+// setmaxnreg split of the 64K registers: 128 * (40 + 2 * 232) <= 65536.
+constexpr int PRODUCER_REGS = 40;
+constexpr int MATH_REGS = 232;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -138,11 +133,15 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.
+// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster. Default
+// (CTA-scope) semantics, as CUTLASS's ClusterBarrier does: the arrival only says that this warp's
+// wgmmas have finished reading the stage. `.release.cluster` here compiled to a GPU-wide memory
+// barrier and an L1 invalidation per arrival and made the cluster variants 1.5-2x slower
+// (bench/fp8/results/wgmma_ncu_h200*.json).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // The same box lands at the same offset in every CTA of `mask`, signalling each one's mbarrier.
@@ -160,7 +159,7 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-template <int BN, int STAGES, int BM>
+template <int BN, int STAGES>
 struct Smem {
   static constexpr int A = BM * BK;  // bytes per stage
   static constexpr int B = BN * BK;
@@ -181,14 +180,13 @@ enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
 //     cores reach with this pipeline when nothing is promoted).
 // CLUSTER 2: two CTAs with the same columns and neighbouring rows share the B tile, each loading
 // half of it and multicasting it to both (a third less L2 -> SM traffic at BN 256).
-template <int BN, int STAGES, int MODE, int CLUSTER, int MATH>
-__global__ void __launch_bounds__(Roles<MATH>::THREADS, 1)
+template <int BN, int STAGES, int MODE, int CLUSTER>
+__global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_sa, const float* __restrict__ sb, __nv_bfloat16* __restrict__ c,
                     int M, int N, int K, int ldc) {
   static_assert(MODE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
-  constexpr int BM = Roles<MATH>::BM;
-  using L = Smem<BN, STAGES, BM>;
+  using L = Smem<BN, STAGES>;
   constexpr int HALVES = BN / 128;
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
@@ -216,7 +214,7 @@ __global__ void __launch_bounds__(Roles<MATH>::THREADS, 1)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * MATH * CLUSTER);  // every math warp of every CTA reading the stage
+      mbar_init(&empty[s], 8 * CLUSTER);  // every math warp of every CTA reading the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -226,11 +224,16 @@ __global__ void __launch_bounds__(Roles<MATH>::THREADS, 1)
     __syncthreads();
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Roles<MATH>::PRODUCER_REGS) : "memory");
-    if (tid == 0) {
-      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_a)) : "memory");
-      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_b)) : "memory");
-      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sa)) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+    // One warp runs the producer loop convergently (the cluster barrier at the end is .aligned:
+    // a warp must reach it whole); its lane 0 issues the copies.
+    if (tid < 32) {
+      const bool leader = tid == 0;
+      if (leader) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_a)) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_b)) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sa)) : "memory");
+      }
       int it = 0;
       for (int tile = first; tile < num_tiles; tile += stride) {
         int tm, tn;
@@ -240,21 +243,24 @@ __global__ void __launch_bounds__(Roles<MATH>::THREADS, 1)
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-          mbar_expect_tx(&full[s], L::A + L::B + L::SA);
-          tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
-          tma_load_2d(s_sa + s * BM, &tm_sa, &full[s], m0, kb);
-          if constexpr (CLUSTER == 1) {
-            tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
-          } else {
-            constexpr int PART = BN / CLUSTER;
-            tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART,
-                                  static_cast<uint16_t>((1 << CLUSTER) - 1));
+          if (leader) {
+            mbar_expect_tx(&full[s], L::A + L::B + L::SA);
+            tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
+            tma_load_2d(s_sa + s * BM, &tm_sa, &full[s], m0, kb);
+            if constexpr (CLUSTER == 1) {
+              tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
+            } else {
+              constexpr int PART = BN / CLUSTER;
+              tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART,
+                                    static_cast<uint16_t>((1 << CLUSTER) - 1));
+            }
           }
+          __syncwarp();
         }
       }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Roles<MATH>::MATH_REGS) : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS) : "memory");
     const int half = wg - 1;  // rows half*64 .. half*64+63 of the tile
     const int warp = tid / 32;
     const int lane = tid % 32;
@@ -452,13 +458,12 @@ CUresult encode_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr,
 
 // CTAs to launch: one per SM (max_ctas) or per tile; with clusters, no more than can be resident
 // at once (the persistent walk assumes every CTA runs from the start).
-template <int BN, int STAGES, int MODE, int CLUSTER, int MATH>
+template <int BN, int STAGES, int MODE, int CLUSTER>
 int grid_for(int M, int N, int max_ctas) {
-  constexpr int BM = Roles<MATH>::BM;
   const int walk = (M + BM * CLUSTER - 1) / (BM * CLUSTER) * ((N + BN - 1) / BN);
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
-    const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER, MATH>;
+    const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -466,8 +471,8 @@ int grid_for(int M, int N, int max_ctas) {
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(clusters * CLUSTER);
-    cfg.blockDim = dim3(Roles<MATH>::THREADS);
-    cfg.dynamicSmemBytes = Smem<BN, STAGES, BM>::BYTES;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = Smem<BN, STAGES>::BYTES;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     int active = 0;
@@ -477,10 +482,9 @@ int grid_for(int M, int N, int max_ctas) {
   return max(1, min(clusters, walk)) * CLUSTER;
 }
 
-template <int BN, int STAGES, int MODE, int CLUSTER, int MATH>
+template <int BN, int STAGES, int MODE, int CLUSTER>
 int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, void* c, int M, int N, int K,
            int ldc, int max_ctas, cudaStream_t stream) {
-  constexpr int BM = Roles<MATH>::BM;
   CUtensorMap tm_a, tm_b, tm_sa;
   if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, BM, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -1;
@@ -490,11 +494,11 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BM, 1,
                 CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
     return -3;
-  const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER, MATH>;
-  const int bytes = Smem<BN, STAGES, BM>::BYTES;
+  const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
+  const int bytes = Smem<BN, STAGES>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  const int grid = grid_for<BN, STAGES, MODE, CLUSTER, MATH>(M, N, max_ctas);
+  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
   if (grid < 0) return -4;
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -503,7 +507,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(Roles<MATH>::THREADS);
+  cfg.blockDim = dim3(THREADS);
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
   cfg.attrs = attr;
@@ -520,18 +524,16 @@ struct Variant {
   int smem_bytes;
 };
 
-template <int BN, int STAGES, int MODE, int CLUSTER, int MATH = 2>
+template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER, MATH>, grid_for<BN, STAGES, MODE, CLUSTER, MATH>,
-          Smem<BN, STAGES, Roles<MATH>::BM>::BYTES};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, Smem<BN, STAGES>::BYTES};
 }
 
-// The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
+// The variants the library exports, by index (wgmma_lib.py's VARIANTS lists the same).
 constexpr Variant VARIANTS[] = {
-    variant<128, 5, PLAIN, 1>(),         variant<256, 4, PLAIN, 1>(),         variant<128, 5, PIPELINED, 1>(),
-    variant<256, 4, PLAIN, 2>(),         variant<128, 5, PIPELINED, 2>(),     variant<256, 4, UNSCALED, 1>(),
-    variant<128, 5, UNSCALED, 1>(),      variant<256, 4, UNSCALED, 2>(),      variant<128, 5, PLAIN, 1, 3>(),
-    variant<128, 4, PLAIN, 1, 3>(),      variant<128, 5, UNSCALED, 1, 3>(),   variant<128, 5, PLAIN, 2, 3>(),
+    variant<128, 5, PLAIN, 1>(),    variant<256, 4, PLAIN, 1>(),     variant<128, 5, PIPELINED, 1>(),
+    variant<256, 4, PLAIN, 2>(),    variant<128, 6, PIPELINED, 2>(), variant<256, 4, UNSCALED, 1>(),
+    variant<128, 6, PLAIN, 2>(),    variant<256, 4, UNSCALED, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Nsight Compute over the FP8 GEMMs of bench/fp8/wgmma_profile.py (our CUDA variants, cuBLAS
+# block-wise, bf16 cuBLAS) on the lent H200 (Firecracker machines only: ncu reads no counters on
+# gVisor). Clocks left as they are (--clock-control none). Writes $OUT/wgmma_ncu.csv and .txt.
+#   bash bench/fp8/wgmma_ncu.sh 1,3,5
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+"$NCU" --clock-control none --kernel-name regex:'fp8_gemm_kernel|gemm|xmma|nvjet|sm90' \
+  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+  --csv --page details python3 bench/fp8/wgmma_profile.py --variants "${1:-1}" > "$OUT/wgmma_ncu.csv" 2> "$OUT/wgmma_ncu.err"
+echo "ncu rc=$?"
+python3 - "$OUT/wgmma_ncu.csv" <<'PY' | tee "$OUT/wgmma_ncu.txt"
+import csv, sys
+rows = list(csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')))
+keep = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "L2 Cache Throughput", "DRAM Throughput",
+        "L1/TEX Cache Throughput", "Issue Slots Busy", "Executed Ipc Active", "No Eligible", "Warp Cycles Per Issued Instruction",
+        "Registers Per Thread", "Shared Memory Configuration Size", "Achieved Occupancy", "Grid Size", "Cluster Size",
+        "Block Size", "Max Bandwidth", "Mem Pipes Busy", "Dynamic Shared Memory Per Block")
+seen = {}
+for r in rows:
+    k = (r["ID"], r["Kernel Name"][:60])
+    if any(r["Metric Name"].startswith(x) for x in keep):
+        seen.setdefault(k, []).append(f'{r["Metric Name"]}={r["Metric Value"]}{r["Metric Unit"]}')
+for k, v in seen.items():
+    print(k)
+    for x in v:
+        print("   ", x)
+PY
+# Tensor-pipe and shared-memory use, named metrics (a separate run: an unknown name fails only it).
+"$NCU" --clock-control none --kernel-name regex:'fp8_gemm_kernel|gemm|xmma|nvjet|sm90' --csv --page raw \
+  --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum.per_second,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio \
+  python3 bench/fp8/wgmma_profile.py --variants "${1:-1}" > "$OUT/wgmma_ncu_metrics.csv" 2> "$OUT/wgmma_ncu_metrics.err"
+echo "ncu metrics rc=$?"
+cut -c1-300 "$OUT/wgmma_ncu_metrics.csv" | tail -8
+grep -i -E "pipe|stall|bound|tensor" "$OUT/wgmma_ncu.csv" | grep -i -E "OPT|WRN|est" | cut -c1-400 | head -40
