@@ -114,6 +114,14 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
 }
 
 // Tile `tile` of a grouped (GROUP_M rows of tiles at a time) walk: better L2 reuse of B.
+// A float from shared memory by its shared-window address (a plain pointer dereference compiled
+// to a generic load here).
+__device__ __forceinline__ float lds(const float* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_u32(p)));
+  return v;
+}
+
 __device__ __forceinline__ void tile_of(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
   const int group_size = GROUP_M * tiles_n;
   const int first_m = (tile / group_size) * GROUP_M;
@@ -315,6 +323,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int h = 0; h < HALVES; ++h)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+
       const float* sb_rows[HALVES];
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
@@ -345,8 +354,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           const float sb_nxt = __ldg(sb_rows[0] + kb + 1);
           wgmma_wait<1>();
           fence_regs(cur);
-          const float s0 = s_sa[s * BM + r_local] * sb_cur;
-          const float s1 = s_sa[s * BM + r_local + 8] * sb_cur;
+          const float s0 = lds(s_sa + s * BM + r_local) * sb_cur;
+          const float s1 = lds(s_sa + s * BM + r_local + 8) * sb_cur;
           release(s);
           promote(acc[0], cur, s0, s1);
           sb_cur = sb_nxt;
@@ -357,8 +366,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int s = it % STAGES;
           wgmma_wait<0>();
           fence_regs(cur);
-          const float s0 = s_sa[s * BM + r_local] * sb_cur;
-          const float s1 = s_sa[s * BM + r_local + 8] * sb_cur;
+          const float s0 = lds(s_sa + s * BM + r_local) * sb_cur;
+          const float s1 = lds(s_sa + s * BM + r_local + 8) * sb_cur;
           release(s);
           promote(acc[0], cur, s0, s1);
           ++it;
@@ -383,8 +392,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
-          const float sa0 = s_sa[s * BM + r_local];
-          const float sa1 = s_sa[s * BM + r_local + 8];
+          const float sa0 = lds(s_sa + s * BM + r_local);
+          const float sa1 = lds(s_sa + s * BM + r_local + 8);
           float sb_next[HALVES];
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Nsight Compute warp-stall sampling per SASS instruction for one fp8_gemm_kernel variant
+# (bench/fp8/wgmma_profile.py), to see where the math warpgroups wait. Firecracker machines only.
+# Writes $OUT/wgmma_source_<variant>.csv (the source page: SASS with stall samples per instruction).
+#   bash bench/fp8/wgmma_ncu_source.sh 1
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+V=${1:-1}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+"$NCU" --clock-control none --kernel-name regex:fp8_gemm_kernel --launch-count 1 \
+  --section WarpStateStats --section SourceCounters -o "$OUT/wgmma_src_$V" -f \
+  python3 bench/fp8/wgmma_profile.py --variants "$V" > "$OUT/wgmma_src_$V.log" 2>&1
+echo "ncu rc=$?"
+"$NCU" --import "$OUT/wgmma_src_$V.ncu-rep" --page source --csv --print-source sass > "$OUT/wgmma_source_$V.csv" 2> "$OUT/wgmma_source_$V.err"
+echo "export rc=$? $(wc -l < "$OUT/wgmma_source_$V.csv") lines"
+rm -f "$OUT/wgmma_src_$V.ncu-rep"
