@@ -113,7 +113,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// Tile `tile` of a grouped (GROUP_M rows of tiles at a time) walk: better L2 reuse of B.
 // A float from shared memory by its shared-window address (a plain pointer dereference compiled
 // to a generic load here).
 __device__ __forceinline__ float lds(const float* p) {
@@ -122,6 +121,7 @@ __device__ __forceinline__ float lds(const float* p) {
   return v;
 }
 
+// Tile `tile` of a grouped (GROUP_M rows of tiles at a time) walk: better L2 reuse of B.
 __device__ __forceinline__ void tile_of(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
   const int group_size = GROUP_M * tiles_n;
   const int first_m = (tile / group_size) * GROUP_M;
