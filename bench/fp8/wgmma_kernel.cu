@@ -345,32 +345,30 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
         issue(part, it % STAGES, 0, 0);
         float sb_cur = __ldg(sb_rows[0]);
-        // Promote block `it` from cur after issuing the next block into nxt.
-        auto step = [&](float(&cur)[64], float(&nxt)[64], int kb) {
+        // Promote block `it` from cur (its wgmmas have landed) and release its stage.
+        auto finish = [&](float(&cur)[64], float sb) {
           const int s = it % STAGES;
+          fence_regs(cur);
+          const float s0 = lds(s_sa + s * BM + r_local) * sb;
+          const float s1 = lds(s_sa + s * BM + r_local + 8) * sb;
+          release(s);
+          promote(acc[0], cur, s0, s1);
+          ++it;
+        };
+        // Issue the next block into nxt, then promote the current one from cur.
+        auto step = [&](float(&cur)[64], float(&nxt)[64], int kb) {
           const int sn = (it + 1) % STAGES;
           mbar_wait(&full[sn], ((it + 1) / STAGES) & 1);
           issue(nxt, sn, 0, 0);
           const float sb_nxt = __ldg(sb_rows[0] + kb + 1);
           wgmma_wait<1>();
-          fence_regs(cur);
-          const float s0 = lds(s_sa + s * BM + r_local) * sb_cur;
-          const float s1 = lds(s_sa + s * BM + r_local + 8) * sb_cur;
-          release(s);
-          promote(acc[0], cur, s0, s1);
+          finish(cur, sb_cur);
           sb_cur = sb_nxt;
-          ++it;
         };
-        // Promote the last block (nothing left to issue).
+        // The last block: nothing left to issue.
         auto last = [&](float(&cur)[64]) {
-          const int s = it % STAGES;
           wgmma_wait<0>();
-          fence_regs(cur);
-          const float s0 = lds(s_sa + s * BM + r_local) * sb_cur;
-          const float s1 = lds(s_sa + s * BM + r_local + 8) * sb_cur;
-          release(s);
-          promote(acc[0], cur, s0, s1);
-          ++it;
+          finish(cur, sb_cur);
         };
         // The loop head always has exactly block kb in flight, in part: a shape ptxas can
         // prove, so it keeps the wgmmas asynchronous.
@@ -465,6 +463,26 @@ CUresult encode_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr,
                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
+// A launch configuration with the cluster size as an attribute (not copyable: cfg points at attr).
+struct ClusterLaunch {
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = {};
+  ClusterLaunch(int cluster, int grid, int smem_bytes, cudaStream_t stream) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem_bytes;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // CTAs to launch: one per SM (max_ctas) or per tile; with clusters, no more than can be resident
 // at once (the persistent walk assumes every CTA runs from the start).
 template <int BN, int STAGES, int MODE, int CLUSTER>
@@ -472,20 +490,11 @@ int grid_for(int M, int N, int max_ctas) {
   const int walk = (M + BM * CLUSTER - 1) / (BM * CLUSTER) * ((N + BN - 1) / BN);
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
-    const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(clusters * CLUSTER);
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = Smem<BN, STAGES>::BYTES;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, Smem<BN, STAGES>::BYTES, nullptr);
     int active = 0;
-    if (cudaOccupancyMaxActiveClusters(&active, kernel, &cfg) != cudaSuccess) return -1;
+    if (cudaOccupancyMaxActiveClusters(&active, fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>, &probe.cfg) !=
+        cudaSuccess)
+      return -1;
     if (active > 0) clusters = min(clusters, active);
   }
   return max(1, min(clusters, walk)) * CLUSTER;
@@ -509,19 +518,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if (err != cudaSuccess) return static_cast<int>(err);
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
   if (grid < 0) return -4;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CLUSTER;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  err = cudaLaunchKernelEx(&cfg, kernel, tm_a, tm_b, tm_sa, sb, static_cast<__nv_bfloat16*>(c), M, N, K, ldc);
+  const ClusterLaunch config(CLUSTER, grid, bytes, stream);
+  err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, sb, static_cast<__nv_bfloat16*>(c), M, N, K, ldc);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
