@@ -62,3 +62,20 @@ def test_python_side_names_what_it_cannot_run() -> None:
     assert wgmma_lib.unsupported_reason(a, w) == "needs CUDA tensors"
     with pytest.raises(wgmma_lib.WgmmaError, match="needs CUDA tensors"):
         wgmma_lib.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(2, 1))
+
+
+@pytest.mark.parametrize(
+    ("m", "kb", "col"), [(1, 1, False), (5, 1, True), (77, 16, True), (77, 16, False), (64, 3, True)]
+)
+def test_scales_reach_the_kernel_k_block_major_with_16_byte_rows(m: int, kb: int, col: bool) -> None:
+    # The GPU self-check once failed here at M = 1: a (4, 1) tensor counts as column-major with
+    # row pitch 1, which the tensor-map encoder refuses.
+    a_scale = torch.rand(m, kb)
+    if col:
+        a_scale = a_scale.t().contiguous().t()
+    s, pitch = wgmma_lib._k_block_major(a_scale)
+    assert pitch % 4 == 0 and pitch >= m and s.stride(0) == 1
+    rows = torch.as_strided(s, (kb, m), (pitch, 1))  # what the kernel reads: row kb at kb * pitch
+    assert torch.equal(rows, a_scale.t())
+    if col and m % 4 == 0 and kb > 1:
+        assert s.data_ptr() == a_scale.data_ptr()  # the Triton quantiser's layout: no copy

@@ -4,6 +4,8 @@
 # bench/gpu_debug/run.sh does. Each script stays under 6 minutes; run them as two device calls:
 #   bash bench/fp8/run.sh gemm        -> $OUT/fp8_gemm.json (+ .txt)
 #   bash bench/fp8/run.sh mismatch    -> $OUT/fp8_mismatch.json (+ .txt)
+#   bash bench/fp8/run.sh wgmma       -> $OUT/fp8_wgmma.json (+ .txt): the CUDA kernel probe
+#   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu    (NCU_VARIANT=1 ... ncu-source): Nsight Compute
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -12,7 +14,9 @@ for what in "${@:-gemm}"; do
   case "$what" in
     gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
     wgmma) python3 bench/fp8/wgmma.py --out "$OUT/fp8_wgmma.json" 2>&1 | tee "$OUT/fp8_wgmma.txt" ;;
+    ncu) bash bench/fp8/wgmma_ncu.sh "${NCU_VARIANTS:-1}" ;;
+    ncu-source) bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-1}" ;;
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | mismatch)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch)"; exit 2 ;;
   esac
 done

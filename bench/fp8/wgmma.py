@@ -25,6 +25,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gemm as bench  # noqa: E402
 import wgmma_lib  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
@@ -37,12 +38,9 @@ MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 
 
 
 def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
-    wt = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
-    aq, a_s = ref.quantize_act(x)
-    wq, w_s = ref.quantize_weight(wt)
-    return {"x": x, "w": wt, "aq": aq, "a_s": a_s, "a_s_col": ref._outer_major(a_s), "wq": wq, "w_s": w_s}
+    """gemm.py's inputs plus the activation scales K-block-major (what the Triton quantiser writes)."""
+    d = bench.quantised(m, n, k, dev, seed)
+    return {**d, "as_col": ref._outer_major(d["as"])}
 
 
 def vname(variant: int) -> str:
@@ -58,15 +56,15 @@ def self_check(dev: torch.device) -> list[dict[str, Any]]:
     rows = []
     for i, (m, n, k) in enumerate(CHECK_SHAPES):
         d = quantised(m, n, k, dev, seed=100 + i)
-        want = ref.fp8_gemm_reference(d["aq"], d["a_s"], d["wq"], d["w_s"], torch.float32)
+        want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
         for variant in [v for v in VARIANT_IDS if not is_probe(v)]:
             for layout in ("col", "row"):
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-                scales = d["a_s_col"] if layout == "col" else d["a_s"]
-                wgmma_lib.fp8_gemm(d["aq"], scales, d["wq"], d["w_s"], out=out, variant=variant)
+                scales = d["as_col"] if layout == "col" else d["as"]
+                wgmma_lib.fp8_gemm(d["aq"], scales, d["wq"], d["ws"], out=out, variant=variant)
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out).all())
-                err = float((out.float() - want).norm() / want.norm())
+                err = bench.rel(out, want)
                 ok = finite and err < MAX_REL_ERR
                 rows.append({"M": m, "N": n, "K": k, "variant": vname(variant), "scales": layout, "rel_err": err,
                              "all_written": finite, "ok": ok})  # fmt: skip
@@ -88,14 +86,14 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
             row["bf16_us"] = bench_us(lambda d=d: torch.nn.functional.linear(d["x"], d["w"]))
             row["torch_blockwise_us"] = bench_us(
                 lambda d=d: ref.fp8_gemm(
-                    d["aq"], d["a_s_col"], d["wq"], d["w_s"], torch.bfloat16, backend="torch"
+                    d["aq"], d["as_col"], d["wq"], d["ws"], torch.bfloat16, backend="torch"
                 )
             )
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             for v in VARIANT_IDS:
                 row[f"wgmma_{vname(v)}_us"] = bench_us(
                     lambda d=d, v=v, o=out: wgmma_lib.fp8_gemm(
-                        d["aq"], d["a_s_col"], d["wq"], d["w_s"], out=o, variant=v
+                        d["aq"], d["as_col"], d["wq"], d["ws"], out=o, variant=v
                     )
                 )
             for key in [kk for kk in row if kk.endswith("_us")]:

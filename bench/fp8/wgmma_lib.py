@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from services.common import fp8 as ref
+
 SOURCE = Path(__file__).with_name("wgmma_kernel.cu")
 NVCC_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -139,16 +141,16 @@ def unsupported_reason(a: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-def _k_block_major(a_scale: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
-    """The scales as the kernel's TMA reads them: K-block-major rows of `pitch` floats, pitch >= M
-    and a multiple of 4 (16-byte rows). No copy for the Triton quantiser's layout at M % 4 == 0."""
-    s = a_scale.float()
-    if s.stride(0) == 1 and s.stride(1) >= m and s.stride(1) % 4 == 0 and s.data_ptr() % 16 == 0:
-        return s, s.stride(1)
-    pitch = -(-m // 4) * 4
-    buf = torch.zeros(s.shape[1], pitch, dtype=torch.float32, device=s.device)
-    buf[:, :m] = s.t()
-    return buf, pitch
+def _k_block_major(a_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The scales as the kernel's TMA reads them: K-block-major rows (the layout cuBLAS's block-wise
+    path wants too), M padded to a multiple of 4 for 16-byte rows; returns them and their row
+    pitch. No copy for the Triton quantiser's layout at M % 4 == 0."""
+    s = ref._outer_major(ref._pad_to(a_scale.float(), 0, 4))
+    if s.shape[1] == 1:  # one K block: its stride says nothing, the row is the padded M
+        return s, s.shape[0]
+    if s.stride(1) % 4:  # a view whose rows are not 16-byte multiples apart
+        s = s.t().contiguous().t()
+    return s, s.stride(1)
 
 
 def fp8_gemm(
@@ -179,7 +181,7 @@ def fp8_gemm(
         raise ValueError("out must be a (M, N) bf16 tensor with unit column stride")
     if m == 0:
         return out
-    sa, pitch = _k_block_major(a_scale, m)
+    sa, pitch = _k_block_major(a_scale)
     sb = w_scale.float().contiguous()
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     stream = torch.cuda.current_stream(a.device).cuda_stream

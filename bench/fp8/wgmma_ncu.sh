@@ -2,7 +2,7 @@
 # Nsight Compute over the FP8 GEMMs of bench/fp8/wgmma_profile.py (our CUDA variants, cuBLAS
 # block-wise, bf16 cuBLAS) on the lent H200 (Firecracker machines only: ncu reads no counters on
 # gVisor). Clocks left as they are (--clock-control none). Writes $OUT/wgmma_ncu.csv and .txt.
-#   bash bench/fp8/wgmma_ncu.sh 1,3,5
+#   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu   (run.sh installs the carried wheels first)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -2,7 +2,7 @@
 # Nsight Compute warp-stall sampling per SASS instruction for one fp8_gemm_kernel variant
 # (bench/fp8/wgmma_profile.py), to see where the math warpgroups wait. Firecracker machines only.
 # Writes $OUT/wgmma_source_<variant>.csv (the source page: SASS with stall samples per instruction).
-#   bash bench/fp8/wgmma_ncu_source.sh 1
+#   NCU_VARIANT=1 bash bench/fp8/run.sh ncu-source   (run.sh installs the carried wheels first)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 V=${1:-1}

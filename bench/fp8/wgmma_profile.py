@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import wgmma_lib  # noqa: E402
+from wgmma import quantised  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
 
@@ -29,18 +30,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=7168)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(args.m, args.k, device=dev, dtype=torch.bfloat16, generator=g)
-    w = torch.randn(args.n, args.k, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
-    aq, a_s = ref.quantize_act(x)
-    a_s = ref._outer_major(a_s)
-    wq, w_s = ref.quantize_weight(w)
+    d = quantised(args.m, args.n, args.k, dev, seed=0)
+    aq, a_s, wq, w_s = d["aq"], d["as_col"], d["wq"], d["ws"]
     wgmma_lib.library()
     torch.cuda.synchronize()
     for v in (int(s) for s in args.variants.split(",")):
         wgmma_lib.fp8_gemm(aq, a_s, wq, w_s, variant=v)
     ref.fp8_gemm(aq, a_s, wq, w_s, torch.bfloat16, backend="torch")
-    torch.nn.functional.linear(x, w)
+    torch.nn.functional.linear(d["x"], d["w"])
     torch.cuda.synchronize()
 
 
