@@ -77,20 +77,28 @@ def test_router_without_affinity_is_least_outstanding(bus: Bus) -> None:
     asyncio.run(run())
 
 
-def letter_policy(letter: str) -> Policy:
-    """This replica's answer to everything: its letter (the env asks for more, up to max_turns)."""
+def letter_policy(letter: str, delay_s: float = 0.0) -> Policy:
+    """This replica's answer to everything: its letter (the env asks for more, up to max_turns),
+    after `delay_s` (a slower replica carries more outstanding requests)."""
 
     async def policy(req: GenerateRequest) -> list[list[int]]:
+        await asyncio.sleep(delay_s)
         return [[*TOK.encode(letter).ids, EOS] for _ in range(req.sampling.n)]
 
     return policy
 
 
 def run_two_replicas(
-    redis_url: str, prefix: str, tmp_path: Path, slack: int | None
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+    slack: int | None,
+    max_turns: int = 3,
+    x_delay_s: float = 0.0,
 ) -> dict[str, list[GenerateRequest]]:
-    """4 groups of 2 samples, 3 model turns each, against replicas answering "x" and "y" (the char tokenizer has no capitals)."""
-    cfg = budget_cfg(redis_url, prefix, max_turns=3, decode_affinity_slack=slack)
+    """4 groups of 2 samples, `max_turns` model turns each, against replicas answering "x" and "y"
+    (the char tokenizer has no capitals)."""
+    cfg = budget_cfg(redis_url, prefix, max_turns=max_turns, decode_affinity_slack=slack)
     bus = Bus(redis_url, prefix)
 
     async def run() -> dict[str, list[GenerateRequest]]:
@@ -98,7 +106,9 @@ def run_two_replicas(
         runners, ids = [], []
         for letter in ("x", "y"):
             seen[letter] = []
-            runner = web.AppRunner(scripted_decode_app(seen[letter], letter_policy(letter)))
+            runner = web.AppRunner(
+                scripted_decode_app(seen[letter], letter_policy(letter, x_delay_s if letter == "x" else 0.0))
+            )
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
@@ -147,7 +157,13 @@ def test_rollout_turns_stick_to_the_replica_of_their_first_turn(
     assert sum(len(r) for r in seen.values()) == 4 * (1 + 2 * 2)  # a group: 1 shared turn + 2 x 2 later
     assert all(seen.values())  # both replicas served groups: affinity is per sample, not global
 
-    control = run_two_replicas(redis_server, prefix, tmp_path / "control", slack=None)
+    # The control must move turns whatever the scheduling: with both replicas equally fast, CI once
+    # placed every sample's second turn back on its first turn's replica by tie-break alone. A
+    # slow "x" keeps requests outstanding there, so least-outstanding routing sends turns of x's
+    # samples to the idle "y", and five turns give each sample four chances to show the move.
+    control = run_two_replicas(
+        redis_server, prefix, tmp_path / "control", slack=None, max_turns=5, x_delay_s=0.1
+    )
     mixed = [
         r for reqs in control.values() for r in reqs if r.sampling.n == 1 and len(answers_in_context(r)) > 1
     ]
