@@ -297,3 +297,91 @@ def test_gemv_equals_linear(m: int) -> None:
     for cfg in gemv.CONFIGS:
         out = gemv.gemv(x, w, cfg)
         assert out.shape == (m, 40) and torch.allclose(out, ref, atol=1e-4, rtol=1e-5), cfg
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
+def test_gemv_prologues_equal_their_unfused_kernels(m: int, residual_dtype: torch.dtype) -> None:
+    """The GEMV with silu_mul or add_rms_norm folded into its input (kernels/gemv.py prologues)
+    against the separate kernel + the plain GEMV, for every configuration it may pick: K = 300 is
+    not a multiple of any BLOCK_K (masked tails, several K tiles for the norm's first pass). The
+    residual the add + norm writes is the separate kernel's, exactly."""
+    g = torch.Generator().manual_seed(10 + m)
+    dt = torch.bfloat16  # the model dtype: GEMM input, delta and weights
+    w = (torch.randn(40, 300, generator=g) * 0.1).to(dt)
+    gate_up = torch.randn(m, 600, generator=g).to(dt)
+    residual = torch.randn(m, 300, generator=g).to(residual_dtype)
+    delta = torch.randn(m, 300, generator=g).to(dt)
+    nw = (torch.rand(300, generator=g) + 0.5).to(dt)
+    act = fused_norm.silu_mul(gate_up[:, :300], gate_up[:, 300:])
+    h_ref, y_ref = fused_norm.add_rms_norm(residual, delta, nw, 1e-6)
+    for cfg in gemv.CONFIGS:
+        out = gemv.gemv_silu_mul(gate_up, w, cfg)
+        ref = gemv.gemv(act, w, cfg)
+        assert out.dtype == dt and out.shape == (m, 40)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2, msg=str(cfg))
+        y, h = gemv.gemv_add_norm(residual, delta, nw, 1e-6, w, cfg)
+        assert h.dtype == residual_dtype and torch.equal(h, h_ref), cfg
+        assert y.dtype == dt
+        torch.testing.assert_close(
+            y.float(), gemv.gemv(y_ref, w, cfg).float(), atol=1e-2, rtol=1e-2, msg=str(cfg)
+        )
+    # The float32 reference: silu(gate) * up @ w^T and rms_norm(residual + delta) @ w^T.
+    act32 = torch.nn.functional.silu(gate_up[:, :300].float()) * gate_up[:, 300:].float()
+    torch.testing.assert_close(out.float(), act32 @ w.float().T, atol=3e-2, rtol=3e-2)
+    h32 = residual.float() + delta.float()
+    y32 = torch.nn.functional.rms_norm(h32, (300,), nw.float(), 1e-6) @ w.float().T
+    torch.testing.assert_close(y.float(), y32, atol=3e-2, rtol=3e-2)
+
+
+@needs_interpreter
+def test_engine_with_gemv_prologues_matches_torch_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole fused engine with every decode GEMM pinned to the GEMV and both prologues taken
+    (what a batch-1 step runs on the H200 where they measure faster): the torch backend's tokens
+    and log-probs. The spies count that the folded kernels really ran."""
+    m = load_config("debug").model
+    torch.manual_seed(3)
+    state = {k: v for k, v in CausalLM(m, m.max_seq_len).state_dict().items() if "rope" not in k}
+    path = write_model_dir(tmp_path / "step_0", state, hf_config(m, eos_token_id=0), None, {"version": 0})
+    base = dict(device="cpu", max_batch_size=8, max_seq_len=96, block_size=4, max_num_batched_tokens=24)
+    reqs = [
+        GenerateRequest(
+            input_ids=list(range(3, 3 + n)),
+            sampling=SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=6, seed=i, ignore_eos=True),
+        )
+        for i, n in enumerate((5, 30, 1, 17))
+    ]
+    ref = LLMEngine(path, EngineConfig(**base, attention_backend="torch")).generate(reqs)  # type: ignore[arg-type]
+    engine = LLMEngine(path, EngineConfig(**base, attention_backend="triton"))  # type: ignore[arg-type]
+    assert engine.cfg.gemv_prologues and not engine.model.gemv_prologues  # CPU: only with the fused path
+    engine.model.fused_elementwise = engine.model.gemv_prologues = True
+    engine.model.fuse_projections()
+    q, kv, inner = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.hidden_dim
+    shapes = [(q + 2 * kv, m.dim), (m.dim, q), (2 * inner, m.dim), (m.dim, inner)]
+    calls = {"gemv_add_norm": 0, "gemv_silu_mul": 0}
+    for name in calls:
+        real = getattr(gemv, name)
+
+        def spy(*a: object, _real: object = real, _name: str = name) -> object:
+            calls[_name] += 1
+            return _real(*a)  # type: ignore[operator]
+
+        monkeypatch.setattr(gemv, name, spy)
+    saved = dict(gemv._CHOICE), dict(gemv._PROLOGUE)
+    try:
+        for n, k in shapes:
+            for bucket in (1, 2, 4, 8):
+                gemv.pin(n, k, bucket, torch.float32, (8, 64, 4), prologues=True)
+        out = engine.generate(reqs)
+    finally:
+        gemv._CHOICE.clear(), gemv._CHOICE.update(saved[0])
+        gemv._PROLOGUE.clear(), gemv._PROLOGUE.update(saved[1])
+    # Decode steps (<= 8 rows): qkv and gate_up read an add + norm (all but layer 0's qkv), down
+    # reads silu_mul; longer steps take the unfused kernels.
+    assert calls["gemv_silu_mul"] > 0 and calls["gemv_add_norm"] > 0
+    for a, b in zip(ref, out, strict=True):
+        assert a.choices[0].output_ids == b.choices[0].output_ids
+        assert a.choices[0].logprobs == pytest.approx(b.choices[0].logprobs, abs=1e-4)

@@ -11,16 +11,24 @@ weight at the measured copy bandwidth: which kernels are latency-bound, not band
     python3 bench/engine/profile_batch1.py --out $OUT/profile_batch1.json      (H200)
     .venv/bin/python bench/engine/profile_batch1.py --out /tmp/p.json --smoke  (CPU: eager, no graph)
 
---pdl-compare (Programmatic Dependent Launch, EngineConfig.pdl; docs/engine.md): in one process,
-builds the engine with PDL off and with PDL on (same weights, same decode-GEMM choices: they are
-made once per process), checks that the greedy tokens of a few prompts (each alone, then all as
-one batch) and every logits row those batch-1 runs computed are identical, and reports for both
-the batch-1 graph replay time (alternating between the two engines), the engine step time and the
-kernel count per replay. Exits 2, after writing the JSON, if tokens differ or logits differ by
-more than one float32 ulp:
+--compare FIELD (an EngineConfig switch of the decode step; docs/engine.md): in one process,
+builds the engine with FIELD off and on (same weights, same decode-GEMM choices: they are made
+once per process), runs the greedy tokens of a few prompts (each alone, then all as one batch)
+keeping every logits row of the batch-1 runs, and reports for both the batch-1 graph replay time
+(alternating between the two engines), the engine step time and the kernel count per replay.
+Exits 2, after writing the JSON, if the check fails:
+- `pdl` (Programmatic Dependent Launch): the same arithmetic, so the tokens must be identical and
+  the logits within one float32 ulp (a difference is a race: a kernel reading before its wait);
+- `gemv_prologues` (add + norm and SiLU-mul folded into the decode GEMVs) and
+  `decode_merge_in_kernel` (split decode rows merged by their last program): sums run in another
+  order, so logits may differ by bf16 rounding: each row until the first greedy token that
+  differs must be within 1% of the row's largest logit.
+Several comma-separated switches compare all off against all on.
+--pin-gemv FILE pins the decode-GEMM choices a results file recorded instead of timing ~30
+Triton configurations at warm-up (for a short GPU call).
 
-    python3 bench/engine/profile_batch1.py --pdl-compare --out $OUT/pdl_compare.json        (H200)
-    .venv/bin/python bench/engine/profile_batch1.py --pdl-compare --smoke --out /tmp/p.json   (CPU)
+    python3 bench/engine/profile_batch1.py --compare pdl --out $OUT/pdl_compare.json        (H200)
+    .venv/bin/python bench/engine/profile_batch1.py --compare pdl --smoke --out /tmp/p.json   (CPU)
 """
 
 from __future__ import annotations
@@ -101,13 +109,18 @@ def gemm_vs_bandwidth(model: Any, device: torch.device, bw: float) -> list[dict[
     return out
 
 
-def engine_config(cuda: bool, device: torch.device, pdl: bool | None = None, max_batch: int = 8) -> Any:
-    """The engine's CUDA defaults (pdl None: the config default), a small pool and batch. With
-    pdl given (--pdl-compare), a 2,048-token step budget: fewer mixed-step graphs to capture twice
-    (prompts here are <= 512 tokens; the decode graphs do not depend on it)."""
+def engine_config(
+    cuda: bool, device: torch.device, switch: dict[str, bool] | None = None, max_batch: int = 8
+) -> Any:
+    """The engine's CUDA defaults, a small pool and batch. With a switch ({field: value},
+    --compare), those fields set and no mixed-step graphs (prompts here are <= 512 tokens)."""
     from services.common.config import EngineConfig
 
-    extra: dict[str, Any] = {} if pdl is None else {"pdl": pdl, "max_num_batched_tokens": 2048}
+    # The decode graphs only: a compare times the batch-1 decode step, and the mixed-step graphs
+    # would be captured twice for nothing.
+    extra: dict[str, Any] = (
+        {} if switch is None else {**switch, "max_num_batched_tokens": 2048, "cuda_graph_mixed": False}
+    )
     return EngineConfig(
         device=device.type,
         dtype="bfloat16" if cuda else "float32",
@@ -270,19 +283,45 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(as_int).long() - b.view(as_int).long()).abs().max()) if a.numel() else 0
 
 
-def pdl_compare(args: argparse.Namespace, cuda: bool, device: torch.device, root: Path, report: dict[str, Any],
-                weight_bytes: int, vocab: int) -> bool:  # fmt: skip
-    """Both engines in this process; returns True if their tokens and logits agree."""
+def rows_before_divergence(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The logits rows in order up to and including the first whose greedy token differs: after
+    it the two runs decode different contexts."""
+    kept = []
+    for a, b in pairs:
+        kept.append((a, b))
+        if a.shape != b.shape or not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break
+    return kept
+
+
+def compare(args: argparse.Namespace, cuda: bool, device: torch.device, root: Path, report: dict[str, Any],
+            weight_bytes: int, vocab: int) -> bool:  # fmt: skip
+    """Both engines (args.compare's fields all off, all on) in this process; returns True if the
+    check passes."""
+    fields = args.compare.split(",")
     from services.engine import LLMEngine
 
     rng = random.Random(0)
     lengths = (512, 100, 37, 300) if cuda else (30, 9, 17, 4)
     prompts = [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
-    engines = {"off": LLMEngine(root, engine_config(cuda, device, False, 4))}
-    engines["on"] = LLMEngine(root, engine_config(cuda, device, True, 4))
-    res: dict[str, Any] = {name: {"pdl_resolved": e.pdl} for name, e in engines.items()}
-    if not engines["on"].pdl:
-        res["note"] = "PDL is not usable on this device (kernels/pdl.py): both engines run without it"
+    engines = {
+        name: LLMEngine(root, engine_config(cuda, device, dict.fromkeys(fields, value), 4))
+        for name, value in (("off", False), ("on", True))
+    }
+    res: dict[str, Any] = {
+        name: {
+            "pdl_resolved": e.pdl,
+            "gemv_prologues_resolved": e.model.gemv_prologues,
+            "decode_merge_in_kernel_resolved": e.kv.merge_counters is not None,
+        }
+        for name, e in engines.items()
+    }
+    if not cuda:
+        res["note"] = (
+            "CPU: PDL, GEMV prologues and the in-kernel merge are GPU-only; both engines run without"
+        )
     runs = {name: greedy_runs(e, prompts, args.check_tokens) for name, e in engines.items()}
     off, on = runs["off"], runs["on"]
     tokens_ok = off["alone"] == on["alone"] and off["batched"] == on["batched"]
@@ -291,6 +330,10 @@ def pdl_compare(args: argparse.Namespace, cuda: bool, device: torch.device, root
     ulps = [ulp_distance(a, b) for a, b in pairs]
     max_ulp = -1 if any(u < 0 for u in ulps) else max(ulps, default=0)  # -1: shapes or dtypes differ
     max_abs = max((float((a.float() - b.float()).abs().max()) for a, b in pairs), default=0.0)
+    early = rows_before_divergence(pairs)
+    rel = max(
+        (float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in early), default=0.0
+    )
     res["check"] = {
         "prompts": list(lengths),
         "new_tokens": args.check_tokens,
@@ -300,6 +343,8 @@ def pdl_compare(args: argparse.Namespace, cuda: bool, device: torch.device, root
         "logits_bitwise_identical": bitwise,
         "logits_max_ulp": max_ulp,
         "logits_max_abs_diff": max_abs,
+        "rows_before_divergence": len(early),
+        "max_diff_over_row_max_before_divergence": rel,
     }
     if not tokens_ok:
         res["check"]["tokens_off"] = off["alone"]
@@ -338,10 +383,29 @@ def pdl_compare(args: argparse.Namespace, cuda: bool, device: torch.device, root
         from services.engine.kernels import gemv
 
         res["decode_gemm_choices"] = gemv.choices()  # made once (the first engine's warm-up), shared
-    report["pdl_compare"] = res
-    # Logits may differ by one ulp at most (e.g. a reduction that compiled differently); tokens
-    # must not differ at all: a difference is a race (a kernel reading before its gdc_wait).
-    return tokens_ok and 0 <= max_ulp <= 1
+    report["compare"] = {"fields": fields, **res}
+    if fields == ["pdl"]:
+        # Logits may differ by one ulp at most (e.g. a reduction that compiled differently); tokens
+        # must not differ at all: a difference is a race (a kernel reading before its gdc_wait).
+        return tokens_ok and 0 <= max_ulp <= 1
+    return bool(early) and rel <= 1e-2
+
+
+def pin_gemv(path: Path, dtype: torch.dtype) -> dict[str, str]:
+    """Pin the decode-GEMM choices a previous run recorded ("NxK,M<=b" -> "(bn, bk, warps)" or
+    "F.linear", as gemv.choices() writes them); returns what was pinned."""
+    import ast
+
+    from services.engine.kernels import gemv
+
+    doc = json.loads(path.read_text())
+    found = doc.get("decode_gemm_choices") or doc.get("pdl_compare", {}).get("decode_gemm_choices") or {}
+    for key, choice in found.items():
+        shape, bucket = key.split(",M<=")
+        n, k = (int(v) for v in shape.split("x"))
+        cfg = choice.split(" + ")[0]
+        gemv.pin(n, k, int(bucket), dtype, None if cfg == "F.linear" else tuple(ast.literal_eval(cfg)))
+    return found
 
 
 def main() -> None:
@@ -349,9 +413,21 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--pdl-compare", action="store_true", help="PDL off vs on in one process (see above)")
-    ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt (--pdl-compare)")
+    ap.add_argument(
+        "--compare",
+        help="EngineConfig switches (comma-separated: pdl, gemv_prologues, decode_merge_in_kernel) all off vs"
+        " all on in one process (see above)",
+    )
+    ap.add_argument(
+        "--pin-gemv",
+        help="a results JSON whose decode_gemm_choices are pinned instead of timed at warm-up (whether"
+        " each GEMV takes its prologues is still checked and timed)",
+    )
+    ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt (--compare)")
     args = ap.parse_args()
+    unknown = set((args.compare or "pdl").split(",")) - {"pdl", "gemv_prologues", "decode_merge_in_kernel"}
+    if unknown:
+        ap.error(f"--compare: unknown switches {sorted(unknown)}")
     cuda, device, dtype, model_kw, report = profile_setup(
         args.smoke,
         "the time to read the weights once at the measured device copy bandwidth (same process)",
@@ -361,25 +437,26 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     del hf
     ok = True
-    if args.pdl_compare:
-        ok = pdl_compare(args, cuda, device, root, report, weight_bytes, model_kw["vocab_size"])
-        report["pdl_check"] = "passed" if ok else "FAILED: PDL changed the greedy tokens or the logits"
+    if args.pin_gemv and cuda:
+        report["pinned_gemv"] = pin_gemv(Path(args.pin_gemv), dtype)
+    if args.compare:
+        ok = compare(args, cuda, device, root, report, weight_bytes, model_kw["vocab_size"])
+        report["check"] = (
+            "passed" if ok else f"FAILED: {args.compare} changed the numerics (see compare.check)"
+        )
     else:
         profile_one(args, cuda, device, root, report, weight_bytes)
     Path(args.out).write_text(json.dumps(report, indent=1))
     skip = ("kernels", "machine")
     brief = {k: v for k, v in report.items() if k not in skip}
-    if "pdl_compare" in brief:
-        brief["pdl_compare"] = {
+    if "compare" in brief:
+        brief["compare"] = {
             k: ({kk: vv for kk, vv in v.items() if kk != "kernels"} if isinstance(v, dict) else v)
-            for k, v in brief["pdl_compare"].items()
+            for k, v in brief["compare"].items()
         }
     print(json.dumps(brief, indent=1)[:8000])
     if not ok:
-        print(
-            "PDL CHECK FAILED: tokens or logits differ between pdl off and on (see pdl_compare.check)",
-            file=sys.stderr,
-        )
+        print(f"CHECK FAILED: {report['check']}", file=sys.stderr)
         sys.exit(2)
 
 
