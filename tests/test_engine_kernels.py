@@ -80,7 +80,6 @@ def run_kernels(
     page: int,
     dtype: torch.dtype,
     sms: int = 4,
-    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, HostBatch, ForwardBatch]:
     torch.manual_seed(0)
     n_pages = sum(-(-(s + n) // page) for s, n in shapes) + 3
@@ -93,7 +92,7 @@ def run_kernels(
     q = torch.randn(t, h, d, device=DEV).to(dtype)
     k = torch.randn(t, h_kv, d, device=DEV).to(dtype)
     v = torch.randn(t, h_kv, d, device=DEV).to(dtype)
-    out = paged_attention(q, k, v, kc, vc, fb.slot_mapping, fb.paged, d**-0.5, page, counters)  # type: ignore[arg-type]
+    out = paged_attention(q, k, v, kc, vc, fb.slot_mapping, fb.paged, d**-0.5, page)  # type: ignore[arg-type]
     # The kernels stored this step's k/v first: the reference reads the same cache.
     assert torch.equal(kc[fb.slot_mapping], k) and torch.equal(vc[fb.slot_mapping], v)
     tables = [s.block_table for s in spans]
@@ -104,24 +103,13 @@ def run_kernels(
     return out.float().cpu(), ref, hb, fb
 
 
-def merge_counters(merge_in: bool, h_kv: int) -> torch.Tensor | None:
-    """KVCache.merge_counters' kind of buffer (a few spare rows), or None: the merge kernel."""
-    return torch.zeros(16 * h_kv, dtype=torch.int32, device=DEV) if merge_in else None
-
-
 @needs_interpreter
-@pytest.mark.parametrize("merge_in", [False, True])
-def test_decode_kernel_splits_and_gqa_float32(merge_in: bool) -> None:
+def test_decode_kernel_splits_and_gqa_float32() -> None:
     # Contexts from 1 key to several partitions; G = 4 query heads per KV head.
     shapes = [(0, 1), (5, 1), (63, 1), (64, 1), (200, 1), (130, 1)]
     # 64 SMs for 6 x 2 (sequence, KV head) pairs: 64-key partitions, 1+1+1+2+4+3 items; the
-    # one-item rows are written by the decode kernel, the others by the merge kernel or (merge_in)
-    # by their last item inside the decode kernel, which leaves every counter at zero.
-    counters = merge_counters(merge_in, 2)
-    out, ref, _, fb = run_kernels(
-        shapes, h=8, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64, counters=counters
-    )
-    assert counters is None or not counters.any()
+    # one-item rows are written by the decode kernel, the others by the merge kernel.
+    out, ref, _, fb = run_kernels(shapes, h=8, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
     assert fb.paged is not None and fb.paged.decode is not None and fb.paged.prefill is None
     work = fb.paged.decode.work
     assert work is not None
@@ -135,8 +123,7 @@ def test_decode_kernel_splits_and_gqa_float32(merge_in: bool) -> None:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("merge_in", [False, True])
-def test_partials_are_read_only_where_written(monkeypatch: pytest.MonkeyPatch, merge_in: bool) -> None:
+def test_partials_are_read_only_where_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """One long row cut into items beside short rows of one item each (written directly, no
     partials): with the partials' buffer full of NaN (what a reused allocation may hold), every
     output is still the reference's, so the merge reads only the long row's items."""
@@ -150,11 +137,7 @@ def test_partials_are_read_only_where_written(monkeypatch: pytest.MonkeyPatch, m
 
     monkeypatch.setattr(pa.torch, "empty", nan_empty)
     shapes = [(3, 1), (250, 1), (9, 1), (0, 1)]  # one long row, short ones
-    counters = merge_counters(merge_in, 2)
-    out, ref, _, fb = run_kernels(
-        shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64, counters=counters
-    )
-    assert counters is None or not counters.any()
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=4, dtype=torch.float32, sms=64)
     assert fb.paged is not None and fb.paged.decode is not None
     work = fb.paged.decode.work
     assert work is not None and work.item_row.tolist() == [0, 1, 1, 1, 1, 2, 3]
@@ -164,18 +147,13 @@ def test_partials_are_read_only_where_written(monkeypatch: pytest.MonkeyPatch, m
 
 
 @needs_interpreter
-@pytest.mark.parametrize("merge_in", [False, True])
-def test_merge_of_a_row_with_more_partials_than_one_chunk(merge_in: bool) -> None:
+def test_merge_of_a_row_with_more_partials_than_one_chunk() -> None:
     """A row cut into more items than the merge kernel takes in one shot (MERGE_CHUNK): the rest
     are combined in its loop, with a running max."""
     from services.engine.kernels.paged_attention import MERGE_CHUNK
 
     shapes = [(64 * (MERGE_CHUNK + 9) - 1, 1), (5, 1)]
-    counters = merge_counters(merge_in, 2)
-    out, ref, _, fb = run_kernels(
-        shapes, h=4, h_kv=2, d=16, page=16, dtype=torch.float32, sms=64, counters=counters
-    )
-    assert counters is None or not counters.any()
+    out, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=16, page=16, dtype=torch.float32, sms=64)
     assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.work is not None
     assert fb.paged.decode.work.row_items.tolist() == [MERGE_CHUNK + 9, 1]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -214,23 +192,6 @@ def test_decode_kernel_single_split_bfloat16() -> None:
     assert fb.paged is not None and fb.paged.decode is not None
     assert fb.paged.decode.work is None
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-
-
-@needs_interpreter
-def test_in_kernel_merge_equals_the_merge_kernel_bfloat16() -> None:
-    """bf16 split rows (one long row of 9 items beside short ones): the in-kernel merge and the
-    merge kernel round to the same bf16 outputs up to one ulp (their sums run in another order)."""
-    shapes = [(520, 1), (7, 1), (130, 1)]
-    plain, ref, _, fb = run_kernels(shapes, h=4, h_kv=2, d=32, page=16, dtype=torch.bfloat16, sms=64)
-    assert fb.paged is not None and fb.paged.decode is not None and fb.paged.decode.work is not None
-    assert max(fb.paged.decode.work.row_items.tolist()) > 2
-    counters = merge_counters(True, 2)
-    merged, _, _, _ = run_kernels(
-        shapes, h=4, h_kv=2, d=32, page=16, dtype=torch.bfloat16, sms=64, counters=counters
-    )
-    assert counters is not None and not counters.any()
-    torch.testing.assert_close(merged, plain, atol=0, rtol=2**-7)
-    torch.testing.assert_close(merged, ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_interpreter
@@ -580,12 +541,9 @@ def test_engine_backend_matches_torch(model_dir: Path, backend: str) -> None:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("merge_in", [False, True])
-def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path, merge_in: bool) -> None:
+def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path) -> None:
     """The inputs a captured decode graph runs on (static buffers, padding rows, the per-step
-    partition) give the eager paged batch's hidden states. Only capture/replay itself needs a GPU.
-    merge_in: split rows merged inside the decode kernel (EngineConfig.decode_merge_in_kernel),
-    whose counters end every layer's launch at zero, spare work items included."""
+    partition) give the eager paged batch's hidden states. Only capture/replay itself needs a GPU."""
     from services.engine.cuda_graphs import DecodeGraphs
 
     cfg = EngineConfig(
@@ -598,8 +556,6 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path, merge_in:
         overlap_schedule=False,  # (auto: on with CUDA) every scheduled token on the host
     )
     engine = LLMEngine(model_dir, cfg)
-    if merge_in:
-        engine.kv.enable_merge_counters()  # what the engine does on CUDA when configured
     for i, n in enumerate((5, 90, 17)):  # 91 keys: more than one 64-key item
         engine.add_request(
             GenerateRequest(input_ids=[3 + j % 60 for j in range(n)], sampling=SamplingParams(seed=i))
@@ -621,7 +577,6 @@ def test_graph_static_batch_matches_eager_paged_batch(model_dir: Path, merge_in:
         graphs.buf.fill(hb, size, p, graphs.capacity[size])
         static = engine.model(graphs.static_batch(size, p is not None), engine.kv)
         torch.testing.assert_close(static[: len(spans)], eager, atol=1e-5, rtol=1e-5)
-    assert engine.kv.merge_counters is None or not engine.kv.merge_counters.any()
 
 
 @needs_interpreter

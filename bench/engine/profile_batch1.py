@@ -11,19 +11,17 @@ weight at the measured copy bandwidth: which kernels are latency-bound, not band
     python3 bench/engine/profile_batch1.py --out $OUT/profile_batch1.json      (H200)
     .venv/bin/python bench/engine/profile_batch1.py --out /tmp/p.json --smoke  (CPU: eager, no graph)
 
---compare FIELD (an EngineConfig switch of the decode step; docs/engine.md): in one process,
-builds the engine with FIELD off and on (same weights, same decode-GEMM choices: they are made
-once per process), runs the greedy tokens of a few prompts (each alone, then all as one batch)
-keeping every logits row of the batch-1 runs, and reports for both the batch-1 graph replay time
-(alternating between the two engines), the engine step time and the kernel count per replay.
-Exits 2, after writing the JSON, if the check fails:
-- `pdl` (Programmatic Dependent Launch): the same arithmetic, so the tokens must be identical and
-  the logits within one float32 ulp (a difference is a race: a kernel reading before its wait);
-- `gemv_prologues` (add + norm and SiLU-mul folded into the decode GEMVs) and
-  `decode_merge_in_kernel` (split decode rows merged by their last program): sums run in another
-  order, so logits may differ by bf16 rounding: each row until the first greedy token that
-  differs must be within 1% of the row's largest logit.
-Several comma-separated switches compare all off against all on.
+--compare FIELDS (boolean EngineConfig switches, comma-separated; docs/engine.md): in one process,
+builds the engine with the switches all off and all on (same weights, same decode-GEMM choices:
+they are made once per process), runs the greedy tokens of a few prompts (each alone, then all as
+one batch) keeping every logits row of the batch-1 runs, and reports for both the batch-1 graph
+replay time (alternating between the two engines), the engine step time and the kernel count per
+replay. Exits 2, after writing the JSON, if the check fails:
+- `pdl` alone (Programmatic Dependent Launch): the same arithmetic, so the tokens must be
+  identical and the logits within one float32 ulp (a difference is a race: a kernel reading
+  before its wait);
+- anything else may sum in another order, so logits may differ by bf16 rounding: each row until
+  the first greedy token that differs must be within 1% of the row's largest logit.
 --pin-gemv FILE pins the decode-GEMM choices a results file recorded instead of timing ~30
 Triton configurations at warm-up (for a short GPU call).
 
@@ -310,17 +308,10 @@ def compare(args: argparse.Namespace, cuda: bool, device: torch.device, root: Pa
         name: LLMEngine(root, engine_config(cuda, device, dict.fromkeys(fields, value), 4))
         for name, value in (("off", False), ("on", True))
     }
-    res: dict[str, Any] = {
-        name: {
-            "pdl_resolved": e.pdl,
-            "gemv_prologues_resolved": e.model.gemv_prologues,
-            "decode_merge_in_kernel_resolved": e.kv.merge_counters is not None,
-        }
-        for name, e in engines.items()
-    }
+    res: dict[str, Any] = {name: {"pdl_resolved": e.pdl} for name, e in engines.items()}
     if not cuda:
         res["note"] = (
-            "CPU: PDL, GEMV prologues and the in-kernel merge are GPU-only; both engines run without"
+            "CPU: the engine's GPU-only switches (PDL, fused kernels, CUDA graphs) resolve off in both"
         )
     runs = {name: greedy_runs(e, prompts, args.check_tokens) for name, e in engines.items()}
     off, on = runs["off"], runs["on"]
@@ -399,11 +390,16 @@ def pin_gemv(path: Path, dtype: torch.dtype) -> dict[str, str]:
     from services.engine.kernels import gemv
 
     doc = json.loads(path.read_text())
-    found = doc.get("decode_gemm_choices") or doc.get("pdl_compare", {}).get("decode_gemm_choices") or {}
+    where = (
+        doc,
+        doc.get("compare", {}),
+        doc.get("pdl_compare", {}),
+    )  # a profile, a compare, an older compare
+    found = next((d["decode_gemm_choices"] for d in where if d.get("decode_gemm_choices")), {})
     for key, choice in found.items():
         shape, bucket = key.split(",M<=")
         n, k = (int(v) for v in shape.split("x"))
-        cfg = choice.split(" + ")[0]
+        cfg = choice.split(" + ")[0]  # session 11's runs also named the prologues it took
         gemv.pin(n, k, int(bucket), dtype, None if cfg == "F.linear" else tuple(ast.literal_eval(cfg)))
     return found
 
@@ -415,19 +411,20 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument(
         "--compare",
-        help="EngineConfig switches (comma-separated: pdl, gemv_prologues, decode_merge_in_kernel) all off vs"
-        " all on in one process (see above)",
+        help="boolean EngineConfig fields (comma-separated, e.g. pdl) all off vs all on in one process (see above)",
     )
     ap.add_argument(
         "--pin-gemv",
-        help="a results JSON whose decode_gemm_choices are pinned instead of timed at warm-up (whether"
-        " each GEMV takes its prologues is still checked and timed)",
+        help="a results JSON whose decode_gemm_choices are pinned instead of timed at warm-up",
     )
     ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt (--compare)")
     args = ap.parse_args()
-    unknown = set((args.compare or "pdl").split(",")) - {"pdl", "gemv_prologues", "decode_merge_in_kernel"}
+    from services.common.config import EngineConfig
+
+    switches = {name for name, f in EngineConfig.model_fields.items() if f.annotation is bool}
+    unknown = set((args.compare or "pdl").split(",")) - switches
     if unknown:
-        ap.error(f"--compare: unknown switches {sorted(unknown)}")
+        ap.error(f"--compare: not boolean EngineConfig fields: {sorted(unknown)} (one of {sorted(switches)})")
     cuda, device, dtype, model_kw, report = profile_setup(
         args.smoke,
         "the time to read the weights once at the measured device copy bandwidth (same process)",

@@ -274,14 +274,6 @@ class EngineConfig(Strict):
     # of the memory roofline (bench/engine/results/w1_h200_3.json). No effect on CPU. The fused
     # sampler draws a different random stream than the CPU path.
     fused_kernels: bool = True
-    # With fused_kernels: a decode GEMV (M <= 8) reads its input through the residual add +
-    # RMSNorm or SiLU-mul before it instead of a separate kernel, per shape where the warm-up
-    # measured that faster and equal (services/engine/kernels/gemv.py; docs/engine.md).
-    gemv_prologues: bool = True
-    # Triton backend on CUDA: a decode row split into several partitions is merged by the last
-    # of its programs to finish, inside the decode kernel (an atomic arrival counter per row and
-    # KV head), instead of by a second kernel (services/engine/kernels/paged_attention.py).
-    decode_merge_in_kernel: bool = False
     # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
     # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.
     # lm_head, router and norms stay in `dtype` (services/engine/fp8_linear.py, docs/fp8.md).

@@ -140,9 +140,6 @@ class LLMEngine:
         self.model.fused_elementwise = (
             self.device.type == "cuda" and self.attention_backend != "torch" and self.cfg.fused_kernels
         )
-        self.model.gemv_prologues = self.model.fused_elementwise and self.cfg.gemv_prologues
-        if self.device.type == "cuda" and self.attention_backend == "triton" and cfg.decode_merge_in_kernel:
-            self.kv.enable_merge_counters()
         if self.model.fused_elementwise:
             self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (bf16 or fp8)
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))

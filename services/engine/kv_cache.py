@@ -125,9 +125,6 @@ class BlockManager:
             self.hash_of[block] = None
 
 
-MERGE_COUNTER_ROWS = 4096  # decode rows a step may have for the in-kernel merge (KVCache.merge_counters)
-
-
 class KVCache:
     def __init__(
         self,
@@ -150,9 +147,6 @@ class KVCache:
         the DSA indexer's key per token and layer (0: no indexer)."""
         self.num_blocks, self.block_size, self.max_seq_len = num_blocks, block_size, max_seq_len
         self.blocks = BlockManager(num_blocks, block_size)
-        # Set by enable_merge_counters (EngineConfig.decode_merge_in_kernel): the paged decode
-        # kernel's arrival counters per (row, KV head), zero between launches.
-        self.merge_counters: torch.Tensor | None = None
         # Flat over (page, offset): a token's K/V live at row page * block_size + offset.
         shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -174,14 +168,6 @@ class KVCache:
             self.routing = torch.full(
                 (moe_layers, num_blocks * block_size + 1, top_k), fill, dtype=tdtype, device=device
             )
-
-    def enable_merge_counters(self) -> None:
-        """Split decode rows are merged inside the decode kernel, by their last item to finish
-        (kernels/paged_attention.py). One int32 per (row, KV head) for up to MERGE_COUNTER_ROWS
-        rows, allocated once: a captured CUDA graph keeps its address. A step with more rows
-        runs the merge kernel instead."""
-        n_kv = self.k.shape[2]
-        self.merge_counters = torch.zeros(MERGE_COUNTER_ROWS * n_kv, dtype=torch.int32, device=self.k.device)
 
     @classmethod
     def for_model(

@@ -17,7 +17,6 @@ replace the attention by mla.MLAttention. The dense path is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +30,6 @@ from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 from services.engine.moe import PER_EXPERT, ExpertWeights, MoE, Router
 from services.engine.rope_scaling import llama3_scale_freqs
-
-if TYPE_CHECKING:  # the CPU path never imports Triton
-    from services.engine.kernels.fused_norm import PendingNorm
 
 
 def rope_cache(
@@ -86,11 +82,9 @@ class FusedRows:
     bias: torch.Tensor | None
     fp8: nn.Module | None = None
 
-    def __call__(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
-            from services.engine.kernels.fused_norm import materialize
-
-            return self.fp8(materialize(x))
+            return self.fp8(x)
         from services.engine.kernels.gemv import decode_linear
 
         return decode_linear(x, self.weight, self.bias)
@@ -163,17 +157,8 @@ class Attention(nn.Module):
         self.qkv = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
         return self.qkv is not None
 
-    def takes_pending(self, batch: ForwardBatch) -> bool:
-        """forward may be given a PendingNorm: q/k/v are one bf16 GEMM (decode_linear)."""
-        return self.qkv is not None and self.qkv.fp8 is None and batch.paged is not None
-
     def forward(
-        self,
-        x: torch.Tensor | PendingNorm,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        kv: KVCache,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None and batch.paged is not None:
@@ -199,7 +184,7 @@ class Attention(nn.Module):
                 q, k, v, cos, sin, None if qn is None else qn.weight, None if kn is None else kn.weight,
                 0.0 if qn is None else qn.eps, kc, vc, batch.slot_mapping,
             )  # fmt: skip
-            out = attend(q, kc, vc, batch.paged, self.scale, kv.block_size, kv.merge_counters).view(t, -1)
+            out = attend(q, kc, vc, batch.paged, self.scale, kv.block_size).view(t, -1)
             if type(self.o_proj) is nn.Linear:  # not an fp8-converted layer
                 from services.engine.kernels.gemv import decode_linear
 
@@ -242,26 +227,16 @@ class MLP(nn.Module):
         self.gate_up = fuse_rows([self.gate_proj, self.up_proj])
         return self.gate_up is not None
 
-    def takes_pending(self) -> bool:
-        """forward_fused may be given a PendingNorm: gate/up are one bf16 GEMM (decode_linear)."""
-        return self.gate_up is not None and self.gate_up.fp8 is None
-
-    def forward_fused(self, x: torch.Tensor | PendingNorm, fold_silu_mul: bool = False) -> torch.Tensor:
-        """GPU path: SiLU and the product in one Triton kernel (kernels/fused_norm.py), or, with
-        `fold_silu_mul`, inside the down projection's decode GEMV where that pays (kernels/gemv.py)."""
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """GPU path: SiLU and the product in one Triton kernel (kernels/fused_norm.py)."""
         from services.engine.kernels.fused_norm import silu_mul
-        from services.engine.kernels.gemv import decode_linear, decode_linear_silu_mul
+        from services.engine.kernels.gemv import decode_linear
 
         if self.gate_up is None:  # not fused: their own GEMMs
-            assert isinstance(x, torch.Tensor)
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate_up = self.gate_up(x)
-        plain = type(self.down_proj) is nn.Linear
-        if plain and fold_silu_mul:
-            return decode_linear_silu_mul(gate_up, self.down_proj.weight, self.down_proj.bias)
-        gate, up = gate_up.chunk(2, dim=-1)  # strided views: silu_mul reads strides
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # strided views: silu_mul reads strides
         act = silu_mul(gate, up)
-        if plain:
+        if type(self.down_proj) is nn.Linear:
             return decode_linear(act, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(act)
 
@@ -296,38 +271,23 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
-        prologues: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As forward, with the residual adds fused into the following RMSNorms (Triton): takes the
         residual stream h and the previous layer's not yet added MLP output `delta`, and returns
-        the stream after attention and this layer's MLP output (added by the next norm). With
-        `prologues`, the GEMMs after each add + norm and the down projection are offered them
-        (kernels/gemv.py decode_linear)."""
-        from services.engine.kernels.fused_norm import PendingNorm
+        the stream after attention and this layer's MLP output (added by the next norm)."""
+        from services.engine.kernels.fused_norm import add_rms_norm
 
-        # Each add + norm stays pending until the GEMM that reads it, which folds it into its
-        # decode GEMV where that was measured faster (kernels/gemv.py decode_linear); modules
-        # without a fused bf16 GEMM there (MLA, MoE, FP8) get it computed first.
         ln, post = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
-            out = self.self_attn(ln(h), cos, sin, batch, kv)
+            y = ln(h)
         else:
-            attn_in = PendingNorm(h, delta, ln.weight, ln.eps)
-            attn = self.self_attn
-            takes = prologues and isinstance(attn, Attention) and attn.takes_pending(batch)
-            out = attn(attn_in if takes else attn_in.materialize(), cos, sin, batch, kv)  # type: ignore[arg-type]
-            assert attn_in.residual_out is not None
-            h = attn_in.residual_out
-        mlp_in = PendingNorm(h, out, post.weight, post.eps)
+            h, y = add_rms_norm(h, delta, ln.weight, ln.eps)
+        h, y = add_rms_norm(h, self.self_attn(y, cos, sin, batch, kv), post.weight, post.eps)
         if isinstance(self.mlp, MoE):
-            out, ids = self.mlp(mlp_in.materialize())
+            out, ids = self.mlp(y)
             kv.store_routing(self.mlp.moe_index, batch.slot_mapping, ids)
-        elif prologues and self.mlp.takes_pending():
-            out = self.mlp.forward_fused(mlp_in, fold_silu_mul=True)
-        else:
-            out = self.mlp.forward_fused(mlp_in.materialize())
-        assert mlp_in.residual_out is not None
-        return mlp_in.residual_out, out
+            return h, out
+        return h, self.mlp.forward_fused(y)
 
 
 class DecoderStack(nn.Module):
@@ -359,9 +319,6 @@ class CausalLM(nn.Module):
         # SiLU-mul kernels (kernels/fused_norm.py, 3 kernels fewer per layer); the CPU path keeps
         # the torch ops bit for bit.
         self.fused_elementwise = False
-        # Set by the engine (EngineConfig.gemv_prologues): with fused_elementwise, each add + norm
-        # and SiLU-mul may be folded into the decode GEMV that reads it (kernels/gemv.py).
-        self.gemv_prologues = False
         # Set by the engine: EngineConfig.pdl as resolved for its device (kernels/pdl.py); the
         # Triton kernels of each forward launch with Programmatic Dependent Launch if True.
         self.pdl = False
@@ -411,7 +368,7 @@ class CausalLM(nn.Module):
 
             delta: torch.Tensor | None = None
             for layer in self.model.layers:
-                h, delta = layer.forward_fused(h, delta, cos, sin, batch, kv, self.gemv_prologues)
+                h, delta = layer.forward_fused(h, delta, cos, sin, batch, kv)
             norm = self.model.norm
             return norm(h) if delta is None else add_rms_norm(h, delta, norm.weight, norm.eps)[1]
         for layer in self.model.layers:

@@ -18,8 +18,6 @@ bit. Rows must be contiguous in their last dimension.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -98,31 +96,6 @@ def add_rms_norm(
     return h, y
 
 
-@dataclass
-class PendingNorm:
-    """add_rms_norm(residual, delta, weight, eps) not computed yet: the input of the GEMM after a
-    residual add. kernels/gemv.py decode_linear folds it into a decode GEMV where that was measured
-    faster, else computes it here. Either way `residual_out` is set: the stream after the add."""
-
-    residual: torch.Tensor
-    delta: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    residual_out: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.delta.shape
-
-    def materialize(self) -> torch.Tensor:
-        self.residual_out, y = add_rms_norm(self.residual, self.delta, self.weight, self.eps)
-        return y
-
-
-def materialize(x: torch.Tensor | PendingNorm) -> torch.Tensor:
-    return x.materialize() if isinstance(x, PendingNorm) else x
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, I] tensors."""
     gate, up = _rows(gate), _rows(up)
@@ -146,4 +119,4 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["PendingNorm", "add_rms_norm", "materialize", "silu_mul"]
+__all__ = ["add_rms_norm", "silu_mul"]

@@ -109,9 +109,6 @@ def _decode_kernel(
     item_start_ptr,
     item_end_ptr,
     item_merge_ptr,
-    row_first_ptr,
-    row_items_ptr,
-    cnt_ptr,
     stride_qt,
     stride_qh,
     stride_ct,
@@ -129,7 +126,6 @@ def _decode_kernel(
     SINGLE: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    MERGE_IN: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # SINGLE: program (b, kvh) attends row b over its whole context. Else program (w, kvh) takes
@@ -156,9 +152,6 @@ def _decode_kernel(
         end = tl.where(valid, tl.load(item_end_ptr + w).to(tl.int32), start)
         merge = tl.load(item_merge_ptr + w)
         direct = merge == 0
-        if MERGE_IN:
-            first = tl.load(row_first_ptr + b)
-            n_items = tl.load(row_items_ptr + b).to(tl.int32)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     offs_g = tl.arange(0, G_PAD)
@@ -209,66 +202,6 @@ def _decode_kernel(
         pmask = offs_g < tl.where(has_q & (merge != 0), G, 0)
         tl.store(part_o_ptr + idx[:, None] * D + offs_d[None, :], o, mask=pmask[:, None])
         tl.store(part_lse_ptr + idx, m_i + tl.log2(safe_l), mask=pmask)
-        if MERGE_IN:
-            # The row's last item to finish merges its partials (no merge kernel): every thread
-            # fences its partial stores, the CTA syncs, one atomic counts the arrival at (row, KV
-            # head), and the program that sees the count reach the row's items reads them all
-            # back from L2 (.cg: never a stale L1 line) and resets the counter for the next launch.
-            is_part = has_q & (merge != 0)
-            if not UPCAST:  # on a GPU; the interpreter runs programs one after another
-                _fence(offs_g)
-            tl.debug_barrier()
-            c_ptr = cnt_ptr + b.to(tl.int64) * tl.num_programs(1) + kvh
-            seen = tl.atomic_add(c_ptr, 1, mask=is_part, sem="acq_rel", scope="gpu")
-            if is_part & (seen == n_items - 1):
-                tl.debug_barrier()
-                _merge_row(out_ptr, part_o_ptr, part_lse_ptr, row, first, n_items, heads, offs_g, offs_d,
-                           stride_ot, stride_oh, H, G, D)  # fmt: skip
-                tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _fence(offs):
-    """fence.acq_rel.gpu in every thread (each orders its own stores before the CTA's arrival)."""
-    tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu; mov.u32 $0, $1;",
-        "=r,r",
-        [offs.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _merge_row(
-    out_ptr, part_o_ptr, part_lse_ptr, row, first, n_items, heads, offs_g, offs_d, stride_ot, stride_oh,
-    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
-    """Row `row`'s partials of the G heads `heads` (items first .. first + n_items), combined by
-    their log-sum-exp with a running max, as _merge_kernel does per head."""
-    gmask = offs_g < G
-    m = tl.full(offs_g.shape, float("-inf"), tl.float32)
-    total = tl.zeros(offs_g.shape, tl.float32)
-    acc = tl.zeros((offs_g.shape[0], D), tl.float32)
-    for c in range(0, n_items):
-        idx = (first + c).to(tl.int64) * H + heads
-        lse = tl.load(part_lse_ptr + idx, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + idx[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        wgt = tl.exp2(lse - m_safe)
-        total = total * alpha + wgt
-        acc = acc * alpha[:, None] + wgt[:, None] * o
-        m = m_new
-    res = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(
-        out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        res.to(out_ptr.dtype.element_ty),
-        mask=gmask[:, None],
-    )
 
 
 @triton.jit
@@ -464,42 +397,34 @@ def decode_attention(
     scale: float,
     page_size: int,
     tuning: dict[str, int] | None = None,
-    counters: torch.Tensor | None = None,
 ) -> None:
     """q, out: [T, H, D] (rows meta.q_loc are read and written); caches [rows, n_kv, D].
-    tuning: overrides of DECODE_TUNING (any block_n is correct: partitions are masked).
-    counters: int32, zero, at least rows x n_kv (KVCache.merge_counters): split rows are merged
-    by their last item inside the decode kernel instead of by the merge kernel."""
+    tuning: overrides of DECODE_TUNING (any block_n is correct: partitions are masked)."""
     cfg = {**DECODE_TUNING, **(tuning or {})}
     b = meta.q_loc.shape[0]
     _, h, d = q.shape
     n_kv = k_cache.shape[1]
     g = h // n_kv
     work = meta.work
-    merge_in = work is not None and counters is not None and b * n_kv <= counters.numel()
     if work is not None:
         w = work.item_row.shape[0]
         part_o = torch.empty((w, h, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((w, h), dtype=torch.float32, device=q.device)
         items = (work.item_row, work.item_qloc, work.item_start, work.item_end, work.item_merge)
-        rows = (work.row_first, work.row_items)
     else:
         w = b
         part_o = part_lse = out  # unused
         items = (meta.ctx_lens,) * 5  # unused
-        rows = (meta.ctx_lens,) * 2  # unused
     gdc = pdl.launch(q)
     _decode_kernel[(w, n_kv)](
         q, k_cache, v_cache, out, part_o, part_lse, meta.q_loc, meta.block_tables, meta.ctx_lens, *items,
-        *rows, counters if merge_in else meta.ctx_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), scale * LOG2E,
         H=h, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, PAGE=page_size,
         BLOCK_N=cfg["block_n"], SINGLE=work is None, PREC=_prec(k_cache.dtype), UPCAST=INTERPRET,
-        MERGE_IN=merge_in, USE_GDC=gdc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        launch_pdl=gdc,
+        USE_GDC=gdc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=gdc,
     )  # fmt: skip
-    if work is not None and not merge_in:
+    if work is not None:
         _merge_kernel[(b, h)](
             out, part_o, part_lse, meta.q_loc, work.row_first, work.row_items,
             out.stride(0), out.stride(1), H=h, D=d, CHUNK=MERGE_CHUNK, USE_GDC=gdc, launch_pdl=gdc,
@@ -550,12 +475,11 @@ def paged_attention(
     meta: PagedMeta,
     scale: float,
     page_size: int,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer: store this step's k/v, then attend every query over its sequence's pages.
-    q [T, H, D], k/v [T, n_kv, D] -> [T, H, D]. counters: see decode_attention."""
+    q [T, H, D], k/v [T, n_kv, D] -> [T, H, D]."""
     store_kv(k, v, k_cache, v_cache, slots)
-    return attend(q, k_cache, v_cache, meta, scale, page_size, counters)
+    return attend(q, k_cache, v_cache, meta, scale, page_size)
 
 
 def attend(
@@ -565,10 +489,8 @@ def attend(
     meta: PagedMeta,
     scale: float,
     page_size: int,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Every query over its sequence's pages (this step's K/V already stored): [T, H, D].
-    counters: see decode_attention."""
+    """Every query over its sequence's pages (this step's K/V already stored): [T, H, D]."""
     if meta.flex is not None:  # attention_backend "flex": the comparison path
         from services.engine.kernels.flex_attention import FlexMeta, flex_paged_attention
 
@@ -578,7 +500,7 @@ def attend(
     # keep them finite through the layers after (an MoE router must not see NaN garbage).
     out = torch.zeros_like(q) if meta.padded else torch.empty_like(q)
     if meta.decode is not None:
-        decode_attention(q, k_cache, v_cache, out, meta.decode, scale, page_size, counters=counters)
+        decode_attention(q, k_cache, v_cache, out, meta.decode, scale, page_size)
     if meta.prefill is not None:
         prefill_attention(q, k_cache, v_cache, out, meta.prefill, scale, page_size)
     return out
