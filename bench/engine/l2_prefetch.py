@@ -171,8 +171,17 @@ class Chain:
 
     def capture(self, prefetch: Callable[[torch.Tensor], None] | None, distance: int) -> torch.cuda.CUDAGraph:
         """The chain as one graph; with `prefetch`, a side stream fetches op i + distance's weight
-        when op i starts (fork: an event on the chain's stream; join at the end)."""
+        when op i starts (fork: an event on the chain's stream; join at the end). Every kernel
+        runs once eagerly first: Triton compiles and loads a kernel at its first launch, which
+        must not happen inside a capture (the engine's graphs warm up the same way)."""
         ops = self.ops()
+        with pdl.scope(True):
+            self.h, state = self.h0.clone(), torch.zeros_like(self.h0)
+            for w, run in ops[: len(GEMMS)]:
+                state = run(state)
+                if prefetch is not None:
+                    prefetch(w)
+        torch.cuda.synchronize()
         plan = prefetch_plan(len(ops), distance)
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
