@@ -298,9 +298,9 @@ def compare(args: argparse.Namespace, cuda: bool, device: torch.device, root: Pa
             weight_bytes: int, vocab: int) -> bool:  # fmt: skip
     """Both engines (args.compare's fields all off, all on) in this process; returns True if the
     check passes."""
-    fields = args.compare.split(",")
     from services.engine import LLMEngine
 
+    fields = args.compare.split(",")
     rng = random.Random(0)
     lengths = (512, 100, 37, 300) if cuda else (30, 9, 17, 4)
     prompts = [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
@@ -390,16 +390,13 @@ def pin_gemv(path: Path, dtype: torch.dtype) -> dict[str, str]:
     from services.engine.kernels import gemv
 
     doc = json.loads(path.read_text())
-    where = (
-        doc,
-        doc.get("compare", {}),
-        doc.get("pdl_compare", {}),
-    )  # a profile, a compare, an older compare
+    # A profile's file, a compare's, or a compare's from before --compare (session 7's --pdl-compare).
+    where = (doc, doc.get("compare", {}), doc.get("pdl_compare", {}))
     found = next((d["decode_gemm_choices"] for d in where if d.get("decode_gemm_choices")), {})
     for key, choice in found.items():
         shape, bucket = key.split(",M<=")
         n, k = (int(v) for v in shape.split("x"))
-        cfg = choice.split(" + ")[0]  # session 11's runs also named the prologues it took
+        cfg = choice.split(" + ")[0]  # session 11's files also name the prologues a GEMV took
         gemv.pin(n, k, int(bucket), dtype, None if cfg == "F.linear" else tuple(ast.literal_eval(cfg)))
     return found
 
