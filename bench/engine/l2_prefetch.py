@@ -148,23 +148,19 @@ class Chain:
     def _step(
         self, name: str, w: torch.Tensor, cfg: tuple[int, int, int]
     ) -> Callable[[torch.Tensor], torch.Tensor]:
+        attn_width = QWEN3_0_6B["num_attention_heads"] * QWEN3_0_6B["head_dim"]
+        inner = QWEN3_0_6B["intermediate_size"]
+
         def run(state: torch.Tensor) -> torch.Tensor:
-            if name == "qkv":  # the residual add + norm before it, then q/k/v
-                self.h, y = add_rms_norm(self.h, state, self.norm_w, 1e-6)
-                out = gemv(y, w, cfg)
-                self.outs.append(out)
-                return out[:, :2048].contiguous()  # the attention output's shape, for o_proj
-            if name == "o_proj":
-                out = gemv(state, w, cfg)
-                self.outs.append(out)
-                return out
-            if name == "gate_up":
-                self.h, y = add_rms_norm(self.h, state, self.norm_w, 1e-6)
-                out = gemv(y, w, cfg)
-                self.outs.append(out)
-                return silu_mul(out[:, :3072], out[:, 3072:])
-            out = gemv(state, w, cfg)
+            x = state
+            if name in ("qkv", "gate_up"):  # the residual add + RMSNorm before them
+                self.h, x = add_rms_norm(self.h, state, self.norm_w, 1e-6)
+            out = gemv(x, w, cfg)
             self.outs.append(out)
+            if name == "qkv":  # the attention output's shape, for o_proj (attention reads KV, not weights)
+                return out[:, :attn_width].contiguous()
+            if name == "gate_up":
+                return silu_mul(out[:, :inner], out[:, inner:])
             return out
 
         return run
