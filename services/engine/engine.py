@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
@@ -48,6 +49,9 @@ from services.engine.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from services.engine.kernels.megakernel import DecodeMegakernel
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +148,28 @@ class LLMEngine:
             self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (bf16 or fp8)
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
         self.num_sms = num_sms(self.device)
+        self.model.megakernel = self._megakernel()  # before graph capture
         self.graphs = self._capture_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
+
+    def _megakernel(self) -> DecodeMegakernel | None:
+        """The batch-1 decode kernel (EngineConfig.megakernel), where the model and device allow."""
+        if not (self.cfg.megakernel and self.model.fused_elementwise and self.attention_backend == "triton"):
+            return None
+        if torch.cuda.get_device_capability(self.device)[0] < 9:
+            log.info("megakernel off: needs Hopper (L2 bulk prefetch)")
+            return None
+        from services.engine.kernels import megakernel  # Triton: the CUDA path only
+        from services.engine.kernels.megakernel import DecodeMegakernel
+
+        why = megakernel.unsupported(self.model)
+        if why is None:
+            try:
+                return DecodeMegakernel(self.model, self.kv.k, self.kv.v, self.cfg.block_size, self.num_sms)
+            except ValueError as e:
+                why = str(e)
+        log.info("megakernel off: %s", why)
+        return None
 
     def _attention_backend(self) -> str:
         want = self.cfg.attention_backend

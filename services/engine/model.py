@@ -17,6 +17,7 @@ replace the attention by mla.MLAttention. The dense path is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -328,6 +329,9 @@ class CausalLM(nn.Module):
         # state between layers is float32 (the embedding upcast once, every residual add in
         # float32, each RMSNorm reading it and writing the model-dtype input of the next GEMM).
         self.fp32_residual = m.fp32_residual
+        # Set by the engine (EngineConfig.megakernel): kernels.megakernel.DecodeMegakernel, which
+        # runs every layer of a one-token decode batch in one launch.
+        self.megakernel: Any = None
 
     def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.config
@@ -363,7 +367,13 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids)
         if self.fp32_residual:
             h = h.float()  # sublayer outputs stay in the model dtype; `h + out` promotes
-        if self.fused_elementwise and batch.paged is not None:
+        paged = batch.paged
+        if self.megakernel is not None and paged is not None and paged.prefill is None and h.shape[0] == 1:
+            dec = paged.decode
+            assert dec is not None
+            h = self.megakernel.run(h, batch.positions, batch.slot_mapping, dec.ctx_lens, dec.block_tables[0])
+            return self.model.norm(h)
+        if self.fused_elementwise and paged is not None:
             from services.engine.kernels.fused_norm import add_rms_norm
 
             delta: torch.Tensor | None = None

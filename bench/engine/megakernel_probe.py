@@ -1,0 +1,176 @@
+"""Where the batch-1 megakernel's time goes (services/engine/kernels/megakernel.py, issue 3).
+
+Builds Qwen3-0.6B's 28 layers with random bf16 weights and a random KV cache (context --ctx), and
+times the persistent decode kernel under launch overrides, each as CUDA events around --launches
+back-to-back launches (the residual row reset before each), rounds alternating between variants:
+
+- `full`: the engine's launch; `prefetch`: with the L2 prefetch of each attention item's first
+  KV tile; `fold`: the merge done by each KV head's last attention item (one grid barrier a
+  layer fewer); `warps16`;
+- `barriers_only`: the grid barriers alone (WORK off);
+- `trace`: program 0's %globaltimer after every barrier: the mean time of each phase (its
+  barrier included) in the full schedule;
+- `only_<phase>`: one phase per layer (its barrier included), the others skipped (such a
+  phase loads its own weights after the barrier: no look-ahead).
+
+Every full-work variant's output row is compared with `full`'s (the same arithmetic: it must be
+equal up to the order of float32 sums). The baseline in the same process is the DRAM read of the
+layers' weights at the measured copy bandwidth.
+
+    python3 bench/engine/megakernel_probe.py --out $OUT/megakernel_probe.json     (H200, ~1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PHASE_NAMES = ("qkv", "attn", "merge", "o", "gate_up", "down")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "prefetch": {"PREFETCH": True},
+    "fold": {"FOLD_MERGE": True},
+    "warps16": {"num_warps": 16},
+    "trace": {"TRACE": True},
+    "barriers_only": {"WORK": False, "PREFETCH": False},
+    **{
+        f"only_{name}": {"PHASES": 1 << i, "FOLD_MERGE": name != "merge"}
+        for i, name in enumerate(PHASE_NAMES)
+    },
+}
+FULL_WORK = ("full", "prefetch", "fold", "warps16", "trace")
+
+
+def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
+    """(the megakernel, its inputs, weight bytes of the layers) at Qwen3-0.6B's shapes."""
+    from services.common.config import ModelConfig
+    from services.engine.kernels.megakernel import DecodeMegakernel
+    from services.engine.kv_cache import KVCache
+    from services.engine.model import CausalLM
+
+    m = ModelConfig(dim=1024, n_layers=layers, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072,
+                    vocab_size=1024, max_seq_len=4096)  # fmt: skip
+    torch.manual_seed(0)
+    model = CausalLM(m, 4096).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.dim() == 1 else 0.02 * torch.randn_like(p))
+    model.fuse_projections()
+    page = 16
+    kv = KVCache.for_model(m, 512, page, 4096, torch.bfloat16, device)
+    kv.k.normal_()
+    kv.v.normal_()
+    mk = DecodeMegakernel(
+        model, kv.k, kv.v, page, torch.cuda.get_device_properties(device).multi_processor_count
+    )
+    pages = torch.randperm(512, device=device)[: -(-ctx // page)]
+    pos = ctx - 1
+    inputs = {
+        "h0": torch.randn(1, m.dim, device=device),
+        "positions": torch.tensor([pos], device=device),
+        "slots": (pages[pos // page] * page + pos % page).view(1),
+        "ctx_lens": torch.tensor([ctx], device=device),
+        "block_table": pages.contiguous(),
+    }
+    weight_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in model.model.layers
+        for t in (
+            layer.self_attn.qkv.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up.weight,
+            layer.mlp.down_proj.weight,
+        )  # fmt: skip
+    )
+    return mk, inputs, weight_bytes
+
+
+def run_once(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    h.copy_(inputs["h0"])
+    return mk.run(h, inputs["positions"], inputs["slots"], inputs["ctx_lens"], inputs["block_table"])
+
+
+def time_us(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, launches: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        run_once(mk, inputs, h)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / launches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ctx", type=int, default=600)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--launches", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    from bench.engine.w1 import measure_bandwidth, profile_setup
+
+    cuda, device, _, _, report = profile_setup(False, "the DRAM read of the layers' weights (same process)")
+    if not cuda:
+        print("megakernel_probe needs a CUDA GPU (Hopper)", file=sys.stderr)
+        sys.exit(2)
+    out = Path(args.out)
+    mk, inputs, weight_bytes = build(device, args.ctx, args.layers)
+    bw = measure_bandwidth(device)
+    report.update({"ctx": args.ctx, "layers": args.layers, "programs": mk.programs, "weight_bytes": weight_bytes,
+                   "bandwidth_bytes_s": bw, "dram_read_us": weight_bytes / bw * 1e6})  # fmt: skip
+    names = [v for v in args.variants.split(",") if v]
+    h = torch.empty_like(inputs["h0"])
+    results: dict[str, Any] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for name in names:  # compile + first output
+        mk.tuning = VARIANTS[name]
+        try:
+            outputs[name] = run_once(mk, inputs, h).clone()
+            torch.cuda.synchronize()
+            results[name] = {"tuning": {k: v for k, v in VARIANTS[name].items()}, "us": []}
+        except Exception as e:  # noqa: BLE001
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        out.write_text(json.dumps({**report, "variants": results}, indent=1))
+    for _ in range(args.rounds):
+        for name in names:
+            if "error" in results[name]:
+                continue
+            mk.tuning = VARIANTS[name]
+            results[name]["us"].append(round(time_us(mk, inputs, h, args.launches), 2))
+    if "trace" in results and "error" not in results["trace"]:
+        mk.tuning = VARIANTS["trace"]
+        run_once(mk, inputs, h)
+        torch.cuda.synchronize()
+        t = mk.trace.cpu().double()
+        n_marks = int((t > 0).sum())
+        d = (t[1:n_marks] - t[: n_marks - 1]) / 1e3  # us between program 0's barrier exits
+        phases = len(PHASE_NAMES)  # the engine's launch: the merge is its own phase
+        per = {name: round(float(d[i::phases].mean()), 3) for i, name in enumerate(PHASE_NAMES[:phases])}
+        results["trace"]["us_per_phase_incl_barrier"] = per
+        results["trace"]["marks"] = n_marks
+    ref = outputs.get("full")
+    for name, r in results.items():
+        if "error" in r:
+            continue
+        r["median_us"] = statistics.median(r["us"])
+        r["us_per_layer"] = round(r["median_us"] / args.layers, 2)
+        r["over_dram_read"] = round(r["median_us"] / report["dram_read_us"], 3)
+        if ref is not None and name in FULL_WORK:
+            r["max_abs_diff_vs_full"] = float((outputs[name] - ref).abs().max())
+            r["finite"] = bool(torch.isfinite(outputs[name]).all())
+    report["variants"] = results
+    out.write_text(json.dumps(report, indent=1))
+    for name, r in results.items():
+        print(name, {k: v for k, v in r.items() if k not in ("us", "tuning")})
+
+
+if __name__ == "__main__":
+    main()
