@@ -14,7 +14,9 @@ import torch
 from helpers import triton_interp
 
 # As the other kernel test files: TRITON_INTERPRET=1 before triton's first import, else a child.
-INTERPRET, IN_CHILD = triton_interp.prepare(("megakernel", "fused_norm", "paged_attention", "qk_rope", "gemv"))
+INTERPRET, IN_CHILD = triton_interp.prepare(
+    ("megakernel", "fused_norm", "paged_attention", "qk_rope", "gemv")
+)
 needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
 triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
 
@@ -129,7 +131,9 @@ def test_padding_row_reads_and_writes_nothing() -> None:
     mk = megakernel.DecodeMegakernel(model, kv.k, kv.v, PAGE, num_sms=8)
     with torch.no_grad():
         h = torch.randn(1, SHAPE["dim"])
-        out = mk.run(h, torch.tensor([0]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(4, dtype=torch.long))
+        out = mk.run(
+            h, torch.tensor([0]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(4, dtype=torch.long)
+        )
     assert torch.isfinite(out).all()
     assert torch.equal(kv.k, k0)
 
@@ -144,7 +148,9 @@ def test_models_it_refuses_say_why() -> None:
                                                                    "moe_hidden_dim": 32}), 64)  # fmt: skip
     assert "MoE" in megakernel.unsupported(moe)
     with pytest.raises(ValueError, match="megakernel: needs the float32 residual"):
-        megakernel.DecodeMegakernel(make_model(torch.float32, fp32_residual=False), *(torch.zeros(1),) * 2, PAGE, 8)
+        megakernel.DecodeMegakernel(
+            make_model(torch.float32, fp32_residual=False), *(torch.zeros(1),) * 2, PAGE, 8
+        )
 
 
 def test_program_count_and_tiling() -> None:
@@ -168,7 +174,9 @@ def test_engine_batch1_steps_run_it_and_match_the_torch_backend(tmp_path: Path) 
     torch.manual_seed(3)
     state = {k: v for k, v in CausalLM(m, m.max_seq_len).state_dict().items() if "rope" not in k}
     path = write_model_dir(tmp_path / "step_0", state, hf_config(m, eos_token_id=0), None, {"version": 0})
-    base: dict[str, Any] = dict(device="cpu", dtype="bfloat16", max_batch_size=2, max_seq_len=64, block_size=4)
+    base: dict[str, Any] = dict(
+        device="cpu", dtype="bfloat16", max_batch_size=2, max_seq_len=64, block_size=4
+    )
     req = GenerateRequest(input_ids=list(range(3, 12)),
                           sampling=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))  # fmt: skip
     ref = LLMEngine(path, EngineConfig(**base, attention_backend="torch")).generate([req])
