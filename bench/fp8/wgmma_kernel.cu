@@ -162,6 +162,40 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
+// Four 8x8 bf16 matrices to shared memory: lanes 8i..8i+7 give the row addresses of matrix i,
+// register i holds a lane's two elements of matrix i in the mma accumulator layout.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Shared -> global bulk tensor copy (rows and columns outside the tensor are not written).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most N of this thread's bulk groups still read shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Until all of this thread's bulk groups have completed (global writes done).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Generic-proxy shared-memory writes made visible to the async proxy (the TMA store).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -176,6 +210,8 @@ struct Smem {
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
+// Flag on MODE: the epilogue goes through shared memory and TMA stores (see the kernel comment).
+constexpr int TMA_STORE = 4;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -188,12 +224,25 @@ enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
 //     cores reach with this pipeline when nothing is promoted).
 // CLUSTER 2: two CTAs with the same columns and neighbouring rows share the B tile, each loading
 // half of it and multicasting it to both (a third less L2 -> SM traffic at BN 256).
+// MODE | TMA_STORE: the epilogue without per-thread global stores. After a tile's last K block the
+// producer lends the math warpgroups the next ring slot instead of filling it (an arrival on its
+// full barrier with no copy). Each math warpgroup converts its 64 x BN rows to bf16, writes them
+// with stmatrix into that slot's A and B space as 64 x 64 boxes in the 128-byte swizzle, and
+// hands each box to one TMA store; ragged edges are clipped by the tensor map. The stores run
+// while the next tile's wgmmas do: the slot goes back to the producer only after the stores have
+// read it, checked once the next tile's first wgmma group is issued. The direct epilogue left the
+// tensor cores idle while 8 warps issued 64 scattered 4-byte stores each (per 128x256 tile), and
+// cost more at K = 2048 (16 blocks per tile) than at K = 7168 (results/wgmma_h200_8_final.json:
+// even the unscaled probe lost 20% there). Needs ldc % 8 == 0 and a 16-byte aligned C (TMA);
+// otherwise the launch falls back to the direct epilogue.
 template <int BN, int STAGES, int MODE, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
-                    const __grid_constant__ CUtensorMap tm_sa, const float* __restrict__ sb, __nv_bfloat16* __restrict__ c,
-                    int M, int N, int K, int ldc) {
-  static_assert(MODE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
+                    const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_c,
+                    const float* __restrict__ sb, __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc) {
+  constexpr int BASE = MODE & 3;
+  constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
+  static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES>;
   constexpr int HALVES = BN / 128;
   extern __shared__ uint8_t smem_raw[];
@@ -265,6 +314,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           __syncwarp();
         }
+        if constexpr (EPI_TMA) {
+          // The epilogue's slot: no copy, just mark it full for the math warpgroups.
+          const int s = it % STAGES;
+          mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+          if (leader) mbar_arrive(&full[s]);
+          __syncwarp();
+          ++it;
+        }
       }
     }
   } else {
@@ -274,8 +331,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int lane = tid % 32;
     const int r_local = half * 64 + warp * 16 + lane / 4;  // and r_local + 8
     float acc[HALVES][64];
-    float part[MODE == UNSCALED ? 1 : 64];
-    float part2[MODE == PIPELINED ? 64 : 1];
+    float part[BASE == UNSCALED ? 1 : 64];
+    float part2[BASE == PIPELINED ? 64 : 1];
     int it = 0;
 
     // Block kb's wgmmas for one 128-column half h on stage s into p (accumulate: add to p).
@@ -303,6 +360,20 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     };
+    // EPI_TMA: the ring slot whose TMA stores (issued by this warpgroup's thread 0) may still be
+    // reading it; warp 0 of the warpgroup releases it once they have (the other warps released
+    // it when they had written their rows).
+    int pending = -1;
+    auto flush_pending = [&]() {
+      if constexpr (EPI_TMA) {
+        if (warp == 0 && pending >= 0) {
+          if (tid == 0) bulk_wait_read<0>();
+          release(pending);
+        }
+        pending = -1;
+      }
+    };
+
     // acc[h] += p * row scale * column-block scale.
     auto promote = [&](float(&a)[64], const float(&p)[64], float s0, float s1) {
 #pragma unroll
@@ -328,22 +399,24 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
 
-      if constexpr (MODE == UNSCALED) {
+      if constexpr (BASE == UNSCALED) {
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) issue(acc[h], s, h, kb > 0);
+          if (kb == 0) flush_pending();
           wgmma_wait<0>();
           release(s);
         }
 #pragma unroll
         for (int h = 0; h < HALVES; ++h) fence_regs(acc[h]);
-      } else if constexpr (MODE == PIPELINED) {
+      } else if constexpr (BASE == PIPELINED) {
         // Block kb lives in part when kb is even, part2 when odd: every register index stays a
         // compile-time constant.
         mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
         issue(part, it % STAGES, 0, 0);
+        flush_pending();
         float sb_cur = __ldg(sb_rows[0]);
         // Promote block `it` from cur (its wgmmas have landed) and release its stage.
         auto finish = [&](float(&cur)[64], float sb) {
@@ -396,6 +469,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {
             issue(part, s, h, 0);
+            if (h == 0 && kb == 0) flush_pending();
             if (h == 0) {
 #pragma unroll
               for (int g = 0; g < HALVES; ++g) sb_next[g] = kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
@@ -412,6 +486,68 @@ __global__ void __launch_bounds__(THREADS, 1)
 
       // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
       // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
+      if constexpr (EPI_TMA) {
+        const int s = it % STAGES;  // the slot the producer lent for this epilogue
+        mbar_wait(&full[s], (it / STAGES) & 1);
+        ++it;
+        // 8 KB boxes (64 rows x 64 bf16 columns, 128-byte swizzled rows): the slot's A space,
+        // then its B space, split between the two warpgroups.
+        constexpr int BOX = 64 * 128;
+        constexpr int A_BOXES = L::A / BOX;
+        constexpr int SLOTS = (L::A + L::B) / BOX / 2;  // per warpgroup: 2 (BN 128) or 3 (BN 256)
+        constexpr int BOXES = BN / 64;                  // per warpgroup
+        constexpr int FIRST = BOXES < SLOTS ? BOXES : SLOTS;
+        auto slot = [&](int k) -> uint8_t* {
+          const int g = half * SLOTS + k;
+          return g < A_BOXES ? s_a + s * L::A + g * BOX : s_b + s * L::B + (g - A_BOXES) * BOX;
+        };
+        // stmatrix x4: lanes 8q..8q+7 address rows (q & 1) * 8 + lane % 8 of the warp's 16, 16-byte
+        // column chunk 2 * p + (q >> 1) of the box; the swizzle XORs the chunk with row % 8.
+        const int q = lane / 8;
+        const int rr = lane % 8;
+        const uint32_t row_off = static_cast<uint32_t>((warp * 16 + (q & 1) * 8 + rr) * 128);
+        auto write_box = [&](int b, uint8_t* dst) {
+          const int h = b / 2;
+          const uint32_t base = smem_u32(dst) + row_off;
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            const int j = (b % 2) * 8 + 2 * p;  // fragment column block within the half
+            const int chunk = 2 * p + (q >> 1);
+            stmatrix_x4(base + static_cast<uint32_t>((chunk ^ rr) << 4), pack_bf16(acc[h][4 * j], acc[h][4 * j + 1]),
+                        pack_bf16(acc[h][4 * j + 2], acc[h][4 * j + 3]), pack_bf16(acc[h][4 * j + 4], acc[h][4 * j + 5]),
+                        pack_bf16(acc[h][4 * j + 6], acc[h][4 * j + 7]));
+          }
+        };
+        const int row_c = m0 + half * 64;
+#pragma unroll
+        for (int b = 0; b < FIRST; ++b) write_box(b, slot(b));
+        fence_async_smem();
+        named_sync(1 + half, 128);
+        if (tid == 0) {
+#pragma unroll
+          for (int b = 0; b < FIRST; ++b) {
+            tma_store_2d(&tm_c, slot(b), n0 + 64 * b, row_c);
+            bulk_commit();
+          }
+        }
+#pragma unroll
+        for (int b = FIRST; b < BOXES; ++b) {
+          if (tid == 0) bulk_wait_read<SLOTS - 1>();  // box b - SLOTS has been read
+          named_sync(1 + half, 128);
+          write_box(b, slot(b % SLOTS));
+          fence_async_smem();
+          named_sync(1 + half, 128);
+          if (tid == 0) {
+            tma_store_2d(&tm_c, slot(b % SLOTS), n0 + 64 * b, row_c);
+            bulk_commit();
+          }
+        }
+        if (warp == 0)
+          pending = s;  // released after the next tile's first wgmma issue
+        else
+          release(s);
+        continue;
+      }
       const int row0 = m0 + r_local;
       const int row1 = row0 + 8;
 #pragma unroll
@@ -429,6 +565,10 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
         }
       }
+    }
+    if constexpr (EPI_TMA) {
+      flush_pending();
+      if (tid == 0) bulk_wait_all();
     }
   }
   // No CTA of a cluster leaves while its peer may still signal its barriers or write its tiles.
@@ -512,6 +652,15 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BM, 1,
                 CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
     return -3;
+  CUtensorMap tm_c = {};
+  if constexpr ((MODE & TMA_STORE) != 0) {
+    // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
+    if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
+      return launch<BN, STAGES, MODE & ~TMA_STORE, CLUSTER>(a, sa, sa_pitch, b, sb, c, M, N, K, ldc, max_ctas, stream);
+    if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
+                  CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
+      return -5;
+  }
   const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
   const int bytes = Smem<BN, STAGES>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -519,7 +668,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
-  err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, sb, static_cast<__nv_bfloat16*>(c), M, N, K, ldc);
+  err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, sb, static_cast<__nv_bfloat16*>(c), M, N, K,
+                           ldc);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
@@ -541,6 +691,9 @@ constexpr Variant VARIANTS[] = {
     variant<128, 5, PLAIN, 1>(),    variant<256, 4, PLAIN, 1>(),     variant<128, 5, PIPELINED, 1>(),
     variant<256, 4, PLAIN, 2>(),    variant<128, 6, PIPELINED, 2>(), variant<256, 4, UNSCALED, 1>(),
     variant<128, 6, PLAIN, 2>(),    variant<256, 4, UNSCALED, 2>(),
+    // The shared-memory + TMA-store epilogue (TMA_STORE): 8..11.
+    variant<256, 4, PLAIN | TMA_STORE, 1>(), variant<256, 4, PLAIN | TMA_STORE, 2>(),
+    variant<128, 6, PIPELINED | TMA_STORE, 2>(), variant<256, 4, UNSCALED | TMA_STORE, 1>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

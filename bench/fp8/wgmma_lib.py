@@ -44,6 +44,9 @@ BLOCK = 128
 # The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
 # cluster size); wgmma_kernel.cu describes the modes. "unscaled" is a probe (no scales: not the
 # recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups).
+# A "_tma" mode stores the output tile through shared memory (a ring slot lent by the producer)
+# and TMA stores that overlap the next tile's wgmmas; at ldc % 8 != 0 it falls back to the direct
+# epilogue of the same mode.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -53,6 +56,10 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "unscaled", 1),
     (128, 6, "plain", 2),
     (256, 4, "unscaled", 2),
+    (256, 4, "plain_tma", 1),
+    (256, 4, "plain_tma", 2),
+    (128, 6, "pipelined_tma", 2),
+    (256, 4, "unscaled_tma", 1),
 )
 DEFAULT_VARIANT = 1  # BN 256, plain: the fastest recipe variant measured
 
