@@ -6,10 +6,13 @@ back-to-back launches (the residual row reset before each), rounds alternating b
 
 - `full`: the engine's launch; `prefetch`: with the L2 prefetch of each attention item's first
   KV tile; `fold`: the merge done by each KV head's last attention item (one grid barrier a
-  layer fewer); `warps16`;
+  layer fewer); `warps16`; `arrive_after_loads`: each GEMV phase issues the next phase's weight
+  loads before arriving at the barrier (the order before session 12's last change); `late_gu`:
+  gate/up's weights loaded in the o_proj phase, not already in the merge phase;
 - `barriers_only`: the grid barriers alone (WORK off);
-- `trace`: program 0's %globaltimer after every barrier: the mean time of each phase (its
-  barrier included) in the full schedule;
+- `trace`: program 0's %globaltimer after every barrier, and inside each GEMV and attention
+  phase once its inputs are in registers and once its result is computed: the mean time of each
+  phase (its barrier included) and its split into inputs / compute / store + barrier;
 - `only_<phase>`: one phase per layer (its barrier included), the others skipped (such a
   phase loads its own weights after the barrier: no look-ahead).
 
@@ -37,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "prefetch": {"PREFETCH": True},
     "fold": {"FOLD_MERGE": True},
     "warps16": {"num_warps": 16},
+    "arrive_after_loads": {"ARRIVE_FIRST": False},
+    "late_gu": {"EARLY_GU": False},
     "trace": {"TRACE": True},
     "barriers_only": {"WORK": False, "PREFETCH": False},
     **{
@@ -44,7 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         for i, name in enumerate(PHASE_NAMES)
     },
 }
-FULL_WORK = ("full", "prefetch", "fold", "warps16", "trace")
+FULL_WORK = ("full", "prefetch", "fold", "warps16", "arrive_after_loads", "late_gu", "trace")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
@@ -106,6 +111,37 @@ def time_us(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, launches:
     return start.elapsed_time(end) * 1e3 / launches
 
 
+def read_trace(
+    mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int, out: dict[str, Any]
+) -> None:
+    """One traced launch: program 0's barrier marks and inner marks (megakernel TRACE) into `out`."""
+    mk.tuning = VARIANTS["trace"]
+    run_once(mk, inputs, h)
+    torch.cuda.synchronize()
+    t = mk.trace.cpu().double()
+    n_marks = int((t[: layers * len(PHASE_NAMES) + 1] > 0).sum())
+    d = (t[1:n_marks] - t[: n_marks - 1]) / 1e3  # us between program 0's barrier exits
+    phases = len(PHASE_NAMES)  # the engine's launch: the merge is its own phase
+    per = {name: round(float(d[i::phases].mean()), 3) for i, name in enumerate(PHASE_NAMES[:phases])}
+    out["us_per_phase_incl_barrier"] = per
+    out["marks"] = n_marks
+    # Inner marks (program 0): inputs in registers, result computed; so each phase splits
+    # into waiting for its inputs after the barrier, computing, and storing + the barrier.
+    inner = t[layers * phases + 1 :].view(layers, phases, 2)
+    split: dict[str, dict[str, float]] = {}
+    for i, name in enumerate(PHASE_NAMES):
+        rows = [
+            (inner[j, i, 0] - t[j * phases + i], inner[j, i, 1] - inner[j, i, 0], t[j * phases + i + 1] - inner[j, i, 1])
+            for j in range(layers - 1)  # (the last layer's down phase has no barrier)
+            if inner[j, i, 0] > 0
+        ]  # fmt: skip
+        if rows:
+            cols = list(zip(*rows, strict=True))
+            split[name] = {key: round(float(sum(c) / len(c)) / 1e3, 3)
+                           for key, c in zip(("inputs", "compute", "store_and_barrier"), cols, strict=True)}  # fmt: skip
+    out["us_split"] = split
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -146,16 +182,10 @@ def main() -> None:
             mk.tuning = VARIANTS[name]
             results[name]["us"].append(round(time_us(mk, inputs, h, args.launches), 2))
     if "trace" in results and "error" not in results["trace"]:
-        mk.tuning = VARIANTS["trace"]
-        run_once(mk, inputs, h)
-        torch.cuda.synchronize()
-        t = mk.trace.cpu().double()
-        n_marks = int((t > 0).sum())
-        d = (t[1:n_marks] - t[: n_marks - 1]) / 1e3  # us between program 0's barrier exits
-        phases = len(PHASE_NAMES)  # the engine's launch: the merge is its own phase
-        per = {name: round(float(d[i::phases].mean()), 3) for i, name in enumerate(PHASE_NAMES[:phases])}
-        results["trace"]["us_per_phase_incl_barrier"] = per
-        results["trace"]["marks"] = n_marks
+        try:
+            read_trace(mk, inputs, h, args.layers, results["trace"])
+        except Exception as e:  # noqa: BLE001 - the timings above still get written
+            results["trace"]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
     ref = outputs.get("full")
     for name, r in results.items():
         if "error" in r:

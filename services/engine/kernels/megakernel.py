@@ -68,17 +68,47 @@ def _trace(trace_ptr, i, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(bar_ptr, target):
-    """Wait until the counter reaches `target` arrivals (P programs x barriers so far), this
-    program's one included. ~1 us on the H200 with 128 programs (polling with ld.acquire instead
-    of atomic reads, or spreading the arrivals over 8 counters, was slower:
-    bench/engine/results/megakernel_probe_h200_*.json)."""
-    tl.debug_barrier()  # this program's stores precede its arrival
+def _mark(trace_ptr, i, dep, TRACE: tl.constexpr):
+    """TRACE: program 0 records the time at inner mark i once the 1-D tensor `dep` is ready (the
+    timer read takes it as an operand, so it waits for the loads behind it)."""
+    if TRACE:
+        if tl.program_id(0) == 0:
+            t = tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;",
+                "=l,f",
+                [dep.to(tl.float32)],
+                dtype=tl.int64,
+                is_pure=False,
+                pack=1,
+            )
+            offs = tl.arange(0, dep.shape[0])
+            tl.store(trace_ptr + i + offs * 0, t, mask=offs == 0)
+
+
+@triton.jit
+def _grid_arrive(bar_ptr):
+    """This program's arrival at the grid barrier, after its stores (release)."""
+    tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _grid_wait(bar_ptr, target):
+    """Wait until the counter reaches `target` arrivals (P programs x barriers so far). A barrier
+    is ~1 us on the H200 with 128 programs (polling with ld.acquire instead of atomic reads, or
+    spreading the arrivals over 8 counters, was slower: bench/engine/results/megakernel_probe_*).
+    Arrive, issue the next phase's weight loads, then wait: a warp that issues 100 KB of loads
+    stalls until the memory system takes them, and an arrival behind them made everyone wait."""
     seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target):
+    _grid_arrive(bar_ptr)
+    _grid_wait(bar_ptr, target)
 
 
 @triton.jit
@@ -194,6 +224,7 @@ def _gemv(
     w0, w1, w2, w3, r0, x_ptr, lnw_ptr, eps, out_ptr,
     K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr,
     X_MODE: tl.constexpr, HALF: tl.constexpr, RESIDUAL: tl.constexpr,
+    trace_ptr, tidx, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Rows [r0, r0 + R) of a row-major [*, K] weight, given as its loaded tiles w0..w3 (_load4),
     times the input (_gemv_input; X_MODE 0 normalises with lnw_ptr and eps), rounded to the
@@ -221,11 +252,16 @@ def _gemv(
         if X_MODE == 0:
             rstd = _rstd(x_ptr, eps, K, KC)
         x0 = _gemv_input(x_ptr, lnw_ptr, rstd, offs_k, X_MODE, HALF, WDT)
+    _mark(trace_ptr, tidx, x0, TRACE)
     if NKC == 1:
         if RESIDUAL and NCH == 1:
-            _gemv_store(out_ptr, r0, _rows_dot(w0, x0), res, WDT, RC)
+            y = _rows_dot(w0, x0)
+            _mark(trace_ptr, tidx + 1, y, TRACE)
+            _gemv_store(out_ptr, r0, y, res, WDT, RC)
         else:
-            _gemv_out(out_ptr, r0, _rows_dot(w0, x0), WDT, RC, RESIDUAL)
+            y0 = _rows_dot(w0, x0)
+            _mark(trace_ptr, tidx + 1, y0, TRACE)
+            _gemv_out(out_ptr, r0, y0, WDT, RC, RESIDUAL)
             if NCH > 1:
                 _gemv_out(out_ptr, r0 + RC, _rows_dot(w1, x0), WDT, RC, RESIDUAL)
             if NCH > 2:
@@ -240,6 +276,7 @@ def _gemv(
             acc += _rows_dot(w2, _gemv_input(x_ptr, lnw_ptr, rstd, 2 * KC + offs_k, X_MODE, HALF, WDT))
         if NKC > 3:
             acc += _rows_dot(w3, _gemv_input(x_ptr, lnw_ptr, rstd, 3 * KC + offs_k, X_MODE, HALF, WDT))
+        _mark(trace_ptr, tidx + 1, acc, TRACE)
         if RESIDUAL:
             _gemv_store(out_ptr, r0, acc, res, WDT, RC)
         else:
@@ -299,6 +336,7 @@ def _attention_item(
     pos, slot, ctx, eps, scale_log2,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G_PAD: tl.constexpr,
     PAGE: tl.constexpr, QK_NORM: tl.constexpr, UPCAST: tl.constexpr,
+    trace_ptr, tidx, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Item (KV head g, partition s): softmax over keys [lo, hi) of the context for the group's
     G query heads; the normalised partial output and its log2-sum-exp go to slot s.
@@ -341,6 +379,9 @@ def _attention_item(
     # decode kernel does: a broadcast-and-sum over [G, keys, dims] cost more than the padding.
     qa = q1.to(WDT)
     qb = q2.to(WDT)
+    if TRACE:  # the first tile and q are in registers
+        ready = tl.sum(k1.to(tl.float32), 1) + tl.sum(v.to(tl.float32), 1) + tl.sum(tl.sum(q1, 1), 0)
+        _mark(trace_ptr, tidx, ready, TRACE)
     n0 = lo
     while n0 < cached:
         if n0 > lo:  # a later tile (long contexts)
@@ -378,6 +419,7 @@ def _attention_item(
     idx = s * H + heads
     tl.store(po_ptr + idx[:, None] * HD + offs_v[None, :], acc / safe_l[:, None], mask=hmask[:, None])
     lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+    _mark(trace_ptr, tidx + 1, lse, TRACE)
     tl.store(plse_ptr + idx, lse, mask=hmask)
     return g
 
@@ -441,7 +483,8 @@ def _decode_layers(
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr = False, FOLD_MERGE: tl.constexpr = False, WORK: tl.constexpr = True,
-    NT: tl.constexpr = 256, TRACE: tl.constexpr = False,
+    NT: tl.constexpr = 256, TRACE: tl.constexpr = False, ARRIVE_FIRST: tl.constexpr = True,
+    EARLY_GU: tl.constexpr = True,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -473,6 +516,8 @@ def _decode_layers(
     AHEAD_DN: tl.constexpr = PERSISTENT and (PHASES & 16) != 0 and (PHASES & 32) != 0
     AHEAD_QKV: tl.constexpr = PERSISTENT and (PHASES & 32) != 0 and (PHASES & 1) != 0
     NQ_CH: tl.constexpr = (R_QKV // RC_QKV) * (D // KC_QKV)
+    # EARLY_GU: gate/up's slice loaded already in the merge phase (through o_proj as well).
+    GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and (PHASES & 4) != 0 and not FOLD_MERGE
     r_qkv = pid * R_QKV
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before
         w_first = _weight(w_ptr, woff_ptr + layer_lo * 8, 1)
@@ -487,6 +532,8 @@ def _decode_layers(
         row = woff_ptr + layer * 8
         nxt = woff_ptr + tl.minimum(layer + 1, layer_hi - 1) * 8
         has_next = layer + 1 < layer_hi
+        # TRACE's inner marks of this layer: 2 a phase, after the barrier marks.
+        tin = (layer_hi - layer_lo) * N_PHASES + 1 + (layer - layer_lo) * (2 * N_PHASES)
         layer_off = tl.cast(layer, tl.int64) * kv_layer_stride  # past 2**31 elements in big pools
         kc_l = kc_ptr + layer_off
         vc_l = vc_ptr + layer_off
@@ -498,28 +545,32 @@ def _decode_layers(
             if WORK:
                 if NQ_CH == 1:
                     _gemv(q0, q0, q0, q0, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
-                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False)  # fmt: skip
+                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
                 elif NQ_CH == 2:
                     _gemv(q0, q1, q0, q0, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
-                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False)  # fmt: skip
+                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
                 elif NQ_CH == 3:
                     _gemv(q0, q1, q2, q0, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
-                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False)  # fmt: skip
+                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
                 else:
                     _gemv(q0, q1, q2, q3, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
-                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False)  # fmt: skip
+                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
+            if PERSISTENT and ARRIVE_FIRST:
+                _grid_arrive(bar_ptr)
             if AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if PERSISTENT:
+                if not ARRIVE_FIRST:
+                    _grid_arrive(bar_ptr)
                 nb += 1
-                _grid_sync(bar_ptr, nb * P)
+                _grid_wait(bar_ptr, nb * P)
                 _trace(trace_ptr, nb, TRACE)
         if PHASES & 2:  # attention partials (+ the merge: FOLD_MERGE)
             if WORK and pid < HKV * S:
                 g = _attention_item(
                     pid, qkv_ptr, _weight(w_ptr, row, 2), _weight(w_ptr, row, 3), kc_l, vc_l,
                     cos_ptr, sin_ptr, bt_ptr, po_ptr, plse_ptr, pos, slot, ctx, eps, scale_log2,
-                    H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST,
+                    H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
                 )  # fmt: skip
                 if FOLD_MERGE:
                     _merge_group(g, cnt_ptr, po_ptr, plse_ptr, attn_ptr, H, HKV, HD, S, G_PAD)
@@ -531,38 +582,53 @@ def _decode_layers(
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
+                _grid_arrive(bar_ptr)
+            if GU_AT_MERGE:  # gate/up's slice streams in through o_proj too
+                u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
+            if PERSISTENT:
                 nb += 1
-                _grid_sync(bar_ptr, nb * P)
+                _grid_wait(bar_ptr, nb * P)
                 _trace(trace_ptr, nb, TRACE)
         if PHASES & 8:  # o_proj + residual
             if not AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if WORK:
-                _gemv(o0, o1, o2, o3, pid * R_O, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True)
-            if AHEAD_GU:
+                _gemv(o0, o1, o2, o3, pid * R_O, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True,
+                      trace_ptr, tin + 6, TRACE)  # fmt: skip
+            if PERSISTENT and ARRIVE_FIRST:
+                _grid_arrive(bar_ptr)
+            if AHEAD_GU and not GU_AT_MERGE:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
+                if not ARRIVE_FIRST:
+                    _grid_arrive(bar_ptr)
                 nb += 1
-                _grid_sync(bar_ptr, nb * P)
+                _grid_wait(bar_ptr, nb * P)
                 _trace(trace_ptr, nb, TRACE)
         if PHASES & 16:  # gate/up
             if not AHEAD_GU:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if WORK:
                 _gemv(u0, u1, u2, u3, pid * R_GU, h_ptr, _weight(w_ptr, row, 5), eps, gu_ptr,
-                      D, R_GU, RC_GU, KC_GU, 0, 0, False)  # fmt: skip
+                      D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE)  # fmt: skip
+            if PERSISTENT and ARRIVE_FIRST:
+                _grid_arrive(bar_ptr)
             if AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if PERSISTENT:
+                if not ARRIVE_FIRST:
+                    _grid_arrive(bar_ptr)
                 nb += 1
-                _grid_sync(bar_ptr, nb * P)
+                _grid_wait(bar_ptr, nb * P)
                 _trace(trace_ptr, nb, TRACE)
         if PHASES & 32:  # down + residual
             if not AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if WORK:
                 _gemv(d0, d1, d2, d3, pid * R_DN, gu_ptr, w_ptr, eps, h_ptr,
-                      INTER, R_DN, RC_DN, KC_DN, 2, INTER, True)  # fmt: skip
+                      INTER, R_DN, RC_DN, KC_DN, 2, INTER, True, trace_ptr, tin + 10, TRACE)  # fmt: skip
+            if PERSISTENT and ARRIVE_FIRST and layer + 1 < layer_hi:
+                _grid_arrive(bar_ptr)
             if AHEAD_QKV:
                 w_next = _weight(w_ptr, nxt, 1)
                 q0 = _tile(w_next, r_qkv, 0, D, RC_QKV, KC_QKV, has_next)
@@ -573,8 +639,10 @@ def _decode_layers(
                 if NQ_CH > 3:
                     q3 = _tile(w_next, r_qkv, 3, D, RC_QKV, KC_QKV, has_next)
             if PERSISTENT and layer + 1 < layer_hi:
+                if not ARRIVE_FIRST:
+                    _grid_arrive(bar_ptr)
                 nb += 1
-                _grid_sync(bar_ptr, nb * P)
+                _grid_wait(bar_ptr, nb * P)
                 _trace(trace_ptr, nb, TRACE)
 
 
@@ -725,8 +793,9 @@ class DecodeMegakernel:
         # The grid barrier's counter, then one merge counter per KV head, a line apart; zeroed
         # before every launch.
         self.barrier = torch.zeros((1 + s.n_kv_heads) * int(LINE), dtype=torch.int32, device=dev)
-        # Program 0's time after each barrier (TRACE: megakernel_probe.py's per-phase breakdown).
-        self.trace = torch.zeros(s.n_layers * int(N_PHASES) + 1, dtype=torch.int64, device=dev)
+        # Program 0's time after each barrier, then two inner marks a phase (TRACE:
+        # megakernel_probe.py's per-phase breakdown).
+        self.trace = torch.zeros(3 * s.n_layers * int(N_PHASES) + 1, dtype=torch.int64, device=dev)
         r = {"QKV": (nq + 2 * nkv) // p, "O": s.dim // p, "GU": 2 * s.inter // p, "DN": s.dim // p}
         k = {"QKV": s.dim, "O": nq, "GU": s.dim, "DN": s.inter}
         tiling = {name: _tiling(r[name], k[name]) for name in r}
