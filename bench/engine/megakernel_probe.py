@@ -6,9 +6,8 @@ back-to-back launches (the residual row reset before each), rounds alternating b
 
 - `full`: the engine's launch; `prefetch`: with the L2 prefetch of each attention item's first
   KV tile; `fold`: the merge done by each KV head's last attention item (one grid barrier a
-  layer fewer); `warps16`; `arrive_after_loads`: each GEMV phase issues the next phase's weight
-  loads before arriving at the barrier (the order before session 12's last change); `late_gu`:
-  gate/up's weights loaded in the o_proj phase, not already in the merge phase;
+  layer fewer); `warps16`; `late_gu`: gate/up's weights loaded in the o_proj phase, not already
+  in the merge phase;
 - `barriers_only`: the grid barriers alone (WORK off);
 - `trace`: program 0's %globaltimer after every barrier, and inside each GEMV and attention
   phase once its inputs are in registers and once its result is computed: the mean time of each
@@ -40,7 +39,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "prefetch": {"PREFETCH": True},
     "fold": {"FOLD_MERGE": True},
     "warps16": {"num_warps": 16},
-    "arrive_after_loads": {"ARRIVE_FIRST": False},
     "late_gu": {"EARLY_GU": False},
     "trace": {"TRACE": True},
     "barriers_only": {"WORK": False, "PREFETCH": False},
@@ -49,7 +47,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         for i, name in enumerate(PHASE_NAMES)
     },
 }
-FULL_WORK = ("full", "prefetch", "fold", "warps16", "arrive_after_loads", "late_gu", "trace")
+FULL_WORK = ("full", "prefetch", "fold", "warps16", "late_gu", "trace")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:

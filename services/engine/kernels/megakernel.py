@@ -106,9 +106,12 @@ def _grid_wait(bar_ptr, target):
 
 
 @triton.jit
-def _grid_sync(bar_ptr, target):
-    _grid_arrive(bar_ptr)
-    _grid_wait(bar_ptr, target)
+def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+    """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1."""
+    nb += 1
+    _grid_wait(bar_ptr, nb * P)
+    _trace(trace_ptr, nb, TRACE)
+    return nb
 
 
 @triton.jit
@@ -483,8 +486,7 @@ def _decode_layers(
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr = False, FOLD_MERGE: tl.constexpr = False, WORK: tl.constexpr = True,
-    NT: tl.constexpr = 256, TRACE: tl.constexpr = False, ARRIVE_FIRST: tl.constexpr = True,
-    EARLY_GU: tl.constexpr = True,
+    NT: tl.constexpr = 256, TRACE: tl.constexpr = False, EARLY_GU: tl.constexpr = True,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -555,16 +557,12 @@ def _decode_layers(
                 else:
                     _gemv(q0, q1, q2, q3, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
                           D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
-            if PERSISTENT and ARRIVE_FIRST:
+            if PERSISTENT:
                 _grid_arrive(bar_ptr)
             if AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if PERSISTENT:
-                if not ARRIVE_FIRST:
-                    _grid_arrive(bar_ptr)
-                nb += 1
-                _grid_wait(bar_ptr, nb * P)
-                _trace(trace_ptr, nb, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
         if PHASES & 2:  # attention partials (+ the merge: FOLD_MERGE)
             if WORK and pid < HKV * S:
                 g = _attention_item(
@@ -575,9 +573,8 @@ def _decode_layers(
                 if FOLD_MERGE:
                     _merge_group(g, cnt_ptr, po_ptr, plse_ptr, attn_ptr, H, HKV, HD, S, G_PAD)
             if PERSISTENT:
-                nb += 1
-                _grid_sync(bar_ptr, nb * P)
-                _trace(trace_ptr, nb, TRACE)
+                _grid_arrive(bar_ptr)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
         if (PHASES & 4) and not FOLD_MERGE:  # merge
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
@@ -586,48 +583,38 @@ def _decode_layers(
             if GU_AT_MERGE:  # gate/up's slice streams in through o_proj too
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb += 1
-                _grid_wait(bar_ptr, nb * P)
-                _trace(trace_ptr, nb, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
         if PHASES & 8:  # o_proj + residual
             if not AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if WORK:
                 _gemv(o0, o1, o2, o3, pid * R_O, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True,
                       trace_ptr, tin + 6, TRACE)  # fmt: skip
-            if PERSISTENT and ARRIVE_FIRST:
+            if PERSISTENT:
                 _grid_arrive(bar_ptr)
             if AHEAD_GU and not GU_AT_MERGE:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                if not ARRIVE_FIRST:
-                    _grid_arrive(bar_ptr)
-                nb += 1
-                _grid_wait(bar_ptr, nb * P)
-                _trace(trace_ptr, nb, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
         if PHASES & 16:  # gate/up
             if not AHEAD_GU:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if WORK:
                 _gemv(u0, u1, u2, u3, pid * R_GU, h_ptr, _weight(w_ptr, row, 5), eps, gu_ptr,
                       D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE)  # fmt: skip
-            if PERSISTENT and ARRIVE_FIRST:
+            if PERSISTENT:
                 _grid_arrive(bar_ptr)
             if AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if PERSISTENT:
-                if not ARRIVE_FIRST:
-                    _grid_arrive(bar_ptr)
-                nb += 1
-                _grid_wait(bar_ptr, nb * P)
-                _trace(trace_ptr, nb, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
         if PHASES & 32:  # down + residual
             if not AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if WORK:
                 _gemv(d0, d1, d2, d3, pid * R_DN, gu_ptr, w_ptr, eps, h_ptr,
                       INTER, R_DN, RC_DN, KC_DN, 2, INTER, True, trace_ptr, tin + 10, TRACE)  # fmt: skip
-            if PERSISTENT and ARRIVE_FIRST and layer + 1 < layer_hi:
+            if PERSISTENT and layer + 1 < layer_hi:
                 _grid_arrive(bar_ptr)
             if AHEAD_QKV:
                 w_next = _weight(w_ptr, nxt, 1)
@@ -639,11 +626,7 @@ def _decode_layers(
                 if NQ_CH > 3:
                     q3 = _tile(w_next, r_qkv, 3, D, RC_QKV, KC_QKV, has_next)
             if PERSISTENT and layer + 1 < layer_hi:
-                if not ARRIVE_FIRST:
-                    _grid_arrive(bar_ptr)
-                nb += 1
-                _grid_wait(bar_ptr, nb * P)
-                _trace(trace_ptr, nb, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
 
 
 def _weight_offsets(per_layer: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list[list[int]]]:
