@@ -157,7 +157,7 @@ class LLMEngine:
         if not (self.cfg.megakernel and self.model.fused_elementwise and self.attention_backend == "triton"):
             return None
         if torch.cuda.get_device_capability(self.device)[0] < 9:
-            log.info("megakernel off: needs Hopper (L2 bulk prefetch)")
+            log.info("megakernel off: written and measured for Hopper (sm_90) only")
             return None
         from services.engine.kernels import megakernel  # Triton: the CUDA path only
         from services.engine.kernels.megakernel import DecodeMegakernel

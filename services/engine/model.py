@@ -17,7 +17,7 @@ replace the attention by mla.MLAttention. The dense path is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 from services.engine.moe import PER_EXPERT, ExpertWeights, MoE, Router
 from services.engine.rope_scaling import llama3_scale_freqs
+
+if TYPE_CHECKING:
+    from services.engine.kernels.megakernel import DecodeMegakernel
 
 
 def rope_cache(
@@ -331,7 +334,7 @@ class CausalLM(nn.Module):
         self.fp32_residual = m.fp32_residual
         # Set by the engine (EngineConfig.megakernel): kernels.megakernel.DecodeMegakernel, which
         # runs every layer of a one-token decode batch in one launch.
-        self.megakernel: Any = None
+        self.megakernel: DecodeMegakernel | None = None
 
     def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.config

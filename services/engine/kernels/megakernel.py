@@ -19,9 +19,11 @@ grid-wide barrier between the six phases of a layer:
   gate_up RMSNorm, its rows of the fused gate/up GEMV
   down    SiLU(gate) * up, its rows of down_proj; the residual add
 
-Weights do not depend on the data, so each program asks for its slice of the next layer's
-weights (cp.async.bulk.prefetch.L2, no registers held) one layer ahead, phase by phase: DRAM
-streams continuously while the barriers serialise only the small activations, which stay in L2.
+Weights do not depend on the data, so each program loads its slice of the next GEMV's weights
+into registers a phase or two ahead, after arriving at the barrier and before waiting on it: the
+weights stream in while the barriers serialise only the small activations, which stay in L2.
+(L2 prefetch instructions instead, of weights or of KV, were slower in every arrangement tried:
+bench/engine/README.md, session 12.)
 
 Numerics follow the layered GPU path: bf16 GEMV outputs, float32 residual stream, RMSNorm and
 q/k norm + RoPE in float32 rounded once, P cast to the cache dtype for P @ V, partitions merged
@@ -29,7 +31,7 @@ by log-sum-exp. Accumulation order differs, so results agree to bf16 rounding, n
 
 Under TRITON_INTERPRET=1 (CPU tests) programs run one after another and a barrier would wait
 forever, so `run` launches the same kernel once per (layer, phase) instead: the phases' code is
-what the GPU runs; the barrier and the prefetch are the GPU launch's only additions.
+what the GPU runs; the barrier and the look-ahead loads are the GPU launch's only additions.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 N_PHASES = tl.constexpr(6)
-# Weight tensors per layer, in the offset table's column order.
+# Weight tensors per layer, in the offset table's column order (_weight's j).
 WEIGHTS = ("input_ln", "qkv", "q_norm", "k_norm", "o", "post_ln", "gate_up", "down")
+N_WEIGHTS = tl.constexpr(len(WEIGHTS))
 NUM_WARPS = tl.constexpr(8)
 BLOCK_N = tl.constexpr(64)  # keys per attention tile
 LINE = tl.constexpr(32)  # int32 counters a 128-byte line apart (grid barrier, heads' merge counters)
@@ -522,7 +525,7 @@ def _decode_layers(
     GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and (PHASES & 4) != 0 and not FOLD_MERGE
     r_qkv = pid * R_QKV
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before
-        w_first = _weight(w_ptr, woff_ptr + layer_lo * 8, 1)
+        w_first = _weight(w_ptr, woff_ptr + layer_lo * N_WEIGHTS, 1)
         q0 = _tile(w_first, r_qkv, 0, D, RC_QKV, KC_QKV, True)
         if NQ_CH > 1:
             q1 = _tile(w_first, r_qkv, 1, D, RC_QKV, KC_QKV, True)
@@ -531,8 +534,8 @@ def _decode_layers(
         if NQ_CH > 3:
             q3 = _tile(w_first, r_qkv, 3, D, RC_QKV, KC_QKV, True)
     for layer in range(layer_lo, layer_hi):
-        row = woff_ptr + layer * 8
-        nxt = woff_ptr + tl.minimum(layer + 1, layer_hi - 1) * 8
+        row = woff_ptr + layer * N_WEIGHTS
+        nxt = woff_ptr + tl.minimum(layer + 1, layer_hi - 1) * N_WEIGHTS
         has_next = layer + 1 < layer_hi
         # TRACE's inner marks of this layer: 2 a phase, after the barrier marks.
         tin = (layer_hi - layer_lo) * N_PHASES + 1 + (layer - layer_lo) * (2 * N_PHASES)
