@@ -102,6 +102,32 @@ def test_float32_step_matches_the_torch_path(ctx: int) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tuning", [{}, {"KV_AHEAD": True}, {"EARLY_GU": False}])
+def test_persistent_launch_matches_the_torch_path(tuning: dict[str, bool]) -> None:
+    """The GPU's launch (one persistent kernel: weight slices and KV tiles loaded a phase ahead,
+    carried across layers, the barrier bookkeeping) with one program, whose barriers pass at once
+    under the interpreter: a one-head model, whose q/k/v slice is 3 tiles and down's 3 K chunks."""
+    model = make_model(torch.float32, n_heads=1, n_kv_heads=1)
+    case = decode_case(model, 150)
+    kv = case["kv"]
+    kv.k.copy_(case["before"][0])
+    kv.v.copy_(case["before"][1])
+    mk = megakernel.DecodeMegakernel(model, kv.k, kv.v, PAGE, num_sms=1)
+    assert mk.programs == 1
+    mk.tuning = tuning
+    with torch.no_grad():
+        h = model.model.embed_tokens(case["step"].input_ids).float()
+        step = case["step"]
+        got = model.model.norm(
+            mk.run(h, step.positions, step.slot_mapping, torch.tensor([150]), case["table"])
+        )
+    ref = case["hidden"]
+    torch.testing.assert_close(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
+    for got_pool, ref_pool in zip((kv.k, kv.v), case["after"], strict=True):
+        torch.testing.assert_close(got_pool, ref_pool, atol=2e-5 * float(ref_pool.abs().max()), rtol=0)
+
+
+@needs_interpreter
 def test_bf16_step_is_as_close_to_float32_as_the_torch_path() -> None:
     """bf16 rounds where the layered path does: its error against a float32 run of the same
     (bf16-valued) weights is of the torch bf16 path's size. (The interpreter truncates where the

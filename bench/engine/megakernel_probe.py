@@ -7,7 +7,7 @@ back-to-back launches (the residual row reset before each), rounds alternating b
 - `full`: the engine's launch; `prefetch`: with the L2 prefetch of each attention item's first
   KV tile; `fold`: the merge done by each KV head's last attention item (one grid barrier a
   layer fewer); `warps16`; `late_gu`: gate/up's weights loaded in the o_proj phase, not already
-  in the merge phase;
+  in the merge phase; `kv_ahead`: each attention item's first KV tile loaded in the q/k/v phase;
 - `barriers_only`: the grid barriers alone (WORK off);
 - `trace`: program 0's %globaltimer after every barrier, and inside each GEMV and attention
   phase once its inputs are in registers and once its result is computed: the mean time of each
@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fold": {"FOLD_MERGE": True},
     "warps16": {"num_warps": 16},
     "late_gu": {"EARLY_GU": False},
+    "kv_ahead": {"KV_AHEAD": True},
     "trace": {"TRACE": True},
     "barriers_only": {"WORK": False, "PREFETCH": False},
     **{
@@ -47,7 +48,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         for i, name in enumerate(PHASE_NAMES)
     },
 }
-FULL_WORK = ("full", "prefetch", "fold", "warps16", "late_gu", "trace")
+FULL_WORK = ("full", "prefetch", "fold", "warps16", "late_gu", "kv_ahead", "trace")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:

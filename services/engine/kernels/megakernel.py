@@ -31,7 +31,8 @@ by log-sum-exp. Accumulation order differs, so results agree to bf16 rounding, n
 
 Under TRITON_INTERPRET=1 (CPU tests) programs run one after another and a barrier would wait
 forever, so `run` launches the same kernel once per (layer, phase) instead: the phases' code is
-what the GPU runs; the barrier and the look-ahead loads are the GPU launch's only additions.
+what the GPU runs; the barrier and the look-ahead loads are the GPU launch's only additions. A
+one-program kernel (a one-head model) runs the persistent launch itself, so tests cover those too.
 """
 
 from __future__ import annotations
@@ -337,19 +338,45 @@ def _norm_rope(x_ptr, n, w_ptr, cos_ptr, sin_ptr, eps, WDT: tl.constexpr, N_PAD:
 
 
 @triton.jit
+def _kv_tile(kc_ptr, vc_ptr, bt_ptr, g, n0, cached, HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr):
+    """Keys (as two halves) and values of KV head g at positions [n0, n0 + BLOCK_N) below
+    `cached`, read through the block table; and the mask of those positions."""
+    HALF: tl.constexpr = HD // 2
+    offs_d = tl.arange(0, HALF)
+    p_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = p_n < cached
+    page = tl.load(bt_ptr + p_n // PAGE, mask=nmask, other=0).to(tl.int64)
+    rows = (page * PAGE + p_n % PAGE) * (HKV * HD) + g * HD
+    k1 = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    k2 = tl.load(kc_ptr + rows[:, None] + HALF + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    v = tl.load(vc_ptr + rows[:, None] + tl.arange(0, HD)[None, :], mask=nmask[:, None], other=0.0)
+    return k1, k2, v, nmask
+
+
+@triton.jit
+def _first_kv_tile(item, kc_ptr, vc_ptr, bt_ptr, ctx, HKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
+                   PAGE: tl.constexpr):  # fmt: skip
+    """Attention item `item`'s first tile (_kv_tile). Only keys of earlier steps are read (the
+    new token's come from registers), so it can be loaded before this step's q/k/v exist."""
+    g, s, lo, hi = _item_range(item, ctx, S)
+    return _kv_tile(kc_ptr, vc_ptr, bt_ptr, g, lo, tl.minimum(hi, ctx - 1), HKV, HD, PAGE)
+
+
+@triton.jit
 def _attention_item(
     item, qkv_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, bt_ptr, po_ptr, plse_ptr,
-    pos, slot, ctx, eps, scale_log2,
+    pos, slot, ctx, eps, scale_log2, k1, k2, v, nmask,
     H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G_PAD: tl.constexpr,
     PAGE: tl.constexpr, QK_NORM: tl.constexpr, UPCAST: tl.constexpr,
     trace_ptr, tidx, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Item (KV head g, partition s): softmax over keys [lo, hi) of the context for the group's
-    G query heads; the normalised partial output and its log2-sum-exp go to slot s.
+    G query heads; the normalised partial output and its log2-sum-exp go to slot s. k1, k2, v,
+    nmask: its first key tile, already loaded (_first_kv_tile).
 
     The new token (position ctx - 1) is not read back from the page pool: the item holding it
     takes its k/v from registers (and stores them for later steps), so no load waits on a store
-    and the first KV tile is loaded before q is even normalised."""
+    and the first KV tile can be loaded before q is even computed."""
     WDT: tl.constexpr = kc_ptr.dtype.element_ty
     G: tl.constexpr = H // HKV
     HALF: tl.constexpr = HD // 2
@@ -357,15 +384,6 @@ def _attention_item(
     cached = tl.minimum(hi, ctx - 1)  # keys read from the pool: all but the new token's
     offs_d = tl.arange(0, HALF)
     offs_v = tl.arange(0, HD)
-    offs_n = tl.arange(0, BLOCK_N)
-    # The first tile's keys and values: they depend on nothing this step computes.
-    p_n = lo + offs_n
-    nmask = p_n < cached
-    page = tl.load(bt_ptr + p_n // PAGE, mask=nmask, other=0).to(tl.int64)
-    rows = (page * PAGE + p_n % PAGE) * (HKV * HD) + g * HD
-    k1 = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    k2 = tl.load(kc_ptr + rows[:, None] + HALF + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    v = tl.load(vc_ptr + rows[:, None] + offs_v[None, :], mask=nmask[:, None], other=0.0)
     cos_row = cos_ptr + pos.to(tl.int64) * HD
     sin_row = sin_ptr + pos.to(tl.int64) * HD
     q1, q2 = _norm_rope(qkv_ptr + g * G * HD, G, qn_ptr, cos_row, sin_row, eps, WDT, G_PAD, HALF, QK_NORM)
@@ -391,13 +409,7 @@ def _attention_item(
     n0 = lo
     while n0 < cached:
         if n0 > lo:  # a later tile (long contexts)
-            p_n = n0 + offs_n
-            nmask = p_n < cached
-            page = tl.load(bt_ptr + p_n // PAGE, mask=nmask, other=0).to(tl.int64)
-            rows = (page * PAGE + p_n % PAGE) * (HKV * HD) + g * HD
-            k1 = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            k2 = tl.load(kc_ptr + rows[:, None] + HALF + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            v = tl.load(vc_ptr + rows[:, None] + offs_v[None, :], mask=nmask[:, None], other=0.0)
+            k1, k2, v, nmask = _kv_tile(kc_ptr, vc_ptr, bt_ptr, g, n0, cached, HKV, HD, PAGE)
         sc = _mdot(qa, tl.trans(k1), UPCAST) + _mdot(qb, tl.trans(k2), UPCAST)
         sc = tl.where(nmask[None, :], sc * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -490,13 +502,17 @@ def _decode_layers(
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr = False, FOLD_MERGE: tl.constexpr = False, WORK: tl.constexpr = True,
     NT: tl.constexpr = 256, TRACE: tl.constexpr = False, EARLY_GU: tl.constexpr = True,
+    KV_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
     phase and L2 prefetch of the next layer's weights; else a single phase per launch.
     PREFETCH: L2 prefetch of each attention item's first KV tile (off: it slowed the kernel);
     FOLD_MERGE: the last attention item of each KV head merges its partitions instead of a merge
-    phase (off: slower, the counter's atomic round trip costs more than the barrier it saves); WORK off (barriers only) is for
+    phase (off: slower, the counter's atomic round trip costs more than the barrier it saves);
+    EARLY_GU: gate/up's slice loaded in the merge phase (on: measured faster); KV_AHEAD: each
+    item's first KV tile loaded in the q/k/v phase (off: not measured yet); TRACE: program 0's
+    clock at every barrier and inside the phases; WORK off (barriers only) is for
     bench/engine/megakernel_probe.py's breakdown; NT: threads per program."""
     NQ: tl.constexpr = H * HD
     NQKV: tl.constexpr = (H + 2 * HKV) * HD
@@ -523,6 +539,8 @@ def _decode_layers(
     NQ_CH: tl.constexpr = (R_QKV // RC_QKV) * (D // KC_QKV)
     # EARLY_GU: gate/up's slice loaded already in the merge phase (through o_proj as well).
     GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and (PHASES & 4) != 0 and not FOLD_MERGE
+    # KV_AHEAD: each attention item's first key tile loaded in the q/k/v phase (after the arrival).
+    AHEAD_KV: tl.constexpr = KV_AHEAD and PERSISTENT and (PHASES & 1) != 0 and (PHASES & 2) != 0
     r_qkv = pid * R_QKV
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before
         w_first = _weight(w_ptr, woff_ptr + layer_lo * N_WEIGHTS, 1)
@@ -564,14 +582,18 @@ def _decode_layers(
                 _grid_arrive(bar_ptr)
             if AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
+            if AHEAD_KV:
+                k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if PERSISTENT:
                 nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
         if PHASES & 2:  # attention partials (+ the merge: FOLD_MERGE)
-            if WORK and pid < HKV * S:
+            if not AHEAD_KV:
+                k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
+            if WORK:  # (every program holds an item: P = HKV * S)
                 g = _attention_item(
                     pid, qkv_ptr, _weight(w_ptr, row, 2), _weight(w_ptr, row, 3), kc_l, vc_l,
                     cos_ptr, sin_ptr, bt_ptr, po_ptr, plse_ptr, pos, slot, ctx, eps, scale_log2,
-                    H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
+                    k1, k2, v, nmask, H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
                 )  # fmt: skip
                 if FOLD_MERGE:
                     _merge_group(g, cnt_ptr, po_ptr, plse_ptr, attn_ptr, H, HKV, HD, S, G_PAD)
@@ -797,6 +819,7 @@ class DecodeMegakernel:
         }  # fmt: skip
         # Launch overrides (PHASES, PREFETCH, FOLD_MERGE, WORK, num_warps): megakernel_probe.py.
         self.tuning: dict[str, int | bool] = {}
+        assert self.partitions * s.n_kv_heads == p  # every program holds one attention item
         if not math.log2(self.partitions).is_integer():
             raise ValueError("megakernel: the partition count must be a power of two")
 
@@ -817,16 +840,22 @@ class DecodeMegakernel:
         )  # fmt: skip
         n = self.shape.n_layers
         self.barrier.zero_()
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if interpreted and self.programs > 1:
+            # Programs run one after another: a barrier would wait forever, so one launch a phase.
             for layer in range(n):
                 for phase in range(int(N_PHASES)):
                     _decode_layers[(self.programs,)](
                         *args, layer, layer + 1, **self.meta, PHASES=1 << phase, PERSISTENT=False, UPCAST=True
                     )
             return h
+        # The persistent launch; interpreted only with one program, whose barriers pass at once
+        # (how tests run this launch's look-ahead loads and barrier bookkeeping on CPU).
         launch = {"PHASES": (1 << int(N_PHASES)) - 1, "num_warps": int(NUM_WARPS), **self.tuning}
         launch["NT"] = launch["num_warps"] * 32
-        _decode_layers[(self.programs,)](*args, 0, n, **self.meta, PERSISTENT=True, UPCAST=False, **launch)
+        _decode_layers[(self.programs,)](
+            *args, 0, n, **self.meta, PERSISTENT=True, UPCAST=interpreted, **launch
+        )
         return h
 
 
