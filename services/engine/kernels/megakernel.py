@@ -817,7 +817,7 @@ class DecodeMegakernel:
             **{f"RC_{name}": t[0] for name, t in tiling.items() if t is not None},
             **{f"KC_{name}": t[1] for name, t in tiling.items() if t is not None},
         }  # fmt: skip
-        # Launch overrides (PHASES, PREFETCH, FOLD_MERGE, WORK, num_warps): megakernel_probe.py.
+        # Launch overrides (the _decode_layers switches, num_warps): megakernel_probe.py.
         self.tuning: dict[str, int | bool] = {}
         assert self.partitions * s.n_kv_heads == p  # every program holds one attention item
         if not math.log2(self.partitions).is_integer():
