@@ -86,10 +86,21 @@ def run_megakernel(model: CausalLM, case: dict[str, Any], programs: int = 8) -> 
 
 
 @needs_interpreter
-@pytest.mark.parametrize("ctx", [1, 6, 37, 300])
-def test_float32_step_matches_the_torch_path(ctx: int) -> None:
-    """1: only the new token; 6: most partitions empty; 300: items of two key tiles each."""
-    model = make_model(torch.float32)
+@pytest.mark.parametrize(
+    ("ctx", "update"),
+    [
+        (1, {}),
+        (6, {}),
+        (37, {}),
+        (300, {}),
+        (37, {"arch": "llama3", "qk_norm": False}),
+        (37, {"n_kv_heads": 4}),
+    ],
+)
+def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any]) -> None:
+    """1: only the new token; 6: most partitions empty; 300: items of two key tiles each; a
+    Llama-3 (no q/k norm); plain multi-head attention (a group of one)."""
+    model = make_model(torch.float32, **update)
     case = decode_case(model, ctx)
     got = run_megakernel(model, case)
     ref = case["hidden"]
