@@ -73,16 +73,31 @@ def decode_case(model: CausalLM, ctx: int, seed: int = 0) -> dict[str, Any]:
             "table": torch.tensor(table), "ctx": ctx}  # fmt: skip
 
 
-def run_megakernel(model: CausalLM, case: dict[str, Any], programs: int = 8) -> torch.Tensor:
-    """The same step through the megakernel, on the pool as it was before the step."""
+def run_megakernel(
+    model: CausalLM, case: dict[str, Any], programs: int = 8, tuning: dict[str, bool] | None = None
+) -> tuple[torch.Tensor, megakernel.DecodeMegakernel]:
+    """The same step through the megakernel, on the pool as it was before the step: (the final
+    hidden state, the kernel)."""
     kv, step = case["kv"], case["step"]
     kv.k.copy_(case["before"][0])
     kv.v.copy_(case["before"][1])
     mk = megakernel.DecodeMegakernel(model, kv.k, kv.v, PAGE, num_sms=programs)
+    mk.tuning = tuning or {}
     with torch.no_grad():
         h = model.model.embed_tokens(step.input_ids).float()
         h = mk.run(h, step.positions, step.slot_mapping, torch.tensor([case["ctx"]]), case["table"])
-        return model.model.norm(h)
+        return model.model.norm(h), mk
+
+
+def assert_matches_torch_path(got: torch.Tensor, case: dict[str, Any]) -> None:
+    """Float32: the hidden state to float rounding, and the new token's k/v (normalised and
+    rotated k) in the pool with nothing else moved. (Layer 1's input differs from the torch
+    path's by float32 rounding, so its k/v do too.)"""
+    ref = case["hidden"]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
+    for got_pool, ref_pool in zip((case["kv"].k, case["kv"].v), case["after"], strict=True):
+        torch.testing.assert_close(got_pool, ref_pool, atol=2e-5 * float(ref_pool.abs().max()), rtol=0)
 
 
 @needs_interpreter
@@ -102,14 +117,7 @@ def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any]) -
     Llama-3 (no q/k norm); plain multi-head attention (a group of one)."""
     model = make_model(torch.float32, **update)
     case = decode_case(model, ctx)
-    got = run_megakernel(model, case)
-    ref = case["hidden"]
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
-    # The new token's k/v went into the pool (normalised and rotated k), nothing else moved.
-    # (Layer 1's input differs from the torch path's by float32 rounding, so its k/v do too.)
-    for got_pool, ref_pool in zip((case["kv"].k, case["kv"].v), case["after"], strict=True):
-        torch.testing.assert_close(got_pool, ref_pool, atol=2e-5 * float(ref_pool.abs().max()), rtol=0)
+    assert_matches_torch_path(run_megakernel(model, case)[0], case)
 
 
 @needs_interpreter
@@ -120,22 +128,9 @@ def test_persistent_launch_matches_the_torch_path(tuning: dict[str, bool]) -> No
     under the interpreter: a one-head model, whose q/k/v slice is 3 tiles and down's 3 K chunks."""
     model = make_model(torch.float32, n_heads=1, n_kv_heads=1)
     case = decode_case(model, 150)
-    kv = case["kv"]
-    kv.k.copy_(case["before"][0])
-    kv.v.copy_(case["before"][1])
-    mk = megakernel.DecodeMegakernel(model, kv.k, kv.v, PAGE, num_sms=1)
+    got, mk = run_megakernel(model, case, programs=1, tuning=tuning)
     assert mk.programs == 1
-    mk.tuning = tuning
-    with torch.no_grad():
-        h = model.model.embed_tokens(case["step"].input_ids).float()
-        step = case["step"]
-        got = model.model.norm(
-            mk.run(h, step.positions, step.slot_mapping, torch.tensor([150]), case["table"])
-        )
-    ref = case["hidden"]
-    torch.testing.assert_close(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=0)
-    for got_pool, ref_pool in zip((kv.k, kv.v), case["after"], strict=True):
-        torch.testing.assert_close(got_pool, ref_pool, atol=2e-5 * float(ref_pool.abs().max()), rtol=0)
+    assert_matches_torch_path(got, case)
 
 
 @needs_interpreter
@@ -145,7 +140,7 @@ def test_bf16_step_is_as_close_to_float32_as_the_torch_path() -> None:
     GPU rounds, hence the margin.) A wrong head, page or partition would be off by O(1)."""
     model = make_model(torch.bfloat16)
     case = decode_case(model, 45)
-    got = run_megakernel(model, case).float()
+    got = run_megakernel(model, case)[0].float()
     ref32_model = make_model(torch.float32)
     with torch.no_grad():
         for p32, p16 in zip(ref32_model.parameters(), model.parameters(), strict=True):

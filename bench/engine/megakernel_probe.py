@@ -4,10 +4,10 @@ Builds Qwen3-0.6B's 28 layers with random bf16 weights and a random KV cache (co
 times the persistent decode kernel under launch overrides, each as CUDA events around --launches
 back-to-back launches (the residual row reset before each), rounds alternating between variants:
 
-- `full`: the engine's launch; `prefetch`: with the L2 prefetch of each attention item's first
-  KV tile; `fold`: the merge done by each KV head's last attention item (one grid barrier a
-  layer fewer); `warps16`; `late_gu`: gate/up's weights loaded in the o_proj phase, not already
-  in the merge phase; `kv_ahead`: each attention item's first KV tile loaded in the q/k/v phase;
+- `full`: the engine's launch; `warps16`; `late_gu`: gate/up's weights loaded in the o_proj
+  phase, not already in the merge phase; `kv_ahead`: each attention item's first KV tile loaded
+  in the q/k/v phase (the results files of session 12 also hold `prefetch` and `fold`, switches
+  measured slower and removed since);
 - `barriers_only`: the grid barriers alone (WORK off);
 - `trace`: program 0's %globaltimer after every barrier, and inside each GEMV and attention
   phase once its inputs are in registers and once its result is computed: the mean time of each
@@ -36,19 +36,14 @@ import torch
 PHASE_NAMES = ("qkv", "attn", "merge", "o", "gate_up", "down")
 VARIANTS: dict[str, dict[str, Any]] = {
     "full": {},
-    "prefetch": {"PREFETCH": True},
-    "fold": {"FOLD_MERGE": True},
     "warps16": {"num_warps": 16},
     "late_gu": {"EARLY_GU": False},
     "kv_ahead": {"KV_AHEAD": True},
     "trace": {"TRACE": True},
-    "barriers_only": {"WORK": False, "PREFETCH": False},
-    **{
-        f"only_{name}": {"PHASES": 1 << i, "FOLD_MERGE": name != "merge"}
-        for i, name in enumerate(PHASE_NAMES)
-    },
+    "barriers_only": {"WORK": False},
+    **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "prefetch", "fold", "warps16", "late_gu", "kv_ahead", "trace")
+FULL_WORK = ("full", "warps16", "late_gu", "kv_ahead", "trace")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
@@ -118,10 +113,10 @@ def read_trace(
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
     t = mk.trace.cpu().double()
-    n_marks = int((t[: layers * len(PHASE_NAMES) + 1] > 0).sum())
+    phases = len(PHASE_NAMES)
+    n_marks = int((t[: layers * phases + 1] > 0).sum())
     d = (t[1:n_marks] - t[: n_marks - 1]) / 1e3  # us between program 0's barrier exits
-    phases = len(PHASE_NAMES)  # the engine's launch: the merge is its own phase
-    per = {name: round(float(d[i::phases].mean()), 3) for i, name in enumerate(PHASE_NAMES[:phases])}
+    per = {name: round(float(d[i::phases].mean()), 3) for i, name in enumerate(PHASE_NAMES)}
     out["us_per_phase_incl_barrier"] = per
     out["marks"] = n_marks
     # Inner marks (program 0): inputs in registers, result computed; so each phase splits
@@ -170,7 +165,7 @@ def main() -> None:
         try:
             outputs[name] = run_once(mk, inputs, h).clone()
             torch.cuda.synchronize()
-            results[name] = {"tuning": {k: v for k, v in VARIANTS[name].items()}, "us": []}
+            results[name] = {"tuning": dict(VARIANTS[name]), "us": []}
         except Exception as e:  # noqa: BLE001
             results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
         out.write_text(json.dumps({**report, "variants": results}, indent=1))

@@ -5,7 +5,6 @@
 #   bash bench/fp8/run.sh gemm        -> $OUT/fp8_gemm.json (+ .txt)
 #   bash bench/fp8/run.sh mismatch    -> $OUT/fp8_mismatch.json (+ .txt)
 #   bash bench/fp8/run.sh wgmma       -> $OUT/fp8_wgmma.json (+ .txt): the CUDA kernel probe
-#   bash bench/fp8/run.sh next        -> $OUT/wgmma_h200_12.json (+ .txt): next_gpu.sh, < 4 min
 #   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu    (NCU_VARIANT=1 ... ncu-source): Nsight Compute
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -15,10 +14,9 @@ for what in "${@:-gemm}"; do
   case "$what" in
     gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
     wgmma) python3 bench/fp8/wgmma.py --out "$OUT/fp8_wgmma.json" 2>&1 | tee "$OUT/fp8_wgmma.txt" ;;
-    next) bash bench/fp8/next_gpu.sh ;;
     ncu) bash bench/fp8/wgmma_ncu.sh "${NCU_VARIANTS:-1}" ;;
     ncu-source) bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-1}" ;;
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | next | ncu | ncu-source | mismatch)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch)"; exit 2 ;;
   esac
 done
