@@ -72,11 +72,12 @@ def timed_steps(engine: LLMEngine, steps: int) -> dict[str, list[float]]:
         c2 = time.perf_counter()
         HostBatch.build(spans, engine.kv.block_size, engine.block_tables)  # what the GPU path builds
         c3 = time.perf_counter()
-        hidden, last_index = engine._forward(spans)
+        seqs, rows = engine._sampling_rows(plan)
+        launched = engine._launch(spans, seqs, rows)
         c4 = time.perf_counter()
-        seqs, rows = engine.advance(plan)
+        engine.advance(plan)
         c5 = time.perf_counter()
-        out = engine.sample(hidden, last_index, seqs, rows)
+        out = launched.resolve()
         c6 = time.perf_counter()
         engine.commit(seqs, out)
         c7 = time.perf_counter()
@@ -99,8 +100,7 @@ def timed_steps_overlapped(engine: LLMEngine, steps: int) -> dict[str, list[floa
         c3 = time.perf_counter()
         seqs, rows = engine._sampling_rows(plan)
         c4 = time.perf_counter()
-        hidden, last_index = engine._forward(spans, feed)
-        launched = engine.launch_sample(hidden, last_index, seqs, rows)
+        launched = engine._launch(spans, seqs, rows, feed)
         for j, s in enumerate(seqs):
             s.pending += 1
             s.pending_row = j

@@ -233,21 +233,27 @@ def profile_one(args: argparse.Namespace, cuda: bool, device: torch.device, root
 
 
 class LogitsTap:
-    """Keeps a copy of every logits tensor the engine computes (CausalLM.logits, called once per
-    step outside the graph), to compare two engines' numerics row by row."""
+    """Keeps a copy of every logits tensor the engine computes, to compare two engines' numerics
+    row by row: CausalLM.logits outside a graph, and the decode graphs' static logits after each
+    replay (a clone queued behind it)."""
 
-    def __init__(self, model: Any):
-        self.model, self.rows = model, []
-        self.fn = model.logits
-        model.logits = self  # an instance attribute: shadows the method until close()
+    def __init__(self, eng: Any):
+        self.rows: list[torch.Tensor] = []
+        self.taps = [(eng.model, "logits")]
+        if eng.graphs is not None:
+            self.taps.append((eng.graphs, "run"))
+        for obj, name in self.taps:
+            fn = getattr(obj, name)
+            # An instance attribute: shadows the method until close().
+            setattr(obj, name, lambda *a, fn=fn, **k: self.keep(fn(*a, **k)))
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.fn(hidden)
+    def keep(self, out: torch.Tensor) -> torch.Tensor:
         self.rows.append(out.detach().clone())
         return out
 
     def close(self) -> list[torch.Tensor]:
-        del self.model.logits
+        for obj, name in self.taps:
+            delattr(obj, name)
         return self.rows
 
 
@@ -261,7 +267,7 @@ def greedy_runs(eng: Any, prompts: list[list[int]], tokens: int) -> dict[str, An
             input_ids=p, sampling=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         )
 
-    tap = LogitsTap(eng.model)
+    tap = LogitsTap(eng)
     try:
         alone = [eng.generate([req(p)])[0].choices[0].output_ids for p in prompts]
     finally:

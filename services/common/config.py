@@ -263,6 +263,11 @@ class EngineConfig(Strict):
     # cuda_graph_max_prefill_spans prompt chunks (cuda_graphs.MixedGraphs); others run eagerly.
     cuda_graph_mixed: bool = True
     cuda_graph_max_prefill_spans: int = Field(16, gt=0)
+    # With cuda_graphs and fused_kernels: a decode graph also computes the logits and samples every
+    # row with the fused sampler (cuda_graphs.DecodeGraphs, docs/engine.md "The decode step on the
+    # device"), so a decode step is one input copy, one replay and one result copy; steps with
+    # top-k/top-p/min-p rows or top-n log-probs sample the graph's logits outside it.
+    graph_sampling: bool = True
     # Programmatic Dependent Launch for the engine's Triton kernels (forward and fused sampler):
     # each may launch while the one before it still runs and prefetch its weights before waiting
     # (services/engine/kernels/pdl.py, docs/engine.md). Only where usable: off on CPU, under

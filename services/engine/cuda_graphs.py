@@ -9,12 +9,20 @@ Batches above the largest size run eagerly. Steps that carry prefill tokens run 
 (below): one graph per token count of a ladder, the decode graphs' memory pool shared.
 
 Inputs live in static device buffers the graphs were captured on (one int64 buffer: token ids,
-positions, slots, context lengths, block tables, the decode work list) and are refreshed from a
-pinned host mirror with one copy per step. Each size has two graphs: one program per row
-(batch.plan_decode says None), and the ragged work list (batch.DecodeWork) with a fixed grid of
-item_capacity(size) items, unused ones -1; the step's plan fills it. The logits projection and
-the sampler stay outside the graph: the sampler draws from per-request host RNGs and must stay
-exact about log-probs.
+positions, slots, context lengths, block tables, the decode work list, each row's temperature,
+sampling seed and pending-token source) and are refreshed from a pinned host mirror with one copy
+per step. Each size has two graphs: one program per row (batch.plan_decode says None), and the
+ragged work list (batch.DecodeWork) with a fixed grid of item_capacity(size) items, unused ones
+-1; the step's plan fills it.
+
+A decode graph is the whole step on the device (docs/engine.md, "The decode step on the device"):
+pending tokens of the step in flight fed in (kernels/feed.py), the forward, the logits, and, with
+`sample_in_graph` (the engine's fused sampler), kernels/sampling.py over every row into the static
+token / log-prob buffer, read back with one copy into one of two pinned host buffers. At batch 1
+the step's host work is then a handful of calls instead of ~30 launches and copies. A step that
+cannot sample that way (top-k/top-p/min-p rows, top-n log-probs, forks) samples the graph's static
+logits with the torch sampler; the graph's own draws are then ignored (no host RNG was drawn for
+them, so no request's random stream moves).
 
 Weights are updated in place (CausalLM.load_hf_state), so captured graphs stay valid across
 weight versions; the KV pool is allocated once, so its addresses never change either.
@@ -23,6 +31,7 @@ weight versions; the KV pool is allocated once, so its addresses never change ei
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import fields
 
 import numpy as np
@@ -42,6 +51,7 @@ from services.engine.batch import (
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM
 from services.engine.overlap import Feed, feed_pending
+from services.engine.sampler import PendingSample
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -124,20 +134,35 @@ class InputBuffers:
             "slots": b,
             "ctx": b,
             "tables": b * width,
+            "temps": b,  # float32 in the first half of these int64 slots (host and device alike)
+            "seeds": b,
+            "feed": b,  # the row of the in-flight step's tokens to take, or -1: the host's id
             **WorkBuffers.sizes(b, capacity),
         }
         self.host, self.dev, h, d = carve(parts, device)
         self.h_ids, self.h_pos, self.h_slots, self.h_ctx = h["ids"], h["pos"], h["slots"], h["ctx"]
         self.h_tables = h["tables"].reshape(b, width)
+        self.h_temps, self.h_seeds, self.h_feed = h["temps"].view(np.float32)[:b], h["seeds"], h["feed"]
         self.ids, self.pos, self.slots, self.ctx = d["ids"], d["pos"], d["slots"], d["ctx"]
         self.tables = d["tables"].view(b, width)
+        self.temps, self.seeds, self.feed = d["temps"].view(torch.float32)[:b], d["seeds"], d["feed"]
         self.work = WorkBuffers(h, d)
         self.h_slots[:] = -1  # every row starts as padding
+        self.h_feed[:] = -1
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def fill(self, hb: HostBatch, size: int, plan: DecodePlan | None, capacity: int) -> None:
-        """Rows [0, n) from the batch, rows [n, size) padding, the work list; then one copy to
-        the device."""
+    def fill(
+        self,
+        hb: HostBatch,
+        size: int,
+        plan: DecodePlan | None,
+        capacity: int,
+        sample: tuple[list[float], list[int]] | None = None,
+        feed: tuple[list[int], list[int]] | None = None,
+    ) -> None:
+        """Rows [0, n) from the batch, rows [n, size) padding, the work list, the rows'
+        (temperatures, seeds) if the graph's sampling is used (padding rows greedy), the
+        (rows, source rows) of pending tokens the graph feeds itself; then one copy to the device."""
         n, p = len(hb.ids), hb.tables.shape[1]
         if p > self.width:
             raise ValueError(f"block table of {p} pages exceeds the captured width {self.width}")
@@ -154,25 +179,32 @@ class InputBuffers:
         self.h_pos[n:size] = 0
         self.h_slots[n:size] = -1
         self.h_ctx[n:size] = 0
+        if sample is not None:
+            self.h_temps[:n], self.h_seeds[:n] = sample
+            self.h_temps[n:size] = 0.0
+        self.h_feed[:size] = -1
+        if feed is not None:
+            self.h_feed[feed[0]] = feed[1]
         self.work.fill(plan, capacity)
         self.dev.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
 
-def capture_forward(
-    model: CausalLM, kv: KVCache, batch: ForwardBatch, device: torch.device, pool: object | None
+def capture(
+    body: Callable[[], torch.Tensor], device: torch.device, pool: object | None
 ) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, object]:
-    """One forward captured as a graph in `pool`: (its output, the graph, the pool)."""
+    """`body` (a step's device work on static buffers) captured as a graph in `pool`: (its
+    output, the graph, the pool)."""
     # Warm up outside the graph: Triton compiles, cuBLAS picks its kernels and workspaces.
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        model(batch, kv)
+        body()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        out = model(batch, kv)
+        out = body()
     return out, graph, graph.pool()
 
 
@@ -184,18 +216,34 @@ class DecodeGraphs:
         max_batch: int,
         num_sms: int,
         device: torch.device,
+        sample_in_graph: bool = False,
+        pdl: bool = False,
     ):
+        """sample_in_graph: the graphs end with the fused sampler (kernels/sampling.py) over every
+        row; the engine sets it where its own sampler is the fused one. pdl: the sampler's launches
+        use PDL (the forward's follow CausalLM's own setting)."""
         self.model, self.kv, self.device = model, kv, device
         self.sizes = ladder(max_batch)
         self.width = -(-kv.max_seq_len // kv.block_size)
         self.n_kv_heads = model.config.n_kv_heads
         self.num_sms = num_sms
+        self.sample_in_graph, self.pdl = sample_in_graph, pdl
         self.capacity = {size: item_capacity(size, self.n_kv_heads, num_sms) for size in self.sizes}
-        self.buf = InputBuffers(self.sizes[-1], self.width, self.capacity[self.sizes[-1]], device)
+        b = self.sizes[-1]
+        self.buf = InputBuffers(b, self.width, self.capacity[b], device)
         # Keyed (size, ragged): one program per row, or the ragged work list (module docstring).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
-        self.arange = torch.arange(self.sizes[-1], device=device)
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}  # each graph's logits [size, vocab]
+        self.arange = torch.arange(b, device=device)
+        # The sampled tokens (row 0) and their float32 log-probs (row 1's first half), shared by
+        # every size: a graph feeds pending tokens from here, then overwrites it. One D2H copy a
+        # step into one of two pinned buffers: the host reads step N's while N+1's copy is queued.
+        self.result = torch.zeros(2, b, dtype=torch.int64, device=device)
+        self.tokens, self.logprobs = self.result[0], self.result[1].view(torch.float32)[:b]
+        pinned = device.type == "cuda"
+        self.result_host = [torch.zeros(2, b, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.result_ready = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
+        self._parity = 0
         self.pool: object | None = None  # the graphs' memory pool, once captured
         self.last_key: tuple[int, bool] | None = None  # the graph the last step replayed (benches)
 
@@ -207,16 +255,35 @@ class DecodeGraphs:
             b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None)
         )
 
+    def body(self, size: int, ragged: bool) -> torch.Tensor:
+        """The device work of a decode step of `size` rows on the static buffers (what a graph
+        captures; CPU tests run it eagerly): the logits [size, vocab]."""
+        from services.engine.kernels.pdl import scope as pdl_scope
+
+        b = self.buf
+        if self.sample_in_graph:
+            from services.engine.kernels.feed import feed_tokens
+            from services.engine.kernels.sampling import fused_sample
+
+            feed_tokens(b.ids[:size], b.feed[:size], self.tokens)
+        logits = self.model.logits(self.model(self.static_batch(size, ragged), self.kv))
+        if self.sample_in_graph:
+            with pdl_scope(self.pdl):
+                fused_sample(
+                    logits, b.temps[:size], b.seeds[:size], out=(self.tokens[:size], self.logprobs[:size])
+                )
+        return logits
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, all in one memory pool (a smaller graph reuses the larger one's blocks).
-        The buffers hold padding only (slot -1, context 0, no items), so capture neither reads
-        nor writes KV."""
+        The buffers hold padding only (slot -1, context 0, no items, no feed), so capture neither
+        reads nor writes KV."""
         self.buf.dev.copy_(self.buf.host)
         pool = None
         for key in sorted(((size, ragged) for size in self.sizes for ragged in (False, True)), reverse=True):
-            self.outputs[key], self.graphs[key], pool = capture_forward(
-                self.model, self.kv, self.static_batch(*key), self.device, pool
+            self.outputs[key], self.graphs[key], pool = capture(
+                lambda key=key: self.body(*key), self.device, pool
             )
         self.pool = pool
         torch.cuda.synchronize(self.device)
@@ -224,19 +291,56 @@ class DecodeGraphs:
     def can_run(self, hb: HostBatch) -> bool:
         return hb.decode_only and len(hb.ids) <= self.sizes[-1]
 
-    def run(self, hb: HostBatch, feed: Feed | None = None) -> torch.Tensor:
-        """Final hidden states [n, dim] of a decode-only batch (row i: span i). `feed`: rows whose
-        token is still on the device (overlap scheduling), written into the input buffer first."""
+    def feeds_itself(self, feed: Feed | None) -> bool:
+        """True if `feed`'s tokens are this graphs' token buffer (the step in flight sampled in a
+        graph): the next graph then reads them itself."""
+        return (
+            self.sample_in_graph
+            and feed is not None
+            and feed.tokens.device == self.tokens.device
+            and feed.tokens.data_ptr() == self.tokens.data_ptr()
+        )
+
+    def run(
+        self, hb: HostBatch, feed: Feed | None = None, sample: tuple[list[float], list[int]] | None = None
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of a decode-only batch (row i: span i). `feed`: rows whose token is
+        still on the device (overlap scheduling). `sample`: the rows' (temperatures, seeds) for
+        the graph's own sampling (sample_in_graph; read it with `pending`), else None."""
         n = len(hb.ids)
         size = padded_size(n, self.sizes)
         assert size is not None and hb.decode_only
+        assert sample is None or self.sample_in_graph
         n_rows = len(hb.ctx_lens)
         plan = plan_decode(hb.ctx_lens, np.arange(n_rows), self.n_kv_heads, self.num_sms)
-        self.buf.fill(hb, size, plan, self.capacity[size])
-        feed_pending(self.buf.ids, feed)
+        inside = self.feeds_itself(feed)
+        self.buf.fill(
+            hb, size, plan, self.capacity[size], sample, (feed.dst, feed.src) if inside and feed else None
+        )
+        if not inside:
+            feed_pending(self.buf.ids, feed)
         key = self.last_key = (size, plan is not None)
-        self.graphs[key].replay()
+        graph = self.graphs.get(key)
+        if graph is None:  # never captured (CPU tests): the same work, eagerly
+            return self.body(*key)[:n]
+        graph.replay()
         return self.outputs[key][:n]
+
+    def pending(self, n: int) -> PendingSample:
+        """The tokens the last replay sampled for its first n rows, on their way to the host."""
+        self._parity ^= 1
+        host, ready = self.result_host[self._parity], self.result_ready[self._parity]
+        host.copy_(self.result, non_blocking=True)
+        if ready is not None:
+            ready.record()
+        return PendingSample(
+            self.tokens[:n],
+            self.logprobs[:n],
+            None,
+            n,
+            ready,
+            (host[0, :n], host[1].view(torch.float32)[:n]),
+        )
 
 
 def token_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
@@ -407,8 +511,9 @@ class MixedGraphs:
         for key in sorted(
             ((size, ragged) for size in self.buf.sizes for ragged in (False, True)), reverse=True
         ):
-            self.outputs[key], self.graphs[key], pool = capture_forward(
-                self.model, self.kv, self.buf.static_batch(*key), self.device, pool
+            batch = self.buf.static_batch(*key)
+            self.outputs[key], self.graphs[key], pool = capture(
+                lambda batch=batch: self.model(batch, self.kv), self.device, pool
             )
         torch.cuda.synchronize(self.device)
 

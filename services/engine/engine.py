@@ -195,7 +195,15 @@ class LLMEngine:
         if not (self.cfg.cuda_graphs and self.attention_backend == "triton" and self.device.type == "cuda"):
             return None
         size = min(self.cfg.max_batch_size, self.cfg.cuda_graph_max_batch_size)
-        graphs = DecodeGraphs(self.model, self.kv, size, self.num_sms, self.device)
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv,
+            size,
+            self.num_sms,
+            self.device,
+            sample_in_graph=self.cfg.graph_sampling and self.sampler.fused,
+            pdl=self.pdl,
+        )
         try:
             graphs.capture()
         except RuntimeError:
@@ -223,16 +231,58 @@ class LLMEngine:
             return None
         return graphs
 
+    def _launch(
+        self, spans: list[Span], seqs: list[Sequence], rows: list[int], feed: Feed | None = None
+    ) -> PendingSample | None:
+        """Queue the step's forward and the sampling of `seqs` (from logit rows `rows`: the row of
+        each one's last token, by span); None if nothing samples. `feed`: rows whose token is still
+        on the device (overlap scheduling), written in before the forward."""
+        if self.attention_backend != "torch" and self.graphs is not None:
+            hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
+            if self.graphs.can_run(hb):
+                return self._launch_graph(hb, seqs, rows, feed)
+            hidden, last_index = self._forward_hb(hb, feed)
+        else:
+            hidden, last_index = self._forward(spans, feed)
+        return self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
+
+    def _launch_graph(
+        self, hb: HostBatch, seqs: list[Sequence], rows: list[int], feed: Feed | None
+    ) -> PendingSample | None:
+        """A decode step on its captured graph. With graph sampling (cuda_graphs.DecodeGraphs)
+        the graph samples every row itself when all rows sample in order and plainly; otherwise
+        the graph's logits go to the sampler."""
+        graphs = self.graphs
+        assert graphs is not None
+        n = len(hb.ids)
+        params = [s.params for s in seqs]
+        inside = (
+            graphs.sample_in_graph
+            and len(rows) == n
+            and rows == list(range(n))
+            and self.sampler.fuses(params, self.model_config.vocab_size, top_n=False)
+        )
+        draws = self.sampler.fused_draws(params, [s.rng for s in seqs]) if inside else None
+        logits = graphs.run(hb, feed, draws)
+        if not seqs:
+            return None
+        if inside:
+            return graphs.pending(n)
+        if len(rows) != n or rows != list(range(n)):
+            logits = logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
+        return self.sampler.launch(logits, params, [s.rng for s in seqs])
+
     def _forward(self, spans: list[Span], feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states of the flat batch and the row of each span's last token. `feed`:
-        rows whose token is still on the device (overlap scheduling), written in before the forward."""
+        """Final hidden states of the flat batch and the row of each span's last token, without
+        the decode graphs (their steps go through _launch_graph). `feed`: rows whose token is
+        still on the device (overlap scheduling), written in before the forward."""
         if self.attention_backend == "torch":
             batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
             feed_pending(batch.input_ids, feed)
             return self.model(batch, self.kv), batch.last_index
-        hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
-        if self.graphs is not None and self.graphs.can_run(hb):
-            return self.graphs.run(hb, feed), self.graphs.arange[: len(spans)]
+        return self._forward_hb(HostBatch.build(spans, self.kv.block_size, self.block_tables), feed)
+
+    def _forward_hb(self, hb: HostBatch, feed: Feed | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(hb):
             return self.mixed_graphs.run(hb, feed)
         batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
@@ -361,13 +411,15 @@ class LLMEngine:
             return expired
         t0 = time.perf_counter()
         spans = self.spans(plan)
+        seqs, rows = self._sampling_rows(plan)
         t1 = time.perf_counter()
-        hidden, last_index = self._forward(spans)
+        launched = self._launch(spans, seqs, rows)
         t2 = time.perf_counter()
         # Host bookkeeping that needs no sampled token runs here, while the forward is in flight.
-        seqs, rows = self.advance(plan)
+        self.advance(plan)
         t3 = time.perf_counter()
-        out = self.sample(hidden, last_index, seqs, rows)  # the step's one host <-> device sync
+        # The step's one host <-> device sync.
+        out = launched.resolve() if launched is not None else SampleOutput([], [], [])
         t4 = time.perf_counter()
         finished = self.commit(seqs, out)  # counts the generated tokens
         self.stats.observe_step(plan.num_seqs, 0, time.perf_counter() - t0)
@@ -400,35 +452,17 @@ class LLMEngine:
         self.stats.computed_tokens_total += fed
         return spans
 
-    def advance(self, plan: StepPlan) -> tuple[list[Sequence], list[int]]:
+    def advance(self, plan: StepPlan) -> None:
         """After the forward is issued: mark the fed tokens cached, publish full pages, give forked
-        children their pages. Returns the sequences that sample now and their logit rows
-        (a partial prefill chunk does not sample)."""
+        children their pages."""
         register = self.scheduler.register_full_pages
         bs = self.kv.block_size if self.scheduler.prefix_caching else 1 << 62
-        seqs: list[Sequence] = []
-        rows: list[int] = []
-        for i, (s, n) in enumerate(plan.compute):
+        for s, n in plan.compute:
             s.num_cached = cached = s.num_cached + n
             if len(s.block_hashes) < cached // bs:  # a page filled up (the call is a no-op otherwise)
                 register(s)
-            if cached == len(s.prompt) + len(s.output):
-                seqs.append(s)
-                rows.append(i)
         if plan.forks:
             self.scheduler.finish_forks(plan)
-            index = {id(s): i for i, (s, _) in enumerate(plan.compute)}
-            for child, parent in plan.forks:
-                seqs.append(child)
-                rows.append(index[id(parent)])
-        return seqs, rows
-
-    def sample(
-        self, hidden: torch.Tensor, last_index: torch.Tensor, seqs: list[Sequence], rows: list[int]
-    ) -> SampleOutput:
-        if not seqs:
-            return SampleOutput([], [], [])
-        return self.launch_sample(hidden, last_index, seqs, rows).resolve()
 
     def launch_sample(
         self, hidden: torch.Tensor, last_index: torch.Tensor, seqs: list[Sequence], rows: list[int]
@@ -491,8 +525,7 @@ class LLMEngine:
         spans, feed = self._spans_overlapped(plan)
         seqs, rows = self._sampling_rows(plan)
         t1 = time.perf_counter()
-        hidden, last_index = self._forward(spans, feed)
-        launched = self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
+        launched = self._launch(spans, seqs, rows, feed)
         for j, s in enumerate(seqs):
             s.pending += 1
             s.pending_row = j
@@ -574,8 +607,9 @@ class LLMEngine:
         return spans, Feed(dst, src, self._inflight.sample.tokens)
 
     def _sampling_rows(self, plan: StepPlan) -> tuple[list[Sequence], list[int]]:
-        """advance()'s choice of who samples, made before the forward's bookkeeping: a sequence
-        samples once every token it has (pending ones included) is fed."""
+        """The sequences that sample in this step and their logit rows, chosen before the forward:
+        a sequence samples once every token it has (pending ones included) is fed (a partial
+        prefill chunk does not sample); a forked child samples from its parent's row."""
         seqs: list[Sequence] = []
         rows: list[int] = []
         for i, (s, n) in enumerate(plan.compute):

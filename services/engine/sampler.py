@@ -120,8 +120,9 @@ class PendingSample:
         return PendingSample(tokens, logprobs, top, batch, ready, (host[0], host[1]))
 
     def resolve(self) -> SampleOutput:
-        if self.ready is not None and self.host is not None:
-            self.ready.synchronize()
+        if self.host is not None:
+            if self.ready is not None:
+                self.ready.synchronize()
             tokens, logprobs = self.host
         else:
             tokens, logprobs = self.tokens, self.logprobs
@@ -161,7 +162,7 @@ class Sampler:
     ) -> PendingSample:
         """Queue the sampling of a batch; the results stay on the device until resolve(). The RNG
         draws happen here, on the host, exactly as in sample()."""
-        if self.fused and all(plain(p, logits.shape[-1]) for p in params):
+        if self.fuses(params, logits.shape[-1]):
             return self._sample_fused(logits, params, rngs)
         logits = logits.float()
         batch, vocab = logits.shape
@@ -211,22 +212,35 @@ class Sampler:
         assert tokens.shape == (batch, 1)
         return PendingSample.start(tokens[:, 0], chosen[:, 0], self._top_launch(logits, params), batch)
 
+    def fuses(self, params: list[SamplingParams], vocab: int, top_n: bool = True) -> bool:
+        """True if this batch samples on the fused kernel: the sampler is the fused one and every
+        row is plain; with top_n=False, also no row asks for top-n log-probs (a decode graph's
+        own sampling reports none)."""
+        if not self.fused or not all(plain(p, vocab) for p in params):
+            return False
+        return top_n or all(p.logprobs is None for p in params)
+
+    @staticmethod
+    def fused_draws(params: list[SamplingParams], rngs: list[random.Random]) -> tuple[list[float], list[int]]:
+        """The fused kernel's per-row inputs: (temperatures, seeds). One draw per sampled token
+        from the row's RNG, as the torch path (a prefill service's first token advances the RNG
+        by exactly one draw: engine._seed_first_tokens); greedy rows draw nothing."""
+        temps = [p.temperature for p in params]
+        seeds = [
+            0 if p.temperature == 0 else int(rng.random() * 2**53)
+            for p, rng in zip(params, rngs, strict=True)
+        ]
+        return temps, seeds
+
     def _sample_fused(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> PendingSample:
         from services.engine.kernels.pdl import scope as pdl_scope
         from services.engine.kernels.sampling import fused_sample  # triton: only when used
 
-        # One draw per sampled token from the row's RNG, as the torch path (a prefill service's
-        # first token advances the RNG by exactly one draw: engine._seed_first_tokens).
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        seeds = torch.tensor(
-            [
-                0 if p.temperature == 0 else int(rng.random() * 2**53)
-                for p, rng in zip(params, rngs, strict=True)
-            ],
-            dtype=torch.int64,
-        )
+        t, s = self.fused_draws(params, rngs)
+        temps = torch.tensor(t, dtype=torch.float32)
+        seeds = torch.tensor(s, dtype=torch.int64)
         if logits.is_cuda:
             # Pinned + non_blocking: a pageable copy would wait here for the forward to finish.
             temps = host_to_device(temps, logits.device)

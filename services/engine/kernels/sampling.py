@@ -208,6 +208,7 @@ def fused_sample(
     seeds: torch.Tensor,
     block: int = BLOCK_V,
     programs: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, last dim contiguous), temps float32 [B] (0: greedy),
     seeds int64 [B] (non-negative, < 2^63). Returns tokens int64 [B] and their log-probs float32 [B].
@@ -215,12 +216,18 @@ def fused_sample(
     Each row is split into chunks of whole blocks so that about `programs` programs run (default:
     two per SM); a second kernel merges a row's chunks. The random stream is keyed by the column,
     so the chunking never changes which token a seed picks. Launched with PDL where kernels/pdl.py
-    says so (the engine's sampler enters its scope)."""
+    says so (the engine's sampler enters its scope). out: (tokens, logprobs) to write into instead
+    of new tensors (a captured graph's static outputs)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    if out is None:
+        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    else:
+        tokens, logprobs = out
+        if tokens.shape != (batch,) or logprobs.shape != (batch,) or not tokens.is_contiguous():
+            raise ValueError(f"out: two contiguous [{batch}] tensors expected")
     if batch:
         n_blocks = -(-vocab // block)
         want = programs if programs is not None else _target_programs(logits.device)
