@@ -5,9 +5,10 @@ times the persistent decode kernel under launch overrides, each as CUDA events a
 back-to-back launches (the residual row reset before each), rounds alternating between variants:
 
 - `full`: the engine's launch; `warps16`; `late_gu`: gate/up's weights loaded in the o_proj
-  phase, not already in the merge phase; `kv_ahead`: each attention item's first KV tile loaded
-  in the q/k/v phase (the results files of session 12 also hold `prefetch` and `fold`, switches
-  measured slower and removed since);
+  phase, not already in the merge phase; `kv_late`: each attention item's first KV tile loaded
+  in the attention phase, not already in the q/k/v phase (the default since session 13; its
+  results file calls the other side `kv_ahead`; session 12's files also hold `prefetch` and
+  `fold`, switches measured slower and removed since);
 - `barriers_only`: the grid barriers alone (WORK off);
 - `trace`: program 0's %globaltimer after every barrier, and inside each GEMV and attention
   phase once its inputs are in registers and once its result is computed: the mean time of each
@@ -38,12 +39,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full": {},
     "warps16": {"num_warps": 16},
     "late_gu": {"EARLY_GU": False},
-    "kv_ahead": {"KV_AHEAD": True},
+    "kv_late": {"KV_AHEAD": False},
     "trace": {"TRACE": True},
     "barriers_only": {"WORK": False},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "warps16", "late_gu", "kv_ahead", "trace")
+FULL_WORK = ("full", "warps16", "late_gu", "kv_late", "trace")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:

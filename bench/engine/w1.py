@@ -172,6 +172,7 @@ def engine_config(
     fp8: bool = False,
     mixed: bool = True,
     pdl: bool = True,
+    graph_sampling: bool = True,
 ) -> Any:
     from services.common.config import EngineConfig
 
@@ -192,6 +193,7 @@ def engine_config(
         cuda_graphs=graphs,
         cuda_graph_mixed=mixed,
         pdl=pdl,
+        graph_sampling=graph_sampling,
         fused_kernels=fused,
         overlap_schedule=overlap,
         quantization="fp8" if fp8 else "none",
@@ -353,6 +355,7 @@ def engine_variant(
     fp8: bool = False,
     mixed: bool = True,
     pdl: bool = True,
+    graph_sampling: bool = True,
 ) -> dict[str, Any]:
     from services.engine import LLMEngine
 
@@ -363,10 +366,12 @@ def engine_variant(
         "fused_kernels": fused,
         "overlap_schedule": overlap,
         "quantization": "fp8" if fp8 else "none",
+        "graph_sampling": graph_sampling,
     }
     t0 = time.perf_counter()
     engine = LLMEngine(
-        model_dir, engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed, pdl)
+        model_dir,
+        engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed, pdl, graph_sampling),
     )
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
@@ -825,9 +830,9 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed][+nopdl]" (EngineConfig.fused_kernels,
+        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed][+nopdl][+nogs]" (EngineConfig.fused_kernels,
         # .overlap_schedule, .quantization; nomixed: cuda_graph_mixed off, mixed steps eager;
-        # nopdl: EngineConfig.pdl off)
+        # nopdl: EngineConfig.pdl off; nogs: graph_sampling off)
         backend, *opts = name.split("+")
         graphs = "graphs" in opts and cuda
         fused = "fused" in opts
@@ -835,6 +840,7 @@ def main() -> None:
         fp8 = "fp8" in opts
         mixed = "nomixed" not in opts
         pdl = "nopdl" not in opts
+        graph_sampling = "nogs" not in opts
         if budget.left() < 40:
             report.data.setdefault("skipped", []).append(f"variant {name}: out of time")
             return
@@ -855,6 +861,7 @@ def main() -> None:
                 fp8,
                 mixed,
                 pdl,
+                graph_sampling,
             ),
         )
         if res is not None and first:

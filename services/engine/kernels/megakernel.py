@@ -439,14 +439,15 @@ def _decode_layers(
     RC_QKV: tl.constexpr, RC_O: tl.constexpr, RC_GU: tl.constexpr, RC_DN: tl.constexpr,
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
-    EARLY_GU: tl.constexpr = True, KV_AHEAD: tl.constexpr = False, TRACE: tl.constexpr = False,
+    EARLY_GU: tl.constexpr = True, KV_AHEAD: tl.constexpr = True, TRACE: tl.constexpr = False,
     WORK: tl.constexpr = True,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
     phase, each GEMV's weight slice loaded a phase or more ahead; else one phase per launch.
     EARLY_GU: gate/up's slice loaded in the merge phase (on: measured faster than in the o_proj
-    phase); KV_AHEAD: each item's first KV tile loaded in the q/k/v phase (off: not measured yet);
+    phase); KV_AHEAD: each item's first KV tile loaded in the q/k/v phase (on: 715 against 724 us
+    for 28 layers, bench/engine/results/megakernel_probe_h200_s13.json);
     TRACE: program 0's clock at every barrier and inside the phases; WORK off (the barriers only)
     is for bench/engine/megakernel_probe.py's breakdown. (L2 prefetch of weights or KV, and the
     merge folded into the attention phase behind a per-head counter, were measured slower and
