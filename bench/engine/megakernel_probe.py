@@ -9,7 +9,15 @@ back-to-back launches (the residual row reset before each), rounds alternating b
   in the attention phase, not already in the q/k/v phase (the default since session 13; its
   results file calls the other side `kv_ahead`; session 12's files also hold `prefetch` and
   `fold`, switches measured slower and removed since);
+- `nospread` (`nospread_arrivals` with TRACE_ALL): the look-ahead loads not spread (SPREAD off,
+  the default before session 13; its results files call the two sides `full` and `spread`);
+- `ta1`, `ta2`: only the arrival (1) or only the passing (2) stores of TRACE_ALL (session 13: the
+  passing stores alone made the kernel 3% faster, unexplained: `megakernel_probe_h200_stores.json`);
+- `pin<bits>`: PIN, volatile instructions around the barriers (bit 0 before the arrival, 1 after
+  it, 2 before the wait);
 - `barriers_only`: the grid barriers alone (WORK off);
+- `arrivals`: every program's time at each arrival and barrier passing (TRACE_ALL), summarised per
+  phase (which programs arrive last, by how much, how long the barrier takes to pass after them);
 - `trace`: program 0's %globaltimer after every barrier, and inside each GEMV and attention
   phase once its inputs are in registers and once its result is computed: the mean time of each
   phase (its barrier included) and its split into inputs / compute / store + barrier;
@@ -41,10 +49,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "late_gu": {"EARLY_GU": False},
     "kv_late": {"KV_AHEAD": False},
     "trace": {"TRACE": True},
+    "arrivals": {"TRACE_ALL": 3},
+    "nospread": {"SPREAD": False},
+    "nospread_arrivals": {"SPREAD": False, "TRACE_ALL": 3},
+    "ta1": {"TRACE_ALL": 1},
+    "ta2": {"TRACE_ALL": 2},
+    **{f"pin{b}": {"PIN": b} for b in (1, 2, 3, 4, 7)},
     "barriers_only": {"WORK": False},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "warps16", "late_gu", "kv_late", "trace")
+FULL_WORK = ("full", "warps16", "late_gu", "kv_late", "trace", "arrivals", "nospread", "nospread_arrivals", "ta1",
+             "ta2",
+             *(f"pin{b}" for b in (1, 2, 3, 4, 7)))  # fmt: skip
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
@@ -111,6 +127,7 @@ def read_trace(
 ) -> None:
     """One traced launch: program 0's barrier marks and inner marks (megakernel TRACE) into `out`."""
     mk.tuning = VARIANTS["trace"]
+    mk.trace.zero_()  # (the buffer is shared with TRACE_ALL's)
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
     t = mk.trace.cpu().double()
@@ -122,7 +139,7 @@ def read_trace(
     out["marks"] = n_marks
     # Inner marks (program 0): inputs in registers, result computed; so each phase splits
     # into waiting for its inputs after the barrier, computing, and storing + the barrier.
-    inner = t[layers * phases + 1 :].view(layers, phases, 2)
+    inner = t[layers * phases + 1 : 3 * layers * phases + 1].view(layers, phases, 2)
     split: dict[str, dict[str, float]] = {}
     for i, name in enumerate(PHASE_NAMES):
         rows = [
@@ -135,6 +152,39 @@ def read_trace(
             split[name] = {key: round(float(sum(c) / len(c)) / 1e3, 3)
                            for key, c in zip(("inputs", "compute", "store_and_barrier"), cols, strict=True)}  # fmt: skip
     out["us_split"] = split
+
+
+def read_arrivals(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int,
+                  out: dict[str, Any], variant: str) -> None:  # fmt: skip
+    """One launch with every program's (arrival, passing) time at every barrier (TRACE_ALL),
+    summarised per phase: how far the last arrival trails the median one, how long after the
+    last arrival the programs see the barrier pass, which programs arrive last most often, and
+    each program's mean lateness (us behind the median arrival)."""
+    mk.tuning = VARIANTS[variant]
+    mk.trace.zero_()
+    run_once(mk, inputs, h)
+    torch.cuda.synchronize()
+    p, phases = mk.programs, len(PHASE_NAMES)
+    nb = layers * phases - 1  # the last layer's down phase has no barrier
+    t = mk.trace[: 2 * p * layers * phases].view(p, layers * phases, 2)[:, :nb].cpu().double() / 1e3
+    arrive, passed = t[..., 0], t[..., 1]
+    median = arrive.median(dim=0).values
+    last, last_pid = arrive.max(dim=0)
+    late = arrive - median[None, :]
+    per: dict[str, Any] = {}
+    for i, name in enumerate(PHASE_NAMES):
+        cols = list(range(i, nb, phases))
+        pids = last_pid[cols].tolist()
+        per[name] = {
+            "last_after_median_us": round(float((last - median)[cols].mean()), 3),
+            "first_to_last_us": round(float((last - arrive.min(dim=0).values)[cols].mean()), 3),
+            "pass_after_last_us": round(float((passed[:, cols] - last[None, cols]).median()), 3),
+            "most_often_last": sorted(((pids.count(q), q) for q in set(pids)), reverse=True)[:5],
+            "latest_programs_mean_us": sorted(
+                ((round(float(late[q, cols].mean()), 3), q) for q in range(p)), reverse=True
+            )[:8],
+        }
+    out["arrivals"] = per
 
 
 def main() -> None:
@@ -176,6 +226,12 @@ def main() -> None:
                 continue
             mk.tuning = VARIANTS[name]
             results[name]["us"].append(round(time_us(mk, inputs, h, args.launches), 2))
+    for name in ("arrivals", "nospread_arrivals"):
+        if name in results and "error" not in results[name]:
+            try:
+                read_arrivals(mk, inputs, h, args.layers, results[name], name)
+            except Exception as e:  # noqa: BLE001 - the timings above still get written
+                results[name]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
     if "trace" in results and "error" not in results["trace"]:
         try:
             read_trace(mk, inputs, h, args.layers, results["trace"])

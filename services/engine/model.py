@@ -366,7 +366,6 @@ class CausalLM(nn.Module):
             return self._forward(batch, kv)
 
     def _forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         h = self.model.embed_tokens(batch.input_ids)
         if self.fp32_residual:
             h = h.float()  # sublayer outputs stay in the model dtype; `h + out` promotes
@@ -376,6 +375,8 @@ class CausalLM(nn.Module):
             assert dec is not None
             h = self.megakernel.run(h, batch.positions, batch.slot_mapping, dec.ctx_lens, dec.block_tables[0])
             return self.model.norm(h)
+        # (after the megakernel's branch: it reads the tables at the position itself)
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         if self.fused_elementwise and paged is not None:
             from services.engine.kernels.fused_norm import add_rms_norm
 

@@ -88,10 +88,23 @@ def _mark(trace_ptr, i, dep, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _grid_arrive(bar_ptr):
-    """This program's arrival at the grid barrier, after its stores (release)."""
+def _pin(ON: tl.constexpr):
+    """A volatile instruction (a timer read) the compiler cannot move memory operations across."""
+    if ON:
+        _globaltimer()
+
+
+@triton.jit
+def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constexpr, PIN: tl.constexpr):
+    """This program's arrival at the grid barrier, after its stores (release). TRACE_ALL: every
+    program records the time of each arrival (megakernel_probe.py's `arrivals`). PIN: volatile
+    instructions before (bit 0) and after (bit 1) the arrival."""
     tl.debug_barrier()
+    _pin(PIN & 1)
+    if TRACE_ALL & 1:
+        tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2, _globaltimer())
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    _pin(PIN & 2)
 
 
 @triton.jit
@@ -108,10 +121,15 @@ def _grid_wait(bar_ptr, target):
 
 
 @triton.jit
-def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
-    """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1."""
+def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr, NB: tl.constexpr,
+               TRACE_ALL: tl.constexpr, PIN: tl.constexpr):  # fmt: skip
+    """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1. TRACE_ALL:
+    the time this program saw it pass. PIN bit 2: a volatile instruction before the wait."""
+    _pin(PIN & 4)
+    _grid_wait(bar_ptr, (nb + 1) * P)
+    if TRACE_ALL & 2:
+        tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2 + 1, _globaltimer())
     nb += 1
-    _grid_wait(bar_ptr, nb * P)
     _trace(trace_ptr, nb, TRACE)
     return nb
 
@@ -195,6 +213,22 @@ def _load4(w_ptr, r0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl
     if NCH > 3:
         w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok)
     return w0, w1, w2, w3
+
+
+@triton.jit
+def _load_rest(w_ptr, r0, w0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok):
+    """_load4's tiles after the first (w0, already loaded), the unused ones standing in as w0."""
+    NCH: tl.constexpr = (R // RC) * (K // KC)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if NCH > 1:
+        w1 = _tile(w_ptr, r0, 1, K, RC, KC, ok)
+    if NCH > 2:
+        w2 = _tile(w_ptr, r0, 2, K, RC, KC, ok)
+    if NCH > 3:
+        w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok)
+    return w1, w2, w3
 
 
 @triton.jit
@@ -440,7 +474,8 @@ def _decode_layers(
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     EARLY_GU: tl.constexpr = True, KV_AHEAD: tl.constexpr = True, TRACE: tl.constexpr = False,
-    WORK: tl.constexpr = True,
+    WORK: tl.constexpr = True, TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
+    SPREAD: tl.constexpr = True, PIN: tl.constexpr = 0,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -448,7 +483,16 @@ def _decode_layers(
     EARLY_GU: gate/up's slice loaded in the merge phase (on: measured faster than in the o_proj
     phase); KV_AHEAD: each item's first KV tile loaded in the q/k/v phase (on: 715 against 724 us
     for 28 layers, bench/engine/results/megakernel_probe_h200_s13.json);
-    TRACE: program 0's clock at every barrier and inside the phases; WORK off (the barriers only)
+    SPREAD (on: 709-715 against 715-722 us in three runs, megakernel_probe_h200_spread*.json, _stores.json): the
+    look-ahead loads spread over more barriers (o_proj's slice after the attention phase instead
+    of the q/k/v phase; with EARLY_GU, gate/up's first tile in the merge phase and the rest in the
+    o_proj phase): a program polling the barrier behind ~100 KB of outstanding loads sees it pass
+    2-3.5 us late (TRACE_ALL), behind <= 48 KB ~1 us;
+    PIN: volatile instructions around each barrier (bits: before the arrival, after it, before
+    the wait), which the compiler cannot move the look-ahead loads across;
+    TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
+    every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
+    barriers; WORK off (the barriers only)
     is for bench/engine/megakernel_probe.py's breakdown. (L2 prefetch of weights or KV, and the
     merge folded into the attention phase behind a per-head counter, were measured slower and
     removed: bench/engine/README.md, session 12.)"""
@@ -475,6 +519,9 @@ def _decode_layers(
     # EARLY_GU: gate/up's slice loaded already in the merge phase (through o_proj as well).
     GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and (PHASES & 4) != 0
     # KV_AHEAD: each attention item's first key tile loaded in the q/k/v phase (after the arrival).
+    # SPREAD: o_proj's slice after the attention phase; gate/up's split over merge and o_proj.
+    O_AT_ATTN: tl.constexpr = SPREAD and AHEAD_O and (PHASES & 2) != 0
+    GU_SPLIT: tl.constexpr = SPREAD and EARLY_GU and AHEAD_GU and (PHASES & 4) != 0
     AHEAD_KV: tl.constexpr = KV_AHEAD and PERSISTENT and (PHASES & 1) != 0 and (PHASES & 2) != 0
     r_qkv = pid * R_QKV
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before (carried
@@ -497,13 +544,13 @@ def _decode_layers(
                 _gemv(q0, q1, q2, q3, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
                       D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr)
-            if AHEAD_O:
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+            if AHEAD_O and not O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
         if PHASES & 2:  # attention partials
             if not AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
@@ -514,17 +561,22 @@ def _decode_layers(
                     k1, k2, v, nmask, H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
                 )  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr)
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+            if O_AT_ATTN:
+                o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
+            if PERSISTENT:
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
         if PHASES & 4:  # merge
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
-                _grid_arrive(bar_ptr)
-            if GU_AT_MERGE:  # gate/up's slice streams in through o_proj too
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+            if GU_SPLIT:  # its first tile only, the rest after o_proj
+                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
+            elif GU_AT_MERGE:  # gate/up's slice streams in through o_proj too
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
         if PHASES & 8:  # o_proj + residual
             if not AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
@@ -532,11 +584,13 @@ def _decode_layers(
                 _gemv(o0, o1, o2, o3, pid * R_O, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True,
                       trace_ptr, tin + 6, TRACE)  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
             if AHEAD_GU and not GU_AT_MERGE:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
+            if GU_SPLIT:
+                u1, u2, u3 = _load_rest(_weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
         if PHASES & 16:  # gate/up
             if not AHEAD_GU:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
@@ -544,11 +598,11 @@ def _decode_layers(
                 _gemv(u0, u1, u2, u3, pid * R_GU, h_ptr, _weight(w_ptr, row, 5), eps, gu_ptr,
                       D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE)  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
             if AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
         if PHASES & 32:  # down + residual
             if not AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
@@ -556,11 +610,11 @@ def _decode_layers(
                 _gemv(d0, d1, d2, d3, pid * R_DN, gu_ptr, w_ptr, eps, h_ptr,
                       INTER, R_DN, RC_DN, KC_DN, 2, INTER, True, trace_ptr, tin + 10, TRACE)  # fmt: skip
             if PERSISTENT and layer + 1 < layer_hi:
-                _grid_arrive(bar_ptr)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
             if AHEAD_QKV:
                 q0, q1, q2, q3 = _load4(_weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next)
             if PERSISTENT and layer + 1 < layer_hi:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
 
 
 def _weight_offsets(per_layer: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -710,7 +764,9 @@ class DecodeMegakernel:
         self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # zeroed before every launch
         # Program 0's time after each barrier, then two inner marks a phase (TRACE:
         # megakernel_probe.py's per-phase breakdown).
-        self.trace = torch.zeros(3 * s.n_layers * int(N_PHASES) + 1, dtype=torch.int64, device=dev)
+        # TRACE_ALL: (arrival, passing) of every program at every barrier.
+        marks = max(3 * s.n_layers * int(N_PHASES) + 1, 2 * p * s.n_layers * int(N_PHASES))
+        self.trace = torch.zeros(marks, dtype=torch.int64, device=dev)
         r = {"QKV": (nq + 2 * nkv) // p, "O": s.dim // p, "GU": 2 * s.inter // p, "DN": s.dim // p}
         k = {"QKV": s.dim, "O": nq, "GU": s.dim, "DN": s.inter}
         tiling = {name: _tiling(r[name], k[name]) for name in r}
@@ -720,7 +776,7 @@ class DecodeMegakernel:
             "D": s.dim, "H": s.n_heads, "HKV": s.n_kv_heads, "HD": s.head_dim, "INTER": s.inter, "P": p,
             # >= 16 query rows: the attention's tensor-core dots (padding rows are zeros).
             "S": self.partitions, "G_PAD": max(16, triton.next_power_of_2(s.n_heads // s.n_kv_heads)),
-            "PAGE": page, "QK_NORM": bool(m.qk_norm),
+            "PAGE": page, "QK_NORM": bool(m.qk_norm), "NB": s.n_layers * int(N_PHASES),
             **{f"RC_{name}": t[0] for name, t in tiling.items() if t is not None},
             **{f"KC_{name}": t[1] for name, t in tiling.items() if t is not None},
         }  # fmt: skip
