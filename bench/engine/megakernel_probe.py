@@ -13,8 +13,8 @@ back-to-back launches (the residual row reset before each), rounds alternating b
   the default before session 13; its results files call the two sides `full` and `spread`);
 - `ta1`, `ta2`: only the arrival (1) or only the passing (2) stores of TRACE_ALL (session 13: the
   passing stores alone made the kernel 3% faster, unexplained: `megakernel_probe_h200_stores.json`);
-- `pin<bits>`: PIN, volatile instructions around the barriers (bit 0 before the arrival, 1 after
-  it, 2 before the wait);
+- (`megakernel_probe_h200_spread_pin.json` also holds PIN: volatile timer reads around the
+  barriers, to keep the compiler from moving loads across them; no effect, removed since);
 - `barriers_only`: the grid barriers alone (WORK off);
 - `arrivals`: every program's time at each arrival and barrier passing (TRACE_ALL), summarised per
   phase (which programs arrive last, by how much, how long the barrier takes to pass after them);
@@ -54,13 +54,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nospread_arrivals": {"SPREAD": False, "TRACE_ALL": 3},
     "ta1": {"TRACE_ALL": 1},
     "ta2": {"TRACE_ALL": 2},
-    **{f"pin{b}": {"PIN": b} for b in (1, 2, 3, 4, 7)},
     "barriers_only": {"WORK": False},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
 FULL_WORK = ("full", "warps16", "late_gu", "kv_late", "trace", "arrivals", "nospread", "nospread_arrivals", "ta1",
-             "ta2",
-             *(f"pin{b}" for b in (1, 2, 3, 4, 7)))  # fmt: skip
+             "ta2")  # fmt: skip
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:

@@ -88,23 +88,13 @@ def _mark(trace_ptr, i, dep, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _pin(ON: tl.constexpr):
-    """A volatile instruction (a timer read) the compiler cannot move memory operations across."""
-    if ON:
-        _globaltimer()
-
-
-@triton.jit
-def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constexpr, PIN: tl.constexpr):
+def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constexpr):
     """This program's arrival at the grid barrier, after its stores (release). TRACE_ALL: every
-    program records the time of each arrival (megakernel_probe.py's `arrivals`). PIN: volatile
-    instructions before (bit 0) and after (bit 1) the arrival."""
+    program records the time of each arrival (megakernel_probe.py's `arrivals`)."""
     tl.debug_barrier()
-    _pin(PIN & 1)
     if TRACE_ALL & 1:
         tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2, _globaltimer())
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    _pin(PIN & 2)
 
 
 @triton.jit
@@ -122,10 +112,9 @@ def _grid_wait(bar_ptr, target):
 
 @triton.jit
 def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr, NB: tl.constexpr,
-               TRACE_ALL: tl.constexpr, PIN: tl.constexpr):  # fmt: skip
+               TRACE_ALL: tl.constexpr):  # fmt: skip
     """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1. TRACE_ALL:
-    the time this program saw it pass. PIN bit 2: a volatile instruction before the wait."""
-    _pin(PIN & 4)
+    the time this program saw it pass."""
     _grid_wait(bar_ptr, (nb + 1) * P)
     if TRACE_ALL & 2:
         tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2 + 1, _globaltimer())
@@ -475,7 +464,7 @@ def _decode_layers(
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     EARLY_GU: tl.constexpr = True, KV_AHEAD: tl.constexpr = True, TRACE: tl.constexpr = False,
     WORK: tl.constexpr = True, TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
-    SPREAD: tl.constexpr = True, PIN: tl.constexpr = 0,
+    SPREAD: tl.constexpr = True,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -488,8 +477,6 @@ def _decode_layers(
     of the q/k/v phase; with EARLY_GU, gate/up's first tile in the merge phase and the rest in the
     o_proj phase): a program polling the barrier behind ~100 KB of outstanding loads sees it pass
     2-3.5 us late (TRACE_ALL), behind <= 48 KB ~1 us;
-    PIN: volatile instructions around each barrier (bits: before the arrival, after it, before
-    the wait), which the compiler cannot move the look-ahead loads across;
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
     barriers; WORK off (the barriers only)
@@ -544,13 +531,13 @@ def _decode_layers(
                 _gemv(q0, q1, q2, q3, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
                       D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_O and not O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
         if PHASES & 2:  # attention partials
             if not AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
@@ -561,22 +548,22 @@ def _decode_layers(
                     k1, k2, v, nmask, H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
                 )  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
         if PHASES & 4:  # merge
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if GU_SPLIT:  # its first tile only, the rest after o_proj
                 u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
             elif GU_AT_MERGE:  # gate/up's slice streams in through o_proj too
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
         if PHASES & 8:  # o_proj + residual
             if not AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
@@ -584,13 +571,13 @@ def _decode_layers(
                 _gemv(o0, o1, o2, o3, pid * R_O, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True,
                       trace_ptr, tin + 6, TRACE)  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_GU and not GU_AT_MERGE:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if GU_SPLIT:
                 u1, u2, u3 = _load_rest(_weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
         if PHASES & 16:  # gate/up
             if not AHEAD_GU:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
@@ -598,11 +585,11 @@ def _decode_layers(
                 _gemv(u0, u1, u2, u3, pid * R_GU, h_ptr, _weight(w_ptr, row, 5), eps, gu_ptr,
                       D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE)  # fmt: skip
             if PERSISTENT:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
         if PHASES & 32:  # down + residual
             if not AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
@@ -610,11 +597,11 @@ def _decode_layers(
                 _gemv(d0, d1, d2, d3, pid * R_DN, gu_ptr, w_ptr, eps, h_ptr,
                       INTER, R_DN, RC_DN, KC_DN, 2, INTER, True, trace_ptr, tin + 10, TRACE)  # fmt: skip
             if PERSISTENT and layer + 1 < layer_hi:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL, PIN)
+                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_QKV:
                 q0, q1, q2, q3 = _load4(_weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next)
             if PERSISTENT and layer + 1 < layer_hi:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, PIN)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
 
 
 def _weight_offsets(per_layer: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list[list[int]]]:

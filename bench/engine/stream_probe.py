@@ -1,0 +1,450 @@
+"""Does a producer warp streaming weights over TMA take the weight DRAM time off the barrier chain?
+
+Session 13's TRACE_ALL runs of the batch-1 persistent kernel (kernels/megakernel.py) showed that a
+program polling a grid barrier behind ~100 KB of outstanding register loads sees it pass 2-3.5 us
+late: the weight reads that were meant to overlap the barrier chain sit on it instead, because the
+warps that compute are also the warps that load. This probe runs the same chain of GEMV phases as
+that kernel (Qwen3-0.6B's q/k/v, o_proj, gate/up and down, 28 layers, a grid barrier after each,
+no norms or attention) two ways, on random weights, in one process:
+
+- `triton`: the megakernel itself with only those phases (PHASES = 57): weight slices loaded into
+  registers a phase ahead by the computing warps;
+- `gluon_no_weights`: that kernel's chain of barriers and input loads alone (no weights);
+- `gluon_l2_weights`: every layer streams layer 0's weights (from L2 after the first layer);
+- `gluon_w8`: 8 consumer warps instead of 4;
+- `gluon`: a Gluon kernel whose four producer warps (one per weight) stream each program's slices
+  with TMA into shared-memory rings (mbarrier handshakes), while four consumer warps compute and
+  meet at the grid barriers; a producer runs up to a ring ahead, across phases and layers.
+
+Both are checked against a float32 torch chain with the same bf16 roundings. Needs Hopper and a
+Triton with Gluon (3.6 has it).
+
+    python3 bench/engine/stream_probe.py --out $OUT/stream_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+D, NQKV, NQ, INTER = 1024, 4096, 2048, 3072
+P = 128
+# The CTA-wide barrier (Triton 3.6: gl.thread_barrier; later Gluon: gl.barrier).
+_cta_sync = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# The TMA load into shared memory (3.6: async_copy_global_to_shared; later: async_load).
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# Per weight: rows a program owns, K, columns per chunk / 64, chunks per row group, ring slots,
+# rows per chunk (a TMA box is [rows, columns / 64, 64], each a power of two).
+SHAPES = {
+    "qkv": (NQKV // P, D, 4, 4, 4, 32),
+    "o": (D // P, NQ, 16, 2, 2, 8),
+    "gu": (2 * INTER // P, D, 4, 4, 9, 16),
+    "dn": (D // P, INTER, 16, 3, 3, 8),
+}
+
+
+@gluon.jit
+def _produce(desc, bufs, ready, empty, layers, R: gl.constexpr, CK: gl.constexpr, NCH: gl.constexpr,
+             PROGS: gl.constexpr, RB: gl.constexpr, WEIGHTS: gl.constexpr, SAME: gl.constexpr):  # fmt: skip
+    """One weight's slices of every layer, chunk by chunk (row groups of RB, then columns), into
+    its ring."""
+    pid = gl.program_id(0)
+    NBUF: gl.constexpr = bufs.type.shape[0]
+    i = 0
+    for layer in range(layers * WEIGHTS):  # (WEIGHTS off: nothing to stream)
+        for rg in gl.static_range(R // RB):
+            row = ((layer * (1 - SAME)) * PROGS + pid) * R + rg * RB  # SAME: layer 0's, from L2
+            for c in gl.static_range(NCH):
+                slot = i % NBUF
+                mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+                _tma_load(desc, [row, c * CK, 0], ready.index(slot), bufs.index(slot))
+                i += 1
+
+
+@gluon.jit
+def _x_chunk(x_ptr, c: gl.constexpr, CK: gl.constexpr, X_MODE: gl.constexpr, HALF: gl.constexpr,
+             L3: gl.constexpr):  # fmt: skip
+    """Columns [c CK 64, (c + 1) CK 64) of the GEMV input, float32 [CK, 64] (X_MODE 0: float32
+    rounded to bf16; 1: bf16; 2: SiLU(gate) * up)."""
+    XL: gl.constexpr = gl.SliceLayout(0, L3)
+    ck = gl.arange(0, CK, layout=gl.SliceLayout(1, XL))
+    cc = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+    cols = (c * CK + ck)[:, None] * 64 + cc[None, :]
+    if X_MODE == 0:
+        x = gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.bfloat16).to(gl.float32)
+    elif X_MODE == 1:
+        x = gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.float32)
+    else:
+        g = gl.load(x_ptr + cols, cache_modifier=".cg").to(gl.float32)
+        u = gl.load(x_ptr + HALF + cols, cache_modifier=".cg").to(gl.float32)
+        x = (g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16).to(gl.float32)
+    return x
+
+
+@gluon.jit
+def _x4(x_ptr, CK: gl.constexpr, NCH: gl.constexpr, X_MODE: gl.constexpr, HALF: gl.constexpr,
+        L3: gl.constexpr):  # fmt: skip
+    """The input's chunks (at most 4), every load issued before any is used: one L2 round trip a
+    phase, not one a chunk. Unused ones stand in as the first."""
+    x0 = _x_chunk(x_ptr, 0, CK, X_MODE, HALF, L3)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if NCH > 1:
+        x1 = _x_chunk(x_ptr, 1, CK, X_MODE, HALF, L3)
+    if NCH > 2:
+        x2 = _x_chunk(x_ptr, 2, CK, X_MODE, HALF, L3)
+    if NCH > 3:
+        x3 = _x_chunk(x_ptr, 3, CK, X_MODE, HALF, L3)
+    return x0, x1, x2, x3
+
+
+@gluon.jit
+def _chunk_dot(acc, bufs, ready, empty, it, x, L3: gl.constexpr, WEIGHTS: gl.constexpr):
+    """acc + this chunk's products. WEIGHTS off (the chain without its weights): x alone."""
+    if not WEIGHTS:
+        return acc + gl.sum(gl.expand_dims(x, 0), axis=2), it + 1
+    NBUF: gl.constexpr = bufs.type.shape[0]
+    slot = it % NBUF
+    mbarrier.wait(ready.index(slot), (it // NBUF) & 1)
+    w = bufs.index(slot).load(L3).to(gl.float32)
+    fence_async_shared()
+    mbarrier.arrive(empty.index(slot), count=1)
+    return acc + gl.sum(w * gl.expand_dims(x, 0), axis=2), it + 1
+
+
+@gluon.jit
+def _consume(bufs, ready, empty, it, xs, R: gl.constexpr, CK: gl.constexpr, NCH: gl.constexpr,
+             L3: gl.constexpr, WEIGHTS: gl.constexpr):  # fmt: skip
+    """This program's rows (one row group) of a GEMV from its ring, times the input chunks xs
+    (_x4): float32 [R]; returns it and the ring counter."""
+    gl.static_assert(NCH <= 4)
+    acc = gl.zeros([R, CK], gl.float32, layout=gl.SliceLayout(2, L3))
+    x0, x1, x2, x3 = xs
+    acc, it = _chunk_dot(acc, bufs, ready, empty, it, x0, L3, WEIGHTS)
+    if NCH > 1:
+        acc, it = _chunk_dot(acc, bufs, ready, empty, it, x1, L3, WEIGHTS)
+    if NCH > 2:
+        acc, it = _chunk_dot(acc, bufs, ready, empty, it, x2, L3, WEIGHTS)
+    if NCH > 3:
+        acc, it = _chunk_dot(acc, bufs, ready, empty, it, x3, L3, WEIGHTS)
+    return gl.sum(acc, axis=1), it
+
+
+@gluon.jit
+def _barrier(bar_ptr, nb, PROGS: gl.constexpr):
+    _cta_sync()
+    gl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    target = (nb + 1) * PROGS
+    seen = gl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = gl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    _cta_sync()
+    return nb + 1
+
+
+@gluon.jit
+def _rows_out(y_ptr, r0, y, R: gl.constexpr, RESIDUAL: gl.constexpr, L3: gl.constexpr):
+    rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    yb = y.to(gl.bfloat16)
+    if RESIDUAL:
+        gl.store(y_ptr + rows, gl.load(y_ptr + rows, cache_modifier=".cg") + yb.to(gl.float32))
+    else:
+        gl.store(y_ptr + rows, yb)
+
+
+@gluon.jit
+def _compute(bufs, ready, empty, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
+             RQ: gl.constexpr, RO: gl.constexpr, RG: gl.constexpr, RD: gl.constexpr,
+             CQ: gl.constexpr, CO: gl.constexpr, CG: gl.constexpr, CD: gl.constexpr,
+             NQ_: gl.constexpr, NO: gl.constexpr, NG: gl.constexpr, ND: gl.constexpr,
+             RBQ: gl.constexpr, RBO: gl.constexpr, RBG: gl.constexpr, RBD: gl.constexpr,
+             PROGS: gl.constexpr, HALF: gl.constexpr, WEIGHTS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """The consumer warps (NW): four GEMV phases a layer, a grid barrier after each."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+    qb, ob, gb, db = bufs
+    qr, orr, gr, dr = ready
+    qe, oe, ge, de = empty
+    pid = gl.program_id(0)
+    iq = 0
+    io = 0
+    ig = 0
+    idn = 0
+    nb = 0
+    for _layer in range(layers):
+        xs = _x4(h_ptr, CQ, NQ_, 0, 0, L3)
+        for rg in gl.static_range(RQ // RBQ):
+            y, iq = _consume(qb, qr, qe, iq, xs, RBQ, CQ, NQ_, L3, WEIGHTS)
+            _rows_out(qkv_ptr, pid * RQ + rg * RBQ, y, RBQ, False, L3)
+        nb = _barrier(bar_ptr, nb, PROGS)
+        xs = _x4(qkv_ptr, CO, NO, 1, 0, L3)
+        for rg in gl.static_range(RO // RBO):
+            y, io = _consume(ob, orr, oe, io, xs, RBO, CO, NO, L3, WEIGHTS)
+            _rows_out(h_ptr, pid * RO + rg * RBO, y, RBO, True, L3)
+        nb = _barrier(bar_ptr, nb, PROGS)
+        xs = _x4(h_ptr, CG, NG, 0, 0, L3)
+        for rg in gl.static_range(RG // RBG):
+            y, ig = _consume(gb, gr, ge, ig, xs, RBG, CG, NG, L3, WEIGHTS)
+            _rows_out(gu_ptr, pid * RG + rg * RBG, y, RBG, False, L3)
+        nb = _barrier(bar_ptr, nb, PROGS)
+        xs = _x4(gu_ptr, CD, ND, 2, HALF, L3)
+        for rg in gl.static_range(RD // RBD):
+            y, idn = _consume(db, dr, de, idn, xs, RBD, CD, ND, L3, WEIGHTS)
+            _rows_out(h_ptr, pid * RD + rg * RBD, y, RBD, True, L3)
+        nb = _barrier(bar_ptr, nb, PROGS)
+
+
+@gluon.jit
+def _stream_kernel(dq, do, dg, dd, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
+                   RQ: gl.constexpr, RO: gl.constexpr, RG: gl.constexpr, RD: gl.constexpr,
+                   CQ: gl.constexpr, CO: gl.constexpr, CG: gl.constexpr, CD: gl.constexpr,
+                   NQ_: gl.constexpr, NO: gl.constexpr, NG: gl.constexpr, ND: gl.constexpr,
+                   BQ: gl.constexpr, BO: gl.constexpr, BG: gl.constexpr, BD: gl.constexpr,
+                   PROGS: gl.constexpr, HALF: gl.constexpr,
+                   RBQ: gl.constexpr, RBO: gl.constexpr, RBG: gl.constexpr, RBD: gl.constexpr,
+                   WEIGHTS: gl.constexpr = True, SAME: gl.constexpr = 0, NW: gl.constexpr = 4):  # fmt: skip
+    qb = gl.allocate_shared_memory(gl.bfloat16, [BQ, RBQ, CQ, 64], dq.layout)
+    ob = gl.allocate_shared_memory(gl.bfloat16, [BO, RBO, CO, 64], do.layout)
+    gb = gl.allocate_shared_memory(gl.bfloat16, [BG, RBG, CG, 64], dg.layout)
+    db = gl.allocate_shared_memory(gl.bfloat16, [BD, RBD, CD, 64], dd.layout)
+    qr = gl.allocate_shared_memory(gl.int64, [BQ, 1], mbarrier.MBarrierLayout())
+    qe = gl.allocate_shared_memory(gl.int64, [BQ, 1], mbarrier.MBarrierLayout())
+    orr = gl.allocate_shared_memory(gl.int64, [BO, 1], mbarrier.MBarrierLayout())
+    oe = gl.allocate_shared_memory(gl.int64, [BO, 1], mbarrier.MBarrierLayout())
+    gr = gl.allocate_shared_memory(gl.int64, [BG, 1], mbarrier.MBarrierLayout())
+    ge = gl.allocate_shared_memory(gl.int64, [BG, 1], mbarrier.MBarrierLayout())
+    dr = gl.allocate_shared_memory(gl.int64, [BD, 1], mbarrier.MBarrierLayout())
+    de = gl.allocate_shared_memory(gl.int64, [BD, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(BQ):
+        mbarrier.init(qr.index(i), count=1)
+        mbarrier.init(qe.index(i), count=1)
+    for i in gl.static_range(BO):
+        mbarrier.init(orr.index(i), count=1)
+        mbarrier.init(oe.index(i), count=1)
+    for i in gl.static_range(BG):
+        mbarrier.init(gr.index(i), count=1)
+        mbarrier.init(ge.index(i), count=1)
+    for i in gl.static_range(BD):
+        mbarrier.init(dr.index(i), count=1)
+        mbarrier.init(de.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (_compute, ((qb, ob, gb, db), (qr, orr, gr, dr), (qe, oe, ge, de), h_ptr, qkv_ptr, gu_ptr, bar_ptr,
+                        layers, RQ, RO, RG, RD, CQ, CO, CG, CD, NQ_, NO, NG, ND, RBQ, RBO, RBG, RBD, PROGS, HALF,
+                        WEIGHTS, NW)),
+            (_produce, (dq, qb, qr, qe, layers, RQ, CQ, NQ_, PROGS, RBQ, WEIGHTS, SAME)),
+            (_produce, (do, ob, orr, oe, layers, RO, CO, NO, PROGS, RBO, WEIGHTS, SAME)),
+            (_produce, (dg, gb, gr, ge, layers, RG, CG, NG, PROGS, RBG, WEIGHTS, SAME)),
+            (_produce, (dd, db, dr, de, layers, RD, CD, ND, PROGS, RBD, WEIGHTS, SAME)),
+        ],
+        [1, 1, 1, 1],
+        [24, 24, 24, 24],
+    )  # fmt: skip
+
+
+class Stream:
+    """The Gluon chain over stacked per-layer weights (the four [layers * N, K] tensors)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], layers: int):
+        self.layers, self.weights = layers, weights
+        self.descs = []
+        for name in ("qkv", "o", "gu", "dn"):
+            _, k, ck, _, _, rb = SHAPES[name]
+            w = weights[name]
+            v = w.view(w.shape[0], k // 64, 64)
+            block = [rb, ck, 64]
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+            self.descs.append(TensorDescriptor(v, list(v.shape), list(v.stride()), block, layout))
+        dev = next(iter(weights.values())).device
+        self.qkv = torch.zeros(NQKV, dtype=torch.bfloat16, device=dev)
+        self.gu = torch.zeros(2 * INTER, dtype=torch.bfloat16, device=dev)
+        self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def run(self, h: torch.Tensor, weights: bool = True, same: bool = False, warps: int = 4) -> None:
+        """weights off: the same chain of barriers and input loads without the weights; same:
+        every layer streams layer 0's weights (which then come from L2, not DRAM); warps: the
+        consumer warps."""
+        self.bar.zero_()
+        s = SHAPES
+        _stream_kernel[(P,)](
+            *self.descs, h, self.qkv, self.gu, self.bar, self.layers,
+            *(s[n][0] for n in ("qkv", "o", "gu", "dn")), *(s[n][2] for n in ("qkv", "o", "gu", "dn")),
+            *(s[n][3] for n in ("qkv", "o", "gu", "dn")), *(s[n][4] for n in ("qkv", "o", "gu", "dn")),
+            P, INTER, *(s[n][5] for n in ("qkv", "o", "gu", "dn")), weights, int(same), warps, num_warps=warps,
+        )  # fmt: skip
+
+
+def reference(weights: dict[str, torch.Tensor], h0: torch.Tensor, layers: int) -> torch.Tensor:
+    """The same chain in float32 with the kernels' bf16 roundings."""
+    h = h0.clone()
+    f = {k: v.float() for k, v in weights.items()}
+    for layer in range(layers):
+
+        def w(name: str, n: int, layer: int = layer) -> torch.Tensor:
+            return f[name][layer * n : (layer + 1) * n]
+
+        qkv = (w("qkv", NQKV) @ h.bfloat16().float()).bfloat16().float()
+        h = h + (w("o", D) @ qkv[:NQ]).bfloat16().float()
+        gu = (w("gu", 2 * INTER) @ h.bfloat16().float()).bfloat16().float()
+        g, u = gu[:INTER], gu[INTER:]
+        x = (g / (1 + torch.exp(-g)) * u).bfloat16().float()
+        h = h + (w("dn", D) @ x).bfloat16().float()
+    return h
+
+
+def time_us(fn: Any, n: int) -> float:
+    """Back-to-back launches (each resetting its input row first), as megakernel_probe times."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--launches", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from bench.engine.megakernel_probe import build, run_once
+    from bench.engine.w1 import measure_bandwidth, profile_setup
+
+    cuda, device, _, _, report = profile_setup(False, "the megakernel's same GEMV phases (same process)")
+    if not cuda:
+        print("stream_probe needs a CUDA GPU (Hopper)", file=sys.stderr)
+        sys.exit(2)
+    out = Path(args.out)
+    L = args.layers
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = {
+        name: (torch.randn(L * n, k, generator=g, device=device) * k**-0.5).bfloat16()
+        for name, (n, k) in {"qkv": (NQKV, D), "o": (D, NQ), "gu": (2 * INTER, D), "dn": (D, INTER)}.items()
+    }
+    h0 = torch.randn(D, generator=g, device=device)
+    wbytes = sum(w.numel() * 2 for w in weights.values())
+    bw = measure_bandwidth(device)
+    report.update({"layers": L, "programs": P, "weight_bytes": wbytes, "dram_read_us": wbytes / bw * 1e6,
+                   "shapes": SHAPES})  # fmt: skip
+    # Values grow quadratically through the MLPs of random weights: check 3 layers, time L.
+    n_check = min(L, 3)
+    ref = reference({k: v[: v.shape[0] * n_check // L] for k, v in weights.items()}, h0, n_check)
+    try:  # one layer, each stage against torch (where a wrong result starts)
+        w1 = {k: v[: v.shape[0] // L] for k, v in weights.items()}
+        s1 = Stream(w1, 1)
+        h1 = h0.clone()
+        s1.run(h1)
+        torch.cuda.synchronize()
+        f = {k: v.float() for k, v in w1.items()}
+        qkv = (f["qkv"] @ h0.bfloat16().float()).bfloat16().float()
+        ho = h0 + (f["o"] @ qkv[:NQ]).bfloat16().float()
+        gu = (f["gu"] @ ho.bfloat16().float()).bfloat16().float()
+
+        def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+            return [
+                float((a.float() - b).abs().max()),
+                float(b.abs().max()),
+                int(torch.isnan(a.float()).sum()),
+            ]
+
+        report["one_layer_stages"] = {
+            "qkv": err(s1.qkv, qkv),
+            "gu": err(s1.gu, gu),
+            "h": err(h1, reference(w1, h0, 1)),
+            "qkv_rows_bad": torch.nonzero((s1.qkv.float() - qkv).abs() > 0.05 * qkv.abs().max())[
+                :20, 0
+            ].tolist(),
+        }
+        print(report["one_layer_stages"])
+    except Exception:  # noqa: BLE001
+        report["one_layer_error"] = traceback.format_exc()[-3000:]
+    results: dict[str, Any] = {}
+    h = h0.clone()
+    runners: dict[str, Any] = {}
+    try:
+        check = Stream({k: v[: v.shape[0] * n_check // L] for k, v in weights.items()}, n_check)
+        check.run(h)
+        torch.cuda.synchronize()
+        err = float((h - ref).abs().max() / ref.abs().max())
+        results["gluon"] = {"layers_checked": n_check, "max_err_over_max": err, "ok": err < 2e-2}
+        st = Stream(weights, L)
+
+        def run_gluon() -> None:
+            h.copy_(h0)
+            st.run(h)
+
+        runners["gluon"] = run_gluon
+
+        def run_chain() -> None:
+            h.copy_(h0)
+            st.run(h, weights=False)
+
+        run_chain()
+        runners["gluon_no_weights"] = run_chain
+
+        def run_l2() -> None:
+            h.copy_(h0)
+            st.run(h, same=True)
+
+        run_l2()
+        runners["gluon_l2_weights"] = run_l2
+
+        def run_w8() -> None:
+            h.copy_(h0)
+            st.run(h, warps=8)
+
+        run_w8()
+        runners["gluon_w8"] = run_w8
+        results["gluon_w8"] = {"note": "8 consumer warps instead of 4"}
+        results["gluon_l2_weights"] = {"note": "every layer streams layer 0's weights: from L2, not DRAM"}
+        results["gluon_no_weights"] = {"note": "the same barriers and input loads, no weights streamed"}
+    except Exception as e:  # noqa: BLE001
+        full = traceback.format_exc()
+        results["gluon"] = {"error": f"{type(e).__name__}: {e}"[:3000], "trace": full[:20000]}
+        print(full[:12000], file=sys.stderr)
+    try:
+        mk, inputs, _ = build(device, 600, L)
+        mk.tuning = {"PHASES": 1 | 8 | 16 | 32}
+        hm = inputs["h0"].clone()
+
+        def run_mk() -> None:
+            run_once(mk, inputs, hm)
+
+        run_mk()
+        torch.cuda.synchronize()
+        runners["triton"] = run_mk
+        results["triton"] = {"note": "megakernel PHASES=57 (its own random weights; timing only)"}
+    except Exception as e:  # noqa: BLE001
+        results["triton"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
+    for name in runners:
+        results[name]["us"] = []
+    for _ in range(args.rounds):
+        for name, fn in runners.items():
+            results[name]["us"].append(round(time_us(fn, args.launches), 2))
+    for name in runners:
+        r = results[name]
+        r["median_us"] = statistics.median(r["us"])
+        r["us_per_layer"] = round(r["median_us"] / L, 2)
+        r["over_dram_read"] = round(r["median_us"] / report["dram_read_us"], 3)
+    report["variants"] = results
+    out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in results.items()}, indent=1)[:6000])
+
+
+if __name__ == "__main__":
+    main()
