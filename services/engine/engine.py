@@ -256,10 +256,10 @@ class LLMEngine:
         assert graphs is not None
         n = len(hb.ids)
         params = [s.params for s in seqs]
+        in_order = len(rows) == n and rows == list(range(n))  # (no forks, every row samples)
         inside = (
             graphs.sample_in_graph
-            and len(rows) == n
-            and rows == list(range(n))
+            and in_order
             and self.sampler.fuses(params, self.model_config.vocab_size, top_n=False)
         )
         draws = self.sampler.fused_draws(params, [s.rng for s in seqs]) if inside else None
@@ -268,7 +268,7 @@ class LLMEngine:
             return None
         if inside:
             return graphs.pending(n)
-        if len(rows) != n or rows != list(range(n)):
+        if not in_order:
             logits = logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
         return self.sampler.launch(logits, params, [s.rng for s in seqs])
 
