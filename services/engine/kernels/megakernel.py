@@ -190,17 +190,8 @@ def _tile(w_ptr, r0, c: tl.constexpr, K: tl.constexpr, RC: tl.constexpr, KC: tl.
 @triton.jit
 def _load4(w_ptr, r0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok):
     """A GEMV slice's tiles (at most 4), the unused ones standing in as the first."""
-    NCH: tl.constexpr = (R // RC) * (K // KC)
     w0 = _tile(w_ptr, r0, 0, K, RC, KC, ok)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if NCH > 1:
-        w1 = _tile(w_ptr, r0, 1, K, RC, KC, ok)
-    if NCH > 2:
-        w2 = _tile(w_ptr, r0, 2, K, RC, KC, ok)
-    if NCH > 3:
-        w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok)
+    w1, w2, w3 = _load_rest(w_ptr, r0, w0, K, R, RC, KC, ok)
     return w0, w1, w2, w3
 
 
