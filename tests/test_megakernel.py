@@ -121,7 +121,7 @@ def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any]) -
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tuning", [{}, {"KV_AHEAD": False}, {"EARLY_GU": False}, {"SPREAD": False}])
+@pytest.mark.parametrize("tuning", [{}, {"EARLY_GU": False}])
 def test_persistent_launch_matches_the_torch_path(tuning: dict[str, bool]) -> None:
     """The GPU's launch (one persistent kernel: weight slices and KV tiles loaded a phase ahead,
     carried across layers, the barrier bookkeeping) with one program, whose barriers pass at once

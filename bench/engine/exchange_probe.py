@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    from bench.engine.megakernel_probe import time_us
     from bench.engine.w1 import profile_setup
 
     cuda, device, _, _, report = profile_setup(False, "the barrier exchange (same process)")
@@ -129,15 +130,9 @@ def main() -> None:
             got = last.double().cpu()
             err = float((got - ref).abs().max() / ref.abs().max())
             row[name] = {"max_err_over_max": err, "ok": err < 1e-4, "us": []}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(args.rounds):
             for name, fn in (("barrier", run_barrier), ("epoch", run_epoch)):
-                start.record()
-                for _ in range(args.launches):
-                    fn()
-                end.record()
-                end.synchronize()
-                row[name]["us"].append(round(start.elapsed_time(end) * 1e3 / args.launches, 2))
+                row[name]["us"].append(round(time_us(fn, args.launches), 2))
         for v in row.values():
             v["median_us"] = statistics.median(v["us"])
             v["us_per_exchange"] = round(v["median_us"] / e, 3)

@@ -152,7 +152,14 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA (the CPU side is tests/test_engine_fused_kernels.py)")
-    result: dict[str, Any] = {}
+    from bench.engine.w1 import profile_setup
+
+    # The header every results file carries: command, date, machine, and what is compared.
+    _, _, _, _, result = profile_setup(
+        False,
+        "references computed in the same process: torch log_softmax/argmax for the sampler, the "
+        "torch ops for the norms, the same engine with fused paths off and the torch sampler",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (
             ("sampler", check_sampler),
@@ -165,7 +172,8 @@ def main() -> None:
                 result[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
             args.out.write_text(json.dumps(result, indent=1) + "\n")
             print(f"[fused_check] {name}: {json.dumps(result[name])[:400]}", flush=True)
-    sys.exit(0 if all(v.get("ok") for v in result.values()) else 1)
+    checks = [result[k] for k in ("sampler", "norms", "engine")]
+    sys.exit(0 if all(v.get("ok") for v in checks) else 1)
 
 
 if __name__ == "__main__":

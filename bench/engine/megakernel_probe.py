@@ -5,16 +5,14 @@ times the persistent decode kernel under launch overrides, each as CUDA events a
 back-to-back launches (the residual row reset before each), rounds alternating between variants:
 
 - `full`: the engine's launch; `warps16`; `late_gu`: gate/up's weights loaded in the o_proj
-  phase, not already in the merge phase; `kv_late`: each attention item's first KV tile loaded
-  in the attention phase, not already in the q/k/v phase (the default since session 13; its
-  results file calls the other side `kv_ahead`; session 12's files also hold `prefetch` and
-  `fold`, switches measured slower and removed since);
-- `nospread` (`nospread_arrivals` with TRACE_ALL): the look-ahead loads not spread (SPREAD off,
-  the default before session 13; its results files call the two sides `full` and `spread`);
+  phase, not already in the merge phase;
 - `ta1`, `ta2`: only the arrival (1) or only the passing (2) stores of TRACE_ALL (session 13: the
   passing stores alone made the kernel 3% faster, unexplained: `megakernel_probe_h200_stores.json`);
-- (`megakernel_probe_h200_spread_pin.json` also holds PIN: volatile timer reads around the
-  barriers, to keep the compiler from moving loads across them; no effect, removed since);
+- switches measured slower and removed since, their numbers kept in the results files: `prefetch`
+  and `fold` (session 12), the first KV tile loaded in the attention phase (`kv_ahead` in
+  `megakernel_probe_h200_s13.json` is today's kernel), the look-ahead not spread over the
+  barriers (`full` in `_spread*.json` and `_stores.json`; today's kernel is their `spread`),
+  PIN (volatile timer reads around the barriers, `_spread_pin.json`: no effect);
 - `barriers_only`: the grid barriers alone (WORK off);
 - `arrivals`: every program's time at each arrival and barrier passing (TRACE_ALL), summarised per
   phase (which programs arrive last, by how much, how long the barrier takes to pass after them);
@@ -37,6 +35,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +46,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full": {},
     "warps16": {"num_warps": 16},
     "late_gu": {"EARLY_GU": False},
-    "kv_late": {"KV_AHEAD": False},
     "trace": {"TRACE": True},
     "arrivals": {"TRACE_ALL": 3},
-    "nospread": {"SPREAD": False},
-    "nospread_arrivals": {"SPREAD": False, "TRACE_ALL": 3},
     "ta1": {"TRACE_ALL": 1},
     "ta2": {"TRACE_ALL": 2},
     "barriers_only": {"WORK": False},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "warps16", "late_gu", "kv_late", "trace", "arrivals", "nospread", "nospread_arrivals", "ta1",
-             "ta2")  # fmt: skip
+FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
@@ -110,11 +105,13 @@ def run_once(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor) -> torch
     return mk.run(h, inputs["positions"], inputs["slots"], inputs["ctx_lens"], inputs["block_table"])
 
 
-def time_us(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, launches: int) -> float:
+def time_us(fn: Callable[[], object], launches: int) -> float:
+    """Microseconds per call of `fn` over `launches` back-to-back calls (CUDA events): the probes'
+    persistent kernels reset their barrier (and input) before each launch, so no graph replay."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(launches):
-        run_once(mk, inputs, h)
+        fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / launches
@@ -153,12 +150,12 @@ def read_trace(
 
 
 def read_arrivals(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int,
-                  out: dict[str, Any], variant: str) -> None:  # fmt: skip
+                  out: dict[str, Any]) -> None:  # fmt: skip
     """One launch with every program's (arrival, passing) time at every barrier (TRACE_ALL),
     summarised per phase: how far the last arrival trails the median one, how long after the
     last arrival the programs see the barrier pass, which programs arrive last most often, and
     each program's mean lateness (us behind the median arrival)."""
-    mk.tuning = VARIANTS[variant]
+    mk.tuning = VARIANTS["arrivals"]
     mk.trace.zero_()
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
@@ -223,13 +220,12 @@ def main() -> None:
             if "error" in results[name]:
                 continue
             mk.tuning = VARIANTS[name]
-            results[name]["us"].append(round(time_us(mk, inputs, h, args.launches), 2))
-    for name in ("arrivals", "nospread_arrivals"):
-        if name in results and "error" not in results[name]:
-            try:
-                read_arrivals(mk, inputs, h, args.layers, results[name], name)
-            except Exception as e:  # noqa: BLE001 - the timings above still get written
-                results[name]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
+            results[name]["us"].append(round(time_us(lambda: run_once(mk, inputs, h), args.launches), 2))
+    if "arrivals" in results and "error" not in results["arrivals"]:
+        try:
+            read_arrivals(mk, inputs, h, args.layers, results["arrivals"])
+        except Exception as e:  # noqa: BLE001 - the timings above still get written
+            results["arrivals"]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
     if "trace" in results and "error" not in results["trace"]:
         try:
             read_trace(mk, inputs, h, args.layers, results["trace"])

@@ -207,6 +207,17 @@ def _compute(bufs, ready, empty, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
 
 
 @gluon.jit
+def _ring_barriers(NBUF: gl.constexpr):
+    """A ring's (ready, empty) mbarriers, one of each per slot, initialised."""
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def _stream_kernel(dq, do, dg, dd, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
                    RQ: gl.constexpr, RO: gl.constexpr, RG: gl.constexpr, RD: gl.constexpr,
                    CQ: gl.constexpr, CO: gl.constexpr, CG: gl.constexpr, CD: gl.constexpr,
@@ -219,26 +230,10 @@ def _stream_kernel(dq, do, dg, dd, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
     ob = gl.allocate_shared_memory(gl.bfloat16, [BO, RBO, CO, 64], do.layout)
     gb = gl.allocate_shared_memory(gl.bfloat16, [BG, RBG, CG, 64], dg.layout)
     db = gl.allocate_shared_memory(gl.bfloat16, [BD, RBD, CD, 64], dd.layout)
-    qr = gl.allocate_shared_memory(gl.int64, [BQ, 1], mbarrier.MBarrierLayout())
-    qe = gl.allocate_shared_memory(gl.int64, [BQ, 1], mbarrier.MBarrierLayout())
-    orr = gl.allocate_shared_memory(gl.int64, [BO, 1], mbarrier.MBarrierLayout())
-    oe = gl.allocate_shared_memory(gl.int64, [BO, 1], mbarrier.MBarrierLayout())
-    gr = gl.allocate_shared_memory(gl.int64, [BG, 1], mbarrier.MBarrierLayout())
-    ge = gl.allocate_shared_memory(gl.int64, [BG, 1], mbarrier.MBarrierLayout())
-    dr = gl.allocate_shared_memory(gl.int64, [BD, 1], mbarrier.MBarrierLayout())
-    de = gl.allocate_shared_memory(gl.int64, [BD, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(BQ):
-        mbarrier.init(qr.index(i), count=1)
-        mbarrier.init(qe.index(i), count=1)
-    for i in gl.static_range(BO):
-        mbarrier.init(orr.index(i), count=1)
-        mbarrier.init(oe.index(i), count=1)
-    for i in gl.static_range(BG):
-        mbarrier.init(gr.index(i), count=1)
-        mbarrier.init(ge.index(i), count=1)
-    for i in gl.static_range(BD):
-        mbarrier.init(dr.index(i), count=1)
-        mbarrier.init(de.index(i), count=1)
+    qr, qe = _ring_barriers(BQ)
+    orr, oe = _ring_barriers(BO)
+    gr, ge = _ring_barriers(BG)
+    dr, de = _ring_barriers(BD)
     gl.warp_specialize(
         [
             (_compute, ((qb, ob, gb, db), (qr, orr, gr, dr), (qe, oe, ge, de), h_ptr, qkv_ptr, gu_ptr, bar_ptr,
@@ -304,17 +299,6 @@ def reference(weights: dict[str, torch.Tensor], h0: torch.Tensor, layers: int) -
     return h
 
 
-def time_us(fn: Any, n: int) -> float:
-    """Back-to-back launches (each resetting its input row first), as megakernel_probe times."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -322,7 +306,7 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from bench.engine.megakernel_probe import build, run_once
+    from bench.engine.megakernel_probe import build, run_once, time_us
     from bench.engine.w1 import measure_bandwidth, profile_setup
 
     cuda, device, _, _, report = profile_setup(False, "the megakernel's same GEMV phases (same process)")

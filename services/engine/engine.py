@@ -237,13 +237,15 @@ class LLMEngine:
         """Queue the step's forward and the sampling of `seqs` (from logit rows `rows`: the row of
         each one's last token, by span); None if nothing samples. `feed`: rows whose token is still
         on the device (overlap scheduling), written in before the forward."""
-        if self.attention_backend != "torch" and self.graphs is not None:
-            hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
-            if self.graphs.can_run(hb):
-                return self._launch_graph(hb, seqs, rows, feed)
-            hidden, last_index = self._forward_hb(hb, feed)
+        if self.attention_backend == "torch":
+            batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
+            feed_pending(batch.input_ids, feed)
+            hidden, last_index = self.model(batch, self.kv), batch.last_index
         else:
-            hidden, last_index = self._forward(spans, feed)
+            hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
+            if self.graphs is not None and self.graphs.can_run(hb):
+                return self._launch_graph(hb, seqs, rows, feed)
+            hidden, last_index = self._forward(hb, feed)
         return self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
 
     def _launch_graph(
@@ -272,17 +274,10 @@ class LLMEngine:
             logits = logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
         return self.sampler.launch(logits, params, [s.rng for s in seqs])
 
-    def _forward(self, spans: list[Span], feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states of the flat batch and the row of each span's last token, without
-        the decode graphs (their steps go through _launch_graph). `feed`: rows whose token is
-        still on the device (overlap scheduling), written in before the forward."""
-        if self.attention_backend == "torch":
-            batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
-            feed_pending(batch.input_ids, feed)
-            return self.model(batch, self.kv), batch.last_index
-        return self._forward_hb(HostBatch.build(spans, self.kv.block_size, self.block_tables), feed)
-
-    def _forward_hb(self, hb: HostBatch, feed: Feed | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, hb: HostBatch, feed: Feed | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states of a paged batch the decode graphs do not take (a mixed-step graph
+        or eager) and the row of each span's last token. `feed`: rows whose token is still on
+        the device (overlap scheduling), written in before the forward."""
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(hb):
             return self.mixed_graphs.run(hb, feed)
         batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)

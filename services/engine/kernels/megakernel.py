@@ -453,21 +453,20 @@ def _decode_layers(
     RC_QKV: tl.constexpr, RC_O: tl.constexpr, RC_GU: tl.constexpr, RC_DN: tl.constexpr,
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
-    EARLY_GU: tl.constexpr = True, KV_AHEAD: tl.constexpr = True, TRACE: tl.constexpr = False,
-    WORK: tl.constexpr = True, TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
-    SPREAD: tl.constexpr = True,
+    EARLY_GU: tl.constexpr = True, TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
+    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
     phase, each GEMV's weight slice loaded a phase or more ahead; else one phase per launch.
-    EARLY_GU: gate/up's slice loaded in the merge phase (on: measured faster than in the o_proj
-    phase); KV_AHEAD: each item's first KV tile loaded in the q/k/v phase (on: 715 against 724 us
-    for 28 layers, bench/engine/results/megakernel_probe_h200_s13.json);
-    SPREAD (on: 709-715 against 715-722 us in three runs, megakernel_probe_h200_spread*.json, _stores.json): the
-    look-ahead loads spread over more barriers (o_proj's slice after the attention phase instead
-    of the q/k/v phase; with EARLY_GU, gate/up's first tile in the merge phase and the rest in the
-    o_proj phase): a program polling the barrier behind ~100 KB of outstanding loads sees it pass
-    2-3.5 us late (TRACE_ALL), behind <= 48 KB ~1 us;
+    The look-ahead is spread over the barriers, since a program polling a barrier behind ~100 KB
+    of outstanding loads sees it pass 2-3.5 us late (TRACE_ALL), behind <= 48 KB ~1 us: each
+    attention item's first KV tile goes out in the q/k/v phase, o_proj's slice in the attention
+    phase, gate/up's first tile in the merge phase and the rest in the o_proj phase (each
+    measured faster than the arrangement before it: 715 against 724 us for 28 layers, then
+    709-715 against 715-722 in three runs; bench/engine/results/megakernel_probe_h200_s13.json,
+    _spread*.json, _stores.json).
+    EARLY_GU off: gate/up's whole slice in the o_proj phase instead (measured slower);
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
     barriers; WORK off (the barriers only)
@@ -494,13 +493,12 @@ def _decode_layers(
     AHEAD_GU: tl.constexpr = PERSISTENT and (PHASES & 8) != 0 and (PHASES & 16) != 0
     AHEAD_DN: tl.constexpr = PERSISTENT and (PHASES & 16) != 0 and (PHASES & 32) != 0
     AHEAD_QKV: tl.constexpr = PERSISTENT and (PHASES & 32) != 0 and (PHASES & 1) != 0
-    # EARLY_GU: gate/up's slice loaded already in the merge phase (through o_proj as well).
+    # EARLY_GU: gate/up's first tile loaded already in the merge phase, the rest in o_proj's.
     GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and (PHASES & 4) != 0
-    # KV_AHEAD: each attention item's first key tile loaded in the q/k/v phase (after the arrival).
-    # SPREAD: o_proj's slice after the attention phase; gate/up's split over merge and o_proj.
-    O_AT_ATTN: tl.constexpr = SPREAD and AHEAD_O and (PHASES & 2) != 0
-    GU_SPLIT: tl.constexpr = SPREAD and EARLY_GU and AHEAD_GU and (PHASES & 4) != 0
-    AHEAD_KV: tl.constexpr = KV_AHEAD and PERSISTENT and (PHASES & 1) != 0 and (PHASES & 2) != 0
+    # Spread over the barriers (docstring): o_proj's slice after the attention phase, each
+    # attention item's first key tile in the q/k/v phase.
+    O_AT_ATTN: tl.constexpr = AHEAD_O and (PHASES & 2) != 0
+    AHEAD_KV: tl.constexpr = PERSISTENT and (PHASES & 1) != 0 and (PHASES & 2) != 0
     r_qkv = pid * R_QKV
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before (carried
         # across the loop: a stand-in tile of _load4 folds into the first, the PTX is the same)
@@ -549,10 +547,8 @@ def _decode_layers(
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            if GU_SPLIT:  # its first tile only, the rest after o_proj
+            if GU_AT_MERGE:  # its first tile only, the rest after o_proj
                 u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
-            elif GU_AT_MERGE:  # gate/up's slice streams in through o_proj too
-                u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
                 nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
         if PHASES & 8:  # o_proj + residual
@@ -565,7 +561,7 @@ def _decode_layers(
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_GU and not GU_AT_MERGE:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
-            if GU_SPLIT:
+            if GU_AT_MERGE:
                 u1, u2, u3 = _load_rest(_weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
                 nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
