@@ -59,6 +59,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "layout2_dn_early": {"LAYOUT": 2, "DN_EARLY": True},
     **{f"trace{n}": {"LAYOUT": n, "TRACE": True} for n in (0, 1, 2)},
     **{f"arrivals{n}": {"LAYOUT": n, "TRACE_ALL": 3} for n in (0, 1, 2)},
+    # Session 14: how the barrier is polled (POLL 0: acquire atomics; 1: relaxed; 2: relaxed,
+    # then one acquire) and how weights are loaded (WCACHE 0: cached in L1; 1: .cg; 2:
+    # evict_first), per layout: l<layout>p<poll>w<wcache>, t...: traced, a...: arrivals.
+    **{
+        f"{kind}{n}p{poll}w{wc}": {"LAYOUT": n, "POLL": poll, "WCACHE": wc, **extra}
+        for kind, extra in (("l", {}), ("t", {"TRACE": True}), ("a", {"TRACE_ALL": 3}))
+        for n in (0, 1, 2)
+        for poll in (0, 1, 2)
+        for wc in (0, 1, 2)
+    },
 }
 # Variants doing the whole step: their outputs are compared with layout 0's (or full's).
 FULL_WORK = tuple(n for n, v in VARIANTS.items() if v.get("WORK", True) and "PHASES" not in v)

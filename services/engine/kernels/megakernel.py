@@ -98,24 +98,31 @@ def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constex
 
 
 @triton.jit
-def _grid_wait(bar_ptr, target):
+def _grid_wait(bar_ptr, target, POLL: tl.constexpr):
     """Wait until the counter reaches `target` arrivals (P programs x barriers so far). A barrier
     is ~1 us on the H200 with 128 programs (polling with ld.acquire instead of atomic reads, or
     spreading the arrivals over 8 counters, was slower: bench/engine/results/megakernel_probe_*).
     Arrive, issue the next phase's weight loads, then wait: a warp that issues 100 KB of loads
     stalls until the memory system takes them, and an arrival behind them made everyone wait."""
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    if POLL == 0:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    else:  # (POLL: megakernel_probe.py) relaxed polling, then (2) one acquire
+        seen = tl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
+        if POLL == 2:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
 @triton.jit
 def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr, NB: tl.constexpr,
-               TRACE_ALL: tl.constexpr):  # fmt: skip
+               TRACE_ALL: tl.constexpr, POLL: tl.constexpr):  # fmt: skip
     """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1. TRACE_ALL:
     the time this program saw it pass."""
-    _grid_wait(bar_ptr, (nb + 1) * P)
+    _grid_wait(bar_ptr, (nb + 1) * P, POLL)
     if TRACE_ALL & 2:
         tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2 + 1, _globaltimer())
     nb += 1
@@ -199,39 +206,44 @@ def _gemv_input(x_ptr, lnw_ptr, rstd, cols, X_MODE: tl.constexpr, HALF: tl.const
 
 @triton.jit
 def _tile(w_ptr, r0, c: tl.constexpr, K: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok,
-          LD: tl.constexpr):  # fmt: skip
+          LD: tl.constexpr, WC: tl.constexpr):  # fmt: skip
     """Weight tile c of a GEMV slice (row chunk c // (K // KC), K chunk c % (K // KC)) of a
     row-major weight whose rows are LD apart (K, or more for a column slice); nothing is read
     where `ok` is false (the last layer's look-ahead)."""
     rows = r0 + (c // (K // KC)) * RC + tl.arange(0, RC)
     cols = (c % (K // KC)) * KC + tl.arange(0, KC)
     mask = tl.arange(0, RC)[:, None] < tl.where(ok, RC, 0)
-    return tl.load(w_ptr + rows[:, None].to(tl.int64) * LD + cols[None, :], mask=mask, other=0.0)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * LD + cols[None, :]
+    if WC == 1:  # (WCACHE: megakernel_probe.py)
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    elif WC == 2:
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _load4(w_ptr, r0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok,
-           LD: tl.constexpr):  # fmt: skip
+           LD: tl.constexpr, WC: tl.constexpr):  # fmt: skip
     """A GEMV slice's tiles (at most 4), the unused ones standing in as the first."""
-    w0 = _tile(w_ptr, r0, 0, K, RC, KC, ok, LD)
-    w1, w2, w3 = _load_rest(w_ptr, r0, w0, K, R, RC, KC, ok, LD)
+    w0 = _tile(w_ptr, r0, 0, K, RC, KC, ok, LD, WC)
+    w1, w2, w3 = _load_rest(w_ptr, r0, w0, K, R, RC, KC, ok, LD, WC)
     return w0, w1, w2, w3
 
 
 @triton.jit
 def _load_rest(w_ptr, r0, w0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok,
-               LD: tl.constexpr):  # fmt: skip
+               LD: tl.constexpr, WC: tl.constexpr):  # fmt: skip
     """_load4's tiles after the first (w0, already loaded), the unused ones standing in as w0."""
     NCH: tl.constexpr = (R // RC) * (K // KC)
     w1 = w0
     w2 = w0
     w3 = w0
     if NCH > 1:
-        w1 = _tile(w_ptr, r0, 1, K, RC, KC, ok, LD)
+        w1 = _tile(w_ptr, r0, 1, K, RC, KC, ok, LD, WC)
     if NCH > 2:
-        w2 = _tile(w_ptr, r0, 2, K, RC, KC, ok, LD)
+        w2 = _tile(w_ptr, r0, 2, K, RC, KC, ok, LD, WC)
     if NCH > 3:
-        w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok, LD)
+        w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok, LD, WC)
     return w1, w2, w3
 
 
@@ -563,21 +575,21 @@ def _normed(h_ptr, part_ptr, acc_ptr, lnw_ptr, eps, D: tl.constexpr, NPART: tl.c
 
 @triton.jit
 def _load_mlp(gu_w, dn_w, i0, ok, D: tl.constexpr, INTER: tl.constexpr, IC_A: tl.constexpr, IC_B: tl.constexpr,
-              UP: tl.constexpr, DOWN: tl.constexpr):  # fmt: skip
+              UP: tl.constexpr, DOWN: tl.constexpr, WC: tl.constexpr):  # fmt: skip
     """LAYOUT 2's MLP slice of intermediate columns [i0, i0 + IC_A + IC_B), in two power-of-two
     parts a and b (b empty: stand-ins): the gate rows (UP false) or the up rows (UP true) of the
     fused gate/up weight, or (DOWN) down_proj's columns."""
     if DOWN:  # [D, IC] columns of the row-major [D, INTER] weight
-        a = _tile(dn_w + i0, 0, 0, IC_A, D, IC_A, ok, INTER)
+        a = _tile(dn_w + i0, 0, 0, IC_A, D, IC_A, ok, INTER, WC)
         b = a
         if IC_B > 0:
-            b = _tile(dn_w + i0 + IC_A, 0, 0, IC_B, D, IC_B, ok, INTER)
+            b = _tile(dn_w + i0 + IC_A, 0, 0, IC_B, D, IC_B, ok, INTER, WC)
     else:
         r0 = i0 + (INTER if UP else 0)
-        a = _tile(gu_w, r0, 0, D, IC_A, D, ok, D)
+        a = _tile(gu_w, r0, 0, D, IC_A, D, ok, D, WC)
         b = a
         if IC_B > 0:
-            b = _tile(gu_w, r0 + IC_A, 0, D, IC_B, D, ok, D)
+            b = _tile(gu_w, r0 + IC_A, 0, D, IC_B, D, ok, D, WC)
     return a, b
 
 
@@ -635,6 +647,7 @@ def _decode_layers(
     RC_OM: tl.constexpr, IC_A: tl.constexpr, IC_B: tl.constexpr, SR_PAD: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     LAYOUT: tl.constexpr = 0, EARLY_GU: tl.constexpr = True, DN_EARLY: tl.constexpr = False,
+    WCACHE: tl.constexpr = 0, POLL: tl.constexpr = 0,
     TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
     TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
 ):  # fmt: skip
@@ -710,7 +723,7 @@ def _decode_layers(
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before (carried
         # across the loop: a stand-in tile of _load4 folds into the first, the PTX is the same)
         w_first = _weight(w_ptr, woff_ptr + layer_lo * N_WEIGHTS, 1)
-        q0, q1, q2, q3 = _load4(w_first, r_qkv, D, R_QKV, RC_QKV, KC_QKV, True, D)
+        q0, q1, q2, q3 = _load4(w_first, r_qkv, D, R_QKV, RC_QKV, KC_QKV, True, D, WCACHE)
     for layer in range(layer_lo, layer_hi):
         row = woff_ptr + layer * N_WEIGHTS
         nxt = woff_ptr + tl.minimum(layer + 1, layer_hi - 1) * N_WEIGHTS
@@ -738,7 +751,9 @@ def _decode_layers(
             w_o = w_o + g_o * (G * HD)  # this program's columns of o_proj
         if Q_ON:  # qkv
             if not AHEAD_QKV:
-                q0, q1, q2, q3 = _load4(_weight(w_ptr, row, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, True, D)
+                q0, q1, q2, q3 = _load4(
+                    _weight(w_ptr, row, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, True, D, WCACHE
+                )
             if WORK:
                 if LAYOUT == 2:
                     _stream_rows(h_cur, h_src, opart_ptr, dacc_ptr, pid, D, P, SR_PAD, NPART, True, WDT)
@@ -752,11 +767,11 @@ def _decode_layers(
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_O and not O_AT_ATTN:
-                o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ)
+                o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ, WCACHE)
             if AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
         if A_ON:  # attention partials
             if not AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
@@ -772,33 +787,33 @@ def _decode_layers(
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if O_AT_ATTN:
                 if LAYOUT >= 1:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, G * HD, R_OM, RC_OM, G * HD, True, NQ)
+                    o0, o1, o2, o3 = _load4(w_o, r_o, G * HD, R_OM, RC_OM, G * HD, True, NQ, WCACHE)
                 else:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ)
+                    o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ, WCACHE)
             if GU_EARLY and LAYOUT >= 1:
                 if LAYOUT == 2:
                     ga, gb = _load_mlp(
-                        _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False
+                        _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False, WCACHE
                     )
                 else:
-                    u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True, D)
+                    u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True, D, WCACHE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
         if M_ON:  # merge (LAYOUT 0)
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if GU_EARLY:  # its first tile only, the rest after o_proj
-                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True, D)
+                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True, D, WCACHE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
         if O_ON:  # o_proj: + residual (LAYOUT 0), or the split-K partials of the merged heads
             if not AHEAD_O:
                 if LAYOUT >= 1:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, G * HD, R_OM, RC_OM, G * HD, True, NQ)
+                    o0, o1, o2, o3 = _load4(w_o, r_o, G * HD, R_OM, RC_OM, G * HD, True, NQ, WCACHE)
                 else:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ)
+                    o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ, WCACHE)
             if WORK:
                 if LAYOUT >= 1:
                     xo = _merge_group(g_o, po_ptr, plse_ptr, H, HD, S, G, WDT)
@@ -813,34 +828,36 @@ def _decode_layers(
             if LAYOUT == 2 and AHEAD_GU:
                 if not GU_EARLY:
                     ga, gb = _load_mlp(
-                        _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False
+                        _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False, WCACHE
                     )
                 ua, ub = _load_mlp(
-                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, True, False
+                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, True, False, WCACHE
                 )
                 if DN_AHEAD:
                     da, db = _load_mlp(
-                        w_ptr, _weight(w_ptr, row, 7), i_mlp, True, D, INTER, IC_A, IC_B, False, True
+                        w_ptr, _weight(w_ptr, row, 7), i_mlp, True, D, INTER, IC_A, IC_B, False, True, WCACHE
                     )
             elif AHEAD_GU and not GU_EARLY:
-                u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True, D)
+                u0, u1, u2, u3 = _load4(
+                    _weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True, D, WCACHE
+                )
             elif GU_EARLY:
                 u1, u2, u3 = _load_rest(
-                    _weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True, D
+                    _weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True, D, WCACHE
                 )
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
         if U_ON and LAYOUT == 2:  # gate/up and down, the down outputs accumulated (atomics)
             if not AHEAD_GU:
                 ga, gb = _load_mlp(
-                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False
+                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False, WCACHE
                 )
                 ua, ub = _load_mlp(
-                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, True, False
+                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, True, False, WCACHE
                 )
             if not DN_AHEAD:
                 da, db = _load_mlp(
-                    w_ptr, _weight(w_ptr, row, 7), i_mlp, True, D, INTER, IC_A, IC_B, False, True
+                    w_ptr, _weight(w_ptr, row, 7), i_mlp, True, D, INTER, IC_A, IC_B, False, True, WCACHE
                 )
             if WORK:
                 xu = _normed(h_cur, opart_ptr, dacc_ptr, _weight(w_ptr, row, 5), eps, D, NPART, False,
@@ -851,12 +868,16 @@ def _decode_layers(
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_QKV:
-                q0, q1, q2, q3 = _load4(_weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next, D)
+                q0, q1, q2, q3 = _load4(
+                    _weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next, D, WCACHE
+                )
             if PERSISTENT:  # (after the last layer too: the final phase reads every program's adds)
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
         elif U_ON:  # gate/up
             if not AHEAD_GU:
-                u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True, D)
+                u0, u1, u2, u3 = _load4(
+                    _weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True, D, WCACHE
+                )
             if WORK:
                 _gemv(u0, u1, u2, u3, pid * R_GU, h_ptr, _weight(w_ptr, row, 5), eps, gu_ptr,
                       D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE,
@@ -865,14 +886,14 @@ def _decode_layers(
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_DN:
                 d0, d1, d2, d3 = _load4(
-                    _weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True, INTER
+                    _weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True, INTER, WCACHE
                 )
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
         if D_ON:  # down + residual (the stream's rows: + o_proj's partials in LAYOUT 1)
             if not AHEAD_DN:
                 d0, d1, d2, d3 = _load4(
-                    _weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True, INTER
+                    _weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True, INTER, WCACHE
                 )
             if WORK:
                 _gemv(d0, d1, d2, d3, pid * R_DN, gu_ptr, w_ptr, eps, h_ptr,
@@ -881,9 +902,11 @@ def _decode_layers(
             if PERSISTENT and layer + 1 < layer_hi:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_QKV:
-                q0, q1, q2, q3 = _load4(_weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next, D)
+                q0, q1, q2, q3 = _load4(
+                    _weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next, D, WCACHE
+                )
             if PERSISTENT and layer + 1 < layer_hi:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
     if F_ON and WORK:  # LAYOUT 2: the last layer's stream, o_proj and down outputs into h
         last = layer_hi - 1
         _stream_rows(h_ptr, hb_ptr + (last % 2) * D, opart_ptr, dacc_ptr, pid, D, P, SR_PAD, NPART, True,
