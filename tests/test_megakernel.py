@@ -74,7 +74,7 @@ def decode_case(model: CausalLM, ctx: int, seed: int = 0) -> dict[str, Any]:
 
 
 def run_megakernel(
-    model: CausalLM, case: dict[str, Any], programs: int = 8, tuning: dict[str, int] | None = None
+    model: CausalLM, case: dict[str, Any], programs: int = 8, tuning: dict[str, bool] | None = None
 ) -> tuple[torch.Tensor, megakernel.DecodeMegakernel]:
     """The same step through the megakernel, on the pool as it was before the step: (the final
     hidden state, the kernel)."""
@@ -112,47 +112,39 @@ def assert_matches_torch_path(got: torch.Tensor, case: dict[str, Any]) -> None:
         (37, {"n_kv_heads": 4}),
     ],
 )
-@pytest.mark.parametrize("layout", [0, 1, 2])
-def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any], layout: int) -> None:
+@pytest.mark.parametrize("fold", [False, True])
+def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any], fold: bool) -> None:
     """1: only the new token; 6: most partitions empty; 300: items of two key tiles each; a
-    Llama-3 (no q/k norm); plain multi-head attention (a group of one). Every layout: six phases
-    a layer; the merge inside o_proj's split-K partials; and the MLP in one phase, down's
-    outputs accumulated with atomics (intermediate columns in two parts here: 12 = 8 + 4)."""
+    Llama-3 (no q/k norm); plain multi-head attention (a group of one). FOLD: the last item of
+    each KV head merges its heads (no merge phase)."""
     model = make_model(torch.float32, **update)
     case = decode_case(model, ctx)
-    got, mk = run_megakernel(model, case, tuning={"LAYOUT": layout})
-    assert mk.layouts == [0, 1, 2]
-    assert_matches_torch_path(got, case)
+    assert_matches_torch_path(run_megakernel(model, case, tuning={"FOLD": fold})[0], case)
 
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "tuning",
-    [{"LAYOUT": 0}, {"LAYOUT": 0, "EARLY_GU": False}, {"LAYOUT": 1}, {"LAYOUT": 1, "EARLY_GU": False},
-     {"LAYOUT": 2}, {"LAYOUT": 2, "EARLY_GU": False, "DN_EARLY": True}],
-)  # fmt: skip
-def test_persistent_launch_matches_the_torch_path(tuning: dict[str, int]) -> None:
+    "tuning", [{}, {"EARLY_GU": False}, {"FOLD": True}, {"FOLD": True, "EARLY_GU": False}]
+)
+def test_persistent_launch_matches_the_torch_path(tuning: dict[str, bool]) -> None:
     """The GPU's launch (one persistent kernel: weight slices and KV tiles loaded a phase ahead,
     carried across layers, the barrier bookkeeping) with one program, whose barriers pass at once
-    under the interpreter: a one-head model, whose q/k/v slice is 3 tiles and down's 3 K chunks
-    (LAYOUT 2: 96 intermediate columns as 64 + 32)."""
+    under the interpreter: a one-head model, whose q/k/v slice is 3 tiles and down's 3 K chunks."""
     model = make_model(torch.float32, n_heads=1, n_kv_heads=1)
     case = decode_case(model, 150)
     got, mk = run_megakernel(model, case, programs=1, tuning=tuning)
     assert mk.programs == 1
-    assert (mk.meta["IC_A"], mk.meta["IC_B"]) == (64, 32)
     assert_matches_torch_path(got, case)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("layout", [0, 1, 2])
-def test_bf16_step_is_as_close_to_float32_as_the_torch_path(layout: int) -> None:
+def test_bf16_step_is_as_close_to_float32_as_the_torch_path() -> None:
     """bf16 rounds where the layered path does: its error against a float32 run of the same
     (bf16-valued) weights is of the torch bf16 path's size. (The interpreter truncates where the
     GPU rounds, hence the margin.) A wrong head, page or partition would be off by O(1)."""
     model = make_model(torch.bfloat16)
     case = decode_case(model, 45)
-    got = run_megakernel(model, case, tuning={"LAYOUT": layout})[0].float()
+    got = run_megakernel(model, case)[0].float()
     ref32_model = make_model(torch.float32)
     with torch.no_grad():
         for p32, p16 in zip(ref32_model.parameters(), model.parameters(), strict=True):

@@ -51,35 +51,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ta1": {"TRACE_ALL": 1},
     "ta2": {"TRACE_ALL": 2},
     "barriers_only": {"WORK": False},
-    **{f"only_{name}": {"PHASES": 1 << i, "LAYOUT": 0} for i, name in enumerate(PHASE_NAMES)},
-    # The layouts (session 14): six phases a layer; the merge inside o_proj's split-K partials
-    # (five); also the MLP in one phase, down's outputs added with atomics (four).
-    **{f"layout{n}": {"LAYOUT": n} for n in (0, 1, 2)},
-    **{f"layout{n}_late_gu": {"LAYOUT": n, "EARLY_GU": False} for n in (0, 1, 2)},
-    "layout2_dn_early": {"LAYOUT": 2, "DN_EARLY": True},
-    **{f"trace{n}": {"LAYOUT": n, "TRACE": True} for n in (0, 1, 2)},
-    **{f"arrivals{n}": {"LAYOUT": n, "TRACE_ALL": 3} for n in (0, 1, 2)},
-    # Session 14: how the barrier is polled (POLL 0: acquire atomics; 1: relaxed; 2: relaxed,
-    # then one acquire) and how weights are loaded (WCACHE 0: cached in L1; 1: .cg; 2:
-    # evict_first), per layout: l<layout>p<poll>w<wcache>, t...: traced, a...: arrivals.
-    **{
-        f"{kind}{n}p{poll}w{wc}": {"LAYOUT": n, "POLL": poll, "WCACHE": wc, **extra}
-        for kind, extra in (("l", {}), ("t", {"TRACE": True}), ("a", {"TRACE_ALL": 3}))
-        for n in (0, 1, 2)
-        for poll in (0, 1, 2)
-        for wc in (0, 1, 2)
-    },
+    "fold": {"FOLD": True},
+    "fold_late_gu": {"FOLD": True, "EARLY_GU": False},
+    **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-# Variants doing the whole step: their outputs are compared with layout 0's (or full's).
-FULL_WORK = tuple(n for n, v in VARIANTS.items() if v.get("WORK", True) and "PHASES" not in v)
-
-
-def layout_phases(mk: Any, tuning: dict[str, Any]) -> list[int]:
-    """Indices into PHASE_NAMES of the phases a layer runs under `tuning`'s layout."""
-    from services.engine.kernels.megakernel import LAYOUT_PHASES
-
-    bits = LAYOUT_PHASES[int(tuning.get("LAYOUT", mk.layout))]
-    return [b.bit_length() - 1 for b in bits]
+FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2", "fold", "fold_late_gu")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
@@ -144,33 +120,30 @@ def time_us(fn: Callable[[], object], launches: int) -> float:
 
 
 def read_trace(
-    mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int, out: dict[str, Any], name: str
+    mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int, out: dict[str, Any]
 ) -> None:
     """One traced launch: program 0's barrier marks and inner marks (megakernel TRACE) into `out`."""
-    mk.tuning = VARIANTS[name]
+    mk.tuning = VARIANTS["trace"]
     mk.trace.zero_()  # (the buffer is shared with TRACE_ALL's)
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
     t = mk.trace.cpu().double()
-    slots = len(PHASE_NAMES)  # inner marks: two for each of the six phase kinds, every layout
-    run = layout_phases(mk, VARIANTS[name])
-    phases = len(run)
+    phases = len(PHASE_NAMES)
     n_marks = int((t[: layers * phases + 1] > 0).sum())
     d = (t[1:n_marks] - t[: n_marks - 1]) / 1e3  # us between program 0's barrier exits
-    per = {PHASE_NAMES[k]: round(float(d[i::phases].mean()), 3) for i, k in enumerate(run)}
+    per = {name: round(float(d[i::phases].mean()), 3) for i, name in enumerate(PHASE_NAMES)}
     out["us_per_phase_incl_barrier"] = per
     out["marks"] = n_marks
     # Inner marks (program 0): inputs in registers, result computed; so each phase splits
     # into waiting for its inputs after the barrier, computing, and storing + the barrier.
-    inner = t[layers * slots + 1 : 3 * layers * slots + 1].view(layers, slots, 2)
+    inner = t[layers * phases + 1 : 3 * layers * phases + 1].view(layers, phases, 2)
     split: dict[str, dict[str, float]] = {}
-    for i, k in enumerate(run):
+    for i, name in enumerate(PHASE_NAMES):
         rows = [
-            (inner[j, k, 0] - t[j * phases + i], inner[j, k, 1] - inner[j, k, 0], t[j * phases + i + 1] - inner[j, k, 1])
-            for j in range(layers - 1)  # (the last layer's last phase may have no barrier)
-            if inner[j, k, 0] > 0 and inner[j, k, 1] > 0
+            (inner[j, i, 0] - t[j * phases + i], inner[j, i, 1] - inner[j, i, 0], t[j * phases + i + 1] - inner[j, i, 1])
+            for j in range(layers - 1)  # (the last layer's down phase has no barrier)
+            if inner[j, i, 0] > 0
         ]  # fmt: skip
-        name = PHASE_NAMES[k]
         if rows:
             cols = list(zip(*rows, strict=True))
             split[name] = {key: round(float(sum(c) / len(c)) / 1e3, 3)
@@ -179,26 +152,24 @@ def read_trace(
 
 
 def read_arrivals(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int,
-                  out: dict[str, Any], name: str) -> None:  # fmt: skip
+                  out: dict[str, Any]) -> None:  # fmt: skip
     """One launch with every program's (arrival, passing) time at every barrier (TRACE_ALL),
     summarised per phase: how far the last arrival trails the median one, how long after the
     last arrival the programs see the barrier pass, which programs arrive last most often, and
     each program's mean lateness (us behind the median arrival)."""
-    mk.tuning = VARIANTS[name]
+    mk.tuning = VARIANTS["arrivals"]
     mk.trace.zero_()
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
-    run = layout_phases(mk, VARIANTS[name])
-    p, phases = mk.programs, len(run)
-    nb = layers * phases - 1  # the last layer's last phase may have no barrier
+    p, phases = mk.programs, len(PHASE_NAMES)
+    nb = layers * phases - 1  # the last layer's down phase has no barrier
     t = mk.trace[: 2 * p * layers * phases].view(p, layers * phases, 2)[:, :nb].cpu().double() / 1e3
     arrive, passed = t[..., 0], t[..., 1]
     median = arrive.median(dim=0).values
     last, last_pid = arrive.max(dim=0)
     late = arrive - median[None, :]
     per: dict[str, Any] = {}
-    for i, k in enumerate(run):
-        name = PHASE_NAMES[k]
+    for i, name in enumerate(PHASE_NAMES):
         cols = list(range(i, nb, phases))
         pids = last_pid[cols].tolist()
         per[name] = {
@@ -253,17 +224,17 @@ def main() -> None:
                 continue
             mk.tuning = VARIANTS[name]
             results[name]["us"].append(round(time_us(lambda: run_once(mk, inputs, h), args.launches), 2))
-    for name, r in results.items():
-        if "error" in r or not (VARIANTS[name].get("TRACE") or VARIANTS[name].get("TRACE_ALL") == 3):
-            continue
+    if "arrivals" in results and "error" not in results["arrivals"]:
         try:
-            read = read_trace if VARIANTS[name].get("TRACE") else read_arrivals
-            read(mk, inputs, h, args.layers, r, name)
+            read_arrivals(mk, inputs, h, args.layers, results["arrivals"])
         except Exception as e:  # noqa: BLE001 - the timings above still get written
-            r["trace_error"] = f"{type(e).__name__}: {e}"[:500]
-    ref_name = "layout0" if "layout0" in outputs else "full"
-    ref = outputs.get(ref_name)
-    report["reference_output"] = ref_name
+            results["arrivals"]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
+    if "trace" in results and "error" not in results["trace"]:
+        try:
+            read_trace(mk, inputs, h, args.layers, results["trace"])
+        except Exception as e:  # noqa: BLE001 - the timings above still get written
+            results["trace"]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
+    ref = outputs.get("full")
     for name, r in results.items():
         if "error" in r:
             continue
@@ -271,8 +242,8 @@ def main() -> None:
         r["us_per_layer"] = round(r["median_us"] / args.layers, 2)
         r["over_dram_read"] = round(r["median_us"] / report["dram_read_us"], 3)
         if ref is not None and name in FULL_WORK:
-            r["max_abs_diff_vs_ref"] = float((outputs[name] - ref).abs().max())
-            r["rel_diff_vs_ref"] = float((outputs[name] - ref).abs().max() / ref.abs().max())
+            r["max_abs_diff_vs_full"] = float((outputs[name] - ref).abs().max())
+            r["rel_diff_vs_full"] = float((outputs[name] - ref).abs().max() / ref.abs().max())
             r["finite"] = bool(torch.isfinite(outputs[name]).all())
     report["variants"] = results
     out.write_text(json.dumps(report, indent=1))

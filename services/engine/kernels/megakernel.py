@@ -52,6 +52,7 @@ N_WEIGHTS = tl.constexpr(len(WEIGHTS))
 NUM_WARPS = tl.constexpr(8)
 BLOCK_N = tl.constexpr(64)  # keys per attention tile
 MAX_TILE = 32768  # weight elements one GEMV tile loads (128 per thread at 8 warps)
+BAR_LINE = tl.constexpr(32)  # int32 counters a 128-byte line: the grid barrier's, then FOLD's
 
 
 @triton.jit
@@ -98,31 +99,24 @@ def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constex
 
 
 @triton.jit
-def _grid_wait(bar_ptr, target, POLL: tl.constexpr):
+def _grid_wait(bar_ptr, target):
     """Wait until the counter reaches `target` arrivals (P programs x barriers so far). A barrier
     is ~1 us on the H200 with 128 programs (polling with ld.acquire instead of atomic reads, or
     spreading the arrivals over 8 counters, was slower: bench/engine/results/megakernel_probe_*).
     Arrive, issue the next phase's weight loads, then wait: a warp that issues 100 KB of loads
     stalls until the memory system takes them, and an arrival behind them made everyone wait."""
-    if POLL == 0:
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    else:  # (POLL: megakernel_probe.py) relaxed polling, then (2) one acquire
-        seen = tl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(bar_ptr, 0, sem="relaxed", scope="gpu")
-        if POLL == 2:
-            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
 @triton.jit
 def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr, NB: tl.constexpr,
-               TRACE_ALL: tl.constexpr, POLL: tl.constexpr):  # fmt: skip
+               TRACE_ALL: tl.constexpr):  # fmt: skip
     """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1. TRACE_ALL:
     the time this program saw it pass."""
-    _grid_wait(bar_ptr, (nb + 1) * P, POLL)
+    _grid_wait(bar_ptr, (nb + 1) * P)
     if TRACE_ALL & 2:
         tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2 + 1, _globaltimer())
     nb += 1
@@ -157,42 +151,22 @@ def _item_range(item, ctx, S: tl.constexpr):
 
 
 @triton.jit
-def _stream(h_ptr, part_ptr, acc_ptr, cols, PD: tl.constexpr, NPART: tl.constexpr, ACC: tl.constexpr,
-            WDT: tl.constexpr):  # fmt: skip
-    """The float32 residual stream at `cols`: h, plus o_proj's output as the sum of its NPART
-    split-K partials (LAYOUT >= 1; rows PD apart), plus down_proj's output accumulated in acc_ptr
-    (LAYOUT 2). Each output is rounded to the model dtype before it is added, in the layered
-    path's order (h + o, then + down)."""
-    h = tl.load(h_ptr + cols, cache_modifier=".cg")
-    if NPART > 0:
-        o = tl.load(part_ptr + cols, cache_modifier=".cg")
-        for g in tl.static_range(1, NPART):
-            o += tl.load(part_ptr + g * PD + cols, cache_modifier=".cg")
-        h = h + o.to(WDT).to(tl.float32)
-    if ACC:
-        h = h + tl.load(acc_ptr + cols, cache_modifier=".cg").to(WDT).to(tl.float32)
-    return h
-
-
-@triton.jit
-def _rstd(h_ptr, part_ptr, acc_ptr, eps, D: tl.constexpr, KC: tl.constexpr, NPART: tl.constexpr,
-          ACC: tl.constexpr, WDT: tl.constexpr):  # fmt: skip
+def _rstd(h_ptr, eps, D: tl.constexpr, KC: tl.constexpr):
     offs = tl.arange(0, KC)
     ss = tl.zeros([KC], tl.float32)
     for kc in tl.static_range(D // KC):
-        h = _stream(h_ptr, part_ptr, acc_ptr, kc * KC + offs, D, NPART, ACC, WDT)
+        h = tl.load(h_ptr + kc * KC + offs, cache_modifier=".cg")
         ss += h * h
     return 1.0 / tl.sqrt(tl.sum(ss, 0) / D + eps)
 
 
 @triton.jit
-def _gemv_input(x_ptr, lnw_ptr, rstd, cols, X_MODE: tl.constexpr, HALF: tl.constexpr, WDT: tl.constexpr,
-                part_ptr, acc_ptr, PD: tl.constexpr, NPART: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _gemv_input(x_ptr, lnw_ptr, rstd, cols, X_MODE: tl.constexpr, HALF: tl.constexpr, WDT: tl.constexpr):
     """One K chunk of the GEMV's input, float32 holding model-dtype values.
-    X_MODE 0: RMSNorm of the float32 residual stream (_stream); 1: a model-dtype vector;
-    2: SiLU(gate) * up of the gate/up output (gate at [0, HALF), up at [HALF, 2 HALF))."""
+    X_MODE 0: RMSNorm of the float32 residual stream; 1: a model-dtype vector; 2: SiLU(gate) * up
+    of the gate/up output (gate at [0, HALF), up at [HALF, 2 HALF))."""
     if X_MODE == 0:
-        h = _stream(x_ptr, part_ptr, acc_ptr, cols, PD, NPART, ACC, WDT)
+        h = tl.load(x_ptr + cols, cache_modifier=".cg")
         w = tl.load(lnw_ptr + cols).to(tl.float32)
         x = (h * rstd * w).to(WDT).to(tl.float32)
     elif X_MODE == 1:
@@ -205,45 +179,44 @@ def _gemv_input(x_ptr, lnw_ptr, rstd, cols, X_MODE: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _tile(w_ptr, r0, c: tl.constexpr, K: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok,
-          LD: tl.constexpr, WC: tl.constexpr):  # fmt: skip
-    """Weight tile c of a GEMV slice (row chunk c // (K // KC), K chunk c % (K // KC)) of a
-    row-major weight whose rows are LD apart (K, or more for a column slice); nothing is read
-    where `ok` is false (the last layer's look-ahead)."""
+def _tile(w_ptr, r0, c: tl.constexpr, K: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok):
+    """Weight tile c of a GEMV slice (row chunk c // (K // KC), K chunk c % (K // KC)); nothing is
+    read where `ok` is false (the last layer's look-ahead)."""
     rows = r0 + (c // (K // KC)) * RC + tl.arange(0, RC)
     cols = (c % (K // KC)) * KC + tl.arange(0, KC)
     mask = tl.arange(0, RC)[:, None] < tl.where(ok, RC, 0)
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * LD + cols[None, :]
-    if WC == 1:  # (WCACHE: megakernel_probe.py)
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    elif WC == 2:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    return tl.load(ptrs, mask=mask, other=0.0)
+    # evict_first: a step streams ~18x L2's size of weights, which otherwise push out the small
+    # data every phase waits on (the activations, partials and barrier counter): 670 against
+    # 697 us for 28 layers (bench/engine/results/megakernel_probe_h200_poll.json, WCACHE 2).
+    return tl.load(
+        w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+        mask=mask,
+        other=0.0,
+        eviction_policy="evict_first",
+    )
 
 
 @triton.jit
-def _load4(w_ptr, r0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok,
-           LD: tl.constexpr, WC: tl.constexpr):  # fmt: skip
+def _load4(w_ptr, r0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok):
     """A GEMV slice's tiles (at most 4), the unused ones standing in as the first."""
-    w0 = _tile(w_ptr, r0, 0, K, RC, KC, ok, LD, WC)
-    w1, w2, w3 = _load_rest(w_ptr, r0, w0, K, R, RC, KC, ok, LD, WC)
+    w0 = _tile(w_ptr, r0, 0, K, RC, KC, ok)
+    w1, w2, w3 = _load_rest(w_ptr, r0, w0, K, R, RC, KC, ok)
     return w0, w1, w2, w3
 
 
 @triton.jit
-def _load_rest(w_ptr, r0, w0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok,
-               LD: tl.constexpr, WC: tl.constexpr):  # fmt: skip
+def _load_rest(w_ptr, r0, w0, K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr, ok):
     """_load4's tiles after the first (w0, already loaded), the unused ones standing in as w0."""
     NCH: tl.constexpr = (R // RC) * (K // KC)
     w1 = w0
     w2 = w0
     w3 = w0
     if NCH > 1:
-        w1 = _tile(w_ptr, r0, 1, K, RC, KC, ok, LD, WC)
+        w1 = _tile(w_ptr, r0, 1, K, RC, KC, ok)
     if NCH > 2:
-        w2 = _tile(w_ptr, r0, 2, K, RC, KC, ok, LD, WC)
+        w2 = _tile(w_ptr, r0, 2, K, RC, KC, ok)
     if NCH > 3:
-        w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok, LD, WC)
+        w3 = _tile(w_ptr, r0, 3, K, RC, KC, ok)
     return w1, w2, w3
 
 
@@ -253,13 +226,10 @@ def _gemv(
     K: tl.constexpr, R: tl.constexpr, RC: tl.constexpr, KC: tl.constexpr,
     X_MODE: tl.constexpr, HALF: tl.constexpr, RESIDUAL: tl.constexpr,
     trace_ptr, tidx, TRACE: tl.constexpr,
-    part_ptr, acc_ptr, PD: tl.constexpr, NPART: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Rows [r0, r0 + R) of a row-major [*, K] weight, given as its loaded tiles w0..w3 (_load4),
     times the input (_gemv_input; X_MODE 0 normalises with lnw_ptr and eps), rounded to the
-    weight dtype; stored at out_ptr + row, or (RESIDUAL) added to the float32 stream there. The
-    stream (the X_MODE 0 input, the RESIDUAL rows) is _stream's, from part_ptr, acc_ptr, PD,
-    NPART, ACC.
+    weight dtype; stored at out_ptr + row, or (RESIDUAL) added to the float32 stream there.
     Two shapes of slice (_tiling): row chunks over the whole K, or one row chunk over K chunks.
 
     The tiles arrive loaded: the persistent kernel loads a phase's weights at the end of the
@@ -272,17 +242,17 @@ def _gemv(
     # Every load of the phase's inputs is issued before any of them is used: the residual rows
     # (RESIDUAL, one row chunk) and the first input chunk go out together after the barrier.
     if RESIDUAL and NCH // NKC == 1:
-        res = _stream(out_ptr, part_ptr, acc_ptr, r0 + tl.arange(0, RC), PD, NPART, ACC, WDT)
+        res = tl.load(out_ptr + r0 + tl.arange(0, RC), cache_modifier=".cg")
     if X_MODE == 0 and NKC == 1:  # RMSNorm from one load of the stream
-        hx = _stream(x_ptr, part_ptr, acc_ptr, offs_k, PD, NPART, ACC, WDT)
+        hx = tl.load(x_ptr + offs_k, cache_modifier=".cg")
         lw = tl.load(lnw_ptr + offs_k).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hx * hx, 0) / K + eps)
         x0 = (hx * rstd * lw).to(WDT).to(tl.float32)
     else:
         rstd = 0.0
         if X_MODE == 0:
-            rstd = _rstd(x_ptr, part_ptr, acc_ptr, eps, K, KC, NPART, ACC, WDT)
-        x0 = _gemv_input(x_ptr, lnw_ptr, rstd, offs_k, X_MODE, HALF, WDT, part_ptr, acc_ptr, PD, NPART, ACC)
+            rstd = _rstd(x_ptr, eps, K, KC)
+        x0 = _gemv_input(x_ptr, lnw_ptr, rstd, offs_k, X_MODE, HALF, WDT)
     _mark(trace_ptr, tidx, x0, TRACE)
     if NKC == 1:
         y0 = _rows_dot(w0, x0)
@@ -290,67 +260,36 @@ def _gemv(
         if RESIDUAL and NCH == 1:
             _gemv_store(out_ptr, r0, y0, res, WDT, RC)
         else:
-            _gemv_out(out_ptr, r0, y0, WDT, RC, RESIDUAL, part_ptr, acc_ptr, PD, NPART, ACC)
+            _gemv_out(out_ptr, r0, y0, WDT, RC, RESIDUAL)
             if NCH > 1:
-                _gemv_out(
-                    out_ptr, r0 + RC, _rows_dot(w1, x0), WDT, RC, RESIDUAL, part_ptr, acc_ptr, PD, NPART, ACC
-                )
+                _gemv_out(out_ptr, r0 + RC, _rows_dot(w1, x0), WDT, RC, RESIDUAL)
             if NCH > 2:
-                _gemv_out(out_ptr, r0 + 2 * RC, _rows_dot(w2, x0), WDT, RC, RESIDUAL, part_ptr, acc_ptr, PD, NPART,
-                          ACC)  # fmt: skip
+                _gemv_out(out_ptr, r0 + 2 * RC, _rows_dot(w2, x0), WDT, RC, RESIDUAL)
             if NCH > 3:
-                _gemv_out(out_ptr, r0 + 3 * RC, _rows_dot(w3, x0), WDT, RC, RESIDUAL, part_ptr, acc_ptr, PD, NPART,
-                          ACC)  # fmt: skip
-    else:
+                _gemv_out(out_ptr, r0 + 3 * RC, _rows_dot(w3, x0), WDT, RC, RESIDUAL)
+    else:  # every K chunk's input loaded before the first dot: 666 against 672 us for 28 layers,
+        # lower in all 9 rounds (bench/engine/results/megakernel_probe_h200_inputs_first.json)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if NKC > 1:
+            x1 = _gemv_input(x_ptr, lnw_ptr, rstd, KC + offs_k, X_MODE, HALF, WDT)
+        if NKC > 2:
+            x2 = _gemv_input(x_ptr, lnw_ptr, rstd, 2 * KC + offs_k, X_MODE, HALF, WDT)
+        if NKC > 3:
+            x3 = _gemv_input(x_ptr, lnw_ptr, rstd, 3 * KC + offs_k, X_MODE, HALF, WDT)
         acc = _rows_dot(w0, x0)
         if NKC > 1:
-            acc += _rows_dot(
-                w1,
-                _gemv_input(
-                    x_ptr, lnw_ptr, rstd, KC + offs_k, X_MODE, HALF, WDT, part_ptr, acc_ptr, PD, NPART, ACC
-                ),
-            )
+            acc += _rows_dot(w1, x1)
         if NKC > 2:
-            acc += _rows_dot(
-                w2,
-                _gemv_input(
-                    x_ptr,
-                    lnw_ptr,
-                    rstd,
-                    2 * KC + offs_k,
-                    X_MODE,
-                    HALF,
-                    WDT,
-                    part_ptr,
-                    acc_ptr,
-                    PD,
-                    NPART,
-                    ACC,
-                ),
-            )
+            acc += _rows_dot(w2, x2)
         if NKC > 3:
-            acc += _rows_dot(
-                w3,
-                _gemv_input(
-                    x_ptr,
-                    lnw_ptr,
-                    rstd,
-                    3 * KC + offs_k,
-                    X_MODE,
-                    HALF,
-                    WDT,
-                    part_ptr,
-                    acc_ptr,
-                    PD,
-                    NPART,
-                    ACC,
-                ),
-            )
+            acc += _rows_dot(w3, x3)
         _mark(trace_ptr, tidx + 1, acc, TRACE)
         if RESIDUAL:
             _gemv_store(out_ptr, r0, acc, res, WDT, RC)
         else:
-            _gemv_out(out_ptr, r0, acc, WDT, RC, False, part_ptr, acc_ptr, PD, NPART, ACC)
+            _gemv_out(out_ptr, r0, acc, WDT, RC, False)
 
 
 @triton.jit
@@ -365,16 +304,13 @@ def _rows_dot(w, x):
 
 
 @triton.jit
-def _gemv_out(out_ptr, r0, acc, WDT: tl.constexpr, RC: tl.constexpr, RESIDUAL: tl.constexpr,
-              part_ptr, acc_ptr, PD: tl.constexpr, NPART: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _gemv_out(out_ptr, r0, acc, WDT: tl.constexpr, RC: tl.constexpr, RESIDUAL: tl.constexpr):
     """acc rounded to the model dtype WDT, stored at rows [r0, r0 + RC) or added to the float32
-    stream there (_stream's)."""
+    stream there."""
     rows = r0 + tl.arange(0, RC)
     y = acc.to(WDT)
     if RESIDUAL:
-        tl.store(
-            out_ptr + rows, _stream(out_ptr, part_ptr, acc_ptr, rows, PD, NPART, ACC, WDT) + y.to(tl.float32)
-        )
+        tl.store(out_ptr + rows, tl.load(out_ptr + rows, cache_modifier=".cg") + y.to(tl.float32))
     else:
         tl.store(out_ptr + rows, y)
 
@@ -413,9 +349,16 @@ def _kv_tile(kc_ptr, vc_ptr, bt_ptr, g, n0, cached, HKV: tl.constexpr, HD: tl.co
     nmask = p_n < cached
     page = tl.load(bt_ptr + p_n // PAGE, mask=nmask, other=0).to(tl.int64)
     rows = (page * PAGE + p_n % PAGE) * (HKV * HD) + g * HD
-    k1 = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    k2 = tl.load(kc_ptr + rows[:, None] + HALF + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    v = tl.load(vc_ptr + rows[:, None] + tl.arange(0, HD)[None, :], mask=nmask[:, None], other=0.0)
+    # evict_first, as the weights (_tile): 665 against 677 us for 28 layers at context 600
+    # (bench/engine/results/megakernel_probe_h200_evict.json, `kv_evict`).
+    ev: tl.constexpr = "evict_first"
+    k1 = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0, eviction_policy=ev)
+    k2 = tl.load(
+        kc_ptr + rows[:, None] + HALF + offs_d[None, :], mask=nmask[:, None], other=0.0, eviction_policy=ev
+    )
+    v = tl.load(
+        vc_ptr + rows[:, None] + tl.arange(0, HD)[None, :], mask=nmask[:, None], other=0.0, eviction_policy=ev
+    )
     return k1, k2, v, nmask
 
 
@@ -526,117 +469,23 @@ def _merge(e0, po_ptr, plse_ptr, attn_ptr, H: tl.constexpr, HD: tl.constexpr, S:
 
 
 @triton.jit
-def _merge_group(g, po_ptr, plse_ptr, H: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-                 WDT: tl.constexpr):  # fmt: skip
-    """KV head g's G query heads of the attention output (LAYOUT >= 1): the S partitions merged
-    by log-sum-exp as _merge does, float32 holding model-dtype values, [G * HD] (one lse per
-    partition and head, broadcast over the head's elements)."""
-    offs_s = tl.arange(0, S)[:, None, None]
-    offs_g = tl.arange(0, G)[None, :, None]
-    offs_d = tl.arange(0, HD)[None, None, :]
-    lse = tl.load(
-        plse_ptr + tl.arange(0, S)[:, None] * H + g * G + tl.arange(0, G)[None, :], cache_modifier=".cg"
-    )
-    o = tl.load(po_ptr + offs_s * (H * HD) + (g * G + offs_g) * HD + offs_d, cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    wgt = tl.exp2(lse - m[None, :])
-    total = tl.sum(wgt, 0)
-    res = tl.sum(wgt[:, :, None] * o, 0) / tl.where(total > 0, total, 1.0)[:, None]
-    return tl.reshape(res, [G * HD]).to(WDT).to(tl.float32)
-
-
-@triton.jit
-def _partial_out(part_ptr, r0, w0, w1, w2, w3, x, RC: tl.constexpr, NCH: tl.constexpr):
-    """A split-K GEMV slice's float32 sums (up to 4 row chunks of RC rows, its input x in
-    registers), stored unrounded at part_ptr + row: _stream adds the partials up and rounds.
-    Returns the first chunk's sums (TRACE's mark)."""
-    offs = tl.arange(0, RC)
-    y0 = _rows_dot(w0, x)
-    tl.store(part_ptr + r0 + offs, y0)
-    if NCH > 1:
-        tl.store(part_ptr + r0 + RC + offs, _rows_dot(w1, x))
-    if NCH > 2:
-        tl.store(part_ptr + r0 + 2 * RC + offs, _rows_dot(w2, x))
-    if NCH > 3:
-        tl.store(part_ptr + r0 + 3 * RC + offs, _rows_dot(w3, x))
-    return y0
-
-
-@triton.jit
-def _normed(h_ptr, part_ptr, acc_ptr, lnw_ptr, eps, D: tl.constexpr, NPART: tl.constexpr, ACC: tl.constexpr,
-            WDT: tl.constexpr):  # fmt: skip
-    """RMSNorm of the whole stream (_stream) with weight lnw, float32 holding model-dtype values."""
-    offs = tl.arange(0, D)
-    h = _stream(h_ptr, part_ptr, acc_ptr, offs, D, NPART, ACC, WDT)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
-    return (h * rstd * tl.load(lnw_ptr + offs).to(tl.float32)).to(WDT).to(tl.float32)
-
-
-@triton.jit
-def _load_mlp(gu_w, dn_w, i0, ok, D: tl.constexpr, INTER: tl.constexpr, IC_A: tl.constexpr, IC_B: tl.constexpr,
-              UP: tl.constexpr, DOWN: tl.constexpr, WC: tl.constexpr):  # fmt: skip
-    """LAYOUT 2's MLP slice of intermediate columns [i0, i0 + IC_A + IC_B), in two power-of-two
-    parts a and b (b empty: stand-ins): the gate rows (UP false) or the up rows (UP true) of the
-    fused gate/up weight, or (DOWN) down_proj's columns."""
-    if DOWN:  # [D, IC] columns of the row-major [D, INTER] weight
-        a = _tile(dn_w + i0, 0, 0, IC_A, D, IC_A, ok, INTER, WC)
-        b = a
-        if IC_B > 0:
-            b = _tile(dn_w + i0 + IC_A, 0, 0, IC_B, D, IC_B, ok, INTER, WC)
-    else:
-        r0 = i0 + (INTER if UP else 0)
-        a = _tile(gu_w, r0, 0, D, IC_A, D, ok, D, WC)
-        b = a
-        if IC_B > 0:
-            b = _tile(gu_w, r0 + IC_A, 0, D, IC_B, D, ok, D, WC)
-    return a, b
-
-
-@triton.jit
-def _mlp_partial(x, ga, gb, ua, ub, da, db, acc_ptr, D: tl.constexpr, IC_B: tl.constexpr, WDT: tl.constexpr):
-    """LAYOUT 2: this program's intermediate columns of the MLP (gate/up rounded, SiLU(gate) * up
-    rounded, as the layered path) times their down_proj columns, added into the float32
-    accumulator at acc_ptr with relaxed atomics (the order of the P programs' adds varies)."""
-    g = _rows_dot(ga, x).to(WDT).to(tl.float32)
-    u = _rows_dot(ua, x).to(WDT).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g)) * u).to(WDT).to(tl.float32)
-    acc = tl.sum(da.to(tl.float32) * a[None, :], 1)
-    if IC_B > 0:
-        g = _rows_dot(gb, x).to(WDT).to(tl.float32)
-        u = _rows_dot(ub, x).to(WDT).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g)) * u).to(WDT).to(tl.float32)
-        acc += tl.sum(db.to(tl.float32) * a[None, :], 1)
-    tl.atomic_add(acc_ptr + tl.arange(0, D), acc, sem="relaxed", scope="gpu")
-    return acc
-
-
-@triton.jit
-def _own_rows(pid, D: tl.constexpr, P: tl.constexpr, SR_PAD: tl.constexpr):
-    """This program's D / P rows of a D-vector, padded to SR_PAD by repeating the last."""
-    SR: tl.constexpr = D // P
-    return pid * SR + tl.minimum(tl.arange(0, SR_PAD), SR - 1)
-
-
-@triton.jit
-def _stream_rows(dst_ptr, src_ptr, part_ptr, acc_ptr, pid, D: tl.constexpr, P: tl.constexpr, SR_PAD: tl.constexpr,
-                 NPART: tl.constexpr, ACC: tl.constexpr, WDT: tl.constexpr):  # fmt: skip
-    """This program's rows of the stream (_stream of src), written to dst (a padding row
-    repeats the last: the same value stored twice)."""
-    rows = _own_rows(pid, D, P, SR_PAD)
-    tl.store(dst_ptr + rows, _stream(src_ptr, part_ptr, acc_ptr, rows, D, NPART, ACC, WDT))
-
-
-@triton.jit
-def _zero_rows(acc_ptr, pid, D: tl.constexpr, P: tl.constexpr, SR_PAD: tl.constexpr):
-    """Zero this program's rows of the accumulator."""
-    tl.store(acc_ptr + _own_rows(pid, D, P, SR_PAD), tl.zeros([SR_PAD], tl.float32))
+def _fold_merge(item, layer, bar_ptr, po_ptr, plse_ptr, attn_ptr, H: tl.constexpr, HKV: tl.constexpr,
+                HD: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    """FOLD: count this item's partial in its KV head's counter (a line of its own after the grid
+    barrier's; counts run over the layers, zeroed before each launch); the head's last item to
+    finish merges the head's G query heads (_merge), so no merge phase follows."""
+    G: tl.constexpr = H // HKV
+    g = item // S
+    tl.debug_barrier()  # every thread's partial stored (the release below covers them)
+    seen = tl.atomic_add(bar_ptr + BAR_LINE * (1 + g), 1, sem="acq_rel", scope="gpu")
+    if seen == (layer + 1) * S - 1:
+        for j in tl.static_range(G):
+            _merge((g * G + j) * HD, po_ptr, plse_ptr, attn_ptr, H, HD, S, HD)
 
 
 @triton.jit
 def _decode_layers(
     h_ptr, qkv_ptr, po_ptr, plse_ptr, attn_ptr, gu_ptr, bar_ptr, trace_ptr,
-    opart_ptr, dacc_ptr, hb_ptr,
     w_ptr, woff_ptr, kc_ptr, vc_ptr, kv_layer_stride,
     cos_ptr, sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr,
     eps, scale_log2, layer_lo, layer_hi,
@@ -644,30 +493,21 @@ def _decode_layers(
     P: tl.constexpr, S: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr, QK_NORM: tl.constexpr,
     RC_QKV: tl.constexpr, RC_O: tl.constexpr, RC_GU: tl.constexpr, RC_DN: tl.constexpr,
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
-    RC_OM: tl.constexpr, IC_A: tl.constexpr, IC_B: tl.constexpr, SR_PAD: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
-    LAYOUT: tl.constexpr = 0, EARLY_GU: tl.constexpr = True, DN_EARLY: tl.constexpr = False,
-    WCACHE: tl.constexpr = 0, POLL: tl.constexpr = 0,
-    TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
-    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
+    EARLY_GU: tl.constexpr = True, TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
+    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
-    (module docstring; bit 6 is LAYOUT 2's final write of the stream). PERSISTENT: one launch
-    of P resident programs, a grid barrier after every phase, each GEMV's weight slice loaded a
-    phase or more ahead; else one phase per launch.
-
-    LAYOUT (module docstring) 0: six phases a layer; 1: the merge inside o_proj (five);
-    2: also gate/up and down in one phase (four).
-
+    (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
+    phase, each GEMV's weight slice loaded a phase or more ahead; else one phase per launch.
     The look-ahead is spread over the barriers, since a program polling a barrier behind ~100 KB
     of outstanding loads sees it pass 2-3.5 us late (TRACE_ALL), behind <= 48 KB ~1 us: each
     attention item's first KV tile goes out in the q/k/v phase, o_proj's slice in the attention
-    phase, gate/up's first tile in the merge phase (LAYOUT 0; the attention phase in the others)
-    and the rest in the o_proj phase (each measured faster than the arrangement before it: 715
-    against 724 us for 28 layers, then 709-715 against 715-722 in three runs;
-    bench/engine/results/megakernel_probe_h200_s13.json, _spread*.json, _stores.json).
-    EARLY_GU off: gate/up's whole slice in the o_proj phase instead; DN_EARLY (LAYOUT 2): down's
-    columns in the o_proj phase too, not after the gate/up dots;
+    phase, gate/up's first tile in the merge phase and the rest in the o_proj phase (each
+    measured faster than the arrangement before it: 715 against 724 us for 28 layers, then
+    709-715 against 715-722 in three runs; bench/engine/results/megakernel_probe_h200_s13.json,
+    _spread*.json, _stores.json).
+    EARLY_GU off: gate/up's whole slice in the o_proj phase instead (measured slower);
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
     barriers; WORK off (the barriers only)
@@ -676,54 +516,38 @@ def _decode_layers(
     removed: bench/engine/README.md, session 12.)"""
     NQ: tl.constexpr = H * HD
     NQKV: tl.constexpr = (H + 2 * HKV) * HD
-    G: tl.constexpr = H // HKV
     R_QKV: tl.constexpr = NQKV // P
     R_O: tl.constexpr = D // P
     R_GU: tl.constexpr = 2 * INTER // P
     R_DN: tl.constexpr = D // P
     EM: tl.constexpr = NQ // P
-    # LAYOUT >= 1: o_proj split by KV head (K) and row block: program (g, c) = (pid // S, pid % S)
-    # holds rows [c R_OM, (c + 1) R_OM) of KV head g's G HD columns; HKV partials a row.
-    R_OM: tl.constexpr = D // S
-    NPART: tl.constexpr = HKV if LAYOUT >= 1 else 0
-    IC: tl.constexpr = IC_A + IC_B  # LAYOUT 2: intermediate columns a program
-    WDT = w_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pos = tl.load(pos_ptr)
     slot = tl.load(slot_ptr)
     ctx = tl.load(ctx_ptr).to(tl.int32)
     nb = pid * 0  # barriers passed (PERSISTENT)
     _trace(trace_ptr, 0, TRACE)
-    Q_ON: tl.constexpr = (PHASES & 1) != 0
-    A_ON: tl.constexpr = (PHASES & 2) != 0
-    M_ON: tl.constexpr = (PHASES & 4) != 0 and LAYOUT == 0
-    O_ON: tl.constexpr = (PHASES & 8) != 0
-    U_ON: tl.constexpr = (PHASES & 16) != 0
-    D_ON: tl.constexpr = (PHASES & 32) != 0 and LAYOUT <= 1
-    F_ON: tl.constexpr = (PHASES & 64) != 0 and LAYOUT == 2
     # Weight slices in registers (_gemv): in the persistent kernel each GEMV phase loads the next
     # one's slice right after its own compute (AHEAD_*), so it streams in during the barrier and
     # the phases between; a phase whose predecessor does not run loads its own.
-    AHEAD_O: tl.constexpr = PERSISTENT and Q_ON and O_ON
-    AHEAD_GU: tl.constexpr = PERSISTENT and O_ON and U_ON
-    AHEAD_DN: tl.constexpr = PERSISTENT and U_ON and D_ON
-    AHEAD_QKV: tl.constexpr = PERSISTENT and (D_ON or (LAYOUT == 2 and U_ON)) and Q_ON
-    # EARLY_GU: gate/up's first tile loaded already in the merge phase (LAYOUT 0) or the
-    # attention phase, the rest in o_proj's.
-    GU_EARLY: tl.constexpr = EARLY_GU and AHEAD_GU and (M_ON if LAYOUT == 0 else A_ON)
+    AHEAD_O: tl.constexpr = PERSISTENT and (PHASES & 1) != 0 and (PHASES & 8) != 0
+    AHEAD_GU: tl.constexpr = PERSISTENT and (PHASES & 8) != 0 and (PHASES & 16) != 0
+    AHEAD_DN: tl.constexpr = PERSISTENT and (PHASES & 16) != 0 and (PHASES & 32) != 0
+    AHEAD_QKV: tl.constexpr = PERSISTENT and (PHASES & 32) != 0 and (PHASES & 1) != 0
+    # EARLY_GU: gate/up's first tile loaded already in the merge phase, the rest in o_proj's.
+    # FOLD: no merge phase; the last item of each KV head to finish merges its heads.
+    M_ON: tl.constexpr = (PHASES & 4) != 0 and not FOLD
+    GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and M_ON
+    GU_AT_ATTN: tl.constexpr = EARLY_GU and AHEAD_GU and FOLD and (PHASES & 2) != 0
     # Spread over the barriers (docstring): o_proj's slice after the attention phase, each
     # attention item's first key tile in the q/k/v phase.
-    O_AT_ATTN: tl.constexpr = AHEAD_O and A_ON
-    AHEAD_KV: tl.constexpr = PERSISTENT and Q_ON and A_ON
-    DN_AHEAD: tl.constexpr = LAYOUT == 2 and DN_EARLY and AHEAD_GU
-    g_o = pid // S
-    r_o = (pid % S) * R_OM if LAYOUT >= 1 else pid * R_O
-    i_mlp = pid * IC
+    O_AT_ATTN: tl.constexpr = AHEAD_O and (PHASES & 2) != 0
+    AHEAD_KV: tl.constexpr = PERSISTENT and (PHASES & 1) != 0 and (PHASES & 2) != 0
     r_qkv = pid * R_QKV
     if AHEAD_QKV:  # the first layer's; later layers' come from the down phase before (carried
         # across the loop: a stand-in tile of _load4 folds into the first, the PTX is the same)
         w_first = _weight(w_ptr, woff_ptr + layer_lo * N_WEIGHTS, 1)
-        q0, q1, q2, q3 = _load4(w_first, r_qkv, D, R_QKV, RC_QKV, KC_QKV, True, D, WCACHE)
+        q0, q1, q2, q3 = _load4(w_first, r_qkv, D, R_QKV, RC_QKV, KC_QKV, True)
     for layer in range(layer_lo, layer_hi):
         row = woff_ptr + layer * N_WEIGHTS
         nxt = woff_ptr + tl.minimum(layer + 1, layer_hi - 1) * N_WEIGHTS
@@ -733,46 +557,21 @@ def _decode_layers(
         layer_off = tl.cast(layer, tl.int64) * kv_layer_stride  # past 2**31 elements in big pools
         kc_l = kc_ptr + layer_off
         vc_l = vc_ptr + layer_off
-        # LAYOUT 2 keeps the stream in two buffers: layer l's q/k/v phase reads the stream before
-        # it (the input row at layer 0) plus the layer before's o_proj and down outputs, and
-        # writes its rows of its own stream, which the MLP phase reads (with this layer's o_proj)
-        # while the next layer's q/k/v phase writes the other buffer.
-        if LAYOUT == 2:
-            h_cur = hb_ptr + (layer % 2) * D
-            if layer == 0:
-                h_src = h_ptr
-            else:
-                h_src = hb_ptr + ((layer + 1) % 2) * D
-        else:
-            h_cur = h_ptr
-            h_src = h_ptr
-        w_o = _weight(w_ptr, row, 4)
-        if LAYOUT >= 1:
-            w_o = w_o + g_o * (G * HD)  # this program's columns of o_proj
-        if Q_ON:  # qkv
+        if PHASES & 1:  # qkv
             if not AHEAD_QKV:
-                q0, q1, q2, q3 = _load4(
-                    _weight(w_ptr, row, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, True, D, WCACHE
-                )
+                q0, q1, q2, q3 = _load4(_weight(w_ptr, row, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, True)
             if WORK:
-                if LAYOUT == 2:
-                    _stream_rows(h_cur, h_src, opart_ptr, dacc_ptr, pid, D, P, SR_PAD, NPART, True, WDT)
-                    _gemv(q0, q1, q2, q3, r_qkv, h_src, _weight(w_ptr, row, 0), eps, qkv_ptr,
-                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE,
-                          opart_ptr, dacc_ptr, D, NPART, True)  # fmt: skip
-                else:
-                    _gemv(q0, q1, q2, q3, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
-                          D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE,
-                          opart_ptr, dacc_ptr, D, 0, False)  # fmt: skip
+                _gemv(q0, q1, q2, q3, r_qkv, h_ptr, _weight(w_ptr, row, 0), eps, qkv_ptr,
+                      D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_O and not O_AT_ATTN:
-                o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ, WCACHE)
+                o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-        if A_ON:  # attention partials
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+        if PHASES & 2:  # attention partials
             if not AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if WORK:  # (every program holds an item: P = HKV * S)
@@ -781,136 +580,63 @@ def _decode_layers(
                     cos_ptr, sin_ptr, bt_ptr, po_ptr, plse_ptr, pos, slot, ctx, eps, scale_log2,
                     k1, k2, v, nmask, H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
                 )  # fmt: skip
-                if LAYOUT == 2:  # the accumulator was read in the q/k/v phase: zero it for down
-                    _zero_rows(dacc_ptr, pid, D, P, SR_PAD)
+                if FOLD:
+                    _fold_merge(pid, layer, bar_ptr, po_ptr, plse_ptr, attn_ptr, H, HKV, HD, S)
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if O_AT_ATTN:
-                if LAYOUT >= 1:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, G * HD, R_OM, RC_OM, G * HD, True, NQ, WCACHE)
-                else:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ, WCACHE)
-            if GU_EARLY and LAYOUT >= 1:
-                if LAYOUT == 2:
-                    ga, gb = _load_mlp(
-                        _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False, WCACHE
-                    )
-                else:
-                    u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True, D, WCACHE)
+                o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
+            if GU_AT_ATTN:  # its first tile only, the rest after o_proj
+                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-        if M_ON:  # merge (LAYOUT 0)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+        if M_ON:  # merge
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            if GU_EARLY:  # its first tile only, the rest after o_proj
-                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True, D, WCACHE)
+            if GU_AT_MERGE:  # its first tile only, the rest after o_proj
+                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-        if O_ON:  # o_proj: + residual (LAYOUT 0), or the split-K partials of the merged heads
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+        if PHASES & 8:  # o_proj + residual
             if not AHEAD_O:
-                if LAYOUT >= 1:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, G * HD, R_OM, RC_OM, G * HD, True, NQ, WCACHE)
-                else:
-                    o0, o1, o2, o3 = _load4(w_o, r_o, NQ, R_O, RC_O, KC_O, True, NQ, WCACHE)
+                o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if WORK:
-                if LAYOUT >= 1:
-                    xo = _merge_group(g_o, po_ptr, plse_ptr, H, HD, S, G, WDT)
-                    _mark(trace_ptr, tin + 6, xo, TRACE)
-                    yo = _partial_out(opart_ptr + g_o * D, r_o, o0, o1, o2, o3, xo, RC_OM, R_OM // RC_OM)
-                    _mark(trace_ptr, tin + 7, yo, TRACE)
-                else:
-                    _gemv(o0, o1, o2, o3, r_o, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True,
-                          trace_ptr, tin + 6, TRACE, opart_ptr, dacc_ptr, D, 0, False)  # fmt: skip
+                _gemv(o0, o1, o2, o3, pid * R_O, attn_ptr, w_ptr, eps, h_ptr, NQ, R_O, RC_O, KC_O, 1, 0, True,
+                      trace_ptr, tin + 6, TRACE)  # fmt: skip
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            if LAYOUT == 2 and AHEAD_GU:
-                if not GU_EARLY:
-                    ga, gb = _load_mlp(
-                        _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False, WCACHE
-                    )
-                ua, ub = _load_mlp(
-                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, True, False, WCACHE
-                )
-                if DN_AHEAD:
-                    da, db = _load_mlp(
-                        w_ptr, _weight(w_ptr, row, 7), i_mlp, True, D, INTER, IC_A, IC_B, False, True, WCACHE
-                    )
-            elif AHEAD_GU and not GU_EARLY:
-                u0, u1, u2, u3 = _load4(
-                    _weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True, D, WCACHE
-                )
-            elif GU_EARLY:
-                u1, u2, u3 = _load_rest(
-                    _weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True, D, WCACHE
-                )
+            if AHEAD_GU and not (GU_AT_MERGE or GU_AT_ATTN):
+                u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
+            if GU_AT_MERGE or GU_AT_ATTN:
+                u1, u2, u3 = _load_rest(_weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-        if U_ON and LAYOUT == 2:  # gate/up and down, the down outputs accumulated (atomics)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+        if PHASES & 16:  # gate/up
             if not AHEAD_GU:
-                ga, gb = _load_mlp(
-                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, False, False, WCACHE
-                )
-                ua, ub = _load_mlp(
-                    _weight(w_ptr, row, 6), w_ptr, i_mlp, True, D, INTER, IC_A, IC_B, True, False, WCACHE
-                )
-            if not DN_AHEAD:
-                da, db = _load_mlp(
-                    w_ptr, _weight(w_ptr, row, 7), i_mlp, True, D, INTER, IC_A, IC_B, False, True, WCACHE
-                )
-            if WORK:
-                xu = _normed(h_cur, opart_ptr, dacc_ptr, _weight(w_ptr, row, 5), eps, D, NPART, False,
-                             WDT)  # fmt: skip
-                _mark(trace_ptr, tin + 8, xu, TRACE)
-                yu = _mlp_partial(xu, ga, gb, ua, ub, da, db, dacc_ptr, D, IC_B, WDT)
-                _mark(trace_ptr, tin + 9, yu, TRACE)
-            if PERSISTENT:
-                _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            if AHEAD_QKV:
-                q0, q1, q2, q3 = _load4(
-                    _weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next, D, WCACHE
-                )
-            if PERSISTENT:  # (after the last layer too: the final phase reads every program's adds)
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-        elif U_ON:  # gate/up
-            if not AHEAD_GU:
-                u0, u1, u2, u3 = _load4(
-                    _weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True, D, WCACHE
-                )
+                u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
             if WORK:
                 _gemv(u0, u1, u2, u3, pid * R_GU, h_ptr, _weight(w_ptr, row, 5), eps, gu_ptr,
-                      D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE,
-                      opart_ptr, dacc_ptr, D, NPART, False)  # fmt: skip
+                      D, R_GU, RC_GU, KC_GU, 0, 0, False, trace_ptr, tin + 8, TRACE)  # fmt: skip
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_DN:
-                d0, d1, d2, d3 = _load4(
-                    _weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True, INTER, WCACHE
-                )
+                d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-        if D_ON:  # down + residual (the stream's rows: + o_proj's partials in LAYOUT 1)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+        if PHASES & 32:  # down + residual
             if not AHEAD_DN:
-                d0, d1, d2, d3 = _load4(
-                    _weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True, INTER, WCACHE
-                )
+                d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if WORK:
                 _gemv(d0, d1, d2, d3, pid * R_DN, gu_ptr, w_ptr, eps, h_ptr,
-                      INTER, R_DN, RC_DN, KC_DN, 2, INTER, True, trace_ptr, tin + 10, TRACE,
-                      opart_ptr, dacc_ptr, D, NPART, False)  # fmt: skip
+                      INTER, R_DN, RC_DN, KC_DN, 2, INTER, True, trace_ptr, tin + 10, TRACE)  # fmt: skip
             if PERSISTENT and layer + 1 < layer_hi:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if AHEAD_QKV:
-                q0, q1, q2, q3 = _load4(
-                    _weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next, D, WCACHE
-                )
+                q0, q1, q2, q3 = _load4(_weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next)
             if PERSISTENT and layer + 1 < layer_hi:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, POLL)
-    if F_ON and WORK:  # LAYOUT 2: the last layer's stream, o_proj and down outputs into h
-        last = layer_hi - 1
-        _stream_rows(h_ptr, hb_ptr + (last % 2) * D, opart_ptr, dacc_ptr, pid, D, P, SR_PAD, NPART, True,
-                     WDT)  # fmt: skip
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
 
 
 def _weight_offsets(per_layer: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -948,35 +674,6 @@ def _tiling(rows: int, k: int) -> tuple[int, int] | None:
         kc = _pow2_divisor(k, MAX_TILE // rows)
         return (rows, kc) if k // kc <= 4 else None
     return None
-
-
-# The phases (PHASES bits) of a layer in each layout: LAYOUT 1 has no merge phase, LAYOUT 2 no
-# down phase either (gate/up's bit runs the MLP); LAYOUT 2 ends with bit 6, the stream's write.
-LAYOUT_PHASES = {0: (1, 2, 4, 8, 16, 32), 1: (1, 2, 8, 16, 32), 2: (1, 2, 8, 16)}
-
-
-def _layouts(s: Shape, p: int) -> tuple[list[int], dict[str, int]]:
-    """(the layouts the shape fits at P = p, their launch constants). LAYOUT 1 splits o_proj by
-    KV head and block of D / S rows (S = P / HKV, the partition count), one slice in at most 4
-    row tiles over the group's columns; LAYOUT 2 also gives every program INTER / P intermediate
-    columns, at most two power-of-two parts (their down_proj columns are [D, part] tiles)."""
-    lay = {"RC_OM": 1, "IC_A": 1, "IC_B": 0, "SR_PAD": triton.next_power_of_2(max(s.dim // p, 1))}
-    fits = [0]
-    parts = p // s.n_kv_heads
-    k_om = s.n_heads // s.n_kv_heads * s.head_dim
-    tiling = _tiling(s.dim // parts, k_om) if s.dim % parts == 0 else None
-    if tiling is None or tiling[1] != k_om:
-        return fits, lay
-    fits.append(1)
-    lay["RC_OM"] = tiling[0]
-    ic = s.inter // p
-    a = 1 << (ic.bit_length() - 1) if ic else 0
-    b = ic - a
-    if (s.inter % p == 0 and ic and (b & (b - 1)) == 0 and s.dim & (s.dim - 1) == 0
-            and s.dim * a <= MAX_TILE and s.dim <= MAX_TILE):  # fmt: skip
-        fits.append(2)
-        lay.update(IC_A=a, IC_B=b)
-    return fits, lay
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -1082,19 +779,13 @@ class DecodeMegakernel:
         self.partitions = p // s.n_kv_heads
         dt = self.base.dtype
         self.qkv = torch.zeros(nq + 2 * nkv, dtype=dt, device=dev)
-        # Zeroed before every launch in one memset: the barrier counter (16 bytes, so what follows
-        # stays 16-byte aligned), o_proj's split-K partials and down's accumulator (LAYOUT >= 1:
-        # layer 0 reads them as the layer before's outputs).
-        hkv_d = s.n_kv_heads * s.dim
-        self.scratch = torch.zeros(4 + hkv_d + s.dim, dtype=torch.float32, device=dev)
-        self.barrier = self.scratch[:1].view(torch.int32)
-        self.o_part = self.scratch[4 : 4 + hkv_d]
-        self.down_acc = self.scratch[4 + hkv_d :]
-        self.stream_bufs = torch.zeros(2, s.dim, dtype=torch.float32, device=dev)  # LAYOUT 2
         self.part_o = torch.zeros(self.partitions, s.n_heads, s.head_dim, dtype=torch.float32, device=dev)
         self.part_lse = torch.zeros(self.partitions, s.n_heads, dtype=torch.float32, device=dev)
         self.attn = torch.zeros(nq, dtype=dt, device=dev)
         self.gate_up = torch.zeros(2 * s.inter, dtype=dt, device=dev)
+        # Zeroed before every launch: the grid barrier's counter, then (FOLD) one per KV head,
+        # each in its own 128-byte line.
+        self.barrier = torch.zeros(int(BAR_LINE) * (1 + s.n_kv_heads), dtype=torch.int32, device=dev)
         # Program 0's time after each barrier, then two inner marks a phase (TRACE:
         # megakernel_probe.py's per-phase breakdown).
         # TRACE_ALL: (arrival, passing) of every program at every barrier.
@@ -1105,8 +796,6 @@ class DecodeMegakernel:
         tiling = {name: _tiling(r[name], k[name]) for name in r}
         if any(t is None for t in tiling.values()):
             raise ValueError(f"megakernel: no tiling of the GEMV slices {r} (K {k}) in <= 4 tiles")
-        self.layouts, lay = _layouts(s, p)
-        self.layout = max(self.layouts)
         self.meta = {
             "D": s.dim, "H": s.n_heads, "HKV": s.n_kv_heads, "HD": s.head_dim, "INTER": s.inter, "P": p,
             # >= 16 query rows: the attention's tensor-core dots (padding rows are zeros).
@@ -1114,7 +803,6 @@ class DecodeMegakernel:
             "PAGE": page, "QK_NORM": bool(m.qk_norm), "NB": s.n_layers * int(N_PHASES),
             **{f"RC_{name}": t[0] for name, t in tiling.items() if t is not None},
             **{f"KC_{name}": t[1] for name, t in tiling.items() if t is not None},
-            **lay,
         }  # fmt: skip
         # Launch overrides (the _decode_layers switches, num_warps): megakernel_probe.py.
         self.tuning: dict[str, int | bool] = {}
@@ -1131,33 +819,25 @@ class DecodeMegakernel:
             raise ValueError("megakernel: the block table row must have unit stride")
         args = (
             h, self.qkv, self.part_o, self.part_lse, self.attn, self.gate_up, self.barrier, self.trace,
-            self.o_part, self.down_acc, self.stream_bufs, self.base, self.offsets, self.kv_k, self.kv_v, self.kv_k.stride(0),
+            self.base, self.offsets, self.kv_k, self.kv_v, self.kv_k.stride(0),
             self.cos, self.sin, positions, slots, ctx_lens, block_table,
             self.eps, self.scale_log2,
         )  # fmt: skip
         n = self.shape.n_layers
-        self.scratch.zero_()
-        layout = int(self.tuning.get("LAYOUT", self.layout))
-        if layout not in self.layouts:
-            raise ValueError(f"megakernel: layout {layout} does not fit this model (fits: {self.layouts})")
+        self.barrier.zero_()
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if interpreted and self.programs > 1:
             # Programs run one after another: a barrier would wait forever, so one launch a phase.
-            phases = LAYOUT_PHASES[layout]
             for layer in range(n):
-                for phase in phases:
+                for phase in range(int(N_PHASES)):
                     _decode_layers[(self.programs,)](
-                        *args, layer, layer + 1, **self.meta, PHASES=phase, PERSISTENT=False, UPCAST=True,
-                        LAYOUT=layout,
+                        *args, layer, layer + 1, **self.meta, PHASES=1 << phase, PERSISTENT=False, UPCAST=True,
+                        **{k: v for k, v in self.tuning.items() if k != "num_warps"},
                     )  # fmt: skip
-            if layout == 2:
-                _decode_layers[(self.programs,)](
-                    *args, n - 1, n, **self.meta, PHASES=64, PERSISTENT=False, UPCAST=True, LAYOUT=layout
-                )
             return h
         # The persistent launch; interpreted only with one program, whose barriers pass at once
         # (how tests run this launch's look-ahead loads and barrier bookkeeping on CPU).
-        launch = {"PHASES": 127, "num_warps": int(NUM_WARPS), **self.tuning, "LAYOUT": layout}
+        launch = {"PHASES": (1 << int(N_PHASES)) - 1, "num_warps": int(NUM_WARPS), **self.tuning}
         # (the compiled kernel: its n_regs and n_spills for megakernel_probe.py)
         self.compiled = _decode_layers[(self.programs,)](
             *args, 0, n, **self.meta, PERSISTENT=True, UPCAST=interpreted, **launch
