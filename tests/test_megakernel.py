@@ -112,20 +112,16 @@ def assert_matches_torch_path(got: torch.Tensor, case: dict[str, Any]) -> None:
         (37, {"n_kv_heads": 4}),
     ],
 )
-@pytest.mark.parametrize("fold", [False, True])
-def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any], fold: bool) -> None:
+def test_float32_step_matches_the_torch_path(ctx: int, update: dict[str, Any]) -> None:
     """1: only the new token; 6: most partitions empty; 300: items of two key tiles each; a
-    Llama-3 (no q/k norm); plain multi-head attention (a group of one). FOLD: the last item of
-    each KV head merges its heads (no merge phase)."""
+    Llama-3 (no q/k norm); plain multi-head attention (a group of one)."""
     model = make_model(torch.float32, **update)
     case = decode_case(model, ctx)
-    assert_matches_torch_path(run_megakernel(model, case, tuning={"FOLD": fold})[0], case)
+    assert_matches_torch_path(run_megakernel(model, case)[0], case)
 
 
 @needs_interpreter
-@pytest.mark.parametrize(
-    "tuning", [{}, {"EARLY_GU": False}, {"FOLD": True}, {"FOLD": True, "EARLY_GU": False}]
-)
+@pytest.mark.parametrize("tuning", [{}, {"EARLY_GU": False}])
 def test_persistent_launch_matches_the_torch_path(tuning: dict[str, bool]) -> None:
     """The GPU's launch (one persistent kernel: weight slices and KV tiles loaded a phase ahead,
     carried across layers, the barrier bookkeeping) with one program, whose barriers pass at once

@@ -51,11 +51,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ta1": {"TRACE_ALL": 1},
     "ta2": {"TRACE_ALL": 2},
     "barriers_only": {"WORK": False},
-    "fold": {"FOLD": True},
-    "fold_late_gu": {"FOLD": True, "EARLY_GU": False},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2", "fold", "fold_late_gu")
+FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:

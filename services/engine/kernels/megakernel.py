@@ -52,7 +52,6 @@ N_WEIGHTS = tl.constexpr(len(WEIGHTS))
 NUM_WARPS = tl.constexpr(8)
 BLOCK_N = tl.constexpr(64)  # keys per attention tile
 MAX_TILE = 32768  # weight elements one GEMV tile loads (128 per thread at 8 warps)
-BAR_LINE = tl.constexpr(32)  # int32 counters a 128-byte line: the grid barrier's, then FOLD's
 
 
 @triton.jit
@@ -469,21 +468,6 @@ def _merge(e0, po_ptr, plse_ptr, attn_ptr, H: tl.constexpr, HD: tl.constexpr, S:
 
 
 @triton.jit
-def _fold_merge(item, layer, bar_ptr, po_ptr, plse_ptr, attn_ptr, H: tl.constexpr, HKV: tl.constexpr,
-                HD: tl.constexpr, S: tl.constexpr):  # fmt: skip
-    """FOLD: count this item's partial in its KV head's counter (a line of its own after the grid
-    barrier's; counts run over the layers, zeroed before each launch); the head's last item to
-    finish merges the head's G query heads (_merge), so no merge phase follows."""
-    G: tl.constexpr = H // HKV
-    g = item // S
-    tl.debug_barrier()  # every thread's partial stored (the release below covers them)
-    seen = tl.atomic_add(bar_ptr + BAR_LINE * (1 + g), 1, sem="acq_rel", scope="gpu")
-    if seen == (layer + 1) * S - 1:
-        for j in tl.static_range(G):
-            _merge((g * G + j) * HD, po_ptr, plse_ptr, attn_ptr, H, HD, S, HD)
-
-
-@triton.jit
 def _decode_layers(
     h_ptr, qkv_ptr, po_ptr, plse_ptr, attn_ptr, gu_ptr, bar_ptr, trace_ptr,
     w_ptr, woff_ptr, kc_ptr, vc_ptr, kv_layer_stride,
@@ -495,7 +479,7 @@ def _decode_layers(
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     EARLY_GU: tl.constexpr = True, TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
-    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0, FOLD: tl.constexpr = False,
+    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -535,10 +519,7 @@ def _decode_layers(
     AHEAD_DN: tl.constexpr = PERSISTENT and (PHASES & 16) != 0 and (PHASES & 32) != 0
     AHEAD_QKV: tl.constexpr = PERSISTENT and (PHASES & 32) != 0 and (PHASES & 1) != 0
     # EARLY_GU: gate/up's first tile loaded already in the merge phase, the rest in o_proj's.
-    # FOLD: no merge phase; the last item of each KV head to finish merges its heads.
-    M_ON: tl.constexpr = (PHASES & 4) != 0 and not FOLD
-    GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and M_ON
-    GU_AT_ATTN: tl.constexpr = EARLY_GU and AHEAD_GU and FOLD and (PHASES & 2) != 0
+    GU_AT_MERGE: tl.constexpr = EARLY_GU and AHEAD_GU and (PHASES & 4) != 0
     # Spread over the barriers (docstring): o_proj's slice after the attention phase, each
     # attention item's first key tile in the q/k/v phase.
     O_AT_ATTN: tl.constexpr = AHEAD_O and (PHASES & 2) != 0
@@ -580,17 +561,13 @@ def _decode_layers(
                     cos_ptr, sin_ptr, bt_ptr, po_ptr, plse_ptr, pos, slot, ctx, eps, scale_log2,
                     k1, k2, v, nmask, H, HKV, HD, S, G_PAD, PAGE, QK_NORM, UPCAST, trace_ptr, tin + 2, TRACE,
                 )  # fmt: skip
-                if FOLD:
-                    _fold_merge(pid, layer, bar_ptr, po_ptr, plse_ptr, attn_ptr, H, HKV, HD, S)
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
             if O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
-            if GU_AT_ATTN:  # its first tile only, the rest after o_proj
-                u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
             if PERSISTENT:
                 nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
-        if M_ON:  # merge
+        if PHASES & 4:  # merge
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
@@ -607,9 +584,9 @@ def _decode_layers(
                       trace_ptr, tin + 6, TRACE)  # fmt: skip
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            if AHEAD_GU and not (GU_AT_MERGE or GU_AT_ATTN):
+            if AHEAD_GU and not GU_AT_MERGE:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
-            if GU_AT_MERGE or GU_AT_ATTN:
+            if GU_AT_MERGE:
                 u1, u2, u3 = _load_rest(_weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
                 nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
@@ -783,9 +760,7 @@ class DecodeMegakernel:
         self.part_lse = torch.zeros(self.partitions, s.n_heads, dtype=torch.float32, device=dev)
         self.attn = torch.zeros(nq, dtype=dt, device=dev)
         self.gate_up = torch.zeros(2 * s.inter, dtype=dt, device=dev)
-        # Zeroed before every launch: the grid barrier's counter, then (FOLD) one per KV head,
-        # each in its own 128-byte line.
-        self.barrier = torch.zeros(int(BAR_LINE) * (1 + s.n_kv_heads), dtype=torch.int32, device=dev)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # zeroed before every launch
         # Program 0's time after each barrier, then two inner marks a phase (TRACE:
         # megakernel_probe.py's per-phase breakdown).
         # TRACE_ALL: (arrival, passing) of every program at every barrier.
@@ -831,9 +806,8 @@ class DecodeMegakernel:
             for layer in range(n):
                 for phase in range(int(N_PHASES)):
                     _decode_layers[(self.programs,)](
-                        *args, layer, layer + 1, **self.meta, PHASES=1 << phase, PERSISTENT=False, UPCAST=True,
-                        **{k: v for k, v in self.tuning.items() if k != "num_warps"},
-                    )  # fmt: skip
+                        *args, layer, layer + 1, **self.meta, PHASES=1 << phase, PERSISTENT=False, UPCAST=True
+                    )
             return h
         # The persistent launch; interpreted only with one program, whose barriers pass at once
         # (how tests run this launch's look-ahead loads and barrier bookkeeping on CPU).
