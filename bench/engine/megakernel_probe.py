@@ -13,6 +13,11 @@ back-to-back launches (the residual row reset before each), rounds alternating b
   `megakernel_probe_h200_s13.json` is today's kernel), the look-ahead not spread over the
   barriers (`full` in `_spread*.json` and `_stores.json`; today's kernel is their `spread`),
   PIN (volatile timer reads around the barriers, `_spread_pin.json`: no effect);
+- session 14's layouts (the merge inside o_proj; also the MLP in one phase), POLL (relaxed
+  barrier polling), WCACHE (weights `.cg` or `evict_first`, the latter now fixed), `kv_evict`
+  (fixed since), `inputs_first` (fixed since) and `fold` (retried, slower) were variants of
+  this probe at the commits their results files name (`megakernel_probe_h200_layouts*.json`,
+  `_poll.json`, `_evict.json`, `_inputs_first.json`, `_fold.json`);
 - `barriers_only`: the grid barriers alone (WORK off);
 - `arrivals`: every program's time at each arrival and barrier passing (TRACE_ALL), summarised per
   phase (which programs arrive last, by how much, how long the barrier takes to pass after them);
@@ -22,7 +27,8 @@ back-to-back launches (the residual row reset before each), rounds alternating b
 - `only_<phase>`: one phase per layer (its barrier included), the others skipped (such a
   phase loads its own weights after the barrier: no look-ahead).
 
-Every full-work variant's output row is compared with `full`'s (the same arithmetic: it must be
+Every variant records its compiled kernel's registers and spills. Every full-work variant's
+output row is compared with `full`'s (the same arithmetic: it must be
 equal up to the order of float32 sums). The baseline in the same process is the DRAM read of the
 layers' weights at the measured copy bandwidth.
 

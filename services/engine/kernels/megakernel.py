@@ -23,7 +23,10 @@ Weights do not depend on the data, so each program loads its slice of the next G
 into registers a phase or two ahead, after arriving at the barrier and before waiting on it: the
 weights stream in while the barriers serialise only the small activations, which stay in L2.
 (L2 prefetch instructions instead, of weights or of KV, were slower in every arrangement tried:
-bench/engine/README.md, session 12.)
+bench/engine/README.md, session 12.) Weights and KV are loaded evict_first, so that their stream
+does not push the small data every phase waits on out of L2. Fewer phases a layer (the merge
+inside o_proj's split-K partials; the MLP in one phase with atomically added down outputs) and
+relaxed barrier polling were measured no faster and removed (bench/engine/README.md, session 14).
 
 Numerics follow the layered GPU path: bf16 GEMV outputs, float32 residual stream, RMSNorm and
 q/k norm + RoPE in float32 rounded once, P cast to the cache dtype for P @ V, partitions merged
