@@ -57,9 +57,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ta1": {"TRACE_ALL": 1},
     "ta2": {"TRACE_ALL": 2},
     "barriers_only": {"WORK": False},
+    "bulk_pf": {"BULK_PF": True},
+    "bulk_pf_trace": {"BULK_PF": True, "TRACE": True},
+    "bulk_pf_arrivals": {"BULK_PF": True, "TRACE_ALL": 3},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2")
+FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2", "bulk_pf", "bulk_pf_trace",
+             "bulk_pf_arrivals")  # fmt: skip
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
@@ -124,10 +128,11 @@ def time_us(fn: Callable[[], object], launches: int) -> float:
 
 
 def read_trace(
-    mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int, out: dict[str, Any]
+    mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int, out: dict[str, Any], name: str
 ) -> None:
-    """One traced launch: program 0's barrier marks and inner marks (megakernel TRACE) into `out`."""
-    mk.tuning = VARIANTS["trace"]
+    """One traced launch of variant `name`: program 0's barrier marks and inner marks (megakernel
+    TRACE) into `out`."""
+    mk.tuning = VARIANTS[name]
     mk.trace.zero_()  # (the buffer is shared with TRACE_ALL's)
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
@@ -156,12 +161,12 @@ def read_trace(
 
 
 def read_arrivals(mk: Any, inputs: dict[str, torch.Tensor], h: torch.Tensor, layers: int,
-                  out: dict[str, Any]) -> None:  # fmt: skip
+                  out: dict[str, Any], name: str) -> None:  # fmt: skip
     """One launch with every program's (arrival, passing) time at every barrier (TRACE_ALL),
     summarised per phase: how far the last arrival trails the median one, how long after the
     last arrival the programs see the barrier pass, which programs arrive last most often, and
     each program's mean lateness (us behind the median arrival)."""
-    mk.tuning = VARIANTS["arrivals"]
+    mk.tuning = VARIANTS[name]
     mk.trace.zero_()
     run_once(mk, inputs, h)
     torch.cuda.synchronize()
@@ -228,16 +233,14 @@ def main() -> None:
                 continue
             mk.tuning = VARIANTS[name]
             results[name]["us"].append(round(time_us(lambda: run_once(mk, inputs, h), args.launches), 2))
-    if "arrivals" in results and "error" not in results["arrivals"]:
+    for name, r in results.items():  # the traced variants' breakdowns
+        tuning = VARIANTS[name]
+        if "error" in r or not (tuning.get("TRACE") or tuning.get("TRACE_ALL") == 3):
+            continue
         try:
-            read_arrivals(mk, inputs, h, args.layers, results["arrivals"])
+            (read_trace if tuning.get("TRACE") else read_arrivals)(mk, inputs, h, args.layers, r, name)
         except Exception as e:  # noqa: BLE001 - the timings above still get written
-            results["arrivals"]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
-    if "trace" in results and "error" not in results["trace"]:
-        try:
-            read_trace(mk, inputs, h, args.layers, results["trace"])
-        except Exception as e:  # noqa: BLE001 - the timings above still get written
-            results["trace"]["trace_error"] = f"{type(e).__name__}: {e}"[:500]
+            r["trace_error"] = f"{type(e).__name__}: {e}"[:500]
     ref = outputs.get("full")
     for name, r in results.items():
         if "error" in r:
