@@ -17,7 +17,8 @@ back-to-back launches (the residual row reset before each), rounds alternating b
   barrier polling), WCACHE (weights `.cg` or `evict_first`, the latter now fixed), `kv_evict`
   (fixed since), `inputs_first` (fixed since) and `fold` (retried, slower) were variants of
   this probe at the commits their results files name (`megakernel_probe_h200_layouts*.json`,
-  `_poll.json`, `_evict.json`, `_inputs_first.json`, `_fold.json`);
+  `_poll.json`, `_evict.json`, `_inputs_first.json`, `_fold.json`), as was BULK_PF (one
+  `cp.async.bulk.prefetch.L2` of each weight slice a phase ahead: slower, `_bulk_pf.json`);
 - `barriers_only`: the grid barriers alone (WORK off);
 - `arrivals`: every program's time at each arrival and barrier passing (TRACE_ALL), summarised per
   phase (which programs arrive last, by how much, how long the barrier takes to pass after them);
@@ -57,13 +58,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ta1": {"TRACE_ALL": 1},
     "ta2": {"TRACE_ALL": 2},
     "barriers_only": {"WORK": False},
-    "bulk_pf": {"BULK_PF": True},
-    "bulk_pf_trace": {"BULK_PF": True, "TRACE": True},
-    "bulk_pf_arrivals": {"BULK_PF": True, "TRACE_ALL": 3},
     **{f"only_{name}": {"PHASES": 1 << i} for i, name in enumerate(PHASE_NAMES)},
 }
-FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2", "bulk_pf", "bulk_pf_trace",
-             "bulk_pf_arrivals")  # fmt: skip
+FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2")
 
 
 def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:

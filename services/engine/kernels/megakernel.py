@@ -23,7 +23,7 @@ Weights do not depend on the data, so each program loads its slice of the next G
 into registers a phase or two ahead, after arriving at the barrier and before waiting on it: the
 weights stream in while the barriers serialise only the small activations, which stay in L2.
 (L2 prefetch instructions instead, of weights or of KV, were slower in every arrangement tried:
-bench/engine/README.md, session 12.) Weights and KV are loaded evict_first, so that their stream
+bench/engine/README.md, sessions 12 and 14.) Weights and KV are loaded evict_first, so that their stream
 does not push the small data every phase waits on out of L2. Fewer phases a layer (the merge
 inside o_proj's split-K partials; the MLP in one phase with atomically added down outputs) and
 relaxed barrier polling were measured no faster and removed (bench/engine/README.md, session 14).
@@ -124,22 +124,6 @@ def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr, NB:
     nb += 1
     _trace(trace_ptr, nb, TRACE)
     return nb
-
-
-@triton.jit
-def _l2_prefetch(ptr, nbytes, ON: tl.constexpr):
-    """ON (BULK_PF, megakernel_probe.py): one bulk L2 prefetch of nbytes from ptr, issued by this
-    program's thread 0 through the TMA unit (no registers, not the load pipeline)."""
-    if ON:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;"
-            " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptr + tl.zeros([1], tl.int32), nbytes + tl.zeros([1], tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -498,7 +482,7 @@ def _decode_layers(
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     EARLY_GU: tl.constexpr = True, TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
-    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0, BULK_PF: tl.constexpr = False,
+    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -524,8 +508,6 @@ def _decode_layers(
     R_GU: tl.constexpr = 2 * INTER // P
     R_DN: tl.constexpr = D // P
     EM: tl.constexpr = NQ // P
-    WB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    PF: tl.constexpr = BULK_PF and PERSISTENT and not UPCAST  # (inline PTX: not under the interpreter)
     pid = tl.program_id(0)
     pos = tl.load(pos_ptr)
     slot = tl.load(slot_ptr)
@@ -567,9 +549,6 @@ def _decode_layers(
                       D, R_QKV, RC_QKV, KC_QKV, 0, 0, False, trace_ptr, tin, TRACE)  # fmt: skip
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            # BULK_PF: o_proj's and gate/up's slices into L2 a phase before their register loads
-            _l2_prefetch(_weight(w_ptr, row, 4) + pid * (R_O * NQ), R_O * NQ * WB, PF)
-            _l2_prefetch(_weight(w_ptr, row, 6) + pid * (R_GU * D), R_GU * D * WB, PF)
             if AHEAD_O and not O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if AHEAD_KV:
@@ -587,9 +566,6 @@ def _decode_layers(
                 )  # fmt: skip
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            _l2_prefetch(
-                _weight(w_ptr, row, 7) + pid * (R_DN * INTER), R_DN * INTER * WB, BULK_PF and PERSISTENT
-            )
             if O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if PERSISTENT:
@@ -599,9 +575,6 @@ def _decode_layers(
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
             if PERSISTENT:
                 _grid_arrive(bar_ptr, trace_ptr, nb, NB, TRACE_ALL)
-            _l2_prefetch(
-                _weight(w_ptr, nxt, 1) + r_qkv * D, R_QKV * D * WB, BULK_PF and PERSISTENT and has_next
-            )
             if GU_AT_MERGE:  # its first tile only, the rest after o_proj
                 u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
             if PERSISTENT:
