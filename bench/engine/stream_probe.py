@@ -12,6 +12,8 @@ no norms or attention) two ways, on random weights, in one process:
 - `gluon_no_weights`: that kernel's chain of barriers and input loads alone (no weights);
 - `gluon_l2_weights`: every layer streams layer 0's weights (from L2 after the first layer);
 - `gluon_w8`: 8 consumer warps instead of 4;
+- `paced_<ns>` (`--paced`, session 14): the producers issue their chunks no faster than evenly
+  over <ns> a layer, so the weights never stream in as a burst behind a barrier;
 - `gluon`: a Gluon kernel whose four producer warps (one per weight) stream each program's slices
   with TMA into shared-memory rings (mbarrier handshakes), while four consumer warps compute and
   meet at the grid barriers; a producer runs up to a ring ahead, across phases and layers.
@@ -55,19 +57,35 @@ SHAPES = {
 
 
 @gluon.jit
+def _now():
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _produce(desc, bufs, ready, empty, layers, R: gl.constexpr, CK: gl.constexpr, NCH: gl.constexpr,
-             PROGS: gl.constexpr, RB: gl.constexpr, WEIGHTS: gl.constexpr, SAME: gl.constexpr):  # fmt: skip
+             PROGS: gl.constexpr, RB: gl.constexpr, WEIGHTS: gl.constexpr, SAME: gl.constexpr,
+             LAYER_NS: gl.constexpr):  # fmt: skip
     """One weight's slices of every layer, chunk by chunk (row groups of RB, then columns), into
-    its ring."""
+    its ring. LAYER_NS > 0 (`paced_*`): chunks issued no faster than evenly over LAYER_NS a
+    layer, so the weight stream never arrives as a burst."""
     pid = gl.program_id(0)
     NBUF: gl.constexpr = bufs.type.shape[0]
+    PACE: gl.constexpr = LAYER_NS // ((R // RB) * NCH)
     i = 0
+    t_next = _now()
     for layer in range(layers * WEIGHTS):  # (WEIGHTS off: nothing to stream)
         for rg in gl.static_range(R // RB):
             row = ((layer * (1 - SAME)) * PROGS + pid) * R + rg * RB  # SAME: layer 0's, from L2
             for c in gl.static_range(NCH):
                 slot = i % NBUF
                 mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
+                if PACE > 0:
+                    t = _now()
+                    while t < t_next:
+                        t = _now()
+                    t_next = gl.maximum(t, t_next) + PACE
                 mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
                 _tma_load(desc, [row, c * CK, 0], ready.index(slot), bufs.index(slot))
                 i += 1
@@ -225,7 +243,8 @@ def _stream_kernel(dq, do, dg, dd, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
                    BQ: gl.constexpr, BO: gl.constexpr, BG: gl.constexpr, BD: gl.constexpr,
                    PROGS: gl.constexpr, HALF: gl.constexpr,
                    RBQ: gl.constexpr, RBO: gl.constexpr, RBG: gl.constexpr, RBD: gl.constexpr,
-                   WEIGHTS: gl.constexpr = True, SAME: gl.constexpr = 0, NW: gl.constexpr = 4):  # fmt: skip
+                   WEIGHTS: gl.constexpr = True, SAME: gl.constexpr = 0, NW: gl.constexpr = 4,
+                   LAYER_NS: gl.constexpr = 0):  # fmt: skip
     qb = gl.allocate_shared_memory(gl.bfloat16, [BQ, RBQ, CQ, 64], dq.layout)
     ob = gl.allocate_shared_memory(gl.bfloat16, [BO, RBO, CO, 64], do.layout)
     gb = gl.allocate_shared_memory(gl.bfloat16, [BG, RBG, CG, 64], dg.layout)
@@ -239,10 +258,10 @@ def _stream_kernel(dq, do, dg, dd, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
             (_compute, ((qb, ob, gb, db), (qr, orr, gr, dr), (qe, oe, ge, de), h_ptr, qkv_ptr, gu_ptr, bar_ptr,
                         layers, RQ, RO, RG, RD, CQ, CO, CG, CD, NQ_, NO, NG, ND, RBQ, RBO, RBG, RBD, PROGS, HALF,
                         WEIGHTS, NW)),
-            (_produce, (dq, qb, qr, qe, layers, RQ, CQ, NQ_, PROGS, RBQ, WEIGHTS, SAME)),
-            (_produce, (do, ob, orr, oe, layers, RO, CO, NO, PROGS, RBO, WEIGHTS, SAME)),
-            (_produce, (dg, gb, gr, ge, layers, RG, CG, NG, PROGS, RBG, WEIGHTS, SAME)),
-            (_produce, (dd, db, dr, de, layers, RD, CD, ND, PROGS, RBD, WEIGHTS, SAME)),
+            (_produce, (dq, qb, qr, qe, layers, RQ, CQ, NQ_, PROGS, RBQ, WEIGHTS, SAME, LAYER_NS)),
+            (_produce, (do, ob, orr, oe, layers, RO, CO, NO, PROGS, RBO, WEIGHTS, SAME, LAYER_NS)),
+            (_produce, (dg, gb, gr, ge, layers, RG, CG, NG, PROGS, RBG, WEIGHTS, SAME, LAYER_NS)),
+            (_produce, (dd, db, dr, de, layers, RD, CD, ND, PROGS, RBD, WEIGHTS, SAME, LAYER_NS)),
         ],
         [1, 1, 1, 1],
         [24, 24, 24, 24],
@@ -267,17 +286,19 @@ class Stream:
         self.gu = torch.zeros(2 * INTER, dtype=torch.bfloat16, device=dev)
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    def run(self, h: torch.Tensor, weights: bool = True, same: bool = False, warps: int = 4) -> None:
+    def run(self, h: torch.Tensor, weights: bool = True, same: bool = False, warps: int = 4,
+            layer_ns: int = 0) -> None:  # fmt: skip
         """weights off: the same chain of barriers and input loads without the weights; same:
         every layer streams layer 0's weights (which then come from L2, not DRAM); warps: the
-        consumer warps."""
+        consumer warps; layer_ns: the producers' pace (_produce)."""
         self.bar.zero_()
         s = SHAPES
         _stream_kernel[(P,)](
             *self.descs, h, self.qkv, self.gu, self.bar, self.layers,
             *(s[n][0] for n in ("qkv", "o", "gu", "dn")), *(s[n][2] for n in ("qkv", "o", "gu", "dn")),
             *(s[n][3] for n in ("qkv", "o", "gu", "dn")), *(s[n][4] for n in ("qkv", "o", "gu", "dn")),
-            P, INTER, *(s[n][5] for n in ("qkv", "o", "gu", "dn")), weights, int(same), warps, num_warps=warps,
+            P, INTER, *(s[n][5] for n in ("qkv", "o", "gu", "dn")), weights, int(same), warps, layer_ns,
+            num_warps=warps,
         )  # fmt: skip
 
 
@@ -305,6 +326,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--paced", type=int, nargs="*", default=[], help="layer times (ns) to pace the producers over"
+    )
     args = ap.parse_args()
     from bench.engine.megakernel_probe import build, run_once, time_us
     from bench.engine.w1 import measure_bandwidth, profile_setup
@@ -394,6 +418,19 @@ def main() -> None:
 
         run_w8()
         runners["gluon_w8"] = run_w8
+        for ns in args.paced:  # session 14: the weight stream paced over a target layer time
+
+            def run_paced(ns: int = ns) -> None:
+                h.copy_(h0)
+                st.run(h, layer_ns=ns)
+
+            try:
+                run_paced()
+                torch.cuda.synchronize()
+                runners[f"paced_{ns}"] = run_paced
+                results[f"paced_{ns}"] = {"note": f"producers issue chunks evenly over {ns} ns a layer"}
+            except Exception as e:  # noqa: BLE001 - the other variants still run
+                results[f"paced_{ns}"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
         results["gluon_w8"] = {"note": "8 consumer warps instead of 4"}
         results["gluon_l2_weights"] = {"note": "every layer streams layer 0's weights: from L2, not DRAM"}
         results["gluon_no_weights"] = {"note": "the same barriers and input loads, no weights streamed"}
