@@ -282,9 +282,9 @@ class EngineConfig(Strict):
     # CUDA (Hopper) with fused_kernels: a batch-1 decode step runs every layer in one persistent
     # kernel (services/engine/kernels/megakernel.py, docs/engine.md "The batch-1 persistent
     # kernel"); dense GQA models with the float32 residual stream only. Its programs must all be
-    # resident at once (one per SM): turn it off where the engine gets only part of the GPU's SMs
-    # (MPS with an SM limit). On the H200: Qwen3-0.6B's batch-1 graph 0.701 vs 0.787 ms
-    # (bench/engine/results/profile_batch1_megakernel_h200*.json).
+    # resident at once (one per SM): the engine leaves it off under MPS with an SM limit, and a
+    # launch that deadlocks anyway traps instead of hanging. On the H200: Qwen3-0.6B's batch-1
+    # graph 0.760 vs 0.864 ms (bench/engine/results/profile_batch1_megakernel_h200_s14.json).
     megakernel: bool = True
     # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
     # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.

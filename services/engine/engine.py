@@ -162,7 +162,7 @@ class LLMEngine:
         from services.engine.kernels import megakernel  # Triton: the CUDA path only
         from services.engine.kernels.megakernel import DecodeMegakernel
 
-        why = megakernel.unsupported(self.model)
+        why = megakernel.unsupported(self.model) or megakernel.residency_risk()
         if why is None:
             try:
                 return DecodeMegakernel(self.model, self.kv.k, self.kv.v, self.cfg.block_size, self.num_sms)

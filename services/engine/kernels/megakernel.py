@@ -41,6 +41,7 @@ one-program kernel (a one-head model) runs the persistent launch itself, so test
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -101,24 +102,36 @@ def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constex
 
 
 @triton.jit
-def _grid_wait(bar_ptr, target):
+def _trap():
+    """Abort the launch (a CUDA error on the host: the engine fails loudly instead of hanging)."""
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_wait(bar_ptr, target, MAX_POLLS: tl.constexpr):
     """Wait until the counter reaches `target` arrivals (P programs x barriers so far). A barrier
     is ~1 us on the H200 with 128 programs (polling with ld.acquire instead of atomic reads, or
     spreading the arrivals over 8 counters, was slower: bench/engine/results/megakernel_probe_*).
     Arrive, issue the next phase's weight loads, then wait: a warp that issues 100 KB of loads
-    stalls until the memory system takes them, and an arrival behind them made everyone wait."""
+    stalls until the memory system takes them, and an arrival behind them made everyone wait.
+    A barrier that some program never reaches (not every program resident: another client
+    holding SMs) would spin forever: after MAX_POLLS polls (seconds) the launch traps instead."""
     seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
     while seen < target:
         seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+        if polls > MAX_POLLS:
+            _trap()
     tl.debug_barrier()
 
 
 @triton.jit
 def _grid_done(bar_ptr, nb, P: tl.constexpr, trace_ptr, TRACE: tl.constexpr, NB: tl.constexpr,
-               TRACE_ALL: tl.constexpr):  # fmt: skip
+               TRACE_ALL: tl.constexpr, MAX_POLLS: tl.constexpr):  # fmt: skip
     """Wait out the barrier this program arrived at (its nb + 1-th); returns nb + 1. TRACE_ALL:
     the time this program saw it pass."""
-    _grid_wait(bar_ptr, (nb + 1) * P)
+    _grid_wait(bar_ptr, (nb + 1) * P, MAX_POLLS)
     if TRACE_ALL & 2:
         tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2 + 1, _globaltimer())
     nb += 1
@@ -482,7 +495,7 @@ def _decode_layers(
     KC_QKV: tl.constexpr, KC_O: tl.constexpr, KC_GU: tl.constexpr, KC_DN: tl.constexpr,
     PHASES: tl.constexpr, PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
     EARLY_GU: tl.constexpr = True, TRACE: tl.constexpr = False, WORK: tl.constexpr = True,
-    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0,
+    TRACE_ALL: tl.constexpr = 0, NB: tl.constexpr = 0, MAX_POLLS: tl.constexpr = 1 << 26,
 ):  # fmt: skip
     """Layers [layer_lo, layer_hi) of the batch-1 decode, the phases in the PHASES bit mask
     (module docstring). PERSISTENT: one launch of P resident programs, a grid barrier after every
@@ -497,7 +510,7 @@ def _decode_layers(
     EARLY_GU off: gate/up's whole slice in the o_proj phase instead (measured slower);
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
-    barriers; WORK off (the barriers only)
+    barriers; WORK off (the barriers only); MAX_POLLS: _grid_wait's watchdog
     is for bench/engine/megakernel_probe.py's breakdown. (L2 prefetch of weights or KV, and the
     merge folded into the attention phase behind a per-head counter, were measured slower and
     removed: bench/engine/README.md, session 12.)"""
@@ -554,7 +567,7 @@ def _decode_layers(
             if AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, MAX_POLLS)
         if PHASES & 2:  # attention partials
             if not AHEAD_KV:
                 k1, k2, v, nmask = _first_kv_tile(pid, kc_l, vc_l, bt_ptr, ctx, HKV, HD, S, PAGE)
@@ -569,7 +582,7 @@ def _decode_layers(
             if O_AT_ATTN:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, MAX_POLLS)
         if PHASES & 4:  # merge
             if WORK:
                 _merge(pid * EM, po_ptr, plse_ptr, attn_ptr, H, HD, S, EM)
@@ -578,7 +591,7 @@ def _decode_layers(
             if GU_AT_MERGE:  # its first tile only, the rest after o_proj
                 u0 = _tile(_weight(w_ptr, row, 6), pid * R_GU, 0, D, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, MAX_POLLS)
         if PHASES & 8:  # o_proj + residual
             if not AHEAD_O:
                 o0, o1, o2, o3 = _load4(_weight(w_ptr, row, 4), pid * R_O, NQ, R_O, RC_O, KC_O, True)
@@ -592,7 +605,7 @@ def _decode_layers(
             if GU_AT_MERGE:
                 u1, u2, u3 = _load_rest(_weight(w_ptr, row, 6), pid * R_GU, u0, D, R_GU, RC_GU, KC_GU, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, MAX_POLLS)
         if PHASES & 16:  # gate/up
             if not AHEAD_GU:
                 u0, u1, u2, u3 = _load4(_weight(w_ptr, row, 6), pid * R_GU, D, R_GU, RC_GU, KC_GU, True)
@@ -604,7 +617,7 @@ def _decode_layers(
             if AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
             if PERSISTENT:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, MAX_POLLS)
         if PHASES & 32:  # down + residual
             if not AHEAD_DN:
                 d0, d1, d2, d3 = _load4(_weight(w_ptr, row, 7), pid * R_DN, INTER, R_DN, RC_DN, KC_DN, True)
@@ -616,7 +629,7 @@ def _decode_layers(
             if AHEAD_QKV:
                 q0, q1, q2, q3 = _load4(_weight(w_ptr, nxt, 1), r_qkv, D, R_QKV, RC_QKV, KC_QKV, has_next)
             if PERSISTENT and layer + 1 < layer_hi:
-                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL)
+                nb = _grid_done(bar_ptr, nb, P, trace_ptr, TRACE, NB, TRACE_ALL, MAX_POLLS)
 
 
 def _weight_offsets(per_layer: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -681,6 +694,22 @@ def programs_for(shape: Shape, num_sms: int) -> int | None:
         if rows_ok and p % shape.n_kv_heads == 0 and shape.head_dim % (nq // p) == 0:
             return p
         p //= 2
+    return None
+
+
+def residency_risk(env: Mapping[str, str] = os.environ) -> str | None:
+    """Why the kernel's P programs might not all be resident at once (None: they will be, on an
+    otherwise idle GPU with one program per SM). Under MPS with an SM limit
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE below 100) this client gets part of the SMs: the barrier
+    would wait for programs that cannot start."""
+    pct = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    if pct:
+        try:
+            limited = float(pct) < 100
+        except ValueError:
+            return f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct!r} is not a number"
+        if limited:
+            return f"MPS limits this client to {pct}% of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)"
     return None
 
 
@@ -822,4 +851,4 @@ class DecodeMegakernel:
         return h
 
 
-__all__ = ["DecodeMegakernel", "programs_for", "unsupported"]
+__all__ = ["DecodeMegakernel", "programs_for", "residency_risk", "unsupported"]
