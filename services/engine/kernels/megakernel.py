@@ -115,7 +115,8 @@ def _grid_wait(bar_ptr, target, MAX_POLLS: tl.constexpr):
     Arrive, issue the next phase's weight loads, then wait: a warp that issues 100 KB of loads
     stalls until the memory system takes them, and an arrival behind them made everyone wait.
     A barrier that some program never reaches (not every program resident: another client
-    holding SMs) would spin forever: after MAX_POLLS polls (seconds) the launch traps instead."""
+    holding SMs) would spin forever: after MAX_POLLS polls (2^26 by default, far longer than any
+    step) the launch traps instead."""
     seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     polls = 0
     while seen < target:
