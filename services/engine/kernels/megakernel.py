@@ -23,10 +23,11 @@ Weights do not depend on the data, so each program loads its slice of the next G
 into registers a phase or two ahead, after arriving at the barrier and before waiting on it: the
 weights stream in while the barriers serialise only the small activations, which stay in L2.
 (L2 prefetch instructions instead, of weights or of KV, were slower in every arrangement tried:
-bench/engine/README.md, sessions 12 and 14.) Weights and KV are loaded evict_first, so that their stream
-does not push the small data every phase waits on out of L2. Fewer phases a layer (the merge
-inside o_proj's split-K partials; the MLP in one phase with atomically added down outputs) and
-relaxed barrier polling were measured no faster and removed (bench/engine/README.md, session 14).
+bench/engine/README.md, sessions 12 and 14.) Weights and KV are loaded evict_first, so that
+their stream does not push the small data every phase waits on out of L2. Fewer phases a layer
+(the merge inside o_proj's split-K partials; the MLP in one phase with atomically added down
+outputs) and relaxed barrier polling were measured no faster and removed (bench/engine/README.md,
+session 14).
 
 Numerics follow the layered GPU path: bf16 GEMV outputs, float32 residual stream, RMSNorm and
 q/k norm + RoPE in float32 rounded once, P cast to the cache dtype for P @ V, partitions merged
@@ -511,8 +512,9 @@ def _decode_layers(
     EARLY_GU off: gate/up's whole slice in the o_proj phase instead (measured slower);
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
-    barriers; WORK off (the barriers only); MAX_POLLS: _grid_wait's watchdog
-    is for bench/engine/megakernel_probe.py's breakdown. (L2 prefetch of weights or KV, and the
+    barriers; WORK off (the barriers only)
+    is for bench/engine/megakernel_probe.py's breakdown. MAX_POLLS: _grid_wait's watchdog (tests
+    lower it). (L2 prefetch of weights or KV, and the
     merge folded into the attention phase behind a per-head counter, were measured slower and
     removed: bench/engine/README.md, session 12.)"""
     NQ: tl.constexpr = H * HD
