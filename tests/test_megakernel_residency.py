@@ -23,30 +23,20 @@ def test_mps_sm_limit_turns_the_kernel_off() -> None:
     assert bad is not None and "not a number" in bad
 
 
-# One Qwen3-0.6B-shaped layer, launched with `programs_for(num_sms)` programs. With twice the
-# SMs' worth of programs the second half can never start (each program holds a whole SM's
-# registers), so the first barrier waits forever: the watchdog must end the launch.
+# One Qwen3-0.6B-shaped layer (bench/engine/megakernel_probe.py's build), launched with
+# `programs_for(sms)` programs. With twice the SMs' worth of programs the second half can never
+# start (each program holds a whole SM's registers), so the first barrier waits forever: the
+# watchdog must end the launch.
 SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from services.common.config import ModelConfig
-    from services.engine.kernels.megakernel import DecodeMegakernel
-    from services.engine.kv_cache import KVCache
-    from services.engine.model import CausalLM
+    from bench.engine.megakernel_probe import build, run_once
 
-    sms_factor = int(sys.argv[1])
     dev = torch.device("cuda")
-    m = ModelConfig(dim=1024, n_layers=1, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072,
-                    vocab_size=1024, max_seq_len=512)
-    model = CausalLM(m, 512).to(dev, torch.bfloat16)
-    model.fuse_projections()
-    kv = KVCache.for_model(m, 64, 16, 512, torch.bfloat16, dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    mk = DecodeMegakernel(model, kv.k, kv.v, 16, sms * sms_factor)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count * int(sys.argv[1])
+    mk, inputs, _ = build(dev, 64, 1, sms=sms)
     mk.tuning = {"MAX_POLLS": 1 << 14}
-    h = torch.randn(1, 1024, device=dev)
-    one = torch.tensor([5], device=dev)
-    mk.run(h, one, one, one + 1, torch.arange(4, device=dev))
+    h = run_once(mk, inputs, torch.empty_like(inputs["h0"]))
     torch.cuda.synchronize()
     print("programs", mk.programs, "finite", bool(torch.isfinite(h).all()))
     """

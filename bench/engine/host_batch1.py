@@ -98,18 +98,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--set", action="append", default=[], help="EngineConfig field=value (JSON value)")
+    ap.add_argument("--set", action="append", default=[], help="EngineConfig field=value (a TOML value)")
     args = ap.parse_args()
     cuda, device, dtype, model_kw, report = profile_setup(
         args.smoke, "none: host time per step, broken down (the GPU's share is the graph replay)"
     )
     root = Path(tempfile.mkdtemp(prefix="host1-"))
     build_model_dir(model_kw, device, dtype, root)
+    from services.common.config import EngineConfig, parse_overrides
     from services.engine import LLMEngine
 
-    cfg = engine_config(cuda, device)
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-    cfg = cfg.model_copy(update=overrides)
+    # Validated: a misspelt field is an error, not a run with the defaults.
+    overrides = parse_overrides([f"--{s}" for s in args.set])
+    cfg = EngineConfig.model_validate({**engine_config(cuda, device).model_dump(), **overrides})
     report["config_overrides"] = overrides
     eng = LLMEngine(root, cfg)
     report["overlap"] = eng.overlap

@@ -63,8 +63,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 FULL_WORK = ("full", "warps16", "late_gu", "trace", "arrivals", "ta1", "ta2")
 
 
-def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, torch.Tensor], int]:
-    """(the megakernel, its inputs, weight bytes of the layers) at Qwen3-0.6B's shapes."""
+def build(
+    device: torch.device, ctx: int, layers: int, sms: int | None = None
+) -> tuple[Any, dict[str, torch.Tensor], int]:
+    """(the megakernel, its inputs, weight bytes of the layers) at Qwen3-0.6B's shapes, for `sms`
+    SMs (default: the device's; more than it has leaves programs that cannot start)."""
     from services.common.config import ModelConfig
     from services.engine.kernels.megakernel import DecodeMegakernel
     from services.engine.kv_cache import KVCache
@@ -82,9 +85,9 @@ def build(device: torch.device, ctx: int, layers: int) -> tuple[Any, dict[str, t
     kv = KVCache.for_model(m, 512, page, 4096, torch.bfloat16, device)
     kv.k.normal_()
     kv.v.normal_()
-    mk = DecodeMegakernel(
-        model, kv.k, kv.v, page, torch.cuda.get_device_properties(device).multi_processor_count
-    )
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    mk = DecodeMegakernel(model, kv.k, kv.v, page, sms)
     pages = torch.randperm(512, device=device)[: -(-ctx // page)]
     pos = ctx - 1
     inputs = {
