@@ -41,8 +41,8 @@ def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:
     built.relay_fp8_gemm_smem_bytes.restype = ctypes.c_int
     for i, (bn, stages, _mode, _cluster) in enumerate(wgmma_lib.VARIANTS):
         got = built.relay_fp8_gemm_smem_bytes(i)
-        # The stages of A (128 rows), B and the A scales, their barriers, the alignment slack.
-        want = 1024 + stages * (128 * 128 + bn * 128 + 128 * 4) + 2 * stages * 8
+        # The stages of A (128 rows), B, the A and B scales, their barriers, the alignment slack.
+        want = 1024 + stages * (128 * 128 + bn * 128 + 128 * 4 + 128) + 2 * stages * 8
         assert got == want, (i, got, want)
         assert got <= H100_MAX_DYNAMIC_SMEM
     assert built.relay_fp8_gemm_smem_bytes(len(wgmma_lib.VARIANTS)) == -1
@@ -51,7 +51,7 @@ def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:
 def test_unknown_variant_is_refused_before_any_cuda_call(built: ctypes.CDLL) -> None:
     fn = built.relay_fp8_gemm
     fn.restype = ctypes.c_int
-    args = [None, None, 4, None, None, None, 4, 128, 128, 128, 132]
+    args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
     assert fn(*args, len(wgmma_lib.VARIANTS), None) == -10
     assert fn(*args, -1, None) == -10
 

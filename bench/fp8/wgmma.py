@@ -49,9 +49,16 @@ MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 
 
 
 def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """gemm.py's inputs plus the activation scales K-block-major (what the Triton quantiser writes)."""
+    """gemm.py's inputs plus the activation scales K-block-major (what the Triton quantiser writes)
+    and the weight scales K-block-major (what the `_sbs` variants read without a copy)."""
     d = bench.quantised(m, n, k, dev, seed)
-    return {**d, "as_col": ref._outer_major(d["as"])}
+    return {**d, "as_col": ref._outer_major(d["as"]), "ws_col": ref._outer_major(d["ws"])}
+
+
+def weight_scales(d: dict[str, torch.Tensor], variant: int) -> torch.Tensor:
+    """The weight scales in the layout the variant reads (a weight's scales are static: an engine
+    would store them that way once)."""
+    return d["ws_col"] if wgmma_lib.uses_smem_scales(variant) else d["ws"]
 
 
 def vname(variant: int) -> str:
@@ -69,10 +76,12 @@ def self_check(dev: torch.device) -> list[dict[str, Any]]:
         d = quantised(m, n, k, dev, seed=100 + i)
         want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
         for variant in [v for v in VARIANT_IDS if not is_probe(v)]:
+            # "col": both scale tensors K-block-major; "row": both row-major (copied as needed).
             for layout in ("col", "row"):
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 scales = d["as_col"] if layout == "col" else d["as"]
-                wgmma_lib.fp8_gemm(d["aq"], scales, d["wq"], d["ws"], out=out, variant=variant)
+                w_scales = d["ws_col"] if layout == "col" else d["ws"]
+                wgmma_lib.fp8_gemm(d["aq"], scales, d["wq"], w_scales, out=out, variant=variant)
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out).all())
                 err = bench.rel(out, want)
@@ -104,7 +113,7 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
             for v in VARIANT_IDS:
                 row[f"wgmma_{vname(v)}_us"] = bench_us(
                     lambda d=d, v=v, o=out: wgmma_lib.fp8_gemm(
-                        d["aq"], d["as_col"], d["wq"], d["ws"], out=o, variant=v
+                        d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                     )
                 )
             for key in [kk for kk in row if kk.endswith("_us")]:

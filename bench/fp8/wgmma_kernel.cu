@@ -22,6 +22,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int BK = 128;  // one scale block: the promotion period
@@ -111,6 +113,43 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D (64 x 160, f32) = (accumulate ? D : 0) + A (64 x 32, e4m3) @ B (160 x 32, e4m3)^T
+__device__ __forceinline__ void wgmma_m64n160k32(float (&d)[80], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %82, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, "
+      "%80, %81, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D (64 x 192, f32) = (accumulate ? D : 0) + A (64 x 32, e4m3) @ B (192 x 32, e4m3)^T
+__device__ __forceinline__ void wgmma_m64n192k32(float (&d)[96], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+      "%96, %97, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// One wgmma of a BN-wide tile that is not a multiple of 128 (the single-group variants).
+template <int BN>
+__device__ __forceinline__ void wgmma_wide(float (&d)[BN / 2], uint64_t da, uint64_t db, int accumulate) {
+  if constexpr (BN == 160)
+    wgmma_m64n160k32(d, da, db, accumulate);
+  else
+    wgmma_m64n192k32(d, da, db, accumulate);
 }
 
 // A float from shared memory by its shared-window address (a plain pointer dereference compiled
@@ -206,13 +245,26 @@ struct Smem {
   static constexpr int A = BM * BK;  // bytes per stage
   static constexpr int B = BN * BK;
   static constexpr int SA = BM * 4;
-  static constexpr int BYTES = 1024 + STAGES * (A + B + SA) + 2 * STAGES * 8;
+  // SB_SMEM: 8 weight-scale blocks of this K block around the tile's (one 32-byte box, padded to
+  // the 128-byte alignment a TMA destination needs). The box starts at a multiple of 4 blocks:
+  // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
+  // on the H200), so the tile's blocks sit at offset (n0 / 128) % 4 in it.
+  static constexpr int SB = 128;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
 // Flag on MODE: the epilogue goes through shared memory and TMA stores (see the kernel comment).
 constexpr int TMA_STORE = 4;
+// Flag on MODE: the weight scales of each K block arrive with its stage (one 16-byte TMA box),
+// as cuBLAS's block-wise kernel reads them (its SASS: an LDS per block), instead of one global
+// load per block issued a block ahead, whose L2 latency under the TMA stream can outlast it.
+constexpr int SB_SMEM = 8;
 
+// BN 160 or 192 (PLAIN | SB_SMEM, direct epilogue only): DeepGEMM's shape. One m64nBNk32 group
+// per K block into a BN/2-register partial sum (BN/2 + BN/2 registers fit where 256 columns in one
+// group do not), so a warpgroup waits once per block instead of twice as at BN 256; a tile then
+// straddles two weight-scale blocks, and each fragment column block picks its block's scale.
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
 // float32 accumulators fit: 128 + 64 registers).
@@ -239,19 +291,25 @@ template <int BN, int STAGES, int MODE, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_c,
-                    const float* __restrict__ sb, __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc) {
+                    const __grid_constant__ CUtensorMap tm_sb, const float* __restrict__ sb,
+                    __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc) {
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
+  constexpr bool SBS = (MODE & SB_SMEM) != 0;
+  constexpr bool WIDE = BN % 128 != 0;
+  static_assert(!WIDE || (BN == 160 || BN == 192) && BASE == PLAIN && SBS && !EPI_TMA,
+                "a 160/192-wide tile is one plain group with the scales in shared memory");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES>;
-  constexpr int HALVES = BN / 128;
+  constexpr int HALVES = WIDE ? 1 : BN / 128;
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
   float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
-  uint64_t* full = reinterpret_cast<uint64_t*>(s_sa + STAGES * BM);
+  float* s_sb = s_sa + STAGES * BM;  // L::SB / 4 floats per stage
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
 
   const int wg = threadIdx.x / 128;
@@ -290,6 +348,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_a)) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_b)) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sa)) : "memory");
+        if constexpr (SBS)
+          asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sb)) : "memory");
       }
       int it = 0;
       for (int tile = first; tile < num_tiles; tile += stride) {
@@ -301,9 +361,10 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           if (leader) {
-            mbar_expect_tx(&full[s], L::A + L::B + L::SA);
+            mbar_expect_tx(&full[s], L::A + L::B + L::SA + (SBS ? 32 : 0));
             tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
             tma_load_2d(s_sa + s * BM, &tm_sa, &full[s], m0, kb);
+            if constexpr (SBS) tma_load_2d(s_sb + s * (L::SB / 4), &tm_sb, &full[s], (n0 / 128) & ~3, kb);
             if constexpr (CLUSTER == 1) {
               tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
             } else {
@@ -330,6 +391,87 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int r_local = half * 64 + warp * 16 + lane / 4;  // and r_local + 8
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane == 0) {
+        if constexpr (CLUSTER == 1) {
+          mbar_arrive(&empty[s]);
+        } else {
+#pragma unroll
+          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(&empty[s], r);
+        }
+      }
+    };
+    if constexpr (WIDE) {
+      constexpr int NA = BN / 2;  // accumulator registers: 64 rows x BN columns over 128 threads
+      float acc[NA];
+      float part[NA];
+      int it = 0;
+      for (int tile = first; tile < num_tiles; tile += stride) {
+        int tm, tn;
+        tile_of(tile, walk_m, tiles_n, tm, tn);
+        const int m0 = (tm * CLUSTER + rank) * BM;
+        const int n0 = tn * BN;
+        const int sb_off = (n0 / 128) % 4;  // the tile's first weight-scale block in the SB box
+#pragma unroll
+        for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+        // FORMER: the fragment column blocks (8 columns each) under the tile's first weight-scale
+        // block; the rest are under the next one. A compile-time count: with a run-time one the
+        // compiler recomputed each block's scale products (48 FMUL + 24 FSEL per 96 FFMA).
+        auto mainloop = [&](auto former_c) {
+          constexpr int FORMER = decltype(former_c)::value;
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(&full[s], (it / STAGES) & 1);
+          const float sa0 = lds(s_sa + s * BM + r_local);
+          const float sa1 = lds(s_sa + s * BM + r_local + 8);
+          const float sb0 = lds(s_sb + s * (L::SB / 4) + sb_off);
+          const float sb1 = lds(s_sb + s * (L::SB / 4) + sb_off + 1);
+          const uint64_t da = smem_desc(s_a + s * L::A + half * 64 * BK);
+          const uint64_t db = smem_desc(s_b + s * L::B);
+          fence_regs(part);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BK / 32; ++kk) wgmma_wide<BN>(part, da + 2 * kk, db + 2 * kk, kk > 0);
+          wgmma_commit();
+          const float x00 = sa0 * sb0, x01 = sa0 * sb1, x10 = sa1 * sb0, x11 = sa1 * sb1;
+          wgmma_wait<0>();
+          fence_regs(part);
+          release(s);
+#pragma unroll
+          for (int j = 0; j < NA / 4; ++j) {
+            const float r0 = j < FORMER ? x00 : x01;
+            const float r1 = j < FORMER ? x10 : x11;
+            acc[4 * j + 0] = fmaf(part[4 * j + 0], r0, acc[4 * j + 0]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], r0, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], r1, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], r1, acc[4 * j + 3]);
+          }
+        }
+        };
+        // 128 - n0 % 128 with n0 a multiple of 32 (BN 160 and 192): 32, 64, 96 or 128 columns.
+        switch ((128 - n0 % 128) / 8) {
+          case 4: mainloop(std::integral_constant<int, 4>{}); break;
+          case 8: mainloop(std::integral_constant<int, 8>{}); break;
+          case 12: mainloop(std::integral_constant<int, 12>{}); break;
+          default: mainloop(std::integral_constant<int, 16>{}); break;
+        }
+        const int row0 = m0 + r_local;
+        const int row1 = row0 + 8;
+#pragma unroll
+        for (int j = 0; j < NA / 4; ++j) {
+          const int col = n0 + 8 * j + 2 * (lane % 4);
+          if (col < N) {
+            if (row0 < M)
+              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row0) * ldc + col) =
+                  __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+            if (row1 < M)
+              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row1) * ldc + col) =
+                  __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+          }
+        }
+      }
+    } else {
     float acc[HALVES][64];
     float part[BASE == UNSCALED ? 1 : 64];
     float part2[BASE == PIPELINED ? 64 : 1];
@@ -348,17 +490,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_m64n128k32(p, da + 2 * kk, db + 2 * kk, kk > 0 || accumulate);
       }
       wgmma_commit();
-    };
-    auto release = [&](int s) {
-      __syncwarp();
-      if (lane == 0) {
-        if constexpr (CLUSTER == 1) {
-          mbar_arrive(&empty[s]);
-        } else {
-#pragma unroll
-          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(&empty[s], r);
-        }
-      }
     };
     // EPI_TMA: the ring slot whose TMA stores (issued by this warpgroup's thread 0) may still be
     // reading it; warp 0 of the warpgroup releases it once they have (the other warps released
@@ -395,6 +526,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
 
+      const int sb_off = (n0 / 128) % 4;  // SB_SMEM: the tile's first weight-scale block in the box
       const float* sb_rows[HALVES];
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
@@ -417,10 +549,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
         issue(part, it % STAGES, 0, 0);
         flush_pending();
-        float sb_cur = __ldg(sb_rows[0]);
+        float sb_cur = SBS ? 0.f : __ldg(sb_rows[0]);
         // Promote block `it` from cur (its wgmmas have landed) and release its stage.
         auto finish = [&](float(&cur)[64], float sb) {
           const int s = it % STAGES;
+          if constexpr (SBS) sb = lds(s_sb + s * (L::SB / 4) + sb_off);
           fence_regs(cur);
           const float s0 = lds(s_sa + s * BM + r_local) * sb;
           const float s1 = lds(s_sa + s * BM + r_local + 8) * sb;
@@ -433,7 +566,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int sn = (it + 1) % STAGES;
           mbar_wait(&full[sn], ((it + 1) / STAGES) & 1);
           issue(nxt, sn, 0, 0);
-          const float sb_nxt = __ldg(sb_rows[0] + kb + 1);
+          const float sb_nxt = SBS ? 0.f : __ldg(sb_rows[0] + kb + 1);
           wgmma_wait<1>();
           finish(cur, sb_cur);
           sb_cur = sb_nxt;
@@ -459,12 +592,16 @@ __global__ void __launch_bounds__(THREADS, 1)
       } else {
         float sb_now[HALVES];
 #pragma unroll
-        for (int h = 0; h < HALVES; ++h) sb_now[h] = __ldg(sb_rows[h]);
+        for (int h = 0; h < HALVES; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h]);
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
           const float sa0 = lds(s_sa + s * BM + r_local);
           const float sa1 = lds(s_sa + s * BM + r_local + 8);
+          if constexpr (SBS) {
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h) sb_now[h] = lds(s_sb + s * (L::SB / 4) + sb_off + h);
+          }
           float sb_next[HALVES];
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {
@@ -472,7 +609,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             if (h == 0 && kb == 0) flush_pending();
             if (h == 0) {
 #pragma unroll
-              for (int g = 0; g < HALVES; ++g) sb_next[g] = kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
+              for (int g = 0; g < HALVES; ++g)
+                sb_next[g] = !SBS && kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
             }
             wgmma_wait<0>();
             fence_regs(part);
@@ -570,6 +708,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       flush_pending();
       if (tid == 0) bulk_wait_all();
     }
+    }  // !WIDE
   }
   // No CTA of a cluster leaves while its peer may still signal its barriers or write its tiles.
   if constexpr (CLUSTER > 1) cluster_sync();
@@ -641,8 +780,8 @@ int grid_for(int M, int N, int max_ctas) {
 }
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
-int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, void* c, int M, int N, int K,
-           int ldc, int max_ctas, cudaStream_t stream) {
+int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c, int M,
+           int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
   CUtensorMap tm_a, tm_b, tm_sa;
   if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, BM, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -1;
@@ -656,10 +795,19 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & TMA_STORE) != 0) {
     // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
     if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~TMA_STORE, CLUSTER>(a, sa, sa_pitch, b, sb, c, M, N, K, ldc, max_ctas, stream);
+      return launch<BN, STAGES, MODE & ~TMA_STORE, CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
+                                                            stream);
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
       return -5;
+  }
+  CUtensorMap tm_sb = {};
+  if constexpr ((MODE & SB_SMEM) != 0) {
+    // sb K-block-major (row kb holds the ceil(N/128) column blocks' scales, pitch sb_pitch
+    // floats, a multiple of 4): one 8-float box per (tile, K block); blocks past N read as 0.
+    if (encode_2d(&tm_sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sb, (N + 127) / 128, K / BK,
+                  static_cast<uint64_t>(sb_pitch) * 4, 8, 1, CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
+      return -6;
   }
   const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
   const int bytes = Smem<BN, STAGES>::BYTES;
@@ -668,14 +816,14 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
-  err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, sb, static_cast<__nv_bfloat16*>(c), M, N, K,
-                           ldc);
+  err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, tm_sb, sb, static_cast<__nv_bfloat16*>(c), M,
+                           N, K, ldc);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
 
 struct Variant {
-  int (*launch)(const void*, const void*, int, const void*, const float*, void*, int, int, int, int, int,
+  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, int, int, int, int, int,
                 cudaStream_t);
   int (*grid)(int, int, int);
   int smem_bytes;
@@ -694,6 +842,14 @@ constexpr Variant VARIANTS[] = {
     // The shared-memory + TMA-store epilogue (TMA_STORE): 8..11.
     variant<256, 4, PLAIN | TMA_STORE, 1>(), variant<256, 4, PLAIN | TMA_STORE, 2>(),
     variant<128, 6, PIPELINED | TMA_STORE, 2>(), variant<256, 4, UNSCALED | TMA_STORE, 1>(),
+    // The weight scales through shared memory (SB_SMEM): 12..16.
+    variant<256, 4, PLAIN | SB_SMEM, 1>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 1>(),
+    variant<256, 4, PLAIN | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE | SB_SMEM, 2>(),
+    variant<128, 6, PIPELINED | TMA_STORE | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE, 2>(),
+    // One 160- or 192-wide group per K block (WIDE): 18..21.
+    variant<192, 5, PLAIN | SB_SMEM, 1>(), variant<160, 6, PLAIN | SB_SMEM, 1>(),
+    variant<192, 5, PLAIN | SB_SMEM, 2>(), variant<160, 6, PLAIN | SB_SMEM, 2>(),
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),  // 22
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 
@@ -701,12 +857,14 @@ constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 
 // a: (M, K) e4m3, row pitch K. sa: the (M, K/128) scales stored K-block-major, row pitch sa_pitch
 // floats (>= M, a multiple of 4). b: (N, K) e4m3, row pitch K. sb: (ceil(N/128), K/128) float32,
-// contiguous. c: (M, N) bf16, row pitch ldc. K % 128 == 0, N even, 16-byte aligned pointers.
+// contiguous, or for the SB_SMEM variants K-block-major like sa with row pitch sb_pitch floats
+// (a multiple of 4). c: (M, N) bf16, row pitch ldc. K % 128 == 0, N even, 16-byte aligned pointers.
 // max_ctas: the most CTAs to launch (the SM count). Returns 0 or an error code.
-extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, void* c,
-                              int M, int N, int K, int ldc, int max_ctas, int variant, void* stream) {
+extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
+                              int sb_pitch, void* c, int M, int N, int K, int ldc, int max_ctas, int variant,
+                              void* stream) {
   if (variant < 0 || variant >= NUM_VARIANTS) return -10;
-  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, c, M, N, K, ldc, max_ctas,
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
 

@@ -46,7 +46,9 @@ BLOCK = 128
 # recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups).
 # A "_tma" mode stores the output tile through shared memory (a ring slot lent by the producer)
 # and TMA stores that overlap the next tile's wgmmas; at ldc % 8 != 0 it falls back to the direct
-# epilogue of the same mode.
+# epilogue of the same mode. A "_sbs" mode reads the weight scales from shared memory, loaded by
+# TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
+# them K-block-major like the activation scales (`uses_smem_scales`).
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -60,8 +62,24 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "plain_tma", 2),
     (128, 6, "pipelined_tma", 2),
     (256, 4, "unscaled_tma", 1),
+    (256, 4, "plain_sbs", 1),
+    (256, 4, "plain_tma_sbs", 1),
+    (256, 4, "plain_sbs", 2),
+    (128, 6, "plain_tma_sbs", 2),
+    (128, 6, "pipelined_tma_sbs", 2),
+    (128, 6, "plain_tma", 2),
+    (192, 5, "plain_sbs", 1),
+    (160, 6, "plain_sbs", 1),
+    (192, 5, "plain_sbs", 2),
+    (160, 6, "plain_sbs", 2),
+    (256, 4, "plain_tma_sbs", 2),
 )
 DEFAULT_VARIANT = 1  # BN 256, plain: the fastest recipe variant measured
+
+
+def uses_smem_scales(variant: int) -> bool:
+    """Whether the variant reads the weight scales K-block-major (no copy for that layout)."""
+    return VARIANTS[variant][2].endswith("_sbs")
 
 
 class WgmmaError(RuntimeError):
@@ -114,7 +132,7 @@ def library() -> ctypes.CDLL:
         build(path)
     lib = ctypes.CDLL(str(path))
     vp, i = ctypes.c_void_p, ctypes.c_int
-    lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, i, i, i, i, i, i, vp]
     lib.relay_fp8_gemm.restype = i
     lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i]
     lib.relay_fp8_gemm_grid.restype = i
@@ -148,11 +166,11 @@ def unsupported_reason(a: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-def _k_block_major(a_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The scales as the kernel's TMA reads them: K-block-major rows (the layout cuBLAS's block-wise
-    path wants too), M padded to a multiple of 4 for 16-byte rows; returns them and their row
-    pitch. No copy for the Triton quantiser's layout at M % 4 == 0."""
-    s = ref._outer_major(ref._pad_to(a_scale.float(), 0, 4))
+def _k_block_major(scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rows, K blocks) scales as the kernel's TMA reads them: K-block-major rows (the layout
+    cuBLAS's block-wise path wants too), the rows padded to a multiple of 4 for 16-byte pitches;
+    returns them and their row pitch. No copy for the Triton quantiser's layout at rows % 4 == 0."""
+    s = ref._outer_major(ref._pad_to(scale.float(), 0, 4))
     if s.shape[1] == 1:  # one K block: its stride says nothing, the row is the padded M
         return s, s.shape[0]
     if s.stride(1) % 4:  # a view whose rows are not 16-byte multiples apart
@@ -189,11 +207,14 @@ def fp8_gemm(
     if m == 0:
         return out
     sa, pitch = _k_block_major(a_scale)
-    sb = w_scale.float().contiguous()
+    if uses_smem_scales(variant):
+        sb, sb_pitch = _k_block_major(w_scale)
+    else:
+        sb, sb_pitch = w_scale.float().contiguous(), 0
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     stream = torch.cuda.current_stream(a.device).cuda_stream
     rc = library().relay_fp8_gemm(
-        a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), out.data_ptr(),
+        a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
         m, n, k, out.stride(0), sms, variant, stream,
     )  # fmt: skip
     if rc != 0:

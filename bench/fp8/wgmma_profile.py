@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import wgmma_lib  # noqa: E402
-from wgmma import quantised  # noqa: E402
+from wgmma import quantised, weight_scales  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
 
@@ -35,7 +35,7 @@ def main() -> None:
     wgmma_lib.library()
     torch.cuda.synchronize()
     for v in (int(s) for s in args.variants.split(",")):
-        wgmma_lib.fp8_gemm(aq, a_s, wq, w_s, variant=v)
+        wgmma_lib.fp8_gemm(aq, a_s, wq, weight_scales(d, v), variant=v)
     ref.fp8_gemm(aq, a_s, wq, w_s, torch.bfloat16, backend="torch")
     torch.nn.functional.linear(d["x"], d["w"])
     torch.cuda.synchronize()
