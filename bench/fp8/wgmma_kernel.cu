@@ -22,8 +22,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <type_traits>
-
 namespace {
 
 constexpr int BK = 128;  // one scale block: the promotion period
@@ -113,43 +111,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// D (64 x 160, f32) = (accumulate ? D : 0) + A (64 x 32, e4m3) @ B (160 x 32, e4m3)^T
-__device__ __forceinline__ void wgmma_m64n160k32(float (&d)[80], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %82, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, "
-      "%80, %81, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// D (64 x 192, f32) = (accumulate ? D : 0) + A (64 x 32, e4m3) @ B (192 x 32, e4m3)^T
-__device__ __forceinline__ void wgmma_m64n192k32(float (&d)[96], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
-      "%96, %97, p, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// One wgmma of a BN-wide tile that is not a multiple of 128 (the single-group variants).
-template <int BN>
-__device__ __forceinline__ void wgmma_wide(float (&d)[BN / 2], uint64_t da, uint64_t db, int accumulate) {
-  if constexpr (BN == 160)
-    wgmma_m64n160k32(d, da, db, accumulate);
-  else
-    wgmma_m64n192k32(d, da, db, accumulate);
 }
 
 // A float from shared memory by its shared-window address (a plain pointer dereference compiled
@@ -261,10 +222,6 @@ constexpr int TMA_STORE = 4;
 // load per block issued a block ahead, whose L2 latency under the TMA stream can outlast it.
 constexpr int SB_SMEM = 8;
 
-// BN 160 or 192 (PLAIN | SB_SMEM, direct epilogue only): DeepGEMM's shape. One m64nBNk32 group
-// per K block into a BN/2-register partial sum (BN/2 + BN/2 registers fit where 256 columns in one
-// group do not), so a warpgroup waits once per block instead of twice as at BN 256; a tile then
-// straddles two weight-scale blocks, and each fragment column block picks its block's scale.
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
 // float32 accumulators fit: 128 + 64 registers).
@@ -296,12 +253,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
-  constexpr bool WIDE = BN % 128 != 0;
-  static_assert(!WIDE || (BN == 160 || BN == 192) && BASE == PLAIN && SBS && !EPI_TMA,
-                "a 160/192-wide tile is one plain group with the scales in shared memory");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES>;
-  constexpr int HALVES = WIDE ? 1 : BN / 128;
+  constexpr int HALVES = BN / 128;
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -402,76 +356,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     };
-    if constexpr (WIDE) {
-      constexpr int NA = BN / 2;  // accumulator registers: 64 rows x BN columns over 128 threads
-      float acc[NA];
-      float part[NA];
-      int it = 0;
-      for (int tile = first; tile < num_tiles; tile += stride) {
-        int tm, tn;
-        tile_of(tile, walk_m, tiles_n, tm, tn);
-        const int m0 = (tm * CLUSTER + rank) * BM;
-        const int n0 = tn * BN;
-        const int sb_off = (n0 / 128) % 4;  // the tile's first weight-scale block in the SB box
-#pragma unroll
-        for (int i = 0; i < NA; ++i) acc[i] = 0.f;
-        // FORMER: the fragment column blocks (8 columns each) under the tile's first weight-scale
-        // block; the rest are under the next one. A compile-time count: with a run-time one the
-        // compiler recomputed each block's scale products (48 FMUL + 24 FSEL per 96 FFMA).
-        auto mainloop = [&](auto former_c) {
-          constexpr int FORMER = decltype(former_c)::value;
-        for (int kb = 0; kb < nkb; ++kb, ++it) {
-          const int s = it % STAGES;
-          mbar_wait(&full[s], (it / STAGES) & 1);
-          const float sa0 = lds(s_sa + s * BM + r_local);
-          const float sa1 = lds(s_sa + s * BM + r_local + 8);
-          const float sb0 = lds(s_sb + s * (L::SB / 4) + sb_off);
-          const float sb1 = lds(s_sb + s * (L::SB / 4) + sb_off + 1);
-          const uint64_t da = smem_desc(s_a + s * L::A + half * 64 * BK);
-          const uint64_t db = smem_desc(s_b + s * L::B);
-          fence_regs(part);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < BK / 32; ++kk) wgmma_wide<BN>(part, da + 2 * kk, db + 2 * kk, kk > 0);
-          wgmma_commit();
-          const float x00 = sa0 * sb0, x01 = sa0 * sb1, x10 = sa1 * sb0, x11 = sa1 * sb1;
-          wgmma_wait<0>();
-          fence_regs(part);
-          release(s);
-#pragma unroll
-          for (int j = 0; j < NA / 4; ++j) {
-            const float r0 = j < FORMER ? x00 : x01;
-            const float r1 = j < FORMER ? x10 : x11;
-            acc[4 * j + 0] = fmaf(part[4 * j + 0], r0, acc[4 * j + 0]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], r0, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], r1, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], r1, acc[4 * j + 3]);
-          }
-        }
-        };
-        // 128 - n0 % 128 with n0 a multiple of 32 (BN 160 and 192): 32, 64, 96 or 128 columns.
-        switch ((128 - n0 % 128) / 8) {
-          case 4: mainloop(std::integral_constant<int, 4>{}); break;
-          case 8: mainloop(std::integral_constant<int, 8>{}); break;
-          case 12: mainloop(std::integral_constant<int, 12>{}); break;
-          default: mainloop(std::integral_constant<int, 16>{}); break;
-        }
-        const int row0 = m0 + r_local;
-        const int row1 = row0 + 8;
-#pragma unroll
-        for (int j = 0; j < NA / 4; ++j) {
-          const int col = n0 + 8 * j + 2 * (lane % 4);
-          if (col < N) {
-            if (row0 < M)
-              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row0) * ldc + col) =
-                  __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
-            if (row1 < M)
-              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row1) * ldc + col) =
-                  __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-          }
-        }
-      }
-    } else {
     float acc[HALVES][64];
     float part[BASE == UNSCALED ? 1 : 64];
     float part2[BASE == PIPELINED ? 64 : 1];
@@ -708,7 +592,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       flush_pending();
       if (tid == 0) bulk_wait_all();
     }
-    }  // !WIDE
   }
   // No CTA of a cluster leaves while its peer may still signal its barriers or write its tiles.
   if constexpr (CLUSTER > 1) cluster_sync();
@@ -845,11 +728,7 @@ constexpr Variant VARIANTS[] = {
     // The weight scales through shared memory (SB_SMEM): 12..16.
     variant<256, 4, PLAIN | SB_SMEM, 1>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 1>(),
     variant<256, 4, PLAIN | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE | SB_SMEM, 2>(),
-    variant<128, 6, PIPELINED | TMA_STORE | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE, 2>(),
-    // One 160- or 192-wide group per K block (WIDE): 18..21.
-    variant<192, 5, PLAIN | SB_SMEM, 1>(), variant<160, 6, PLAIN | SB_SMEM, 1>(),
-    variant<192, 5, PLAIN | SB_SMEM, 2>(), variant<160, 6, PLAIN | SB_SMEM, 2>(),
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),  // 22
+    variant<128, 6, PLAIN | TMA_STORE, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 
