@@ -25,7 +25,7 @@
 namespace {
 
 constexpr int BK = 128;  // one scale block: the promotion period
-constexpr int GROUP_M = 8;  // tile rows per group of the walk (16 with the GROUP16 flag)
+constexpr int GROUP_M = 8;
 constexpr int BM = 128;        // two math warpgroups x 64 rows
 constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
 // setmaxnreg split of the 64K registers: 128 * (40 + 2 * 232) <= 65536.
@@ -121,12 +121,11 @@ __device__ __forceinline__ float lds(const float* p) {
   return v;
 }
 
-// Tile `tile` of a grouped (GM rows of tiles at a time) walk: better L2 reuse of B.
-template <int GM>
+// Tile `tile` of a grouped (GROUP_M rows of tiles at a time) walk: better L2 reuse of B.
 __device__ __forceinline__ void tile_of(int tile, int tiles_m, int tiles_n, int& tm, int& tn) {
-  const int group_size = GM * tiles_n;
-  const int first_m = (tile / group_size) * GM;
-  const int rows = min(tiles_m - first_m, GM);
+  const int group_size = GROUP_M * tiles_n;
+  const int first_m = (tile / group_size) * GROUP_M;
+  const int rows = min(tiles_m - first_m, GROUP_M);
   const int in_group = tile % group_size;
   tm = first_m + in_group % rows;
   tn = in_group / rows;
@@ -222,12 +221,6 @@ constexpr int TMA_STORE = 4;
 // as cuBLAS's block-wise kernel reads them (its SASS: an LDS per block), instead of one global
 // load per block issued a block ahead, whose L2 latency under the TMA stream can outlast it.
 constexpr int SB_SMEM = 8;
-// Flag on MODE (PLAIN): the two math warpgroups issue their wgmma groups in turn, as cuBLAS's
-// block-wise kernel orders them (its SASS: a 256-thread named barrier, one warpgroup arriving
-// before its issue and the other after), so their groups queue on the tensor cores alternately.
-constexpr int ORDERED = 16;
-// Flag on MODE: groups of 16 tile rows in the walk instead of GROUP_M.
-constexpr int GROUP16 = 32;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -260,8 +253,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
-  constexpr bool ORDER = (MODE & ORDERED) != 0;
-  constexpr int GM = (MODE & GROUP16) != 0 ? 16 : GROUP_M;
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES>;
   constexpr int HALVES = BN / 128;
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       int it = 0;
       for (int tile = first; tile < num_tiles; tile += stride) {
         int tm, tn;
-        tile_of<GM>(tile, walk_m, tiles_n, tm, tn);
+        tile_of(tile, walk_m, tiles_n, tm, tn);
         const int m0 = (tm * CLUSTER + rank) * BM;
         const int n0 = tn * BN;
         for (int kb = 0; kb < nkb; ++kb, ++it) {
@@ -411,7 +402,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     for (int tile = first; tile < num_tiles; tile += stride) {
       int tm, tn;
-      tile_of<GM>(tile, walk_m, tiles_n, tm, tn);
+      tile_of(tile, walk_m, tiles_n, tm, tn);
       const int m0 = (tm * CLUSTER + rank) * BM;
       const int n0 = tn * BN;
 #pragma unroll
@@ -498,11 +489,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           float sb_next[HALVES];
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {
-            if constexpr (ORDER)
-              if (half == 1) named_sync(3, 256);
             issue(part, s, h, 0);
-            if constexpr (ORDER)
-              if (half == 0) named_sync(3, 256);
             if (h == 0 && kb == 0) flush_pending();
             if (h == 0) {
 #pragma unroll
@@ -742,7 +729,6 @@ constexpr Variant VARIANTS[] = {
     variant<256, 4, PLAIN | SB_SMEM, 1>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 1>(),
     variant<256, 4, PLAIN | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE | SB_SMEM, 2>(),
     variant<128, 6, PLAIN | TMA_STORE, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | ORDERED, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUP16, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -69,8 +69,6 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 6, "plain_tma_sbs", 2),
     (128, 6, "plain_tma", 2),
     (256, 4, "plain_tma_sbs", 2),
-    (256, 4, "plain_tma_sbs_ordered", 2),
-    (256, 4, "plain_tma_sbs_group16", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
@@ -78,7 +76,7 @@ DEFAULT_VARIANT = 17
 
 def uses_smem_scales(variant: int) -> bool:
     """Whether the variant reads the weight scales K-block-major (no copy for that layout)."""
-    return "_sbs" in VARIANTS[variant][2]
+    return VARIANTS[variant][2].endswith("_sbs")
 
 
 class WgmmaError(RuntimeError):
