@@ -1,0 +1,212 @@
+"""DeepGEMM's own SM90 block-scaled FP8 GEMM as a baseline, next to bf16 cuBLAS, torch's block-wise
+scaled_mm (cuBLAS) and our CUDA kernel's default variant, in one process, at the issue's large-M
+shapes.
+
+Why: the issue's goal (>= 1.7x bf16 at M >= 4096) is DeepGEMM's H800 figure. On this H200 cuBLAS's
+block-wise kernel reaches 1.44-1.68x and ours 0.98-1.05x of it (results/wgmma_h200_15_*.json), so
+the question is whether DeepGEMM itself reaches 1.7x here: if it does, its kernel is the next thing
+to read (bench/fp8/wgmma_ncu_source.sh profiles any kernel by name); if it does not, the goal is
+beyond what is known to run on this machine.
+
+DeepGEMM is not a dependency and is not in this repository: `--src` is an extracted source tree
+made by bench/fp8/deepgemm_bundle.sh (DeepGEMM plus the CUTLASS and {fmt} headers at its submodule
+commits). Its C++ module is built here with torch's cpp_extension (ninja; no setup.py, no wheel),
+and its kernels JIT-compile with nvcc at their first call, so the script warms every shape up
+before any timing. The inputs are quantised by relay's own recipe (services/common/fp8.py), whose
+scales follow DeepGEMM's convention (float32 decoding scales, 1x128 for activations and 128x128
+for weights), and every output is checked against the recipe's float32 reference first.
+
+    python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --out $OUT/deepgemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gemm as bench  # noqa: E402
+import wgmma_lib  # noqa: E402
+from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, quantised, weight_scales  # noqa: E402
+
+from services.common import fp8 as ref  # noqa: E402
+
+CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
+
+
+def cuda_home() -> str:
+    """$CUDA_HOME, else the toolkit holding nvcc's headers (nvcc may be a wrapper script)."""
+    nvcc = wgmma_lib.nvcc_path()
+    if nvcc is None:
+        raise SystemExit("nvcc not found: DeepGEMM compiles its kernels with it at run time")
+    candidates = [os.environ.get("CUDA_HOME"), str(Path(nvcc).resolve().parents[1]), "/usr/local/cuda"]
+    candidates += sorted(str(p) for p in Path("/usr/local").glob("cuda-*"))
+    for home in candidates:
+        if home and (Path(home) / "include" / "cuda.h").exists():
+            return home
+    raise SystemExit(f"no CUDA toolkit with include/cuda.h among {candidates}: set CUDA_HOME")
+
+
+def import_deepgemm(src: Path, build_dir: Path) -> Any:
+    """Build DeepGEMM's C++ module from `src` into `build_dir` and import the package."""
+    from torch.utils.cpp_extension import load
+
+    home = cuda_home()
+    os.environ.setdefault("CUDA_HOME", home)
+    # The JIT includes cutlass/ and cute/ from the package's include directory (develop.sh links them).
+    include = src / "deep_gemm" / "include"
+    for name in ("cutlass", "cute"):
+        link = include / name
+        if not link.exists():
+            link.symlink_to(src / "third-party" / "cutlass" / "include" / name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    module = load(
+        name="_C",
+        sources=[str(src / "csrc" / "python_api.cpp")],
+        extra_include_paths=[
+            f"{home}/include",
+            f"{home}/include/cccl",
+            str(include),
+            str(src / "third-party" / "cutlass" / "include"),
+            str(src / "third-party" / "fmt" / "include"),
+        ],
+        # DeepGEMM's setup.py flags (its C++ module is C++17; its JIT'd kernels pick their own).
+        extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
+        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    sys.modules["deep_gemm._C"] = module
+    sys.path.insert(0, str(src))
+    import deep_gemm
+
+    return deep_gemm
+
+
+def run_deepgemm(dg: Any, d: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    # SM90 takes float32 scales as they are (no UE8M0 packing); the recipe is read from their shapes.
+    dg.fp8_gemm_nt((d["aq"], d["as"]), (d["wq"], d["ws"]), out, disable_ue8m0_cast=True)
+
+
+def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for i, (m, n, k) in enumerate(CHECK_SHAPES):
+        d = quantised(m, n, k, dev, seed=200 + i)
+        want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        run_deepgemm(dg, d, out)
+        torch.cuda.synchronize()
+        err = bench.rel(out, want)
+        finite = bool(torch.isfinite(out).all())
+        rows.append({"M": m, "N": n, "K": k, "rel_err": err, "all_written": finite,
+                     "ok": finite and err < MAX_REL_ERR})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def bench_us(fn: Any) -> float:
+    return float(triton.testing.do_bench_cudagraph(fn)) * 1000
+
+
+def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    ours = wgmma_lib.DEFAULT_VARIANT
+    for m in TIME_MS:
+        for n, k in TIME_NK:
+            d = quantised(m, n, k, dev, seed=m + n + k)
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            t0 = time.perf_counter()
+            run_deepgemm(dg, d, out)  # the JIT compile of this shape's kernel, outside the timing
+            torch.cuda.synchronize()
+            row: dict[str, Any] = {"M": m, "N": n, "K": k, "deepgemm_first_call_s": time.perf_counter() - t0}
+            row["bf16_us"] = bench_us(lambda d=d: torch.nn.functional.linear(d["x"], d["w"]))
+            row["torch_blockwise_us"] = bench_us(
+                lambda d=d: ref.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], d["ws"], torch.bfloat16, backend="torch"
+                )
+            )
+            row["deepgemm_us"] = bench_us(lambda d=d, o=out: run_deepgemm(dg, d, o))
+            row["relay_wgmma_us"] = bench_us(
+                lambda d=d, o=out: wgmma_lib.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], weight_scales(d, ours), out=o, variant=ours
+                )
+            )
+            flops = 2 * m * n * k
+            for key in [kk for kk in row if kk.endswith("_us")]:
+                row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
+            row["deepgemm_vs_bf16"] = row["bf16_us"] / row["deepgemm_us"]
+            row["deepgemm_vs_torch_blockwise"] = row["torch_blockwise_us"] / row["deepgemm_us"]
+            row["torch_blockwise_vs_bf16"] = row["bf16_us"] / row["torch_blockwise_us"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", required=True, help="DeepGEMM source tree from deepgemm_bundle.sh")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--build-dir", default="/tmp/deepgemm_build")
+    ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="check and time M,N,K = 4096,4096,7168 only (one JIT compile: a first reading in little device time)",
+    )
+    args = ap.parse_args()
+    if args.ms:
+        TIME_MS[:] = [int(m) for m in args.ms.split(",")]
+    if args.quick:
+        CHECK_SHAPES[:] = [(4096, 4096, 7168)]
+        TIME_MS[:] = [4096]
+        TIME_NK[:] = [(4096, 7168)]
+    dev = torch.device("cuda")
+    src = Path(args.src).resolve()
+    # Session 15's first H200 run died of a segfault before printing anything: these say where.
+    faulthandler.enable()
+    wgmma_lib.build()
+    print("building DeepGEMM's C++ module", flush=True)
+    t0 = time.perf_counter()
+    dg = import_deepgemm(src, Path(args.build_dir))
+    print(f"imported deep_gemm in {time.perf_counter() - t0:.0f} s; first calls JIT-compile", flush=True)
+    result: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(),
+        "machine": torch.cuda.get_device_name(),
+        "baseline": "bf16 cuBLAS (F.linear), torch block-wise scaled_mm (cuBLAS) and relay's CUDA kernel "
+        "(wgmma_lib.DEFAULT_VARIANT), same process",
+        "deepgemm_version": getattr(dg, "__version__", "unknown"),
+        "deepgemm_source": (src / "SOURCE").read_text().strip() if (src / "SOURCE").exists() else "unknown",
+        "build_s": time.perf_counter() - t0,
+    }
+    result["check"] = self_check(dg, dev)
+    result["check_ok"] = all(r["ok"] for r in result["check"])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if result["check_ok"] and not args.skip_timing:
+        result["rows"] = time_rows(dg, dev)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print("check_ok", result["check_ok"])
+    for r in result.get("rows", []):
+        ours = f"  relay {r['relay_wgmma_tflops']:5.0f}"
+        print(
+            f"M={r['M']:5d} N={r['N']:5d} K={r['K']:5d} bf16 {r['bf16_tflops']:5.0f}  cublas-bw "
+            f"{r['torch_blockwise_tflops']:5.0f} ({r['torch_blockwise_vs_bf16']:.2f}x)  deepgemm "
+            f"{r['deepgemm_tflops']:5.0f} ({r['deepgemm_vs_bf16']:.2f}x bf16){ours}"
+        )
+
+
+if __name__ == "__main__":
+    main()
