@@ -217,7 +217,7 @@ struct Smem {
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
 // Flag on MODE: the epilogue goes through shared memory and TMA stores (see the kernel comment).
 constexpr int TMA_STORE = 4;
-// Flag on MODE: the weight scales of each K block arrive with its stage (one 16-byte TMA box),
+// Flag on MODE: the weight scales of each K block arrive with its stage (one 32-byte TMA box),
 // as cuBLAS's block-wise kernel reads them (its SASS: an LDS per block), instead of one global
 // load per block issued a block ahead, whose L2 latency under the TMA stream can outlast it.
 constexpr int SB_SMEM = 8;
@@ -725,7 +725,7 @@ constexpr Variant VARIANTS[] = {
     // The shared-memory + TMA-store epilogue (TMA_STORE): 8..11.
     variant<256, 4, PLAIN | TMA_STORE, 1>(), variant<256, 4, PLAIN | TMA_STORE, 2>(),
     variant<128, 6, PIPELINED | TMA_STORE, 2>(), variant<256, 4, UNSCALED | TMA_STORE, 1>(),
-    // The weight scales through shared memory (SB_SMEM): 12..16.
+    // The weight scales through shared memory (SB_SMEM) and their 128-wide baseline: 12..17.
     variant<256, 4, PLAIN | SB_SMEM, 1>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 1>(),
     variant<256, 4, PLAIN | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE | SB_SMEM, 2>(),
     variant<128, 6, PLAIN | TMA_STORE, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),

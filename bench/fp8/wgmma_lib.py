@@ -1,6 +1,6 @@
 """The warp-specialised Hopper FP8 GEMM probe (`wgmma_kernel.cu`): built with nvcc on first use,
 loaded through ctypes, launched on torch's current stream. A benchmark, not an engine backend: its
-best variant measured 0.98-1.04x cuBLAS block-wise at M >= 4096 (bench/fp8/README.md, session 15),
+best variant measured 0.98-1.05x cuBLAS block-wise at M >= 4096 (bench/fp8/README.md, session 15),
 parity that does not pay for a run-time nvcc build in the engine, so the dispatch keeps cuBLAS; it
 stays here as the measured starting point for a faster promotion schedule.
 
