@@ -32,14 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
 import wgmma_lib  # noqa: E402
-from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, quantised, weight_scales  # noqa: E402
+from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, bench_us, quantised, weight_scales  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
 
@@ -114,10 +113,6 @@ def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                      "ok": finite and err < MAX_REL_ERR})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
-
-
-def bench_us(fn: Any) -> float:
-    return float(triton.testing.do_bench_cudagraph(fn)) * 1000
 
 
 def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
