@@ -6,6 +6,7 @@
 #   bash bench/fp8/run.sh mismatch    -> $OUT/fp8_mismatch.json (+ .txt)
 #   bash bench/fp8/run.sh wgmma       -> $OUT/fp8_wgmma.json (+ .txt): the CUDA kernel probe
 #   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu    (NCU_VARIANT=1 ... ncu-source): Nsight Compute
+#   bash bench/fp8/run.sh clocks      -> $OUT/fp8_clocks.json: SM clock and power under bf16 vs FP8 GEMMs
 #   bash bench/fp8/run.sh deepgemm    -> $OUT/fp8_deepgemm.json: DeepGEMM as a baseline (deepgemm.py)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -18,9 +19,10 @@ for what in "${@:-gemm}"; do
     ncu) bash bench/fp8/wgmma_ncu.sh "${NCU_VARIANTS:-1}" ;;
     ncu-source) bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-1}" ;;
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
+    clocks) python3 bench/fp8/clocks.py --out "$OUT/fp8_clocks.json" 2>&1 | tee "$OUT/fp8_clocks.txt" ;;
     deepgemm)  # needs the tarball of bench/fp8/deepgemm_bundle.sh carried (.deepgemm, ignored by git)
       rm -rf /tmp/deepgemm && mkdir -p /tmp/deepgemm && tar -xzf "${DEEPGEMM_TAR:-.deepgemm/src.tar.gz}" -C /tmp/deepgemm || exit 1
       python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --out "$OUT/fp8_deepgemm.json" 2>&1 | tee "$OUT/fp8_deepgemm.txt" ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | deepgemm)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm)"; exit 2 ;;
   esac
 done
