@@ -226,6 +226,10 @@ constexpr int SB_SMEM = 8;
 // (DeepGEMM's layout, bought with a pipeline stage at BN 256) instead of a ring slot lent by the
 // producer, so the next tile's first blocks have the whole ring.
 constexpr int TMA_OWN = 16;
+// Flag on MODE, with PLAIN | TMA_STORE | TMA_OWN: the next tile's first wgmma group is issued
+// before this tile's epilogue, so the tensor cores work while both warpgroups write their output
+// (otherwise both finish a tile together and leave the tensor cores idle for the epilogue).
+constexpr int EARLY = 32;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -260,6 +264,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
   constexpr bool OWN = (MODE & TMA_OWN) != 0;
   static_assert(!OWN || EPI_TMA, "TMA_OWN is a form of the TMA-store epilogue");
+  constexpr bool EARLY_NEXT = (MODE & EARLY) != 0;
+  static_assert(!EARLY_NEXT || (OWN && BASE == PLAIN), "EARLY needs PLAIN with its own output buffer");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES, OWN>;
   constexpr int HALVES = BN / 128;
@@ -408,6 +414,15 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     };
 
+    // EARLY: every tile starts with its first group already in flight (into part), issued before
+    // the previous tile's epilogue, or here for the first tile; after the last tile a group on
+    // whatever the next slot holds keeps that shape (its result is never read). ptxas keeps
+    // wgmmas asynchronous only where the number in flight is the same on every path: with the
+    // issue conditional on a next tile existing it waited for the group right after issuing it.
+    if constexpr (EARLY_NEXT) {
+      if (first < num_tiles) mbar_wait(&full[0], 0);
+      issue(part, 0, 0, 0);
+    }
     for (int tile = first; tile < num_tiles; tile += stride) {
       int tm, tn;
       tile_of(tile, walk_m, tiles_n, tm, tn);
@@ -497,7 +512,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           float sb_next[HALVES];
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {
-            issue(part, s, h, 0);
+            if (!(EARLY_NEXT && kb == 0 && h == 0)) issue(part, s, h, 0);
             if (h == 0 && kb == 0) flush_pending();
             if (h == 0) {
 #pragma unroll
@@ -552,6 +567,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         };
         const int row_c = m0 + half * 64;
         if constexpr (OWN) {
+          if constexpr (EARLY_NEXT) {
+            const int sn = it % STAGES;
+            if (tile + stride < num_tiles) mbar_wait(&full[sn], (it / STAGES) & 1);
+            issue(part, sn, 0, 0);
+          }
           // This warpgroup's 64 rows of the buffer, once the last tile's stores have read them.
           uint8_t* mine = s_d + half * BOXES * BOX;
           if (tid == 0) bulk_wait_read<0>();
@@ -614,6 +634,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+    if constexpr (EARLY_NEXT) wgmma_wait<0>();  // the group issued after the last tile
     if constexpr (EPI_TMA) {
       flush_pending();
       if (tid == 0) bulk_wait_all();
@@ -704,7 +725,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & TMA_STORE) != 0) {
     // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
     if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~(TMA_STORE | TMA_OWN), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K,
+      return launch<BN, STAGES, MODE & ~(TMA_STORE | TMA_OWN | EARLY), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K,
                                                                         ldc, max_ctas, stream);
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
@@ -758,6 +779,9 @@ constexpr Variant VARIANTS[] = {
     variant<128, 6, PLAIN | TMA_STORE, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),
     // The output tile through its own buffer (TMA_OWN): 18..19.
     variant<256, 3, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM, 2>(), variant<128, 5, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM, 2>(),
+    // ... and the next tile's first group issued before the epilogue (EARLY): 20..21.
+    variant<256, 3, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM | EARLY, 2>(),
+    variant<128, 5, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM | EARLY, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -50,7 +50,8 @@ BLOCK = 128
 # epilogue of the same mode. A "_sbs" mode reads the weight scales from shared memory, loaded by
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
 # them K-block-major like the activation scales (`uses_smem_scales`). "_tmaown" stores the output
-# through a shared-memory tile of its own instead of a lent ring slot (DeepGEMM's layout).
+# through a shared-memory tile of its own instead of a lent ring slot (DeepGEMM's layout);
+# "_early" also issues the next tile's first wgmma group before the epilogue.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -72,6 +73,8 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "plain_tma_sbs", 2),
     (256, 3, "plain_tmaown_sbs", 2),
     (128, 5, "plain_tmaown_sbs", 2),
+    (256, 3, "plain_tmaown_sbs_early", 2),
+    (128, 5, "plain_tmaown_sbs_early", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
@@ -79,7 +82,7 @@ DEFAULT_VARIANT = 17
 
 def uses_smem_scales(variant: int) -> bool:
     """Whether the variant reads the weight scales K-block-major (no copy for that layout)."""
-    return VARIANTS[variant][2].endswith("_sbs")
+    return "_sbs" in VARIANTS[variant][2]
 
 
 class WgmmaError(RuntimeError):
