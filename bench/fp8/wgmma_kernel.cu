@@ -226,7 +226,7 @@ constexpr int SB_SMEM = 8;
 // (DeepGEMM's layout, bought with a pipeline stage at BN 256) instead of a ring slot lent by the
 // producer, so the next tile's first blocks have the whole ring.
 constexpr int TMA_OWN = 16;
-// Flag on MODE, with PLAIN | TMA_STORE | TMA_OWN: the next tile's first wgmma group is issued
+// Flag on MODE, with PLAIN | TMA_STORE (either buffer): the next tile's first wgmma group is issued
 // before this tile's epilogue, so the tensor cores work while both warpgroups write their output
 // (otherwise both finish a tile together and leave the tensor cores idle for the epilogue).
 constexpr int EARLY = 32;
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool OWN = (MODE & TMA_OWN) != 0;
   static_assert(!OWN || EPI_TMA, "TMA_OWN is a form of the TMA-store epilogue");
   constexpr bool EARLY_NEXT = (MODE & EARLY) != 0;
-  static_assert(!EARLY_NEXT || (OWN && BASE == PLAIN), "EARLY needs PLAIN with its own output buffer");
+  static_assert(!EARLY_NEXT || (EPI_TMA && BASE == PLAIN), "EARLY needs PLAIN with the TMA-store epilogue");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES, OWN>;
   constexpr int HALVES = BN / 128;
@@ -537,6 +537,11 @@ __global__ void __launch_bounds__(THREADS, 1)
           mbar_wait(&full[s], (it / STAGES) & 1);
           ++it;
         }
+        if constexpr (EARLY_NEXT) {
+          const int sn = it % STAGES;
+          if (tile + stride < num_tiles) mbar_wait(&full[sn], (it / STAGES) & 1);
+          issue(part, sn, 0, 0);
+        }
         // 8 KB boxes (64 rows x 64 bf16 columns, 128-byte swizzled rows): the slot's A space,
         // then its B space, split between the two warpgroups.
         constexpr int BOX = 64 * 128;
@@ -567,11 +572,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         };
         const int row_c = m0 + half * 64;
         if constexpr (OWN) {
-          if constexpr (EARLY_NEXT) {
-            const int sn = it % STAGES;
-            if (tile + stride < num_tiles) mbar_wait(&full[sn], (it / STAGES) & 1);
-            issue(part, sn, 0, 0);
-          }
           // This warpgroup's 64 rows of the buffer, once the last tile's stores have read them.
           uint8_t* mine = s_d + half * BOXES * BOX;
           if (tid == 0) bulk_wait_read<0>();
@@ -782,6 +782,7 @@ constexpr Variant VARIANTS[] = {
     // ... and the next tile's first group issued before the epilogue (EARLY): 20..21.
     variant<256, 3, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM | EARLY, 2>(),
     variant<128, 5, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM | EARLY, 2>(),
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | EARLY, 2>(),  // 22: variant 17 + EARLY
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

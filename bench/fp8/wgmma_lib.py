@@ -75,6 +75,7 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain_tmaown_sbs", 2),
     (256, 3, "plain_tmaown_sbs_early", 2),
     (128, 5, "plain_tmaown_sbs_early", 2),
+    (256, 4, "plain_tma_sbs_early", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
