@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu"
+REPS = 20  # GEMM calls per graph replay
 
 
 def parse_samples(text: str) -> list[tuple[float, float, float]]:
@@ -78,25 +79,9 @@ def summarise(samples: list[tuple[float, float, float]], trim: float = 0.2) -> d
     }
 
 
-def graph_of(fn: Callable[[], Any], reps: int) -> torch.cuda.CUDAGraph:
-    """`reps` calls of fn captured in one graph (after a warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return graph
-
-
-def window(name: str, fn: Callable[[], Any], flops: float, seconds: float) -> dict[str, Any]:
-    """Replay fn's graph for `seconds` under an nvidia-smi sampler; TFLOP/s over the window."""
-    reps = 20
-    graph = graph_of(fn, reps)
+def window(name: str, replay: Callable[[], None], reps: int, flops: float, seconds: float) -> dict[str, Any]:
+    """Run `replay` (a CUDA graph of `reps` calls of one GEMM) for `seconds` under an nvidia-smi
+    sampler; TFLOP/s over the window."""
     torch.cuda.synchronize()
     sampler = subprocess.Popen(
         ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
@@ -107,7 +92,7 @@ def window(name: str, fn: Callable[[], Any], flops: float, seconds: float) -> di
     try:
         start, calls = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
-            graph.replay()
+            replay()
             calls += reps
             if calls % (reps * 10) == 0:
                 torch.cuda.synchronize()  # keep the host from queueing far ahead of the GPU
@@ -131,6 +116,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args()
     # Here, not at the top: the sample parsing above is tested on CPU without Triton imported.
+    import gemm as bench
     import wgmma_lib
     from wgmma import quantised, weight_scales
 
@@ -161,7 +147,7 @@ def main() -> None:
             text=True,
             check=False,
         ).stdout.strip(),
-        "windows": [window(name, fn, flops, args.seconds) for name, fn in gemms],
+        "windows": [window(name, bench.graphed(fn, REPS), REPS, flops, args.seconds) for name, fn in gemms],
     }
     by = {w["gemm"]: w for w in result["windows"]}
     bf16 = by["bf16"]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
 import wgmma_lib  # noqa: E402
-from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, bench_us, quantised, weight_scales  # noqa: E402
+from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, add_tflops, bench_us, quantised, weight_scales  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
 
@@ -138,9 +138,7 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                     d["aq"], d["as_col"], d["wq"], weight_scales(d, ours), out=o, variant=ours
                 )
             )
-            flops = 2 * m * n * k
-            for key in [kk for kk in row if kk.endswith("_us")]:
-                row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
+            add_tflops(row, 2 * m * n * k)
             row["deepgemm_vs_bf16"] = row["bf16_us"] / row["deepgemm_us"]
             row["deepgemm_vs_torch_blockwise"] = row["torch_blockwise_us"] / row["deepgemm_us"]
             row["torch_blockwise_vs_bf16"] = row["bf16_us"] / row["torch_blockwise_us"]

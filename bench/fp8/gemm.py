@@ -358,9 +358,9 @@ def timed(
     return ms
 
 
-def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
-    """fn captured in a CUDA graph, as the engine's decode step runs: the replay has no Python or
-    launch overhead, so it times the GPU work alone. Run 1 timed eager calls only, and at M <= 256
+def graphed(fn: Callable[[], Any], calls: int = 1) -> Callable[[], None]:
+    """`calls` calls of fn captured in a CUDA graph, as the engine's decode step runs: the replay
+    has no Python or launch overhead, so it times the GPU work alone. Run 1 timed eager calls only, and at M <= 256
     the fp8 paths' host time (several torch ops and launches per call) showed up in the numbers:
     the same Triton config measured 41 us in one variant and 98 us in another (64 x 4096 x 7168),
     and the whole fp8 linear 125-250 us against 16-77 us for bf16."""
@@ -372,7 +372,8 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph.replay
 
 

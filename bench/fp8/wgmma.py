@@ -92,6 +92,12 @@ def self_check(dev: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+def add_tflops(row: dict[str, Any], flops: float) -> None:
+    """A `<name>_tflops` next to every `<name>_us` timing of the row."""
+    for key in [kk for kk in row if kk.endswith("_us")]:
+        row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
+
+
 def bench_us(fn: Any) -> float:
     return float(triton.testing.do_bench_cudagraph(fn)) * 1000
 
@@ -116,8 +122,7 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
                         d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                     )
                 )
-            for key in [kk for kk in row if kk.endswith("_us")]:
-                row[key.replace("_us", "_tflops")] = flops / row[key] / 1e6
+            add_tflops(row, flops)
             for v in VARIANT_IDS:
                 row[f"wgmma_{vname(v)}_grid"] = wgmma_lib.launch_grid(v, m, n, dev)
             best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS if not is_probe(v))
