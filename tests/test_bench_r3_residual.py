@@ -1,19 +1,26 @@
 """bench/r3/replay.py `--residual fp32,bf16`: both residual streams (ModelConfig.fp32_residual) in one
 process, each phase recording its setting and the setting the engine loaded from config.json, and
 on CPU (no kernel differences) the engine and both trainer paths (autocast, FSDP2 on a 1-rank gloo
-group: blocks take the float32 stream uncast) bitwise equal with replay, key on and off."""
+group: blocks take the float32 stream uncast) bitwise equal with replay, key on and off.
+
+"No kernel differences" needs ATen's scalar CPU kernels: on a CPU with AVX-512 BF16 / AMX, torch's
+vectorised bf16 kernels round a few decode-step tokens differently from the trainer's full-sequence
+pass (8 of 72 sampled tokens, log-ratio up to 9e-4, seen on such a machine; equal on the scalar
+kernels), so the bench runs in a child process with ATEN_CPU_CAPABILITY=default (read at start)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_r3_replay_residual", Path(__file__).resolve().parents[1] / "bench" / "r3" / "replay.py"
-)
+REPLAY = Path(__file__).resolve().parents[1] / "bench" / "r3" / "replay.py"
+_spec = importlib.util.spec_from_file_location("bench_r3_replay_residual", REPLAY)
 assert _spec is not None and _spec.loader is not None
 r3 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(r3)
@@ -22,7 +29,15 @@ _spec.loader.exec_module(r3)
 def test_residual_both_settings_in_one_process(tmp_path: Path) -> None:
     out = tmp_path / "r3.json"
     argv = ["--device", "cpu", "--smoke", "--inits", "hf", "--residual", "fp32,bf16", "--no-sanity"]
-    assert r3.main([*argv, "--out", str(out)]) == 0
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    proc = subprocess.run(
+        [sys.executable, str(REPLAY), *argv, "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert set(res["headline"]) == {
         "hf/autocast",
