@@ -81,3 +81,12 @@ def bwrap() -> str:
         pytest.skip(f"no bubblewrap here and no apt-get to install it: {proc.stderr.strip()}")
     assert proc.returncode == 0, f"install_bwrap.sh failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout.strip().splitlines()[-1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs two workers), keep every test of the one shared Slurm
+    cluster on one worker (`--dist loadgroup`): its two virtual nodes fit one job at a time, and a
+    second job queued behind the first would eat its test's time budget."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
