@@ -201,9 +201,8 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-template <int BN, int STAGES, bool OWN_D = false>
+template <int BN, int STAGES>
 struct Smem {
-  static constexpr int D = OWN_D ? BM * BN * 2 : 0;  // TMA_OWN: the output tile's own buffer
   static constexpr int A = BM * BK;  // bytes per stage
   static constexpr int B = BN * BK;
   static constexpr int SA = BM * 4;
@@ -212,7 +211,7 @@ struct Smem {
   // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
   // on the H200), so the tile's blocks sit at offset (n0 / 128) % 4 in it.
   static constexpr int SB = 128;
-  static constexpr int BYTES = 1024 + D + STAGES * (A + B + SA + SB) + 2 * STAGES * 8;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
@@ -222,14 +221,6 @@ constexpr int TMA_STORE = 4;
 // as cuBLAS's block-wise kernel reads them (its SASS: an LDS per block), instead of one global
 // load per block issued a block ahead, whose L2 latency under the TMA stream can outlast it.
 constexpr int SB_SMEM = 8;
-// Flag on MODE, with TMA_STORE: the output tile goes through a shared-memory buffer of its own
-// (DeepGEMM's layout, bought with a pipeline stage at BN 256) instead of a ring slot lent by the
-// producer, so the next tile's first blocks have the whole ring.
-constexpr int TMA_OWN = 16;
-// Flag on MODE, with PLAIN | TMA_STORE (either buffer): the next tile's first wgmma group is issued
-// before this tile's epilogue, so the tensor cores work while both warpgroups write their output
-// (otherwise both finish a tile together and leave the tensor cores idle for the epilogue).
-constexpr int EARLY = 32;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -262,18 +253,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
-  constexpr bool OWN = (MODE & TMA_OWN) != 0;
-  static_assert(!OWN || EPI_TMA, "TMA_OWN is a form of the TMA-store epilogue");
-  constexpr bool EARLY_NEXT = (MODE & EARLY) != 0;
-  static_assert(!EARLY_NEXT || (EPI_TMA && BASE == PLAIN), "EARLY needs PLAIN with the TMA-store epilogue");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
-  using L = Smem<BN, STAGES, OWN>;
+  using L = Smem<BN, STAGES>;
   constexpr int HALVES = BN / 128;
   extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* s_d = smem;  // L::D bytes (TMA_OWN only)
-  uint8_t* s_a = smem + L::D;
+  uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
   float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
   float* s_sb = s_sa + STAGES * BM;  // L::SB / 4 floats per stage
@@ -343,7 +329,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           __syncwarp();
         }
-        if constexpr (EPI_TMA && !OWN) {
+        if constexpr (EPI_TMA) {
           // The epilogue's slot: no copy, just mark it full for the math warpgroups.
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -414,15 +400,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     };
 
-    // EARLY: every tile starts with its first group already in flight (into part), issued before
-    // the previous tile's epilogue, or here for the first tile; after the last tile a group on
-    // whatever the next slot holds keeps that shape (its result is never read). ptxas keeps
-    // wgmmas asynchronous only where the number in flight is the same on every path: with the
-    // issue conditional on a next tile existing it waited for the group right after issuing it.
-    if constexpr (EARLY_NEXT) {
-      if (first < num_tiles) mbar_wait(&full[0], 0);
-      issue(part, 0, 0, 0);
-    }
     for (int tile = first; tile < num_tiles; tile += stride) {
       int tm, tn;
       tile_of(tile, walk_m, tiles_n, tm, tn);
@@ -512,7 +489,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           float sb_next[HALVES];
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {
-            if (!(EARLY_NEXT && kb == 0 && h == 0)) issue(part, s, h, 0);
+            issue(part, s, h, 0);
             if (h == 0 && kb == 0) flush_pending();
             if (h == 0) {
 #pragma unroll
@@ -532,16 +509,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
       // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
       if constexpr (EPI_TMA) {
-        const int s = it % STAGES;  // the slot the producer lent for this epilogue (not TMA_OWN)
-        if constexpr (!OWN) {
-          mbar_wait(&full[s], (it / STAGES) & 1);
-          ++it;
-        }
-        if constexpr (EARLY_NEXT) {
-          const int sn = it % STAGES;
-          if (tile + stride < num_tiles) mbar_wait(&full[sn], (it / STAGES) & 1);
-          issue(part, sn, 0, 0);
-        }
+        const int s = it % STAGES;  // the slot the producer lent for this epilogue
+        mbar_wait(&full[s], (it / STAGES) & 1);
+        ++it;
         // 8 KB boxes (64 rows x 64 bf16 columns, 128-byte swizzled rows): the slot's A space,
         // then its B space, split between the two warpgroups.
         constexpr int BOX = 64 * 128;
@@ -571,21 +541,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
         };
         const int row_c = m0 + half * 64;
-        if constexpr (OWN) {
-          // This warpgroup's 64 rows of the buffer, once the last tile's stores have read them.
-          uint8_t* mine = s_d + half * BOXES * BOX;
-          if (tid == 0) bulk_wait_read<0>();
-          named_sync(1 + half, 128);
-#pragma unroll
-          for (int b = 0; b < BOXES; ++b) write_box(b, mine + b * BOX);
-          fence_async_smem();
-          named_sync(1 + half, 128);
-          if (tid == 0) {
-#pragma unroll
-            for (int b = 0; b < BOXES; ++b) tma_store_2d(&tm_c, mine + b * BOX, n0 + 64 * b, row_c);
-            bulk_commit();
-          }
-        } else {
 #pragma unroll
         for (int b = 0; b < FIRST; ++b) write_box(b, slot(b));
         fence_async_smem();
@@ -613,7 +568,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           pending = s;  // released after the next tile's first wgmma issue
         else
           release(s);
-        }  // !OWN
         continue;
       }
       const int row0 = m0 + r_local;
@@ -634,7 +588,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    if constexpr (EARLY_NEXT) wgmma_wait<0>();  // the group issued after the last tile
     if constexpr (EPI_TMA) {
       flush_pending();
       if (tid == 0) bulk_wait_all();
@@ -699,7 +652,7 @@ int grid_for(int M, int N, int max_ctas) {
   const int walk = (M + BM * CLUSTER - 1) / (BM * CLUSTER) * ((N + BN - 1) / BN);
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
-    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, Smem<BN, STAGES, (MODE & TMA_OWN) != 0>::BYTES, nullptr);
+    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, Smem<BN, STAGES>::BYTES, nullptr);
     int active = 0;
     if (cudaOccupancyMaxActiveClusters(&active, fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>, &probe.cfg) !=
         cudaSuccess)
@@ -725,8 +678,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & TMA_STORE) != 0) {
     // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
     if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~(TMA_STORE | TMA_OWN | EARLY), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K,
-                                                                        ldc, max_ctas, stream);
+      return launch<BN, STAGES, MODE & ~TMA_STORE, CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
+                                                            stream);
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
       return -5;
@@ -740,7 +693,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       return -6;
   }
   const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
-  const int bytes = Smem<BN, STAGES, (MODE & TMA_OWN) != 0>::BYTES;
+  const int bytes = Smem<BN, STAGES>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
@@ -761,8 +714,7 @@ struct Variant {
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>,
-          Smem<BN, STAGES, (MODE & TMA_OWN) != 0>::BYTES};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, Smem<BN, STAGES>::BYTES};
 }
 
 // The variants the library exports, by index (wgmma_lib.py's VARIANTS lists the same).
@@ -777,12 +729,6 @@ constexpr Variant VARIANTS[] = {
     variant<256, 4, PLAIN | SB_SMEM, 1>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 1>(),
     variant<256, 4, PLAIN | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE | SB_SMEM, 2>(),
     variant<128, 6, PLAIN | TMA_STORE, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),
-    // The output tile through its own buffer (TMA_OWN): 18..19.
-    variant<256, 3, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM, 2>(), variant<128, 5, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM, 2>(),
-    // ... and the next tile's first group issued before the epilogue (EARLY): 20..21.
-    variant<256, 3, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM | EARLY, 2>(),
-    variant<128, 5, PLAIN | TMA_STORE | TMA_OWN | SB_SMEM | EARLY, 2>(),
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | EARLY, 2>(),  // 22: variant 17 + EARLY
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -49,9 +49,7 @@ BLOCK = 128
 # and TMA stores that overlap the next tile's wgmmas; at ldc % 8 != 0 it falls back to the direct
 # epilogue of the same mode. A "_sbs" mode reads the weight scales from shared memory, loaded by
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
-# them K-block-major like the activation scales (`uses_smem_scales`). "_tmaown" stores the output
-# through a shared-memory tile of its own instead of a lent ring slot (DeepGEMM's layout);
-# "_early" also issues the next tile's first wgmma group before the epilogue.
+# them K-block-major like the activation scales (`uses_smem_scales`).
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -71,11 +69,6 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 6, "plain_tma_sbs", 2),
     (128, 6, "plain_tma", 2),
     (256, 4, "plain_tma_sbs", 2),
-    (256, 3, "plain_tmaown_sbs", 2),
-    (128, 5, "plain_tmaown_sbs", 2),
-    (256, 3, "plain_tmaown_sbs_early", 2),
-    (128, 5, "plain_tmaown_sbs_early", 2),
-    (256, 4, "plain_tma_sbs_early", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
