@@ -335,49 +335,29 @@ def _compute(bufs, ready, empty, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers, hp, qk
                 y, idn = _consume(db, dr, de, idn, xs, RBD, CD, ND, L3, WEIGHTS)
                 _ll_rows_out(hp, h_ptr, pid * RD + rg * RBD, y, _ll_tag(e0, layer, 3), RBD, True, L3)
             _cta_sync()
-    else:
-        _barriers_chain(bufs, ready, empty, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers, RQ, RO, RG, RD, CQ, CO, CG, CD,
-                        NQ_, NO, NG, ND, RBQ, RBO, RBG, RBD, PROGS, HALF, WEIGHTS, L3)  # fmt: skip
-
-
-@gluon.jit
-def _barriers_chain(bufs, ready, empty, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers,
-                    RQ: gl.constexpr, RO: gl.constexpr, RG: gl.constexpr, RD: gl.constexpr,
-                    CQ: gl.constexpr, CO: gl.constexpr, CG: gl.constexpr, CD: gl.constexpr,
-                    NQ_: gl.constexpr, NO: gl.constexpr, NG: gl.constexpr, ND: gl.constexpr,
-                    RBQ: gl.constexpr, RBO: gl.constexpr, RBG: gl.constexpr, RBD: gl.constexpr,
-                    PROGS: gl.constexpr, HALF: gl.constexpr, WEIGHTS: gl.constexpr, L3: gl.constexpr):  # fmt: skip
-    """The chain with a grid barrier after each phase (sessions 13-14)."""
-    qb, ob, gb, db = bufs
-    qr, orr, gr, dr = ready
-    qe, oe, ge, de = empty
-    pid = gl.program_id(0)
-    iq = 0
-    io = 0
-    ig = 0
-    idn = 0
-    nb = 0
-    for _layer in range(layers):
-        xs = _x4(h_ptr, CQ, NQ_, 0, 0, L3)
-        for rg in gl.static_range(RQ // RBQ):
-            y, iq = _consume(qb, qr, qe, iq, xs, RBQ, CQ, NQ_, L3, WEIGHTS)
-            _rows_out(qkv_ptr, pid * RQ + rg * RBQ, y, RBQ, False, L3)
-        nb = _barrier(bar_ptr, nb, PROGS)
-        xs = _x4(qkv_ptr, CO, NO, 1, 0, L3)
-        for rg in gl.static_range(RO // RBO):
-            y, io = _consume(ob, orr, oe, io, xs, RBO, CO, NO, L3, WEIGHTS)
-            _rows_out(h_ptr, pid * RO + rg * RBO, y, RBO, True, L3)
-        nb = _barrier(bar_ptr, nb, PROGS)
-        xs = _x4(h_ptr, CG, NG, 0, 0, L3)
-        for rg in gl.static_range(RG // RBG):
-            y, ig = _consume(gb, gr, ge, ig, xs, RBG, CG, NG, L3, WEIGHTS)
-            _rows_out(gu_ptr, pid * RG + rg * RBG, y, RBG, False, L3)
-        nb = _barrier(bar_ptr, nb, PROGS)
-        xs = _x4(gu_ptr, CD, ND, 2, HALF, L3)
-        for rg in gl.static_range(RD // RBD):
-            y, idn = _consume(db, dr, de, idn, xs, RBD, CD, ND, L3, WEIGHTS)
-            _rows_out(h_ptr, pid * RD + rg * RBD, y, RBD, True, L3)
-        nb = _barrier(bar_ptr, nb, PROGS)
+    else:  # a grid barrier after each phase (sessions 13-14)
+        nb = 0
+        for _layer in range(layers):
+            xs = _x4(h_ptr, CQ, NQ_, 0, 0, L3)
+            for rg in gl.static_range(RQ // RBQ):
+                y, iq = _consume(qb, qr, qe, iq, xs, RBQ, CQ, NQ_, L3, WEIGHTS)
+                _rows_out(qkv_ptr, pid * RQ + rg * RBQ, y, RBQ, False, L3)
+            nb = _barrier(bar_ptr, nb, PROGS)
+            xs = _x4(qkv_ptr, CO, NO, 1, 0, L3)
+            for rg in gl.static_range(RO // RBO):
+                y, io = _consume(ob, orr, oe, io, xs, RBO, CO, NO, L3, WEIGHTS)
+                _rows_out(h_ptr, pid * RO + rg * RBO, y, RBO, True, L3)
+            nb = _barrier(bar_ptr, nb, PROGS)
+            xs = _x4(h_ptr, CG, NG, 0, 0, L3)
+            for rg in gl.static_range(RG // RBG):
+                y, ig = _consume(gb, gr, ge, ig, xs, RBG, CG, NG, L3, WEIGHTS)
+                _rows_out(gu_ptr, pid * RG + rg * RBG, y, RBG, False, L3)
+            nb = _barrier(bar_ptr, nb, PROGS)
+            xs = _x4(gu_ptr, CD, ND, 2, HALF, L3)
+            for rg in gl.static_range(RD // RBD):
+                y, idn = _consume(db, dr, de, idn, xs, RBD, CD, ND, L3, WEIGHTS)
+                _rows_out(h_ptr, pid * RD + rg * RBD, y, RBD, True, L3)
+            nb = _barrier(bar_ptr, nb, PROGS)
 
 
 @gluon.jit
