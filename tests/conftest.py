@@ -85,8 +85,8 @@ def bwrap() -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test` runs two workers), keep every test of the one shared Slurm
-    cluster on one worker (`--dist loadgroup`): its two virtual nodes fit one job at a time, and a
-    second job queued behind the first would eat its test's time budget."""
+    cluster on one worker (`--dist loadgroup`), so their jobs run one at a time, as they did before
+    the suite ran in two workers (each waits for its job within a time limit)."""
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm"))
