@@ -51,7 +51,8 @@ cluster-stop:
 
 # Two xdist workers: most tests wait on subprocesses, servers and sockets, so two share the CI's
 # 2 cores well (on the 2-core dev machine: 14.4 min serial, 8.9 in two workers; CI took up to
-# 21.7 min serial); tests of the one Slurm cluster stay on one worker (tests/conftest.py).
+# 21.7 min serial). Each test module runs whole on one worker, and the tests of the one Slurm
+# cluster together (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not full" -n 2 --dist loadgroup
 

@@ -84,9 +84,11 @@ def bwrap() -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs two workers), keep every test of the one shared Slurm
-    cluster on one worker (`--dist loadgroup`), so their jobs run one at a time, as they did before
-    the suite ran in two workers (each waits for its job within a time limit)."""
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), each test module runs
+    whole, in order, on one worker, as it does in one process: some modules' tests build on the
+    ones before them (a module-scoped cluster of services, as in test_prefill_service.py). Every
+    test of the one shared Slurm cluster also stays on one worker, so their jobs run one at a time,
+    as they did before the suite ran in two workers (each waits for its job within a time limit)."""
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        slurm = "slurm_cluster" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))

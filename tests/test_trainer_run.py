@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from services.common.bus import TRAINER_GROUP, Bus
 from services.common.config import RunConfig
 from services.common.modeldir import step_dir
-from services.common.schemas import RolloutGroup, Sample
+from services.common.schemas import RolloutGroup, Sample, WeightsInfo
 from trainer.model import build_model, load_weights_dir
 from trainer.train import Trainer, latest_checkpoint
 from trainer.train import run as run_trainer
@@ -290,10 +290,16 @@ def test_sigkill_restart_resumes_from_checkpoint_without_double_training(
     assert state["status"] == "done" and state["last_checkpoint"] == "7"
 
 
-def test_resume_when_published_weights_are_newer_than_checkpoint(redis_server: str, tmp_path: Path) -> None:
-    """Crash window: step 3 published and committed, checkpoint only at 2. The trainer resumes
-    from checkpoint 2's model and optimizer, publishes it as version 4 (versions never go back,
-    weights/step_3 is never rewritten), trains on from there and never trains a group twice."""
+@pytest.mark.parametrize("published", [True, False], ids=["published", "write-in-flight"])
+def test_resume_when_published_weights_are_newer_than_checkpoint(
+    redis_server: str, tmp_path: Path, published: bool
+) -> None:
+    """Crash window: step 3 committed (its metrics pushed), checkpoint only at 2; weights:latest
+    says 3, or (write-in-flight: killed while the background publisher wrote step 3) still says 2,
+    with weights/step_3 on disk unpublished. Either way the trainer resumes from checkpoint 2's
+    model and optimizer, publishes it as version 4 (versions and step numbers never go back or
+    repeat, weights/step_3 is never rewritten), trains on from there and never trains a group
+    twice."""
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir)
     cfg.run.max_steps = 3
@@ -304,6 +310,8 @@ def test_resume_when_published_weights_are_newer_than_checkpoint(redis_server: s
     cfg2 = cfg.model_copy(deep=True)
     cfg2.run.max_steps = 5
     bus = Bus(redis_server, cfg.redis.prefix)
+    if not published:  # the background publisher had not yet set weights:latest to 3
+        bus.publish_weights(WeightsInfo(version=2, path=str(step_dir(run_dir, 2))))
     trainer = Trainer(cfg2, run_dir, redis_server)
     trainer.setup()
     assert trainer.version == 4 and trainer.last_checkpoint == 2

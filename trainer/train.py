@@ -314,15 +314,19 @@ class Trainer:
             if len(rng) == self.d.world:
                 torch.set_rng_state(rng[self.d.rank])
 
-        # Publish the version we hold. On a resume the checkpoint may be OLDER than weights:latest
-        # (a crash after publishing step M but before checkpointing it): the updates after the
-        # checkpoint are lost, and we publish the checkpoint's model as version M+1, so versions
-        # never go back and no published directory is ever rewritten (docs/loss.md). Rank 0
-        # decides (another rank could see a directory appear mid-write and skip the collective
-        # inside _write_weights).
+        # Publish the version we hold. On a resume the checkpoint may be OLDER than the newest
+        # version the previous process reached, M: weights:latest (a crash after publishing step
+        # M but before checkpointing it), or its recorded state (a crash after committing step M,
+        # its metrics pushed, while its weights were still being written in the background, so
+        # weights:latest is one behind and weights/step_M may be on disk unpublished). The updates
+        # after the checkpoint are lost, and we publish the checkpoint's model as version M+1, so
+        # versions and step numbers never go back or repeat and no weights directory is ever
+        # rewritten (docs/loss.md). Rank 0 decides (another rank could see a directory appear
+        # mid-write and skip the collective inside _write_weights).
         latest = self.bus.latest_weights() if self.bus is not None else None
-        if ckpt is not None and latest is not None and latest.version > self.version:
-            self.version = latest.version + 1
+        reached = max(latest.version if latest is not None else -1, self._recorded_version())
+        if ckpt is not None and reached > self.version:
+            self.version = reached + 1
         self.version = int(self.d.broadcast(self.version))
         if self.d.broadcast(not step_dir(self.run_dir, self.version).exists()):
             self._write_weights(self.version)
@@ -400,6 +404,13 @@ class Trainer:
             log_event(self.log, "checkpoint", step=self.version, path=str(path))
         self.last_checkpoint = self.version
         self.d.barrier()
+
+    def _recorded_version(self) -> int:
+        """The version in the trainer state a previous process of this run recorded (-1: none)."""
+        if self.bus is None:
+            return -1
+        raw = self.bus.r.hget(self.bus.k.trainer_state, "version")
+        return int(raw) if raw is not None else -1
 
     def _record_state(self, status: str) -> None:
         if self.bus is None:
