@@ -83,12 +83,22 @@ def bwrap() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), each test module runs
-    whole, in order, on one worker, as it does in one process: some modules' tests build on the
-    ones before them (a module-scoped cluster of services, as in test_prefill_service.py). Every
-    test of the one shared Slurm cluster also stays on one worker, so their jobs run one at a time,
-    as they did before the suite ran in two workers (each waits for its job within a time limit)."""
-    for item in items:
-        slurm = "slurm_cluster" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
+@pytest.fixture(autouse=True)
+def _one_slurm_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests of the one shared Slurm cluster run one at a time across processes (`make test` runs
+    two pytest-xdist workers; another checkout's tests may use the same cluster): each waits for its
+    job within a time limit, which a job queued behind another test's would eat. A file lock next
+    to the cluster's own files, held for the test."""
+    if "slurm_cluster" not in request.fixturenames:
+        yield
+        return
+    import fcntl
+    import os
+
+    lock = Path(os.environ.get("RELAY_SLURM_PREFIX", "/tmp/relay-slurm") + ".tests.lock")
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
