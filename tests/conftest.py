@@ -87,18 +87,14 @@ def bwrap() -> str:
 def _one_slurm_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests of the one shared Slurm cluster run one at a time across processes (`make test` runs
     two pytest-xdist workers; another checkout's tests may use the same cluster): each waits for its
-    job within a time limit, which a job queued behind another test's would eat. A file lock next
-    to the cluster's own files, held for the test."""
+    job within a time limit, which a job queued behind another test's would eat. A file lock beside
+    the cluster's slurm.conf, held for the test."""
     if "slurm_cluster" not in request.fixturenames:
         yield
         return
     import fcntl
-    import os
 
-    lock = Path(os.environ.get("RELAY_SLURM_PREFIX", "/tmp/relay-slurm") + ".tests.lock")
+    lock = Path(request.getfixturevalue("slurm_cluster")).with_name("tests.lock")
     with lock.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield

@@ -558,6 +558,7 @@ def main() -> None:
 
         run_chain()
         runners["gluon_no_weights"] = run_chain
+        results["gluon_no_weights"] = {"note": "the same barriers and input loads, no weights streamed"}
 
         def run_l2() -> None:
             h.copy_(h0)
@@ -566,6 +567,7 @@ def main() -> None:
         if not args.quick:
             run_l2()
             runners["gluon_l2_weights"] = run_l2
+            results["gluon_l2_weights"] = {"note": "every layer streams layer 0's weights: from L2, not DRAM"}
 
         def run_w8() -> None:
             h.copy_(h0)
@@ -574,6 +576,7 @@ def main() -> None:
         if not args.quick:
             run_w8()
             runners["gluon_w8"] = run_w8
+            results["gluon_w8"] = {"note": "8 consumer warps instead of 4"}
         for ns in args.paced:  # session 14: the weight stream paced over a target layer time
 
             def run_paced(ns: int = ns) -> None:
@@ -621,30 +624,27 @@ def main() -> None:
                 "trace": traceback.format_exc()[:20000],
             }
             print(results["ll"]["trace"][:8000], file=sys.stderr)
-        results["gluon_w8"] = {"note": "8 consumer warps instead of 4"}
-        results["gluon_l2_weights"] = {"note": "every layer streams layer 0's weights: from L2, not DRAM"}
-        results["gluon_no_weights"] = {"note": "the same barriers and input loads, no weights streamed"}
     except Exception as e:  # noqa: BLE001
         full = traceback.format_exc()
         results["gluon"] = {"error": f"{type(e).__name__}: {e}"[:3000], "trace": full[:20000]}
         print(full[:12000], file=sys.stderr)
-    try:
-        if args.quick:
-            raise RuntimeError("skipped (--quick)")
-        mk, inputs, _ = build(device, 600, L)
-        mk.tuning = {"PHASES": 1 | 8 | 16 | 32}
-        hm = inputs["h0"].clone()
+    if args.quick:
+        results["triton"] = {"note": "skipped (--quick)"}
+    else:
+        try:
+            mk, inputs, _ = build(device, 600, L)
+            mk.tuning = {"PHASES": 1 | 8 | 16 | 32}
+            hm = inputs["h0"].clone()
 
-        def run_mk() -> None:
-            run_once(mk, inputs, hm)
+            def run_mk() -> None:
+                run_once(mk, inputs, hm)
 
-        run_mk()
-        torch.cuda.synchronize()
-        runners["triton"] = run_mk
-        results["triton"] = {"note": "megakernel PHASES=57 (its own random weights; timing only)"}
-    except Exception as e:  # noqa: BLE001
-        results["triton"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
-    results = {k: v for k, v in results.items() if k in runners or "error" in v or "ok" in v}
+            run_mk()
+            torch.cuda.synchronize()
+            runners["triton"] = run_mk
+            results["triton"] = {"note": "megakernel PHASES=57 (its own random weights; timing only)"}
+        except Exception as e:  # noqa: BLE001
+            results["triton"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
     for name in runners:
         results[name]["us"] = []
     for _ in range(args.rounds):
