@@ -48,7 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-D, NQKV, NQ, INTER = 1024, 4096, 2048, 3072
+from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, random_weights, reference
+
 P = 128
 # The CTA-wide barrier (Triton 3.6: gl.thread_barrier; later Gluon: gl.barrier).
 _cta_sync = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -450,24 +451,6 @@ class Stream:
         )  # fmt: skip
 
 
-def reference(weights: dict[str, torch.Tensor], h0: torch.Tensor, layers: int) -> torch.Tensor:
-    """The same chain in float32 with the kernels' bf16 roundings."""
-    h = h0.clone()
-    f = {k: v.float() for k, v in weights.items()}
-    for layer in range(layers):
-
-        def w(name: str, n: int, layer: int = layer) -> torch.Tensor:
-            return f[name][layer * n : (layer + 1) * n]
-
-        qkv = (w("qkv", NQKV) @ h.bfloat16().float()).bfloat16().float()
-        h = h + (w("o", D) @ qkv[:NQ]).bfloat16().float()
-        gu = (w("gu", 2 * INTER) @ h.bfloat16().float()).bfloat16().float()
-        g, u = gu[:INTER], gu[INTER:]
-        x = (g / (1 + torch.exp(-g)) * u).bfloat16().float()
-        h = h + (w("dn", D) @ x).bfloat16().float()
-    return h
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -492,21 +475,16 @@ def main() -> None:
         sys.exit(2)
     out = Path(args.out)
     L = args.layers
-    g = torch.Generator(device=device).manual_seed(0)
-    weights = {
-        name: (torch.randn(L * n, k, generator=g, device=device) * k**-0.5).bfloat16()
-        for name, (n, k) in {"qkv": (NQKV, D), "o": (D, NQ), "gu": (2 * INTER, D), "dn": (D, INTER)}.items()
-    }
-    h0 = torch.randn(D, generator=g, device=device)
+    weights, h0 = random_weights(L, device)
     wbytes = sum(w.numel() * 2 for w in weights.values())
     bw = measure_bandwidth(device)
     report.update({"layers": L, "programs": P, "weight_bytes": wbytes, "dram_read_us": wbytes / bw * 1e6,
                    "shapes": SHAPES})  # fmt: skip
     # Values grow quadratically through the MLPs of random weights: check 3 layers, time L.
     n_check = min(L, 3)
-    ref = reference({k: v[: v.shape[0] * n_check // L] for k, v in weights.items()}, h0, n_check)
+    ref = reference(first_layers(weights, L, n_check), h0, n_check)
     try:  # one layer, each stage against torch (where a wrong result starts)
-        w1 = {k: v[: v.shape[0] // L] for k, v in weights.items()}
+        w1 = first_layers(weights, L, 1)
         s1 = Stream(w1, 1)
         h1 = h0.clone()
         s1.run(h1)
@@ -538,7 +516,7 @@ def main() -> None:
     h = h0.clone()
     runners: dict[str, Any] = {}
     try:
-        check = Stream({k: v[: v.shape[0] * n_check // L] for k, v in weights.items()}, n_check)
+        check = Stream(first_layers(weights, L, n_check), n_check)
         print("gluon check", flush=True)
         check.run(h)
         torch.cuda.synchronize()

@@ -4,11 +4,9 @@ best variant measured 0.98-1.05x cuBLAS block-wise at M >= 4096 (bench/fp8/READM
 parity that does not pay for a run-time nvcc build in the engine, so the dispatch keeps cuBLAS; it
 stays here as the measured starting point for a faster promotion schedule.
 
-Why ctypes and not a torch extension: the kernel needs no torch headers, so the build is one nvcc
-call of a few seconds (a torch extension build takes a minute), and the library links no libcuda
-(it looks the tensor-map encoder up through the CUDA runtime), so it also builds where there is
-no driver. The library is cached under $RELAY_KERNEL_CACHE (default ~/.cache/relay/kernels),
-keyed by the source's and the flags' hash.
+Built and cached by bench/cuda/nvcc.py (one nvcc call, no torch headers). The library links no
+libcuda (it looks the tensor-map encoder up through the CUDA runtime), so it also builds where
+there is no driver.
 
 Operands follow services/common/fp8.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
 e4m3 with w_scale (ceil(N/128), K/128) float32; the output is bf16. What the kernel needs
@@ -21,26 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from bench.cuda import nvcc
+from bench.cuda.nvcc import nvcc_path  # noqa: F401 - deepgemm.py and the build test use it
 from services.common import fp8 as ref
 
 SOURCE = Path(__file__).with_name("wgmma_kernel.cu")
-NVCC_FLAGS = (
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-O3",
-    "-std=c++17",
-    "-shared",
-    "-Xcompiler",
-    "-fPIC",
-)
+NVCC_FLAGS = nvcc.SM90A_FLAGS
 BLOCK = 128
 # The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
 # cluster size); wgmma_kernel.cu describes the modes. "unscaled" is a probe (no scales: not the
@@ -83,43 +71,16 @@ class WgmmaError(RuntimeError):
     """The kernel could not be built, loaded or launched."""
 
 
-def nvcc_path() -> str | None:
-    """nvcc from PATH, else $CUDA_HOME/bin, else the usual install prefix."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "nvcc").exists():
-            return str(Path(root) / "bin" / "nvcc")
-    return None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RELAY_KERNEL_CACHE", Path.home() / ".cache" / "relay" / "kernels"))
-
-
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / f"fp8_wgmma_{digest}.so"
+    return nvcc.library_path(SOURCE, "fp8_wgmma", NVCC_FLAGS)
 
 
 def build(out: Path | None = None) -> Path:
-    """Compile the library to `out` (default: the cache path); returns it. Atomic: the file is
-    renamed into place, so concurrent builders never load a half-written library."""
-    out = out or library_path()
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise WgmmaError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        target = Path(tmp) / out.name
-        proc = subprocess.run(
-            [nvcc, *NVCC_FLAGS, "-o", str(target), str(SOURCE)], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise WgmmaError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        os.replace(target, out)
-    return out
+    """Compile the library to `out` (default: the cache path); returns it."""
+    try:
+        return nvcc.build(SOURCE, out or library_path(), NVCC_FLAGS)
+    except nvcc.BuildError as e:
+        raise WgmmaError(str(e)) from e
 
 
 @functools.cache

@@ -1,0 +1,72 @@
+"""Build a benchmark's CUDA source into a shared library with nvcc, cached by content.
+
+The benchmarks' CUDA kernels (bench/fp8/wgmma_kernel.cu, bench/engine/dataflow_kernel.cu) need no
+torch headers, so one nvcc call of a few seconds builds each (a torch extension build takes a
+minute), and they are loaded through ctypes. Libraries are cached under $RELAY_KERNEL_CACHE
+(default ~/.cache/relay/kernels), keyed by the hash of the source, the headers it includes from
+this directory and the flags.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HEADERS = sorted(Path(__file__).parent.glob("*.cuh"))
+SM90A_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+)
+
+
+class BuildError(RuntimeError):
+    """nvcc is missing or failed."""
+
+
+def nvcc_path() -> str | None:
+    """nvcc from PATH, else $CUDA_HOME/bin, else the usual install prefix."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RELAY_KERNEL_CACHE", Path.home() / ".cache" / "relay" / "kernels"))
+
+
+def library_path(source: Path, stem: str, flags: tuple[str, ...] = SM90A_FLAGS) -> Path:
+    h = hashlib.sha256(source.read_bytes())
+    for header in HEADERS:
+        h.update(header.read_bytes())
+    h.update(" ".join(flags).encode())
+    return cache_dir() / f"{stem}_{h.hexdigest()[:16]}.so"
+
+
+def build(source: Path, out: Path, flags: tuple[str, ...] = SM90A_FLAGS) -> Path:
+    """Compile `source` to `out`; returns it. Atomic: the file is renamed into place, so concurrent
+    builders never load a half-written library."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise BuildError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        proc = subprocess.run(
+            [nvcc, *flags, "-o", str(target), str(source)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        os.replace(target, out)
+    return out

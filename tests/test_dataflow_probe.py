@@ -1,0 +1,49 @@
+"""The dataflow kernel probe (bench/engine/dataflow_probe.py + dataflow_kernel.cu) on a machine
+without a GPU: the weight packing the kernel's producer streams, read back the way the kernel's
+consumers index it, computes the torch chain; and the CUDA source still builds and exports the
+shapes the Python side packs for. Its speed and its result on a GPU are the probe's to measure."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from bench.cuda import nvcc
+from bench.engine import dataflow_probe as probe
+from bench.engine.gemv_chain import random_weights, reference
+
+
+def test_packed_tiles_compute_the_reference_chain() -> None:
+    weights, h0 = random_weights(2, torch.device("cpu"))
+    want = reference(weights, h0, 2)
+    got = probe.emulate(probe.pack(weights, 2), h0, 2)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-2
+
+
+def test_a_wrong_tile_order_is_caught() -> None:
+    """The check above can fail: stages of each program's q/k/v slice swapped give another result."""
+    weights, h0 = random_weights(1, torch.device("cpu"))
+    packed = probe.pack(weights, 1)
+    r, k, ck = probe.PHASES[0][1:]
+    qkv = packed[:, :, : r * k].view(1, probe.P, k // ck, r * ck)
+    packed[:, :, : r * k] = qkv.flip(2).reshape(1, probe.P, r * k)
+    got = probe.emulate(packed, h0, 1)
+    want = reference(weights, h0, 1)
+    assert float((got - want).abs().max() / want.abs().max()) > 0.1
+
+
+def test_kernel_builds_and_agrees_on_shapes(tmp_path) -> None:  # noqa: ANN001
+    if nvcc.nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    lib = ctypes.CDLL(str(nvcc.build(probe.SOURCE, tmp_path / "dataflow.so")))
+    lib.relay_dataflow_layer_bytes.restype = ctypes.c_int
+    lib.relay_dataflow_programs.restype = ctypes.c_int
+    assert lib.relay_dataflow_layer_bytes() == 2 * probe.LAYER_ELEMS == 245760
+    assert lib.relay_dataflow_programs() == probe.P
+    launch = lib.relay_dataflow_launch
+    launch.restype = ctypes.c_int
+    vp = ctypes.c_void_p
+    launch.argtypes = [vp, ctypes.c_longlong, vp, vp, vp, vp, vp, vp, *[ctypes.c_int] * 4, vp]
+    assert launch(None, 0, None, None, None, None, None, None, 1, 0, 7, 1, None) == -1  # unknown mode
