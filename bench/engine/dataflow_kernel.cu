@@ -10,7 +10,7 @@
 //     engine (cp.async.bulk, evict_first in L2) into a ring of shared-memory stages, phase after
 //     phase and layer after layer, as far ahead as the ring allows. The weights are packed on the
 //     host so that each (program, stage) tile is contiguous: [layer][program][phase][stage][R][CK];
-//   - four consumer warps: each owns R / 4 rows, its lanes split a stage's CK columns. At a phase's
+//   - W = 4 or 8 consumer warps: each owns R / W rows, its lanes split a stage's CK columns. At a phase's
 //     start every lane waits for the producers of the input columns it will read, loads them into
 //     registers, then consumes the phase's stages from the ring and writes its rows.
 // Exchanges: after its last stage a program's consumers meet at a named barrier and one thread
@@ -34,8 +34,6 @@ using namespace relay_sm90;
 
 constexpr int D = 1024, NQ = 2048, INTER = 3072, NQKV = 4096;
 constexpr int P = 128;
-constexpr int CONSUMERS = 4;  // consumer warps
-constexpr int THREADS = (CONSUMERS + 1) * 32;
 constexpr int SLOT_BYTES = 16384;
 constexpr int NSLOT = 13;  // 208 KB of ring
 constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + 2 * NSLOT * 8;
@@ -63,19 +61,19 @@ template <>
 struct Cfg<DOWN> {
   static constexpr int R = D / P, K = INTER, CK = 1024, VEC = 8;
 };
-template <int PH>
+template <int PH, int W>  // W: consumer warps
 struct Shape : Cfg<PH> {
   using C = Cfg<PH>;
   static constexpr int S = C::K / C::CK;                // stages
   static constexpr int G = C::CK / (32 * C::VEC);       // a lane's accesses per row and stage
-  static constexpr int RW = C::R / CONSUMERS;           // rows per consumer warp
+  static constexpr int RW = C::R / W;                   // rows per consumer warp
   static constexpr int TILE_BYTES = C::R * C::CK * 2;   // one stage
   static constexpr int PHASE_BYTES = C::R * C::K * 2;   // a program's slice of the phase
-  static_assert(C::K % C::CK == 0 && C::CK % (32 * C::VEC) == 0 && C::R % CONSUMERS == 0, "shape");
+  static_assert(C::K % C::CK == 0 && C::CK % (32 * C::VEC) == 0 && C::R % W == 0, "shape");
   static_assert(TILE_BYTES <= SLOT_BYTES && TILE_BYTES % 16 == 0, "a stage is one slot");
 };
-constexpr int LAYER_BYTES = Shape<QKV>::PHASE_BYTES + Shape<OPROJ>::PHASE_BYTES + Shape<GATEUP>::PHASE_BYTES +
-                            Shape<DOWN>::PHASE_BYTES;  // one program's weights of one layer
+constexpr int LAYER_BYTES = Shape<QKV, 4>::PHASE_BYTES + Shape<OPROJ, 4>::PHASE_BYTES + Shape<GATEUP, 4>::PHASE_BYTES +
+                            Shape<DOWN, 4>::PHASE_BYTES;  // one program's weights of one layer
 
 struct Args {
   const char* w;         // packed weights, [layers][P][LAYER_BYTES]
@@ -142,8 +140,8 @@ __device__ __forceinline__ int dep_word(int c, bool second) {
   if constexpr (BARRIER) return DEP;
   int producer;
   if constexpr (PH == QKV || PH == GATEUP) producer = c / (D / P);          // residual rows
-  else if constexpr (PH == OPROJ) producer = c / Shape<QKV>::R;             // q rows
-  else producer = (c + (second ? INTER : 0)) / Shape<GATEUP>::R;           // gate and up rows
+  else if constexpr (PH == OPROJ) producer = c / Cfg<QKV>::R;             // q rows
+  else producer = (c + (second ? INTER : 0)) / Cfg<GATEUP>::R;           // gate and up rows
   return DEP * P + producer;
 }
 
@@ -151,25 +149,21 @@ __device__ __forceinline__ int dep_word(int c, bool second) {
 // writes visible (an acquire fence after the relaxed polls).
 template <int PH, bool BARRIER>
 __device__ __forceinline__ void wait_inputs(const Args& a, int layer, int lane) {
-  using Sh = Shape<PH>;
+  using Sh = Shape<PH, 4>;  // (the columns a lane reads do not depend on the warp count)
   if (PH == QKV && layer == 0) return;  // ha was written before the launch
   const int epoch = a.base + layer + (PH == QKV ? 0 : 1);
   const int want = BARRIER ? P * epoch : epoch;
-  constexpr int NW = BARRIER ? 1 : Sh::S * Sh::G * (PH == DOWN ? 2 : 1);
-  int words[NW];  // indices, not pointers: half the registers
-#pragma unroll
-  for (int s = 0, i = 0; s < (BARRIER ? 1 : Sh::S); ++s)
-#pragma unroll
-    for (int g = 0; g < (BARRIER ? 1 : Sh::G); ++g) {
-      const int c = s * Sh::CK + g * 32 * Sh::VEC + lane * Sh::VEC;
-      words[i++] = dep_word<PH, BARRIER>(c, false);
-      if constexpr (!BARRIER && PH == DOWN) words[i++] = dep_word<PH, BARRIER>(c, true);
-    }
   const long long t0 = now_ns();
   for (int spin = 0;; ++spin) {
-    int low = 0x7fffffff;
+    int low = 0x7fffffff;  // the least of the words this lane waits on (indices recomputed: registers)
 #pragma unroll
-    for (int i = 0; i < NW; ++i) low = min(low, ld_relaxed(a.sync + words[i]));
+    for (int s = 0; s < (BARRIER ? 1 : Sh::S); ++s)
+#pragma unroll
+      for (int g = 0; g < (BARRIER ? 1 : Sh::G); ++g) {
+        const int c = s * Sh::CK + g * 32 * Sh::VEC + lane * Sh::VEC;
+        low = min(low, ld_relaxed(a.sync + dep_word<PH, BARRIER>(c, false)));
+        if constexpr (!BARRIER && PH == DOWN) low = min(low, ld_relaxed(a.sync + dep_word<PH, BARRIER>(c, true)));
+      }
     if (low >= want) break;
     if ((spin & 1023) == 1023 && now_ns() - t0 > WATCHDOG_NS) {
       if (atomicExch(a.err, 1) == 0) {
@@ -207,11 +201,11 @@ __device__ __forceinline__ void load_input(const Args& a, int c, float (&x)[8]) 
 
 // One phase of one layer on a consumer warp: wait for and load the inputs, consume the S stages
 // from the ring (stage counter `it`, shared with the producer's order), write the warp's rows,
-// and publish the program's part once all four warps have written theirs.
-template <int PH, bool BARRIER, bool WEIGHTS>
+// and publish the program's part once all W warps have written theirs.
+template <int PH, int W, bool BARRIER, bool WEIGHTS>
 __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, char* ring, uint64_t* full,
                                       uint64_t* empty, int warp, int lane) {
-  using Sh = Shape<PH>;
+  using Sh = Shape<PH, W>;
   constexpr int CK = Sh::CK, VEC = Sh::VEC, G = Sh::G, S = Sh::S, RW = Sh::RW;
   wait_inputs<PH, BARRIER>(a, layer, lane);
   float x[S][G][8];
@@ -260,9 +254,9 @@ __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, ch
     else if constexpr (PH == OPROJ) a.hb[row] = __ldcg(a.ha + row) + bf16_round(mine);
     else a.ha[row] = __ldcg(a.hb + row) + bf16_round(mine);
   }
-  named_sync(1, CONSUMERS * 32);
+  named_sync(1, W * 32);
   if (warp == 0 && lane == 0) {
-    fence_gpu();  // the four warps' rows (ordered before this by the named barrier) first
+    fence_gpu();  // all W warps' rows (ordered before this by the named barrier) first
     if constexpr (BARRIER) red_add_relaxed(a.sync + PH, 1);
     else st_relaxed(a.sync + PH * P + p, a.base + layer + 1);
   }
@@ -271,7 +265,7 @@ __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, ch
 template <int PH>
 __device__ __forceinline__ void produce_phase(const char*& src, uint32_t& it, char* ring, uint64_t* full,
                                               uint64_t* empty, uint64_t policy) {
-  using Sh = Shape<PH>;
+  using Sh = Shape<PH, 4>;
   for (int s = 0; s < Sh::S; ++s, ++it) {
     const uint32_t slot = it % NSLOT;
     mbar_wait(&empty[slot], ((it / NSLOT) & 1) ^ 1);
@@ -281,8 +275,9 @@ __device__ __forceinline__ void produce_phase(const char*& src, uint32_t& it, ch
   }
 }
 
-template <bool BARRIER, bool WEIGHTS>
-__global__ void __launch_bounds__(THREADS, 1) dataflow_kernel(const Args a) {
+template <int W, bool BARRIER, bool WEIGHTS>
+__global__ void __launch_bounds__((W + 1) * 32, 1) dataflow_kernel(const Args a) {
+  constexpr int THREADS = (W + 1) * 32;
   extern __shared__ __align__(128) char smem[];
   char* ring = smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + NSLOT * SLOT_BYTES);
@@ -295,12 +290,12 @@ __global__ void __launch_bounds__(THREADS, 1) dataflow_kernel(const Args a) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < NSLOT; ++i) {
       mbar_init(&full[i], 1);
-      mbar_init(&empty[i], CONSUMERS);
+      mbar_init(&empty[i], W);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == CONSUMERS) {
+  if (warp == W) {
     if (WEIGHTS && lane == 0) {
       uint64_t policy;
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -317,16 +312,17 @@ __global__ void __launch_bounds__(THREADS, 1) dataflow_kernel(const Args a) {
   }
   uint32_t it = 0;
   for (int layer = 0; layer < a.layers; ++layer) {
-    phase<QKV, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
-    phase<OPROJ, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
-    phase<GATEUP, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
-    phase<DOWN, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
+    phase<QKV, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
+    phase<OPROJ, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
+    phase<GATEUP, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
+    phase<DOWN, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
   }
 }
 
-template <bool BARRIER, bool WEIGHTS>
+template <int W, bool BARRIER, bool WEIGHTS>
 int launch(const Args& a, cudaStream_t stream) {
-  const auto kernel = dataflow_kernel<BARRIER, WEIGHTS>;
+  constexpr int THREADS = (W + 1) * 32;
+  const auto kernel = dataflow_kernel<W, BARRIER, WEIGHTS>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err != cudaSuccess) return static_cast<int>(err);
   // Every program waits on others: all P must be resident at once, or the kernel never ends.
@@ -340,6 +336,13 @@ int launch(const Args& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+template <int W>
+int launch_mode(const Args& a, int mode, int weights, cudaStream_t s) {
+  if (mode == 0) return weights ? launch<W, false, true>(a, s) : launch<W, false, false>(a, s);
+  if (mode == 1) return weights ? launch<W, true, true>(a, s) : launch<W, true, false>(a, s);
+  return -1;
+}
+
 }  // namespace
 
 extern "C" int relay_dataflow_layer_bytes() { return LAYER_BYTES; }
@@ -347,13 +350,14 @@ extern "C" int relay_dataflow_programs() { return P; }
 
 // mode 0: per-program flags (sync holds 4 * P ints), 1: one counter a phase (sync holds 4 ints).
 // sync starts zeroed and is never reset: each launch passes base = the epochs launched before it.
+// warps: consumer warps a program, 4 or 8.
 extern "C" int relay_dataflow_launch(const void* w, long long layer_step, float* ha, float* hb, void* qkv, void* gu,
-                                     int* sync, int* err, int layers, int base, int mode, int weights,
+                                     int* sync, int* err, int layers, int base, int mode, int weights, int warps,
                                      void* stream) {
   const Args a{static_cast<const char*>(w), layer_step, ha, hb, static_cast<__nv_bfloat16*>(qkv),
                static_cast<__nv_bfloat16*>(gu), sync, err, layers, base};
   const auto s = static_cast<cudaStream_t>(stream);
-  if (mode == 0) return weights ? launch<false, true>(a, s) : launch<false, false>(a, s);
-  if (mode == 1) return weights ? launch<true, true>(a, s) : launch<true, false>(a, s);
-  return -1;
+  if (warps == 4) return launch_mode<4>(a, mode, weights, s);
+  if (warps == 8) return launch_mode<8>(a, mode, weights, s);
+  return -3;
 }

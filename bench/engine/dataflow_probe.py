@@ -13,6 +13,7 @@ no norms or attention), with the exchange selectable in the same code:
 - `barrier`: one counter a phase that every program increments, polled the same way;
 - `*_no_weights`: the same chain with the weights never streamed (the exchanges alone);
 - `flags_l2`: every layer streams layer 0's weights (from L2 after the first layer);
+- `*_w8`: 8 consumer warps a program instead of 4;
 - `gluon`, `gluon_no_weights`: stream_probe.py's Gluon chain (TMA producer warps, grid
   barriers), the strongest of the earlier kernels, in the same process.
 
@@ -95,7 +96,7 @@ def library() -> ctypes.CDLL:
         nvcc.build(SOURCE, path)
     lib = ctypes.CDLL(str(path))
     vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.relay_dataflow_launch.argtypes = [vp, ll, vp, vp, vp, vp, vp, vp, i, i, i, i, vp]
+    lib.relay_dataflow_launch.argtypes = [vp, ll, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
     lib.relay_dataflow_launch.restype = i
     lib.relay_dataflow_layer_bytes.restype = i
     lib.relay_dataflow_programs.restype = i
@@ -120,14 +121,16 @@ class Dataflow:
         self.launched = dict.fromkeys(MODES, 0)
         self.err = torch.zeros(4, dtype=torch.int32, device=dev)
 
-    def run(self, h0: torch.Tensor, mode: str = "flags", weights: bool = True, same: bool = False) -> None:
+    def run(
+        self, h0: torch.Tensor, mode: str = "flags", weights: bool = True, same: bool = False, warps: int = 4
+    ) -> None:
         self.ha.copy_(h0)
         base = self.launched[mode] * self.layers
         self.launched[mode] += 1
         rc = library().relay_dataflow_launch(
             self.packed.data_ptr(), 0 if same else P * 2 * LAYER_ELEMS, self.ha.data_ptr(), self.hb.data_ptr(),
             self.qkv.data_ptr(), self.gu.data_ptr(), self.sync[mode].data_ptr(), self.err.data_ptr(),
-            self.layers, base, MODES[mode], int(weights), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+            self.layers, base, MODES[mode], int(weights), warps, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"relay_dataflow_launch returned {rc}")
@@ -195,6 +198,8 @@ def main() -> None:
         "flags_no_weights": {"mode": "flags", "weights": False},
         "barrier_no_weights": {"mode": "barrier", "weights": False},
         "flags_l2": {"mode": "flags", "same": True},
+        "flags_w8": {"mode": "flags", "warps": 8},
+        "barrier_w8": {"mode": "barrier", "warps": 8},
     }.items():
         try:
             entry: dict[str, Any] = {"kwargs": kw}
