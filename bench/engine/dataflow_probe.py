@@ -28,7 +28,6 @@ import argparse
 import ctypes
 import functools
 import json
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.cuda import nvcc  # noqa: E402
-from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, random_weights, reference  # noqa: E402
+from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, reference, setup, time_variants  # noqa: E402
 
 SOURCE = Path(__file__).with_name("dataflow_kernel.cu")
 P = 128
@@ -149,20 +148,12 @@ def main() -> None:
     ap.add_argument("--no-gluon", action="store_true", help="skip stream_probe's Gluon baselines")
     args = ap.parse_args()
     from bench.engine.megakernel_probe import time_us
-    from bench.engine.w1 import measure_bandwidth, profile_setup
 
-    cuda, device, _, _, report = profile_setup(
-        False, "stream_probe's Gluon chain (TMA producers, grid barriers), same process"
-    )
-    if not cuda:
-        print("dataflow_probe needs a CUDA GPU (Hopper)", file=sys.stderr)
-        sys.exit(2)
-    out = Path(args.out)
     L = args.layers
-    weights, h0 = random_weights(L, device)
-    wbytes = sum(w.numel() * 2 for w in weights.values())
-    report.update({"layers": L, "programs": P, "weight_bytes": wbytes,
-                   "dram_read_us": wbytes / measure_bandwidth(device) * 1e6})  # fmt: skip
+    weights, h0, report = setup(
+        "dataflow_probe", "stream_probe's Gluon chain (TMA producers, grid barriers), same process", L, P
+    )
+    out = Path(args.out)
     print("building", flush=True)
     library()
     # Values grow through the MLPs of random weights: check 3 layers, time L.
@@ -247,16 +238,7 @@ def main() -> None:
                 results[name] = {"note": "stream_probe.py's Gluon chain" + ("" if on else ", no weights")}
         except Exception as e:  # noqa: BLE001
             results["gluon"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
-    for name in runners:
-        results[name]["us"] = []
-    for _ in range(args.rounds):
-        for name, fn in runners.items():
-            results[name]["us"].append(round(time_us(fn, args.launches), 2))
-    for name in runners:
-        r = results[name]
-        r["median_us"] = statistics.median(r["us"])
-        r["us_per_layer"] = round(r["median_us"] / L, 2)
-        r["over_dram_read"] = round(r["median_us"] / report["dram_read_us"], 3)
+    time_variants(runners, results, time_us, args.rounds, args.launches, L, report["dram_read_us"])
     report["watchdog_end"] = full.watchdog()
     report["variants"] = results
     out.write_text(json.dumps(report, indent=1))

@@ -4,6 +4,11 @@ torch reference with the kernels' bf16 roundings. No Triton here, so CPU tests c
 
 from __future__ import annotations
 
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 D, NQKV, NQ, INTER = 1024, 4096, 2048, 3072
@@ -44,3 +49,43 @@ def reference(weights: dict[str, torch.Tensor], h0: torch.Tensor, layers: int) -
         x = (g / (1 + torch.exp(-g)) * u).bfloat16().float()
         h = h + (w("dn", D) @ x).bfloat16().float()
     return h
+
+
+def time_variants(
+    runners: dict[str, Callable[[], object]],
+    results: dict[str, dict[str, Any]],
+    time_us: Callable[[Callable[[], object], int], float],
+    rounds: int,
+    launches: int,
+    layers: int,
+    dram_read_us: float,
+) -> None:
+    """Time every runner `rounds` times, interleaved (so clock drift hits all alike), `launches`
+    back-to-back calls each; their median, per-layer and over-DRAM-read figures go into `results`."""
+    for name in runners:
+        results[name]["us"] = []
+    for _ in range(rounds):
+        for name, fn in runners.items():
+            results[name]["us"].append(round(time_us(fn, launches), 2))
+    for name in runners:
+        r = results[name]
+        r["median_us"] = statistics.median(r["us"])
+        r["us_per_layer"] = round(r["median_us"] / layers, 2)
+        r["over_dram_read"] = round(r["median_us"] / dram_read_us, 3)
+
+
+def setup(probe: str, baseline: str, layers: int, programs: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    """A chain probe's start on the GPU: its random weights and input, and the report's header
+    (command, date, machine, baseline, the weights' bytes and their DRAM read time). Exits 2
+    without CUDA."""
+    from bench.engine.w1 import measure_bandwidth, profile_setup
+
+    cuda, device, _, _, report = profile_setup(False, baseline)
+    if not cuda:
+        print(f"{probe} needs a CUDA GPU (Hopper)", file=sys.stderr)
+        sys.exit(2)
+    weights, h0 = random_weights(layers, device)
+    wbytes = sum(w.numel() * 2 for w in weights.values())
+    report.update({"layers": layers, "programs": programs, "weight_bytes": wbytes,
+                   "dram_read_us": wbytes / measure_bandwidth(device) * 1e6})  # fmt: skip
+    return weights, h0, report

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -48,7 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, random_weights, reference
+from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, reference, setup, time_variants
 
 P = 128
 # The CTA-wide barrier (Triton 3.6: gl.thread_barrier; later Gluon: gl.barrier).
@@ -467,19 +466,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     from bench.engine.megakernel_probe import build, run_once, time_us
-    from bench.engine.w1 import measure_bandwidth, profile_setup
 
-    cuda, device, _, _, report = profile_setup(False, "the megakernel's same GEMV phases (same process)")
-    if not cuda:
-        print("stream_probe needs a CUDA GPU (Hopper)", file=sys.stderr)
-        sys.exit(2)
-    out = Path(args.out)
     L = args.layers
-    weights, h0 = random_weights(L, device)
-    wbytes = sum(w.numel() * 2 for w in weights.values())
-    bw = measure_bandwidth(device)
-    report.update({"layers": L, "programs": P, "weight_bytes": wbytes, "dram_read_us": wbytes / bw * 1e6,
-                   "shapes": SHAPES})  # fmt: skip
+    weights, h0, report = setup("stream_probe", "the megakernel's same GEMV phases (same process)", L, P)
+    report["shapes"] = SHAPES
+    device = h0.device
+    out = Path(args.out)
     # Values grow quadratically through the MLPs of random weights: check 3 layers, time L.
     n_check = min(L, 3)
     ref = reference(first_layers(weights, L, n_check), h0, n_check)
@@ -623,16 +615,7 @@ def main() -> None:
             results["triton"] = {"note": "megakernel PHASES=57 (its own random weights; timing only)"}
         except Exception as e:  # noqa: BLE001
             results["triton"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
-    for name in runners:
-        results[name]["us"] = []
-    for _ in range(args.rounds):
-        for name, fn in runners.items():
-            results[name]["us"].append(round(time_us(fn, args.launches), 2))
-    for name in runners:
-        r = results[name]
-        r["median_us"] = statistics.median(r["us"])
-        r["us_per_layer"] = round(r["median_us"] / L, 2)
-        r["over_dram_read"] = round(r["median_us"] / report["dram_read_us"], 3)
+    time_variants(runners, results, time_us, args.rounds, args.launches, L, report["dram_read_us"])
     report["variants"] = results
     out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in results.items()}, indent=1)[:6000])
