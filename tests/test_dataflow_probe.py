@@ -45,6 +45,6 @@ def test_kernel_builds_and_agrees_on_shapes(tmp_path) -> None:  # noqa: ANN001
     launch = lib.relay_dataflow_launch
     launch.restype = ctypes.c_int
     vp = ctypes.c_void_p
-    launch.argtypes = [vp, ctypes.c_longlong, vp, vp, vp, vp, vp, vp, *[ctypes.c_int] * 5, vp]
-    assert launch(None, 0, None, None, None, None, None, None, 1, 0, 0, 1, 5, None) == -3  # 4 or 8 warps
-    assert launch(None, 0, None, None, None, None, None, None, 1, 0, 7, 1, 4, None) == -1  # unknown mode
+    launch.argtypes = [vp, ctypes.c_longlong, vp, vp, vp, vp, vp, vp, *[ctypes.c_int] * 6, vp]
+    assert launch(None, 0, None, None, None, None, None, None, 1, 0, 0, 1, 5, 0, None) == -3  # 4 or 8 warps
+    assert launch(None, 0, None, None, None, None, None, None, 1, 0, 7, 1, 4, 0, None) == -1  # unknown mode

@@ -153,7 +153,7 @@ __device__ __forceinline__ void wait_inputs(const Args& a, int layer, int lane) 
   if (PH == QKV && layer == 0) return;  // ha was written before the launch
   const int epoch = a.base + layer + (PH == QKV ? 0 : 1);
   const int want = BARRIER ? P * epoch : epoch;
-  const long long t0 = now_ns();
+  long long t0 = 0;  // read at the first check only: the clock is not free
   for (int spin = 0;; ++spin) {
     int low = 0x7fffffff;  // the least of the words this lane waits on (indices recomputed: registers)
 #pragma unroll
@@ -165,6 +165,7 @@ __device__ __forceinline__ void wait_inputs(const Args& a, int layer, int lane) 
         if constexpr (!BARRIER && PH == DOWN) low = min(low, ld_relaxed(a.sync + dep_word<PH, BARRIER>(c, true)));
       }
     if (low >= want) break;
+    if ((spin & 1023) == 1023 && t0 == 0) t0 = now_ns();
     if ((spin & 1023) == 1023 && now_ns() - t0 > WATCHDOG_NS) {
       if (atomicExch(a.err, 1) == 0) {
         a.err[1] = PH;
@@ -175,6 +176,39 @@ __device__ __forceinline__ void wait_inputs(const Args& a, int layer, int lane) 
     }
   }
   fence_gpu();
+}
+
+// The same wait by one warp for the whole program (ONE_POLLER): its lanes poll every producer
+// the phase reads from (all of them but o_proj's 64 q producers), or lane 0 the phase's counter;
+// then the other consumer warps are released by a named barrier. P / 32 flags a lane.
+template <int PH, bool BARRIER, int W>
+__device__ __forceinline__ void wait_inputs_one_warp(const Args& a, int layer, int warp, int lane) {
+  if (PH == QKV && layer == 0) return;
+  if (warp == 0) {
+    constexpr int DEP = PH == QKV ? DOWN : PH - 1;
+    constexpr int PRODUCERS = BARRIER ? 1 : (PH == OPROJ ? NQ / Cfg<QKV>::R : P);
+    const int epoch = a.base + layer + (PH == QKV ? 0 : 1);
+    const int want = BARRIER ? P * epoch : epoch;
+    long long t0 = 0;
+    for (int spin = 0;; ++spin) {
+      int low = 0x7fffffff;
+#pragma unroll
+      for (int j = lane; j < (PRODUCERS + 31) / 32 * 32; j += 32)
+        if (j < PRODUCERS) low = min(low, ld_relaxed(a.sync + (BARRIER ? DEP : DEP * P + j)));
+      if (__all_sync(FULL, low >= want)) break;
+      if ((spin & 1023) == 1023 && t0 == 0) t0 = now_ns();
+      if ((spin & 1023) == 1023 && now_ns() - t0 > WATCHDOG_NS) {
+        if (lane == 0 && atomicExch(a.err, 1) == 0) {
+          a.err[1] = PH;
+          a.err[2] = layer;
+          a.err[3] = low;
+        }
+        break;
+      }
+    }
+    fence_gpu();
+  }
+  named_sync(2, W * 32);
 }
 
 // Input column c's VEC values as the GEMV consumes them (float32, rounded as the torch chain does).
@@ -202,12 +236,15 @@ __device__ __forceinline__ void load_input(const Args& a, int c, float (&x)[8]) 
 // One phase of one layer on a consumer warp: wait for and load the inputs, consume the S stages
 // from the ring (stage counter `it`, shared with the producer's order), write the warp's rows,
 // and publish the program's part once all W warps have written theirs.
-template <int PH, int W, bool BARRIER, bool WEIGHTS>
+template <int PH, int W, bool BARRIER, bool WEIGHTS, bool ONE_POLLER>
 __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, char* ring, uint64_t* full,
                                       uint64_t* empty, int warp, int lane) {
   using Sh = Shape<PH, W>;
   constexpr int CK = Sh::CK, VEC = Sh::VEC, G = Sh::G, S = Sh::S, RW = Sh::RW;
-  wait_inputs<PH, BARRIER>(a, layer, lane);
+  if constexpr (ONE_POLLER)
+    wait_inputs_one_warp<PH, BARRIER, W>(a, layer, warp, lane);
+  else
+    wait_inputs<PH, BARRIER>(a, layer, lane);
   float x[S][G][8];
 #pragma unroll
   for (int s = 0; s < S; ++s)
@@ -275,7 +312,7 @@ __device__ __forceinline__ void produce_phase(const char*& src, uint32_t& it, ch
   }
 }
 
-template <int W, bool BARRIER, bool WEIGHTS>
+template <int W, bool BARRIER, bool WEIGHTS, bool ONE_POLLER>
 __global__ void __launch_bounds__((W + 1) * 32, 1) dataflow_kernel(const Args a) {
   constexpr int THREADS = (W + 1) * 32;
   extern __shared__ __align__(128) char smem[];
@@ -312,17 +349,17 @@ __global__ void __launch_bounds__((W + 1) * 32, 1) dataflow_kernel(const Args a)
   }
   uint32_t it = 0;
   for (int layer = 0; layer < a.layers; ++layer) {
-    phase<QKV, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
-    phase<OPROJ, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
-    phase<GATEUP, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
-    phase<DOWN, W, BARRIER, WEIGHTS>(a, layer, it, ring, full, empty, warp, lane);
+    phase<QKV, W, BARRIER, WEIGHTS, ONE_POLLER>(a, layer, it, ring, full, empty, warp, lane);
+    phase<OPROJ, W, BARRIER, WEIGHTS, ONE_POLLER>(a, layer, it, ring, full, empty, warp, lane);
+    phase<GATEUP, W, BARRIER, WEIGHTS, ONE_POLLER>(a, layer, it, ring, full, empty, warp, lane);
+    phase<DOWN, W, BARRIER, WEIGHTS, ONE_POLLER>(a, layer, it, ring, full, empty, warp, lane);
   }
 }
 
-template <int W, bool BARRIER, bool WEIGHTS>
+template <int W, bool BARRIER, bool WEIGHTS, bool ONE_POLLER>
 int launch(const Args& a, cudaStream_t stream) {
   constexpr int THREADS = (W + 1) * 32;
-  const auto kernel = dataflow_kernel<W, BARRIER, WEIGHTS>;
+  const auto kernel = dataflow_kernel<W, BARRIER, WEIGHTS, ONE_POLLER>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err != cudaSuccess) return static_cast<int>(err);
   // Every program waits on others: all P must be resident at once, or the kernel never ends.
@@ -336,10 +373,10 @@ int launch(const Args& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int W>
+template <int W, bool ONE_POLLER>
 int launch_mode(const Args& a, int mode, int weights, cudaStream_t s) {
-  if (mode == 0) return weights ? launch<W, false, true>(a, s) : launch<W, false, false>(a, s);
-  if (mode == 1) return weights ? launch<W, true, true>(a, s) : launch<W, true, false>(a, s);
+  if (mode == 0) return weights ? launch<W, false, true, ONE_POLLER>(a, s) : launch<W, false, false, ONE_POLLER>(a, s);
+  if (mode == 1) return weights ? launch<W, true, true, ONE_POLLER>(a, s) : launch<W, true, false, ONE_POLLER>(a, s);
   return -1;
 }
 
@@ -350,14 +387,14 @@ extern "C" int relay_dataflow_programs() { return P; }
 
 // mode 0: per-program flags (sync holds 4 * P ints), 1: one counter a phase (sync holds 4 ints).
 // sync starts zeroed and is never reset: each launch passes base = the epochs launched before it.
-// warps: consumer warps a program, 4 or 8.
+// warps: consumer warps a program, 4 or 8; one_poller: one warp a program waits (4 warps only).
 extern "C" int relay_dataflow_launch(const void* w, long long layer_step, float* ha, float* hb, void* qkv, void* gu,
                                      int* sync, int* err, int layers, int base, int mode, int weights, int warps,
-                                     void* stream) {
+                                     int one_poller, void* stream) {
   const Args a{static_cast<const char*>(w), layer_step, ha, hb, static_cast<__nv_bfloat16*>(qkv),
                static_cast<__nv_bfloat16*>(gu), sync, err, layers, base};
   const auto s = static_cast<cudaStream_t>(stream);
-  if (warps == 4) return launch_mode<4>(a, mode, weights, s);
-  if (warps == 8) return launch_mode<8>(a, mode, weights, s);
+  if (warps == 4) return one_poller ? launch_mode<4, true>(a, mode, weights, s) : launch_mode<4, false>(a, mode, weights, s);
+  if (warps == 8 && !one_poller) return launch_mode<8, false>(a, mode, weights, s);
   return -3;
 }

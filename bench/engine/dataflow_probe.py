@@ -14,6 +14,7 @@ no norms or attention), with the exchange selectable in the same code:
 - `*_no_weights`: the same chain with the weights never streamed (the exchanges alone);
 - `flags_l2`: every layer streams layer 0's weights (from L2 after the first layer);
 - `*_w8`: 8 consumer warps a program instead of 4;
+- `*_1p`: one warp a program polls (the others wait at a named barrier) instead of every lane;
 - `gluon`, `gluon_no_weights`: stream_probe.py's Gluon chain (TMA producer warps, grid
   barriers), the strongest of the earlier kernels, in the same process.
 
@@ -95,7 +96,7 @@ def library() -> ctypes.CDLL:
         nvcc.build(SOURCE, path)
     lib = ctypes.CDLL(str(path))
     vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.relay_dataflow_launch.argtypes = [vp, ll, vp, vp, vp, vp, vp, vp, i, i, i, i, i, vp]
+    lib.relay_dataflow_launch.argtypes = [vp, ll, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, vp]
     lib.relay_dataflow_launch.restype = i
     lib.relay_dataflow_layer_bytes.restype = i
     lib.relay_dataflow_programs.restype = i
@@ -121,7 +122,13 @@ class Dataflow:
         self.err = torch.zeros(4, dtype=torch.int32, device=dev)
 
     def run(
-        self, h0: torch.Tensor, mode: str = "flags", weights: bool = True, same: bool = False, warps: int = 4
+        self,
+        h0: torch.Tensor,
+        mode: str = "flags",
+        weights: bool = True,
+        same: bool = False,
+        warps: int = 4,
+        one_poller: bool = False,
     ) -> None:
         self.ha.copy_(h0)
         base = self.launched[mode] * self.layers
@@ -129,7 +136,7 @@ class Dataflow:
         rc = library().relay_dataflow_launch(
             self.packed.data_ptr(), 0 if same else P * 2 * LAYER_ELEMS, self.ha.data_ptr(), self.hb.data_ptr(),
             self.qkv.data_ptr(), self.gu.data_ptr(), self.sync[mode].data_ptr(), self.err.data_ptr(),
-            self.layers, base, MODES[mode], int(weights), warps, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+            self.layers, base, MODES[mode], int(weights), warps, int(one_poller), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"relay_dataflow_launch returned {rc}")
@@ -146,6 +153,7 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-gluon", action="store_true", help="skip stream_probe's Gluon baselines")
+    ap.add_argument("--variants", default="", help="comma-separated CUDA variants to run (default: all)")
     args = ap.parse_args()
     from bench.engine.megakernel_probe import time_us
 
@@ -191,7 +199,13 @@ def main() -> None:
         "flags_l2": {"mode": "flags", "same": True},
         "flags_w8": {"mode": "flags", "warps": 8},
         "barrier_w8": {"mode": "barrier", "warps": 8},
+        "flags_1p": {"mode": "flags", "one_poller": True},
+        "barrier_1p": {"mode": "barrier", "one_poller": True},
+        "flags_1p_no_weights": {"mode": "flags", "one_poller": True, "weights": False},
+        "barrier_1p_no_weights": {"mode": "barrier", "one_poller": True, "weights": False},
     }.items():
+        if args.variants and name not in args.variants.split(","):
+            continue
         try:
             entry: dict[str, Any] = {"kwargs": kw}
             if kw.get("weights", True) and not kw.get("same"):

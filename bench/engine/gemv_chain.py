@@ -74,7 +74,9 @@ def time_variants(
         r["over_dram_read"] = round(r["median_us"] / dram_read_us, 3)
 
 
-def setup(probe: str, baseline: str, layers: int, programs: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
+def setup(
+    probe: str, baseline: str, layers: int, programs: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
     """A chain probe's start on the GPU: its random weights and input, and the report's header
     (command, date, machine, baseline, the weights' bytes and their DRAM read time). Exits 2
     without CUDA."""

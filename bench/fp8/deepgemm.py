@@ -83,7 +83,11 @@ def import_deepgemm(src: Path, build_dir: Path) -> Any:
         ],
         # DeepGEMM's setup.py flags (its C++ module is C++17; its JIT'd kernels pick their own).
         extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
-        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc"],
+        # -Bsymbolic-functions: the module's own std::regex instantiations, not libtorch's. Session
+        # 17's H200 run segfaulted inside std::regex's compiler in DeepGEMM's JIT include parser
+        # (its first call); libtorch exports its own regex template instances, built by another
+        # GCC, and those interpose on the module's. (The flag is the usual remedy; not yet run.)
+        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc", "-Wl,-Bsymbolic-functions"],
         build_directory=str(build_dir),
         verbose=False,
     )
@@ -168,7 +172,8 @@ def main() -> None:
         TIME_NK[:] = [(4096, 7168)]
     dev = torch.device("cuda")
     src = Path(args.src).resolve()
-    # Session 15's first H200 run died of a segfault before printing anything: these say where.
+    # Session 15's first H200 run died of a segfault before printing anything: these say where
+    # (session 17: in the first DeepGEMM call, see import_deepgemm's link flags).
     faulthandler.enable()
     wgmma_lib.build()
     print("building DeepGEMM's C++ module", flush=True)
