@@ -15,7 +15,9 @@
 //     registers, then consumes the phase's stages from the ring and writes its rows.
 // Exchanges: after its last stage a program's consumers meet at a named barrier and one thread
 // publishes (a release fence, then either its own flag := epoch, or +1 on the phase's counter).
-// A waiting lane polls with relaxed loads (several in flight at once), then one acquire fence.
+// A waiting lane polls with relaxed loads (several in flight at once), then one acquire fence;
+// with ONE_POLLER only warp 0 of a program polls and the others wait at a named barrier (session
+// 17's H200 run: every lane polling made an exchange 3-7x the Gluon kernel's).
 //
 // The residual is float32 in two buffers: ha (the input of q/k/v, written by down) and hb (written
 // by o_proj, the input of gate/up); program p owns rows [8p, 8p + 8) of both, so no program reads

@@ -47,7 +47,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, reference, setup, time_variants
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, reference, setup, time_variants  # noqa: E402
 
 P = 128
 # The CTA-wide barrier (Triton 3.6: gl.thread_barrier; later Gluon: gl.barrier).
