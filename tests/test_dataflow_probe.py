@@ -5,8 +5,6 @@ shapes the Python side packs for. Its speed and its result on a GPU are the prob
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -37,14 +35,9 @@ def test_a_wrong_tile_order_is_caught() -> None:
 def test_kernel_builds_and_agrees_on_shapes(tmp_path) -> None:  # noqa: ANN001
     if nvcc.nvcc_path() is None:
         pytest.skip("nvcc not installed")
-    lib = ctypes.CDLL(str(nvcc.build(probe.SOURCE, tmp_path / "dataflow.so")))
-    lib.relay_dataflow_layer_bytes.restype = ctypes.c_int
-    lib.relay_dataflow_programs.restype = ctypes.c_int
+    lib = probe.bind(nvcc.build(probe.SOURCE, tmp_path / "dataflow.so"))
     assert lib.relay_dataflow_layer_bytes() == 2 * probe.LAYER_ELEMS == 245760
     assert lib.relay_dataflow_programs() == probe.P
     launch = lib.relay_dataflow_launch
-    launch.restype = ctypes.c_int
-    vp = ctypes.c_void_p
-    launch.argtypes = [vp, ctypes.c_longlong, vp, vp, vp, vp, vp, vp, *[ctypes.c_int] * 6, vp]
     assert launch(None, 0, None, None, None, None, None, None, 1, 0, 0, 1, 5, 0, None) == -3  # 4 or 8 warps
     assert launch(None, 0, None, None, None, None, None, None, 1, 0, 7, 1, 4, 0, None) == -1  # unknown mode

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.cuda import nvcc
+
 ROOT = Path(__file__).resolve().parents[1]
 H100_MAX_DYNAMIC_SMEM = 227 * 1024
 
@@ -31,7 +33,7 @@ wgmma_lib = _load_lib_module()
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    if wgmma_lib.nvcc_path() is None:
+    if nvcc.nvcc_path() is None:
         pytest.skip("nvcc not installed")
     path = wgmma_lib.build(tmp_path_factory.mktemp("wgmma") / "lib.so")
     return ctypes.CDLL(str(path))

@@ -70,12 +70,13 @@ struct Shape : Cfg<PH> {
   static constexpr int G = C::CK / (32 * C::VEC);       // a lane's accesses per row and stage
   static constexpr int RW = C::R / W;                   // rows per consumer warp
   static constexpr int TILE_BYTES = C::R * C::CK * 2;   // one stage
-  static constexpr int PHASE_BYTES = C::R * C::K * 2;   // a program's slice of the phase
   static_assert(C::K % C::CK == 0 && C::CK % (32 * C::VEC) == 0 && C::R % W == 0, "shape");
   static_assert(TILE_BYTES <= SLOT_BYTES && TILE_BYTES % 16 == 0, "a stage is one slot");
 };
-constexpr int LAYER_BYTES = Shape<QKV, 4>::PHASE_BYTES + Shape<OPROJ, 4>::PHASE_BYTES + Shape<GATEUP, 4>::PHASE_BYTES +
-                            Shape<DOWN, 4>::PHASE_BYTES;  // one program's weights of one layer
+template <int PH>
+constexpr int phase_bytes = Cfg<PH>::R * Cfg<PH>::K * 2;  // a program's slice of the phase
+constexpr int LAYER_BYTES = phase_bytes<QKV> + phase_bytes<OPROJ> + phase_bytes<GATEUP> +
+                            phase_bytes<DOWN>;  // one program's weights of one layer
 
 struct Args {
   const char* w;         // packed weights, [layers][P][LAYER_BYTES]
@@ -147,6 +148,20 @@ __device__ __forceinline__ int dep_word(int c, bool second) {
   return DEP * P + producer;
 }
 
+// The watchdog of a poll loop: true once `spin` polls have taken more than WATCHDOG_NS (the clock
+// is read from the 1024th poll on: it is not free), after recording the first such wait in err.
+__device__ __forceinline__ bool timed_out(const Args& a, int spin, long long& t0, int phase, int layer, int low) {
+  if ((spin & 1023) != 1023) return false;
+  if (t0 == 0) t0 = now_ns();
+  if (now_ns() - t0 <= WATCHDOG_NS) return false;
+  if (atomicExch(a.err, 1) == 0) {
+    a.err[1] = phase;
+    a.err[2] = layer;
+    a.err[3] = low;
+  }
+  return true;
+}
+
 // Wait until every input column this lane reads in phase PH of `layer` is written, then make the
 // writes visible (an acquire fence after the relaxed polls).
 template <int PH, bool BARRIER>
@@ -155,7 +170,7 @@ __device__ __forceinline__ void wait_inputs(const Args& a, int layer, int lane) 
   if (PH == QKV && layer == 0) return;  // ha was written before the launch
   const int epoch = a.base + layer + (PH == QKV ? 0 : 1);
   const int want = BARRIER ? P * epoch : epoch;
-  long long t0 = 0;  // read at the first check only: the clock is not free
+  long long t0 = 0;  // the watchdog's start (timed_out)
   for (int spin = 0;; ++spin) {
     int low = 0x7fffffff;  // the least of the words this lane waits on (indices recomputed: registers)
 #pragma unroll
@@ -166,16 +181,7 @@ __device__ __forceinline__ void wait_inputs(const Args& a, int layer, int lane) 
         low = min(low, ld_relaxed(a.sync + dep_word<PH, BARRIER>(c, false)));
         if constexpr (!BARRIER && PH == DOWN) low = min(low, ld_relaxed(a.sync + dep_word<PH, BARRIER>(c, true)));
       }
-    if (low >= want) break;
-    if ((spin & 1023) == 1023 && t0 == 0) t0 = now_ns();
-    if ((spin & 1023) == 1023 && now_ns() - t0 > WATCHDOG_NS) {
-      if (atomicExch(a.err, 1) == 0) {
-        a.err[1] = PH;
-        a.err[2] = layer;
-        a.err[3] = low;
-      }
-      break;
-    }
+    if (low >= want || timed_out(a, spin, t0, PH, layer, low)) break;
   }
   fence_gpu();
 }
@@ -197,16 +203,7 @@ __device__ __forceinline__ void wait_inputs_one_warp(const Args& a, int layer, i
 #pragma unroll
       for (int j = lane; j < (PRODUCERS + 31) / 32 * 32; j += 32)
         if (j < PRODUCERS) low = min(low, ld_relaxed(a.sync + (BARRIER ? DEP : DEP * P + j)));
-      if (__all_sync(FULL, low >= want)) break;
-      if ((spin & 1023) == 1023 && t0 == 0) t0 = now_ns();
-      if ((spin & 1023) == 1023 && now_ns() - t0 > WATCHDOG_NS) {
-        if (lane == 0 && atomicExch(a.err, 1) == 0) {
-          a.err[1] = PH;
-          a.err[2] = layer;
-          a.err[3] = low;
-        }
-        break;
-      }
+      if (__all_sync(FULL, low >= want) || __any_sync(FULL, timed_out(a, spin, t0, PH, layer, low))) break;
     }
     fence_gpu();
   }
@@ -362,15 +359,19 @@ template <int W, bool BARRIER, bool WEIGHTS, bool ONE_POLLER>
 int launch(const Args& a, cudaStream_t stream) {
   constexpr int THREADS = (W + 1) * 32;
   const auto kernel = dataflow_kernel<W, BARRIER, WEIGHTS, ONE_POLLER>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  // Every program waits on others: all P must be resident at once, or the kernel never ends.
-  int per_sm = 0, dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, SMEM_BYTES);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  if (per_sm * sms < P) return -2;
+  // Once per kernel, not per launch (the probes time back-to-back launches): the shared-memory
+  // limit, and the check that all P programs fit at once, since each waits on others.
+  static const int ready = [kernel] {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    int per_sm = 0, dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    return per_sm * sms < P ? -2 : 0;
+  }();
+  if (ready != 0) return ready;
   kernel<<<P, THREADS, SMEM_BYTES, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }

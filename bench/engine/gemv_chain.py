@@ -33,21 +33,24 @@ def first_layers(weights: dict[str, torch.Tensor], layers: int, keep: int) -> di
     return {k: v[: v.shape[0] * keep // layers] for k, v in weights.items()}
 
 
+def layer_stages(w: dict[str, torch.Tensor], h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One layer of the chain in float32 with the kernels' bf16 roundings (w: that layer's weights):
+    every phase's output (q/k/v, the residual after o_proj, gate/up, the layer's residual `h`)."""
+    f = {k: v.float() for k, v in w.items()}
+    qkv = (f["qkv"] @ h.bfloat16().float()).bfloat16().float()
+    hb = h + (f["o"] @ qkv[:NQ]).bfloat16().float()
+    gu = (f["gu"] @ hb.bfloat16().float()).bfloat16().float()
+    g, u = gu[:INTER], gu[INTER:]
+    x = (g / (1 + torch.exp(-g)) * u).bfloat16().float()
+    return {"qkv": qkv, "hb": hb, "gu": gu, "h": hb + (f["dn"] @ x).bfloat16().float()}
+
+
 def reference(weights: dict[str, torch.Tensor], h0: torch.Tensor, layers: int) -> torch.Tensor:
-    """The chain in float32 with the kernels' bf16 roundings."""
+    """The chain's final residual after `layers` stacked layers."""
     h = h0.clone()
-    f = {k: v.float() for k, v in weights.items()}
     for layer in range(layers):
-
-        def w(name: str, n: int, layer: int = layer) -> torch.Tensor:
-            return f[name][layer * n : (layer + 1) * n]
-
-        qkv = (w("qkv", NQKV) @ h.bfloat16().float()).bfloat16().float()
-        h = h + (w("o", D) @ qkv[:NQ]).bfloat16().float()
-        gu = (w("gu", 2 * INTER) @ h.bfloat16().float()).bfloat16().float()
-        g, u = gu[:INTER], gu[INTER:]
-        x = (g / (1 + torch.exp(-g)) * u).bfloat16().float()
-        h = h + (w("dn", D) @ x).bfloat16().float()
+        w = {name: weights[name][layer * n : (layer + 1) * n] for name, (n, _) in WEIGHT_SHAPES.items()}
+        h = layer_stages(w, h)["h"]
     return h
 
 

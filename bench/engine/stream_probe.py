@@ -49,7 +49,17 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.engine.gemv_chain import INTER, NQ, NQKV, D, first_layers, reference, setup, time_variants  # noqa: E402
+from bench.engine.gemv_chain import (  # noqa: E402
+    INTER,
+    NQ,
+    NQKV,
+    D,
+    first_layers,
+    layer_stages,
+    reference,
+    setup,
+    time_variants,
+)
 
 P = 128
 # The CTA-wide barrier (Triton 3.6: gl.thread_barrier; later Gluon: gl.barrier).
@@ -483,10 +493,8 @@ def main() -> None:
         h1 = h0.clone()
         s1.run(h1)
         torch.cuda.synchronize()
-        f = {k: v.float() for k, v in w1.items()}
-        qkv = (f["qkv"] @ h0.bfloat16().float()).bfloat16().float()
-        ho = h0 + (f["o"] @ qkv[:NQ]).bfloat16().float()
-        gu = (f["gu"] @ ho.bfloat16().float()).bfloat16().float()
+        want = layer_stages(w1, h0)
+        qkv, gu = want["qkv"], want["gu"]
 
         def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
             return [
@@ -498,7 +506,7 @@ def main() -> None:
         report["one_layer_stages"] = {
             "qkv": err(s1.qkv, qkv),
             "gu": err(s1.gu, gu),
-            "h": err(h1, reference(w1, h0, 1)),
+            "h": err(h1, want["h"]),
             "qkv_rows_bad": torch.nonzero((s1.qkv.float() - qkv).abs() > 0.05 * qkv.abs().max())[
                 :20, 0
             ].tolist(),

@@ -40,6 +40,7 @@ import gemm as bench  # noqa: E402
 import wgmma_lib  # noqa: E402
 from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, add_tflops, bench_us, quantised, weight_scales  # noqa: E402
 
+from bench.cuda.nvcc import nvcc_path  # noqa: E402
 from services.common import fp8 as ref  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
@@ -47,7 +48,7 @@ CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
 
 def cuda_home() -> str:
     """$CUDA_HOME, else the toolkit holding nvcc's headers (nvcc may be a wrapper script)."""
-    nvcc = wgmma_lib.nvcc_path()
+    nvcc = nvcc_path()
     if nvcc is None:
         raise SystemExit("nvcc not found: DeepGEMM compiles its kernels with it at run time")
     candidates = [os.environ.get("CUDA_HOME"), str(Path(nvcc).resolve().parents[1]), "/usr/local/cuda"]

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from bench.cuda import nvcc
-from bench.cuda.nvcc import nvcc_path  # noqa: F401 - deepgemm.py and the build test use it
 from services.common import fp8 as ref
 
 SOURCE = Path(__file__).with_name("wgmma_kernel.cu")
