@@ -42,6 +42,7 @@ constexpr int SMEM_BYTES = NSLOT * SLOT_BYTES + 2 * NSLOT * 8;
 constexpr int QKV = 0, OPROJ = 1, GATEUP = 2, DOWN = 3;
 constexpr unsigned FULL = 0xffffffffu;
 constexpr long long WATCHDOG_NS = 2000000000LL;  // a wait this long is a bug: record it, go on
+constexpr int TRACE_MARKS = 5;  // a phase's entry, release, inputs in registers, rows reduced, published
 
 // Per phase: rows a program owns (R), the input length (K), columns a stage carries (CK), columns
 // a lane reads per 16- or 8-byte access (VEC). A stage's tile is R x CK bf16, at most one slot.
@@ -89,6 +90,7 @@ struct Args {
   int* err;              // watchdog: [0] fired, [1] phase, [2] layer, [3] value seen
   int layers;
   int base;              // epoch of layer l in this launch: base + l + 1 (never reused)
+  long long* trace;      // nullptr, or [layers][4][P][TRACE_MARKS] globaltimer ns (see phase)
 };
 
 __device__ __forceinline__ int ld_relaxed(const int* p) {
@@ -106,6 +108,12 @@ __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" 
 __device__ __forceinline__ long long now_ns() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// The clock read after `dep` exists (an input operand orders it after the value's loads/math).
+__device__ __forceinline__ long long now_ns_after(float dep) {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "f"(dep));
   return t;
 }
 
@@ -240,15 +248,22 @@ __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, ch
                                       uint64_t* empty, int warp, int lane) {
   using Sh = Shape<PH, W>;
   constexpr int CK = Sh::CK, VEC = Sh::VEC, G = Sh::G, S = Sh::S, RW = Sh::RW;
+  // Trace marks (session 18: where an exchange's ~7 us go), by the thread that publishes.
+  long long* mark = a.trace != nullptr && warp == 0 && lane == 0
+                        ? a.trace + ((static_cast<long long>(layer) * 4 + PH) * P + blockIdx.x) * TRACE_MARKS
+                        : nullptr;
+  if (mark) mark[0] = now_ns();
   if constexpr (ONE_POLLER)
     wait_inputs_one_warp<PH, BARRIER, W>(a, layer, warp, lane);
   else
     wait_inputs<PH, BARRIER>(a, layer, lane);
+  if (mark) mark[1] = now_ns();
   float x[S][G][8];
 #pragma unroll
   for (int s = 0; s < S; ++s)
 #pragma unroll
     for (int g = 0; g < G; ++g) load_input<PH>(a, s * CK + g * 32 * VEC + lane * VEC, x[s][g]);
+  if (mark) mark[2] = now_ns_after(x[S - 1][G - 1][0]);
   float acc[RW];
 #pragma unroll
   for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
@@ -282,6 +297,7 @@ __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, ch
     for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(FULL, acc[r], off);
     if (lane == r) mine = acc[r];
   }
+  if (mark) mark[3] = now_ns_after(mine);
   const int p = blockIdx.x;
   if (lane < RW) {
     const int row = p * Sh::R + warp * RW + lane;
@@ -295,6 +311,7 @@ __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, ch
     fence_gpu();  // all W warps' rows (ordered before this by the named barrier) first
     if constexpr (BARRIER) red_add_relaxed(a.sync + PH, 1);
     else st_relaxed(a.sync + PH * P + p, a.base + layer + 1);
+    if (mark) mark[4] = now_ns();
   }
 }
 
@@ -387,15 +404,17 @@ int launch_mode(const Args& a, int mode, int weights, cudaStream_t s) {
 
 extern "C" int relay_dataflow_layer_bytes() { return LAYER_BYTES; }
 extern "C" int relay_dataflow_programs() { return P; }
+extern "C" int relay_dataflow_trace_marks() { return TRACE_MARKS; }
 
 // mode 0: per-program flags (sync holds 4 * P ints), 1: one counter a phase (sync holds 4 ints).
 // sync starts zeroed and is never reset: each launch passes base = the epochs launched before it.
-// warps: consumer warps a program, 4 or 8; one_poller: one warp a program waits (4 warps only).
+// warps: consumer warps a program, 4 or 8; one_poller: one warp a program waits (4 warps only);
+// trace: nullptr, or layers * 4 * P * relay_dataflow_trace_marks() int64 for the phases' clocks.
 extern "C" int relay_dataflow_launch(const void* w, long long layer_step, float* ha, float* hb, void* qkv, void* gu,
                                      int* sync, int* err, int layers, int base, int mode, int weights, int warps,
-                                     int one_poller, void* stream) {
+                                     int one_poller, long long* trace, void* stream) {
   const Args a{static_cast<const char*>(w), layer_step, ha, hb, static_cast<__nv_bfloat16*>(qkv),
-               static_cast<__nv_bfloat16*>(gu), sync, err, layers, base};
+               static_cast<__nv_bfloat16*>(gu), sync, err, layers, base, trace};
   const auto s = static_cast<cudaStream_t>(stream);
   if (warps == 4) return one_poller ? launch_mode<4, true>(a, mode, weights, s) : launch_mode<4, false>(a, mode, weights, s);
   if (warps == 8 && !one_poller) return launch_mode<8, false>(a, mode, weights, s);

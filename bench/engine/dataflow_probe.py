@@ -62,6 +62,41 @@ PHASES = (
 )
 LAYER_ELEMS = sum(r * k for _, r, k, _ in PHASES)
 MODES = {"flags": 0, "barrier": 1}
+# The kernel's clock marks in each (layer, phase, program), by the thread that publishes: the
+# intervals between them are the wait, the input loads, the GEMV and the publication.
+TRACE_MARKS = ("entry", "released", "inputs", "reduced", "published")
+
+
+def trace_summary(t: torch.Tensor) -> dict[str, Any]:
+    """Where a layer's time goes, from a [layers, 4, P, marks] trace in ns (layer 0 left out: it
+    carries the launch's skew). Per phase, medians over layers and programs of each interval, and
+    the exchange's latency: from the last program's publication to each program's release into
+    the next phase (in flags mode a program waits only for its producers, so it can be lower)."""
+    t = t.double()
+    layers = t.shape[0]
+    phase_names = [name for name, *_ in PHASES]
+    seq = t.reshape(layers * 4, P, len(TRACE_MARKS))  # phases in execution order
+    last_pub = seq[:-1, :, 4].amax(dim=1, keepdim=True)
+    # Each phase's release after the previous phase's last publication, for the phases of layer >= 1.
+    lat = (seq[1:, :, 1] - last_pub)[3:]
+    steady = slice(4, None)
+    out: dict[str, Any] = {"layers": layers, "phases": {}}
+    for i, name in enumerate(phase_names):
+        rows = seq[steady][i::4]  # [layers - 1, P, marks]
+        iv = rows[..., 1:] - rows[..., :-1]
+        into = lat[i::4]
+        out["phases"][name] = {
+            "wait_us": float(iv[..., 0].median()) / 1e3,
+            "inputs_us": float(iv[..., 1].median()) / 1e3,
+            "gemv_us": float(iv[..., 2].median()) / 1e3,
+            "publish_us": float(iv[..., 3].median()) / 1e3,
+            "release_after_last_publish_us": float(into.median()) / 1e3,
+            "publish_spread_us": float((rows[..., 4].amax(1) - rows[..., 4].amin(1)).median()) / 1e3,
+        }
+    qkv_release = seq[0::4, :, 1].median(dim=1).values
+    out["layer_us"] = float((qkv_release[2:] - qkv_release[1:-1]).median()) / 1e3
+    out["release_after_last_publish_us_all"] = float(lat.median()) / 1e3
+    return out
 
 
 def pack(weights: dict[str, torch.Tensor], layers: int) -> torch.Tensor:
@@ -103,10 +138,11 @@ def bind(path: Path) -> ctypes.CDLL:
     """Load a built dataflow library and declare its functions' signatures."""
     lib = ctypes.CDLL(str(path))
     vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.relay_dataflow_launch.argtypes = [vp, ll, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, vp]
+    lib.relay_dataflow_launch.argtypes = [vp, ll, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, vp, vp]
     lib.relay_dataflow_launch.restype = i
     lib.relay_dataflow_layer_bytes.restype = i
     lib.relay_dataflow_programs.restype = i
+    lib.relay_dataflow_trace_marks.restype = i
     return lib
 
 
@@ -116,7 +152,11 @@ def library() -> ctypes.CDLL:
     if not path.exists():
         nvcc.build(SOURCE, path)
     lib = bind(path)
-    if lib.relay_dataflow_layer_bytes() != 2 * LAYER_ELEMS or lib.relay_dataflow_programs() != P:
+    if (
+        lib.relay_dataflow_layer_bytes() != 2 * LAYER_ELEMS
+        or lib.relay_dataflow_programs() != P
+        or lib.relay_dataflow_trace_marks() != len(TRACE_MARKS)
+    ):
         raise RuntimeError("dataflow_kernel.cu and dataflow_probe.py disagree on the shapes")
     return lib
 
@@ -145,14 +185,17 @@ class Dataflow:
         same: bool = False,
         warps: int = 4,
         one_poller: bool = False,
+        trace: torch.Tensor | None = None,
     ) -> None:
+        """`trace`: None, or int64 [layers, 4, P, len(TRACE_MARKS)] for the phases' clocks."""
         self.ha.copy_(h0)
         base = self.launched[mode] * self.layers
         self.launched[mode] += 1
         rc = library().relay_dataflow_launch(
             self.packed.data_ptr(), 0 if same else P * 2 * LAYER_ELEMS, self.ha.data_ptr(), self.hb.data_ptr(),
             self.qkv.data_ptr(), self.gu.data_ptr(), self.sync[mode].data_ptr(), self.err.data_ptr(),
-            self.layers, base, MODES[mode], int(weights), warps, int(one_poller), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+            self.layers, base, MODES[mode], int(weights), warps, int(one_poller),
+            None if trace is None else trace.data_ptr(), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"relay_dataflow_launch returned {rc}")
@@ -170,6 +213,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-gluon", action="store_true", help="skip stream_probe's Gluon baselines")
     ap.add_argument("--variants", default="", help="comma-separated CUDA variants to run (default: all)")
+    ap.add_argument("--trace", action="store_true", help="also run each CUDA variant once with clock marks")
     args = ap.parse_args()
     from bench.engine.megakernel_probe import time_us
 
@@ -237,14 +281,20 @@ def main() -> None:
             run()
             torch.cuda.synchronize()
             entry["watchdog_after_warmup"] = full.watchdog()
+            if args.trace:
+                marks = torch.zeros(L, 4, P, len(TRACE_MARKS), dtype=torch.int64, device=h0.device)
+                full.run(h0, **kw, trace=marks)
+                torch.cuda.synchronize()
+                entry["trace"] = trace_summary(marks.cpu())
+                print(name, "trace", json.dumps(entry["trace"]), flush=True)
             runners[name] = run
             results[name] = entry
         except Exception as e:  # noqa: BLE001 - the other variants still run
             results[name] = {
                 "error": f"{type(e).__name__}: {e}"[:3000],
-                "trace": traceback.format_exc()[-6000:],
+                "traceback": traceback.format_exc()[-6000:],
             }
-            print(results[name]["trace"], file=sys.stderr, flush=True)
+            print(results[name]["traceback"], file=sys.stderr, flush=True)
     if not args.no_gluon:
         try:
             from bench.engine.stream_probe import Stream
@@ -270,7 +320,7 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=1))
     print(
         json.dumps(
-            {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in results.items()}, indent=1
+            {k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in results.items()}, indent=1
         )
     )
 

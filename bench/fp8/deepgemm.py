@@ -84,11 +84,15 @@ def import_deepgemm(src: Path, build_dir: Path) -> Any:
         ],
         # DeepGEMM's setup.py flags (its C++ module is C++17; its JIT'd kernels pick their own).
         extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
-        # -Bsymbolic-functions: the module's own std::regex instantiations, not libtorch's. Session
-        # 17's H200 run segfaulted inside std::regex's compiler in DeepGEMM's JIT include parser
-        # (its first call); libtorch exports its own regex template instances, built by another
-        # GCC, and those interpose on the module's. (The flag is the usual remedy; not yet run.)
-        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc", "-Wl,-Bsymbolic-functions"],
+        # -Bsymbolic: the module's own std::regex instantiations and their static data, not
+        # libtorch_python's. Sessions 17-18's H200 runs segfaulted inside std::regex's compiler in
+        # DeepGEMM's JIT include parser (its first call). libtorch exports its own instances of
+        # those templates; -Bsymbolic-functions (session 18, first run) bound the functions inside
+        # the module and it still crashed, while the loader's trace showed the regex tables
+        # (regex_traits::lookup_classname's class names, _AnyMatcher's statics) bound to
+        # libtorch_python's copies. (std:: templates keep default visibility: -fvisibility=hidden
+        # does not reach them.)
+        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc", "-Wl,-Bsymbolic"],
         build_directory=str(build_dir),
         verbose=False,
     )
@@ -97,6 +101,73 @@ def import_deepgemm(src: Path, build_dir: Path) -> Any:
     import deep_gemm
 
     return deep_gemm
+
+
+# DeepGEMM's std::regex uses, each replaced by a plain scan when --no-regex is given (a fallback
+# if its regexes still crash in this process: they serve only the JIT's cache hash and the nvcc
+# version check, never a kernel). The scans are relay's; the text they replace must be found as
+# is, or the source has changed and the patch refuses.
+REGEX_PATCHES = {
+    "csrc/jit/include_parser.hpp": [
+        (
+            """        const std::regex pattern(R"(#\\s*include\\s*[<"][^>"]+[>"])");
+        std::sregex_iterator iter(code.begin(), code.end(), pattern);
+        const std::sregex_iterator end;
+
+        // TODO: parse relative paths as well
+        for (; iter != end; ++ iter) {
+            const auto include_str = iter->str();""",
+            """        for (const auto& include_str: relay_scan_includes(code)) {""",
+        ),
+        (
+            "class IncludeParser {",
+            """// relay: what the regex #\\s*include\\s*[<"][^>"]+[>"] matches, scanned by hand.
+static std::vector<std::string> relay_scan_includes(const std::string& code) {
+    std::vector<std::string> found;
+    const auto space = [&](size_t i) { return i < code.size() and std::isspace(static_cast<unsigned char>(code[i])); };
+    for (size_t start = code.find('#'); start != std::string::npos; start = code.find('#', start + 1)) {
+        size_t i = start + 1;
+        while (space(i)) ++ i;
+        if (code.compare(i, 7, "include") != 0) continue;
+        i += 7;
+        while (space(i)) ++ i;
+        if (i >= code.size() or (code[i] != '<' and code[i] != '"')) continue;
+        size_t j = i + 1;
+        while (j < code.size() and code[j] != '>' and code[j] != '"') ++ j;
+        if (j == i + 1 or j >= code.size()) continue;
+        found.push_back(code.substr(start, j + 1 - start));
+        start = j;
+    }
+    return found;
+}
+
+class IncludeParser {""",
+        ),
+    ],
+    "csrc/jit/compiler.hpp": [
+        (
+            """        std::smatch match;
+        DG_HOST_ASSERT(std::regex_search(output, match, std::regex(R"(release (\\d+\\.\\d+))")));
+        std::sscanf(match[1].str().c_str(), "%d.%d", &major, &minor);""",
+            """        const auto at = output.find("release ");
+        DG_HOST_ASSERT(at != std::string::npos and std::sscanf(output.c_str() + at, "release %d.%d", &major, &minor) == 2);""",
+        ),
+    ],
+}
+
+
+def patch_out_regex(src: Path) -> None:
+    """Apply REGEX_PATCHES to the source tree (idempotent: a patched file is left as it is)."""
+    for rel, edits in REGEX_PATCHES.items():
+        path = src / rel
+        text = path.read_text()
+        if all(new in text for _, new in edits):
+            continue
+        for old, new in edits:
+            if text.count(old) != 1:
+                raise SystemExit(f"{rel}: the text --no-regex replaces is not there once (DeepGEMM changed)")
+            text = text.replace(old, new)
+        path.write_text(text)
 
 
 def run_deepgemm(dg: Any, d: dict[str, torch.Tensor], out: torch.Tensor) -> None:
@@ -160,6 +231,9 @@ def main() -> None:
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument(
+        "--no-regex", action="store_true", help="replace DeepGEMM's std::regex uses (REGEX_PATCHES)"
+    )
+    ap.add_argument(
         "--quick",
         action="store_true",
         help="check and time M,N,K = 4096,4096,7168 only (one JIT compile: a first reading in little device time)",
@@ -179,6 +253,8 @@ def main() -> None:
     wgmma_lib.build()
     print("building DeepGEMM's C++ module", flush=True)
     t0 = time.perf_counter()
+    if args.no_regex:
+        patch_out_regex(src)
     dg = import_deepgemm(src, Path(args.build_dir))
     print(f"imported deep_gemm in {time.perf_counter() - t0:.0f} s; first calls JIT-compile", flush=True)
     result: dict[str, Any] = {
