@@ -236,7 +236,10 @@ __device__ __forceinline__ void load_input(const Args& a, int c, float (&x)[8]) 
     unpack8(__ldcg(reinterpret_cast<const uint4*>(a.gu + c)), g);
     unpack8(__ldcg(reinterpret_cast<const uint4*>(a.gu + INTER + c)), u);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = bf16_round(g[i] / (1.0f + __expf(-g[i])) * u[i]);
+    // Approximate division, as Triton's: the probe's random weights grow through the layers, and
+    // with -g past ~88 __expf is inf, which sends IEEE division down its slow path (session 18's
+    // trace: 15 us of this phase's 17). (x / inf = 0 here too.)
+    for (int i = 0; i < 8; ++i) x[i] = bf16_round(__fdividef(g[i], 1.0f + __expf(-g[i])) * u[i]);
   }
 }
 

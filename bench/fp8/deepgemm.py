@@ -84,15 +84,15 @@ def import_deepgemm(src: Path, build_dir: Path) -> Any:
         ],
         # DeepGEMM's setup.py flags (its C++ module is C++17; its JIT'd kernels pick their own).
         extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
-        # -Bsymbolic: the module's own std::regex instantiations and their static data, not
-        # libtorch_python's. Sessions 17-18's H200 runs segfaulted inside std::regex's compiler in
-        # DeepGEMM's JIT include parser (its first call). libtorch exports its own instances of
-        # those templates; -Bsymbolic-functions (session 18, first run) bound the functions inside
-        # the module and it still crashed, while the loader's trace showed the regex tables
-        # (regex_traits::lookup_classname's class names, _AnyMatcher's statics) bound to
-        # libtorch_python's copies. (std:: templates keep default visibility: -fvisibility=hidden
-        # does not reach them.)
-        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc", "-Wl,-Bsymbolic"],
+        # -l:libstdc++.so.6: the module must share the process's libstdc++. On the GPU machine a
+        # torch extension linked the default way lists no libstdc++ in its ldd and carries the
+        # library's code itself (the crash frames, codecvt and ostream internals, were in _C.so):
+        # a second copy whose locale facet ids disagree with the shared library's, so the first
+        # std::regex or `ostream << unsigned long` calls through the wrong facet's vtable and
+        # segfaults (sessions 15-18; a 10-line extension with a std::regex crashed the same way,
+        # and ran once linked with this flag). Why that link takes the static archive there was
+        # not found: the toolchain has libstdc++.so.
+        extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc", "-l:libstdc++.so.6"],
         build_directory=str(build_dir),
         verbose=False,
     )
