@@ -103,73 +103,6 @@ def import_deepgemm(src: Path, build_dir: Path) -> Any:
     return deep_gemm
 
 
-# DeepGEMM's std::regex uses, each replaced by a plain scan when --no-regex is given (a fallback
-# if its regexes still crash in this process: they serve only the JIT's cache hash and the nvcc
-# version check, never a kernel). The scans are relay's; the text they replace must be found as
-# is, or the source has changed and the patch refuses.
-REGEX_PATCHES = {
-    "csrc/jit/include_parser.hpp": [
-        (
-            """        const std::regex pattern(R"(#\\s*include\\s*[<"][^>"]+[>"])");
-        std::sregex_iterator iter(code.begin(), code.end(), pattern);
-        const std::sregex_iterator end;
-
-        // TODO: parse relative paths as well
-        for (; iter != end; ++ iter) {
-            const auto include_str = iter->str();""",
-            """        for (const auto& include_str: relay_scan_includes(code)) {""",
-        ),
-        (
-            "class IncludeParser {",
-            """// relay: what the regex #\\s*include\\s*[<"][^>"]+[>"] matches, scanned by hand.
-static std::vector<std::string> relay_scan_includes(const std::string& code) {
-    std::vector<std::string> found;
-    const auto space = [&](size_t i) { return i < code.size() and std::isspace(static_cast<unsigned char>(code[i])); };
-    for (size_t start = code.find('#'); start != std::string::npos; start = code.find('#', start + 1)) {
-        size_t i = start + 1;
-        while (space(i)) ++ i;
-        if (code.compare(i, 7, "include") != 0) continue;
-        i += 7;
-        while (space(i)) ++ i;
-        if (i >= code.size() or (code[i] != '<' and code[i] != '"')) continue;
-        size_t j = i + 1;
-        while (j < code.size() and code[j] != '>' and code[j] != '"') ++ j;
-        if (j == i + 1 or j >= code.size()) continue;
-        found.push_back(code.substr(start, j + 1 - start));
-        start = j;
-    }
-    return found;
-}
-
-class IncludeParser {""",
-        ),
-    ],
-    "csrc/jit/compiler.hpp": [
-        (
-            """        std::smatch match;
-        DG_HOST_ASSERT(std::regex_search(output, match, std::regex(R"(release (\\d+\\.\\d+))")));
-        std::sscanf(match[1].str().c_str(), "%d.%d", &major, &minor);""",
-            """        const auto at = output.find("release ");
-        DG_HOST_ASSERT(at != std::string::npos and std::sscanf(output.c_str() + at, "release %d.%d", &major, &minor) == 2);""",
-        ),
-    ],
-}
-
-
-def patch_out_regex(src: Path) -> None:
-    """Apply REGEX_PATCHES to the source tree (idempotent: a patched file is left as it is)."""
-    for rel, edits in REGEX_PATCHES.items():
-        path = src / rel
-        text = path.read_text()
-        if all(new in text for _, new in edits):
-            continue
-        for old, new in edits:
-            if text.count(old) != 1:
-                raise SystemExit(f"{rel}: the text --no-regex replaces is not there once (DeepGEMM changed)")
-            text = text.replace(old, new)
-        path.write_text(text)
-
-
 def run_deepgemm(dg: Any, d: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     # SM90 takes float32 scales as they are (no UE8M0 packing); the recipe is read from their shapes.
     dg.fp8_gemm_nt((d["aq"], d["as"]), (d["wq"], d["ws"]), out, disable_ue8m0_cast=True)
@@ -231,9 +164,6 @@ def main() -> None:
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument(
-        "--no-regex", action="store_true", help="replace DeepGEMM's std::regex uses (REGEX_PATCHES)"
-    )
-    ap.add_argument(
         "--quick",
         action="store_true",
         help="check and time M,N,K = 4096,4096,7168 only (one JIT compile: a first reading in little device time)",
@@ -253,8 +183,6 @@ def main() -> None:
     wgmma_lib.build()
     print("building DeepGEMM's C++ module", flush=True)
     t0 = time.perf_counter()
-    if args.no_regex:
-        patch_out_regex(src)
     dg = import_deepgemm(src, Path(args.build_dir))
     print(f"imported deep_gemm in {time.perf_counter() - t0:.0f} s; first calls JIT-compile", flush=True)
     result: dict[str, Any] = {
