@@ -16,8 +16,9 @@
 // Exchanges: after its last stage a program's consumers meet at a named barrier and one thread
 // publishes (a release fence, then either its own flag := epoch, or +1 on the phase's counter).
 // A waiting lane polls with relaxed loads (several in flight at once), then one acquire fence;
-// with ONE_POLLER only warp 0 of a program polls and the others wait at a named barrier (session
-// 17's H200 run: every lane polling made an exchange 3-7x the Gluon kernel's).
+// with ONE_POLLER only warp 0 of a program polls and the others wait at a named barrier (it
+// measured no faster: session 18's clock marks put the slow exchanges of session 17 on a
+// division slow path in down's SiLU, not on the polling).
 //
 // The residual is float32 in two buffers: ha (the input of q/k/v, written by down) and hb (written
 // by o_proj, the input of gate/up); program p owns rows [8p, 8p + 8) of both, so no program reads
@@ -251,7 +252,7 @@ __device__ __forceinline__ void phase(const Args& a, int layer, uint32_t& it, ch
                                       uint64_t* empty, int warp, int lane) {
   using Sh = Shape<PH, W>;
   constexpr int CK = Sh::CK, VEC = Sh::VEC, G = Sh::G, S = Sh::S, RW = Sh::RW;
-  // Trace marks (session 18: where an exchange's ~7 us go), by the thread that publishes.
+  // Clock marks (Args::trace): where a phase's time goes, written by the thread that publishes.
   long long* mark = a.trace != nullptr && warp == 0 && lane == 0
                         ? a.trace + ((static_cast<long long>(layer) * 4 + PH) * P + blockIdx.x) * TRACE_MARKS
                         : nullptr;

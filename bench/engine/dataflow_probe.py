@@ -19,6 +19,9 @@ no norms or attention), with the exchange selectable in the same code:
   barriers), the strongest of the earlier kernels, in the same process.
 
 Every CUDA variant is checked against stream_probe's float32 torch chain (3 layers) first.
+`--trace` also runs each CUDA variant once with clock marks (`TRACE_MARKS`, summarised by
+`trace_summary`): per phase the wait, the input loads, the GEMV and the publication, and the
+latency from a phase's last publication to the next phase's release.
 
     python3 bench/engine/dataflow_probe.py --out $OUT/dataflow_probe.json
 """
