@@ -7,11 +7,18 @@
 #   bash bench/fp8/run.sh wgmma       -> $OUT/fp8_wgmma.json (+ .txt): the CUDA kernel probe
 #   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu    (NCU_VARIANT=1 ... ncu-source): Nsight Compute
 #   bash bench/fp8/run.sh clocks      -> $OUT/fp8_clocks.json: SM clock and power under bf16 vs FP8 GEMMs
-#   bash bench/fp8/run.sh deepgemm    -> $OUT/fp8_deepgemm.json: DeepGEMM as a baseline (deepgemm.py)
+#   bash bench/fp8/run.sh deepgemm    -> $OUT/fp8_deepgemm.json: DeepGEMM as a baseline (deepgemm.py),
+#                                        its chosen configuration per shape printed in the .txt
+#   bash bench/fp8/run.sh deepgemm-ncu ncu   -> Nsight Compute over DeepGEMM's kernel at
+#      M, N, K = 4096, 4096, 7168 ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+unpack_deepgemm() {
+  [[ -d /tmp/deepgemm/csrc ]] && return 0
+  mkdir -p /tmp/deepgemm && tar -xzf "${DEEPGEMM_TAR:-.deepgemm/src.tar.gz}" -C /tmp/deepgemm
+}
 for what in "${@:-gemm}"; do
   case "$what" in
     gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
@@ -21,8 +28,13 @@ for what in "${@:-gemm}"; do
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
     clocks) python3 bench/fp8/clocks.py --out "$OUT/fp8_clocks.json" 2>&1 | tee "$OUT/fp8_clocks.txt" ;;
     deepgemm)  # needs the tarball of bench/fp8/deepgemm_bundle.sh carried (.deepgemm, ignored by git)
-      rm -rf /tmp/deepgemm && mkdir -p /tmp/deepgemm && tar -xzf "${DEEPGEMM_TAR:-.deepgemm/src.tar.gz}" -C /tmp/deepgemm || exit 1
-      python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --out "$OUT/fp8_deepgemm.json" 2>&1 | tee "$OUT/fp8_deepgemm.txt" ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm)"; exit 2 ;;
+      unpack_deepgemm || exit 1
+      DG_PRINT_CONFIGS=1 python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --out "$OUT/fp8_deepgemm.json" 2>&1 | tee "$OUT/fp8_deepgemm.txt" ;;
+    deepgemm-ncu)  # the --quick shape only, no timing: one launch of DeepGEMM's GEMM to profile
+      unpack_deepgemm || exit 1
+      DG_PRINT_CONFIGS=1 NCU_TAG=deepgemm_ncu NCU_KERNELS=regex:sm90_fp8_gemm \
+        NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_ncu.json" \
+        bash bench/fp8/wgmma_ncu.sh ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu)"; exit 2 ;;
   esac
 done
