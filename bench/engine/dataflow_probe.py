@@ -81,11 +81,10 @@ def trace_summary(t: torch.Tensor) -> dict[str, Any]:
     seq = t.reshape(layers * 4, P, len(TRACE_MARKS))  # phases in execution order
     last_pub = seq[:-1, :, 4].amax(dim=1, keepdim=True)
     # Each phase's release after the previous phase's last publication, for the phases of layer >= 1.
-    lat = (seq[1:, :, 1] - last_pub)[3:]
-    steady = slice(4, None)
+    lat = seq[4:, :, 1] - last_pub[3:]
     out: dict[str, Any] = {"layers": layers, "phases": {}}
     for i, name in enumerate(phase_names):
-        rows = seq[steady][i::4]  # [layers - 1, P, marks]
+        rows = seq[4 + i :: 4]  # [layers - 1, P, marks]
         iv = rows[..., 1:] - rows[..., :-1]
         into = lat[i::4]
         out["phases"][name] = {

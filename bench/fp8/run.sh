@@ -15,9 +15,11 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# A fresh tree from the tarball, once per invocation (deepgemm and deepgemm-ncu share it).
 unpack_deepgemm() {
-  [[ -d /tmp/deepgemm/csrc ]] && return 0
-  mkdir -p /tmp/deepgemm && tar -xzf "${DEEPGEMM_TAR:-.deepgemm/src.tar.gz}" -C /tmp/deepgemm
+  [[ -n "${DG_UNPACKED:-}" ]] && return 0
+  rm -rf /tmp/deepgemm && mkdir -p /tmp/deepgemm && tar -xzf "${DEEPGEMM_TAR:-.deepgemm/src.tar.gz}" -C /tmp/deepgemm &&
+    DG_UNPACKED=1
 }
 for what in "${@:-gemm}"; do
   case "$what" in
