@@ -38,12 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
 import wgmma_lib  # noqa: E402
-from wgmma import MAX_REL_ERR, TIME_MS, TIME_NK, add_tflops, bench_us, quantised, weight_scales  # noqa: E402
+from wgmma import (  # noqa: E402
+    MAX_REL_ERR,
+    ROUNDS,
+    TIME_MS,
+    TIME_NK,
+    add_tflops,
+    bench_rounds,
+    quantised,
+    weight_scales,
+)
 
 from bench.cuda.nvcc import nvcc_path  # noqa: E402
 from services.common import fp8 as ref  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
+# Which of our variants to time (--variants).
+OURS = [wgmma_lib.DEFAULT_VARIANT]
 
 
 def cuda_home() -> str:
@@ -126,7 +137,6 @@ def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
 
 def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
     rows = []
-    ours = wgmma_lib.DEFAULT_VARIANT
     for m in TIME_MS:
         for n, k in TIME_NK:
             d = quantised(m, n, k, dev, seed=m + n + k)
@@ -135,18 +145,19 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
             run_deepgemm(dg, d, out)  # the JIT compile of this shape's kernel, outside the timing
             torch.cuda.synchronize()
             row: dict[str, Any] = {"M": m, "N": n, "K": k, "deepgemm_first_call_s": time.perf_counter() - t0}
-            row["bf16_us"] = bench_us(lambda d=d: torch.nn.functional.linear(d["x"], d["w"]))
-            row["torch_blockwise_us"] = bench_us(
-                lambda d=d: ref.fp8_gemm(
+            fns = {
+                "bf16": lambda d=d: torch.nn.functional.linear(d["x"], d["w"]),
+                "torch_blockwise": lambda d=d: ref.fp8_gemm(
                     d["aq"], d["as_col"], d["wq"], d["ws"], torch.bfloat16, backend="torch"
+                ),
+                "deepgemm": lambda d=d, o=out: run_deepgemm(dg, d, o),
+            }
+            for v in OURS:
+                key = "relay_wgmma" if v == wgmma_lib.DEFAULT_VARIANT else f"relay_wgmma_v{v}"
+                fns[key] = lambda d=d, o=out, v=v: wgmma_lib.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                 )
-            )
-            row["deepgemm_us"] = bench_us(lambda d=d, o=out: run_deepgemm(dg, d, o))
-            row["relay_wgmma_us"] = bench_us(
-                lambda d=d, o=out: wgmma_lib.fp8_gemm(
-                    d["aq"], d["as_col"], d["wq"], weight_scales(d, ours), out=o, variant=ours
-                )
-            )
+            bench_rounds(fns, row)
             add_tflops(row, 2 * m * n * k)
             row["deepgemm_vs_bf16"] = row["bf16_us"] / row["deepgemm_us"]
             row["deepgemm_vs_torch_blockwise"] = row["torch_blockwise_us"] / row["deepgemm_us"]
@@ -163,6 +174,12 @@ def main() -> None:
     ap.add_argument("--build-dir", default="/tmp/deepgemm_build")
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--rounds", type=int, default=ROUNDS[0], help="timing rounds (wgmma.bench_rounds)")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated indices into wgmma_lib.VARIANTS of ours to time (default: DEFAULT_VARIANT)",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -171,6 +188,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.ms:
         TIME_MS[:] = [int(m) for m in args.ms.split(",")]
+    if args.variants:
+        OURS[:] = [int(v) for v in args.variants.split(",")]
+    ROUNDS[0] = args.rounds
     if args.quick:
         CHECK_SHAPES[:] = [(4096, 4096, 7168)]
         TIME_MS[:] = [4096]
@@ -190,7 +210,10 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(),
         "machine": torch.cuda.get_device_name(),
         "baseline": "bf16 cuBLAS (F.linear), torch block-wise scaled_mm (cuBLAS) and relay's CUDA kernel "
-        "(wgmma_lib.DEFAULT_VARIANT), same process",
+        "(relay_wgmma: wgmma_lib.DEFAULT_VARIANT; relay_wgmma_v<i>: variant i), same process, taking "
+        "turns with DeepGEMM and ours (wgmma.bench_rounds: median of --rounds)",
+        "default_variant": wgmma_lib.DEFAULT_VARIANT,
+        "variants": {v: list(wgmma_lib.VARIANTS[v]) for v in OURS},
         "deepgemm_version": getattr(dg, "__version__", "unknown"),
         "deepgemm_source": (src / "SOURCE").read_text().strip() if (src / "SOURCE").exists() else "unknown",
         "build_s": time.perf_counter() - t0,
@@ -203,7 +226,11 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print("check_ok", result["check_ok"])
     for r in result.get("rows", []):
-        ours = f"  relay {r['relay_wgmma_tflops']:5.0f}"
+        ours = "".join(
+            f"  relay v{v} {r[k]:5.0f} ({r[k] / r['bf16_tflops']:.2f}x)"
+            for v in OURS
+            for k in ["relay_wgmma_tflops" if v == wgmma_lib.DEFAULT_VARIANT else f"relay_wgmma_v{v}_tflops"]
+        )
         print(
             f"M={r['M']:5d} N={r['N']:5d} K={r['K']:5d} bf16 {r['bf16_tflops']:5.0f}  cublas-bw "
             f"{r['torch_blockwise_tflops']:5.0f} ({r['torch_blockwise_vs_bf16']:.2f}x)  deepgemm "

@@ -46,10 +46,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
 
 // Shared-memory matrix descriptor: K-major tile, 128-byte swizzle (what TMA's SWIZZLE_128B writes),
 // 8-row core groups 1024 bytes apart. The leading offset is unused for swizzled K-major tiles.
-__device__ __forceinline__ uint64_t smem_desc(const void* p) {
-  const uint64_t addr = smem_u32(p);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// Kept as its low word (start address >> 4, and the unused leading offset 1): the high word is
+// the same constant for every tile, and stepping along K adds to the address field only (it
+// cannot carry out of it: shared addresses stay below 2^18). Descriptors built from warp-uniform
+// values this way stay in uniform registers, so issuing a wgmma costs no R2UR moves and no 64-bit
+// vector arithmetic (session 19's SASS comparison: ours spent ~120 non-FMA instructions per K
+// block and warp, DeepGEMM's ~60).
+constexpr uint32_t DESC_HI = (1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t smem_desc_lo(const void* p) { return ((smem_u32(p) & 0x3FFFF) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t smem_desc(uint32_t lo) { return (uint64_t(DESC_HI) << 32) | lo; }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -119,10 +124,24 @@ __device__ __forceinline__ void cluster_sync() {
 // wgmmas have finished reading the stage. `.release.cluster` here compiled to a GPU-wide memory
 // barrier and an L1 invalidation per arrival and made the cluster variants 1.5-2x slower
 // (bench/fp8/results/wgmma_ncu_h200*.json).
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+//
+// The single-thread operations here and below take their condition as a predicate inside the asm
+// instead of an `if` around it: a branch on the lane is a divergent path to ptxas, and a divergent
+// path while wgmmas are in flight makes it serialise them (warning C7518), which would undo
+// OVERLAP (the next tile's wgmmas run through this tile's epilogue and its TMA-store issue).
+__device__ __forceinline__ void mbar_arrive_cluster_if(bool pred, uint64_t* bar, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b32 remote;\nsetp.ne.b32 p, %0, 0;\n"
+      "mapa.shared::cluster.u32 remote, %1, %2;\n@p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(
+          static_cast<int>(pred)),
+      "r"(smem_u32(bar)), "r"(rank)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_if(bool pred, uint64_t* bar) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%1];\n}" ::"r"(
+                   static_cast<int>(pred)),
+               "r"(smem_u32(bar))
+               : "memory");
 }
 
 // The same box lands at the same offset in every CTA of `mask`, signalling each one's mbarrier.
@@ -149,17 +168,22 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 // Shared -> global bulk tensor copy (rows and columns outside the tensor are not written).
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1)
-               : "memory");
+// Issued and committed as one bulk group by the threads where `pred` holds.
+__device__ __forceinline__ void tma_store_2d_if(bool pred, const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%1, {%3, %4}], [%2];\n"
+      "@p cp.async.bulk.commit_group;\n}" ::"r"(static_cast<int>(pred)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1)
+      : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Until at most N of this thread's bulk groups still read shared memory.
+// Until at most N of this thread's bulk groups still read shared memory (where `pred` holds).
 template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+__device__ __forceinline__ void bulk_wait_read_if(bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p cp.async.bulk.wait_group.read %1;\n}" ::"r"(
+                   static_cast<int>(pred)),
+               "n"(N)
+               : "memory");
 }
 // Until all of this thread's bulk groups have completed (global writes done).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
@@ -191,6 +215,9 @@ constexpr int TMA_STORE = 4;
 // as cuBLAS's block-wise kernel reads them (its SASS: an LDS per block), instead of one global
 // load per block issued a block ahead, whose L2 latency under the TMA stream can outlast it.
 constexpr int SB_SMEM = 8;
+// Flag on PLAIN | TMA_STORE | SB_SMEM at BN 256: the next tile's first K block runs on the tensor
+// cores during this tile's epilogue (see the kernel comment).
+constexpr int OVERLAP = 16;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -214,6 +241,11 @@ constexpr int SB_SMEM = 8;
 // cost more at K = 2048 (16 blocks per tile) than at K = 7168 (results/wgmma_h200_8_final.json:
 // even the unscaled probe lost 20% there). Needs ldc % 8 == 0 and a 16-byte aligned C (TMA);
 // otherwise the launch falls back to the direct epilogue.
+// MODE | OVERLAP: both warpgroups reach the epilogue together, so without it the tensor cores idle
+// through it (at K = 2048 a tile is only 16 K blocks). Here a warpgroup issues the first
+// 128-column half of the next tile's first K block into the partial sum before storing this tile,
+// so the two warpgroups' 2 x 4 wgmmas run under the epilogue. The next tile starts both
+// accumulators from that block with a multiply instead of zeroing them and adding.
 template <int BN, int STAGES, int MODE, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -223,12 +255,16 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
+  constexpr bool OVL = (MODE & OVERLAP) != 0;
+  static_assert(!OVL || (BASE == PLAIN && EPI_TMA && SBS && BN == 256), "OVERLAP: PLAIN | TMA_STORE | SB_SMEM, BN 256");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   using L = Smem<BN, STAGES>;
   constexpr int HALVES = BN / 128;
-  extern __shared__ uint8_t smem_raw[];
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
+  // window's address is per-thread vector work, and everything derived from it (the wgmma
+  // descriptors) would leave the uniform registers.
+  extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
   float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
@@ -236,7 +272,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
 
-  const int wg = threadIdx.x / 128;
+  // Broadcast from lane 0: the compiler then knows the warpgroup index is warp-uniform, and keeps
+  // everything derived from it (the wgmma descriptors) in uniform registers.
+  const int wg = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);
   const int tid = threadIdx.x % 128;
   const int nkb = K / BK;
   const int nb = (N + 127) / 128;  // weight-scale rows
@@ -312,19 +350,16 @@ __global__ void __launch_bounds__(THREADS, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS) : "memory");
     const int half = wg - 1;  // rows half*64 .. half*64+63 of the tile
-    const int warp = tid / 32;
+    const int warp = __shfl_sync(0xffffffff, tid / 32, 0);  // warp-uniform, as wg above
     const int lane = tid % 32;
     const int r_local = half * 64 + warp * 16 + lane / 4;  // and r_local + 8
+    // One arrival per CTA of the cluster, lane r signalling CTA r: one instruction for the warp.
     auto release = [&](int s) {
       __syncwarp();
-      if (lane == 0) {
-        if constexpr (CLUSTER == 1) {
-          mbar_arrive(&empty[s]);
-        } else {
-#pragma unroll
-          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(&empty[s], r);
-        }
-      }
+      if constexpr (CLUSTER == 1)
+        mbar_arrive_if(lane == 0, &empty[s]);
+      else
+        mbar_arrive_cluster_if(lane < CLUSTER, &empty[s], static_cast<uint32_t>(lane % CLUSTER));
     };
     float acc[HALVES][64];
     float part[BASE == UNSCALED ? 1 : 64];
@@ -333,15 +368,15 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     // Block kb's wgmmas for one 128-column half h on stage s into p (accumulate: add to p).
     auto issue = [&](float(&p)[64], int s, int h, int accumulate) {
-      const uint64_t da = smem_desc(s_a + s * L::A + half * 64 * BK);
-      const uint64_t db = smem_desc(s_b + s * L::B + h * 128 * BK);
+      const uint32_t da = smem_desc_lo(s_a + s * L::A + half * 64 * BK);
+      const uint32_t db = smem_desc_lo(s_b + s * L::B + h * 128 * BK);
       fence_regs(p);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 32; ++kk) {
         // +32 bytes along K inside the swizzled 128-byte row: the descriptor address is in
         // 16-byte units, and the swizzle is applied to absolute addresses, so this is exact.
-        wgmma_m64n128k32(p, da + 2 * kk, db + 2 * kk, kk > 0 || accumulate);
+        wgmma_m64n128k32(p, smem_desc(da + 2 * kk), smem_desc(db + 2 * kk), kk > 0 || accumulate);
       }
       wgmma_commit();
     };
@@ -352,7 +387,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     auto flush_pending = [&]() {
       if constexpr (EPI_TMA) {
         if (warp == 0 && pending >= 0) {
-          if (tid == 0) bulk_wait_read<0>();
+          bulk_wait_read_if<0>(tid == 0);
           release(pending);
         }
         pending = -1;
@@ -370,15 +405,27 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     };
 
+    // OVL: every tile's first K block has its first half in flight at the loop head, in part:
+    // issued here for the first tile, during the previous epilogue for the others. One shape on
+    // every path, which ptxas can prove (the wgmmas stay asynchronous). Only part: a wgmma into
+    // an accumulator that the K loop also promotes into makes ptxas serialise every wgmma (C7515).
+    if constexpr (OVL) {
+      if (first < num_tiles) {
+        mbar_wait(&full[0], 0);
+        issue(part, 0, 0, 0);
+      }
+    }
     for (int tile = first; tile < num_tiles; tile += stride) {
       int tm, tn;
       tile_of(tile, walk_m, tiles_n, tm, tn);
       const int m0 = (tm * CLUSTER + rank) * BM;
       const int n0 = tn * BN;
+      if constexpr (!OVL) {
 #pragma unroll
-      for (int h = 0; h < HALVES; ++h)
+        for (int h = 0; h < HALVES; ++h)
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+          for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+      }
 
       const int sb_off = (n0 / 128) % 4;  // SB_SMEM: the tile's first weight-scale block in the box
       const float* sb_rows[HALVES];
@@ -447,7 +494,38 @@ __global__ void __launch_bounds__(THREADS, 1)
         float sb_now[HALVES];
 #pragma unroll
         for (int h = 0; h < HALVES; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h]);
-        for (int kb = 0; kb < nkb; ++kb, ++it) {
+        int kb0 = 0;
+        if constexpr (OVL) {
+          {
+            const int s = it % STAGES;
+            const float sa0 = lds(s_sa + s * BM + r_local);
+            const float sa1 = lds(s_sa + s * BM + r_local + 8);
+            const float sb0 = lds(s_sb + s * (L::SB / 4) + sb_off);
+            const float sb1 = lds(s_sb + s * (L::SB / 4) + sb_off + 1);
+            // The first K block starts both accumulators: a multiply, no add.
+            auto start = [&](float(&a)[64], float s0, float s1) {
+#pragma unroll
+              for (int j = 0; j < 16; ++j) {
+                a[4 * j + 0] = part[4 * j + 0] * s0;
+                a[4 * j + 1] = part[4 * j + 1] * s0;
+                a[4 * j + 2] = part[4 * j + 2] * s1;
+                a[4 * j + 3] = part[4 * j + 3] * s1;
+              }
+            };
+            wgmma_wait<0>();
+            fence_regs(part);
+            flush_pending();
+            start(acc[0], sa0 * sb0, sa1 * sb0);
+            issue(part, s, 1, 0);
+            wgmma_wait<0>();
+            fence_regs(part);
+            release(s);
+            start(acc[1], sa0 * sb1, sa1 * sb1);
+            ++it;
+            kb0 = 1;
+          }
+        }
+        for (int kb = kb0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
           const float sa0 = lds(s_sa + s * BM + r_local);
@@ -482,6 +560,15 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int s = it % STAGES;  // the slot the producer lent for this epilogue
         mbar_wait(&full[s], (it / STAGES) & 1);
         ++it;
+        // OVL: the first half of the next tile's first K block (ring slot `it`).
+        const bool preissue = OVL && tile + stride < num_tiles;
+        const int s_next = it % STAGES;
+        if constexpr (OVL) {
+          if (preissue) {
+            mbar_wait(&full[s_next], (it / STAGES) & 1);
+            issue(part, s_next, 0, 0);
+          }
+        }
         // 8 KB boxes (64 rows x 64 bf16 columns, 128-byte swizzled rows): the slot's A space,
         // then its B space, split between the two warpgroups.
         constexpr int BOX = 64 * 128;
@@ -512,27 +599,19 @@ __global__ void __launch_bounds__(THREADS, 1)
         };
         const int row_c = m0 + half * 64;
 #pragma unroll
-        for (int b = 0; b < FIRST; ++b) write_box(b, slot(b));
+        for (int j = 0; j < FIRST; ++j) write_box(j, slot(j));
         fence_async_smem();
         named_sync(1 + half, 128);
-        if (tid == 0) {
 #pragma unroll
-          for (int b = 0; b < FIRST; ++b) {
-            tma_store_2d(&tm_c, slot(b), n0 + 64 * b, row_c);
-            bulk_commit();
-          }
-        }
+        for (int j = 0; j < FIRST; ++j) tma_store_2d_if(tid == 0, &tm_c, slot(j), n0 + 64 * j, row_c);
 #pragma unroll
-        for (int b = FIRST; b < BOXES; ++b) {
-          if (tid == 0) bulk_wait_read<SLOTS - 1>();  // box b - SLOTS has been read
+        for (int j = FIRST; j < BOXES; ++j) {
+          bulk_wait_read_if<SLOTS - 1>(tid == 0);  // store j - SLOTS has read its slot
           named_sync(1 + half, 128);
-          write_box(b, slot(b % SLOTS));
+          write_box(j, slot(j % SLOTS));
           fence_async_smem();
           named_sync(1 + half, 128);
-          if (tid == 0) {
-            tma_store_2d(&tm_c, slot(b % SLOTS), n0 + 64 * b, row_c);
-            bulk_commit();
-          }
+          tma_store_2d_if(tid == 0, &tm_c, slot(j % SLOTS), n0 + 64 * j, row_c);
         }
         if (warp == 0)
           pending = s;  // released after the next tile's first wgmma issue
@@ -648,7 +727,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & TMA_STORE) != 0) {
     // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
     if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~TMA_STORE, CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
+      return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
                                                             stream);
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
@@ -699,6 +778,9 @@ constexpr Variant VARIANTS[] = {
     variant<256, 4, PLAIN | SB_SMEM, 1>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 1>(),
     variant<256, 4, PLAIN | SB_SMEM, 2>(), variant<128, 6, PLAIN | TMA_STORE | SB_SMEM, 2>(),
     variant<128, 6, PLAIN | TMA_STORE, 2>(), variant<256, 4, PLAIN | TMA_STORE | SB_SMEM, 2>(),
+    // The next tile's first K block under this tile's epilogue (OVERLAP): 18, 19.
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 2>(),
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 1>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -36,7 +36,8 @@ BLOCK = 128
 # and TMA stores that overlap the next tile's wgmmas; at ldc % 8 != 0 it falls back to the direct
 # epilogue of the same mode. A "_sbs" mode reads the weight scales from shared memory, loaded by
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
-# them K-block-major like the activation scales (`uses_smem_scales`).
+# them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
+# tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -56,6 +57,8 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 6, "plain_tma_sbs", 2),
     (128, 6, "plain_tma", 2),
     (256, 4, "plain_tma_sbs", 2),
+    (256, 4, "plain_tma_sbs_ovl", 2),
+    (256, 4, "plain_tma_sbs_ovl", 1),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
