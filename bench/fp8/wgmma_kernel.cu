@@ -30,7 +30,7 @@ using namespace relay_sm90;
 
 constexpr int BK = 128;  // one scale block: the promotion period
 constexpr int GROUP_M = 8;
-constexpr int BM = 128;        // two math warpgroups x 64 rows
+constexpr int BM = 128;        // two math warpgroups x 64 rows (TALL: 256, two x 128)
 constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
 // setmaxnreg split of the 64K registers: 128 * (40 + 2 * 232) <= 65536.
 constexpr int PRODUCER_REGS = 40;
@@ -195,11 +195,11 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-template <int BN, int STAGES>
+template <int BMT, int BN, int STAGES>
 struct Smem {
-  static constexpr int A = BM * BK;  // bytes per stage
+  static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
-  static constexpr int SA = BM * 4;
+  static constexpr int SA = BMT * 4;
   // SB_SMEM: 8 weight-scale blocks of this K block around the tile's (one 32-byte box, padded to
   // the 128-byte alignment a TMA destination needs). The box starts at a multiple of 4 blocks:
   // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
@@ -218,6 +218,11 @@ constexpr int SB_SMEM = 8;
 // Flag on PLAIN | TMA_STORE | SB_SMEM at BN 256: the next tile's first K block runs on the tensor
 // cores during this tile's epilogue (see the kernel comment).
 constexpr int OVERLAP = 16;
+// Flag on PLAIN at BN 128: 256-row tiles, each math warpgroup 128 rows as two m64 blocks sharing
+// the B tile (the mirror of BN 256's two column halves sharing the A tile: DeepGEMM's SM90 choice
+// for these shapes), and a cluster shares the A tile between CTAs with neighbouring columns.
+constexpr int TALL = 32;
+__host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 0 ? 2 * BM : BM; }
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -258,8 +263,15 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool OVL = (MODE & OVERLAP) != 0;
   static_assert(!OVL || (BASE == PLAIN && EPI_TMA && SBS && BN == 256), "OVERLAP: PLAIN | TMA_STORE | SB_SMEM, BN 256");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
-  using L = Smem<BN, STAGES>;
-  constexpr int HALVES = BN / 128;
+  constexpr bool TALL_ = (MODE & TALL) != 0;
+  static_assert(!TALL_ || (BASE == PLAIN && BN == 128 && !OVL), "TALL: PLAIN, BN 128");
+  constexpr int BMT = tile_rows(MODE);  // tile rows
+  constexpr int RW = BMT / 2;           // rows per math warpgroup
+  constexpr int NH = BN / 128;          // 128-column halves (one weight-scale block each)
+  // Partial sums per K block, (m64 row block, column half) pairs: at most 2 (registers).
+  constexpr int SUBS = (RW / 64) * NH;
+  static_assert(SUBS <= 2, "128 + 64 accumulator registers at most");
+  using L = Smem<BMT, BN, STAGES>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
   // window's address is per-thread vector work, and everything derived from it (the wgmma
@@ -268,7 +280,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
   float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
-  float* s_sb = s_sa + STAGES * BM;  // L::SB / 4 floats per stage
+  float* s_sb = s_sa + STAGES * BMT;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
 
@@ -278,12 +290,21 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tid = threadIdx.x % 128;
   const int nkb = K / BK;
   const int nb = (N + 127) / 128;  // weight-scale rows
-  const int tiles_m = (M + BM - 1) / BM;
+  const int tiles_m = (M + BMT - 1) / BMT;
   const int tiles_n = (N + BN - 1) / BN;
-  // With a cluster, one step of the walk is CLUSTER vertically adjacent tiles, one per CTA.
-  const int walk_m = (tiles_m + CLUSTER - 1) / CLUSTER;
-  const int num_tiles = walk_m * tiles_n;
+  // With a cluster, one step of the walk is CLUSTER adjacent tiles, one per CTA: vertically
+  // (sharing B), or with TALL horizontally (sharing A).
+  const int walk_m = TALL_ ? tiles_m : (tiles_m + CLUSTER - 1) / CLUSTER;
+  const int walk_n = TALL_ ? (tiles_n + CLUSTER - 1) / CLUSTER : tiles_n;
+  const int num_tiles = walk_m * walk_n;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  // The output tile of walk step `tile` for this CTA.
+  auto origin = [&](int tile, int& m0, int& n0) {
+    int tm, tn;
+    tile_of(tile, walk_m, walk_n, tm, tn);
+    m0 = (TALL_ ? tm : tm * CLUSTER + rank) * BMT;
+    n0 = (TALL_ ? tn * CLUSTER + rank : tn) * BN;
+  };
   const int first = static_cast<int>(blockIdx.x) / CLUSTER;
   const int stride = static_cast<int>(gridDim.x) / CLUSTER;
 
@@ -315,24 +336,27 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       int it = 0;
       for (int tile = first; tile < num_tiles; tile += stride) {
-        int tm, tn;
-        tile_of(tile, walk_m, tiles_n, tm, tn);
-        const int m0 = (tm * CLUSTER + rank) * BM;
-        const int n0 = tn * BN;
+        int m0, n0;
+        origin(tile, m0, n0);
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           if (leader) {
             mbar_expect_tx(&full[s], L::A + L::B + L::SA + (SBS ? 32 : 0));
-            tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
-            tma_load_2d(s_sa + s * BM, &tm_sa, &full[s], m0, kb);
+            tma_load_2d(s_sa + s * BMT, &tm_sa, &full[s], m0, kb);
             if constexpr (SBS) tma_load_2d(s_sb + s * (L::SB / 4), &tm_sb, &full[s], (n0 / 128) & ~3, kb);
-            if constexpr (CLUSTER == 1) {
-              tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
+            constexpr uint16_t ALL = (1 << CLUSTER) - 1;
+            if constexpr (CLUSTER > 1 && TALL_) {
+              constexpr int PART = BMT / CLUSTER;
+              tma_load_2d_multicast(s_a + s * L::A + rank * PART * BK, &tm_a, &full[s], kb * BK, m0 + rank * PART, ALL);
             } else {
+              tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
+            }
+            if constexpr (CLUSTER > 1 && !TALL_) {
               constexpr int PART = BN / CLUSTER;
-              tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART,
-                                    static_cast<uint16_t>((1 << CLUSTER) - 1));
+              tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART, ALL);
+            } else {
+              tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
             }
           }
           __syncwarp();
@@ -349,10 +373,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS) : "memory");
-    const int half = wg - 1;  // rows half*64 .. half*64+63 of the tile
+    const int half = wg - 1;  // rows half*RW .. half*RW+RW-1 of the tile
     const int warp = __shfl_sync(0xffffffff, tid / 32, 0);  // warp-uniform, as wg above
     const int lane = tid % 32;
-    const int r_local = half * 64 + warp * 16 + lane / 4;  // and r_local + 8
+    // This thread's rows in the first m64 block (and r_local + 8; + 64 in the second, TALL).
+    const int r_local = half * RW + warp * 16 + lane / 4;
     // One arrival per CTA of the cluster, lane r signalling CTA r: one instruction for the warp.
     auto release = [&](int s) {
       __syncwarp();
@@ -361,15 +386,16 @@ __global__ void __launch_bounds__(THREADS, 1)
       else
         mbar_arrive_cluster_if(lane < CLUSTER, &empty[s], static_cast<uint32_t>(lane % CLUSTER));
     };
-    float acc[HALVES][64];
+    float acc[SUBS][64];
     float part[BASE == UNSCALED ? 1 : 64];
     float part2[BASE == PIPELINED ? 64 : 1];
     int it = 0;
 
-    // Block kb's wgmmas for one 128-column half h on stage s into p (accumulate: add to p).
-    auto issue = [&](float(&p)[64], int s, int h, int accumulate) {
-      const uint32_t da = smem_desc_lo(s_a + s * L::A + half * 64 * BK);
-      const uint32_t db = smem_desc_lo(s_b + s * L::B + h * 128 * BK);
+    // Block kb's wgmmas for partial sum u (m64 block u / NH, column half u % NH) on stage s into p
+    // (accumulate: add to p).
+    auto issue = [&](float(&p)[64], int s, int u, int accumulate) {
+      const uint32_t da = smem_desc_lo(s_a + s * L::A + (half * RW + u / NH * 64) * BK);
+      const uint32_t db = smem_desc_lo(s_b + s * L::B + u % NH * 128 * BK);
       fence_regs(p);
       wgmma_fence();
 #pragma unroll
@@ -416,34 +442,32 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     for (int tile = first; tile < num_tiles; tile += stride) {
-      int tm, tn;
-      tile_of(tile, walk_m, tiles_n, tm, tn);
-      const int m0 = (tm * CLUSTER + rank) * BM;
-      const int n0 = tn * BN;
+      int m0, n0;
+      origin(tile, m0, n0);
       if constexpr (!OVL) {
 #pragma unroll
-        for (int h = 0; h < HALVES; ++h)
+        for (int u = 0; u < SUBS; ++u)
 #pragma unroll
-          for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+          for (int i = 0; i < 64; ++i) acc[u][i] = 0.f;
       }
 
       const int sb_off = (n0 / 128) % 4;  // SB_SMEM: the tile's first weight-scale block in the box
-      const float* sb_rows[HALVES];
+      const float* sb_rows[NH];
 #pragma unroll
-      for (int h = 0; h < HALVES; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
+      for (int h = 0; h < NH; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
 
       if constexpr (BASE == UNSCALED) {
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
 #pragma unroll
-          for (int h = 0; h < HALVES; ++h) issue(acc[h], s, h, kb > 0);
+          for (int u = 0; u < SUBS; ++u) issue(acc[u], s, u, kb > 0);
           if (kb == 0) flush_pending();
           wgmma_wait<0>();
           release(s);
         }
 #pragma unroll
-        for (int h = 0; h < HALVES; ++h) fence_regs(acc[h]);
+        for (int u = 0; u < SUBS; ++u) fence_regs(acc[u]);
       } else if constexpr (BASE == PIPELINED) {
         // Block kb lives in part when kb is even, part2 when odd: every register index stays a
         // compile-time constant.
@@ -456,8 +480,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int s = it % STAGES;
           if constexpr (SBS) sb = lds(s_sb + s * (L::SB / 4) + sb_off);
           fence_regs(cur);
-          const float s0 = lds(s_sa + s * BM + r_local) * sb;
-          const float s1 = lds(s_sa + s * BM + r_local + 8) * sb;
+          const float s0 = lds(s_sa + s * BMT + r_local) * sb;
+          const float s1 = lds(s_sa + s * BMT + r_local + 8) * sb;
           release(s);
           promote(acc[0], cur, s0, s1);
           ++it;
@@ -491,15 +515,15 @@ __global__ void __launch_bounds__(THREADS, 1)
           last(part);
         }
       } else {
-        float sb_now[HALVES];
+        float sb_now[NH];
 #pragma unroll
-        for (int h = 0; h < HALVES; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h]);
+        for (int h = 0; h < NH; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h]);
         int kb0 = 0;
         if constexpr (OVL) {
           {
             const int s = it % STAGES;
-            const float sa0 = lds(s_sa + s * BM + r_local);
-            const float sa1 = lds(s_sa + s * BM + r_local + 8);
+            const float sa0 = lds(s_sa + s * BMT + r_local);
+            const float sa1 = lds(s_sa + s * BMT + r_local + 8);
             const float sb0 = lds(s_sb + s * (L::SB / 4) + sb_off);
             const float sb1 = lds(s_sb + s * (L::SB / 4) + sb_off + 1);
             // The first K block starts both accumulators: a multiply, no add.
@@ -528,29 +552,33 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = kb0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
-          const float sa0 = lds(s_sa + s * BM + r_local);
-          const float sa1 = lds(s_sa + s * BM + r_local + 8);
+          constexpr int MB = SUBS / NH;  // m64 blocks per warpgroup
+          float sa0[MB], sa1[MB];
+#pragma unroll
+          for (int r = 0; r < MB; ++r) {
+            sa0[r] = lds(s_sa + s * BMT + r_local + 64 * r);
+            sa1[r] = lds(s_sa + s * BMT + r_local + 64 * r + 8);
+          }
           if constexpr (SBS) {
 #pragma unroll
-            for (int h = 0; h < HALVES; ++h) sb_now[h] = lds(s_sb + s * (L::SB / 4) + sb_off + h);
+            for (int h = 0; h < NH; ++h) sb_now[h] = lds(s_sb + s * (L::SB / 4) + sb_off + h);
           }
-          float sb_next[HALVES];
+          float sb_next[NH];
 #pragma unroll
-          for (int h = 0; h < HALVES; ++h) {
-            issue(part, s, h, 0);
-            if (h == 0 && kb == 0) flush_pending();
-            if (h == 0) {
+          for (int u = 0; u < SUBS; ++u) {
+            issue(part, s, u, 0);
+            if (u == 0 && kb == 0) flush_pending();
+            if (u == 0) {
 #pragma unroll
-              for (int g = 0; g < HALVES; ++g)
-                sb_next[g] = !SBS && kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
+              for (int g = 0; g < NH; ++g) sb_next[g] = !SBS && kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
             }
             wgmma_wait<0>();
             fence_regs(part);
-            if (h == HALVES - 1) release(s);
-            promote(acc[h], part, sa0 * sb_now[h], sa1 * sb_now[h]);
+            if (u == SUBS - 1) release(s);
+            promote(acc[u], part, sa0[u / NH] * sb_now[u % NH], sa1[u / NH] * sb_now[u % NH]);
           }
 #pragma unroll
-          for (int h = 0; h < HALVES; ++h) sb_now[h] = sb_next[h];
+          for (int h = 0; h < NH; ++h) sb_now[h] = sb_next[h];
         }
       }
 
@@ -573,8 +601,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         // then its B space, split between the two warpgroups.
         constexpr int BOX = 64 * 128;
         constexpr int A_BOXES = L::A / BOX;
-        constexpr int SLOTS = (L::A + L::B) / BOX / 2;  // per warpgroup: 2 (BN 128) or 3 (BN 256)
-        constexpr int BOXES = BN / 64;                  // per warpgroup
+        constexpr int SLOTS = (L::A + L::B) / BOX / 2;  // per warpgroup: 2 (BN 128) or 3 (BN 256, TALL)
+        constexpr int CB = BN / 64;                     // boxes across a row block
+        constexpr int BOXES = SUBS / NH * CB;           // per warpgroup: its m64 row blocks x CB
         constexpr int FIRST = BOXES < SLOTS ? BOXES : SLOTS;
         auto slot = [&](int k) -> uint8_t* {
           const int g = half * SLOTS + k;
@@ -585,25 +614,28 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int q = lane / 8;
         const int rr = lane % 8;
         const uint32_t row_off = static_cast<uint32_t>((warp * 16 + (q & 1) * 8 + rr) * 128);
+        // Box b: m64 row block b / CB, 64 columns b % CB, so partial sum (b / CB) * NH + (b % CB) / 2.
         auto write_box = [&](int b, uint8_t* dst) {
-          const int h = b / 2;
+          const int h = b / CB * NH + b % CB / 2;
           const uint32_t base = smem_u32(dst) + row_off;
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
-            const int j = (b % 2) * 8 + 2 * p;  // fragment column block within the half
+            const int j = (b % CB % 2) * 8 + 2 * p;  // fragment column block within the half
             const int chunk = 2 * p + (q >> 1);
             stmatrix_x4(base + static_cast<uint32_t>((chunk ^ rr) << 4), pack_bf16(acc[h][4 * j], acc[h][4 * j + 1]),
                         pack_bf16(acc[h][4 * j + 2], acc[h][4 * j + 3]), pack_bf16(acc[h][4 * j + 4], acc[h][4 * j + 5]),
                         pack_bf16(acc[h][4 * j + 6], acc[h][4 * j + 7]));
           }
         };
-        const int row_c = m0 + half * 64;
+        auto store_box = [&](int b, const uint8_t* src) {
+          tma_store_2d_if(tid == 0, &tm_c, src, n0 + 64 * (b % CB), m0 + half * RW + 64 * (b / CB));
+        };
 #pragma unroll
         for (int j = 0; j < FIRST; ++j) write_box(j, slot(j));
         fence_async_smem();
         named_sync(1 + half, 128);
 #pragma unroll
-        for (int j = 0; j < FIRST; ++j) tma_store_2d_if(tid == 0, &tm_c, slot(j), n0 + 64 * j, row_c);
+        for (int j = 0; j < FIRST; ++j) store_box(j, slot(j));
 #pragma unroll
         for (int j = FIRST; j < BOXES; ++j) {
           bulk_wait_read_if<SLOTS - 1>(tid == 0);  // store j - SLOTS has read its slot
@@ -611,7 +643,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           write_box(j, slot(j % SLOTS));
           fence_async_smem();
           named_sync(1 + half, 128);
-          tma_store_2d_if(tid == 0, &tm_c, slot(j % SLOTS), n0 + 64 * j, row_c);
+          store_box(j, slot(j % SLOTS));
         }
         if (warp == 0)
           pending = s;  // released after the next tile's first wgmma issue
@@ -619,13 +651,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           release(s);
         continue;
       }
-      const int row0 = m0 + r_local;
-      const int row1 = row0 + 8;
 #pragma unroll
-      for (int h = 0; h < HALVES; ++h) {
+      for (int h = 0; h < SUBS; ++h) {
+        const int row0 = m0 + r_local + h / NH * 64;
+        const int row1 = row0 + 8;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const int col = n0 + h * 128 + 8 * j + 2 * (lane % 4);
+          const int col = n0 + h % NH * 128 + 8 * j + 2 * (lane % 4);
           if (col < N) {
             if (row0 < M)
               *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row0) * ldc + col) =
@@ -698,10 +730,14 @@ struct ClusterLaunch {
 // at once (the persistent walk assumes every CTA runs from the start).
 template <int BN, int STAGES, int MODE, int CLUSTER>
 int grid_for(int M, int N, int max_ctas) {
-  const int walk = (M + BM * CLUSTER - 1) / (BM * CLUSTER) * ((N + BN - 1) / BN);
+  constexpr int BMT = tile_rows(MODE);
+  const int tiles_m = (M + BMT - 1) / BMT;
+  const int tiles_n = (N + BN - 1) / BN;
+  const int walk = (MODE & TALL) != 0 ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
+                                      : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
-    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, Smem<BN, STAGES>::BYTES, nullptr);
+    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, Smem<tile_rows(MODE), BN, STAGES>::BYTES, nullptr);
     int active = 0;
     if (cudaOccupancyMaxActiveClusters(&active, fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>, &probe.cfg) !=
         cudaSuccess)
@@ -714,13 +750,17 @@ int grid_for(int M, int N, int max_ctas) {
 template <int BN, int STAGES, int MODE, int CLUSTER>
 int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c, int M,
            int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
+  // The multicast operand's box is its share of the tile: B's without TALL, A's with it.
+  constexpr int BMT = tile_rows(MODE);
+  constexpr bool TALL_ = (MODE & TALL) != 0;
   CUtensorMap tm_a, tm_b, tm_sa;
-  if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, BM, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
+  if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, TALL_ ? BMT / CLUSTER : BMT,
+                CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -1;
-  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, N, K, BK, BN / CLUSTER, CU_TENSOR_MAP_SWIZZLE_128B) !=
-      CUDA_SUCCESS)
+  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, N, K, BK, TALL_ ? BN : BN / CLUSTER,
+                CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -2;
-  if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BM, 1,
+  if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BMT, 1,
                 CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
     return -3;
   CUtensorMap tm_c = {};
@@ -742,7 +782,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       return -6;
   }
   const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
-  const int bytes = Smem<BN, STAGES>::BYTES;
+  const int bytes = Smem<tile_rows(MODE), BN, STAGES>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
@@ -763,7 +803,7 @@ struct Variant {
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, Smem<BN, STAGES>::BYTES};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, Smem<tile_rows(MODE), BN, STAGES>::BYTES};
 }
 
 // The variants the library exports, by index (wgmma_lib.py's VARIANTS lists the same).
@@ -781,6 +821,9 @@ constexpr Variant VARIANTS[] = {
     // The next tile's first K block under this tile's epilogue (OVERLAP): 18, 19.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 2>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 1>(),
+    // 256 x 128 tiles, clusters sharing A (TALL): 20, 21.
+    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 2>(),
+    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 1>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

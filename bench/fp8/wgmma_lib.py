@@ -31,7 +31,9 @@ NVCC_FLAGS = nvcc.SM90A_FLAGS
 BLOCK = 128
 # The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
 # cluster size); wgmma_kernel.cu describes the modes. "unscaled" is a probe (no scales: not the
-# recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups).
+# recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups), or
+# 256 for a "tall" mode ("plain" with each warpgroup holding two 64-row blocks that share the
+# B tile, and clusters sharing the A tile between CTAs with neighbouring columns: `tile_rows`).
 # A "_tma" mode stores the output tile through shared memory (a ring slot lent by the producer)
 # and TMA stores that overlap the next tile's wgmmas; at ldc % 8 != 0 it falls back to the direct
 # epilogue of the same mode. A "_sbs" mode reads the weight scales from shared memory, loaded by
@@ -59,9 +61,15 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "plain_tma_sbs", 2),
     (256, 4, "plain_tma_sbs_ovl", 2),
     (256, 4, "plain_tma_sbs_ovl", 1),
+    (128, 4, "tall_tma_sbs", 2),
+    (128, 4, "tall_tma_sbs", 1),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
+
+
+def tile_rows(variant: int) -> int:
+    return 2 * BLOCK if VARIANTS[variant][2].startswith("tall") else BLOCK
 
 
 def uses_smem_scales(variant: int) -> bool:
