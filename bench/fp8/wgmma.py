@@ -111,7 +111,7 @@ ROUNDS = [5]
 def bench_rounds(fns: dict[str, Callable[[], Any]], row: dict[str, Any]) -> None:
     """`<name>_us` in `row`: the median over ROUNDS rounds of each function's CUDA-graph timing,
     the functions taking turns within a round, each round starting one later (and every sample
-    kept as `<name>_samples_us`).
+    kept as `<name>_us_samples`).
 
     Why: back to back at the 700 W cap the card's clock drifts with its temperature and power
     draw, by 10% within one run (session 19: one kernel timed 1147 and 1003 TFLOP/s minutes apart
@@ -125,7 +125,7 @@ def bench_rounds(fns: dict[str, Callable[[], Any]], row: dict[str, Any]) -> None
             samples[name].append(bench_us(fns[name]))
     for name in names:
         row[f"{name}_us"] = statistics.median(samples[name])
-        row[f"{name}_samples_us"] = samples[name]
+        row[f"{name}_us_samples"] = samples[name]
 
 
 def time_rows(dev: torch.device) -> list[dict[str, Any]]:
