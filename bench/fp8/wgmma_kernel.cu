@@ -195,7 +195,7 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-template <int BMT, int BN, int STAGES>
+template <int BMT, int BN, int STAGES, bool DD = false>
 struct Smem {
   static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
@@ -205,7 +205,9 @@ struct Smem {
   // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
   // on the H200), so the tile's blocks sit at offset (n0 / 128) % 4 in it.
   static constexpr int SB = 128;
-  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8;
+  // DEDICATED_D: the output tile's own buffer (bf16), instead of a lent ring slot.
+  static constexpr int D = DD ? BMT * BN * 2 : 0;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + D + 2 * STAGES * 8;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
@@ -223,6 +225,12 @@ constexpr int OVERLAP = 16;
 // for these shapes), and a cluster shares the A tile between CTAs with neighbouring columns.
 constexpr int TALL = 32;
 __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 0 ? 2 * BM : BM; }
+// Flag on TMA_STORE: the epilogue writes the tile into a buffer of its own (DeepGEMM's layout,
+// with a stage fewer) instead of a ring slot the producer lends, so the ring keeps every stage
+// for loads across tile boundaries.
+constexpr int DEDICATED_D = 64;
+template <int BN, int STAGES, int MODE>
+using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & DEDICATED_D) != 0>;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -247,8 +255,8 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // even the unscaled probe lost 20% there). Needs ldc % 8 == 0 and a 16-byte aligned C (TMA);
 // otherwise the launch falls back to the direct epilogue.
 // MODE | OVERLAP: both warpgroups reach the epilogue together, so without it the tensor cores idle
-// through it (at K = 2048 a tile is only 16 K blocks). Here a warpgroup issues the first
-// 128-column half of the next tile's first K block into the partial sum before storing this tile,
+// through it (at K = 2048 a tile is only 16 K blocks). Here a warpgroup issues the first partial
+// sum (column half, or TALL m64 block) of the next tile's first K block before storing this tile,
 // so the two warpgroups' 2 x 4 wgmmas run under the epilogue. The next tile starts both
 // accumulators from that block with a multiply instead of zeroing them and adding.
 template <int BN, int STAGES, int MODE, int CLUSTER>
@@ -261,17 +269,20 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
   constexpr bool OVL = (MODE & OVERLAP) != 0;
-  static_assert(!OVL || (BASE == PLAIN && EPI_TMA && SBS && BN == 256), "OVERLAP: PLAIN | TMA_STORE | SB_SMEM, BN 256");
+  static_assert(!OVL || (BASE == PLAIN && EPI_TMA && SBS), "OVERLAP: PLAIN | TMA_STORE | SB_SMEM");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   constexpr bool TALL_ = (MODE & TALL) != 0;
-  static_assert(!TALL_ || (BASE == PLAIN && BN == 128 && !OVL), "TALL: PLAIN, BN 128");
+  static_assert(!TALL_ || (BASE == PLAIN && BN == 128), "TALL: PLAIN, BN 128");
   constexpr int BMT = tile_rows(MODE);  // tile rows
   constexpr int RW = BMT / 2;           // rows per math warpgroup
   constexpr int NH = BN / 128;          // 128-column halves (one weight-scale block each)
   // Partial sums per K block, (m64 row block, column half) pairs: at most 2 (registers).
   constexpr int SUBS = (RW / 64) * NH;
   static_assert(SUBS <= 2, "128 + 64 accumulator registers at most");
-  using L = Smem<BMT, BN, STAGES>;
+  static_assert(!OVL || SUBS == 2, "OVERLAP: two partial sums per K block");
+  constexpr bool DD = (MODE & DEDICATED_D) != 0;
+  static_assert(!DD || EPI_TMA, "DEDICATED_D: a TMA_STORE mode");
+  using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
   // window's address is per-thread vector work, and everything derived from it (the wgmma
@@ -279,7 +290,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
-  float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
+  uint8_t* s_d = s_b + STAGES * L::B;  // L::D bytes (DEDICATED_D)
+  float* s_sa = reinterpret_cast<float*>(s_d + L::D);
   float* s_sb = s_sa + STAGES * BMT;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
@@ -361,7 +373,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           __syncwarp();
         }
-        if constexpr (EPI_TMA) {
+        if constexpr (EPI_TMA && !DD) {
           // The epilogue's slot: no copy, just mark it full for the math warpgroups.
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -522,10 +534,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         if constexpr (OVL) {
           {
             const int s = it % STAGES;
-            const float sa0 = lds(s_sa + s * BMT + r_local);
-            const float sa1 = lds(s_sa + s * BMT + r_local + 8);
-            const float sb0 = lds(s_sb + s * (L::SB / 4) + sb_off);
-            const float sb1 = lds(s_sb + s * (L::SB / 4) + sb_off + 1);
+            // Partial sum u's scales: rows of m64 block u / NH, weight block u % NH.
+            float s0[SUBS], s1[SUBS];
+#pragma unroll
+            for (int u = 0; u < SUBS; ++u) {
+              const float w = lds(s_sb + s * (L::SB / 4) + sb_off + u % NH);
+              s0[u] = lds(s_sa + s * BMT + r_local + 64 * (u / NH)) * w;
+              s1[u] = lds(s_sa + s * BMT + r_local + 64 * (u / NH) + 8) * w;
+            }
             // The first K block starts both accumulators: a multiply, no add.
             auto start = [&](float(&a)[64], float s0, float s1) {
 #pragma unroll
@@ -539,12 +555,12 @@ __global__ void __launch_bounds__(THREADS, 1)
             wgmma_wait<0>();
             fence_regs(part);
             flush_pending();
-            start(acc[0], sa0 * sb0, sa1 * sb0);
+            start(acc[0], s0[0], s1[0]);
             issue(part, s, 1, 0);
             wgmma_wait<0>();
             fence_regs(part);
             release(s);
-            start(acc[1], sa0 * sb1, sa1 * sb1);
+            start(acc[1], s0[1], s1[1]);
             ++it;
             kb0 = 1;
           }
@@ -585,9 +601,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
       // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
       if constexpr (EPI_TMA) {
-        const int s = it % STAGES;  // the slot the producer lent for this epilogue
-        mbar_wait(&full[s], (it / STAGES) & 1);
-        ++it;
+        const int s = it % STAGES;  // the slot the producer lent for this epilogue (not DD)
+        if constexpr (!DD) {
+          mbar_wait(&full[s], (it / STAGES) & 1);
+          ++it;
+        }
         // OVL: the first half of the next tile's first K block (ring slot `it`).
         const bool preissue = OVL && tile + stride < num_tiles;
         const int s_next = it % STAGES;
@@ -601,14 +619,21 @@ __global__ void __launch_bounds__(THREADS, 1)
         // then its B space, split between the two warpgroups.
         constexpr int BOX = 64 * 128;
         constexpr int A_BOXES = L::A / BOX;
-        constexpr int SLOTS = (L::A + L::B) / BOX / 2;  // per warpgroup: 2 (BN 128) or 3 (BN 256, TALL)
-        constexpr int CB = BN / 64;                     // boxes across a row block
-        constexpr int BOXES = SUBS / NH * CB;           // per warpgroup: its m64 row blocks x CB
+        constexpr int CB = BN / 64;            // boxes across a row block
+        constexpr int BOXES = SUBS / NH * CB;  // per warpgroup: its m64 row blocks x CB
+        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot, all of them with DD.
+        constexpr int SLOTS = DD ? BOXES : (L::A + L::B) / BOX / 2;
         constexpr int FIRST = BOXES < SLOTS ? BOXES : SLOTS;
         auto slot = [&](int k) -> uint8_t* {
           const int g = half * SLOTS + k;
+          if constexpr (DD) return s_d + g * BOX;
           return g < A_BOXES ? s_a + s * L::A + g * BOX : s_b + s * L::B + (g - A_BOXES) * BOX;
         };
+        if constexpr (DD) {
+          // The last tile's stores have read the buffer.
+          bulk_wait_read_if<0>(tid == 0);
+          named_sync(1 + half, 128);
+        }
         // stmatrix x4: lanes 8q..8q+7 address rows (q & 1) * 8 + lane % 8 of the warp's 16, 16-byte
         // column chunk 2 * p + (q >> 1) of the box; the swizzle XORs the chunk with row % 8.
         const int q = lane / 8;
@@ -645,10 +670,12 @@ __global__ void __launch_bounds__(THREADS, 1)
           named_sync(1 + half, 128);
           store_box(j, slot(j % SLOTS));
         }
-        if (warp == 0)
-          pending = s;  // released after the next tile's first wgmma issue
-        else
-          release(s);
+        if constexpr (!DD) {
+          if (warp == 0)
+            pending = s;  // released after the next tile's first wgmma issue
+          else
+            release(s);
+        }
         continue;
       }
 #pragma unroll
@@ -737,7 +764,7 @@ int grid_for(int M, int N, int max_ctas) {
                                       : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
-    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, Smem<tile_rows(MODE), BN, STAGES>::BYTES, nullptr);
+    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, SmemOf<BN, STAGES, MODE>::BYTES, nullptr);
     int active = 0;
     if (cudaOccupancyMaxActiveClusters(&active, fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>, &probe.cfg) !=
         cudaSuccess)
@@ -767,7 +794,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & TMA_STORE) != 0) {
     // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
     if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
+      return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | DEDICATED_D), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
                                                             stream);
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
@@ -782,7 +809,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       return -6;
   }
   const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
-  const int bytes = Smem<tile_rows(MODE), BN, STAGES>::BYTES;
+  const int bytes = SmemOf<BN, STAGES, MODE>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
@@ -803,7 +830,7 @@ struct Variant {
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, Smem<tile_rows(MODE), BN, STAGES>::BYTES};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES};
 }
 
 // The variants the library exports, by index (wgmma_lib.py's VARIANTS lists the same).
@@ -821,9 +848,13 @@ constexpr Variant VARIANTS[] = {
     // The next tile's first K block under this tile's epilogue (OVERLAP): 18, 19.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 2>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 1>(),
-    // 256 x 128 tiles, clusters sharing A (TALL): 20, 21.
+    // 256 x 128 tiles, clusters sharing A (TALL): 20, 21; with OVERLAP: 22.
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 2>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 1>(),
+    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP, 2>(),
+    // The output tile in its own buffer, a stage fewer (DEDICATED_D): 23 (TALL), 24 (BN 256).
+    variant<128, 3, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | DEDICATED_D, 2>(),
+    variant<256, 3, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | DEDICATED_D, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -40,6 +40,7 @@ BLOCK = 128
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
 # them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
 # tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
+# A "_dd" mode stores through a buffer of its own (`d_bytes`) instead of a lent ring slot.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -63,6 +64,9 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "plain_tma_sbs_ovl", 1),
     (128, 4, "tall_tma_sbs", 2),
     (128, 4, "tall_tma_sbs", 1),
+    (128, 4, "tall_tma_sbs_ovl", 2),
+    (128, 3, "tall_tma_sbs_ovl_dd", 2),
+    (256, 3, "plain_tma_sbs_ovl_dd", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory, 2-CTA clusters: the fastest measured.
 DEFAULT_VARIANT = 17
@@ -70,6 +74,12 @@ DEFAULT_VARIANT = 17
 
 def tile_rows(variant: int) -> int:
     return 2 * BLOCK if VARIANTS[variant][2].startswith("tall") else BLOCK
+
+
+def d_bytes(variant: int) -> int:
+    """The output tile's own shared-memory buffer ("_dd" modes), bytes."""
+    bn, _stages, mode, _cluster = VARIANTS[variant]
+    return tile_rows(variant) * bn * 2 if mode.endswith("_dd") else 0
 
 
 def uses_smem_scales(variant: int) -> bool:
