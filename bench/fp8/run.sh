@@ -11,6 +11,8 @@
 #                                        its chosen configuration per shape printed in the .txt
 #   bash bench/fp8/run.sh deepgemm-ncu ncu   -> Nsight Compute over DeepGEMM's kernel at
 #      M, N, K = 4096, 4096, 7168 ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
+#   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
+#      SASS instruction, as ncu-source gives ours
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -37,6 +39,10 @@ for what in "${@:-gemm}"; do
       DG_PRINT_CONFIGS=1 NCU_TAG=deepgemm_ncu NCU_KERNELS=regex:sm90_fp8_gemm \
         NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_ncu.json" \
         bash bench/fp8/wgmma_ncu.sh ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu)"; exit 2 ;;
+    deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
+      unpack_deepgemm || exit 1
+      NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_src.json" \
+        bash bench/fp8/wgmma_ncu_source.sh deepgemm regex:sm90_fp8_gemm ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source)"; exit 2 ;;
   esac
 done
