@@ -405,16 +405,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     // Block kb's wgmmas for partial sum u (m64 block u / NH, column half u % NH) on stage s into p
     // (accumulate: add to p).
-    // The descriptors' low words at stage 0: the others are additions (no field overflows: shared
-    // addresses stay below 2^18). Computing each from its address instead cost uniform
-    // instructions per wgmma (session 19's source counts: 19% more instructions than DeepGEMM).
-    // (An unsigned `it`, for cheaper % and / by STAGES, made ptxas spill in the TALL variants.)
-    // Broadcast so that the compiler keeps them in uniform registers (as wg above).
-    const uint32_t desc_a = __shfl_sync(0xffffffff, smem_desc_lo(s_a + half * RW * BK), 0);
-    const uint32_t desc_b = __shfl_sync(0xffffffff, smem_desc_lo(s_b), 0);
     auto issue = [&](float(&p)[64], int s, int u, int accumulate) {
-      const uint32_t da = desc_a + static_cast<uint32_t>(s * L::A + u / NH * 64 * BK) / 16;
-      const uint32_t db = desc_b + static_cast<uint32_t>(s * L::B + u % NH * 128 * BK) / 16;
+      const uint32_t da = smem_desc_lo(s_a + s * L::A + (half * RW + u / NH * 64) * BK);
+      const uint32_t db = smem_desc_lo(s_b + s * L::B + u % NH * 128 * BK);
       fence_regs(p);
       wgmma_fence();
 #pragma unroll
