@@ -1,8 +1,9 @@
 """The warp-specialised Hopper FP8 GEMM probe (`wgmma_kernel.cu`): built with nvcc on first use,
 loaded through ctypes, launched on torch's current stream. A benchmark, not an engine backend: its
-best variant measured 0.98-1.05x cuBLAS block-wise at M >= 4096 (bench/fp8/README.md, session 15),
-parity that does not pay for a run-time nvcc build in the engine, so the dispatch keeps cuBLAS; it
-stays here as the measured starting point for a faster promotion schedule.
+best variant measured 0.94-1.09x cuBLAS block-wise and 0.87-0.99x DeepGEMM at M >= 4096 (one H100,
+session 19, bench/fp8/README.md), a margin over cuBLAS too thin and too uneven to pay for a
+run-time nvcc build in the engine, so the dispatch keeps cuBLAS; it stays here as the measured
+starting point for closing the gap to DeepGEMM.
 
 Built and cached by bench/cuda/nvcc.py (one nvcc call, no torch headers). The library links no
 libcuda (it looks the tensor-map encoder up through the CUDA runtime), so it also builds where
@@ -40,7 +41,8 @@ BLOCK = 128
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
 # them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
 # tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
-# A "_dd" mode stores through a buffer of its own (`d_bytes`) instead of a lent ring slot.
+# A "_dd" mode stores through a buffer of its own (`d_bytes`) instead of a lent ring slot. A
+# "_lean" mode is the same schedule in fewer instructions per K block (bench/fp8/sass_compare.py).
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -67,6 +69,7 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 4, "tall_tma_sbs_ovl", 2),
     (128, 3, "tall_tma_sbs_ovl_dd", 2),
     (256, 3, "plain_tma_sbs_ovl_dd", 2),
+    (256, 4, "plain_tma_sbs_ovl_lean", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
 # session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
