@@ -31,15 +31,19 @@ class BuildError(RuntimeError):
     """nvcc is missing or failed."""
 
 
-def nvcc_path() -> str | None:
-    """nvcc from PATH, else $CUDA_HOME/bin, else the usual install prefix."""
-    found = shutil.which("nvcc")
+def cuda_tool(name: str) -> str | None:
+    """A CUDA toolkit program from PATH, else $CUDA_HOME/bin, else the usual install prefix."""
+    found = shutil.which(name)
     if found:
         return found
     for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "nvcc").exists():
-            return str(Path(root) / "bin" / "nvcc")
+        if root and (Path(root) / "bin" / name).exists():
+            return str(Path(root) / "bin" / name)
     return None
+
+
+def nvcc_path() -> str | None:
+    return cuda_tool("nvcc")
 
 
 def cache_dir() -> Path:

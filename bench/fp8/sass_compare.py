@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -107,13 +105,10 @@ def kernel_symbol_part(variant: int) -> str:
 
 
 def cuobjdump_path() -> str:
-    """cuobjdump from PATH, $CUDA_HOME/bin, or the copy bundled with Triton."""
-    found = shutil.which("cuobjdump")
+    """cuobjdump from the CUDA toolkit (nvcc.cuda_tool), else the copy bundled with Triton."""
+    found = nvcc.cuda_tool("cuobjdump")
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "cuobjdump").exists():
-            return str(Path(root) / "bin" / "cuobjdump")
     try:
         import triton
 
