@@ -57,6 +57,11 @@ CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
 OURS = [wgmma_lib.DEFAULT_VARIANT]
 
 
+def ours_key(variant: int) -> str:
+    """The row's name for one of our variants: "relay_wgmma" for the default (as before --variants)."""
+    return "relay_wgmma" if variant == wgmma_lib.DEFAULT_VARIANT else f"relay_wgmma_v{variant}"
+
+
 def cuda_home() -> str:
     """$CUDA_HOME, else the toolkit holding nvcc's headers (nvcc may be a wrapper script)."""
     nvcc = nvcc_path()
@@ -153,8 +158,7 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                 "deepgemm": lambda d=d, o=out: run_deepgemm(dg, d, o),
             }
             for v in OURS:
-                key = "relay_wgmma" if v == wgmma_lib.DEFAULT_VARIANT else f"relay_wgmma_v{v}"
-                fns[key] = lambda d=d, o=out, v=v: wgmma_lib.fp8_gemm(
+                fns[ours_key(v)] = lambda d=d, o=out, v=v: wgmma_lib.fp8_gemm(
                     d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                 )
             bench_rounds(fns, row)
@@ -229,7 +233,7 @@ def main() -> None:
         ours = "".join(
             f"  relay v{v} {r[k]:5.0f} ({r[k] / r['bf16_tflops']:.2f}x)"
             for v in OURS
-            for k in ["relay_wgmma_tflops" if v == wgmma_lib.DEFAULT_VARIANT else f"relay_wgmma_v{v}_tflops"]
+            for k in [f"{ours_key(v)}_tflops"]
         )
         print(
             f"M={r['M']:5d} N={r['N']:5d} K={r['K']:5d} bf16 {r['bf16_tflops']:5.0f}  cublas-bw "

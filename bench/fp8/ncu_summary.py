@@ -39,6 +39,7 @@ def source_rows(path: str) -> list[dict[str, str]]:
 
 
 def opcode(sass: str) -> str:
+    """The opcode of one SASS instruction's text, without predicate guard or modifiers."""
     text = sass.strip()
     if text.startswith("@"):  # predicate guard
         text = text.split(None, 1)[1] if " " in text else ""

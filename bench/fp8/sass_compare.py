@@ -29,14 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import wgmma_lib  # noqa: E402
+from ncu_summary import opcode  # noqa: E402
 
 from bench.cuda import nvcc  # noqa: E402
-
-# The MODE flags of wgmma_kernel.cu (enum Mode and the flag constants), by their names in
-# wgmma_lib.VARIANTS' mode strings.
-BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 0}
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "dd": 64, "lean": 128}
-TALL_FLAG = 32
 
 # DeepGEMM's SM90 1D2D kernel as its heuristic configures it for M, N, K = 4096, 4096, 7168 on 132
 # SMs (session 19's DG_PRINT_CONFIGS): 256 x 128 tiles, 3 stages, 2-CTA clusters sharing A. The
@@ -67,10 +62,7 @@ class Instr:
 
     @property
     def opcode(self) -> str:
-        text = self.text
-        if text.startswith("@"):  # predicate guard
-            text = text.split(None, 1)[1] if " " in text else ""
-        return text.split()[0].split(".")[0] if text else "?"
+        return opcode(self.text)
 
 
 @dataclass(frozen=True)
@@ -89,19 +81,10 @@ class LoopStats:
         return (self.instructions - self.ffmas) / self.wgmmas
 
 
-def mode_value(mode: str) -> int:
-    """wgmma_kernel.cu's MODE for a wgmma_lib mode string ("plain_tma_sbs_ovl" -> 28)."""
-    base, *flags = mode.split("_")
-    value = BASE_MODES[base] | (TALL_FLAG if base == "tall" else 0)
-    for flag in flags:
-        value |= MODE_FLAGS[flag]
-    return value
-
-
 def kernel_symbol_part(variant: int) -> str:
     """The mangled template arguments that name a variant's kernel in the cubin."""
     bn, stages, mode, cluster = wgmma_lib.VARIANTS[variant]
-    return f"fp8_gemm_kernelILi{bn}ELi{stages}ELi{mode_value(mode)}ELi{cluster}EE"
+    return f"fp8_gemm_kernelILi{bn}ELi{stages}ELi{wgmma_lib.mode_value(mode)}ELi{cluster}EE"
 
 
 def cuobjdump_path() -> str:

@@ -69,7 +69,7 @@ def vname(variant: int) -> str:
 
 
 def is_probe(variant: int) -> bool:
-    return wgmma_lib.VARIANTS[variant][2].startswith("unscaled")
+    return wgmma_lib.mode_parts(wgmma_lib.VARIANTS[variant][2])[0] == "unscaled"
 
 
 def self_check(dev: torch.device) -> list[dict[str, Any]]:

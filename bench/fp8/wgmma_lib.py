@@ -76,19 +76,39 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
 DEFAULT_VARIANT = 18
 
 
+# wgmma_kernel.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
+BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
+MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "dd": 64, "lean": 128}
+
+
+def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
+    """A mode string's base and its flags: "plain_tma_sbs" -> ("plain", {"tma", "sbs"})."""
+    base, *flags = mode.split("_")
+    return base, frozenset(flags)
+
+
+def mode_value(mode: str) -> int:
+    """wgmma_kernel.cu's MODE template argument for a mode string ("plain_tma_sbs_ovl" -> 28)."""
+    base, flags = mode_parts(mode)
+    value = BASE_MODES[base]
+    for flag in flags:
+        value |= MODE_FLAGS[flag]
+    return value
+
+
 def tile_rows(variant: int) -> int:
-    return 2 * BLOCK if VARIANTS[variant][2].startswith("tall") else BLOCK
+    return 2 * BLOCK if mode_parts(VARIANTS[variant][2])[0] == "tall" else BLOCK
 
 
 def d_bytes(variant: int) -> int:
     """The output tile's own shared-memory buffer ("_dd" modes), bytes."""
     bn, _stages, mode, _cluster = VARIANTS[variant]
-    return tile_rows(variant) * bn * 2 if mode.endswith("_dd") else 0
+    return tile_rows(variant) * bn * 2 if "dd" in mode_parts(mode)[1] else 0
 
 
 def uses_smem_scales(variant: int) -> bool:
     """Whether the variant reads the weight scales K-block-major (no copy for that layout)."""
-    return "_sbs" in VARIANTS[variant][2]
+    return "sbs" in mode_parts(VARIANTS[variant][2])[1]
 
 
 class WgmmaError(RuntimeError):
