@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.cuda import nvcc
 from bench.engine import dataflow_probe as probe
 from bench.engine.gemv_chain import random_weights, reference
+from services.engine.kernels.cuda import nvcc
 
 
 def test_packed_tiles_compute_the_reference_chain() -> None:

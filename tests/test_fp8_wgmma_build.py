@@ -1,71 +1,54 @@
-"""The CUDA FP8 GEMM probe (bench/fp8/wgmma_kernel.cu) still builds, and its variant table agrees
-with the Python side. Its numerics and speed are checked on the GPU by bench/fp8/wgmma.py; here
+"""The CUDA FP8 GEMM (services/engine/kernels/cuda/fp8_wgmma.cu) still builds, and its variant table
+agrees with the Python side. Its numerics and speed are checked on the GPU by bench/fp8/wgmma.py; here
 there is no GPU, so this covers what can rot without one: the nvcc build (sm_90a wgmma, TMA,
 setmaxnreg), the exported symbols, the shared-memory budget of every variant, and argument checks."""
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from bench.cuda import nvcc
+from services.engine.kernels.cuda import fp8_wgmma, nvcc
 
-ROOT = Path(__file__).resolve().parents[1]
 H100_MAX_DYNAMIC_SMEM = 227 * 1024
-
-
-def _load_lib_module():  # noqa: ANN202 - a module object
-    spec = importlib.util.spec_from_file_location("wgmma_lib", ROOT / "bench" / "fp8" / "wgmma_lib.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["wgmma_lib"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-wgmma_lib = _load_lib_module()
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if nvcc.nvcc_path() is None:
         pytest.skip("nvcc not installed")
-    path = wgmma_lib.build(tmp_path_factory.mktemp("wgmma") / "lib.so")
+    path = fp8_wgmma.build(tmp_path_factory.mktemp("wgmma") / "lib.so")
     return ctypes.CDLL(str(path))
 
 
 def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:
     built.relay_fp8_gemm_smem_bytes.restype = ctypes.c_int
-    for i, (bn, stages, _mode, _cluster) in enumerate(wgmma_lib.VARIANTS):
+    for i, (bn, stages, _mode, _cluster) in enumerate(fp8_wgmma.VARIANTS):
         got = built.relay_fp8_gemm_smem_bytes(i)
-        bm = wgmma_lib.tile_rows(i)
-        # The stages of A (bm rows), B, the A and B scales, the output tile's own buffer if any,
-        # their barriers, the alignment slack.
-        want = 1024 + stages * (bm * 128 + bn * 128 + bm * 4 + 128) + wgmma_lib.d_bytes(i) + 2 * stages * 8
+        bm = fp8_wgmma.tile_rows(i)
+        # The stages of A (bm rows), B, the A and B scales, their barriers, the alignment slack.
+        want = 1024 + stages * (bm * 128 + bn * 128 + bm * 4 + 128) + 2 * stages * 8
         assert got == want, (i, got, want)
         assert got <= H100_MAX_DYNAMIC_SMEM
-    assert built.relay_fp8_gemm_smem_bytes(len(wgmma_lib.VARIANTS)) == -1
+    assert built.relay_fp8_gemm_smem_bytes(len(fp8_wgmma.VARIANTS)) == -1
 
 
 def test_unknown_variant_is_refused_before_any_cuda_call(built: ctypes.CDLL) -> None:
     fn = built.relay_fp8_gemm
     fn.restype = ctypes.c_int
     args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
-    assert fn(*args, len(wgmma_lib.VARIANTS), None) == -10
+    assert fn(*args, len(fp8_wgmma.VARIANTS), None) == -10
     assert fn(*args, -1, None) == -10
 
 
 def test_python_side_names_what_it_cannot_run() -> None:
     a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
     w = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
-    assert wgmma_lib.unsupported_reason(a, w) == "needs CUDA tensors"
-    with pytest.raises(wgmma_lib.WgmmaError, match="needs CUDA tensors"):
-        wgmma_lib.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(2, 1))
+    assert fp8_wgmma.unsupported_reason(a, w) == "needs CUDA tensors"
+    with pytest.raises(fp8_wgmma.WgmmaError, match="needs CUDA tensors"):
+        fp8_wgmma.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(2, 1))
 
 
 @pytest.mark.parametrize(
@@ -77,7 +60,7 @@ def test_scales_reach_the_kernel_k_block_major_with_16_byte_rows(m: int, kb: int
     a_scale = torch.rand(m, kb)
     if col:
         a_scale = a_scale.t().contiguous().t()
-    s, pitch = wgmma_lib._k_block_major(a_scale)
+    s, pitch = fp8_wgmma._k_block_major(a_scale)
     assert pitch % 4 == 0 and pitch >= m and s.stride(0) == 1
     rows = torch.as_strided(s, (kb, m), (pitch, 1))  # what the kernel reads: row kb at kb * pitch
     assert torch.equal(rows, a_scale.t())

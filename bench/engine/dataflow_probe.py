@@ -41,7 +41,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.cuda import nvcc  # noqa: E402
 from bench.engine.gemv_chain import (  # noqa: E402
     INTER,
     NQ,
@@ -53,6 +52,7 @@ from bench.engine.gemv_chain import (  # noqa: E402
     setup,
     time_variants,
 )
+from services.engine.kernels.cuda import nvcc  # noqa: E402
 
 SOURCE = Path(__file__).with_name("dataflow_kernel.cu")
 P = 128

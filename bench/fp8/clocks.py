@@ -9,7 +9,7 @@ measures both clocks the same way, without a profiler: each GEMM is replayed fro
 steady middle of each window are summarised (median, 10th and 90th percentiles).
 
 GEMMs (M = 8192, N, K = 7168, 7168 by default): bf16 cuBLAS (F.linear), cuBLAS block-wise FP8
-(torch's scaled_mm, the engine's large-M path) and relay's CUDA kernel (wgmma_lib.DEFAULT_VARIANT).
+(torch's scaled_mm, the engine's large-M path) and relay's CUDA kernel (fp8_wgmma.DEFAULT_VARIANT).
 The bf16 GEMM runs first and last, so a drift of the chip's temperature over the run shows as a
 difference between its two windows.
 
@@ -117,21 +117,21 @@ def main() -> None:
     args = ap.parse_args()
     # Here, not at the top: the sample parsing above is tested on CPU without Triton imported.
     import gemm as bench
-    import wgmma_lib
     from wgmma import quantised, weight_scales
 
     from services.common import fp8 as ref
+    from services.engine.kernels.cuda import fp8_wgmma
 
     dev = torch.device("cuda")
     d = quantised(args.m, args.n, args.k, dev, seed=0)
     out = torch.empty(args.m, args.n, device=dev, dtype=torch.bfloat16)
-    ours = wgmma_lib.DEFAULT_VARIANT
-    wgmma_lib.build()
+    ours = fp8_wgmma.DEFAULT_VARIANT
+    fp8_wgmma.build()
     flops = 2.0 * args.m * args.n * args.k
     gemms: list[tuple[str, Callable[[], Any]]] = [
         ("bf16", lambda: torch.nn.functional.linear(d["x"], d["w"])),
         ("cublas_blockwise_fp8", lambda: ref.fp8_gemm(d["aq"], d["as_col"], d["wq"], d["ws"], torch.bfloat16, backend="torch")),
-        ("relay_wgmma_fp8", lambda: wgmma_lib.fp8_gemm(d["aq"], d["as_col"], d["wq"], weight_scales(d, ours), out=out, variant=ours)),
+        ("relay_wgmma_fp8", lambda: fp8_wgmma.fp8_gemm(d["aq"], d["as_col"], d["wq"], weight_scales(d, ours), out=out, variant=ours)),
         ("bf16_again", lambda: torch.nn.functional.linear(d["x"], d["w"])),
     ]  # fmt: skip
     result: dict[str, Any] = {

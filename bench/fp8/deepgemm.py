@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
-import wgmma_lib  # noqa: E402
 from wgmma import (  # noqa: E402
     MAX_REL_ERR,
     ROUNDS,
@@ -49,17 +48,18 @@ from wgmma import (  # noqa: E402
     weight_scales,
 )
 
-from bench.cuda.nvcc import nvcc_path  # noqa: E402
 from services.common import fp8 as ref  # noqa: E402
+from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
+from services.engine.kernels.cuda.nvcc import nvcc_path  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
 # Which of our variants to time (--variants).
-OURS = [wgmma_lib.DEFAULT_VARIANT]
+OURS = [fp8_wgmma.DEFAULT_VARIANT]
 
 
 def ours_key(variant: int) -> str:
     """The row's name for one of our variants: "relay_wgmma" for the default (as before --variants)."""
-    return "relay_wgmma" if variant == wgmma_lib.DEFAULT_VARIANT else f"relay_wgmma_v{variant}"
+    return "relay_wgmma" if variant == fp8_wgmma.DEFAULT_VARIANT else f"relay_wgmma_v{variant}"
 
 
 def cuda_home() -> str:
@@ -158,7 +158,7 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                 "deepgemm": lambda d=d, o=out: run_deepgemm(dg, d, o),
             }
             for v in OURS:
-                fns[ours_key(v)] = lambda d=d, o=out, v=v: wgmma_lib.fp8_gemm(
+                fns[ours_key(v)] = lambda d=d, o=out, v=v: fp8_wgmma.fp8_gemm(
                     d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                 )
             bench_rounds(fns, row)
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="comma-separated indices into wgmma_lib.VARIANTS of ours to time (default: DEFAULT_VARIANT)",
+        help="comma-separated indices into fp8_wgmma.VARIANTS of ours to time (default: DEFAULT_VARIANT)",
     )
     ap.add_argument(
         "--quick",
@@ -204,7 +204,7 @@ def main() -> None:
     # Session 15's first H200 run died of a segfault before printing anything: these say where
     # (session 17: in the first DeepGEMM call, see import_deepgemm's link flags).
     faulthandler.enable()
-    wgmma_lib.build()
+    fp8_wgmma.build()
     print("building DeepGEMM's C++ module", flush=True)
     t0 = time.perf_counter()
     dg = import_deepgemm(src, Path(args.build_dir))
@@ -214,10 +214,10 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(),
         "machine": torch.cuda.get_device_name(),
         "baseline": "bf16 cuBLAS (F.linear), torch block-wise scaled_mm (cuBLAS) and relay's CUDA kernel "
-        "(relay_wgmma: wgmma_lib.DEFAULT_VARIANT; relay_wgmma_v<i>: variant i), same process, taking "
+        "(relay_wgmma: fp8_wgmma.DEFAULT_VARIANT; relay_wgmma_v<i>: variant i), same process, taking "
         "turns with DeepGEMM and ours (wgmma.bench_rounds: median of --rounds)",
-        "default_variant": wgmma_lib.DEFAULT_VARIANT,
-        "variants": {v: list(wgmma_lib.VARIANTS[v]) for v in OURS},
+        "default_variant": fp8_wgmma.DEFAULT_VARIANT,
+        "variants": {v: list(fp8_wgmma.VARIANTS[v]) for v in OURS},
         "deepgemm_version": getattr(dg, "__version__", "unknown"),
         "deepgemm_source": (src / "SOURCE").read_text().strip() if (src / "SOURCE").exists() else "unknown",
         "build_s": time.perf_counter() - t0,

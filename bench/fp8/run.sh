@@ -11,8 +11,6 @@
 #                                        its chosen configuration per shape printed in the .txt
 #   bash bench/fp8/run.sh deepgemm-ncu ncu   -> Nsight Compute over DeepGEMM's kernel at
 #      M, N, K = 4096, 4096, 7168 ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
-#   bash bench/fp8/run.sh lean        -> variant 25's self-check ($OUT/fp8_wgmma_check.json), then 18 and 25
-#      against DeepGEMM, cuBLAS and bf16 in interleaved rounds ($OUT/fp8_deepgemm.json; ~3 minutes)
 #   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
 #      SASS instruction, as ncu-source gives ours
 set -uo pipefail
@@ -41,18 +39,10 @@ for what in "${@:-gemm}"; do
       DG_PRINT_CONFIGS=1 NCU_TAG=deepgemm_ncu NCU_KERNELS=regex:sm90_fp8_gemm \
         NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_ncu.json" \
         bash bench/fp8/wgmma_ncu.sh ;;
-    lean)  # session 19's open question: variant 25 (LEAN) checked, then against 18 and DeepGEMM
-      unpack_deepgemm || exit 1
-      python3 bench/fp8/wgmma.py --variants 18,25 --skip-timing --out "$OUT/fp8_wgmma_check.json" 2>&1 | tail -3
-      # Time only a kernel whose outputs matched the recipe (deepgemm.py checks DeepGEMM's, not ours).
-      python3 -c "import json, sys; sys.exit(not json.load(open('$OUT/fp8_wgmma_check.json'))['check_ok'])" ||
-        { echo "variant 25 failed its self-check: not timed"; exit 1; }
-      python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --variants 18,25 --rounds 5 --out "$OUT/fp8_deepgemm.json" 2>&1 |
-        grep -v '^{' | tee "$OUT/fp8_deepgemm.txt" ;;
     deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
       unpack_deepgemm || exit 1
       NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_src.json" \
         bash bench/fp8/wgmma_ncu_source.sh deepgemm regex:sm90_fp8_gemm ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source | lean)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source)"; exit 2 ;;
   esac
 done

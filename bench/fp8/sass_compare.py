@@ -1,4 +1,4 @@
-"""Static instruction counts of the FP8 GEMM kernels' K loops, ours (`wgmma_kernel.cu`) against
+"""Static instruction counts of the FP8 GEMM kernels' K loops, ours (`fp8_wgmma.cu`) against
 DeepGEMM's, read from their SASS on this machine: nvcc and cuobjdump, no GPU.
 
 Why: device time is scarce, and session 19's largest gain came from reading the two kernels' SASS
@@ -28,10 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import wgmma_lib  # noqa: E402
 from ncu_summary import opcode  # noqa: E402
 
-from bench.cuda import nvcc  # noqa: E402
+from services.engine.kernels.cuda import fp8_wgmma, nvcc  # noqa: E402
 
 # DeepGEMM's SM90 1D2D kernel as its heuristic configures it for M, N, K = 4096, 4096, 7168 on 132
 # SMs (session 19's DG_PRINT_CONFIGS): 256 x 128 tiles, 3 stages, 2-CTA clusters sharing A. The
@@ -83,8 +82,8 @@ class LoopStats:
 
 def kernel_symbol_part(variant: int) -> str:
     """The mangled template arguments that name a variant's kernel in the cubin."""
-    bn, stages, mode, cluster = wgmma_lib.VARIANTS[variant]
-    return f"fp8_gemm_kernelILi{bn}ELi{stages}ELi{wgmma_lib.mode_value(mode)}ELi{cluster}EE"
+    bn, stages, mode, cluster = fp8_wgmma.VARIANTS[variant]
+    return f"fp8_gemm_kernelILi{bn}ELi{stages}ELi{fp8_wgmma.mode_value(mode)}ELi{cluster}EE"
 
 
 def cuobjdump_path() -> str:
@@ -149,7 +148,7 @@ def k_loop(instrs: list[Instr]) -> LoopStats:
 
 
 def ours(variants: list[int], work: Path) -> dict[str, LoopStats]:
-    cubin = compile_cubin(wgmma_lib.SOURCE, work / "ours.cubin", OURS_FLAGS)
+    cubin = compile_cubin(fp8_wgmma.SOURCE, work / "ours.cubin", OURS_FLAGS)
     functions = sass_functions(dump_sass(cubin))
     stats = {}
     for v in variants:
@@ -206,7 +205,7 @@ def report(stats: dict[str, LoopStats], top: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--variants", default=str(wgmma_lib.DEFAULT_VARIANT), help="indices into wgmma_lib.VARIANTS"
+        "--variants", default=str(fp8_wgmma.DEFAULT_VARIANT), help="indices into fp8_wgmma.VARIANTS"
     )
     ap.add_argument("--deepgemm", type=Path, help="the tarball of deepgemm_bundle.sh (.deepgemm/src.tar.gz)")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")

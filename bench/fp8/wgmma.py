@@ -1,4 +1,4 @@
-"""The warp-specialised CUDA FP8 GEMM (bench/fp8/wgmma_kernel.cu) against bf16 cuBLAS
+"""The warp-specialised CUDA FP8 GEMM (services/engine/kernels/cuda/fp8_wgmma.cu) against bf16 cuBLAS
 and torch's block-wise scaled_mm (cuBLAS) in the same process, at the issue's large-M shapes.
 
 First a self-check: build the library, then at ragged and full shapes (M tails, N not a multiple
@@ -6,7 +6,7 @@ of 128, K = 128..7168) compare with the float32 reference of the recipe (service
 on freshly drawn inputs, the output poisoned with NaN before every launch. Then CUDA-graph timings
 (triton.testing.do_bench_cudagraph, median) of each pipeline depth.
 
-    python3 bench/fp8/wgmma.py --out $OUT/wgmma_lib.json
+    python3 bench/fp8/wgmma.py --out $OUT/fp8_wgmma.json
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
-import wgmma_lib  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
+from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
 
 # (2048, 4096, 128): one K block per tile and ~2 tiles per CTA, so the "_tma" modes' lent epilogue
 # slot wraps around the ring every other slot; (77, 2110, 256): N % 8 != 0, the "_tma" modes'
@@ -46,7 +46,7 @@ CHECK_SHAPES = [
 ]
 TIME_MS = [4096, 8192]
 TIME_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
-VARIANT_IDS = list(range(len(wgmma_lib.VARIANTS)))
+VARIANT_IDS = list(range(len(fp8_wgmma.VARIANTS)))
 MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 reference
 
 
@@ -60,16 +60,16 @@ def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str,
 def weight_scales(d: dict[str, torch.Tensor], variant: int) -> torch.Tensor:
     """The weight scales in the layout the variant reads (a weight's scales are static: an engine
     would store them that way once)."""
-    return d["ws_col"] if wgmma_lib.uses_smem_scales(variant) else d["ws"]
+    return d["ws_col"] if fp8_wgmma.uses_smem_scales(variant) else d["ws"]
 
 
 def vname(variant: int) -> str:
-    bn, stages, mode, cluster = wgmma_lib.VARIANTS[variant]
+    bn, stages, mode, cluster = fp8_wgmma.VARIANTS[variant]
     return f"n{bn}s{stages}{mode}c{cluster}"
 
 
 def is_probe(variant: int) -> bool:
-    return wgmma_lib.mode_parts(wgmma_lib.VARIANTS[variant][2])[0] == "unscaled"
+    return fp8_wgmma.mode_parts(fp8_wgmma.VARIANTS[variant][2])[0] == "unscaled"
 
 
 def self_check(dev: torch.device) -> list[dict[str, Any]]:
@@ -83,7 +83,7 @@ def self_check(dev: torch.device) -> list[dict[str, Any]]:
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 scales = d["as_col"] if layout == "col" else d["as"]
                 w_scales = d["ws_col"] if layout == "col" else d["ws"]
-                wgmma_lib.fp8_gemm(d["aq"], scales, d["wq"], w_scales, out=out, variant=variant)
+                fp8_wgmma.fp8_gemm(d["aq"], scales, d["wq"], w_scales, out=out, variant=variant)
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out).all())
                 err = bench.rel(out, want)
@@ -143,13 +143,13 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
                 ),
             }
             for v in VARIANT_IDS:
-                fns[f"wgmma_{vname(v)}"] = lambda d=d, v=v, o=out: wgmma_lib.fp8_gemm(
+                fns[f"wgmma_{vname(v)}"] = lambda d=d, v=v, o=out: fp8_wgmma.fp8_gemm(
                     d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                 )
             bench_rounds(fns, row)
             add_tflops(row, flops)
             for v in VARIANT_IDS:
-                row[f"wgmma_{vname(v)}_grid"] = wgmma_lib.launch_grid(v, m, n, dev)
+                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, dev)
             best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS if not is_probe(v))
             row["wgmma_best_vs_bf16"] = row["bf16_us"] / best
             row["wgmma_best_vs_torch_blockwise"] = row["torch_blockwise_us"] / best
@@ -164,7 +164,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument(
-        "--variants", default="", help="comma-separated indices into wgmma_lib.VARIANTS (default all)"
+        "--variants", default="", help="comma-separated indices into fp8_wgmma.VARIANTS (default all)"
     )
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
     ap.add_argument("--rounds", type=int, default=ROUNDS[0], help="timing rounds (bench_rounds)")
@@ -176,7 +176,7 @@ def main() -> None:
         VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")]
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    lib = wgmma_lib.build()
+    lib = fp8_wgmma.build()
     result: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.now(UTC).isoformat(),

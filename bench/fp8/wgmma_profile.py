@@ -1,4 +1,4 @@
-"""One launch of each given wgmma_lib variant and of torch's block-wise scaled_mm (cuBLAS), for
+"""One launch of each given fp8_wgmma variant and of torch's block-wise scaled_mm (cuBLAS), for
 Nsight Compute to profile (bench/fp8/wgmma_ncu.sh): the inputs are quantised first, so only the
 GEMMs match the profiler's kernel filter.
 
@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import wgmma_lib  # noqa: E402
 from wgmma import quantised, weight_scales  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
+from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
 
 
 def main() -> None:
@@ -32,10 +32,10 @@ def main() -> None:
     dev = torch.device("cuda")
     d = quantised(args.m, args.n, args.k, dev, seed=0)
     aq, a_s, wq, w_s = d["aq"], d["as_col"], d["wq"], d["ws"]
-    wgmma_lib.library()
+    fp8_wgmma.library()
     torch.cuda.synchronize()
     for v in (int(s) for s in args.variants.split(",")):
-        wgmma_lib.fp8_gemm(aq, a_s, wq, weight_scales(d, v), variant=v)
+        fp8_wgmma.fp8_gemm(aq, a_s, wq, weight_scales(d, v), variant=v)
     ref.fp8_gemm(aq, a_s, wq, w_s, torch.bfloat16, backend="torch")
     torch.nn.functional.linear(d["x"], d["w"])
     torch.cuda.synchronize()

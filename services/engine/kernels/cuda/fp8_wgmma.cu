@@ -15,14 +15,14 @@
 // The grid is persistent (one CTA per SM, tiles in grouped order for L2 reuse), so the producer
 // prefetches the next tile while the math warpgroups store the last one.
 //
-// Built at run time by bench/fp8/wgmma_lib.py (nvcc, then ctypes).
+// Built at run time by services/engine/kernels/cuda/fp8_wgmma.py (nvcc, then ctypes).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "../cuda/sm90_sync.cuh"
+#include "sm90_sync.cuh"
 
 namespace {
 
@@ -195,7 +195,7 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-template <int BMT, int BN, int STAGES, bool DD = false>
+template <int BMT, int BN, int STAGES>
 struct Smem {
   static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
@@ -205,9 +205,7 @@ struct Smem {
   // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
   // on the H200), so the tile's blocks sit at offset (n0 / 128) % 4 in it.
   static constexpr int SB = 128;
-  // DEDICATED_D: the output tile's own buffer (bf16), instead of a lent ring slot.
-  static constexpr int D = DD ? BMT * BN * 2 : 0;
-  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + D + 2 * STAGES * 8;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
@@ -225,17 +223,12 @@ constexpr int OVERLAP = 16;
 // for these shapes), and a cluster shares the A tile between CTAs with neighbouring columns.
 constexpr int TALL = 32;
 __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 0 ? 2 * BM : BM; }
-// Flag on TMA_STORE: the epilogue writes the tile into a buffer of its own (DeepGEMM's layout,
-// with a stage fewer) instead of a ring slot the producer lends, so the ring keeps every stage
-// for loads across tile boundaries.
-constexpr int DEDICATED_D = 64;
-// Flag on any mode: the same schedule in fewer instructions per K block (session 19's SASS
-// comparison with DeepGEMM, bench/fp8/sass_compare.py): wgmma descriptors stepped by additions
-// from per-warpgroup bases computed once, instead of rebuilt from each stage's address, and the
-// activation-scale reads addressed from a per-thread base.
-constexpr int LEAN = 128;
+// Measured and removed (session 20, docs/fp8.md): DEDICATED_D, the epilogue through a buffer of
+// its own with a stage fewer (DeepGEMM's layout; 0.97-1.00x the lent ring slot), and LEAN, the
+// descriptors stepped from per-warpgroup bases (9.8 instead of 11.5 non-FFMA instructions per
+// wgmma, yet 0.96-1.01x: the K loop's issue slots are not what limits it).
 template <int BN, int STAGES, int MODE>
-using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & DEDICATED_D) != 0>;
+using SmemOf = Smem<tile_rows(MODE), BN, STAGES>;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -274,7 +267,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
   constexpr bool OVL = (MODE & OVERLAP) != 0;
-  constexpr bool LEAN_ = (MODE & LEAN) != 0;
   static_assert(!OVL || (BASE == PLAIN && EPI_TMA && SBS), "OVERLAP: PLAIN | TMA_STORE | SB_SMEM");
   static_assert(BASE != PIPELINED || BN == 128, "two partial sums fit the registers only at BN 128");
   constexpr bool TALL_ = (MODE & TALL) != 0;
@@ -286,8 +278,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int SUBS = (RW / 64) * NH;
   static_assert(SUBS <= 2, "128 + 64 accumulator registers at most");
   static_assert(!OVL || SUBS == 2, "OVERLAP: two partial sums per K block");
-  constexpr bool DD = (MODE & DEDICATED_D) != 0;
-  static_assert(!DD || EPI_TMA, "DEDICATED_D: a TMA_STORE mode");
   using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
@@ -296,8 +286,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
-  uint8_t* s_d = s_b + STAGES * L::B;  // L::D bytes (DEDICATED_D)
-  float* s_sa = reinterpret_cast<float*>(s_d + L::D);
+  float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
   float* s_sb = s_sa + STAGES * BMT;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
@@ -379,7 +368,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           __syncwarp();
         }
-        if constexpr (EPI_TMA && !DD) {
+        if constexpr (EPI_TMA) {
           // The epilogue's slot: no copy, just mark it full for the math warpgroups.
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
@@ -396,11 +385,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int lane = tid % 32;
     // This thread's rows in the first m64 block (and r_local + 8; + 64 in the second, TALL).
     const int r_local = half * RW + warp * 16 + lane / 4;
-    // Row r_local's activation scale of stage s (LEAN: from a per-thread base computed once).
-    const float* sa_thread = s_sa + r_local;
-    auto sa_at = [&](int s, int offset) {
-      return LEAN_ ? lds(sa_thread + s * BMT + offset) : lds(s_sa + s * BMT + r_local + offset);
-    };
+    // Row r_local's activation scale of stage s.
+    auto sa_at = [&](int s, int offset) { return lds(s_sa + s * BMT + r_local + offset); };
     // One arrival per CTA of the cluster, lane r signalling CTA r: one instruction for the warp.
     auto release = [&](int s) {
       __syncwarp();
@@ -414,17 +400,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     float part2[BASE == PIPELINED ? 64 : 1];
     int it = 0;
 
-    // LEAN: the descriptors' low words at stage 0, broadcast so that they stay uniform; the others
-    // are additions (no field overflows: shared addresses stay below 2^18).
-    const uint32_t desc_a = __shfl_sync(0xffffffff, smem_desc_lo(s_a + half * RW * BK), 0);
-    const uint32_t desc_b = __shfl_sync(0xffffffff, smem_desc_lo(s_b), 0);
     // Block kb's wgmmas for partial sum u (m64 block u / NH, column half u % NH) on stage s into p
     // (accumulate: add to p).
     auto issue = [&](float(&p)[64], int s, int u, int accumulate) {
-      const uint32_t da = LEAN_ ? desc_a + static_cast<uint32_t>(s * L::A + u / NH * 64 * BK) / 16
-                                : smem_desc_lo(s_a + s * L::A + (half * RW + u / NH * 64) * BK);
-      const uint32_t db = LEAN_ ? desc_b + static_cast<uint32_t>(s * L::B + u % NH * 128 * BK) / 16
-                                : smem_desc_lo(s_b + s * L::B + u % NH * 128 * BK);
+      const uint32_t da = smem_desc_lo(s_a + s * L::A + (half * RW + u / NH * 64) * BK);
+      const uint32_t db = smem_desc_lo(s_b + s * L::B + u % NH * 128 * BK);
       fence_regs(p);
       wgmma_fence();
 #pragma unroll
@@ -481,8 +461,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
 
       const int sb_off = (n0 / 128) % 4;  // SB_SMEM: the tile's first weight-scale block in the box
-      // LEAN: the tile's weight scales in stage 0's box, a base computed once per tile.
-      const float* sb_tile = s_sb + (n0 >> 7 & 3);
       const float* sb_rows[NH];
 #pragma unroll
       for (int h = 0; h < NH; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
@@ -585,9 +563,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
         }
         for (int kb = kb0; kb < nkb; ++kb, ++it) {
-          // LEAN: `it` is never negative, and unsigned % and / by STAGES skip the sign fix-ups.
-          const int s = LEAN_ ? static_cast<int>(static_cast<uint32_t>(it) % STAGES) : it % STAGES;
-          mbar_wait(&full[s], LEAN_ ? (static_cast<uint32_t>(it) / STAGES) & 1 : (it / STAGES) & 1);
+          const int s = it % STAGES;
+          mbar_wait(&full[s], (it / STAGES) & 1);
           constexpr int MB = SUBS / NH;  // m64 blocks per warpgroup
           float sa0[MB], sa1[MB];
 #pragma unroll
@@ -598,7 +575,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           if constexpr (SBS) {
 #pragma unroll
             for (int h = 0; h < NH; ++h)
-              sb_now[h] = LEAN_ ? lds(sb_tile + s * (L::SB / 4) + h) : lds(s_sb + s * (L::SB / 4) + sb_off + h);
+              sb_now[h] = lds(s_sb + s * (L::SB / 4) + sb_off + h);
           }
           float sb_next[NH];
 #pragma unroll
@@ -622,11 +599,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
       // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
       if constexpr (EPI_TMA) {
-        const int s = it % STAGES;  // the slot the producer lent for this epilogue (not DD)
-        if constexpr (!DD) {
-          mbar_wait(&full[s], (it / STAGES) & 1);
-          ++it;
-        }
+        const int s = it % STAGES;  // the slot the producer lent for this epilogue
+        mbar_wait(&full[s], (it / STAGES) & 1);
+        ++it;
         // OVL: the first half of the next tile's first K block (ring slot `it`).
         const bool preissue = OVL && tile + stride < num_tiles;
         const int s_next = it % STAGES;
@@ -642,19 +617,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         constexpr int A_BOXES = L::A / BOX;
         constexpr int CB = BN / 64;            // boxes across a row block
         constexpr int BOXES = SUBS / NH * CB;  // per warpgroup: its m64 row blocks x CB
-        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot, all of them with DD.
-        constexpr int SLOTS = DD ? BOXES : (L::A + L::B) / BOX / 2;
+        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot.
+        constexpr int SLOTS = (L::A + L::B) / BOX / 2;
         constexpr int FIRST = BOXES < SLOTS ? BOXES : SLOTS;
         auto slot = [&](int k) -> uint8_t* {
           const int g = half * SLOTS + k;
-          if constexpr (DD) return s_d + g * BOX;
           return g < A_BOXES ? s_a + s * L::A + g * BOX : s_b + s * L::B + (g - A_BOXES) * BOX;
         };
-        if constexpr (DD) {
-          // The last tile's stores have read the buffer.
-          bulk_wait_read_if<0>(tid == 0);
-          named_sync(1 + half, 128);
-        }
         // stmatrix x4: lanes 8q..8q+7 address rows (q & 1) * 8 + lane % 8 of the warp's 16, 16-byte
         // column chunk 2 * p + (q >> 1) of the box; the swizzle XORs the chunk with row % 8.
         const int q = lane / 8;
@@ -691,12 +660,10 @@ __global__ void __launch_bounds__(THREADS, 1)
           named_sync(1 + half, 128);
           store_box(j, slot(j % SLOTS));
         }
-        if constexpr (!DD) {
-          if (warp == 0)
-            pending = s;  // released after the next tile's first wgmma issue
-          else
-            release(s);
-        }
+        if (warp == 0)
+          pending = s;  // released after the next tile's first wgmma issue
+        else
+          release(s);
         continue;
       }
 #pragma unroll
@@ -815,7 +782,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & TMA_STORE) != 0) {
     // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
     if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | DEDICATED_D), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
+      return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
                                                             stream);
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
@@ -854,7 +821,7 @@ constexpr Variant variant() {
   return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES};
 }
 
-// The variants the library exports, by index (wgmma_lib.py's VARIANTS lists the same).
+// The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
 constexpr Variant VARIANTS[] = {
     variant<128, 5, PLAIN, 1>(),    variant<256, 4, PLAIN, 1>(),     variant<128, 5, PIPELINED, 1>(),
     variant<256, 4, PLAIN, 2>(),    variant<128, 6, PIPELINED, 2>(), variant<256, 4, UNSCALED, 1>(),
@@ -873,11 +840,7 @@ constexpr Variant VARIANTS[] = {
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 2>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 1>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP, 2>(),
-    // The output tile in its own buffer, a stage fewer (DEDICATED_D): 23 (TALL), 24 (BN 256).
-    variant<128, 3, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | DEDICATED_D, 2>(),
-    variant<256, 3, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | DEDICATED_D, 2>(),
-    // Variant 18 in fewer instructions (LEAN): 25.
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | LEAN, 2>(),
+    // Variants 23-25 (DEDICATED_D, LEAN) were measured and removed in session 20 (see above).
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -1,11 +1,11 @@
-"""The warp-specialised Hopper FP8 GEMM probe (`wgmma_kernel.cu`): built with nvcc on first use,
+"""The warp-specialised Hopper FP8 GEMM probe (`fp8_wgmma.cu`): built with nvcc on first use,
 loaded through ctypes, launched on torch's current stream. A benchmark, not an engine backend: its
 best variant measured 0.94-1.09x cuBLAS block-wise and 0.87-0.99x DeepGEMM at M >= 4096 (one H100,
 session 19, bench/fp8/README.md), a margin over cuBLAS too thin and too uneven to pay for a
 run-time nvcc build in the engine, so the dispatch keeps cuBLAS; it stays here as the measured
 starting point for closing the gap to DeepGEMM.
 
-Built and cached by bench/cuda/nvcc.py (one nvcc call, no torch headers). The library links no
+Built and cached by services/engine/kernels/cuda/nvcc.py (one nvcc call, no torch headers). The library links no
 libcuda (it looks the tensor-map encoder up through the CUDA runtime), so it also builds where
 there is no driver.
 
@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from bench.cuda import nvcc
 from services.common import fp8 as ref
+from services.engine.kernels.cuda import nvcc
 
-SOURCE = Path(__file__).with_name("wgmma_kernel.cu")
+SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
 NVCC_FLAGS = nvcc.SM90A_FLAGS
 BLOCK = 128
 # The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
-# cluster size); wgmma_kernel.cu describes the modes. "unscaled" is a probe (no scales: not the
+# cluster size); fp8_wgmma.cu describes the modes. "unscaled" is a probe (no scales: not the
 # recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups), or
 # 256 for a "tall" mode ("plain" with each warpgroup holding two 64-row blocks that share the
 # B tile, and clusters sharing the A tile between CTAs with neighbouring columns: `tile_rows`).
@@ -41,8 +41,6 @@ BLOCK = 128
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
 # them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
 # tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
-# A "_dd" mode stores through a buffer of its own (`d_bytes`) instead of a lent ring slot. A
-# "_lean" mode is the same schedule in fewer instructions per K block (bench/fp8/sass_compare.py).
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -67,18 +65,15 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 4, "tall_tma_sbs", 2),
     (128, 4, "tall_tma_sbs", 1),
     (128, 4, "tall_tma_sbs_ovl", 2),
-    (128, 3, "tall_tma_sbs_ovl_dd", 2),
-    (256, 3, "plain_tma_sbs_ovl_dd", 2),
-    (256, 4, "plain_tma_sbs_ovl_lean", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
 # session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
 DEFAULT_VARIANT = 18
 
 
-# wgmma_kernel.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
+# fp8_wgmma.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
 BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "dd": 64, "lean": 128}
+MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16}
 
 
 def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
@@ -88,7 +83,7 @@ def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
 
 
 def mode_value(mode: str) -> int:
-    """wgmma_kernel.cu's MODE template argument for a mode string ("plain_tma_sbs_ovl" -> 28)."""
+    """fp8_wgmma.cu's MODE template argument for a mode string ("plain_tma_sbs_ovl" -> 28)."""
     base, flags = mode_parts(mode)
     value = BASE_MODES[base]
     for flag in flags:
@@ -98,12 +93,6 @@ def mode_value(mode: str) -> int:
 
 def tile_rows(variant: int) -> int:
     return 2 * BLOCK if mode_parts(VARIANTS[variant][2])[0] == "tall" else BLOCK
-
-
-def d_bytes(variant: int) -> int:
-    """The output tile's own shared-memory buffer ("_dd" modes), bytes."""
-    bn, _stages, mode, _cluster = VARIANTS[variant]
-    return tile_rows(variant) * bn * 2 if "dd" in mode_parts(mode)[1] else 0
 
 
 def uses_smem_scales(variant: int) -> bool:

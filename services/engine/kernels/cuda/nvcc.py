@@ -1,10 +1,10 @@
-"""Build a benchmark's CUDA source into a shared library with nvcc, cached by content.
+"""Build a CUDA C++ source into a shared library with nvcc, cached by content.
 
-The benchmarks' CUDA kernels (bench/fp8/wgmma_kernel.cu, bench/engine/dataflow_kernel.cu) need no
-torch headers, so one nvcc call of a few seconds builds each (a torch extension build takes a
-minute), and they are loaded through ctypes. Libraries are cached under $RELAY_KERNEL_CACHE
-(default ~/.cache/relay/kernels), keyed by the hash of the source, the headers it includes from
-this directory and the flags.
+The CUDA kernels (the engine's FP8 GEMM fp8_wgmma.cu, the benchmarks' bench/engine/dataflow_kernel.cu)
+need no torch headers, so one nvcc call of a few seconds builds each (a torch extension build takes a
+minute), and they are loaded through ctypes. Sources include this directory's headers by name (it is
+on the include path). Libraries are cached under $RELAY_KERNEL_CACHE (default
+~/.cache/relay/kernels), keyed by the hash of the source, these headers and the flags.
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ def build(source: Path, out: Path, flags: tuple[str, ...] = SM90A_FLAGS) -> Path
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
         proc = subprocess.run(
-            [nvcc, *flags, "-o", str(target), str(source)], capture_output=True, text=True, check=False
+            [nvcc, *flags, "-I", str(Path(__file__).parent), "-o", str(target), str(source)],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if proc.returncode != 0:
             raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

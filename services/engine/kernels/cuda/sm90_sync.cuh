@@ -1,5 +1,5 @@
-// Hopper (sm_90) synchronisation helpers shared by the benchmarks' CUDA kernels
-// (bench/fp8/wgmma_kernel.cu, bench/engine/dataflow_kernel.cu): shared-memory mbarriers, which
+// Hopper (sm_90) synchronisation helpers shared by the CUDA kernels
+// (fp8_wgmma.cu here, bench/engine/dataflow_kernel.cu): shared-memory mbarriers, which
 // the bulk copy engine completes by byte count, and named CTA barriers for a subset of warps.
 #pragma once
 #include <stdint.h>
