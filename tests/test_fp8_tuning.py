@@ -74,7 +74,7 @@ def test_committed_table_validates_and_is_loaded() -> None:
     assert kern.M_BUCKETS == tuple(sorted(set(table.m_buckets)))
     for e in table.dense:
         got = kern.tuned_choice(e.m, e.n, e.k)
-        assert got == (kern.TORCH if e.choice == "torch" else e.config.gemm()), e  # type: ignore[union-attr]
+        assert got == (e.config.gemm() if e.choice == "triton" else e.choice), e  # type: ignore[union-attr]
         assert e.source, e  # every entry says which run measured it
 
 
@@ -121,6 +121,57 @@ def test_dispatch_reads_table_and_falls_back(table_file: Path) -> None:
     assert kern.grouped_launch(2048, 32, 4096, 7168) == (kern.pick_grouped_block_m(2048, 32), 128, 4, 4)
     assert kern.grouped_launch(256, 32, 7168, 2048) == (16, 128, 4, 4)  # other (N, K): heuristic
     assert kern.grouped_launch(256, 32, 4096, 7168, block_m=64) == (64, 128, 4, 4)  # explicit wins
+
+
+def test_cuda_entry_runs_only_where_the_cuda_kernel_can(
+    table_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table_file.write_text(json.dumps(_table([{"m": 4096, "n": 2048, "k": 7168, "choice": "cuda"}])))
+    kern.reload_table(table_file)
+    assert kern.tuned_choice(5000, 2048, 7168) == kern.CUDA
+    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: True)  # a Hopper GPU
+    assert fl.auto_choice(5000, 2048, 7168, CUDA) == kern.CUDA
+    assert fl.resolve_backend("auto", 5000, CUDA, 2048, 7168) == "cuda"
+    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: False)  # another GPU, or no nvcc
+    assert fl.auto_choice(5000, 2048, 7168, CUDA) == kern.TORCH
+    assert fl.resolve_backend("auto", 5000, CUDA, 2048, 7168) == "torch"
+    monkeypatch.undo()
+    # CPU never, and a remembered build/launch failure turns it off before any device query.
+    assert fl.resolve_backend("auto", 5000, CPU, 2048, 7168) == "reference"
+    assert not fl.cuda_kernel_usable(CPU)
+    monkeypatch.setattr(fl, "CUDA_FAILURE", ["nvcc not found"])
+    assert not fl.cuda_kernel_usable(CUDA)
+    with pytest.raises(RuntimeError, match="'cuda' needs CUDA tensors"):
+        fl.resolve_backend("cuda", 5000, CPU, 2048, 7168)
+
+
+def test_tune_skip_triton_keeps_the_tables_triton_entries() -> None:
+    old = kern.Fp8Table.model_validate(
+        _table(
+            [
+                {"m": 512, "n": 2048, "k": 7168, "choice": "triton", "config": TMA},
+                {"m": 4096, "n": 2048, "k": 7168, "choice": "torch"},
+            ]
+        )
+    )
+    rows = [
+        {"M": m, "N": 2048, "K": 7168, "us": {"torch": 9.0, "cuda": 8.0},
+         "choice": {"choice": "cuda", "config": None, "linear": "separate"}}
+        for m in (512, 4096)
+    ]  # fmt: skip
+    errors: list[str] = []
+    kept = tune.keep_triton_entries(old, rows, errors)
+    assert [r["M"] for r in kept] == [4096] and errors == [
+        "dense 512x2048x7168: the table's Triton entry kept (--skip-triton)"
+    ]
+    new = {(e.m, e.n, e.k): e for e in tune.merge_table(old, kept, [], "run").dense}
+    assert new[(512, 2048, 7168)].choice == "triton" and new[(4096, 2048, 7168)].choice == "cuda"
+    assert new[(4096, 2048, 7168)].us == {"torch": 9.0, "cuda": 8.0}
+    proc = subprocess.run(
+        [sys.executable, "bench/fp8/tune.py", "--skip-triton", "--m", "128,4096", "--dry-run"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--skip-triton is for M > 256" in proc.stderr
 
 
 def test_empty_or_missing_table_means_heuristic(table_file: Path) -> None:

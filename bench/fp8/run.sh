@@ -11,6 +11,9 @@
 #                                        its chosen configuration per shape printed in the .txt
 #   bash bench/fp8/run.sh deepgemm-ncu ncu   -> Nsight Compute over DeepGEMM's kernel at
 #      M, N, K = 4096, 4096, 7168 ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
+#   bash bench/fp8/run.sh product     -> the CUDA kernel as the dispatch's large-M backend: its self-check,
+#      tune.py --skip-triton at M = 512-8192 ($OUT/fp8_tune.json, the new table $OUT/fp8_configs.json),
+#      then gemm.py and train_linear.py reading that table (~6 minutes)
 #   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
 #      SASS instruction, as ncu-source gives ours
 set -uo pipefail
@@ -39,10 +42,22 @@ for what in "${@:-gemm}"; do
       DG_PRINT_CONFIGS=1 NCU_TAG=deepgemm_ncu NCU_KERNELS=regex:sm90_fp8_gemm \
         NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_ncu.json" \
         bash bench/fp8/wgmma_ncu.sh ;;
+    product)
+      python3 bench/fp8/wgmma.py --variants "${WGMMA_VARIANTS:-18}" --skip-timing --out "$OUT/fp8_wgmma_check.json" 2>&1 | tail -2
+      python3 -c "import json, sys; sys.exit(not json.load(open('$OUT/fp8_wgmma_check.json'))['check_ok'])" ||
+        { echo "the CUDA kernel failed its self-check: not tuned"; exit 1; }
+      cp services/engine/kernels/fp8_configs.json "$OUT/fp8_configs.json"
+      python3 bench/fp8/tune.py --m 512,1024,2048,4096,8192 --skip-triton --skip-grouped --budget-s 200 \
+        --nk 7168x2048,4096x7168,2048x7168,18432x7168,4096x1024,1024x2048,6144x1024,1024x3072,3072x1024,9728x2560,2560x9728 \
+        --table "$OUT/fp8_configs.json" --out "$OUT/fp8_tune.json" 2>&1 | grep -v '^{'
+      export RELAY_FP8_CONFIGS="$OUT/fp8_configs.json"
+      python3 bench/fp8/gemm.py --skip-grouped --sweep-budget-s 0 --out "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1
+      tail -5 "$OUT/fp8_gemm.txt"
+      python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear.json" 2>&1 | tail -12 ;;
     deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
       unpack_deepgemm || exit 1
       NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_src.json" \
         bash bench/fp8/wgmma_ncu_source.sh deepgemm regex:sm90_fp8_gemm ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source | product)"; exit 2 ;;
   esac
 done

@@ -1,10 +1,13 @@
 """Tune the FP8 block-scaled GEMM dispatch table on one Hopper GPU (issue 8): for every shape, time
 every candidate kernel config as CUDA-graph replays, check it against the dequantised reference,
-and write the fastest verified option per (M bucket, N, K) -- one of ours or cuBLAS block-wise --
-to services/engine/kernels/fp8_configs.json, which the engine's "auto" dispatch reads.
+and write the fastest verified option per (M bucket, N, K) -- one of our Triton configs, cuBLAS
+block-wise, or (M > 256, Hopper) our CUDA kernel -- to services/engine/kernels/fp8_configs.json,
+which the engine's "auto" dispatch reads.
 
     PYTHONPATH=. python3 bench/fp8/tune.py --out $OUT/fp8_tune.json     (~5 minutes on an H200)
     python3 bench/fp8/tune.py --dry-run                                  (CPU: the grid sizes)
+    PYTHONPATH=. python3 bench/fp8/tune.py --m 512,1024,2048,4096,8192 --skip-triton --skip-grouped
+        (large M only: cuBLAS against the CUDA kernel, no Triton compiles; ~1 minute)
 
 Phases (each bounded by --budget-s, so the run ends in time with whatever it measured):
 1. Compile every candidate in parallel worker processes (Triton's on-disk cache then serves the
@@ -18,7 +21,8 @@ Phases (each bounded by --budget-s, so the run ends in time with whatever it mea
    row sample. At M <= 256 the choice is by the whole linear as the engine runs it (quantiser +
    GEMM, or the fused quantise+GEMM kernel of the same config, whose bits must equal the two-kernel
    path: the trainer runs that); at large M by the GEMM (the quantiser is the same for every
-   option there).
+   option there), where our CUDA kernel (services/engine/kernels/cuda/fp8_wgmma.py, default
+   variant) is a contender too, checked like the others.
 3. Grouped MoE shapes (gemm.py's GROUPED): the grouped kernel's tiles, per rows-per-expert.
 4. The table: this run's entries replace the same keys of the existing file, others are kept
    (their `source` says which run measured them); written to --table and to $OUT.
@@ -52,6 +56,7 @@ import torch.nn.functional as F
 
 from services.common import fp8 as ref
 from services.engine.kernels import fp8_gemm as kern
+from services.engine.kernels.cuda import fp8_wgmma
 
 GemmConfig = kern.GemmConfig
 TUNE_M = (64, 128, 256, 4096, 8192)
@@ -363,6 +368,7 @@ def tune_dense(
     timer: Timer,
     compiled: dict[tuple[str, Any], dict[str, Any]] | None,
     deadline: float,
+    triton: bool = True,
 ) -> dict[str, Any]:
     import gemm as bench
 
@@ -388,7 +394,7 @@ def tune_dense(
     want = ref.fp8_gemm_reference(*sub)
     absref = ref.fp8_gemm_reference(bench.fp8_abs(sub[0]), sub[1], bench.fp8_abs(d["wq"]), d["ws"])
 
-    cands = [c for c in dense_grid(m, n, k, sms) if usable(compiled, ("dense", c))]
+    cands = [c for c in dense_grid(m, n, k, sms) if triton and usable(compiled, ("dense", c))]
     row["candidates"] = len(cands)
     screen: list[tuple[float, GemmConfig]] = []
     for cfg in cands:
@@ -438,6 +444,9 @@ def tune_dense(
     else:
         if torch_ok and row["us"].get("torch") is not None:
             options.append((row["us"]["torch"], "torch", None, "separate"))
+        cuda_us = cuda_option(row, ops, rows, want, absref, timer)
+        if cuda_us is not None:
+            options.append((cuda_us, "cuda", None, "separate"))
         options += [(us, "triton", cfg, "separate") for us, cfg in final]
     if not options:
         row["errors"]["choice"] = "no verified option"
@@ -448,7 +457,7 @@ def tune_dense(
         "config": None if cfg is None else dataclasses.asdict(cfg),
         "linear": linear,
     }
-    gemm_us = row["us"]["torch"] if what == "torch" else dict((c, u) for u, c in final)[cfg]  # type: ignore[index]
+    gemm_us = row["us"][what] if what in ("torch", "cuda") else dict((c, u) for u, c in final)[cfg]  # type: ignore[index]
     row["us"]["chosen_gemm"] = gemm_us
     row["us"]["chosen_linear" if m <= SMALL_M_MAX else "chosen"] = us
     bf = row["us"].get("bf16")
@@ -456,6 +465,31 @@ def tune_dense(
     if m <= SMALL_M_MAX and row["us"].get("linear_bf16"):
         row["speedup_linear_vs_bf16"] = row["us"]["linear_bf16"] / us
     return row
+
+
+def cuda_option(
+    row: dict[str, Any],
+    ops: tuple[torch.Tensor, ...],
+    rows: Any,
+    want: torch.Tensor,
+    absref: torch.Tensor,
+    timer: Timer,
+) -> float | None:
+    """Our CUDA kernel's time for this shape, when it runs here and its bf16 output passes the same
+    check as cuBLAS's; else None, with the reason in row["errors"]["cuda"]."""
+    reason = fp8_wgmma.unsupported_reason(ops[0], ops[2])
+    if reason is not None:
+        row["errors"]["cuda"] = reason
+        return None
+    fn = partial(fp8_wgmma.fp8_gemm, *ops)
+    out, err = attempt(fn)  # the first call builds the library (nvcc, cached)
+    us, err2 = (None, None) if err else attempt(partial(timer.time, fn, FINAL_REPS))
+    if err or err2:
+        row["errors"]["cuda"] = err or err2
+        return None
+    row["us"]["cuda"] = us
+    row["cuda_ok"] = verify(None, out, rows, want, absref, "wgmma")["ok"]
+    return us if row["cuda_ok"] else None
 
 
 def linear_options(
@@ -641,6 +675,20 @@ def merge_table(
     )
 
 
+def keep_triton_entries(
+    old: kern.Fp8Table, dense: list[dict[str, Any]], errors: list[str]
+) -> list[dict[str, Any]]:
+    """--skip-triton timed no Triton config, so it cannot say one lost: rows whose key the table
+    gives to Triton are left out of the merge (and named in `errors`)."""
+    triton_keys = {(e.m, e.n, e.k) for e in old.dense if e.choice == "triton"}
+    errors += [
+        f"dense {r['M']}x{r['N']}x{r['K']}: the table's Triton entry kept (--skip-triton)"
+        for r in dense
+        if (r["M"], r["N"], r["K"]) in triton_keys
+    ]
+    return [r for r in dense if (r["M"], r["N"], r["K"]) not in triton_keys]
+
+
 def write_table(table: kern.Fp8Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -714,6 +762,12 @@ def main() -> None:
     )
     ap.add_argument("--workers", type=int, default=0, help="compile processes (0: CPU count - 1)")
     ap.add_argument("--skip-grouped", action="store_true")
+    ap.add_argument(
+        "--skip-triton",
+        action="store_true",
+        help="large M only: time cuBLAS and the CUDA kernel, compile no Triton config (keeps the "
+        "table's Triton entries: a key whose entry chose Triton is not replaced)",
+    )
     ap.add_argument("--keep-affinity", action="store_true", help="do not widen the CPU affinity")
     ap.add_argument("--dry-run", action="store_true", help="print the grid sizes and exit (CPU)")
     ap.add_argument("--smoke", action="store_true", help="compile phase on tiny shapes (tests)")
@@ -722,8 +776,10 @@ def main() -> None:
         print(json.dumps(smoke(args.workers or 2)))
         return
     ms = [int(v) for v in args.m.split(",") if v]
+    if args.skip_triton and min(ms) <= SMALL_M_MAX:
+        ap.error(f"--skip-triton is for M > {SMALL_M_MAX} (decode M picks among Triton configs)")
     nks = parse_nk(args.nk)
-    tasks = build_tasks(ms, not args.skip_grouped, nks)
+    tasks = [] if args.skip_triton else build_tasks(ms, not args.skip_grouped, nks)
     if args.dry_run:
         import gemm as bench
 
@@ -763,8 +819,10 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1, default=str))
 
     compile_deadline = t0 + args.budget_s * args.compile_share
+    compiled: dict[tuple[str, Any], dict[str, Any]] | None = {}
     try:
-        compiled: dict[tuple[str, Any], dict[str, Any]] | None = precompile(tasks, workers, compile_deadline)
+        if tasks:
+            compiled = precompile(tasks, workers, compile_deadline)
     except Exception:  # noqa: BLE001 - then compile lazily in this process, within the budget
         result["errors"].append(f"precompile: {traceback.format_exc()[-1500:]}")
         compiled = None
@@ -800,7 +858,9 @@ def main() -> None:
                 result["errors"].append(f"dense {m}x{n}x{k}: skipped, time budget")
                 continue
             try:
-                row = tune_dense(m, n, k, dev, timer, compiled, deadline - grouped_reserve)
+                row = tune_dense(
+                    m, n, k, dev, timer, compiled, deadline - grouped_reserve, not args.skip_triton
+                )
             except Exception:  # noqa: BLE001 - keep the other shapes
                 result["errors"].append(f"dense {m}x{n}x{k}: {traceback.format_exc()[-1500:]}")
                 continue
@@ -840,7 +900,10 @@ def main() -> None:
             )
             save()
     source = f"bench/fp8/tune.py {result['date'][:16]} on {result['machine'].get('gpu')}"
-    table = merge_table(kern.load_table(args.table), dense_rows, grouped_rows, source)
+    old = kern.load_table(args.table)
+    if args.skip_triton:
+        dense_rows = keep_triton_entries(old, dense_rows, result["errors"])
+    table = merge_table(old, dense_rows, grouped_rows, source)
     write_table(table, Path(args.table))
     copy = Path(args.copy_table) if args.copy_table else out.with_name("fp8_configs.json")
     if copy.resolve() != Path(args.table).resolve():

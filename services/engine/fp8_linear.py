@@ -8,9 +8,12 @@ activations 1x128 on every call. GEMM backends:
 - "reference": services/common/fp8.fp8_gemm_reference (float32 block accumulation; CPU, tests);
 - "torch": torch.nn.functional.scaled_mm block-wise (cuBLAS), best at large M;
 - "triton": services/engine/kernels/fp8_gemm.py, small BLOCK_M + split-K, for decode-sized M;
+- "cuda": services/engine/kernels/cuda/fp8_wgmma.py, the warp-specialised Hopper kernel (TMA,
+  wgmma, DeepGEMM's design; bf16 output), best at large M on sm_90; built with nvcc at first use;
 - "auto": CPU -> reference; CUDA -> the measured table kern.TUNED_CONFIGS (per M bucket and
-  (N, K): a Triton config or torch), and for shapes it does not list: triton (pick_config) when
-  M <= TRITON_MAX_M, else torch.
+  (N, K): a Triton config, torch or cuda), and for shapes it does not list: triton (pick_config)
+  when M <= TRITON_MAX_M, else torch. A "cuda" entry runs only where the kernel can (sm_90, bf16
+  output, K % 128 == 0, even N) and has not failed to build or launch here; elsewhere torch does.
 
 The table and TRITON_MAX_M come from bench/fp8/gemm.py runs on the H200 (docs/fp8.md).
 lm_head, routers and norms stay in high precision (services/common/fp8.default_skip).
@@ -31,11 +34,12 @@ from services.common import fp8_checkpoint
 from services.common.config import ModelConfig
 from services.engine.kernels import fp8_gemm as kern
 from services.engine.kernels import fp8_quant
+from services.engine.kernels.cuda import fp8_wgmma
 from services.engine.model import CausalLM
 from services.engine.moe import PER_EXPERT, ExpertWeights
 
-Backend = Literal["auto", "reference", "torch", "triton"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
+Backend = Literal["auto", "reference", "torch", "triton", "cuda"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton", "cuda")
 # For (N, K) outside the measured table: M at or below which "auto" picks the Triton kernel on
 # CUDA. H200 run 1: Triton (pick_config) beat cuBLAS block-wise at every measured M <= 256 and
 # lost at 10 of 12 (M, N, K) with 512 <= M <= 2048 (bench/fp8/results/gemm_h200_1.json).
@@ -43,6 +47,9 @@ TRITON_MAX_M = 256
 # Triton configs that failed to compile/launch here (name -> error); "auto" then uses torch.
 TRITON_FAILURES: dict[str, str] = {}
 _FAILED_CONFIGS: set[kern.GemmConfig] = set()  # the same, by config: no name() per call
+# Why the CUDA kernel cannot serve "auto" here (no nvcc, a failed build or launch), once known;
+# "auto" then uses cuBLAS where the table says "cuda".
+CUDA_FAILURE: list[str] = []
 log = logging.getLogger(__name__)
 
 
@@ -57,8 +64,8 @@ def _interpreting() -> bool:
 def resolve_backend(
     backend: str, m: int, device: torch.device, n: int | None = None, k: int | None = None
 ) -> str:
-    """The concrete backend ("reference", "torch" or "triton") for an (M, K) x (N, K) GEMM on
-    `device` (n, k: the measured table's key; without them only M decides)."""
+    """The concrete backend ("reference", "torch", "triton" or "cuda") for an (M, K) x (N, K) GEMM
+    on `device` (n, k: the measured table's key; without them only M decides)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     if backend == "reference":
@@ -66,22 +73,30 @@ def resolve_backend(
     if device.type != "cuda":
         if backend == "triton" and kern.HAS_TRITON and _interpreting():
             return "triton"  # CPU check of the kernel under the Triton interpreter
-        if backend in ("torch", "triton"):
+        if backend in ("torch", "triton", "cuda"):
             raise RuntimeError(f"fp8 backend {backend!r} needs CUDA tensors")
         return "reference"
     if backend != "auto":
         return backend
-    if auto_choice(m, n, k, device) != kern.TORCH:
+    choice = auto_choice(m, n, k, device)
+    if choice == kern.CUDA:
+        return "cuda"
+    if choice != kern.TORCH:
         return "triton"
     return "torch" if has_scaled_mm() else "reference"
 
 
 def auto_choice(m: int, n: int | None, k: int | None, device: torch.device) -> kern.GemmConfig | str:
-    """What "auto" runs on CUDA: kern.TORCH (cuBLAS block-wise) or the Triton config, from the
-    measured table when it lists the shape, else TRITON_MAX_M / pick_config."""
+    """What "auto" runs on CUDA: kern.TORCH (cuBLAS block-wise), kern.CUDA (our CUDA kernel) or
+    the Triton config, from the measured table when it lists the shape, else TRITON_MAX_M /
+    pick_config."""
+    hit = None if n is None or k is None else kern.tuned_choice(m, n, k)
+    if hit == kern.CUDA:
+        if cuda_kernel_usable(device):
+            return kern.CUDA
+        hit = kern.TORCH
     if not kern.HAS_TRITON:
         return kern.TORCH
-    hit = None if n is None or k is None else kern.tuned_choice(m, n, k)
     if hit is None:
         if m > TRITON_MAX_M and has_scaled_mm():
             return kern.TORCH
@@ -89,6 +104,31 @@ def auto_choice(m: int, n: int | None, k: int | None, device: torch.device) -> k
     if hit == kern.TORCH and not has_scaled_mm():
         return kern.pick_config(m, n or 1, k or 1, kern.num_sms(device))
     return hit
+
+
+def cuda_kernel_usable(device: torch.device) -> bool:
+    """Whether "auto" may pick the CUDA kernel on `device`: a Hopper GPU (the kernel is sm_90a
+    wgmma) where it has not failed before."""
+    return (
+        device.type == "cuda"
+        and not CUDA_FAILURE
+        and torch.cuda.get_device_capability(device) == fp8_wgmma.CAPABILITY
+    )
+
+
+def _cuda_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """ "auto"'s call of the CUDA kernel: its output, or None where it cannot serve this call (the
+    caller then uses cuBLAS). A build or launch failure is remembered and logged once."""
+    if out_dtype != torch.bfloat16 or fp8_wgmma.unsupported_reason(a, w) is not None:
+        return None
+    try:
+        return fp8_wgmma.fp8_gemm(a, a_scale, w, w_scale)
+    except fp8_wgmma.WgmmaError as e:
+        CUDA_FAILURE.append(str(e))
+        log.warning("fp8 CUDA kernel failed, using torch scaled_mm where the table picks it: %s", e)
+        return None
 
 
 def quantize_activation(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +199,11 @@ def fp8_gemm_dispatch(
     n = w.shape[0]
     if backend == "auto" and a.is_cuda:
         choice = auto_choice(m, n, k, a.device)
-        if isinstance(choice, kern.GemmConfig):
+        if choice == kern.CUDA:
+            out = _cuda_gemm(a, a_scale, w, w_scale, out_dtype)
+            if out is not None:
+                return out
+        elif isinstance(choice, kern.GemmConfig):
             if not has_scaled_mm():
                 return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype, choice)
             # "auto" survives a Triton config that does not compile on this GPU/Triton version:
@@ -175,6 +219,10 @@ def fp8_gemm_dispatch(
             return ref.fp8_gemm_reference(a, a_scale, w, w_scale, out_dtype)
         return ref.fp8_gemm(a, a_scale, w, w_scale, out_dtype, backend="torch")
     which = resolve_backend(backend, m, a.device, n, k)
+    if which == "cuda":
+        if out_dtype != torch.bfloat16:
+            raise ValueError(f"fp8 backend 'cuda' writes bf16, not {out_dtype}")
+        return fp8_wgmma.fp8_gemm(a, a_scale, w, w_scale)
     if which == "triton":
         return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype)
     if which == "torch":

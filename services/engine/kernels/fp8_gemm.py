@@ -29,7 +29,8 @@ can run).
 
 Dispatch table: fp8_configs.json next to this file (or $RELAY_FP8_CONFIGS), written by
 bench/fp8/tune.py from CUDA-graph timings on the H200: per (M bucket, N, K) the fastest verified
-option among our configs and cuBLAS block-wise ("torch"), and whether the whole linear is faster
+option among our Triton configs, cuBLAS block-wise ("torch") and, on Hopper at large M, our
+warp-specialised CUDA kernel ("cuda": kernels/cuda/fp8_wgmma.cu), and whether the whole linear is faster
 with the fused quantiser; per grouped (rows per expert, N, K) the grouped kernel's tiles.
 `tuned_choice` / `tuned_linear_fused` / `tuned_grouped` read it; `pick_config` is the heuristic
 for shapes it does not list (services/engine/fp8_linear.py's "auto").
@@ -210,6 +211,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) ->
 # ------------------------------------------------------------------ the tuned table (JSON)
 
 TORCH = "torch"
+CUDA = "cuda"  # kernels/cuda/fp8_wgmma.py's default variant (sm_90, nvcc-built at first use)
 TABLE_PATH = Path(__file__).with_name("fp8_configs.json")
 TABLE_ENV = "RELAY_FP8_CONFIGS"  # another table file (tune.py's fresh output, tests)
 
@@ -238,15 +240,15 @@ class TableConfig(BaseModel):
 
 
 class DenseEntry(BaseModel):
-    """The measured winner for (M bucket, N, K). `choice` "torch" = cuBLAS block-wise; "triton" =
-    `config`. `linear` "fused": the whole linear (quantise + GEMM) was faster as one fused launch
+    """The measured winner for (M bucket, N, K). `choice` "torch" = cuBLAS block-wise; "cuda" = our
+    CUDA kernel (kernels/cuda/fp8_wgmma.py); "triton" = `config`. `linear` "fused": the whole linear (quantise + GEMM) was faster as one fused launch
     with `fused_config` than as the quantiser + `choice` (tune.py times both)."""
 
     model_config = ConfigDict(extra="forbid")
     m: int = Field(gt=0)
     n: int = Field(gt=0)
     k: int = Field(gt=0)
-    choice: Literal["triton", "torch"]
+    choice: Literal["triton", "torch", "cuda"]
     config: TableConfig | None = None
     linear: Literal["separate", "fused"] = "separate"
     fused_config: TableConfig | None = None
@@ -310,14 +312,14 @@ def _dense_dicts(
     fused: dict[tuple[int, int, int], GemmConfig] = {}
     for e in table.dense:
         key = (e.m, e.n, e.k)
-        choices[key] = TORCH if e.choice == "torch" else e.config.gemm()  # type: ignore[union-attr]
+        choices[key] = e.config.gemm() if e.choice == "triton" else e.choice  # type: ignore[union-attr]
         if e.linear == "fused" and e.fused_config is not None:
             fused[key] = e.fused_config.gemm()
     return tuple(sorted(set(table.m_buckets))), choices, fused
 
 
 # Module state, (re)loaded by reload_table(): M_BUCKETS, TUNED_CONFIGS ((M bucket, N, K) ->
-# GemmConfig | TORCH), TUNED_FUSED ((M bucket, N, K) -> fused-linear config), TUNED_GROUPED.
+# GemmConfig | TORCH | CUDA), TUNED_FUSED ((M bucket, N, K) -> fused-linear config), TUNED_GROUPED.
 M_BUCKETS: tuple[int, ...] = ()
 TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig | str] = {}
 TUNED_FUSED: dict[tuple[int, int, int], GemmConfig] = {}
@@ -349,7 +351,7 @@ def m_bucket(m: int) -> int | None:
 
 
 def tuned_choice(m: int, n: int, k: int) -> GemmConfig | str | None:
-    """The table's GEMM entry for this shape: a GemmConfig, TORCH, or None (not measured)."""
+    """The table's GEMM entry for this shape: a GemmConfig, TORCH, CUDA, or None (not measured)."""
     b = m_bucket(m)
     return None if b is None else TUNED_CONFIGS.get((b, n, k))
 

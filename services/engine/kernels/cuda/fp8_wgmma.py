@@ -1,13 +1,13 @@
-"""The warp-specialised Hopper FP8 GEMM probe (`fp8_wgmma.cu`): built with nvcc on first use,
-loaded through ctypes, launched on torch's current stream. A benchmark, not an engine backend: its
-best variant measured 0.94-1.09x cuBLAS block-wise and 0.87-0.99x DeepGEMM at M >= 4096 (one H100,
-session 19, bench/fp8/README.md), a margin over cuBLAS too thin and too uneven to pay for a
-run-time nvcc build in the engine, so the dispatch keeps cuBLAS; it stays here as the measured
-starting point for closing the gap to DeepGEMM.
+"""The warp-specialised Hopper FP8 GEMM (`fp8_wgmma.cu`): built with nvcc on first use, loaded
+through ctypes, launched on torch's current stream. The engine's and trainer's "cuda" FP8 backend
+(services/engine/fp8_linear.py), which "auto" picks where bench/fp8/tune.py measured it fastest:
+at M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.03-1.09x cuBLAS block-wise
+and 0.96-1.01x DeepGEMM (one H100, session 20, bench/fp8/README.md). The other variants are the
+measured alternatives bench/fp8/wgmma.py and deepgemm.py time against it.
 
-Built and cached by services/engine/kernels/cuda/nvcc.py (one nvcc call, no torch headers). The library links no
-libcuda (it looks the tensor-map encoder up through the CUDA runtime), so it also builds where
-there is no driver.
+Built and cached by nvcc.py (one nvcc call of ~10 s, no torch headers; the library is keyed by the
+source's hash, so a changed kernel rebuilds). The library links no libcuda (it looks the
+tensor-map encoder up through the CUDA runtime), so it also builds where there is no driver.
 
 Operands follow services/common/fp8.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
 e4m3 with w_scale (ceil(N/128), K/128) float32; the output is bf16. What the kernel needs
@@ -30,6 +30,7 @@ from services.engine.kernels.cuda import nvcc
 SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
 NVCC_FLAGS = nvcc.SM90A_FLAGS
 BLOCK = 128
+CAPABILITY = (9, 0)  # sm_90a: wgmma, setmaxnreg, TMA multicast
 # The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
 # cluster size); fp8_wgmma.cu describes the modes. "unscaled" is a probe (no scales: not the
 # recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups), or
@@ -142,7 +143,7 @@ def unsupported_reason(a: torch.Tensor, w: torch.Tensor) -> str | None:
     """Why this kernel cannot run a @ w^T, or None when it can."""
     if not (a.is_cuda and w.is_cuda):
         return "needs CUDA tensors"
-    if torch.cuda.get_device_capability(a.device) != (9, 0):
+    if torch.cuda.get_device_capability(a.device) != CAPABILITY:
         return "needs a Hopper GPU (sm_90a wgmma)"
     k = a.shape[1]
     if k % BLOCK:
