@@ -226,7 +226,9 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // Measured and removed (session 20, docs/fp8.md): DEDICATED_D, the epilogue through a buffer of
 // its own with a stage fewer (DeepGEMM's layout; 0.97-1.00x the lent ring slot), and LEAN, the
 // descriptors stepped from per-warpgroup bases (9.8 instead of 11.5 non-FFMA instructions per
-// wgmma, yet 0.96-1.01x: the K loop's issue slots are not what limits it).
+// wgmma, yet 0.96-1.01x: the K loop's issue slots are not what limits it). Removing LEAN's two
+// broadcasts changed the default's schedule (+16 SASS instructions); an A/B of both schedules in
+// one process measured them equal (results/deepgemm_h100_20_ab.json).
 template <int BN, int STAGES, int MODE>
 using SmemOf = Smem<tile_rows(MODE), BN, STAGES>;
 
