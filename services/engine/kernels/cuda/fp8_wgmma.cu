@@ -195,7 +195,11 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-template <int BMT, int BN, int STAGES>
+// GROUPED: the most experts (groups) one launch takes; their tile and row tables live in shared
+// memory.
+constexpr int MAX_GROUPS = 1024;
+
+template <int BMT, int BN, int STAGES, bool GROUPS = false>
 struct Smem {
   static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
@@ -205,7 +209,9 @@ struct Smem {
   // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
   // on the H200), so the tile's blocks sit at offset (n0 / 128) % 4 in it.
   static constexpr int SB = 128;
-  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8;
+  // GROUPED: per group, the m-tiles before it and its first row (MAX_GROUPS + 1 ints each).
+  static constexpr int G = GROUPS ? 2 * (MAX_GROUPS + 1) * 4 : 0;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8 + G;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
@@ -229,8 +235,17 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // wgmma, yet 0.96-1.01x: the K loop's issue slots are not what limits it). Removing LEAN's two
 // broadcasts changed the default's schedule (+16 SASS instructions); an A/B of both schedules in
 // one process measured them equal (results/deepgemm_h100_20_ab.json).
+// Flag on PLAIN | TMA_STORE | SB_SMEM, CLUSTER 1: MoE experts' grouped GEMM. A's rows are sorted
+// by group (offs: cumulative row ends), B holds one (N, K) weight per group, stacked (E * N
+// rows), and the weight scales are K-block-major with each group's ceil(N / 128) blocks padded
+// to a multiple of 4 (the 32-byte box then starts in the group's own blocks, as in the dense
+// kernel). A group's rows are cut into 128-row tiles of their own: the walk runs over every
+// group's m-tiles x the column tiles, so no tile mixes two groups' rows. A group's last tile,
+// when it ends before the next group's rows start, is stored by the direct epilogue with the
+// rows clipped at the group's end (a TMA store would write the next group's rows too).
+constexpr int GROUPED = 64;
 template <int BN, int STAGES, int MODE>
-using SmemOf = Smem<tile_rows(MODE), BN, STAGES>;
+using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -264,7 +279,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_c,
                     const __grid_constant__ CUtensorMap tm_sb, const float* __restrict__ sb,
-                    __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc) {
+                    __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc,
+                    const int* __restrict__ offs, int groups) {
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
@@ -280,6 +296,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int SUBS = (RW / 64) * NH;
   static_assert(SUBS <= 2, "128 + 64 accumulator registers at most");
   static_assert(!OVL || SUBS == 2, "OVERLAP: two partial sums per K block");
+  constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
+  static_assert(!GROUPED_ || (BASE == PLAIN && EPI_TMA && SBS && !TALL_ && CLUSTER == 1),
+                "GROUPED: PLAIN | TMA_STORE | SB_SMEM, no TALL, no cluster");
   using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
@@ -292,6 +311,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   float* s_sb = s_sa + STAGES * BMT;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
+  // GROUPED: s_mt[g] = m-tiles of the groups before g, s_row[g] = group g's first row (g <= groups).
+  int* s_mt = reinterpret_cast<int*>(empty + STAGES);
+  int* s_row = s_mt + MAX_GROUPS + 1;
 
   // Broadcast from lane 0: the compiler then knows the warpgroup index is warp-uniform, and keeps
   // everything derived from it (the wgmma descriptors) in uniform registers.
@@ -299,7 +321,33 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tid = threadIdx.x % 128;
   const int nkb = K / BK;
   const int nb = (N + 127) / 128;  // weight-scale rows
-  const int tiles_m = (M + BMT - 1) / BMT;
+  if constexpr (GROUPED_) {
+    // The group tables, by warp 0: a warp-wide scan, 32 groups a step.
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      int carry = 0;
+      for (int base = 0; base < groups; base += 32) {
+        const int g = base + lane;
+        const int start = g < groups && g > 0 ? offs[g - 1] : 0;
+        const int end = g < groups ? offs[g] : 0;
+        int v = g < groups ? (end - start + BMT - 1) / BMT : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int y = __shfl_up_sync(0xffffffff, v, d);
+          if (lane >= d) v += y;
+        }
+        if (g < groups) {
+          s_mt[g + 1] = carry + v;
+          s_row[g + 1] = end;
+        }
+        carry += __shfl_sync(0xffffffff, v, 31);
+      }
+      if (lane == 0) s_mt[0] = s_row[0] = 0;
+    }
+    __syncthreads();  // before the walk's length is read
+  }
+  const int nbp = (nb + 3) & ~3;  // GROUPED: a group's weight-scale blocks, padded
+  const int tiles_m = GROUPED_ ? s_mt[groups] : (M + BMT - 1) / BMT;
   const int tiles_n = (N + BN - 1) / BN;
   // With a cluster, one step of the walk is CLUSTER adjacent tiles, one per CTA: vertically
   // (sharing B), or with TALL horizontally (sharing A).
@@ -307,11 +355,30 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int walk_n = TALL_ ? (tiles_n + CLUSTER - 1) / CLUSTER : tiles_n;
   const int num_tiles = walk_m * walk_n;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
-  // The output tile of walk step `tile` for this CTA.
-  auto origin = [&](int tile, int& m0, int& n0) {
+  // The output tile of walk step `tile` for this CTA; GROUPED: also its group g and the row
+  // where the group ends (else g = 0, m_end = M).
+  auto origin = [&](int tile, int& m0, int& n0, int& g, int& m_end) {
     int tm, tn;
     tile_of(tile, walk_m, walk_n, tm, tn);
-    m0 = (TALL_ ? tm : tm * CLUSTER + rank) * BMT;
+    g = 0;
+    m_end = M;
+    if constexpr (GROUPED_) {
+      // The last group whose m-tiles start at or before tm (an empty group starts where the next
+      // one does, so the last of equal starts is the one that has rows).
+      int lo = 0, hi = groups;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (s_mt[mid] <= tm)
+          lo = mid;
+        else
+          hi = mid;
+      }
+      g = lo;
+      m0 = s_row[g] + (tm - s_mt[g]) * BMT;
+      m_end = s_row[g + 1];
+    } else {
+      m0 = (TALL_ ? tm : tm * CLUSTER + rank) * BMT;
+    }
     n0 = (TALL_ ? tn * CLUSTER + rank : tn) * BN;
   };
   const int first = static_cast<int>(blockIdx.x) / CLUSTER;
@@ -345,15 +412,17 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       int it = 0;
       for (int tile = first; tile < num_tiles; tile += stride) {
-        int m0, n0;
-        origin(tile, m0, n0);
+        int m0, n0, g, m_end;
+        origin(tile, m0, n0, g, m_end);
+        const int b_row = g * N + n0;                  // GROUPED: group g's weight rows
+        const int sb_col = (g * nbp + n0 / 128) & ~3;  // and its weight-scale blocks
         for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           if (leader) {
             mbar_expect_tx(&full[s], L::A + L::B + L::SA + (SBS ? 32 : 0));
             tma_load_2d(s_sa + s * BMT, &tm_sa, &full[s], m0, kb);
-            if constexpr (SBS) tma_load_2d(s_sb + s * (L::SB / 4), &tm_sb, &full[s], (n0 / 128) & ~3, kb);
+            if constexpr (SBS) tma_load_2d(s_sb + s * (L::SB / 4), &tm_sb, &full[s], sb_col, kb);
             constexpr uint16_t ALL = (1 << CLUSTER) - 1;
             if constexpr (CLUSTER > 1 && TALL_) {
               constexpr int PART = BMT / CLUSTER;
@@ -365,7 +434,7 @@ __global__ void __launch_bounds__(THREADS, 1)
               constexpr int PART = BN / CLUSTER;
               tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART, ALL);
             } else {
-              tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, n0);
+              tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, b_row);
             }
           }
           __syncwarp();
@@ -442,6 +511,27 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     };
 
+    // The direct epilogue: each thread stores its fragment's column pairs, rows below m_bound.
+    auto store_direct = [&](int m0, int n0, int m_bound) {
+#pragma unroll
+      for (int h = 0; h < SUBS; ++h) {
+        const int row0 = m0 + r_local + h / NH * 64;
+        const int row1 = row0 + 8;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int col = n0 + h % NH * 128 + 8 * j + 2 * (lane % 4);
+          if (col < N) {
+            if (row0 < m_bound)
+              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row0) * ldc + col) =
+                  __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
+            if (row1 < m_bound)
+              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row1) * ldc + col) =
+                  __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+          }
+        }
+      }
+    };
+
     // OVL: every tile's first K block has its first half in flight at the loop head, in part:
     // issued here for the first tile, during the previous epilogue for the others. One shape on
     // every path, which ptxas can prove (the wgmmas stay asynchronous). Only part: a wgmma into
@@ -453,8 +543,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     for (int tile = first; tile < num_tiles; tile += stride) {
-      int m0, n0;
-      origin(tile, m0, n0);
+      int m0, n0, g, m_end;
+      origin(tile, m0, n0, g, m_end);
       if constexpr (!OVL) {
 #pragma unroll
         for (int u = 0; u < SUBS; ++u)
@@ -613,6 +703,15 @@ __global__ void __launch_bounds__(THREADS, 1)
             issue(part, s_next, 0, 0);
           }
         }
+        if constexpr (GROUPED_) {
+          if (m0 + BMT > m_end && m_end < M) {
+            // A group's last tile with the next group's rows after it: clipped direct stores,
+            // and the lent slot goes straight back (no TMA store reads it).
+            store_direct(m0, n0, m_end);
+            release(s);
+            continue;
+          }
+        }
         // 8 KB boxes (64 rows x 64 bf16 columns, 128-byte swizzled rows): the slot's A space,
         // then its B space, split between the two warpgroups.
         constexpr int BOX = 64 * 128;
@@ -668,23 +767,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           release(s);
         continue;
       }
-#pragma unroll
-      for (int h = 0; h < SUBS; ++h) {
-        const int row0 = m0 + r_local + h / NH * 64;
-        const int row1 = row0 + 8;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int col = n0 + h % NH * 128 + 8 * j + 2 * (lane % 4);
-          if (col < N) {
-            if (row0 < M)
-              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row0) * ldc + col) =
-                  __floats2bfloat162_rn(acc[h][4 * j + 0], acc[h][4 * j + 1]);
-            if (row1 < M)
-              *reinterpret_cast<__nv_bfloat162*>(c + static_cast<size_t>(row1) * ldc + col) =
-                  __floats2bfloat162_rn(acc[h][4 * j + 2], acc[h][4 * j + 3]);
-          }
-        }
-      }
+      store_direct(m0, n0, M);
     }
     if constexpr (EPI_TMA) {
       flush_pending();
@@ -744,11 +827,12 @@ struct ClusterLaunch {
 };
 
 // CTAs to launch: one per SM (max_ctas) or per tile; with clusters, no more than can be resident
-// at once (the persistent walk assumes every CTA runs from the start).
+// at once (the persistent walk assumes every CTA runs from the start). GROUPED: the walk's length
+// is known on the GPU only; each group adds at most one partial m-tile.
 template <int BN, int STAGES, int MODE, int CLUSTER>
-int grid_for(int M, int N, int max_ctas) {
+int grid_for(int M, int N, int max_ctas, int groups) {
   constexpr int BMT = tile_rows(MODE);
-  const int tiles_m = (M + BMT - 1) / BMT;
+  const int tiles_m = (M + BMT - 1) / BMT + ((MODE & GROUPED) != 0 ? groups : 0);
   const int tiles_n = (N + BN - 1) / BN;
   const int walk = (MODE & TALL) != 0 ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
                                       : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
@@ -765,16 +849,20 @@ int grid_for(int M, int N, int max_ctas) {
 }
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
-int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c, int M,
-           int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
+int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c,
+           const int* offs, int groups, int M, int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
   // The multicast operand's box is its share of the tile: B's without TALL, A's with it.
   constexpr int BMT = tile_rows(MODE);
   constexpr bool TALL_ = (MODE & TALL) != 0;
+  constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
+  if (GROUPED_ != (offs != nullptr) || (GROUPED_ && (groups < 1 || groups > MAX_GROUPS))) return -11;
+  const int b_rows = GROUPED_ ? groups * N : N;                            // the stacked weights
+  const int sb_cols = GROUPED_ ? groups * (((N + 127) / 128 + 3) & ~3) : (N + 127) / 128;
   CUtensorMap tm_a, tm_b, tm_sa;
   if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, TALL_ ? BMT / CLUSTER : BMT,
                 CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -1;
-  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, N, K, BK, TALL_ ? BN : BN / CLUSTER,
+  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, b_rows, K, BK, TALL_ ? BN : BN / CLUSTER,
                 CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -2;
   if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BMT, 1,
@@ -782,10 +870,15 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
     return -3;
   CUtensorMap tm_c = {};
   if constexpr ((MODE & TMA_STORE) != 0) {
-    // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue.
-    if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0)
-      return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
-                                                            stream);
+    // TMA needs 16-byte row pitches and base: else the same variant with the direct epilogue
+    // (GROUPED has none: the caller allocates its output).
+    if (ldc % 8 != 0 || reinterpret_cast<uintptr_t>(c) % 16 != 0) {
+      if constexpr (GROUPED_)
+        return -12;
+      else
+        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups,
+                                                                          M, N, K, ldc, max_ctas, stream);
+    }
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
       return -5;
@@ -794,7 +887,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if constexpr ((MODE & SB_SMEM) != 0) {
     // sb K-block-major (row kb holds the ceil(N/128) column blocks' scales, pitch sb_pitch
     // floats, a multiple of 4): one 8-float box per (tile, K block); blocks past N read as 0.
-    if (encode_2d(&tm_sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sb, (N + 127) / 128, K / BK,
+    // GROUPED: each group's blocks in turn, padded to a multiple of 4.
+    if (encode_2d(&tm_sb, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sb, sb_cols, K / BK,
                   static_cast<uint64_t>(sb_pitch) * 4, 8, 1, CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
       return -6;
   }
@@ -802,25 +896,27 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   const int bytes = SmemOf<BN, STAGES, MODE>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
-  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas);
+  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas, groups);
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
   err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, tm_sb, sb, static_cast<__nv_bfloat16*>(c), M,
-                           N, K, ldc);
+                           N, K, ldc, offs, groups);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
 
 struct Variant {
-  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, int, int, int, int, int,
-                cudaStream_t);
-  int (*grid)(int, int, int);
+  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, const int*, int, int, int, int,
+                int, int, cudaStream_t);
+  int (*grid)(int, int, int, int);
   int smem_bytes;
+  bool grouped;
 };
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES,
+          (MODE & GROUPED) != 0};
 }
 
 // The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
@@ -843,6 +939,9 @@ constexpr Variant VARIANTS[] = {
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 1>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP, 2>(),
     // Variants 23-25 (DEDICATED_D, LEAN) were measured and removed in session 20 (see above).
+    // MoE grouped GEMMs (GROUPED; relay_fp8_grouped_gemm): 23 = variant 19 grouped, 24 without OVERLAP.
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | GROUPED, 1>(),
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUPED, 1>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 
@@ -856,13 +955,27 @@ constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
                               int sb_pitch, void* c, int M, int N, int K, int ldc, int max_ctas, int variant,
                               void* stream) {
-  if (variant < 0 || variant >= NUM_VARIANTS) return -10;
-  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, M, N, K, ldc, max_ctas,
+  if (variant < 0 || variant >= NUM_VARIANTS || VARIANTS[variant].grouped) return -10;
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, nullptr, 0, M, N, K, ldc, max_ctas,
+                                  static_cast<cudaStream_t>(stream));
+}
+
+// The MoE grouped GEMM: a's M rows sorted by group, offs (groups,) int32 on the GPU: cumulative
+// row ends (offs[groups - 1] == M, empty groups allowed); b: (groups * N, K) e4m3, group g's
+// weight in rows g * N ..; sb: K-block-major, row kb holding each group's ceil(N/128) blocks
+// padded to a multiple of 4, pitch sb_pitch floats; c: (M, N) bf16 with ldc % 8 == 0 and a
+// 16-byte aligned base. The rest as relay_fp8_gemm. No host synchronisation (CUDA-graph safe).
+extern "C" int relay_fp8_grouped_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
+                                      int sb_pitch, void* c, const int* offs, int groups, int M, int N, int K,
+                                      int ldc, int max_ctas, int variant, void* stream) {
+  if (variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].grouped) return -10;
+  if (offs == nullptr) return -11;
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int max_ctas) {
-  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas);
+  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas, 0);
 }
 
 extern "C" int relay_fp8_gemm_smem_bytes(int variant) {

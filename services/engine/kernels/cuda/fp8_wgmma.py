@@ -66,15 +66,21 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 4, "tall_tma_sbs", 2),
     (128, 4, "tall_tma_sbs", 1),
     (128, 4, "tall_tma_sbs_ovl", 2),
+    (256, 4, "plain_tma_sbs_ovl_grouped", 1),
+    (256, 4, "plain_tma_sbs_grouped", 1),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
 # session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
 DEFAULT_VARIANT = 18
+# "_grouped" modes are the MoE grouped GEMM (`fp8_grouped_gemm`): variant 19's schedule over each
+# expert's rows (no clusters: a cluster's two row tiles could belong to two experts).
+DEFAULT_GROUPED_VARIANT = 23
+MAX_GROUPS = 1024  # fp8_wgmma.cu's: the group tables live in shared memory
 
 
 # fp8_wgmma.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
 BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16}
+MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64}
 
 
 def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
@@ -94,6 +100,10 @@ def mode_value(mode: str) -> int:
 
 def tile_rows(variant: int) -> int:
     return 2 * BLOCK if mode_parts(VARIANTS[variant][2])[0] == "tall" else BLOCK
+
+
+def is_grouped(variant: int) -> bool:
+    return "grouped" in mode_parts(VARIANTS[variant][2])[1]
 
 
 def uses_smem_scales(variant: int) -> bool:
@@ -126,6 +136,8 @@ def library() -> ctypes.CDLL:
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, i, i, i, i, i, i, vp]
     lib.relay_fp8_gemm.restype = i
+    lib.relay_fp8_grouped_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, vp, i, i, i, i, i, i, i, vp]
+    lib.relay_fp8_grouped_gemm.restype = i
     lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i]
     lib.relay_fp8_gemm_grid.restype = i
     lib.relay_fp8_gemm_smem_bytes.argtypes = [i]
@@ -183,8 +195,8 @@ def fp8_gemm(
     reason = unsupported_reason(a, w)
     if reason is not None:
         raise WgmmaError(reason)
-    if not 0 <= variant < len(VARIANTS):
-        raise ValueError(f"variant must be in [0, {len(VARIANTS)}), got {variant}")
+    if not 0 <= variant < len(VARIANTS) or is_grouped(variant):
+        raise ValueError(f"variant must be a dense one in [0, {len(VARIANTS)}), got {variant}")
     m, k = a.shape
     n = w.shape[0]
     kb = k // BLOCK
@@ -211,4 +223,80 @@ def fp8_gemm(
     )  # fmt: skip
     if rc != 0:
         raise WgmmaError(f"relay_fp8_gemm failed with code {rc}")
+    return out
+
+
+def grouped_unsupported_reason(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> str | None:
+    """Why the grouped kernel cannot run this MoE GEMM, or None when it can (w: (E, N, K))."""
+    if w.dim() != 3:
+        return f"grouped weights are (E, N, K), got {tuple(w.shape)}"
+    reason = unsupported_reason(a, w[0])
+    if reason is not None:
+        return reason
+    if not w.is_contiguous():
+        return "w is not contiguous"
+    if w.shape[1] % 8:
+        return f"N={w.shape[1]} is not a multiple of 8 (the TMA-stored output rows)"
+    if not 1 <= w.shape[0] <= MAX_GROUPS:
+        return f"{w.shape[0]} groups: the kernel takes 1..{MAX_GROUPS}"
+    if offs.dim() != 1 or offs.shape[0] != w.shape[0]:
+        return f"offs must be ({w.shape[0]},) cumulative row ends, got {tuple(offs.shape)}"
+    if offs.device != a.device:
+        return "offs is not on a's device"
+    return None
+
+
+def grouped_weight_scales(w_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(E, NB, KB) weight scales as the grouped kernel's TMA reads them: K-block-major rows holding
+    each expert's NB blocks padded to a multiple of 4 (so an expert's 32-byte box starts in its own
+    blocks); returns them and their row pitch in floats. One small copy (E * NB * KB floats)."""
+    e, nb, kb = w_scale.shape
+    nbp = -(-nb // 4) * 4
+    s = torch.zeros(kb, e, nbp, dtype=torch.float32, device=w_scale.device)
+    s[:, :, :nb] = w_scale.permute(2, 0, 1)
+    return s.reshape(kb, e * nbp), e * nbp
+
+
+def fp8_grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor | None = None,
+    variant: int = DEFAULT_GROUPED_VARIANT,
+) -> torch.Tensor:
+    """MoE grouped GEMM in bf16 (services/common/fp8.grouped_fp8_gemm's function): a (T, K) rows
+    sorted by expert, expert e owning rows [offs[e-1], offs[e]) (offs: (E,) cumulative ends, on the
+    GPU, empty experts allowed), times w[e]^T with w (E, N, K) e4m3 and w_scale (E, NB, KB). On
+    the current stream, no host synchronisation (CUDA-graph safe)."""
+    reason = grouped_unsupported_reason(a, w, offs)
+    if reason is not None:
+        raise WgmmaError(reason)
+    if not 0 <= variant < len(VARIANTS) or not is_grouped(variant):
+        raise ValueError(f"variant {variant} is not a grouped one")
+    t, k = a.shape
+    e, n, _ = w.shape
+    kb = k // BLOCK
+    if tuple(a_scale.shape) != (t, kb) or tuple(w_scale.shape) != (e, -(-n // BLOCK), kb):
+        raise ValueError(
+            f"scale shapes {tuple(a_scale.shape)}, {tuple(w_scale.shape)} do not fit T={t} E={e} N={n} K={k}"
+        )
+    if out is None:
+        out = torch.empty(t, n, dtype=torch.bfloat16, device=a.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (t, n) or not out.is_contiguous():
+        raise ValueError("out must be a contiguous (T, N) bf16 tensor")
+    if t == 0:
+        return out
+    sa, pitch = _k_block_major(a_scale)
+    sb, sb_pitch = grouped_weight_scales(w_scale)
+    ends = offs.to(torch.int32).contiguous()
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    rc = library().relay_fp8_grouped_gemm(
+        a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
+        ends.data_ptr(), e, t, n, k, out.stride(0), sms, variant, stream,
+    )  # fmt: skip
+    if rc != 0:
+        raise WgmmaError(f"relay_fp8_grouped_gemm failed with code {rc}")
     return out
