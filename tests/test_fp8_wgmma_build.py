@@ -29,9 +29,12 @@ def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:
         got = built.relay_fp8_gemm_smem_bytes(i)
         bm = fp8_wgmma.tile_rows(i)
         # The stages of A (bm rows), B, the A and B scales, their barriers, the alignment slack.
-        # (Grouped variants: the per-expert tile and row tables too.)
-        tables = 2 * (fp8_wgmma.MAX_GROUPS + 1) * 4 if fp8_wgmma.is_grouped(i) else 0
-        want = 1024 + stages * (bm * 128 + bn * 128 + bm * 4 + 128) + 2 * stages * 8 + tables
+        # Grouped variants: the per-expert tile and row tables too, and 4 more activation scales
+        # per stage (rounded up to a 128-byte TMA destination).
+        grouped = fp8_wgmma.is_grouped(i)
+        tables = 2 * (fp8_wgmma.MAX_GROUPS + 1) * 4 if grouped else 0
+        sa = -(-(bm + 4) * 4 // 128) * 128 if grouped else bm * 4
+        want = 1024 + stages * (bm * 128 + bn * 128 + sa + 128) + 2 * stages * 8 + tables
         assert got == want, (i, got, want)
         assert got <= H100_MAX_DYNAMIC_SMEM
     assert built.relay_fp8_gemm_smem_bytes(len(fp8_wgmma.VARIANTS)) == -1

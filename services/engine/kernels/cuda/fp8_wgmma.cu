@@ -203,7 +203,12 @@ template <int BMT, int BN, int STAGES, bool GROUPS = false>
 struct Smem {
   static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
-  static constexpr int SA = BMT * 4;
+  // GROUPED: 4 rows more. A group's tiles start at any row, but a TMA box must start 16 bytes
+  // into the scales' rows (else an illegal instruction): the box starts at the row rounded down
+  // to a multiple of 4, and the tile's scales sit (m0 % 4) floats into it. Each stage's box
+  // starts 128-byte aligned, as a TMA destination must.
+  static constexpr int SA_BOX = (BMT + (GROUPS ? 4 : 0)) * 4;
+  static constexpr int SA = (SA_BOX + 127) / 128 * 128;
   // SB_SMEM: 8 weight-scale blocks of this K block around the tile's (one 32-byte box, padded to
   // the 128-byte alignment a TMA destination needs). The box starts at a multiple of 4 blocks:
   // a box whose first element is not 16-byte aligned in global memory faults (illegal instruction
@@ -308,7 +313,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
   float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
-  float* s_sb = s_sa + STAGES * BMT;  // L::SB / 4 floats per stage
+  constexpr int SAF = L::SA / 4;      // activation-scale floats per stage
+  float* s_sb = s_sa + STAGES * SAF;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
   uint64_t* empty = full + STAGES;
   // GROUPED: s_mt[g] = m-tiles of the groups before g, s_row[g] = group g's first row (g <= groups).
@@ -420,8 +426,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           if (leader) {
-            mbar_expect_tx(&full[s], L::A + L::B + L::SA + (SBS ? 32 : 0));
-            tma_load_2d(s_sa + s * BMT, &tm_sa, &full[s], m0, kb);
+            mbar_expect_tx(&full[s], L::A + L::B + L::SA_BOX + (SBS ? 32 : 0));
+            tma_load_2d(s_sa + s * SAF, &tm_sa, &full[s], GROUPED_ ? m0 & ~3 : m0, kb);
             if constexpr (SBS) tma_load_2d(s_sb + s * (L::SB / 4), &tm_sb, &full[s], sb_col, kb);
             constexpr uint16_t ALL = (1 << CLUSTER) - 1;
             if constexpr (CLUSTER > 1 && TALL_) {
@@ -457,7 +463,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     // This thread's rows in the first m64 block (and r_local + 8; + 64 in the second, TALL).
     const int r_local = half * RW + warp * 16 + lane / 4;
     // Row r_local's activation scale of stage s.
-    auto sa_at = [&](int s, int offset) { return lds(s_sa + s * BMT + r_local + offset); };
+    int sa_shift = 0;  // GROUPED: the tile's first row's place in its scale box (m0 % 4)
+    auto sa_at = [&](int s, int offset) { return lds(s_sa + s * SAF + sa_shift + r_local + offset); };
     // One arrival per CTA of the cluster, lane r signalling CTA r: one instruction for the warp.
     auto release = [&](int s) {
       __syncwarp();
@@ -545,6 +552,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int tile = first; tile < num_tiles; tile += stride) {
       int m0, n0, g, m_end;
       origin(tile, m0, n0, g, m_end);
+      if constexpr (GROUPED_) sa_shift = m0 & 3;
       if constexpr (!OVL) {
 #pragma unroll
         for (int u = 0; u < SUBS; ++u)
@@ -581,8 +589,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int s = it % STAGES;
           if constexpr (SBS) sb = lds(s_sb + s * (L::SB / 4) + sb_off);
           fence_regs(cur);
-          const float s0 = lds(s_sa + s * BMT + r_local) * sb;
-          const float s1 = lds(s_sa + s * BMT + r_local + 8) * sb;
+          const float s0 = lds(s_sa + s * SAF + r_local) * sb;
+          const float s1 = lds(s_sa + s * SAF + r_local + 8) * sb;
           release(s);
           promote(acc[0], cur, s0, s1);
           ++it;
@@ -865,7 +873,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, b_rows, K, BK, TALL_ ? BN : BN / CLUSTER,
                 CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -2;
-  if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4, BMT, 1,
+  if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4,
+                SmemOf<BN, STAGES, MODE>::SA_BOX / 4, 1,
                 CU_TENSOR_MAP_SWIZZLE_NONE) != CUDA_SUCCESS)
     return -3;
   CUtensorMap tm_c = {};
