@@ -145,6 +145,21 @@ def test_cuda_entry_runs_only_where_the_cuda_kernel_can(
         fl.resolve_backend("cuda", 5000, CPU, 2048, 7168)
 
 
+def test_grouped_gemms_take_the_cuda_kernel_from_32_rows_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: True)  # a Hopper GPU
+    e = 32
+    assert fl.grouped_cuda_choice(fl.GROUPED_CUDA_MIN_ROWS * e, e, CUDA)
+    assert not fl.grouped_cuda_choice(fl.GROUPED_CUDA_MIN_ROWS * e - 1, e, CUDA)  # decode: Triton
+    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: False)
+    assert not fl.grouped_cuda_choice(1 << 20, e, CUDA)
+    a = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="'cuda' needs CUDA tensors"):
+        fl.grouped_fp8_gemm_dispatch(
+            a, torch.ones(64, 1), w, torch.ones(2, 2, 1), torch.tensor([32, 64]), torch.bfloat16, "cuda"
+        )
+
+
 def test_tune_skip_triton_keeps_the_tables_triton_entries() -> None:
     old = kern.Fp8Table.model_validate(
         _table(

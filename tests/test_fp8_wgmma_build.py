@@ -71,3 +71,39 @@ def test_scales_reach_the_kernel_k_block_major_with_16_byte_rows(m: int, kb: int
     assert torch.equal(rows, a_scale.t())
     if col and m % 4 == 0 and kb > 1:
         assert s.data_ptr() == a_scale.data_ptr()  # the Triton quantiser's layout: no copy
+
+
+def test_dense_and_grouped_entry_points_refuse_each_others_variants(built: ctypes.CDLL) -> None:
+    dense = built.relay_fp8_gemm
+    dense.restype = ctypes.c_int
+    grouped = built.relay_fp8_grouped_gemm
+    grouped.restype = ctypes.c_int
+    g = fp8_wgmma.DEFAULT_GROUPED_VARIANT
+    assert fp8_wgmma.is_grouped(g) and not fp8_wgmma.is_grouped(fp8_wgmma.DEFAULT_VARIANT)
+    args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
+    assert dense(*args, g, None) == -10  # a grouped variant through the dense entry
+    gargs = [None, None, 4, None, None, 4, None, None, 1, 4, 128, 128, 128, 132]
+    assert grouped(*gargs, fp8_wgmma.DEFAULT_VARIANT, None) == -10
+    assert grouped(*gargs, g, None) == -11  # no offsets: refused before any CUDA call
+
+
+def test_grouped_weight_scales_are_k_block_major_with_each_expert_padded_to_4_blocks() -> None:
+    e, nb, kb = 3, 5, 7
+    w_scale = torch.rand(e, nb, kb)
+    s, pitch = fp8_wgmma.grouped_weight_scales(w_scale)
+    nbp = 8
+    assert pitch == e * nbp and pitch % 4 == 0 and tuple(s.shape) == (kb, e * nbp)
+    for g in range(e):
+        # the kernel's box for expert g starts at column g * nbp (a multiple of 4: 16-byte aligned)
+        assert torch.equal(s[:, g * nbp : g * nbp + nb], w_scale[g].t())
+        assert not s[:, g * nbp + nb : (g + 1) * nbp].any()
+
+
+def test_grouped_python_side_names_what_it_cannot_run() -> None:
+    a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(2, 256, 128, dtype=torch.float8_e4m3fn)
+    offs = torch.tensor([1, 4], dtype=torch.int32)
+    assert fp8_wgmma.grouped_unsupported_reason(a, w, offs) == "needs CUDA tensors"
+    assert "(E, N, K)" in str(fp8_wgmma.grouped_unsupported_reason(a, w[0], offs))
+    with pytest.raises(fp8_wgmma.WgmmaError, match="needs CUDA tensors"):
+        fp8_wgmma.fp8_grouped_gemm(a, torch.ones(4, 1), w, torch.ones(2, 2, 1), offs)

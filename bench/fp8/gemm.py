@@ -272,6 +272,12 @@ def check_grouped(name: str, e: int, t: int, n: int, k: int, dev: torch.device) 
     rows.append(
         {"case": name, "block_m": "torch loop"} | accuracy(None, o16, want, absref, "wgmma") | {"error": e16}
     )
+    # What the engine runs: services/engine/fp8_linear's dispatch (the CUDA kernel from
+    # GROUPED_CUDA_MIN_ROWS rows per expert on Hopper, Triton below).
+    o16, e16 = attempt(partial(fl.grouped_fp8_gemm_dispatch, *ops, torch.bfloat16))
+    rows.append(
+        {"case": name, "block_m": "auto"} | accuracy(None, o16, want, absref, "wgmma") | {"error": e16}
+    )
     for r in rows:
         r["ok"] = bool(r["ok"]) and r["error"] is None
     return rows
@@ -573,6 +579,8 @@ def grouped_row(name: str, e: int, t: int, n: int, k: int, dev: torch.device, sw
         partial(ref.grouped_fp8_gemm, *ops, bounds[1:], torch.bfloat16, "torch"),
     )
     timed(row, "triton_grouped", flops, partial(kern.triton_grouped_fp8_gemm, *ops, offs, torch.bfloat16))
+    timed(row, "auto_grouped", flops, partial(fl.grouped_fp8_gemm_dispatch, *ops, offs, torch.bfloat16))
+    row["auto_grouped_backend"] = "cuda" if fl.grouped_cuda_choice(t, e, dev) else "triton"
     row["triton_block_m"] = kern.pick_grouped_block_m(t, e)
     if sweep:
         best: tuple[float, str] | None = None

@@ -48,8 +48,13 @@ TRITON_MAX_M = 256
 TRITON_FAILURES: dict[str, str] = {}
 _FAILED_CONFIGS: set[kern.GemmConfig] = set()  # the same, by config: no name() per call
 # Why the CUDA kernel cannot serve "auto" here (no nvcc, a failed build or launch), once known;
-# "auto" then uses cuBLAS where the table says "cuda".
+# "auto" then uses cuBLAS where the table says "cuda", and Triton for grouped GEMMs.
 CUDA_FAILURE: list[str] = []
+# Rows per expert (T / E) from which "auto" runs MoE grouped GEMMs on the CUDA kernel (Hopper):
+# it measured 1.73-2.37x bf16 grouped_mm at 32-512 rows per expert against Triton's 0.83-1.79x
+# (one H100, bench/fp8/results/grouped_h100_20.json); below 32 (decode) Triton's small row blocks
+# stay (2.5x bf16 at 8 rows per expert, gemm_h200_3.json).
+GROUPED_CUDA_MIN_ROWS = 32
 log = logging.getLogger(__name__)
 
 
@@ -116,6 +121,11 @@ def cuda_kernel_usable(device: torch.device) -> bool:
     )
 
 
+def _remember_cuda_failure(e: Exception) -> None:
+    CUDA_FAILURE.append(str(e))
+    log.warning("fp8 CUDA kernel failed, using torch scaled_mm / Triton where it was picked: %s", e)
+
+
 def _cuda_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor | None:
@@ -126,9 +136,13 @@ def _cuda_gemm(
     try:
         return fp8_wgmma.fp8_gemm(a, a_scale, w, w_scale)
     except fp8_wgmma.WgmmaError as e:
-        CUDA_FAILURE.append(str(e))
-        log.warning("fp8 CUDA kernel failed, using torch scaled_mm where the table picks it: %s", e)
+        _remember_cuda_failure(e)
         return None
+
+
+def grouped_cuda_choice(t: int, e: int, device: torch.device) -> bool:
+    """Whether "auto" runs a grouped GEMM of T rows over E experts on the CUDA kernel."""
+    return t >= GROUPED_CUDA_MIN_ROWS * e and cuda_kernel_usable(device)
 
 
 def quantize_activation(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,8 +253,26 @@ def grouped_fp8_gemm_dispatch(
     out_dtype: torch.dtype,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """MoE grouped GEMM (rows sorted by expert, offs = cumulative ends): one Triton launch on CUDA
-    (no host sync); "reference"/"torch" loop over experts (services/common/fp8.grouped_fp8_gemm)."""
+    """MoE grouped GEMM (rows sorted by expert, offs = cumulative ends): one launch on CUDA (no host
+    sync): "auto" runs the CUDA kernel from GROUPED_CUDA_MIN_ROWS rows per expert on Hopper, else
+    Triton; "cuda" / "triton" force one; "reference"/"torch" loop over experts
+    (services/common/fp8.grouped_fp8_gemm)."""
+    if backend == "cuda":
+        resolve_backend(backend, 0, a.device)  # CPU tensors: the dense path's error
+        if out_dtype != torch.bfloat16:
+            raise ValueError(f"fp8 backend 'cuda' writes bf16, not {out_dtype}")
+        return fp8_wgmma.fp8_grouped_gemm(a, a_scale, w, w_scale, offs)
+    if (
+        backend == "auto"
+        and a.is_cuda
+        and out_dtype == torch.bfloat16
+        and grouped_cuda_choice(a.shape[0], w.shape[0], a.device)
+        and fp8_wgmma.grouped_unsupported_reason(a, w, offs) is None
+    ):
+        try:
+            return fp8_wgmma.fp8_grouped_gemm(a, a_scale, w, w_scale, offs)
+        except fp8_wgmma.WgmmaError as e:
+            _remember_cuda_failure(e)  # then Triton, as below M rows per expert
     which = resolve_backend(backend, 0, a.device)  # M = 0: "auto" picks triton when it exists
     if which == "triton" and backend == "auto" and has_scaled_mm():
         key = f"grouped m{kern.pick_grouped_block_m(a.shape[0], w.shape[0])}"
