@@ -80,7 +80,9 @@ def test_tune_after_startup_freezes_and_shortens_the_switch_interval() -> None:
     thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
     try:
         info = tune_after_startup(gen0=5000, switch_interval_s=0.001)
-        assert info["frozen_objects"] == gc.get_freeze_count() > 1000
+        # Frozen objects still die by reference count (another thread's, here pytest-xdist's):
+        # the count can only have dropped since the function read it (a CI run saw 2 fewer).
+        assert 1000 < gc.get_freeze_count() <= info["frozen_objects"]
         assert gc.get_threshold()[0] == 5000
         assert sys.getswitchinterval() == pytest.approx(0.001)
         # Frozen objects are skipped: a full collection now walks only what was created since.

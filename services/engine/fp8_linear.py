@@ -140,6 +140,11 @@ def _cuda_gemm(
         return None
 
 
+def _cuda_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"fp8 backend 'cuda' writes bf16, not {out_dtype}")
+
+
 def grouped_cuda_choice(t: int, e: int, device: torch.device) -> bool:
     """Whether "auto" runs a grouped GEMM of T rows over E experts on the CUDA kernel."""
     return t >= GROUPED_CUDA_MIN_ROWS * e and cuda_kernel_usable(device)
@@ -234,8 +239,7 @@ def fp8_gemm_dispatch(
         return ref.fp8_gemm(a, a_scale, w, w_scale, out_dtype, backend="torch")
     which = resolve_backend(backend, m, a.device, n, k)
     if which == "cuda":
-        if out_dtype != torch.bfloat16:
-            raise ValueError(f"fp8 backend 'cuda' writes bf16, not {out_dtype}")
+        _cuda_out_dtype(out_dtype)
         return fp8_wgmma.fp8_gemm(a, a_scale, w, w_scale)
     if which == "triton":
         return kern.triton_fp8_gemm(a, a_scale, w, w_scale, out_dtype)
@@ -259,8 +263,7 @@ def grouped_fp8_gemm_dispatch(
     (services/common/fp8.grouped_fp8_gemm)."""
     if backend == "cuda":
         resolve_backend(backend, 0, a.device)  # CPU tensors: the dense path's error
-        if out_dtype != torch.bfloat16:
-            raise ValueError(f"fp8 backend 'cuda' writes bf16, not {out_dtype}")
+        _cuda_out_dtype(out_dtype)
         return fp8_wgmma.fp8_grouped_gemm(a, a_scale, w, w_scale, offs)
     if (
         backend == "auto"
@@ -272,7 +275,7 @@ def grouped_fp8_gemm_dispatch(
         try:
             return fp8_wgmma.fp8_grouped_gemm(a, a_scale, w, w_scale, offs)
         except fp8_wgmma.WgmmaError as e:
-            _remember_cuda_failure(e)  # then Triton, as below M rows per expert
+            _remember_cuda_failure(e)  # then Triton, as below GROUPED_CUDA_MIN_ROWS
     which = resolve_backend(backend, 0, a.device)  # M = 0: "auto" picks triton when it exists
     if which == "triton" and backend == "auto" and has_scaled_mm():
         key = f"grouped m{kern.pick_grouped_block_m(a.shape[0], w.shape[0])}"

@@ -13,7 +13,8 @@
 //     float32 accumulator. While one warpgroup does that on the CUDA cores, the other one's
 //     wgmmas keep the tensor cores busy.
 // The grid is persistent (one CTA per SM, tiles in grouped order for L2 reuse), so the producer
-// prefetches the next tile while the math warpgroups store the last one.
+// prefetches the next tile while the math warpgroups store the last one. The same kernel runs MoE
+// experts' grouped GEMMs (GROUPED mode: each expert's rows against its own weight, one launch).
 //
 // Built at run time by services/engine/kernels/cuda/fp8_wgmma.py (nvcc, then ctypes).
 #include <cuda.h>
