@@ -13,7 +13,8 @@
 #      M, N, K = 4096, 4096, 7168 ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
 #   bash bench/fp8/run.sh product     -> the CUDA kernel as the dispatch's large-M backend: its self-check,
 #      tune.py --skip-triton at M = 512-8192 ($OUT/fp8_tune.json, the new table $OUT/fp8_configs.json),
-#      then gemm.py and train_linear.py reading that table (~6 minutes)
+#      then gemm.py reading that table (~4 minutes). (train_linear.py imports torchtitan, whose import-time
+#      dependencies, tyro, torchdata and datasets with pyarrow, the GPU image lacks and .whl does not carry.)
 #   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
 #      SASS instruction, as ncu-source gives ours
 set -uo pipefail
@@ -52,8 +53,7 @@ for what in "${@:-gemm}"; do
         --table "$OUT/fp8_configs.json" --out "$OUT/fp8_tune.json" 2>&1 | grep -v '^{'
       export RELAY_FP8_CONFIGS="$OUT/fp8_configs.json"
       python3 bench/fp8/gemm.py --skip-grouped --sweep-budget-s 0 --out "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1
-      tail -5 "$OUT/fp8_gemm.txt"
-      python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear.json" 2>&1 | tail -12 ;;
+      tail -5 "$OUT/fp8_gemm.txt" ;;
     deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
       unpack_deepgemm || exit 1
       NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_src.json" \
