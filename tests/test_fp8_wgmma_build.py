@@ -107,3 +107,27 @@ def test_grouped_python_side_names_what_it_cannot_run() -> None:
     assert "(E, N, K)" in str(fp8_wgmma.grouped_unsupported_reason(a, w[0], offs))
     with pytest.raises(fp8_wgmma.WgmmaError, match="needs CUDA tensors"):
         fp8_wgmma.fp8_grouped_gemm(a, torch.ones(4, 1), w, torch.ones(2, 2, 1), offs)
+
+
+def test_a_failed_build_is_an_error_the_engine_remembers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    # No nvcc and nothing cached: the library cannot be had. The engine's load-time preparation
+    # records that once, after which "auto" never picks the kernel (it would only fail again).
+    from services.engine import fp8_linear as fl
+
+    assert not fl.prepare_cuda_kernel(torch.device("cpu"))  # nothing to prepare off the GPU
+    monkeypatch.setenv("RELAY_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: None)
+    monkeypatch.setattr(fl, "CUDA_FAILURE", [])
+    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: not fl.CUDA_FAILURE)  # a Hopper GPU
+    fp8_wgmma.library.cache_clear()
+    try:
+        with pytest.raises(fp8_wgmma.WgmmaError, match="nvcc not found"):
+            fp8_wgmma.library()
+        cuda = torch.device("cuda")
+        assert not fl.prepare_cuda_kernel(cuda)
+        assert fl.CUDA_FAILURE and "nvcc not found" in fl.CUDA_FAILURE[0]
+        assert not fl.cuda_kernel_usable(cuda) and not fl.grouped_cuda_choice(1 << 20, 8, cuda)
+    finally:
+        fp8_wgmma.library.cache_clear()

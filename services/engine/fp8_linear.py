@@ -126,6 +126,20 @@ def _remember_cuda_failure(e: Exception) -> None:
     log.warning("fp8 CUDA kernel failed, using torch scaled_mm / Triton where it was picked: %s", e)
 
 
+def prepare_cuda_kernel(device: torch.device) -> bool:
+    """At model load on a Hopper GPU: build (or load the cached) CUDA kernel now, so that the
+    first large prefill does not wait ~10 s on nvcc. A failure (no nvcc here) is remembered and
+    logged once, and "auto" never picks the kernel after. Whether it is ready."""
+    if not cuda_kernel_usable(device):
+        return False
+    try:
+        fp8_wgmma.library()
+    except fp8_wgmma.WgmmaError as e:
+        _remember_cuda_failure(e)
+        return False
+    return True
+
+
 def _cuda_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor | None:
@@ -517,6 +531,7 @@ def build_model(
     convert_model(model, empty=True)
     model.to_empty(device=device)
     model.reset_rope()
+    prepare_cuda_kernel(device)
     return model
 
 

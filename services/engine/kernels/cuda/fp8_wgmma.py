@@ -129,10 +129,14 @@ def build(out: Path | None = None) -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL:
+    """The library, built first when the cache has none (WgmmaError when it cannot be)."""
     path = library_path()
     if not path.exists():
         build(path)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise WgmmaError(f"cannot load {path}: {e}") from e
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, i, i, i, i, i, i, vp]
     lib.relay_fp8_gemm.restype = i
