@@ -130,6 +130,18 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=ROUNDS[0], help="timing rounds (wgmma.bench_rounds)")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--experts", type=int, default=TIME_E, help="E of the timed shapes")
+    ap.add_argument(
+        "--rows",
+        default=",".join(map(str, TIME_ROWS_PER_EXPERT)),
+        help="rows per expert to time (comma list)",
+    )
+    ap.add_argument(
+        "--nk",
+        default=",".join(f"{n}x{k}" for n, k in TIME_NK),
+        help="expert (N, K) shapes as NxK comma list (default DeepSeek-V3's gate/up and down; "
+        "Qwen3-30B-A3B's: 1536x2048,2048x768)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/fp8/grouped.py needs a Hopper GPU")
@@ -154,12 +166,14 @@ def main() -> None:
     if args.skip_timing or not result["check_ok"]:
         return
     result["rows"] = []
-    for n, k in TIME_NK:
-        for per in TIME_ROWS_PER_EXPERT:
-            row = time_row(TIME_E, TIME_E * per, n, k, dev)
+    e = args.experts
+    nks = [tuple(int(v) for v in nk.split("x")) for nk in args.nk.split(",") if nk]
+    for n, k in nks:
+        for per in [int(v) for v in args.rows.split(",") if v]:
+            row = time_row(e, e * per, n, k, dev)
             result["rows"].append(row)
             print(
-                f"E={TIME_E} T={TIME_E * per:6d} N={n:5d} K={k:5d} bf16 {row['bf16_grouped_mm_tflops']:5.0f} "
+                f"E={e} T={e * per:6d} N={n:5d} K={k:5d} bf16 {row['bf16_grouped_mm_tflops']:5.0f} "
                 + " ".join(f"{name} {sp:.2f}x" for name, sp in row["speedup_vs_bf16"].items()),
                 flush=True,
             )
