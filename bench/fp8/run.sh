@@ -15,6 +15,9 @@
 #      tune.py --skip-triton at M = 512-8192 ($OUT/fp8_tune.json, the new table $OUT/fp8_configs.json),
 #      then gemm.py reading that table (~4 minutes). (train_linear.py imports torchtitan, whose import-time
 #      dependencies, tyro, torchdata and datasets with pyarrow, the GPU image lacks and .whl does not carry.)
+#   bash bench/fp8/run.sh trainer     -> train_linear.py with the committed table, and with cuBLAS in place of
+#      its "cuda" entries ($OUT/fp8_train_linear{,_cublas}.json); needs `bash bench/wheels.sh --trainer` first,
+#      and pyarrow and pandas on the GPU image (checked first)
 #   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
 #      SASS instruction, as ncu-source gives ours
 set -uo pipefail
@@ -54,10 +57,21 @@ for what in "${@:-gemm}"; do
       export RELAY_FP8_CONFIGS="$OUT/fp8_configs.json"
       python3 bench/fp8/gemm.py --skip-grouped --sweep-budget-s 0 --out "$OUT/fp8_gemm.json" > "$OUT/fp8_gemm.txt" 2>&1
       tail -5 "$OUT/fp8_gemm.txt" ;;
+    trainer)
+      python3 -c "import trainer.fp8" 2>&1 | tail -1
+      python3 -c "import trainer.fp8" 2>/dev/null || { echo "trainer.fp8 does not import here"; exit 1; }
+      python3 -c "
+import json
+t = json.load(open('services/engine/kernels/fp8_configs.json'))
+for e in t['dense']:
+    e['choice'] = 'torch' if e['choice'] == 'cuda' else e['choice']
+json.dump(t, open('$OUT/fp8_configs_cublas.json', 'w'))"
+      RELAY_FP8_CONFIGS="$OUT/fp8_configs_cublas.json" python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear_cublas.json" 2>&1 | tail -9
+      python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear.json" 2>&1 | tail -9 ;;
     deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
       unpack_deepgemm || exit 1
       NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_src.json" \
         bash bench/fp8/wgmma_ncu_source.sh deepgemm regex:sm90_fp8_gemm ;;
-    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source | product)"; exit 2 ;;
+    *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source | product | trainer)"; exit 2 ;;
   esac
 done
