@@ -536,14 +536,18 @@ def table_suggestion(rows: list[dict[str, Any]]) -> list[str]:
 # ------------------------------------------------------------------ grouped
 
 
-def grouped_inputs(e: int, t: int, n: int, k: int, dev: torch.device, seed: int = 0) -> dict[str, Any]:
-    """bf16 inputs x (T, K), w (E, N, K), their fp8 quantisations, group sizes and end offsets."""
-    g = torch.Generator().manual_seed(seed)
-    # Uneven routing: Dirichlet-like expert popularity, some experts may get no rows.
-    probs = torch.distributions.Gamma(torch.full((e,), 0.7), torch.ones(e)).sample()
-    sizes = torch.bincount(
-        torch.multinomial(probs / probs.sum(), t, replacement=True, generator=g), minlength=e
-    )
+def grouped_inputs(
+    e: int, t: int, n: int, k: int, dev: torch.device, seed: int = 0, sizes: list[int] | None = None
+) -> dict[str, Any]:
+    """bf16 inputs x (T, K), w (E, N, K), their fp8 quantisations, group sizes and end offsets.
+    The rows are routed unevenly at random unless `sizes` gives each expert's count."""
+    if sizes is None:
+        g = torch.Generator().manual_seed(seed)
+        # Uneven routing: Dirichlet-like expert popularity, some experts may get no rows.
+        probs = torch.distributions.Gamma(torch.full((e,), 0.7), torch.ones(e)).sample()
+        sizes = torch.bincount(
+            torch.multinomial(probs / probs.sum(), t, replacement=True, generator=g), minlength=e
+        ).tolist()
     gd = torch.Generator(device=dev).manual_seed(seed)
     x = torch.randn(t, k, device=dev, generator=gd).to(torch.bfloat16)
     w = (torch.randn(e, n, k, device=dev, generator=gd) * 0.02).to(torch.bfloat16)
@@ -552,7 +556,7 @@ def grouped_inputs(e: int, t: int, n: int, k: int, dev: torch.device, seed: int 
     wq = torch.stack([q for q, _ in qs])
     ws = torch.stack([s for _, s in qs])
     offs = ref.group_offsets(sizes).to(dev)
-    return {"x": x, "w": w, "a": a, "sizes": sizes.tolist(), "offs": offs, "wq": wq, "ws": ws}
+    return {"x": x, "w": w, "a": a, "sizes": list(sizes), "offs": offs, "wq": wq, "ws": ws}
 
 
 def bf16_loop(x: torch.Tensor, w: torch.Tensor, bounds: list[int]) -> None:

@@ -56,21 +56,6 @@ def grouped_variants() -> list[int]:
     return [v for v in range(len(fp8_wgmma.VARIANTS)) if fp8_wgmma.is_grouped(v)]
 
 
-def fixed_inputs(sizes: list[int], n: int, k: int, dev: torch.device, seed: int) -> dict[str, Any]:
-    g = torch.Generator(device=dev).manual_seed(seed)
-    t, e = sum(sizes), len(sizes)
-    x = torch.randn(t, k, device=dev, generator=g).to(torch.bfloat16)
-    w = (torch.randn(e, n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-    qs = [ref.quantize_weight(w[i]) for i in range(e)]
-    return {
-        "a": ref.quantize_act(x),
-        "wq": torch.stack([q for q, _ in qs]),
-        "ws": torch.stack([s for _, s in qs]),
-        "offs": ref.group_offsets(sizes).to(dev),
-        "sizes": sizes,
-    }
-
-
 def check_one(d: dict[str, Any], n: int, k: int) -> list[dict[str, Any]]:
     aq, a_s = d["a"]
     want = ref.grouped_fp8_gemm(aq, a_s, d["wq"], d["ws"], d["offs"], torch.float32, backend="reference")
@@ -92,7 +77,9 @@ def check_one(d: dict[str, Any], n: int, k: int) -> list[dict[str, Any]]:
 def self_check(dev: torch.device) -> list[dict[str, Any]]:
     rows = []
     for i, (sizes, n, k) in enumerate(CHECK_CASES):
-        rows += check_one(fixed_inputs(sizes, n, k, dev, seed=10 + i), n, k)
+        rows += check_one(
+            bench.grouped_inputs(len(sizes), sum(sizes), n, k, dev, seed=10 + i, sizes=sizes), n, k
+        )
     for i, (e, t, n, k) in enumerate(CHECK_RANDOM):
         gi = bench.grouped_inputs(e, t, n, k, dev, seed=20 + i)
         rows += check_one(gi, n, k)

@@ -115,11 +115,7 @@ def auto_choice(m: int, n: int | None, k: int | None, device: torch.device) -> k
 def cuda_kernel_usable(device: torch.device) -> bool:
     """Whether "auto" may pick the CUDA kernel on `device`: a Hopper GPU (the kernel is sm_90a
     wgmma) where it has not failed before."""
-    return (
-        device.type == "cuda"
-        and not CUDA_FAILURE
-        and torch.cuda.get_device_capability(device) == fp8_wgmma.CAPABILITY
-    )
+    return not CUDA_FAILURE and fp8_wgmma.is_hopper(device)
 
 
 def _remember_cuda_failure(e: Exception) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from services.common import fp8 as ref
 from services.engine.kernels.cuda import nvcc
+from services.engine.kernels.fp8_gemm import num_sms
 
 SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
 NVCC_FLAGS = nvcc.SM90A_FLAGS
@@ -152,15 +153,29 @@ def library() -> ctypes.CDLL:
 
 def launch_grid(variant: int, m: int, n: int, device: torch.device | None = None) -> int:
     """The CTAs `fp8_gemm` launches for an (M, N) output with this variant."""
-    sms = torch.cuda.get_device_properties(device or torch.device("cuda")).multi_processor_count
-    return int(library().relay_fp8_gemm_grid(variant, m, n, sms))
+    return int(library().relay_fp8_gemm_grid(variant, m, n, num_sms(device or torch.device("cuda"))))
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether `device` is a GPU this kernel runs on (sm_90)."""
+    return (
+        device.type == "cuda"
+        and _capability(device.index if device.index is not None else torch.cuda.current_device())
+        == CAPABILITY
+    )
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # Cached, as kernels/fp8_gemm.num_sms: "auto" asks on every GEMM it may send here.
+    return torch.cuda.get_device_capability(index)
 
 
 def unsupported_reason(a: torch.Tensor, w: torch.Tensor) -> str | None:
     """Why this kernel cannot run a @ w^T, or None when it can."""
     if not (a.is_cuda and w.is_cuda):
         return "needs CUDA tensors"
-    if torch.cuda.get_device_capability(a.device) != CAPABILITY:
+    if not is_hopper(a.device):
         return "needs a Hopper GPU (sm_90a wgmma)"
     k = a.shape[1]
     if k % BLOCK:
@@ -205,7 +220,7 @@ def fp8_gemm(
     m, k = a.shape
     n = w.shape[0]
     kb = k // BLOCK
-    if tuple(a_scale.shape) != (m, kb) or tuple(w_scale.shape) != (-(-n // BLOCK), kb):
+    if tuple(a_scale.shape) != (m, kb) or tuple(w_scale.shape) != (ref._cdiv(n, BLOCK), kb):
         raise ValueError(
             f"scale shapes {tuple(a_scale.shape)}, {tuple(w_scale.shape)} do not fit M={m} N={n} K={k}"
         )
@@ -220,15 +235,21 @@ def fp8_gemm(
         sb, sb_pitch = _k_block_major(w_scale)
     else:
         sb, sb_pitch = w_scale.float().contiguous(), 0
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    rc = library().relay_fp8_gemm(
+    _launch(
+        "relay_fp8_gemm", a.device, variant,
         a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
-        m, n, k, out.stride(0), sms, variant, stream,
+        m, n, k, out.stride(0),
     )  # fmt: skip
-    if rc != 0:
-        raise WgmmaError(f"relay_fp8_gemm failed with code {rc}")
     return out
+
+
+def _launch(entry: str, device: torch.device, variant: int, *args: int) -> None:
+    """Call the library's `entry` with `args`, then the SM count, the variant and the current
+    stream (the arguments both entry points end with)."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    rc = getattr(library(), entry)(*args, num_sms(device), variant, stream)
+    if rc != 0:
+        raise WgmmaError(f"{entry} failed with code {rc}")
 
 
 def grouped_unsupported_reason(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> str | None:
@@ -256,7 +277,7 @@ def grouped_weight_scales(w_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
     each expert's NB blocks padded to a multiple of 4 (so an expert's 32-byte box starts in its own
     blocks); returns them and their row pitch in floats. One small copy (E * NB * KB floats)."""
     e, nb, kb = w_scale.shape
-    nbp = -(-nb // 4) * 4
+    nbp = ref._cdiv(nb, 4) * 4
     s = torch.zeros(kb, e, nbp, dtype=torch.float32, device=w_scale.device)
     s[:, :, :nb] = w_scale.permute(2, 0, 1)
     return s.reshape(kb, e * nbp), e * nbp
@@ -283,7 +304,7 @@ def fp8_grouped_gemm(
     t, k = a.shape
     e, n, _ = w.shape
     kb = k // BLOCK
-    if tuple(a_scale.shape) != (t, kb) or tuple(w_scale.shape) != (e, -(-n // BLOCK), kb):
+    if tuple(a_scale.shape) != (t, kb) or tuple(w_scale.shape) != (e, ref._cdiv(n, BLOCK), kb):
         raise ValueError(
             f"scale shapes {tuple(a_scale.shape)}, {tuple(w_scale.shape)} do not fit T={t} E={e} N={n} K={k}"
         )
@@ -296,12 +317,9 @@ def fp8_grouped_gemm(
     sa, pitch = _k_block_major(a_scale)
     sb, sb_pitch = grouped_weight_scales(w_scale)
     ends = offs.to(torch.int32).contiguous()
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    rc = library().relay_fp8_grouped_gemm(
+    _launch(
+        "relay_fp8_grouped_gemm", a.device, variant,
         a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
-        ends.data_ptr(), e, t, n, k, out.stride(0), sms, variant, stream,
+        ends.data_ptr(), e, t, n, k, out.stride(0),
     )  # fmt: skip
-    if rc != 0:
-        raise WgmmaError(f"relay_fp8_grouped_gemm failed with code {rc}")
     return out
