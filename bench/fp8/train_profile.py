@@ -1,0 +1,142 @@
+"""Where the trainer's FP8 linear (trainer/fp8.py, `fp8_all`: FP8 forward, dgrad and wgrad) spends
+a training step's time, next to bf16 F.linear, at a few of train_linear.py's shapes:
+
+  host_ms   Python + launch time to enqueue one forward + backward (the GPU queue not full)
+  wall_ms   forward + backward back to back, synchronised at the end (what train_linear.py sees)
+  gpu_ms    the sum of the step's GPU kernel times (torch.profiler), i.e. the time if the host
+            kept up; wall_ms well above it means the host is what limits the step
+  kernels   each kernel's GPU time per step, largest first
+  host_top  the host functions with the most own time (cProfile), per step
+
+    python3 bench/fp8/train_profile.py --out $OUT/fp8_train_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import gemm as bench  # noqa: E402
+
+from trainer.fp8 import fp8_linear  # noqa: E402
+
+SHAPES = [(8192, 7168, 2048), (16384, 3072, 1024), (8192, 18432, 7168)]
+STEPS = 20
+
+
+def step_fn(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, fp8: bool) -> Callable[[], None]:
+    def step() -> None:
+        x.grad = w.grad = None
+        out = fp8_linear(x, w, None, False, "auto", True, True) if fp8 else F.linear(x, w)
+        out.backward(grad)
+
+    return step
+
+
+def kernel_times(step: Callable[[], None], steps: int = 5) -> tuple[float, list[tuple[str, int, float]]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name].append(ev.device_time_total)
+    rows = sorted(
+        ((name[:90], len(v) // steps, sum(v) / steps / 1e3) for name, v in per.items()),
+        key=lambda r: -r[2],
+    )
+    return sum(r[2] for r in rows), rows
+
+
+def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[tuple[str, int, float]]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = [
+        (f"{Path(f).name}:{line}({fn})", cc // steps, tt / steps * 1e3)
+        for (f, line, fn), (cc, _nc, tt, _ct, _callers) in stats.items()
+    ]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
+    step = step_fn(x, w, grad, fp8)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    gpu_ms, kernels = kernel_times(step)
+    return {
+        "M": m,
+        "N": n,
+        "K": k,
+        "variant": "fp8_all" if fp8 else "bf16",
+        "host_ms": (t1 - t0) / STEPS * 1e3,
+        "wall_ms": (t2 - t0) / STEPS * 1e3,
+        "gpu_ms": gpu_ms,
+        "kernels": kernels,
+        "host_top": host_top(step) if fp8 else [],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    result: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(),
+        "machine": bench.machine(),
+        "baseline": "bf16 F.linear forward + backward (cuBLAS), same process",
+        "rows": [],
+    }
+    for m, n, k in SHAPES:
+        for fp8 in (False, True):
+            row = profile_row(m, n, k, fp8)
+            result["rows"].append(row)
+            print(
+                f"M={m} N={n} K={k} {row['variant']:8s} host={row['host_ms']:.3f} ms "
+                f"wall={row['wall_ms']:.3f} ms gpu={row['gpu_ms']:.3f} ms",
+                flush=True,
+            )
+            for name, count, ms in row["kernels"][:12]:
+                print(f"    gpu {ms * 1e3:8.1f} us x{count} {name}")
+            for name, count, ms in row["host_top"][:15]:
+                print(f"    host {ms * 1e3:8.1f} us x{count} {name}")
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
