@@ -7,6 +7,10 @@ a training step's time, next to bf16 F.linear, at a few of train_linear.py's sha
             kept up; wall_ms well above it means the host is what limits the step
   kernels   each kernel's GPU time per step, largest first
   host_top  the host functions with the most own time (cProfile), per step
+  pieces    host time per call of each piece of the FP8 step (10 calls, then one synchronise:
+            the GPU queue never fills, so this is the host's own cost), and of the custom ops
+            next to their Python bodies called directly (what torch.library adds)
+  cpu_ops   the aten ops' own CPU time per step (torch.profiler), largest first
 
     python3 bench/fp8/train_profile.py --out $OUT/fp8_train_profile.json
 """
@@ -33,9 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
-from trainer.fp8 import fp8_linear  # noqa: E402
+from services.common import fp8 as ref  # noqa: E402
+from services.engine.fp8_linear import (  # noqa: E402
+    fp8_gemm_dispatch,
+    quantize_activation,
+    quantize_activation_t,
+    quantize_weight_fast,
+)
+from trainer.fp8 import fp8_linear, fp8_linear_bwd, fp8_linear_fwd  # noqa: E402
 
-SHAPES = [(8192, 7168, 2048), (16384, 3072, 1024), (8192, 18432, 7168)]
+SHAPES = [(8192, 7168, 2048), (16384, 3072, 1024)]
 STEPS = 20
 
 
@@ -81,6 +92,61 @@ def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[t
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
+def host_us(fn: Callable[[], Any], calls: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
+    xd, wd, bf = x.detach(), w.detach(), torch.bfloat16
+    wq, ws, wq_t = quantize_weight_fast(wd, False, True)
+    xq, xs = quantize_activation(xd)
+    gq, gs = quantize_activation(grad)
+    xq_t, xs_t = quantize_activation_t(xd)
+    gq_t, gs_t = quantize_activation_t(grad)
+    assert wq_t is not None
+    fwd_body = getattr(fp8_linear_fwd, "_init_fn", None)
+    bwd_body = getattr(fp8_linear_bwd, "_init_fn", None)
+    saved = fp8_linear_fwd(xd, wd, False, "auto", True, True, bf)[1:]
+    out: dict[str, float] = {
+        "torch.empty": host_us(lambda: torch.empty(16, device=x.device)),
+        "F.linear": host_us(lambda: F.linear(xd, wd)),
+        "quantize_weight_fast(transposed)": host_us(lambda: quantize_weight_fast(wd, False, True)),
+        "quantize_activation": host_us(lambda: quantize_activation(xd)),
+        "quantize_activation_t": host_us(lambda: quantize_activation_t(xd)),
+        "gemm fwd (auto)": host_us(lambda: fp8_gemm_dispatch(xq, xs, wq, ws, bf)),
+        "gemm dgrad (auto)": host_us(lambda: fp8_gemm_dispatch(gq, gs, wq_t, ws.t(), bf)),
+        "gemm wgrad (tokens, torch)": host_us(
+            lambda: ref.fp8_gemm_tokens(gq_t, gs_t, xq_t, xs_t, bf, "torch")
+        ),
+        "fp8_linear_fwd (custom op)": host_us(lambda: fp8_linear_fwd(xd, wd, False, "auto", True, True, bf)),
+        "fp8_linear_bwd (custom op)": host_us(
+            lambda: fp8_linear_bwd(grad, *saved, False, "auto", True, True, bf)  # type: ignore[misc]
+        ),
+    }
+    if fwd_body is not None and bwd_body is not None:
+        out["fp8_linear_fwd (body)"] = host_us(lambda: fwd_body(xd, wd, False, "auto", True, True, bf))
+        out["fp8_linear_bwd (body)"] = host_us(lambda: bwd_body(grad, *saved, False, "auto", True, True, bf))
+    return out
+
+
+def cpu_ops(step: Callable[[], None], steps: int = 5, top: int = 30) -> list[tuple[str, int, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count // steps, e.self_cpu_time_total / steps) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
 def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -108,6 +174,8 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
         "gpu_ms": gpu_ms,
         "kernels": kernels,
         "host_top": host_top(step) if fp8 else [],
+        "pieces": pieces(x, w, grad) if fp8 else {},
+        "cpu_ops": cpu_ops(step) if fp8 else [],
     }
 
 
@@ -135,6 +203,10 @@ def main() -> None:
                 print(f"    gpu {ms * 1e3:8.1f} us x{count} {name}")
             for name, count, ms in row["host_top"][:15]:
                 print(f"    host {ms * 1e3:8.1f} us x{count} {name}")
+            for name, us in row["pieces"].items():
+                print(f"    piece {us:8.1f} us {name}")
+            for name, count, us in row["cpu_ops"][:20]:
+                print(f"    cpu_op {us:8.1f} us x{count} {name}")
             Path(args.out).write_text(json.dumps(result, indent=1))
 
 
