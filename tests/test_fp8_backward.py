@@ -109,8 +109,9 @@ def test_weight_quantiser_gives_the_transposed_copy() -> None:
 TRITON_CHECK = textwrap.dedent(
     """
     import json, torch
-    from services.common.fp8 import quantize_act_t, quantize_weight
-    from services.engine.kernels.fp8_quant import triton_quantize_act_t, triton_quantize_weight
+    from services.common.fp8 import quantize_act, quantize_act_t, quantize_weight
+    from services.engine.kernels.fp8_quant import (
+        triton_quantize_act_both, triton_quantize_act_t, triton_quantize_weight)
     g = torch.Generator().manual_seed(0)
     res = {}
 
@@ -133,6 +134,14 @@ TRITON_CHECK = textwrap.dedent(
             res[f"act_t_{pow2}_{layout}"] = compare(q, rq, s, rs) | {
                 "shape": list(q.shape), "scale_strides": list(s.stride()),
                 "padding_zero": bool((q[:, 300:].float() == 0).all())}
+        # Both ways in one pass, at a width that is not a whole number of 128-blocks either.
+        (q, s), (qt, st) = triton_quantize_act_both(x, pow2)
+        rq, rs = quantize_act(x, pow2)
+        res[f"both_{pow2}"] = compare(q, rq, s, rs)
+        rq, rs = quantize_act_t(x, pow2)
+        res[f"both_t_{pow2}"] = compare(qt, rq, st, rs) | {
+            "shape": list(qt.shape), "scale_strides": list(st.stride()),
+            "padding_zero": bool((qt[:, 300:].float() == 0).all())}
     print(json.dumps(res))
     """
 )
@@ -141,7 +150,7 @@ TRITON_CHECK = textwrap.dedent(
 @pytest.mark.slow  # the Triton interpreter runs every program in Python
 def test_triton_quantisers_under_interpreter_match_reference() -> None:
     res = triton_interp.run_script_interpreted(TRITON_CHECK, timeout_s=300)
-    assert len(res) == 6
+    assert len(res) == 10
     for name, r in res.items():
         assert r["scales_equal"], (name, r)  # div_rn: the reference's IEEE quotient
         # The interpreter's fp32 -> e4m3 cast sometimes loses a round-up (fp8_gemm.py docstring):
@@ -149,6 +158,11 @@ def test_triton_quantisers_under_interpreter_match_reference() -> None:
         assert r["mismatch"] < 0.05 and r["only_lost_roundups"], (name, r)
         if name.startswith("weight"):
             assert r["transposed_is_q_t"], name
+        elif name.startswith("both_t"):  # x^T of the one-pass quantiser: outer-major scales
+            assert r["shape"] == [200, 384] and r["padding_zero"], (name, r)
+            assert r["scale_strides"] == [1, 200], (name, r)
+        elif name.startswith("both"):
+            continue
         else:
             assert r["shape"] == [200, 384] and r["padding_zero"], (name, r)
             assert r["scale_strides"] == ([3, 1] if name.endswith("row") else [1, 200]), (name, r)
@@ -170,3 +184,49 @@ def test_fp8_linear_custom_ops_agree_with_their_fakes(dgrad: bool, wgrad: bool) 
     torch.library.opcheck(
         fp8_linear_bwd, (g, xb, xbs, wb, ws, False, "auto", dgrad, wgrad, torch.float32), test_utils=tests
     )
+
+
+def test_fp8_linear_runs_its_custom_ops_only_when_traced_or_under_a_dispatch_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eager: the autograd function calls the ops' bodies (torch.library's wrapper is host time an
+    eager step is limited by). Under a dispatch mode (selective AC's, fake tensors) or compile it
+    goes through relay::fp8_linear_fwd/bwd, which such a mode sees as one op each. Same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trainer.fp8 as tf
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(200, 256, generator=g).to(torch.bfloat16)
+    w0 = (torch.randn(384, 256, generator=g) * 0.02).to(torch.bfloat16)
+    grad = torch.randn(200, 384, generator=g).to(torch.bfloat16)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = tf.fp8_linear(x, w, None, False, "auto", True, True)
+        out.backward(grad)
+        assert x.grad is not None and w.grad is not None
+        return out.detach(), x.grad, w.grad
+
+    with SeenOps() as mode:
+        traced = run()
+    assert "relay.fp8_linear_fwd.default" in mode.seen and "relay.fp8_linear_bwd.default" in mode.seen
+    assert not any(op.startswith("aten._scaled_mm") or op == "aten.mm.default" for op in mode.seen)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the eager path went through the custom op")
+
+    monkeypatch.setattr(tf, "fp8_linear_fwd", refuse)
+    monkeypatch.setattr(tf, "fp8_linear_bwd", refuse)
+    eager = run()
+    for a, b in zip(traced, eager, strict=True):
+        assert torch.equal(a, b)

@@ -36,6 +36,7 @@ from services.common.fp8 import (
     BLOCK,
     FP8_DTYPE,
     _cdiv,
+    _outer_major,
     default_skip,
     dequantize_act,
     dequantize_weight,
@@ -46,6 +47,7 @@ from services.engine.fp8_linear import (
     fp8_gemm_dispatch,
     grouped_fp8_gemm_dispatch,
     quantize_activation,
+    quantize_activation_both,
     quantize_activation_t,
     quantize_weight_fast,
 )
@@ -64,11 +66,17 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 # The recipe's kernels are dispatched in Python (Triton or cuBLAS by shape, fallbacks on failure),
 # which torch.compile cannot trace. As custom ops they are opaque nodes with shape functions
-# (the fakes below), so trainer.compile compiles everything around them with fullgraph=True.
+# (the fakes below), so trainer.compile compiles everything around them with fullgraph=True, and
+# selective activation checkpointing (a dispatch mode) sees one op. In plain eager execution the
+# autograd function calls the ops' bodies directly: torch.library's wrapper costs ~70-170 us of
+# host time per op, and the host is what limits an eager FP8 linear (bench/fp8/train_profile.py).
+def _through_op() -> bool:
+    """Whether the FP8 linear must go through its custom ops: compiling, or a dispatch mode
+    (selective AC's, fake tensors) is active."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
-@torch.library.custom_op("relay::fp8_linear_fwd", mutates_args=())
-def fp8_linear_fwd(
+def _fp8_linear_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
     pow2: bool,
@@ -81,14 +89,21 @@ def fp8_linear_fwd(
     x^T quantised along the tokens (wgrad) or x_q, with its scales; W_q^T (dgrad) or W_q; the
     weight's 128x128 scales)."""
     wq, ws, wq_t = quantize_weight_fast(weight, pow2, transposed=dgrad)
-    xq, xs = quantize_activation(x, pow2)
+    if wgrad:  # x both ways in one pass: the forward's operand and the weight gradient's
+        (xq, xs), (xb, xbs) = quantize_activation_both(x, pow2)
+    else:
+        xq, xs = quantize_activation(x, pow2)
+        xb, xbs = xq, xs
     out = fp8_gemm_dispatch(xq, xs, wq, ws, out_dtype, backend)
-    xb, xbs = quantize_activation_t(x, pow2) if wgrad else (xq, xs)
     wb = wq_t if dgrad else wq
     assert wb is not None
     # Outputs of a custom op must not alias each other or the inputs, and their strides should be
-    # the fake's: contiguous copies of the views (the scales are tiny).
-    return out.contiguous(), xb.contiguous(), xbs.contiguous(), wb, ws
+    # the fake's: contiguous copies of any views, and xb's scales outer-dimension-major (the Triton
+    # quantisers write them so, and the backward's token GEMM reads them so; tiny either way).
+    return out.contiguous(), xb.contiguous(), _outer_major(xbs), wb, ws
+
+
+fp8_linear_fwd = torch.library.custom_op("relay::fp8_linear_fwd", _fp8_linear_fwd, mutates_args=())
 
 
 @fp8_linear_fwd.register_fake
@@ -106,15 +121,14 @@ def _(
     blocks = _cdiv(n, BLOCK), _cdiv(k, BLOCK)
     if wgrad:
         m_pad = _cdiv(m, BLOCK) * BLOCK
-        xb, xbs = x.new_empty(k, m_pad, dtype=f8), x.new_empty(k, m_pad // BLOCK, dtype=f32)
+        xb, xbs = x.new_empty(k, m_pad, dtype=f8), x.new_empty(m_pad // BLOCK, k, dtype=f32).t()
     else:
-        xb, xbs = x.new_empty(m, k, dtype=f8), x.new_empty(m, blocks[1], dtype=f32)
+        xb, xbs = x.new_empty(m, k, dtype=f8), x.new_empty(blocks[1], m, dtype=f32).t()
     wb = x.new_empty((k, n) if dgrad else (n, k), dtype=f8)
     return x.new_empty(m, n, dtype=out_dtype), xb, xbs, wb, x.new_empty(blocks, dtype=f32)
 
 
-@torch.library.custom_op("relay::fp8_linear_bwd", mutates_args=())
-def fp8_linear_bwd(
+def _fp8_linear_bwd(
     g: torch.Tensor,
     xb: torch.Tensor,
     xbs: torch.Tensor,
@@ -129,13 +143,17 @@ def fp8_linear_bwd(
     """grad_out (M, N) -> (grad_x (M, K) in g's dtype, grad_W (N, K) in w_dtype): the straight-through
     gradients, each GEMM in FP8 or through the dequantised operand (module docstring)."""
     g = g.contiguous()
-    if dgrad:
+    if dgrad and wgrad:  # grad_out both ways in one pass
+        (gq, gs), (gq_t, gs_t) = quantize_activation_both(g, pow2)
+    elif dgrad:
         gq, gs = quantize_activation(g, pow2)
+    elif wgrad:
+        gq_t, gs_t = quantize_activation_t(g, pow2)
+    if dgrad:
         gx = fp8_gemm_dispatch(gq, gs, wb, ws.t(), g.dtype, backend)
     else:
         gx = g @ dequantize_weight(wb, ws).to(g.dtype)
     if wgrad:
-        gq_t, gs_t = quantize_activation_t(g, pow2)
         gw = fp8_gemm_tokens(
             gq_t,
             gs_t,
@@ -147,6 +165,9 @@ def fp8_linear_bwd(
     else:
         gw = g.t() @ dequantize_act(xb, xbs).to(g.dtype)
     return gx.contiguous(), gw.to(w_dtype).contiguous()
+
+
+fp8_linear_bwd = torch.library.custom_op("relay::fp8_linear_bwd", _fp8_linear_bwd, mutates_args=())
 
 
 @fp8_linear_bwd.register_fake
@@ -181,7 +202,8 @@ class _Fp8LinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         k = x.shape[-1]
         out_dtype = _out_dtype(x)
-        out, *saved = fp8_linear_fwd(
+        fwd = fp8_linear_fwd if _through_op() else _fp8_linear_fwd
+        out, *saved = fwd(
             x.detach().reshape(-1, k), weight.detach(), pow2, backend, fp8_dgrad, fp8_wgrad, out_dtype
         )
         if bias is not None:
@@ -197,9 +219,8 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         xb, xbs, wb, ws = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        gx, gw = fp8_linear_bwd(
-            g, xb, xbs, wb, ws, ctx.pow2, ctx.backend, ctx.fp8_dgrad, ctx.fp8_wgrad, ctx.w_dtype
-        )
+        bwd = fp8_linear_bwd if _through_op() else _fp8_linear_bwd
+        gx, gw = bwd(g, xb, xbs, wb, ws, ctx.pow2, ctx.backend, ctx.fp8_dgrad, ctx.fp8_wgrad, ctx.w_dtype)
         gb = g.sum(0).to(ctx.b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (
             gx.reshape(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None,

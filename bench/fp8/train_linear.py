@@ -35,7 +35,11 @@ import gemm as bench  # noqa: E402
 
 from services.common import fp8 as ref  # noqa: E402
 from services.engine.fp8_linear import fp8_gemm_dispatch, quantize_activation  # noqa: E402
-from services.engine.kernels.fp8_quant import triton_quantize_act_t, triton_quantize_weight  # noqa: E402
+from services.engine.kernels.fp8_quant import (  # noqa: E402
+    triton_quantize_act_both,
+    triton_quantize_act_t,
+    triton_quantize_weight,
+)
 from trainer.fp8 import fp8_linear  # noqa: E402
 
 SHAPES = [
@@ -72,6 +76,12 @@ def self_check(dev: torch.device) -> dict[str, Any]:
         q, s = triton_quantize_act_t(x, pow2)
         rq, rs = ref.quantize_act_t(x, pow2)
         out[f"act_t_pow2={pow2}"] = same_bits(q, rq) and torch.equal(s, rs)
+        (q, s), (qt, st) = triton_quantize_act_both(x, pow2)
+        rq, rs = ref.quantize_act(x, pow2)
+        out[f"act_both_pow2={pow2}"] = (
+            same_bits(q, rq) and torch.equal(s, rs) and same_bits(qt, ref.quantize_act_t(x, pow2)[0])
+        )
+        out[f"act_both_pow2={pow2}"] &= torch.equal(st, ref.quantize_act_t(x, pow2)[1]) and st.stride(0) == 1
     gq, gs = triton_quantize_act_t(torch.randn(1000, 640, device=dev, generator=g))
     xq, xs = triton_quantize_act_t(torch.randn(1000, 896, device=dev, generator=g))
     fast = ref.fp8_gemm_tokens(gq, gs, xq, xs, torch.float32, backend="torch")
@@ -100,7 +110,7 @@ def self_check(dev: torch.device) -> dict[str, Any]:
     out["moe_trainer_equals_engine"] = moe_trainer_equals_engine(dev, g)
     # bf16 outputs: one bf16 rounding (2^-9) on top of wgmma's ~2^-13 block error.
     out["ok"] = (
-        all(v for k, v in out.items() if k.startswith(("weight", "act_t", "stacked", "moe")))
+        all(v for k, v in out.items() if k.startswith(("weight", "act_t", "act_both", "stacked", "moe")))
         and out["token_gemm_rel_err"] < 1e-3
         and out["dgrad_rel_err_vs_formula"] < 5e-3
         and out["wgrad_rel_err_vs_formula"] < 5e-3
@@ -157,6 +167,7 @@ def train_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
     bench.timed(row, "quant_weight_torch", 0, lambda: ref.quantize_weight(w.detach()))
     bench.timed(row, "quant_act_t_triton", 0, lambda: triton_quantize_act_t(xd))
     bench.timed(row, "quant_act_triton", 0, lambda: quantize_activation(xd))
+    bench.timed(row, "quant_act_both_triton", 0, lambda: triton_quantize_act_both(xd))
     wq, ws, wq_t = triton_quantize_weight(w.detach(), False, True)
     xq, xs = quantize_activation(xd)
     gq, gs = quantize_activation(gd)

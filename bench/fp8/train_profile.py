@@ -41,6 +41,7 @@ from services.common import fp8 as ref  # noqa: E402
 from services.engine.fp8_linear import (  # noqa: E402
     fp8_gemm_dispatch,
     quantize_activation,
+    quantize_activation_both,
     quantize_activation_t,
     quantize_weight_fast,
 )
@@ -108,8 +109,8 @@ def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, fl
     wq, ws, wq_t = quantize_weight_fast(wd, False, True)
     xq, xs = quantize_activation(xd)
     gq, gs = quantize_activation(grad)
-    xq_t, xs_t = quantize_activation_t(xd)
-    gq_t, gs_t = quantize_activation_t(grad)
+    xq_t, xs_t = quantize_activation_both(xd)[1]
+    gq_t, gs_t = quantize_activation_both(grad)[1]
     assert wq_t is not None
     fwd_body = getattr(fp8_linear_fwd, "_init_fn", None)
     bwd_body = getattr(fp8_linear_bwd, "_init_fn", None)
@@ -120,6 +121,7 @@ def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, fl
         "quantize_weight_fast(transposed)": host_us(lambda: quantize_weight_fast(wd, False, True)),
         "quantize_activation": host_us(lambda: quantize_activation(xd)),
         "quantize_activation_t": host_us(lambda: quantize_activation_t(xd)),
+        "quantize_activation_both": host_us(lambda: quantize_activation_both(xd)),
         "gemm fwd (auto)": host_us(lambda: fp8_gemm_dispatch(xq, xs, wq, ws, bf)),
         "gemm dgrad (auto)": host_us(lambda: fp8_gemm_dispatch(gq, gs, wq_t, ws.t(), bf)),
         "gemm wgrad (tokens, torch)": host_us(

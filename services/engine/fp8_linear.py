@@ -216,6 +216,19 @@ def quantize_activation_t(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Te
     return ref.quantize_act_t(x, pow2)
 
 
+def quantize_activation_both(
+    x: torch.Tensor, pow2: bool = False
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(quantize_activation(x), quantize_activation_t(x)): the FP8 trainer quantises its input and
+    grad_out both ways. One Triton pass on CUDA (x read once, one launch), the references elsewhere."""
+    if _triton_ok(x, "quantize_act_both"):
+        try:
+            return fp8_quant.triton_quantize_act_both(x, pow2)
+        except Exception as e:  # noqa: BLE001 - as in quantize_activation
+            _remember_failure("quantize_act_both", e)
+    return quantize_activation(x, pow2), quantize_activation_t(x, pow2)
+
+
 def fp8_gemm_dispatch(
     a: torch.Tensor,
     a_scale: torch.Tensor,

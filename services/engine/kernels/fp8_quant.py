@@ -10,7 +10,12 @@
   128 (zero columns). The FP8 weight-gradient GEMM contracts over tokens, so both of its operands
   (grad_out^T and x^T) are quantised this way (DeepSeek-V3's 128x1 backward quantisation).
 
-Both round like the references (IEEE division `div_rn` for the scale and for every element,
+- `triton_quantize_act_both`: both of the above activation quantisations of one x (M, C) in one
+  pass: x 1x128 along C (what fp8_gemm.triton_quantize_act writes) and x^T 1x128 along M (what
+  `triton_quantize_act_t` writes). The FP8 trainer needs both of its input (forward GEMM, weight
+  gradient) and of grad_out (dgrad, weight gradient); one pass reads x once and is one launch.
+
+All round like the references (IEEE division `div_rn` for the scale and for every element,
 round-to-nearest-even fp8), so their bits equal services/common/fp8's on the GPU. The CPU
 interpreter's fp8 conversion is faulty (fp8_gemm.py's docstring), so CPU callers use the torch
 references (services/engine/fp8_linear.py dispatches).
@@ -102,6 +107,47 @@ if HAS_TRITON:
         )
         tl.store(s_ptr + cols * stride_sc + mb * stride_sb, s, mask=col_ok)
 
+    @triton.jit
+    def _quant_act_both_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        qt_ptr,
+        st_ptr,
+        M,
+        C,
+        M_PAD,
+        stride_xm,
+        stride_sm,
+        stride_sk,
+        stride_stc,
+        stride_stb,
+        POW2: tl.constexpr,
+    ):
+        """One 128 x 128 tile of x per program: quantised along its rows (scale per row over the
+        128 columns, _quant_act_kernel's bits) and along its columns (scale per column over the
+        128 rows, stored transposed: _quant_act_t_kernel's bits)."""
+        mb, cb = tl.program_id(0), tl.program_id(1)
+        rows = mb * 128 + tl.arange(0, 128)
+        cols = cb * 128 + tl.arange(0, 128)
+        row_ok = rows < M
+        col_ok = cols < C
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
+        q = tl.clamp(tl.math.div_rn(x, s[:, None]), -_C_FP8_MAX, _C_FP8_MAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows64[:, None] * C + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm + cb * stride_sk, s, mask=row_ok)
+        st = _scale_of(tl.max(tl.abs(x), axis=0), POW2)
+        qt = tl.clamp(tl.math.div_rn(x, st[None, :]), -_C_FP8_MAX, _C_FP8_MAX).to(qt_ptr.dtype.element_ty)
+        # Rows M <= m < M_PAD are written too (zeros), as in _quant_act_t_kernel.
+        tl.store(
+            qt_ptr + cols.to(tl.int64)[:, None] * M_PAD + rows[None, :], tl.trans(qt), mask=col_ok[:, None]
+        )
+        tl.store(st_ptr + cols * stride_stc + mb * stride_stb, st, mask=col_ok)
+
 
 def triton_quantize_weight(
     w: torch.Tensor, pow2: bool = False, transposed: bool = False
@@ -160,3 +206,28 @@ def triton_quantize_act_t(
             POW2=pow2, BLOCK_C=block_c, num_warps=8,
         )  # fmt: skip
     return q, s
+
+
+def triton_quantize_act_both(
+    x: torch.Tensor, pow2: bool = False
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """x (M, C) -> ((q (M, C), scales (M, CB)), (q^T (C, M_pad), scales (C, M_pad / 128))) in one
+    launch: fp8_gemm.triton_quantize_act's outputs and `triton_quantize_act_t`'s, with the same bits.
+    Both scale tensors are views of column-major buffers (stride(0) == 1): the layout cuBLAS's
+    block-wise scaled_mm reads (the token GEMM's operands), so they reach it without a copy."""
+    if x.dim() != 2:
+        raise ValueError(f"triton_quantize_act_both wants (M, C), got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, c = x.shape
+    m_pad = padded_tokens(m)
+    cb = _cdiv(c, BLOCK)
+    q = torch.empty(m, c, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(cb, m, dtype=torch.float32, device=x.device).t()
+    qt = torch.empty(c, m_pad, dtype=FP8_DTYPE, device=x.device)
+    st = torch.empty(m_pad // BLOCK, c, dtype=torch.float32, device=x.device).t()
+    if m and c:
+        _quant_act_both_kernel[(m_pad // BLOCK, cb)](
+            x, q, s, qt, st, m, c, m_pad, x.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
+            POW2=pow2, num_warps=8,
+        )  # fmt: skip
+    return (q, s), (qt, st)

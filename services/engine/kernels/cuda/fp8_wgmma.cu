@@ -815,6 +815,9 @@ CUresult encode_2d(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr,
                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
+// Per-device caches of launch facts (grid_for, launch) hold this many devices.
+constexpr int kMaxDevices = 64;
+
 // A launch configuration with the cluster size as an attribute (not copyable: cfg points at attr).
 struct ClusterLaunch {
   cudaLaunchAttribute attr[1];
@@ -847,11 +850,20 @@ int grid_for(int M, int N, int max_ctas, int groups) {
                                       : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
-    const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, SmemOf<BN, STAGES, MODE>::BYTES, nullptr);
-    int active = 0;
-    if (cudaOccupancyMaxActiveClusters(&active, fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>, &probe.cfg) !=
-        cudaSuccess)
-      return -1;
+    // The device's resident-cluster limit for this kernel, asked once per device: the query costs
+    // host time on every GEMM otherwise (an eager FP8 training step is host-bound,
+    // bench/fp8/train_profile.py). Racing first callers store the same value.
+    static int active_by_device[kMaxDevices] = {};
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return -1;
+    int active = device < kMaxDevices ? active_by_device[device] : 0;
+    if (active == 0) {
+      const ClusterLaunch probe(CLUSTER, clusters * CLUSTER, SmemOf<BN, STAGES, MODE>::BYTES, nullptr);
+      if (cudaOccupancyMaxActiveClusters(&active, fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>, &probe.cfg) !=
+          cudaSuccess)
+        return -1;
+      if (device < kMaxDevices) active_by_device[device] = active > 0 ? active : -1;
+    }
     if (active > 0) clusters = min(clusters, active);
   }
   return max(1, min(clusters, walk)) * CLUSTER;
@@ -904,8 +916,16 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   }
   const auto kernel = fp8_gemm_kernel<BN, STAGES, MODE, CLUSTER>;
   const int bytes = SmemOf<BN, STAGES, MODE>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  // The shared-memory opt-in, once per device (as the cluster limit in grid_for).
+  static bool smem_set[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return static_cast<int>(err);
+  if (device >= kMaxDevices || !smem_set[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    if (device < kMaxDevices) smem_set[device] = true;
+  }
   const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas, groups);
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
