@@ -18,6 +18,7 @@
 #   bash bench/fp8/run.sh trainer     -> train_linear.py with the committed table, and with cuBLAS in place of
 #      its "cuda" entries ($OUT/fp8_train_linear{,_cublas}.json); needs `bash bench/wheels.sh --trainer` first,
 #      and pyarrow and pandas on the GPU image (checked first)
+#   bash bench/fp8/run.sh train-linear  -> $OUT/fp8_train_linear.json: train_linear.py with the committed table
 #   bash bench/fp8/run.sh train-profile -> $OUT/fp8_train_profile.json: where the trainer's FP8 linear
 #      spends a step (host time, GPU kernel times, host functions); needs the same wheels as trainer
 #   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
@@ -70,6 +71,7 @@ for e in t['dense']:
 json.dump(t, open('$OUT/fp8_configs_cublas.json', 'w'))"
       RELAY_FP8_CONFIGS="$OUT/fp8_configs_cublas.json" python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear_cublas.json" 2>&1 | tail -9
       python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear.json" 2>&1 | tail -9 ;;
+    train-linear) python3 bench/fp8/train_linear.py --out "$OUT/fp8_train_linear.json" 2>&1 | tail -10 ;;
     train-profile) python3 bench/fp8/train_profile.py --out "$OUT/fp8_train_profile.json" 2>&1 | tee "$OUT/fp8_train_profile.txt" ;;
     deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
       unpack_deepgemm || exit 1

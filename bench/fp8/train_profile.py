@@ -132,6 +132,16 @@ def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, fl
             lambda: fp8_linear_bwd(grad, *saved, False, "auto", True, True, bf)  # type: ignore[misc]
         ),
     }
+    from services.engine.kernels.cuda import fp8_wgmma
+
+    lib, index = fp8_wgmma.library(), x.device.index or 0
+    out["current_stream().cuda_stream"] = host_us(
+        lambda: torch.cuda.current_stream(x.device).cuda_stream, 100
+    )
+    out["_cuda_getCurrentRawStream"] = host_us(lambda: torch._C._cuda_getCurrentRawStream(index), 100)
+    out["ctypes call, refused variant"] = host_us(
+        lambda: lib.relay_fp8_gemm(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, 0), 100
+    )
     if fwd_body is not None and bwd_body is not None:
         out["fp8_linear_fwd (body)"] = host_us(lambda: fwd_body(xd, wd, False, "auto", True, True, bf))
         out["fp8_linear_bwd (body)"] = host_us(lambda: bwd_body(grad, *saved, False, "auto", True, True, bf))
