@@ -2,6 +2,8 @@
 a training step's time, next to bf16 F.linear, at a few of train_linear.py's shapes:
 
   host_ms   Python + launch time to enqueue one forward + backward (the GPU queue not full)
+  host_ms_through_ops   the same with the FP8 step forced through its custom ops (what it runs
+            under torch.compile or selective AC; eager calls the ops' bodies)
   wall_ms   forward + backward back to back, synchronised at the end (what train_linear.py sees)
   gpu_ms    the sum of the step's GPU kernel times (torch.profiler), i.e. the time if the host
             kept up; wall_ms well above it means the host is what limits the step
@@ -11,6 +13,8 @@ a training step's time, next to bf16 F.linear, at a few of train_linear.py's sha
             the GPU queue never fills, so this is the host's own cost), and of the custom ops
             next to their Python bodies called directly (what torch.library adds)
   cpu_ops   the aten ops' own CPU time per step (torch.profiler), largest first
+  stages    host time per step inside each stage of the FP8 step, from timing wrappers around
+            trainer/fp8.py's calls (no profiler: its own overhead blurs the host picture)
 
     python3 bench/fp8/train_profile.py --out $OUT/fp8_train_profile.json
 """
@@ -159,6 +163,52 @@ def cpu_ops(step: Callable[[], None], steps: int = 5, top: int = 30) -> list[tup
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
+def stages(step: Callable[[], None], steps: int = 30) -> dict[str, float]:
+    """Host microseconds per step spent inside each wrapped stage (nested stages count in both)."""
+    import trainer.fp8 as tf
+    from services.engine.kernels.cuda import fp8_wgmma
+
+    spent: dict[str, float] = defaultdict(float)
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(module: Any, name: str) -> None:
+        fn = getattr(module, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+
+        patched.append((module, name, fn))
+        setattr(module, name, timed)
+
+    for name in (
+        "_fp8_linear_fwd",
+        "_fp8_linear_bwd",
+        "quantize_weight_fast",
+        "quantize_activation_both",
+        "fp8_gemm_dispatch",
+        "fp8_gemm_tokens",
+    ):
+        wrap(tf, name)
+    wrap(fp8_wgmma, "_launch")
+    try:
+        step()
+        torch.cuda.synchronize()
+        spent.clear()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        total = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for module, name, fn in patched:
+            setattr(module, name, fn)
+    return {"step": total / steps * 1e6} | {k: v / steps * 1e6 for k, v in spent.items()}
+
+
 def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -175,6 +225,22 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
+    through_ops = None
+    if fp8:
+        import trainer.fp8 as tf
+
+        direct = tf._through_op
+        tf._through_op = lambda: True
+        try:
+            step()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            for _ in range(STEPS):
+                step()
+            through_ops = (time.perf_counter() - t3) / STEPS * 1e3
+            torch.cuda.synchronize()
+        finally:
+            tf._through_op = direct
     gpu_ms, kernels = kernel_times(step)
     return {
         "M": m,
@@ -183,11 +249,13 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
         "variant": "fp8_all" if fp8 else "bf16",
         "host_ms": (t1 - t0) / STEPS * 1e3,
         "wall_ms": (t2 - t0) / STEPS * 1e3,
+        "host_ms_through_ops": through_ops,
         "gpu_ms": gpu_ms,
         "kernels": kernels,
         "host_top": host_top(step) if fp8 else [],
         "pieces": pieces(x, w, grad) if fp8 else {},
         "cpu_ops": cpu_ops(step) if fp8 else [],
+        "stages": stages(step) if fp8 else {},
     }
 
 
@@ -208,7 +276,8 @@ def main() -> None:
             result["rows"].append(row)
             print(
                 f"M={m} N={n} K={k} {row['variant']:8s} host={row['host_ms']:.3f} ms "
-                f"wall={row['wall_ms']:.3f} ms gpu={row['gpu_ms']:.3f} ms",
+                f"wall={row['wall_ms']:.3f} ms gpu={row['gpu_ms']:.3f} ms "
+                f"host_through_ops={row['host_ms_through_ops']}",
                 flush=True,
             )
             for name, count, ms in row["kernels"][:12]:
@@ -217,6 +286,8 @@ def main() -> None:
                 print(f"    host {ms * 1e3:8.1f} us x{count} {name}")
             for name, us in row["pieces"].items():
                 print(f"    piece {us:8.1f} us {name}")
+            for name, us in row["stages"].items():
+                print(f"    stage {us:8.1f} us {name}")
             for name, count, us in row["cpu_ops"][:20]:
                 print(f"    cpu_op {us:8.1f} us x{count} {name}")
             Path(args.out).write_text(json.dumps(result, indent=1))

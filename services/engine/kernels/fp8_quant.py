@@ -218,7 +218,7 @@ def triton_quantize_act_t(
 
 
 def triton_quantize_act_both(
-    x: torch.Tensor, pow2: bool = False
+    x: torch.Tensor, pow2: bool = False, num_warps: int = 8
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """x (M, C) -> ((q (M, C), scales (M, CB)), (q^T (C, M_pad), scales (C, M_pad / 128))) in one
     launch: fp8_gemm.triton_quantize_act's outputs and `triton_quantize_act_t`'s, with the same bits.
@@ -237,6 +237,6 @@ def triton_quantize_act_both(
     if m and c:
         _quant_act_both_kernel[(m_pad // BLOCK, cb)](
             x, q, s, qt, st, m, c, m_pad, x.stride(0), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
-            POW2=pow2, num_warps=8,
+            POW2=pow2, num_warps=num_warps,
         )  # fmt: skip
     return (q, s), (qt, st)
