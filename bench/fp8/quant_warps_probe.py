@@ -1,15 +1,62 @@
+"""The one-pass quantiser of x and x^T (kernels/fp8_quant.triton_quantize_act_both) against the two
+passes it replaces (triton_quantize_act + triton_quantize_act_t, the baseline, same process), at
+num_warps 4, 8 and 16, with its outputs checked bit for bit across the settings.
+
+    python3 bench/fp8/quant_warps_probe.py --out $OUT/fp8_quant_warps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
 import torch
-from triton.testing import do_bench
-from services.engine.kernels.fp8_quant import triton_quantize_act_both, triton_quantize_act_t
-from services.engine.kernels.fp8_gemm import triton_quantize_act
-for m, c in [(8192, 2048), (16384, 9728), (8192, 18432)]:
-    x = torch.randn(m, c, device="cuda").to(torch.bfloat16)
-    sep = do_bench(lambda: (triton_quantize_act(x), triton_quantize_act_t(x)), warmup=10, rep=50)
-    row = [f"{m}x{c} separate={sep*1e3:.0f}us"]
-    ref = triton_quantize_act_both(x)
-    for nw in (4, 8, 16):
-        got = triton_quantize_act_both(x, num_warps=nw)
-        same = all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a, b.view(torch.uint8) if b.dtype != torch.float32 else b) for pa, pb in zip(got, ref) for a, b in zip(pa, pb))
-        t = do_bench(lambda: triton_quantize_act_both(x, num_warps=nw), warmup=10, rep=50)
-        row.append(f"w{nw}={t*1e3:.0f}us{'' if same else '(DIFF)'}")
-    print(" ".join(row), flush=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import gemm as bench  # noqa: E402
+
+from services.engine.kernels.fp8_gemm import triton_quantize_act  # noqa: E402
+from services.engine.kernels.fp8_quant import triton_quantize_act_both, triton_quantize_act_t  # noqa: E402
+
+SHAPES = [(8192, 2048), (8192, 7168), (16384, 1024), (16384, 9728), (8192, 18432)]
+
+
+def same(a: Any, b: Any) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    result: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(),
+        "machine": bench.machine(),
+        "baseline": "triton_quantize_act + triton_quantize_act_t (two passes), same process",
+        "rows": [],
+    }
+    for m, c in SHAPES:
+        x = torch.randn(m, c, device="cuda").to(torch.bfloat16)
+        sep = (triton_quantize_act(x), triton_quantize_act_t(x, scale_layout="col"))
+        row: dict[str, Any] = {"M": m, "C": c, "us": {}, "bits_equal_two_passes": {}}
+        row["us"]["two_passes"] = bench.bench_ms(lambda: (triton_quantize_act(x), triton_quantize_act_t(x))) * 1e3
+        for nw in (4, 8, 16):
+            (q, s), (qt, st) = triton_quantize_act_both(x, num_warps=nw)
+            row["bits_equal_two_passes"][nw] = same((q, qt), (sep[0][0], sep[1][0])) and same(
+                (s, st), (sep[0][1], sep[1][1])
+            )
+            row["us"][f"one_pass_w{nw}"] = bench.bench_ms(lambda nw=nw: triton_quantize_act_both(x, num_warps=nw)) * 1e3
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -218,12 +218,14 @@ def triton_quantize_act_t(
 
 
 def triton_quantize_act_both(
-    x: torch.Tensor, pow2: bool = False, num_warps: int = 8
+    x: torch.Tensor, pow2: bool = False, num_warps: int = 4
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """x (M, C) -> ((q (M, C), scales (M, CB)), (q^T (C, M_pad), scales (C, M_pad / 128))) in one
     launch: fp8_gemm.triton_quantize_act's outputs and `triton_quantize_act_t`'s, with the same bits.
     Both scale tensors are views of column-major buffers (stride(0) == 1): the layout cuBLAS's
-    block-wise scaled_mm reads (the token GEMM's operands), so they reach it without a copy."""
+    block-wise scaled_mm reads (the token GEMM's operands), so they reach it without a copy.
+    num_warps 4: 1.27-1.29x the two passes on the H100; 8 and 16 were slower than the two passes
+    (bench/fp8/quant_warps_probe.py)."""
     if x.dim() != 2:
         raise ValueError(f"triton_quantize_act_both wants (M, C), got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
