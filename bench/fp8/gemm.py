@@ -108,6 +108,17 @@ def bench_ms(
     return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def new_result(baseline: str) -> dict[str, Any]:
+    """A results file's header: the command, the date, the machine and the baseline, then rows."""
+    return {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.now(UTC).isoformat(),
+        "machine": machine(),
+        "baseline": baseline,
+        "rows": [],
+    }
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    result: dict[str, Any] = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": datetime.now(UTC).isoformat(),
-        "machine": bench.machine(),
-        "baseline": "triton_quantize_act + triton_quantize_act_t (two passes), same process",
-        "rows": [],
-    }
+    result = bench.new_result("triton_quantize_act + triton_quantize_act_t (two passes), same process")
     for m, c in SHAPES:
         x = torch.randn(m, c, device="cuda").to(torch.bfloat16)
         sep = (triton_quantize_act(x), triton_quantize_act_t(x, scale_layout="col"))

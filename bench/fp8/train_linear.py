@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import traceback
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -195,13 +194,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    result: dict[str, Any] = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": datetime.now(UTC).isoformat(),
-        "machine": bench.machine(),
-        "baseline": "bf16 F.linear forward + backward (cuBLAS), same process",
-        "rows": [],
-    }
+    result = bench.new_result("bf16 F.linear forward + backward (cuBLAS), same process")
     out = Path(args.out)
     try:
         result["self_check"] = self_check(dev)

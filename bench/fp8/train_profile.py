@@ -29,7 +29,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +96,8 @@ def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[t
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
-def host_us(fn: Callable[[], Any], calls: int = 10) -> float:
+def host_and_wall_ms(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """Per call: the host time to enqueue `calls` calls, and the time until they have run."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -105,7 +105,12 @@ def host_us(fn: Callable[[], Any], calls: int = 10) -> float:
         fn()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e3, (t2 - t0) / calls * 1e3
+
+
+def host_us(fn: Callable[[], Any], calls: int = 10) -> float:
+    return host_and_wall_ms(fn, calls)[0] * 1e3
 
 
 def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
@@ -218,13 +223,7 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
     step = step_fn(x, w, grad, fp8)
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
+    host_ms, wall_ms = host_and_wall_ms(step, STEPS)
     through_ops = None
     if fp8:
         import trainer.fp8 as tf
@@ -232,13 +231,7 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
         direct = tf._through_op
         tf._through_op = lambda: True
         try:
-            step()
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            for _ in range(STEPS):
-                step()
-            through_ops = (time.perf_counter() - t3) / STEPS * 1e3
-            torch.cuda.synchronize()
+            through_ops = host_and_wall_ms(step, STEPS)[0]
         finally:
             tf._through_op = direct
     gpu_ms, kernels = kernel_times(step)
@@ -247,8 +240,8 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
         "N": n,
         "K": k,
         "variant": "fp8_all" if fp8 else "bf16",
-        "host_ms": (t1 - t0) / STEPS * 1e3,
-        "wall_ms": (t2 - t0) / STEPS * 1e3,
+        "host_ms": host_ms,
+        "wall_ms": wall_ms,
         "host_ms_through_ops": through_ops,
         "gpu_ms": gpu_ms,
         "kernels": kernels,
@@ -263,13 +256,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    result: dict[str, Any] = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": datetime.now(UTC).isoformat(),
-        "machine": bench.machine(),
-        "baseline": "bf16 F.linear forward + backward (cuBLAS), same process",
-        "rows": [],
-    }
+    result = bench.new_result("bf16 F.linear forward + backward (cuBLAS), same process")
     for m, n, k in SHAPES:
         for fp8 in (False, True):
             row = profile_row(m, n, k, fp8)
