@@ -68,8 +68,9 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 # which torch.compile cannot trace. As custom ops they are opaque nodes with shape functions
 # (the fakes below), so trainer.compile compiles everything around them with fullgraph=True, and
 # selective activation checkpointing (a dispatch mode) sees one op. In plain eager execution the
-# autograd function calls the ops' bodies directly: torch.library's wrapper costs ~70-170 us of
-# host time per op, and the host is what limits an eager FP8 linear (bench/fp8/train_profile.py).
+# autograd function calls the ops' bodies directly: torch.library's wrapper cost 70-340 us of
+# host time per op on the H100 machines, and the host is what limits an eager FP8 linear at
+# most widths (bench/fp8/train_profile.py, docs/fp8.md "Session 21").
 def _through_op() -> bool:
     """Whether the FP8 linear must go through its custom ops: compiling, or a dispatch mode
     (selective AC's, fake tensors) is active."""

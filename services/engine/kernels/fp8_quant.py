@@ -15,8 +15,10 @@
   `triton_quantize_act_t` writes). The FP8 trainer needs both of its input (forward GEMM, weight
   gradient) and of grad_out (dgrad, weight gradient); one pass reads x once and is one launch.
 
-All round like the references (IEEE division `div_rn` for the scale and for every element,
-round-to-nearest-even fp8), so their bits equal services/common/fp8's on the GPU. The CPU
+All round like the references (IEEE division `div_rn` for the scale and for every element, or
+for the one-pass kernel Markstein's exact correction of a reciprocal, which gives the same
+correctly rounded quotient; round-to-nearest-even fp8), so their bits equal services/common/fp8's
+on the GPU. The CPU
 interpreter's fp8 conversion is faulty (fp8_gemm.py's docstring), so CPU callers use the torch
 references (services/engine/fp8_linear.py dispatches).
 """
