@@ -104,6 +104,14 @@ def test_weight_quantiser_gives_the_transposed_copy() -> None:
         qt is not None and qt.is_contiguous() and torch.equal(qt.view(torch.uint8), rq.t().view(torch.uint8))
     )
     assert quantize_weight_fast(w)[2] is None
+    # Stacked MoE experts: each expert's own tiles, and each expert's transpose (the FP8 dgrad's).
+    we = torch.randn(3, 200, 300, generator=gen(9))
+    q, s, qt = quantize_weight_fast(we, transposed=True)
+    assert qt is not None and qt.shape == (3, 300, 200) and qt.is_contiguous()
+    for e in range(3):
+        rq, rs = quantize_weight(we[e])
+        assert torch.equal(q[e].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[e], rs)
+        assert torch.equal(qt[e].view(torch.uint8), rq.t().view(torch.uint8))
 
 
 TRITON_CHECK = textwrap.dedent(

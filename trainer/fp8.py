@@ -243,9 +243,16 @@ class _Fp8ExpertsFn(torch.autograd.Function):
     """The routed experts through the engine's FP8 MoE recipe (services/engine/fp8_linear.Fp8Experts):
     gate and up fused as one [E, 2I, D] weight and each expert quantised 128x128 (a 128-row tile may
     hold gate and up rows, as in the engine), the expert inputs and the SiLU-mul output quantised
-    1x128, both GEMMs grouped. Backward: straight-through, i.e. the gradients of the experts'
-    high-precision function at the dequantised weights (recomputed; RoutedExperts.run, loop or
-    grouped GEMMs as configured)."""
+    1x128, both GEMMs grouped.
+
+    Backward, `fp8_backward` (trainer.fp8_backward, the default): the straight-through gradients of
+    the function the forward computed, from what it saved (no recompute). The two dgrads are
+    grouped FP8 GEMMs as the dense linear's (grad_out, then the SiLU-mul's input gradient, quantised
+    1x128; each expert's 128x128 tiles transposed, written by the weight quantiser in the same
+    pass); the SiLU-mul backward runs in float32 on the forward's gate and up; the weight gradients
+    are bf16 grouped GEMMs over each expert's tokens (grad^T @ the dequantised fp8 input the forward
+    used). Without it: the gradients of the experts' high-precision function at the dequantised
+    weights, recomputed (RoutedExperts.run, loop or grouped GEMMs as configured)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -258,24 +265,33 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         experts: nn.Module,
         pow2: bool,
         backend: str,
+        fp8_backward: bool,
     ) -> torch.Tensor:
         out_dtype = _out_dtype(x)
-        gu_q, gu_s, _ = quantize_weight_fast(torch.cat([w1, w3], dim=1).detach(), pow2)
-        dn_q, dn_s, _ = quantize_weight_fast(w2.detach(), pow2)
+        gu_q, gu_s, gu_t = quantize_weight_fast(torch.cat([w1, w3], dim=1).detach(), pow2, fp8_backward)
+        dn_q, dn_s, dn_t = quantize_weight_fast(w2.detach(), pow2, fp8_backward)
         # Rows past the counted ones (an EP dispatch's padding) go to the last group: computed,
         # then dropped by whoever padded them, as torchtitan's grouped path leaves them.
         offs = counts.cumsum(0).to(torch.int32)
         offs[-1] = x.shape[0]
         xq, xs = quantize_activation(x.detach().to(out_dtype), pow2)
-        gate, up = grouped_fp8_gemm_dispatch(xq, xs, gu_q, gu_s, offs, out_dtype, backend).chunk(2, dim=-1)
+        gu = grouped_fp8_gemm_dispatch(xq, xs, gu_q, gu_s, offs, out_dtype, backend)
+        gate, up = gu.chunk(2, dim=-1)
         aq, a_s = quantize_activation((F.silu(gate) * up).contiguous(), pow2)
         out = grouped_fp8_gemm_dispatch(aq, a_s, dn_q, dn_s, offs, out_dtype, backend)
-        ctx.save_for_backward(x, gu_q, gu_s, dn_q, dn_s, counts)
+        if fp8_backward:
+            assert gu_t is not None and dn_t is not None
+            ctx.save_for_backward(xq, xs, gu, aq, a_s, gu_t, gu_s, dn_t, dn_s, offs)
+        else:
+            ctx.save_for_backward(x, gu_q, gu_s, dn_q, dn_s, counts)
         ctx.experts, ctx.w_dtype, ctx.inter = experts, w1.dtype, w1.shape[1]
+        ctx.fp8_backward, ctx.pow2, ctx.backend = fp8_backward, pow2, backend
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        if ctx.fp8_backward:
+            return (*_fp8_experts_backward(ctx, grad_out), None, None, None, None, None, None)
         x, gu_q, gu_s, dn_q, dn_s, counts = ctx.saved_tensors
         w1, w3 = dequantize_weight(gu_q, gu_s).to(ctx.w_dtype).split(ctx.inter, dim=1)
         w2 = dequantize_weight(dn_q, dn_s).to(ctx.w_dtype)
@@ -283,7 +299,38 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         with torch.enable_grad():
             out = ctx.experts.run(leaves[1], leaves[2], leaves[3], leaves[0], counts)
             gx, gw1, gw2, gw3 = torch.autograd.grad(out, leaves, grad_out)
-        return gx, gw1, gw2, gw3, None, None, None, None
+        return gx, gw1, gw2, gw3, None, None, None, None, None
+
+
+def _fp8_experts_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """_Fp8ExpertsFn's FP8 backward: (grad x, grad w1, grad w2, grad w3)."""
+    xq, xs, gu, aq, a_s, gu_t, gu_s, dn_t, dn_s, offs = ctx.saved_tensors
+    g = grad_out.contiguous()
+    dtype = g.dtype
+    gq, gs = quantize_activation(g, ctx.pow2)
+    # grad of the SiLU-mul output: grad_out @ w2 per expert, w2^T's tiles (E, I, D) on the kernel.
+    da = grouped_fp8_gemm_dispatch(gq, gs, dn_t, dn_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
+    gate, up = gu.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    da = da.float()
+    dgu = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1).to(dtype)
+    dq, ds = quantize_activation(dgu, ctx.pow2)
+    gx = grouped_fp8_gemm_dispatch(dq, ds, gu_t, gu_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
+    experts = gu_t.shape[0]
+    gw2 = _grouped_wgrad(g, dequantize_act(aq, a_s).to(dtype), offs, experts)
+    gw13 = _grouped_wgrad(dgu, dequantize_act(xq, xs).to(dtype), offs, experts)
+    gw1, gw3 = gw13.to(ctx.w_dtype).split(ctx.inter, dim=1)
+    return gx, gw1, gw2.to(ctx.w_dtype), gw3
+
+
+def _grouped_wgrad(g: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, experts: int) -> torch.Tensor:
+    """(E, N, K): per expert e, g_e^T @ a_e over its rows [offs[e-1], offs[e]) of g (T, N) and a
+    (T, K). One grouped GEMM over the token dimension (torch._grouped_mm, 2-D x 2-D: no host
+    synchronisation); a per-expert loop where it is unavailable."""
+    if hasattr(torch, "_grouped_mm") and (not g.is_cuda or g.dtype == torch.bfloat16):
+        return torch._grouped_mm(g.t(), a, offs=offs)
+    bounds = [0, *offs.tolist()]
+    return torch.stack([g[s:e].t() @ a[s:e] for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
 
 
 class Fp8RoutedExperts(RoutedExperts):
@@ -292,11 +339,12 @@ class Fp8RoutedExperts(RoutedExperts):
 
     pow2_scales: bool = False
     backend: str = "auto"
+    fp8_backward: bool = False
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self.local_weights()
         return _Fp8ExpertsFn.apply(  # type: ignore[no-any-return]
-            x, w1, w2, w3, num_tokens_per_expert, self, self.pow2_scales, self.backend
+            x, w1, w2, w3, num_tokens_per_expert, self, self.pow2_scales, self.backend, self.fp8_backward
         )
 
 
@@ -359,6 +407,7 @@ def convert(
         elif type(mod) is RoutedExperts:
             mod.__class__ = Fp8RoutedExperts
             mod.pow2_scales, mod.backend = pow2_scales, backend
+            mod.fp8_backward = fp8_dgrad  # the dgrads in FP8; the weight gradients stay bf16
             names.append(name)
     return names
 

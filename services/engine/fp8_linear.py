@@ -188,7 +188,7 @@ def quantize_weight_fast(
     w: torch.Tensor, pow2: bool = False, transposed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """128x128 quantisation of a (N, K) weight: (fp8, scales, the fp8 transposed (K, N) contiguous
-    if asked for); of a stacked (E, N, K) one (MoE experts) per expert, without the transposed copy.
+    if asked for); of a stacked (E, N, K) one (MoE experts) per expert (transposed: (E, K, N)).
     One Triton pass on CUDA (kernels/fp8_quant.py), the torch reference elsewhere; the same bits
     either way."""
     if _triton_ok(w, "quantize_weight"):
@@ -197,12 +197,11 @@ def quantize_weight_fast(
         except Exception as e:  # noqa: BLE001 - as in quantize_activation
             _remember_failure("quantize_weight", e)
     if w.dim() == 3:
-        if transposed:
-            raise ValueError("no transposed copy of stacked (E, N, K) weights")
         pairs = [ref.quantize_weight(we, pow2) for we in w]
-        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]), None
-    q, s = ref.quantize_weight(w, pow2)
-    return q, s, q.t().contiguous() if transposed else None
+        q, s = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+    else:
+        q, s = ref.quantize_weight(w, pow2)
+    return q, s, q.transpose(-2, -1).contiguous() if transposed else None
 
 
 def quantize_activation_t(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,7 @@ if HAS_TRITON:
         nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         w_ptr += e * stride_we
         q_ptr += e * N * K
+        qt_ptr += e * N * K
         s_ptr += e * stride_se
         rows = nb * 128 + tl.arange(0, 128)
         cols = kb * 128 + tl.arange(0, 128)
@@ -165,16 +166,14 @@ def triton_quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(N, K) weight -> (fp8 (N, K), scales (NB, KB), fp8 (K, N) contiguous or None): the bits of
     services/common/fp8.quantize_weight, and that weight transposed when asked for. A stacked
-    (E, N, K) weight (MoE experts) is quantised per expert in the same launch: (E, N, K) fp8 and
-    (E, NB, KB) scales (no transposed copy)."""
-    if w.dim() not in (2, 3) or (w.dim() == 3 and transposed):
-        raise ValueError(
-            f"triton_quantize_weight wants (N, K) or, untransposed, (E, N, K); got {tuple(w.shape)}"
-        )
+    (E, N, K) weight (MoE experts) is quantised per expert in the same launch: (E, N, K) fp8,
+    (E, NB, KB) scales and, when asked for, each expert's transpose (E, K, N)."""
+    if w.dim() not in (2, 3):
+        raise ValueError(f"triton_quantize_weight wants (N, K) or (E, N, K); got {tuple(w.shape)}")
     w = w if w.stride(-1) == 1 and w.stride(-2) == w.shape[-1] else w.contiguous()
     lead, (n, k) = w.shape[:-2], w.shape[-2:]
     q = torch.empty(*lead, n, k, dtype=FP8_DTYPE, device=w.device)
-    qt = torch.empty(k, n, dtype=FP8_DTYPE, device=w.device) if transposed else None
+    qt = torch.empty(*lead, k, n, dtype=FP8_DTYPE, device=w.device) if transposed else None
     s = torch.empty(*lead, _cdiv(n, BLOCK), _cdiv(k, BLOCK), dtype=torch.float32, device=w.device)
     experts = w.shape[0] if w.dim() == 3 else 1
     if n and k and experts:
