@@ -106,16 +106,66 @@ def self_check(dev: torch.device) -> dict[str, Any]:
     out["stacked_experts"] = same_bits(q, torch.stack([p[0] for p in pairs])) and torch.equal(
         s, torch.stack([p[1] for p in pairs])
     )
+    q, s, qt = triton_quantize_weight(ew, transposed=True)
+    assert qt is not None
+    out["stacked_experts_transposed"] = all(same_bits(qt[e], pairs[e][0].t().contiguous()) for e in range(8))
     out["moe_trainer_equals_engine"] = moe_trainer_equals_engine(dev, g)
-    # bf16 outputs: one bf16 rounding (2^-9) on top of wgmma's ~2^-13 block error.
+    out.update(moe_fp8_backward(dev, g))
+    # bf16 outputs: one bf16 rounding (2^-9) on top of wgmma's ~2^-13 block error. The MoE FP8
+    # backward against the STE one: E4M3 rounding of two more tensors (0.043-0.048 on CPU).
     out["ok"] = (
-        all(v for k, v in out.items() if k.startswith(("weight", "act_t", "act_both", "stacked", "moe")))
+        max(out["moe_fp8_backward_rel_err_vs_ste"].values()) < 0.1
+        and out["moe_fp8_backward_grouped_wgrad_rel_err"] < 1e-2
+        and all(v for k, v in out.items() if k.startswith(("weight", "act_t", "act_both", "stacked", "moe")))
         and out["token_gemm_rel_err"] < 1e-3
         and out["dgrad_rel_err_vs_formula"] < 5e-3
         and out["wgrad_rel_err_vs_formula"] < 5e-3
         and out["wgrad_rel_err_vs_float32"] < 0.06
     )
     return out
+
+
+def moe_fp8_backward(dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    """The FP8 experts' FP8 backward (trainer.fp8_backward) on the GPU, at uneven routing with an
+    expert left empty: its gradients against the straight-through ones (same forward), and its
+    grouped weight-gradient GEMM (torch._grouped_mm over unaligned token groups) against a loop."""
+    from trainer.fp8 import _grouped_wgrad, convert
+    from trainer.moe_routing import RoutedExperts
+
+    e_n, dim, inter, t = 8, 512, 384, 1000
+    weights = [torch.randn(s, device=dev, generator=g) * 0.05 for s in ((e_n, inter, dim), (e_n, dim, inter))]
+    weights.append(torch.randn(e_n, inter, dim, device=dev, generator=g) * 0.05)
+    x0 = torch.randn(t, dim, device=dev, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e_n - 1, (t,), device=dev, generator=g)  # the last expert gets no token
+    order = ids.argsort(stable=True)
+    counts = torch.bincount(ids, minlength=e_n)
+    grad = torch.randn(t, dim, device=dev, generator=g).to(torch.bfloat16)
+    grads = {}
+    for fp8_backward in (False, True):
+        experts = RoutedExperts(dim=dim, hidden_dim=inter, num_experts=e_n, use_grouped_mm=True).to(dev)
+        with torch.no_grad():
+            for w, v in zip((experts.w1, experts.w2, experts.w3), weights, strict=True):
+                w.copy_(v)
+        experts = experts.to(torch.bfloat16)
+        convert(torch.nn.ModuleDict({"experts": experts}), fp8_dgrad=fp8_backward, fp8_wgrad=fp8_backward)
+        x = x0.clone().requires_grad_()
+        experts(x[order], counts).backward(grad[order])
+        grads[fp8_backward] = [x.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad]
+    rel = {
+        name: ((a.float() - b.float()).norm() / b.float().norm()).item()
+        for name, a, b in zip(("x", "w1", "w2", "w3"), grads[True], grads[False], strict=True)
+    }
+    offs = counts.cumsum(0).to(torch.int32)
+    a = torch.randn(t, inter, device=dev, generator=g).to(torch.bfloat16)
+    got = _grouped_wgrad(grad, a, offs, e_n).float()
+    bounds = [0, *offs.tolist()]
+    want = torch.stack(
+        [grad[s:e].float().t() @ a[s:e].float() for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    )
+    return {
+        "moe_fp8_backward_rel_err_vs_ste": rel,
+        "moe_fp8_backward_grouped_wgrad_rel_err": ((got - want).norm() / want.norm()).item(),
+    }
 
 
 def moe_trainer_equals_engine(dev: torch.device, g: torch.Generator) -> bool:
@@ -191,6 +241,7 @@ def train_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-timing", action="store_true", help="the self-check only")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -202,6 +253,8 @@ def main() -> None:
         result["self_check"] = {"ok": False, "error": traceback.format_exc()[-2000:]}
     print(json.dumps(result["self_check"]), flush=True)
     out.write_text(json.dumps(result, indent=1))
+    if args.skip_timing:
+        return
     for m, n, k in SHAPES:
         row = train_row(m, n, k, dev)
         result["rows"].append(row)

@@ -198,6 +198,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
     "bf16+grouped_mm+fused_adam+fsdp": dict(moe_grouped_mm="on", optimizer="fused"),
     "fp8+grouped_mm+fused_adam+fsdp": dict(fp8=True, moe_grouped_mm="on", optimizer="fused"),
+    # trainer.fp8_backward off: every backward in bf16 (dense through the dequantised operands,
+    # MoE experts recomputed, straight-through), against the default FP8 dgrads above.
+    "fp8+grouped_mm+fused_adam+fsdp+bf16_backward": dict(
+        fp8=True, fp8_backward=False, moe_grouped_mm="on", optimizer="fused"
+    ),
     # World 1, trainer.fsdp = "master": bf16 parameters (no FSDP copies, no autocast casts), a
     # float32 master per parameter for AdamW, bf16 gradients accumulated into float32 main grads
     # (trainer/master_weights.py). Compare with bf16+compile+fused_adam+fsdp.
