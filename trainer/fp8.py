@@ -52,6 +52,7 @@ from services.engine.fp8_linear import (
     quantize_weight_fast,
 )
 from trainer.moe_routing import RoutedExperts
+from trainer.swiglu_bwd import swiglu_backward
 
 CONVERTER_NAME = "quantize.linear.fp8_blockwise"
 
@@ -249,9 +250,10 @@ class _Fp8ExpertsFn(torch.autograd.Function):
     the function the forward computed, from what it saved (no recompute). The two dgrads are
     grouped FP8 GEMMs as the dense linear's (grad_out, then the SiLU-mul's input gradient, quantised
     1x128; each expert's 128x128 tiles transposed, written by the weight quantiser in the same
-    pass); the SiLU-mul backward runs in float32 on the forward's gate and up; the weight gradients
-    are bf16 grouped GEMMs over each expert's tokens (grad^T @ the dequantised fp8 input the forward
-    used). Without it: the gradients of the experts' high-precision function at the dequantised
+    pass); the SiLU-mul backward is one pass in float32 math on the forward's gate and up
+    (trainer/swiglu_bwd.py); the weight gradients are bf16 grouped GEMMs over each expert's tokens
+    (grad^T @ the GEMM's input before its quantisation, as the quantisers are the identity to the
+    straight-through backward). Without it: the gradients of the experts' high-precision function at the dequantised
     weights, recomputed (RoutedExperts.run, loop or grouped GEMMs as configured)."""
 
     @staticmethod
@@ -274,14 +276,16 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         # then dropped by whoever padded them, as torchtitan's grouped path leaves them.
         offs = counts.cumsum(0).to(torch.int32)
         offs[-1] = x.shape[0]
-        xq, xs = quantize_activation(x.detach().to(out_dtype), pow2)
+        xh = x.detach().to(out_dtype)
+        xq, xs = quantize_activation(xh, pow2)
         gu = grouped_fp8_gemm_dispatch(xq, xs, gu_q, gu_s, offs, out_dtype, backend)
         gate, up = gu.chunk(2, dim=-1)
-        aq, a_s = quantize_activation((F.silu(gate) * up).contiguous(), pow2)
+        a = (F.silu(gate) * up).contiguous()
+        aq, a_s = quantize_activation(a, pow2)
         out = grouped_fp8_gemm_dispatch(aq, a_s, dn_q, dn_s, offs, out_dtype, backend)
         if fp8_backward:
             assert gu_t is not None and dn_t is not None
-            ctx.save_for_backward(xq, xs, gu, aq, a_s, gu_t, gu_s, dn_t, dn_s, offs)
+            ctx.save_for_backward(xh, gu, a, gu_t, gu_s, dn_t, dn_s, offs)
         else:
             ctx.save_for_backward(x, gu_q, gu_s, dn_q, dn_s, counts)
         ctx.experts, ctx.w_dtype, ctx.inter = experts, w1.dtype, w1.shape[1]
@@ -304,21 +308,19 @@ class _Fp8ExpertsFn(torch.autograd.Function):
 
 def _fp8_experts_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """_Fp8ExpertsFn's FP8 backward: (grad x, grad w1, grad w2, grad w3)."""
-    xq, xs, gu, aq, a_s, gu_t, gu_s, dn_t, dn_s, offs = ctx.saved_tensors
-    g = grad_out.contiguous()
+    xh, gu, a, gu_t, gu_s, dn_t, dn_s, offs = ctx.saved_tensors
+    g = grad_out.contiguous().to(xh.dtype)
     dtype = g.dtype
     gq, gs = quantize_activation(g, ctx.pow2)
     # grad of the SiLU-mul output: grad_out @ w2 per expert, w2^T's tiles (E, I, D) on the kernel.
     da = grouped_fp8_gemm_dispatch(gq, gs, dn_t, dn_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
-    gate, up = gu.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    da = da.float()
-    dgu = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], dim=-1).to(dtype)
+    dgu = swiglu_backward(gu, da)
     dq, ds = quantize_activation(dgu, ctx.pow2)
     gx = grouped_fp8_gemm_dispatch(dq, ds, gu_t, gu_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
     experts = gu_t.shape[0]
-    gw2 = _grouped_wgrad(g, dequantize_act(aq, a_s).to(dtype), offs, experts)
-    gw13 = _grouped_wgrad(dgu, dequantize_act(xq, xs).to(dtype), offs, experts)
+    # Weight gradients against the GEMMs' high-precision inputs (the quantisers as identity).
+    gw2 = _grouped_wgrad(g, a, offs, experts)
+    gw13 = _grouped_wgrad(dgu, xh, offs, experts)
     gw1, gw3 = gw13.to(ctx.w_dtype).split(ctx.inter, dim=1)
     return gx, gw1, gw2.to(ctx.w_dtype), gw3
 
