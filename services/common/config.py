@@ -530,7 +530,9 @@ class TrainerSection(Strict):
     # the weight gradient over tokens with grad_out^T and x^T quantised 1x128 along the tokens), as
     # DeepSeek-V3 trains. false: both in the activations' dtype through the dequantised operands.
     # H200: a training linear of >= ~25M weights is 1.14-1.35x bf16 with it, 0.71-0.94x without
-    # (bench/fp8/results/train_linear_h200.json; docs/fp8.md).
+    # (bench/fp8/results/train_linear_h200.json; docs/fp8.md). MoE experts: the two dgrads in FP8
+    # (grouped), the weight gradients bf16 from the saved inputs, no recompute; false: the
+    # straight-through gradients recomputed in bf16 (H100, 30B-A3B widths: 1.05x against 0.87x bf16).
     fp8_backward: bool = True
     # --- performance path (trainer/parallel.py, docs/trainer.md)
     # bfloat16: FSDP2 mixed precision (bf16 params/compute, float32 master weights, optimizer
