@@ -75,6 +75,9 @@ def self_check(dev: torch.device) -> dict[str, Any]:
         q, s = triton_quantize_act_t(x, pow2)
         rq, rs = ref.quantize_act_t(x, pow2)
         out[f"act_t_pow2={pow2}"] = same_bits(q, rq) and torch.equal(s, rs)
+        q, s = quantize_activation(x, pow2)
+        rq, rs = ref.quantize_act(x, pow2)
+        out[f"act_pow2={pow2}"] = same_bits(q, rq) and torch.equal(s, rs)
         (q, s), (qt, st) = triton_quantize_act_both(x, pow2)
         rq, rs = ref.quantize_act(x, pow2)
         out[f"act_both_pow2={pow2}"] = (

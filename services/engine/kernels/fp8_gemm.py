@@ -549,6 +549,19 @@ if HAS_TRITON:
         )  # fmt: skip
 
     @triton.jit
+    def _div_exact(x, s, y):
+        """The correctly rounded x / s (what div_rn gives) from y = div_rn(1, s), broadcast like x:
+        Markstein's correction (see _quant_block), three multiply-adds instead of a division per
+        element, which made the quantisers compute-bound (session 21: the one-pass x/x^T
+        quantiser ran 1.7x slower than the two passes with a div_rn per element)."""
+        q0 = x * y
+        return tl.fma(tl.fma(-q0, s, x), y, q0)
+
+    @triton.jit
+    def _recip(s):
+        return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+    @triton.jit
     def _quant_block(x, POW2: tl.constexpr):
         """(R, 128) float32 -> (fp8-range float32 values, (R,) decoding scales), the bits of
         _quant_act_kernel / services.common.fp8.quantize_act: scale = amax / 448 (IEEE quotient,
@@ -560,10 +573,7 @@ if HAS_TRITON:
         either way). Run 2: one div_rn per element made the fused kernel 4-9x slower than the
         two-kernel linear (linear_fp8_fused_graph 0.11-0.28x bf16)."""
         s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
-        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        q0 = x * y[:, None]
-        r = tl.fma(-q0, s[:, None], x)
-        q = tl.fma(r, y[:, None], q0)
+        q = _div_exact(x, s[:, None], _recip(s)[:, None])
         return tl.clamp(q, -_C_FP8_MAX, _C_FP8_MAX), s
 
     @triton.jit(do_not_specialize=["stride_wsn", "stride_cs"])
@@ -843,7 +853,7 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
     ):
         """ROWS rows x one 128-wide block per program: scale = amax / 448 per row (or its
-        power-of-two ceiling), q = x / scale. IEEE-rounded divisions (div_rn) so the bits equal
+        power-of-two ceiling), q = x / scale, correctly rounded (_div_exact) so the bits equal
         services/common/fp8.quantize_act. A (ROWS, 128) tile per program, not one row: run 1 had
         one 128-element program per (row, block) and the quantiser cost more than the GEMM
         (e.g. M = 4096, K = 2048: whole linear 0.39x bf16 against 1.34x for the GEMM alone)."""
@@ -856,7 +866,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         scale = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
-        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_C_FP8_MAX, _C_FP8_MAX)
+        q = tl.clamp(_div_exact(x, scale[:, None], _recip(scale)[:, None]), -_C_FP8_MAX, _C_FP8_MAX)
         q_ptrs = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
         tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + rows * stride_sm + kb * stride_sk, scale, mask=row_ok)
