@@ -119,7 +119,7 @@ def self_check(dev: torch.device) -> dict[str, Any]:
     out["ok"] = (
         max(out["moe_fp8_backward_rel_err_vs_ste"].values()) < 0.1
         and out["moe_fp8_backward_grouped_wgrad_rel_err"] < 1e-2
-        and all(v for k, v in out.items() if k.startswith(("weight", "act_t", "act_both", "stacked", "moe")))
+        and all(v for k, v in out.items() if k.startswith(("weight", "act_", "stacked", "moe_trainer")))
         and out["token_gemm_rel_err"] < 1e-3
         and out["dgrad_rel_err_vs_formula"] < 5e-3
         and out["wgrad_rel_err_vs_formula"] < 5e-3
