@@ -19,8 +19,8 @@ Backward (straight-through: the quantisers count as identity):
 The module stays an nn.Linear subclass with the same `weight`/`bias` parameters, so state dicts,
 checkpoints, FSDP2 and the HF weight export are unchanged and the optimizer updates the master
 weights. Converted: attention wq/wk/wv/wo, dense MLP w1/w2/w3 and the MoEs' routed experts
-(`Fp8RoutedExperts`: the engine's Fp8Experts recipe, straight-through backward); kept: `output`
-(lm_head), MoE routers (`...router.gate`), embeddings, norms.
+(`Fp8RoutedExperts`: the engine's Fp8Experts recipe; straight-through backward, its dgrads in FP8
+with `fp8_dgrad`); kept: `output` (lm_head), MoE routers (`...router.gate`), embeddings, norms.
 """
 
 from __future__ import annotations
@@ -253,8 +253,8 @@ class _Fp8ExpertsFn(torch.autograd.Function):
     pass); the SiLU-mul backward is one pass in float32 math on the forward's gate and up
     (trainer/swiglu_bwd.py); the weight gradients are bf16 grouped GEMMs over each expert's tokens
     (grad^T @ the GEMM's input before its quantisation, as the quantisers are the identity to the
-    straight-through backward). Without it: the gradients of the experts' high-precision function at the dequantised
-    weights, recomputed (RoutedExperts.run, loop or grouped GEMMs as configured)."""
+    straight-through backward). Without it: the gradients of the experts' high-precision function
+    at the dequantised weights, recomputed (RoutedExperts.run, loop or grouped GEMMs as configured)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -317,15 +317,14 @@ def _fp8_experts_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tenso
     dgu = swiglu_backward(gu, da)
     dq, ds = quantize_activation(dgu, ctx.pow2)
     gx = grouped_fp8_gemm_dispatch(dq, ds, gu_t, gu_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
-    experts = gu_t.shape[0]
     # Weight gradients against the GEMMs' high-precision inputs (the quantisers as identity).
-    gw2 = _grouped_wgrad(g, a, offs, experts)
-    gw13 = _grouped_wgrad(dgu, xh, offs, experts)
+    gw2 = _grouped_wgrad(g, a, offs)
+    gw13 = _grouped_wgrad(dgu, xh, offs)
     gw1, gw3 = gw13.to(ctx.w_dtype).split(ctx.inter, dim=1)
     return gx, gw1, gw2.to(ctx.w_dtype), gw3
 
 
-def _grouped_wgrad(g: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, experts: int) -> torch.Tensor:
+def _grouped_wgrad(g: torch.Tensor, a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(E, N, K): per expert e, g_e^T @ a_e over its rows [offs[e-1], offs[e]) of g (T, N) and a
     (T, K). One grouped GEMM over the token dimension (torch._grouped_mm, 2-D x 2-D: no host
     synchronisation); a per-expert loop where it is unavailable."""
