@@ -52,7 +52,7 @@ def test_python_side_names_what_it_cannot_run() -> None:
     a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
     w = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
     assert fp8_wgmma.unsupported_reason(a, w) == "needs CUDA tensors"
-    with pytest.raises(fp8_wgmma.WgmmaError, match="needs CUDA tensors"):
+    with pytest.raises(fp8_wgmma.WgmmaUnsupported, match="needs CUDA tensors"):
         fp8_wgmma.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(2, 1))
 
 
@@ -105,8 +105,20 @@ def test_grouped_python_side_names_what_it_cannot_run() -> None:
     offs = torch.tensor([1, 4], dtype=torch.int32)
     assert fp8_wgmma.grouped_unsupported_reason(a, w, offs) == "needs CUDA tensors"
     assert "(E, N, K)" in str(fp8_wgmma.grouped_unsupported_reason(a, w[0], offs))
-    with pytest.raises(fp8_wgmma.WgmmaError, match="needs CUDA tensors"):
+    with pytest.raises(fp8_wgmma.WgmmaUnsupported, match="needs CUDA tensors"):
         fp8_wgmma.fp8_grouped_gemm(a, torch.ones(4, 1), w, torch.ones(2, 2, 1), offs)
+
+
+def test_a_call_the_kernel_does_not_take_is_not_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" hands the kernel a call it does not take (here: CPU tensors): cuBLAS serves it (None)
+    and the kernel stays usable, where a build or launch failure is remembered."""
+    from services.engine import fp8_linear as fl
+
+    monkeypatch.setattr(fl, "CUDA_FAILURE", [])
+    a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    assert fl._cuda_gemm(a, torch.ones(4, 1), w, torch.ones(2, 1), torch.bfloat16) is None
+    assert fl.CUDA_FAILURE == []
 
 
 def test_a_failed_build_is_an_error_the_engine_remembers(

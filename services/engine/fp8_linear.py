@@ -142,10 +142,12 @@ def _cuda_gemm(
 ) -> torch.Tensor | None:
     """ "auto"'s call of the CUDA kernel: its output, or None where it cannot serve this call (the
     caller then uses cuBLAS). A build or launch failure is remembered and logged once."""
-    if out_dtype != torch.bfloat16 or fp8_wgmma.unsupported_reason(a, w) is not None:
+    if out_dtype != torch.bfloat16:
         return None
     try:
         return fp8_wgmma.fp8_gemm(a, a_scale, w, w_scale)
+    except fp8_wgmma.WgmmaUnsupported:  # this shape or layout: cuBLAS serves it, nothing failed
+        return None
     except fp8_wgmma.WgmmaError as e:
         _remember_cuda_failure(e)
         return None
@@ -293,10 +295,11 @@ def grouped_fp8_gemm_dispatch(
         and a.is_cuda
         and out_dtype == torch.bfloat16
         and grouped_cuda_choice(a.shape[0], w.shape[0], a.device)
-        and fp8_wgmma.grouped_unsupported_reason(a, w, offs) is None
     ):
         try:
             return fp8_wgmma.fp8_grouped_gemm(a, a_scale, w, w_scale, offs)
+        except fp8_wgmma.WgmmaUnsupported:
+            pass  # this call's shape or layout: Triton, as below GROUPED_CUDA_MIN_ROWS
         except fp8_wgmma.WgmmaError as e:
             _remember_cuda_failure(e)  # then Triton, as below GROUPED_CUDA_MIN_ROWS
     which = resolve_backend(backend, 0, a.device)  # M = 0: "auto" picks triton when it exists

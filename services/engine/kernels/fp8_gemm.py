@@ -135,9 +135,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's ordinal ("cuda" without one: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_sms(device_index(device))
     return NUM_SMS_DEFAULT
 
 
@@ -549,17 +554,15 @@ if HAS_TRITON:
         )  # fmt: skip
 
     @triton.jit
-    def _div_exact(x, s, y):
-        """The correctly rounded x / s (what div_rn gives) from y = div_rn(1, s), broadcast like x:
-        Markstein's correction (see _quant_block), three multiply-adds instead of a division per
-        element, which made the quantisers compute-bound (session 21: the one-pass x/x^T
-        quantiser ran 1.7x slower than the two passes with a div_rn per element)."""
+    def _div_exact(x, s):
+        """The correctly rounded x / s (what div_rn gives), s a scale per row, column or tile in a
+        shape that broadcasts against x: one div_rn per scale (y = 1 / s), then Markstein's
+        correction (see _quant_block), three multiply-adds instead of a division per element,
+        which made the quantisers compute-bound (session 21: the one-pass x/x^T quantiser ran
+        1.7x slower than the two passes with a div_rn per element)."""
+        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         q0 = x * y
         return tl.fma(tl.fma(-q0, s, x), y, q0)
-
-    @triton.jit
-    def _recip(s):
-        return tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
     @triton.jit
     def _quant_block(x, POW2: tl.constexpr):
@@ -573,8 +576,7 @@ if HAS_TRITON:
         either way). Run 2: one div_rn per element made the fused kernel 4-9x slower than the
         two-kernel linear (linear_fp8_fused_graph 0.11-0.28x bf16)."""
         s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
-        q = _div_exact(x, s[:, None], _recip(s)[:, None])
-        return tl.clamp(q, -_C_FP8_MAX, _C_FP8_MAX), s
+        return tl.clamp(_div_exact(x, s[:, None]), -_C_FP8_MAX, _C_FP8_MAX), s
 
     @triton.jit(do_not_specialize=["stride_wsn", "stride_cs"])
     def _fp8_linear_fused_kernel(
@@ -866,7 +868,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         scale = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
-        q = tl.clamp(_div_exact(x, scale[:, None], _recip(scale)[:, None]), -_C_FP8_MAX, _C_FP8_MAX)
+        q = tl.clamp(_div_exact(x, scale[:, None]), -_C_FP8_MAX, _C_FP8_MAX)
         q_ptrs = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
         tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + rows * stride_sm + kb * stride_sk, scale, mask=row_ok)

@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 if HAS_TRITON:
-    from services.engine.kernels.fp8_gemm import _C_FP8_MAX, _div_exact, _recip, _scale_of
+    from services.engine.kernels.fp8_gemm import _C_FP8_MAX, _div_exact, _scale_of
 
     @triton.jit
     def _quant_weight_kernel(
@@ -68,7 +68,7 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-        q = tl.clamp(_div_exact(w, s, _recip(s)), -_C_FP8_MAX, _C_FP8_MAX).to(q_ptr.dtype.element_ty)
+        q = tl.clamp(_div_exact(w, s), -_C_FP8_MAX, _C_FP8_MAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q, mask=mask)
         if TRANSPOSED:
             # Stored as the transposed tile, so consecutive threads write consecutive bytes of a
@@ -101,7 +101,7 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         s = _scale_of(tl.max(tl.abs(x), axis=0), POW2)
-        q = tl.clamp(_div_exact(x, s[None, :], _recip(s)[None, :]), -_C_FP8_MAX, _C_FP8_MAX)
+        q = tl.clamp(_div_exact(x, s[None, :]), -_C_FP8_MAX, _C_FP8_MAX)
         q = q.to(q_ptr.dtype.element_ty)
         # The padded rows (M <= m < M_PAD) are written too: zeros, as the reference's padding. The
         # transposed tile is stored so that consecutive threads write consecutive tokens.
@@ -142,12 +142,12 @@ if HAS_TRITON:
         # Each quotient by _div_exact (one div_rn per row or column): with two div_rn per element
         # this pass was compute-bound, 1.7x slower than the two it replaces.
         s = _scale_of(tl.max(tl.abs(x), axis=1), POW2)
-        q = _div_exact(x, s[:, None], _recip(s)[:, None])
+        q = _div_exact(x, s[:, None])
         q = tl.clamp(q, -_C_FP8_MAX, _C_FP8_MAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows64[:, None] * C + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + cb * stride_sk, s, mask=row_ok)
         st = _scale_of(tl.max(tl.abs(x), axis=0), POW2)
-        qt = _div_exact(x, st[None, :], _recip(st)[None, :])
+        qt = _div_exact(x, st[None, :])
         qt = tl.clamp(qt, -_C_FP8_MAX, _C_FP8_MAX).to(qt_ptr.dtype.element_ty)
         # Rows M <= m < M_PAD are written too (zeros), as in _quant_act_t_kernel.
         tl.store(

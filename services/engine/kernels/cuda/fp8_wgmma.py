@@ -27,7 +27,7 @@ import torch
 
 from services.common import fp8 as ref
 from services.engine.kernels.cuda import nvcc
-from services.engine.kernels.fp8_gemm import num_sms
+from services.engine.kernels.fp8_gemm import device_index, num_sms
 
 SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
 NVCC_FLAGS = nvcc.SM90A_FLAGS
@@ -117,6 +117,10 @@ class WgmmaError(RuntimeError):
     """The kernel could not be built, loaded or launched."""
 
 
+class WgmmaUnsupported(WgmmaError):
+    """The kernel does not take this call (`unsupported_reason` says why); nothing failed."""
+
+
 def library_path() -> Path:
     return nvcc.library_path(SOURCE, "fp8_wgmma", NVCC_FLAGS)
 
@@ -158,11 +162,7 @@ def launch_grid(variant: int, m: int, n: int, device: torch.device | None = None
 
 def is_hopper(device: torch.device) -> bool:
     """Whether `device` is a GPU this kernel runs on (sm_90)."""
-    return (
-        device.type == "cuda"
-        and _capability(device.index if device.index is not None else torch.cuda.current_device())
-        == CAPABILITY
-    )
+    return device.type == "cuda" and _capability(device_index(device)) == CAPABILITY
 
 
 @functools.cache
@@ -214,7 +214,7 @@ def fp8_gemm(
     (no synchronisation, no allocation when `out` is given and the scales are K-block-major)."""
     reason = unsupported_reason(a, w)
     if reason is not None:
-        raise WgmmaError(reason)
+        raise WgmmaUnsupported(reason)
     if not 0 <= variant < len(VARIANTS) or is_grouped(variant):
         raise ValueError(f"variant must be a dense one in [0, {len(VARIANTS)}), got {variant}")
     m, k = a.shape
@@ -248,8 +248,7 @@ def _launch(entry: str, device: torch.device, variant: int, *args: int) -> None:
     stream (the arguments both entry points end with)."""
     # The raw handle: torch.cuda.current_stream() builds a Stream object (~5 us of host time,
     # against ~0.2 us; bench/fp8/train_profile.py), and an eager FP8 training step is host-bound.
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch._C._cuda_getCurrentRawStream(index)
+    stream = torch._C._cuda_getCurrentRawStream(device_index(device))
     rc = getattr(library(), entry)(*args, num_sms(device), variant, stream)
     if rc != 0:
         raise WgmmaError(f"{entry} failed with code {rc}")
@@ -301,7 +300,7 @@ def fp8_grouped_gemm(
     the current stream, no host synchronisation (CUDA-graph safe)."""
     reason = grouped_unsupported_reason(a, w, offs)
     if reason is not None:
-        raise WgmmaError(reason)
+        raise WgmmaUnsupported(reason)
     if not 0 <= variant < len(VARIANTS) or not is_grouped(variant):
         raise ValueError(f"variant {variant} is not a grouped one")
     t, k = a.shape
