@@ -143,3 +143,85 @@ def test_a_failed_build_is_an_error_the_engine_remembers(
         assert not fl.cuda_kernel_usable(cuda) and not fl.grouped_cuda_choice(1 << 20, 8, cuda)
     finally:
         fp8_wgmma.library.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def built_fixed(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    if nvcc.nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    path = fp8_wgmma.build(tmp_path_factory.mktemp("wgmma_fixed") / "lib.so", shape=(384, 256))
+    return ctypes.CDLL(str(path))
+
+
+def test_a_fixed_shape_library_holds_the_overlap_variants_for_its_shape_alone(built_fixed: ctypes.CDLL) -> None:
+    """Built for (N, K) = (384, 256): only the dense OVERLAP variants are in it (the others answer
+    -10 as unknown ones do), and a call of another shape is refused (-13) before any CUDA call."""
+    built_fixed.relay_fp8_gemm_smem_bytes.restype = ctypes.c_int
+    fn = built_fixed.relay_fp8_gemm
+    fn.restype = ctypes.c_int
+    in_fixed = [
+        i
+        for i, (_bn, _st, mode, _cl) in enumerate(fp8_wgmma.VARIANTS)
+        if "ovl" in fp8_wgmma.mode_parts(mode)[1] and not fp8_wgmma.is_grouped(i)
+    ]
+    assert fp8_wgmma.DEFAULT_VARIANT in in_fixed
+    for i in range(len(fp8_wgmma.VARIANTS)):
+        assert (built_fixed.relay_fp8_gemm_smem_bytes(i) > 0) == (i in in_fixed), i
+    other = [None, None, 4, None, None, 4, None, 4, 384, 128, 384, 132]  # K = 128, not 256
+    assert fn(*other, fp8_wgmma.DEFAULT_VARIANT, None) == -13
+    other[8], other[9] = 256, 256  # N = 256, not 384
+    assert fn(*other, fp8_wgmma.DEFAULT_VARIANT, None) == -13
+    not_in = next(i for i in range(len(fp8_wgmma.VARIANTS)) if i not in in_fixed)
+    assert fn(*[None, None, 4, None, None, 4, None, 4, 384, 256, 384, 132], not_in, None) == -10
+
+
+def test_fixed_shape_builds_only_for_shapes_the_kernel_takes() -> None:
+    assert fp8_wgmma.shape_flags((7168, 2048)) == ("-DRELAY_SHAPE_N=7168", "-DRELAY_SHAPE_K=2048")
+    for bad in ((7167, 2048), (7168, 2000), (0, 128)):
+        assert not fp8_wgmma.fixed_shape_ok(bad)
+        with pytest.raises(ValueError, match="no fixed-shape build"):
+            fp8_wgmma.shape_flags(bad)
+    # Each shape its own cache entry, apart from the generic library's.
+    paths = {fp8_wgmma.library_path(), fp8_wgmma.library_path((7168, 2048)), fp8_wgmma.library_path((2048, 7168))}
+    assert len(paths) == 3
+
+
+def test_gemm_runs_a_prepared_shape_from_its_fixed_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_gemm's library choice (the launch itself needs a GPU: bench/fp8/deepgemm.py --fixed checks
+    the numbers there): a shape prepare_shapes made ready runs from its own library unless told
+    otherwise, every other shape from the generic one; a variant not in a fixed library is refused."""
+    launched: list[tuple[int, int] | None] = []
+    monkeypatch.setattr(fp8_wgmma, "unsupported_reason", lambda a, w: None)
+    monkeypatch.setattr(fp8_wgmma, "_launch", lambda *args, shape=None: launched.append(shape))
+    monkeypatch.setattr(fp8_wgmma, "READY_SHAPES", {(256, 128)})
+
+    def gemm(n: int, **kw: object) -> None:
+        a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+        w = torch.zeros(n, 128, dtype=torch.float8_e4m3fn)
+        fp8_wgmma.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(n // 128, 1), **kw)  # type: ignore[arg-type]
+
+    gemm(256)
+    gemm(384)
+    gemm(256, fixed_shape=False)
+    gemm(384, fixed_shape=True)
+    gemm(256, variant=17)  # no OVERLAP: the generic library, ready shape or not
+    assert launched == [(256, 128), None, None, (384, 128), None]
+    with pytest.raises(ValueError, match="not in a fixed-shape library"):
+        gemm(256, variant=17, fixed_shape=True)
+
+
+def test_a_failed_shape_build_leaves_the_generic_kernel_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.engine import fp8_linear as fl
+
+    monkeypatch.setattr(fl, "CUDA_FAILURE", [])
+    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: not fl.CUDA_FAILURE)  # a Hopper GPU
+    monkeypatch.setattr(fp8_wgmma, "library", lambda shape=None: None)  # the generic one is there
+    asked: list[list[tuple[int, int]]] = []
+
+    def fail(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        asked.append(shapes)
+        raise fp8_wgmma.WgmmaError("nvcc failed (2)")
+
+    monkeypatch.setattr(fp8_wgmma, "prepare_shapes", fail)
+    assert fl.prepare_cuda_kernel(torch.device("cuda"), [(7168, 2048), (4096, 7168), (7168, 2048)])
+    assert asked == [[(4096, 7168), (7168, 2048)]] and fl.CUDA_FAILURE == []

@@ -53,8 +53,14 @@ from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
 from services.engine.kernels.cuda.nvcc import nvcc_path  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
-# Which of our variants to time (--variants).
+# Which of our variants to time (--variants); with --fixed also each OVERLAP one from the library
+# built for the shape's (N, K) (fp8_wgmma.library(shape)).
 OURS = [fp8_wgmma.DEFAULT_VARIANT]
+FIXED: list[int] = []
+
+
+def fixed_key(variant: int) -> str:
+    return f"relay_wgmma_v{variant}_fixed"
 
 
 def ours_key(variant: int) -> str:
@@ -140,6 +146,42 @@ def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+def fixed_check(dev: torch.device) -> list[dict[str, Any]]:
+    """The fixed-shape libraries (--fixed) at each timed (N, K), a ragged and a full M, against the
+    recipe's reference with a NaN-poisoned output; and a library refusing a shape it was not built
+    for."""
+    rows = []
+    for v in FIXED:
+        for n, k in TIME_NK:
+            for m in (1000, 4096):
+                d = quantised(m, n, k, dev, seed=300 + m + n + k)
+                want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
+                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+                fp8_wgmma.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], d["ws_col"], out=out, variant=v, fixed_shape=True
+                )
+                torch.cuda.synchronize()
+                err = bench.rel(out, want)
+                finite = bool(torch.isfinite(out).all())
+                rows.append({"M": m, "N": n, "K": k, "variant": f"{v}_fixed", "rel_err": err,
+                             "all_written": finite, "ok": finite and err < MAX_REL_ERR})  # fmt: skip
+                print(rows[-1], flush=True)
+        (n, k), (n2, k2) = TIME_NK[0], TIME_NK[1]
+        d = quantised(256, n2, k2, dev, seed=7)
+        out = torch.empty(256, n2, device=dev, dtype=torch.bfloat16)
+        try:  # the library of (n, k) asked for (n2, k2): refused, nothing written
+            fp8_wgmma._launch(
+                "relay_fp8_gemm", dev, v, d["aq"].data_ptr(), d["as_col"].data_ptr(), 256, d["wq"].data_ptr(),
+                d["ws_col"].data_ptr(), d["ws_col"].stride(1), out.data_ptr(), 256, n2, k2, n2, shape=(n, k),
+            )  # fmt: skip
+            refused = False
+        except fp8_wgmma.WgmmaError as e:
+            refused = "-13" in str(e)
+        rows.append({"variant": f"{v}_fixed", "other_shape_refused": refused, "ok": refused})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
     rows = []
     for m in TIME_MS:
@@ -160,6 +202,10 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
             for v in OURS:
                 fns[ours_key(v)] = lambda d=d, o=out, v=v: fp8_wgmma.fp8_gemm(
                     d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
+                )
+            for v in FIXED:
+                fns[fixed_key(v)] = lambda d=d, o=out, v=v: fp8_wgmma.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v, fixed_shape=True
                 )
             bench_rounds(fns, row)
             add_tflops(row, 2 * m * n * k)
@@ -185,6 +231,11 @@ def main() -> None:
         help="comma-separated indices into fp8_wgmma.VARIANTS of ours to time (default: DEFAULT_VARIANT)",
     )
     ap.add_argument(
+        "--fixed",
+        action="store_true",
+        help="also time each OVERLAP variant of --variants from the library built for the shape's (N, K)",
+    )
+    ap.add_argument(
         "--quick",
         action="store_true",
         help="check and time M,N,K = 4096,4096,7168 only (one JIT compile: a first reading in little device time)",
@@ -195,6 +246,8 @@ def main() -> None:
     if args.variants:
         OURS[:] = [int(v) for v in args.variants.split(",")]
     ROUNDS[0] = args.rounds
+    if args.fixed:
+        FIXED[:] = [v for v in OURS if "ovl" in fp8_wgmma.mode_parts(fp8_wgmma.VARIANTS[v][2])[1]]
     if args.quick:
         CHECK_SHAPES[:] = [(4096, 4096, 7168)]
         TIME_MS[:] = [4096]
@@ -205,6 +258,12 @@ def main() -> None:
     # (session 17: in the first DeepGEMM call, see import_deepgemm's link flags).
     faulthandler.enable()
     fp8_wgmma.build()
+    fixed_build_s = None
+    if FIXED:
+        t0 = time.perf_counter()
+        fp8_wgmma.build_shapes(list(TIME_NK))
+        fixed_build_s = time.perf_counter() - t0
+        print(f"built the fixed-shape libraries of {TIME_NK} in {fixed_build_s:.0f} s", flush=True)
     print("building DeepGEMM's C++ module", flush=True)
     t0 = time.perf_counter()
     dg = import_deepgemm(src, Path(args.build_dir))
@@ -221,8 +280,10 @@ def main() -> None:
         "deepgemm_version": getattr(dg, "__version__", "unknown"),
         "deepgemm_source": (src / "SOURCE").read_text().strip() if (src / "SOURCE").exists() else "unknown",
         "build_s": time.perf_counter() - t0,
+        "fixed": FIXED,
+        "fixed_build_s": fixed_build_s,
     }
-    result["check"] = self_check(dg, dev)
+    result["check"] = self_check(dg, dev) + fixed_check(dev)
     result["check_ok"] = all(r["ok"] for r in result["check"])
     Path(args.out).write_text(json.dumps(result, indent=1))
     if result["check_ok"] and not args.skip_timing:
@@ -234,6 +295,10 @@ def main() -> None:
             f"  relay v{v} {r[k]:5.0f} ({r[k] / r['bf16_tflops']:.2f}x)"
             for v in OURS
             for k in [f"{ours_key(v)}_tflops"]
+        ) + "".join(
+            f"  fixed v{v} {r[k]:5.0f} ({r[k] / r['bf16_tflops']:.2f}x)"
+            for v in FIXED
+            for k in [f"{fixed_key(v)}_tflops"]
         )
         print(
             f"M={r['M']:5d} N={r['N']:5d} K={r['K']:5d} bf16 {r['bf16_tflops']:5.0f}  cublas-bw "

@@ -121,24 +121,78 @@ class WgmmaUnsupported(WgmmaError):
     """The kernel does not take this call (`unsupported_reason` says why); nothing failed."""
 
 
-def library_path() -> Path:
-    return nvcc.library_path(SOURCE, "fp8_wgmma", NVCC_FLAGS)
+def shape_flags(shape: tuple[int, int]) -> tuple[str, ...]:
+    """nvcc flags of a library built for one weight shape (N, K): fp8_wgmma.cu's FIXED_N/FIXED_K."""
+    n, k = shape
+    if n <= 0 or n % 2 or k <= 0 or k % BLOCK:
+        raise ValueError(f"no fixed-shape build for N={n} K={k} (even N, K a multiple of {BLOCK})")
+    return (f"-DRELAY_SHAPE_N={n}", f"-DRELAY_SHAPE_K={k}")
 
 
-def build(out: Path | None = None) -> Path:
-    """Compile the library to `out` (default: the cache path); returns it."""
+def _flags(shape: tuple[int, int] | None) -> tuple[str, ...]:
+    return NVCC_FLAGS + shape_flags(shape) if shape else NVCC_FLAGS
+
+
+def library_path(shape: tuple[int, int] | None = None) -> Path:
+    stem = f"fp8_wgmma_n{shape[0]}_k{shape[1]}" if shape else "fp8_wgmma"
+    return nvcc.library_path(SOURCE, stem, _flags(shape))
+
+
+def build(out: Path | None = None, shape: tuple[int, int] | None = None) -> Path:
+    """Compile the library (with `shape`, the one for that (N, K) alone) to `out` (default: the
+    cache path); returns it."""
     try:
-        return nvcc.build(SOURCE, out or library_path(), NVCC_FLAGS)
+        return nvcc.build(SOURCE, out or library_path(shape), _flags(shape))
     except nvcc.BuildError as e:
         raise WgmmaError(str(e)) from e
 
 
+def build_shapes(shapes: list[tuple[int, int]], jobs: int = 8) -> dict[tuple[int, int], Path]:
+    """The fixed-shape libraries of `shapes` (N, K), those not cached built concurrently (one nvcc
+    process each, ~10 s). WgmmaError names the first that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = sorted({s for s in shapes if not library_path(s).exists()})
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(lambda s: build(shape=s), todo))
+    return {s: library_path(s) for s in shapes}
+
+
+# The (N, K) whose fixed-shape library is loaded in this process (`prepare_shapes`): fp8_gemm runs
+# those shapes from it unless told otherwise.
+READY_SHAPES: set[tuple[int, int]] = set()
+
+
+def fixed_shape_ok(shape: tuple[int, int]) -> bool:
+    """Whether a library can be built for weights of this (N, K)."""
+    n, k = shape
+    return n > 0 and n % 2 == 0 and k > 0 and k % BLOCK == 0
+
+
+def prepare_shapes(
+    shapes: list[tuple[int, int]] | set[tuple[int, int]], jobs: int = 8
+) -> list[tuple[int, int]]:
+    """Build (or take from the cache) and load the fixed-shape libraries of `shapes` (N, K), those the
+    kernel can take, so that fp8_gemm runs them from now on: 1.01-1.06x the generic library on the
+    H100 (bench/fp8/results/deepgemm_h100_22_fixed.json). At model load, as DeepGEMM JIT-compiles
+    per shape; a first build is ~10 s of nvcc per shape, `jobs` at a time. Returns the shapes
+    now ready (WgmmaError if a build or load failed)."""
+    wanted = sorted({(int(n), int(k)) for n, k in shapes if fixed_shape_ok((n, k))})
+    build_shapes(wanted, jobs)
+    for shape in wanted:
+        library(shape)
+        READY_SHAPES.add(shape)
+    return wanted
+
+
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The library, built first when the cache has none (WgmmaError when it cannot be)."""
-    path = library_path()
+def library(shape: tuple[int, int] | None = None) -> ctypes.CDLL:
+    """The library, built first when the cache has none (WgmmaError when it cannot be). With
+    `shape` (N, K): the one built for that weight shape, N and K compile-time constants and the K
+    loop unrolled, as DeepGEMM compiles per shape; it holds only the dense OVERLAP variants."""
+    path = library_path(shape)
     if not path.exists():
-        build(path)
+        build(path, shape)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -209,9 +263,12 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     out: torch.Tensor | None = None,
     variant: int = DEFAULT_VARIANT,
+    fixed_shape: bool | None = None,
 ) -> torch.Tensor:
     """(a, a_scale 1x128) @ (w, w_scale 128x128)^T in bf16 on the current stream; CUDA-graph safe
-    (no synchronisation, no allocation when `out` is given and the scales are K-block-major)."""
+    (no synchronisation, no allocation when `out` is given and the scales are K-block-major).
+    fixed_shape: run the library built for w's (N, K) (`library(shape)`, built now if it is not
+    cached; only OVERLAP variants are in it); None: where `prepare_shapes` has loaded it."""
     reason = unsupported_reason(a, w)
     if reason is not None:
         raise WgmmaUnsupported(reason)
@@ -219,6 +276,11 @@ def fp8_gemm(
         raise ValueError(f"variant must be a dense one in [0, {len(VARIANTS)}), got {variant}")
     m, k = a.shape
     n = w.shape[0]
+    in_fixed = "ovl" in mode_parts(VARIANTS[variant][2])[1]
+    if fixed_shape is None:
+        fixed_shape = in_fixed and (n, k) in READY_SHAPES
+    elif fixed_shape and not in_fixed:
+        raise ValueError(f"variant {variant} is not in a fixed-shape library (only the OVERLAP ones are)")
     kb = k // BLOCK
     if tuple(a_scale.shape) != (m, kb) or tuple(w_scale.shape) != (ref._cdiv(n, BLOCK), kb):
         raise ValueError(
@@ -238,18 +300,20 @@ def fp8_gemm(
     _launch(
         "relay_fp8_gemm", a.device, variant,
         a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
-        m, n, k, out.stride(0),
+        m, n, k, out.stride(0), shape=(n, k) if fixed_shape else None,
     )  # fmt: skip
     return out
 
 
-def _launch(entry: str, device: torch.device, variant: int, *args: int) -> None:
-    """Call the library's `entry` with `args`, then the SM count, the variant and the current
-    stream (the arguments both entry points end with)."""
+def _launch(
+    entry: str, device: torch.device, variant: int, *args: int, shape: tuple[int, int] | None = None
+) -> None:
+    """Call `entry` of the library (`library(shape)`) with `args`, then the SM count, the variant
+    and the current stream (the arguments both entry points end with)."""
     # The raw handle: torch.cuda.current_stream() builds a Stream object (~5 us of host time,
     # against ~0.2 us; bench/fp8/train_profile.py), and an eager FP8 training step is host-bound.
     stream = torch._C._cuda_getCurrentRawStream(device_index(device))
-    rc = getattr(library(), entry)(*args, num_sms(device), variant, stream)
+    rc = getattr(library(shape), entry)(*args, num_sms(device), variant, stream)
     if rc != 0:
         raise WgmmaError(f"{entry} failed with code {rc}")
 
