@@ -433,7 +433,9 @@ def test_trainer_converter_prepares_the_cuda_kernel_for_each_weight_and_its_tran
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     model = build_model(M_CFG, seed=0)
-    linears = [mod for name, mod in model.named_modules() if type(mod) is nn.Linear and not tf.trainer_skip(name)]
+    linears = [
+        mod for name, mod in model.named_modules() if type(mod) is nn.Linear and not tf.trainer_skip(name)
+    ]
     forward = {tuple(mod.weight.shape) for mod in linears}
     tf.convert(copy.deepcopy(model), fp8_dgrad=True)
     tf.convert(copy.deepcopy(model), fp8_dgrad=False)

@@ -149,11 +149,13 @@ def test_a_failed_build_is_an_error_the_engine_remembers(
 def built_fixed(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if nvcc.nvcc_path() is None:
         pytest.skip("nvcc not installed")
-    path = fp8_wgmma.build(tmp_path_factory.mktemp("wgmma_fixed") / "lib.so", shape=(384, 256))
+    path = fp8_wgmma.build(tmp_path_factory.mktemp("wgmma_fixed") / "lib.so", shape=(384, 256), unroll=8)
     return ctypes.CDLL(str(path))
 
 
-def test_a_fixed_shape_library_holds_the_overlap_variants_for_its_shape_alone(built_fixed: ctypes.CDLL) -> None:
+def test_a_fixed_shape_library_holds_the_overlap_variants_for_its_shape_alone(
+    built_fixed: ctypes.CDLL,
+) -> None:
     """Built for (N, K) = (384, 256): only the dense OVERLAP variants are in it (the others answer
     -10 as unknown ones do), and a call of another shape is refused (-13) before any CUDA call."""
     built_fixed.relay_fp8_gemm_smem_bytes.restype = ctypes.c_int
@@ -176,36 +178,71 @@ def test_a_fixed_shape_library_holds_the_overlap_variants_for_its_shape_alone(bu
 
 
 def test_fixed_shape_builds_only_for_shapes_the_kernel_takes() -> None:
-    assert fp8_wgmma.shape_flags((7168, 2048)) == ("-DRELAY_SHAPE_N=7168", "-DRELAY_SHAPE_K=2048")
+    assert fp8_wgmma.shape_flags((7168, 2048), 8) == (
+        "-DRELAY_SHAPE_N=7168",
+        "-DRELAY_SHAPE_K=2048",
+        "-DRELAY_K_UNROLL=8",
+    )
     for bad in ((7167, 2048), (7168, 2000), (0, 128)):
         assert not fp8_wgmma.fixed_shape_ok(bad)
         with pytest.raises(ValueError, match="no fixed-shape build"):
-            fp8_wgmma.shape_flags(bad)
-    # Each shape its own cache entry, apart from the generic library's.
-    paths = {fp8_wgmma.library_path(), fp8_wgmma.library_path((7168, 2048)), fp8_wgmma.library_path((2048, 7168))}
-    assert len(paths) == 3
+            fp8_wgmma.shape_flags(bad, 8)
+    with pytest.raises(ValueError, match="no fixed-shape build"):
+        fp8_wgmma.shape_flags((7168, 2048), 0)
+    # Each shape and unroll its own cache entry, apart from the generic library's.
+    paths = {
+        fp8_wgmma.library_path(),
+        fp8_wgmma.library_path((7168, 2048)),
+        fp8_wgmma.library_path((2048, 7168)),
+        fp8_wgmma.library_path((2048, 7168), 1),
+    }
+    assert len(paths) == 4
+
+
+def test_a_build_ptxas_serialised_is_passed_over_for_a_smaller_unroll(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    """Unrolled by 8, K = 1024's loop unrolls whole and ptxas serialises its wgmmas for want of
+    registers (C7511); the build log says so, and build_fixed takes the next unroll (4), whose
+    build ptxas leaves asynchronous. K = 2048 keeps DeepGEMM's 8."""
+    if nvcc.nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    monkeypatch.setenv("RELAY_KERNEL_CACHE", str(tmp_path))
+    assert fp8_wgmma.build_fixed((256, 1024)) == 4
+    assert fp8_wgmma.serialised(fp8_wgmma.library_path((256, 1024), 8))
+    assert not fp8_wgmma.serialised(fp8_wgmma.library_path((256, 1024), 4))
+    assert not fp8_wgmma.library_path((256, 1024), 1).exists()  # never needed
+    assert fp8_wgmma.build_fixed((256, 2048)) == 8
 
 
 def test_gemm_runs_a_prepared_shape_from_its_fixed_library(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8_gemm's library choice (the launch itself needs a GPU: bench/fp8/deepgemm.py --fixed checks
     the numbers there): a shape prepare_shapes made ready runs from its own library unless told
     otherwise, every other shape from the generic one; a variant not in a fixed library is refused."""
-    launched: list[tuple[int, int] | None] = []
+    launched: list[object] = []
     monkeypatch.setattr(fp8_wgmma, "unsupported_reason", lambda a, w: None)
-    monkeypatch.setattr(fp8_wgmma, "_launch", lambda *args, shape=None: launched.append(shape))
-    monkeypatch.setattr(fp8_wgmma, "READY_SHAPES", {(256, 128)})
+    real_unroll = fp8_wgmma._unroll
+    monkeypatch.setattr(
+        fp8_wgmma,
+        "library",
+        lambda shape=None, unroll=None: (shape, real_unroll(shape, unroll)) if shape else unroll,
+    )
+    monkeypatch.setattr(fp8_wgmma, "_launch", lambda *args, lib=None: launched.append(lib))
+    monkeypatch.setattr(fp8_wgmma, "READY_SHAPES", {(256, 128): 4})
 
     def gemm(n: int, **kw: object) -> None:
         a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
         w = torch.zeros(n, 128, dtype=torch.float8_e4m3fn)
         fp8_wgmma.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(n // 128, 1), **kw)  # type: ignore[arg-type]
 
-    gemm(256)
+    gemm(256)  # prepared, with the unroll prepare_shapes chose
     gemm(384)
     gemm(256, fixed_shape=False)
-    gemm(384, fixed_shape=True)
+    gemm(384, fixed_shape=True)  # not prepared: DeepGEMM's unroll
+    gemm(256, fixed_shape=True, unroll=1)
     gemm(256, variant=17)  # no OVERLAP: the generic library, ready shape or not
-    assert launched == [(256, 128), None, None, (384, 128), None]
+    gemm(384, unroll=4)  # the generic library unrolled 4x
+    assert launched == [((256, 128), 4), None, None, ((384, 128), 8), ((256, 128), 1), None, 4]
     with pytest.raises(ValueError, match="not in a fixed-shape library"):
         gemm(256, variant=17, fixed_shape=True)
 

@@ -67,7 +67,9 @@ def prepare_fixed(dev: torch.device, nks: list[tuple[int, int]], result: dict[st
     ready and the seconds it took go in `result`. --generic-cuda skips it."""
     t0 = time.perf_counter()
     fl.prepare_cuda_kernel(dev, nks)
-    result["cuda_fixed_shapes"] = sorted(fp8_wgmma.READY_SHAPES)
+    result["cuda_fixed_shapes"] = {
+        f"{n}x{k}": f"unrolled {u}x" for (n, k), u in sorted(fp8_wgmma.READY_SHAPES.items())
+    }
     result["cuda_fixed_prepare_s"] = round(time.perf_counter() - t0, 1)
 
 

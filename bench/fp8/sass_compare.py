@@ -150,7 +150,7 @@ def k_loop(instrs: list[Instr]) -> LoopStats:
 def ours(variants: list[int], work: Path, shape: tuple[int, int] | None = None) -> dict[str, LoopStats]:
     """The variants' K loops; with `shape` (N, K), as the library built for that one shape compiles
     them (fp8_wgmma.shape_flags: N and K compile-time, the K loop unrolled)."""
-    flags = OURS_FLAGS + (fp8_wgmma.shape_flags(shape) if shape else ())
+    flags = OURS_FLAGS + (fp8_wgmma.shape_flags(shape, fp8_wgmma.DEFAULT_UNROLL) if shape else ())
     tag = f"@{shape[0]}x{shape[1]}" if shape else ""
     cubin = compile_cubin(fp8_wgmma.SOURCE, work / f"ours{tag}.cubin", flags)
     functions = sass_functions(dump_sass(cubin))

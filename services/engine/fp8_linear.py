@@ -157,7 +157,7 @@ def prepare_cuda_kernel(device: torch.device, shapes: Iterable[tuple[int, int]] 
 
 def weight_shapes(model: nn.Module) -> set[tuple[int, int]]:
     """The (N, K) of every FP8 linear's weight in `model`."""
-    return {(int(mod.weight.shape[0]), int(mod.weight.shape[1])) for mod in fp8_modules(model).values()}
+    return {(mod.out_features, mod.in_features) for mod in fp8_modules(model).values()}
 
 
 def _cuda_gemm(

@@ -44,11 +44,14 @@ constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
 constexpr int FIXED_N = RELAY_SHAPE_N;
 constexpr int FIXED_K = RELAY_SHAPE_K;
 static_assert(FIXED_N > 0 && FIXED_N % 2 == 0 && FIXED_K > 0 && FIXED_K % 128 == 0, "a shape the kernel takes");
-constexpr int K_UNROLL = 8;
 #else
 constexpr int FIXED_N = 0;
 constexpr int FIXED_K = 0;
-constexpr int K_UNROLL = 1;
+#endif
+#ifdef RELAY_K_UNROLL
+constexpr int K_UNROLL = RELAY_K_UNROLL;
+#else
+constexpr int K_UNROLL = FIXED_K != 0 ? 8 : 4;
 #endif
 // setmaxnreg split of the 64K registers: 128 * (40 + 2 * 232) <= 65536.
 constexpr int PRODUCER_REGS = 40;

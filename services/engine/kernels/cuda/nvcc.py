@@ -58,9 +58,15 @@ def library_path(source: Path, stem: str, flags: tuple[str, ...] = SM90A_FLAGS) 
     return cache_dir() / f"{stem}_{h.hexdigest()[:16]}.so"
 
 
+def log_path(library: Path) -> Path:
+    """Where `build` keeps what nvcc printed for `library` (ptxas's performance warnings)."""
+    return library.with_suffix(".log")
+
+
 def build(source: Path, out: Path, flags: tuple[str, ...] = SM90A_FLAGS) -> Path:
-    """Compile `source` to `out`; returns it. Atomic: the file is renamed into place, so concurrent
-    builders never load a half-written library."""
+    """Compile `source` to `out`; returns it. What nvcc printed is kept in `log_path(out)`, written
+    before the library appears. Atomic: the file is renamed into place, so concurrent builders
+    never load a half-written library."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise BuildError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
@@ -75,5 +81,8 @@ def build(source: Path, out: Path, flags: tuple[str, ...] = SM90A_FLAGS) -> Path
         )
         if proc.returncode != 0:
             raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        log = Path(tmp) / log_path(out).name
+        log.write_text(proc.stdout + proc.stderr)
+        os.replace(log, log_path(out))
         os.replace(target, out)
     return out
