@@ -421,30 +421,6 @@ def test_trainer_converter_keeps_params_and_trains() -> None:
     assert not torch.equal(wq, keys["layers.0.attention.wq.weight"])
 
 
-def test_trainer_converter_prepares_the_cuda_kernel_for_each_weight_and_its_transpose(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On a GPU the converter has the CUDA kernel built for the linears' weight shapes (N, K), and
-    with the FP8 backward for their transposes (dgrad's weight operand), as the engine does at load."""
-    import trainer.fp8 as tf
-
-    asked: list[tuple[torch.device, set[tuple[int, int]]]] = []
-    monkeypatch.setattr(tf, "prepare_cuda_kernel", lambda device, shapes: asked.append((device, set(shapes))))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    model = build_model(M_CFG, seed=0)
-    linears = [
-        mod for name, mod in model.named_modules() if type(mod) is nn.Linear and not tf.trainer_skip(name)
-    ]
-    forward = {tuple(mod.weight.shape) for mod in linears}
-    tf.convert(copy.deepcopy(model), fp8_dgrad=True)
-    tf.convert(copy.deepcopy(model), fp8_dgrad=False)
-    tf.convert(copy.deepcopy(model), backend="triton")  # the CUDA kernel is not in use
-    assert [a[0] for a in asked] == [torch.device("cuda", 0)] * 2
-    assert asked[0][1] == forward | {(k, n) for n, k in forward}
-    assert asked[1][1] == forward
-
-
 def test_trainer_section_fp8_field() -> None:
     assert TrainerSection().fp8 is False
     assert TrainerSection(fp8=True).fp8 is True

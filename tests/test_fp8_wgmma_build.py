@@ -145,120 +145,38 @@ def test_a_failed_build_is_an_error_the_engine_remembers(
         fp8_wgmma.library.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def built_fixed(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    if nvcc.nvcc_path() is None:
-        pytest.skip("nvcc not installed")
-    path = fp8_wgmma.build(tmp_path_factory.mktemp("wgmma_fixed") / "lib.so", shape=(384, 256), unroll=8)
-    return ctypes.CDLL(str(path))
+def test_the_product_build_is_not_serialised_by_ptxas(built: ctypes.CDLL) -> None:
+    """ptxas serialising a kernel's wgmmas (e.g. for want of registers once a loop is unrolled)
+    undoes the overlap the kernel is built around; its build log would say so."""
+    from pathlib import Path
+
+    path = Path(built._name)
+    log = nvcc.log_path(path)
+    assert log.exists()  # nvcc.build keeps what nvcc printed next to the library
+    assert not fp8_wgmma.serialised(path), [ln for ln in log.read_text().splitlines() if "C751" in ln]
 
 
-def test_a_fixed_shape_library_holds_the_overlap_variants_for_its_shape_alone(
-    built_fixed: ctypes.CDLL,
-) -> None:
-    """Built for (N, K) = (384, 256): only the dense OVERLAP variants are in it (the others answer
-    -10 as unknown ones do), and a call of another shape is refused (-13) before any CUDA call."""
-    built_fixed.relay_fp8_gemm_smem_bytes.restype = ctypes.c_int
-    fn = built_fixed.relay_fp8_gemm
-    fn.restype = ctypes.c_int
-    in_fixed = [
-        i
-        for i, (_bn, _st, mode, _cl) in enumerate(fp8_wgmma.VARIANTS)
-        if "ovl" in fp8_wgmma.mode_parts(mode)[1] and not fp8_wgmma.is_grouped(i)
-    ]
-    assert fp8_wgmma.DEFAULT_VARIANT in in_fixed
-    for i in range(len(fp8_wgmma.VARIANTS)):
-        assert (built_fixed.relay_fp8_gemm_smem_bytes(i) > 0) == (i in in_fixed), i
-    other = [None, None, 4, None, None, 4, None, 4, 384, 128, 384, 132]  # K = 128, not 256
-    assert fn(*other, fp8_wgmma.DEFAULT_VARIANT, None) == -13
-    other[8], other[9] = 256, 256  # N = 256, not 384
-    assert fn(*other, fp8_wgmma.DEFAULT_VARIANT, None) == -13
-    not_in = next(i for i in range(len(fp8_wgmma.VARIANTS)) if i not in in_fixed)
-    assert fn(*[None, None, 4, None, None, 4, None, 4, 384, 256, 384, 132], not_in, None) == -10
+def test_serialised_reads_ptxas_performance_warnings(tmp_path: pytest.TempPathFactory) -> None:
+    from pathlib import Path
+
+    lib = Path(str(tmp_path)) / "lib.so"
+    assert not fp8_wgmma.serialised(lib)  # no log: nothing known against it
+    warn = "ptxas info    : ({code}) {what} in the function '_Z15fp8_gemm_kernelILi256ELi4ELi28ELi2EEEv'\n"
+    nvcc.log_path(lib).write_text(warn.format(code="C7517", what="warpgroup.wait is injected"))
+    assert not fp8_wgmma.serialised(lib)  # an injected wait is not serialisation
+    for code in ("C7511", "C7515", "C7518"):
+        nvcc.log_path(lib).write_text(
+            warn.format(code=code, what="wgmma.mma_async instructions are serialized")
+        )
+        assert fp8_wgmma.serialised(lib), code
 
 
-def test_fixed_shape_builds_only_for_shapes_the_kernel_takes() -> None:
-    assert fp8_wgmma.shape_flags((7168, 2048), 8) == (
-        "-DRELAY_SHAPE_N=7168",
-        "-DRELAY_SHAPE_K=2048",
-        "-DRELAY_K_UNROLL=8",
-    )
-    for bad in ((7167, 2048), (7168, 2000), (0, 128)):
-        assert not fp8_wgmma.fixed_shape_ok(bad)
-        with pytest.raises(ValueError, match="no fixed-shape build"):
-            fp8_wgmma.shape_flags(bad, 8)
-    with pytest.raises(ValueError, match="no fixed-shape build"):
-        fp8_wgmma.shape_flags((7168, 2048), 0)
-    # Each shape and unroll its own cache entry, apart from the generic library's.
-    paths = {
-        fp8_wgmma.library_path(),
-        fp8_wgmma.library_path((7168, 2048)),
-        fp8_wgmma.library_path((2048, 7168)),
-        fp8_wgmma.library_path((2048, 7168), 1),
-    }
-    assert len(paths) == 4
+def test_unrolled_builds_are_cache_entries_of_their_own() -> None:
+    import re
 
-
-def test_a_build_ptxas_serialised_is_passed_over_for_a_smaller_unroll(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
-) -> None:
-    """Unrolled by 8, K = 1024's loop unrolls whole and ptxas serialises its wgmmas for want of
-    registers (C7511); the build log says so, and build_fixed takes the next unroll (4), whose
-    build ptxas leaves asynchronous. K = 2048 keeps DeepGEMM's 8."""
-    if nvcc.nvcc_path() is None:
-        pytest.skip("nvcc not installed")
-    monkeypatch.setenv("RELAY_KERNEL_CACHE", str(tmp_path))
-    assert fp8_wgmma.build_fixed((256, 1024)) == 4
-    assert fp8_wgmma.serialised(fp8_wgmma.library_path((256, 1024), 8))
-    assert not fp8_wgmma.serialised(fp8_wgmma.library_path((256, 1024), 4))
-    assert not fp8_wgmma.library_path((256, 1024), 1).exists()  # never needed
-    assert fp8_wgmma.build_fixed((256, 2048)) == 8
-
-
-def test_gemm_runs_a_prepared_shape_from_its_fixed_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_gemm's library choice (the launch itself needs a GPU: bench/fp8/deepgemm.py --fixed checks
-    the numbers there): a shape prepare_shapes made ready runs from its own library unless told
-    otherwise, every other shape from the generic one; a variant not in a fixed library is refused."""
-    launched: list[object] = []
-    monkeypatch.setattr(fp8_wgmma, "unsupported_reason", lambda a, w: None)
-    real_unroll = fp8_wgmma._unroll
-    monkeypatch.setattr(
-        fp8_wgmma,
-        "library",
-        lambda shape=None, unroll=None: (shape, real_unroll(shape, unroll)) if shape else unroll,
-    )
-    monkeypatch.setattr(fp8_wgmma, "_launch", lambda *args, lib=None: launched.append(lib))
-    monkeypatch.setattr(fp8_wgmma, "READY_SHAPES", {(256, 128): 4})
-
-    def gemm(n: int, **kw: object) -> None:
-        a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
-        w = torch.zeros(n, 128, dtype=torch.float8_e4m3fn)
-        fp8_wgmma.fp8_gemm(a, torch.ones(4, 1), w, torch.ones(n // 128, 1), **kw)  # type: ignore[arg-type]
-
-    gemm(256)  # prepared, with the unroll prepare_shapes chose
-    gemm(384)
-    gemm(256, fixed_shape=False)
-    gemm(384, fixed_shape=True)  # not prepared: DeepGEMM's unroll
-    gemm(256, fixed_shape=True, unroll=1)
-    gemm(256, variant=17)  # no OVERLAP: the generic library, ready shape or not
-    gemm(384, unroll=4)  # the generic library unrolled 4x
-    assert launched == [((256, 128), 4), None, None, ((384, 128), 8), ((256, 128), 1), None, 4]
-    with pytest.raises(ValueError, match="not in a fixed-shape library"):
-        gemm(256, variant=17, fixed_shape=True)
-
-
-def test_a_failed_shape_build_leaves_the_generic_kernel_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.engine import fp8_linear as fl
-
-    monkeypatch.setattr(fl, "CUDA_FAILURE", [])
-    monkeypatch.setattr(fl, "cuda_kernel_usable", lambda device: not fl.CUDA_FAILURE)  # a Hopper GPU
-    monkeypatch.setattr(fp8_wgmma, "library", lambda shape=None: None)  # the generic one is there
-    asked: list[list[tuple[int, int]]] = []
-
-    def fail(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        asked.append(shapes)
-        raise fp8_wgmma.WgmmaError("nvcc failed (2)")
-
-    monkeypatch.setattr(fp8_wgmma, "prepare_shapes", fail)
-    assert fl.prepare_cuda_kernel(torch.device("cuda"), [(7168, 2048), (4096, 7168), (7168, 2048)])
-    assert asked == [[(4096, 7168), (7168, 2048)]] and fl.CUDA_FAILURE == []
+    default = re.search(r"constexpr int K_UNROLL = (\d+);", fp8_wgmma.SOURCE.read_text())
+    assert default and int(default.group(1)) == fp8_wgmma.K_UNROLL  # the .cu's default, named once in Python
+    assert fp8_wgmma.library_path() == fp8_wgmma.library_path(fp8_wgmma.K_UNROLL)
+    assert len({fp8_wgmma.library_path(), fp8_wgmma.library_path(1), fp8_wgmma.library_path(8)}) == 3
+    assert "-DRELAY_K_UNROLL=1" in fp8_wgmma._flags(1)
+    assert not any("RELAY_K_UNROLL" in f for f in fp8_wgmma._flags(None))

@@ -46,7 +46,6 @@ from services.engine.fp8_linear import (
     BACKENDS,
     fp8_gemm_dispatch,
     grouped_fp8_gemm_dispatch,
-    prepare_cuda_kernel,
     quantize_activation,
     quantize_activation_both,
     quantize_activation_t,
@@ -400,22 +399,17 @@ def convert(
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     names = []
-    shapes: set[tuple[int, int]] = set()  # the CUDA kernel's weight operands: W (N, K), dgrad's W^T
     for name, mod in model.named_modules():
         if type(mod) is nn.Linear and not trainer_skip(name):
             mod.__class__ = Fp8TrainLinear
             mod.pow2_scales, mod.backend = pow2_scales, backend
             mod.fp8_dgrad, mod.fp8_wgrad = fp8_dgrad, fp8_wgrad
             names.append(name)
-            n, k = mod.weight.shape
-            shapes |= {(n, k), (k, n)} if fp8_dgrad else {(n, k)}
         elif type(mod) is RoutedExperts:
             mod.__class__ = Fp8RoutedExperts
             mod.pow2_scales, mod.backend = pow2_scales, backend
             mod.fp8_backward = fp8_dgrad  # the dgrads in FP8; the weight gradients stay bf16
             names.append(name)
-    if shapes and backend in ("auto", "cuda") and torch.cuda.is_available():
-        prepare_cuda_kernel(torch.device("cuda", torch.cuda.current_device()), shapes)
     return names
 
 

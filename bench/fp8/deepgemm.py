@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,17 +53,14 @@ from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
 from services.engine.kernels.cuda.nvcc import nvcc_path  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
-# Which of our variants to time (--variants); with --fixed also each OVERLAP one from the library
-# built for the shape's (N, K) (fp8_wgmma.library(shape, unroll)), at each of --unrolls.
+# Which of our variants to time (--variants); each also from the library built with each of
+# --unrolls (fp8_wgmma.library(unroll): its K loops unrolled that many times).
 OURS = [fp8_wgmma.DEFAULT_VARIANT]
-FIXED: list[int] = []
-UNROLLS = [fp8_wgmma.DEFAULT_UNROLL]
-GENERIC_UNROLLS: list[int] = []  # --generic-unrolls: the generic library with its K loop unrolled
+UNROLLS: list[int] = []
 
 
-def fixed_key(variant: int, unroll: int) -> str:
-    """The row's name for a fixed-shape library's variant ("relay_wgmma_v18_fixed" at unroll 8)."""
-    return f"relay_wgmma_v{variant}_fixed" + ("" if unroll == fp8_wgmma.DEFAULT_UNROLL else f"_u{unroll}")
+def unrolled_key(variant: int, unroll: int) -> str:
+    return f"{ours_key(variant)}_u{unroll}"
 
 
 def ours_key(variant: int) -> str:
@@ -150,47 +146,25 @@ def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-def check_ours(dev: torch.device, variant: int, name: str, **how: Any) -> list[dict[str, Any]]:
-    """One of our libraries (fp8_gemm's `how`) at each timed (N, K), a ragged and a full M, against
+def check_unrolled(dev: torch.device) -> list[dict[str, Any]]:
+    """Our variants from each --unrolls library at each timed (N, K), a ragged and a full M, against
     the recipe's reference with a NaN-poisoned output."""
     rows = []
-    for n, k in TIME_NK:
-        for m in (1000, 4096):
-            d = quantised(m, n, k, dev, seed=300 + m + n + k)
-            want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
-            out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            fp8_wgmma.fp8_gemm(d["aq"], d["as_col"], d["wq"], d["ws_col"], out=out, variant=variant, **how)
-            torch.cuda.synchronize()
-            err = bench.rel(out, want)
-            finite = bool(torch.isfinite(out).all())
-            rows.append({"M": m, "N": n, "K": k, "variant": name, "rel_err": err,
-                         "all_written": finite, "ok": finite and err < MAX_REL_ERR})  # fmt: skip
-            print(rows[-1], flush=True)
-    return rows
-
-
-def fixed_check(dev: torch.device) -> list[dict[str, Any]]:
-    """The fixed-shape libraries (--fixed) at each timed (N, K), a ragged and a full M, against the
-    recipe's reference with a NaN-poisoned output; and a library refusing a shape it was not built
-    for."""
-    rows = []
-    for v, u in ((v, u) for v in OURS for u in GENERIC_UNROLLS):  # the generic library unrolled
-        rows += check_ours(dev, v, f"{ours_key(v)}_u{u}", fixed_shape=False, unroll=u)
-    for v, u in ((v, u) for v in FIXED for u in UNROLLS):
-        rows += check_ours(dev, v, fixed_key(v, u), fixed_shape=True, unroll=u)
-        (n, k), (n2, k2) = TIME_NK[0], TIME_NK[1]
-        d = quantised(256, n2, k2, dev, seed=7)
-        out = torch.empty(256, n2, device=dev, dtype=torch.bfloat16)
-        try:  # the library of (n, k) asked for (n2, k2): refused, nothing written
-            fp8_wgmma._launch(
-                "relay_fp8_gemm", dev, v, d["aq"].data_ptr(), d["as_col"].data_ptr(), 256, d["wq"].data_ptr(),
-                d["ws_col"].data_ptr(), d["ws_col"].stride(1), out.data_ptr(), 256, n2, k2, n2, lib=fp8_wgmma.library((n, k), u),
-            )  # fmt: skip
-            refused = False
-        except fp8_wgmma.WgmmaError as e:
-            refused = "-13" in str(e)
-        rows.append({"variant": fixed_key(v, u), "other_shape_refused": refused, "ok": refused})
-        print(rows[-1], flush=True)
+    for v, u in ((v, u) for v in OURS for u in UNROLLS):
+        for n, k in TIME_NK:
+            for m in (1000, 4096):
+                d = quantised(m, n, k, dev, seed=300 + m + n + k)
+                want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
+                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+                fp8_wgmma.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=out, variant=v, unroll=u
+                )
+                torch.cuda.synchronize()
+                err = bench.rel(out, want)
+                finite = bool(torch.isfinite(out).all())
+                rows.append({"M": m, "N": n, "K": k, "variant": unrolled_key(v, u), "rel_err": err,
+                             "all_written": finite, "ok": finite and err < MAX_REL_ERR})  # fmt: skip
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -215,27 +189,9 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                 fns[ours_key(v)] = lambda d=d, o=out, v=v: fp8_wgmma.fp8_gemm(
                     d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
                 )
-            for v, u in ((v, u) for v in OURS for u in GENERIC_UNROLLS):
-                fns[f"{ours_key(v)}_u{u}"] = lambda d=d, o=out, v=v, u=u: fp8_wgmma.fp8_gemm(
-                    d["aq"],
-                    d["as_col"],
-                    d["wq"],
-                    weight_scales(d, v),
-                    out=o,
-                    variant=v,
-                    fixed_shape=False,
-                    unroll=u,
-                )
-            for v, u in ((v, u) for v in FIXED for u in UNROLLS):
-                fns[fixed_key(v, u)] = lambda d=d, o=out, v=v, u=u: fp8_wgmma.fp8_gemm(
-                    d["aq"],
-                    d["as_col"],
-                    d["wq"],
-                    weight_scales(d, v),
-                    out=o,
-                    variant=v,
-                    fixed_shape=True,
-                    unroll=u,
+            for v, u in ((v, u) for v in OURS for u in UNROLLS):
+                fns[unrolled_key(v, u)] = lambda d=d, o=out, v=v, u=u: fp8_wgmma.fp8_gemm(
+                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v, unroll=u
                 )
             bench_rounds(fns, row)
             add_tflops(row, 2 * m * n * k)
@@ -254,7 +210,13 @@ def main() -> None:
     ap.add_argument("--build-dir", default="/tmp/deepgemm_build")
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
     ap.add_argument(
-        "--nk", default="", help="(N, K) shapes to time as NxK comma list (default the four DeepSeek-V3 ones)"
+        "--nk", default="", help="(N, K) shapes to time, NxK comma list (default the DeepSeek-V3 four)"
+    )
+    ap.add_argument(
+        "--unrolls",
+        default="",
+        help=f"also our variants from libraries whose K loops are unrolled these many times (the product's: "
+        f"{fp8_wgmma.K_UNROLL}); e.g. 1,8",
     )
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--rounds", type=int, default=ROUNDS[0], help="timing rounds (wgmma.bench_rounds)")
@@ -262,17 +224,6 @@ def main() -> None:
         "--variants",
         default="",
         help="comma-separated indices into fp8_wgmma.VARIANTS of ours to time (default: DEFAULT_VARIANT)",
-    )
-    ap.add_argument(
-        "--fixed",
-        action="store_true",
-        help="also time each OVERLAP variant of --variants from the library built for the shape's (N, K)",
-    )
-    ap.add_argument(
-        "--generic-unrolls", default="", help="also time the generic library built with these K-loop unrolls"
-    )
-    ap.add_argument(
-        "--unrolls", default="", help="with --fixed: the K-loop unrolls to build and time (default 8)"
     )
     ap.add_argument(
         "--quick",
@@ -286,13 +237,9 @@ def main() -> None:
         TIME_NK[:] = [(int(n), int(k)) for n, k in (nk.split("x") for nk in args.nk.split(","))]
     if args.variants:
         OURS[:] = [int(v) for v in args.variants.split(",")]
+    if args.unrolls:
+        UNROLLS[:] = [int(u) for u in args.unrolls.split(",")]
     ROUNDS[0] = args.rounds
-    if args.fixed:
-        FIXED[:] = [v for v in OURS if "ovl" in fp8_wgmma.mode_parts(fp8_wgmma.VARIANTS[v][2])[1]]
-        if args.unrolls:
-            UNROLLS[:] = [int(u) for u in args.unrolls.split(",")]
-    if args.generic_unrolls:
-        GENERIC_UNROLLS[:] = [int(u) for u in args.generic_unrolls.split(",")]
     if args.quick:
         CHECK_SHAPES[:] = [(4096, 4096, 7168)]
         TIME_MS[:] = [4096]
@@ -303,25 +250,8 @@ def main() -> None:
     # (session 17: in the first DeepGEMM call, see import_deepgemm's link flags).
     faulthandler.enable()
     fp8_wgmma.build()
-    for u in GENERIC_UNROLLS:
+    for u in UNROLLS:
         fp8_wgmma.build(unroll=u)
-    fixed_build_s, serialised = None, {}
-    if FIXED:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            list(
-                pool.map(
-                    lambda su: fp8_wgmma.build(shape=su[0], unroll=su[1]),
-                    [(s, u) for s in TIME_NK for u in UNROLLS],
-                )
-            )
-        serialised = {
-            f"{n}x{k}_u{u}": fp8_wgmma.serialised(fp8_wgmma.library_path((n, k), u))
-            for n, k in TIME_NK
-            for u in UNROLLS
-        }
-        fixed_build_s = time.perf_counter() - t0
-        print(f"built the fixed-shape libraries of {TIME_NK} in {fixed_build_s:.0f} s", flush=True)
     print("building DeepGEMM's C++ module", flush=True)
     t0 = time.perf_counter()
     dg = import_deepgemm(src, Path(args.build_dir))
@@ -335,16 +265,16 @@ def main() -> None:
         "turns with DeepGEMM and ours (wgmma.bench_rounds: median of --rounds)",
         "default_variant": fp8_wgmma.DEFAULT_VARIANT,
         "variants": {v: list(fp8_wgmma.VARIANTS[v]) for v in OURS},
+        "k_unroll": fp8_wgmma.K_UNROLL,
+        "unrolls": UNROLLS,
+        "serialised_by_ptxas": {
+            u: fp8_wgmma.serialised(fp8_wgmma.library_path(u)) for u in [fp8_wgmma.K_UNROLL, *UNROLLS]
+        },
         "deepgemm_version": getattr(dg, "__version__", "unknown"),
         "deepgemm_source": (src / "SOURCE").read_text().strip() if (src / "SOURCE").exists() else "unknown",
         "build_s": time.perf_counter() - t0,
-        "fixed": FIXED,
-        "fixed_unrolls": UNROLLS,
-        "generic_unrolls": GENERIC_UNROLLS,
-        "fixed_build_s": fixed_build_s,
-        "fixed_serialised_by_ptxas": serialised,
     }
-    result["check"] = self_check(dg, dev) + fixed_check(dev)
+    result["check"] = self_check(dg, dev) + check_unrolled(dev)
     result["check_ok"] = all(r["ok"] for r in result["check"])
     Path(args.out).write_text(json.dumps(result, indent=1))
     if result["check_ok"] and not args.skip_timing:
@@ -357,10 +287,10 @@ def main() -> None:
             for v in OURS
             for k in [f"{ours_key(v)}_tflops"]
         ) + "".join(
-            f"  fixed v{v} {r[k]:5.0f} ({r[k] / r['bf16_tflops']:.2f}x)"
-            for v in FIXED
+            f"  v{v} unrolled {u}x {r[k]:5.0f} ({r[k] / r['bf16_tflops']:.2f}x)"
+            for v in OURS
             for u in UNROLLS
-            for k in [f"{fixed_key(v, u)}_tflops"]
+            for k in [f"{unrolled_key(v, u)}_tflops"]
         )
         print(
             f"M={r['M']:5d} N={r['N']:5d} K={r['K']:5d} bf16 {r['bf16_tflops']:5.0f}  cublas-bw "

@@ -58,20 +58,6 @@ import torch.nn.functional as F
 from services.common import fp8 as ref
 from services.engine import fp8_linear as fl
 from services.engine.kernels import fp8_gemm as kern
-from services.engine.kernels.cuda import fp8_wgmma
-
-
-def prepare_fixed(dev: torch.device, nks: list[tuple[int, int]], result: dict[str, Any]) -> None:
-    """As the engine at model load (fp8_linear.prepare_cuda_kernel): the CUDA kernel built for each
-    weight shape (N, K), so "auto"'s "cuda" entries run the fixed-shape library; the shapes made
-    ready and the seconds it took go in `result`. --generic-cuda skips it."""
-    t0 = time.perf_counter()
-    fl.prepare_cuda_kernel(dev, nks)
-    result["cuda_fixed_shapes"] = {
-        f"{n}x{k}": f"unrolled {u}x" for (n, k), u in sorted(fp8_wgmma.READY_SHAPES.items())
-    }
-    result["cuda_fixed_prepare_s"] = round(time.perf_counter() - t0, 1)
-
 
 TABLE = kern.load_table()  # the dispatch table in force (services/engine/kernels/fp8_configs.json)
 DENSE_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
@@ -685,11 +671,6 @@ def main() -> None:
     ap.add_argument("--out", default="fp8_gemm.json")
     ap.add_argument("--skip-grouped", action="store_true")
     ap.add_argument(
-        "--generic-cuda",
-        action="store_true",
-        help="the CUDA kernel's generic library only (no fixed-shape builds)",
-    )
-    ap.add_argument(
         "--sweep-budget-s",
         type=float,
         default=SWEEP_BUDGET_S,
@@ -712,8 +693,6 @@ def main() -> None:
         "table_path": str(kern.table_path()),
         "errors": [],
     }
-    if not args.generic_cuda:
-        prepare_fixed(dev, DENSE_NK, result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -245,17 +245,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-timing", action="store_true", help="the self-check only")
-    ap.add_argument(
-        "--generic-cuda",
-        action="store_true",
-        help="the CUDA kernel's generic library only (no fixed-shape builds)",
-    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     result = bench.new_result("bf16 F.linear forward + backward (cuBLAS), same process")
-    if not args.generic_cuda:  # as trainer.fp8.convert does: each weight and its transpose (dgrad)
-        bench.prepare_fixed(dev, sorted({s for _, n, k in SHAPES for s in ((n, k), (k, n))}), result)
     out = Path(args.out)
     try:
         result["self_check"] = self_check(dev)

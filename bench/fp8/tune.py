@@ -769,11 +769,6 @@ def main() -> None:
         "table's Triton entries: a key whose entry chose Triton is not replaced)",
     )
     ap.add_argument("--keep-affinity", action="store_true", help="do not widen the CPU affinity")
-    ap.add_argument(
-        "--generic-cuda",
-        action="store_true",
-        help="time the CUDA kernel's generic library (no fixed-shape builds)",
-    )
     ap.add_argument("--dry-run", action="store_true", help="print the grid sizes and exit (CPU)")
     ap.add_argument("--smoke", action="store_true", help="compile phase on tiny shapes (tests)")
     args = ap.parse_args()
@@ -816,8 +811,6 @@ def main() -> None:
         "workers": workers,
         "errors": [],
     }
-    if not args.generic_cuda:  # the CUDA kernel as the engine runs it: built for each weight shape
-        bench.prepare_fixed(dev, nks or bench.DENSE_NK, result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

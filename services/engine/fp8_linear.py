@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -125,13 +123,10 @@ def _remember_cuda_failure(e: Exception) -> None:
     log.warning("fp8 CUDA kernel failed, using torch scaled_mm / Triton where it was picked: %s", e)
 
 
-def prepare_cuda_kernel(device: torch.device, shapes: Iterable[tuple[int, int]] = ()) -> bool:
+def prepare_cuda_kernel(device: torch.device) -> bool:
     """At model load on a Hopper GPU: build (or load the cached) CUDA kernel now, so that the
-    first large prefill does not wait ~10 s on nvcc, and the libraries built for the model's weight
-    shapes `shapes` (N, K) (fp8_wgmma.prepare_shapes: a few percent faster at those shapes). A
-    failure of the kernel (no nvcc here) is remembered and logged once, and "auto" never picks it
-    after; a failed shape build is logged and those shapes run on the generic library. Whether
-    the kernel is ready."""
+    first large prefill does not wait ~10 s on nvcc. A failure (no nvcc here) is remembered and
+    logged once, and "auto" never picks the kernel after. Whether it is ready."""
     if not cuda_kernel_usable(device):
         return False
     try:
@@ -139,25 +134,7 @@ def prepare_cuda_kernel(device: torch.device, shapes: Iterable[tuple[int, int]] 
     except fp8_wgmma.WgmmaError as e:
         _remember_cuda_failure(e)
         return False
-    shapes = sorted(set(shapes))
-    if shapes:
-        t0 = time.perf_counter()
-        try:
-            ready = fp8_wgmma.prepare_shapes(shapes)
-            log.info(
-                "fp8 CUDA kernel built for %d weight shapes in %.1f s", len(ready), time.perf_counter() - t0
-            )
-        except fp8_wgmma.WgmmaError as e:
-            log.warning(
-                "fp8 CUDA kernel: building it for the weight shapes failed, the generic build serves them: %s",
-                e,
-            )
     return True
-
-
-def weight_shapes(model: nn.Module) -> set[tuple[int, int]]:
-    """The (N, K) of every FP8 linear's weight in `model`."""
-    return {(mod.out_features, mod.in_features) for mod in fp8_modules(model).values()}
 
 
 def _cuda_gemm(
@@ -566,7 +543,7 @@ def build_model(
     convert_model(model, empty=True)
     model.to_empty(device=device)
     model.reset_rope()
-    prepare_cuda_kernel(device, weight_shapes(model))
+    prepare_cuda_kernel(device)
     return model
 
 

@@ -33,25 +33,17 @@ constexpr int BK = 128;  // one scale block: the promotion period
 constexpr int GROUP_M = 8;
 constexpr int BM = 128;        // two math warpgroups x 64 rows (TALL: 256, two x 128)
 constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
-// A library built for one weight shape (fp8_wgmma.py's `library(shape)`, DeepGEMM's default
-// "compiled dims"): N and K are compile-time constants, so the K loop's trip count is known and
-// it is unrolled by K_UNROLL. Such a library holds only the dense OVERLAP variants; calls of
-// another shape are refused (-13).
-#if defined(RELAY_SHAPE_N) != defined(RELAY_SHAPE_K)
-#error "RELAY_SHAPE_N and RELAY_SHAPE_K go together"
-#endif
-#ifdef RELAY_SHAPE_N
-constexpr int FIXED_N = RELAY_SHAPE_N;
-constexpr int FIXED_K = RELAY_SHAPE_K;
-static_assert(FIXED_N > 0 && FIXED_N % 2 == 0 && FIXED_K > 0 && FIXED_K % 128 == 0, "a shape the kernel takes");
-#else
-constexpr int FIXED_N = 0;
-constexpr int FIXED_K = 0;
-#endif
+// The producer's and the math warpgroups' K loops are unrolled K_UNROLL times (RELAY_K_UNROLL
+// overrides it for a measurement). Unrolled 4x the default variant ran 1.00-1.05x itself not
+// unrolled (median 1.02x; results/deepgemm_h100_22_generic_unroll.json), as much as libraries
+// compiled per weight shape with N and K constant and the loop unrolled 8x, DeepGEMM's way
+// (1.00x the 4x-unrolled generic library in the same run; measured and removed in session 22).
+// Unrolling a whole short loop (a fixed K of 512-1152) ran ptxas out of registers for the wgmma
+// pipeline and serialised it (C7511), 0.86-0.92x: fp8_wgmma.serialised reads the build log.
 #ifdef RELAY_K_UNROLL
 constexpr int K_UNROLL = RELAY_K_UNROLL;
 #else
-constexpr int K_UNROLL = FIXED_K != 0 ? 8 : 4;
+constexpr int K_UNROLL = 4;
 #endif
 // setmaxnreg split of the 64K registers: 128 * (40 + 2 * 232) <= 65536.
 constexpr int PRODUCER_REGS = 40;
@@ -305,10 +297,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                     const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_c,
                     const __grid_constant__ CUtensorMap tm_sb, const float* __restrict__ sb,
-                    __nv_bfloat16* __restrict__ c, int M, int n_arg, int k_arg, int ldc,
+                    __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc,
                     const int* __restrict__ offs, int groups) {
-  const int N = FIXED_N != 0 ? FIXED_N : n_arg;
-  const int K = FIXED_K != 0 ? FIXED_K : k_arg;
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
@@ -901,7 +891,6 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   constexpr bool TALL_ = (MODE & TALL) != 0;
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   if (GROUPED_ != (offs != nullptr) || (GROUPED_ && (groups < 1 || groups > MAX_GROUPS))) return -11;
-  if (FIXED_N != 0 && (N != FIXED_N || K != FIXED_K)) return -13;
   const int b_rows = GROUPED_ ? groups * N : N;                            // the stacked weights
   const int sb_cols = GROUPED_ ? groups * (((N + 127) / 128 + 3) & ~3) : (N + 127) / 128;
   CUtensorMap tm_a, tm_b, tm_sa;
@@ -970,11 +959,8 @@ struct Variant {
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  if constexpr (FIXED_N != 0 && ((MODE & OVERLAP) == 0 || (MODE & GROUPED) != 0))
-    return {nullptr, nullptr, 0, (MODE & GROUPED) != 0};  // not built for one shape (-10)
-  else
-    return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES,
-            (MODE & GROUPED) != 0};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES,
+          (MODE & GROUPED) != 0};
 }
 
 // The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
@@ -1013,7 +999,7 @@ constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
                               int sb_pitch, void* c, int M, int N, int K, int ldc, int max_ctas, int variant,
                               void* stream) {
-  if (variant < 0 || variant >= NUM_VARIANTS || VARIANTS[variant].grouped || !VARIANTS[variant].launch) return -10;
+  if (variant < 0 || variant >= NUM_VARIANTS || VARIANTS[variant].grouped) return -10;
   return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, nullptr, 0, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
@@ -1026,17 +1012,16 @@ extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const
 extern "C" int relay_fp8_grouped_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
                                       int sb_pitch, void* c, const int* offs, int groups, int M, int N, int K,
                                       int ldc, int max_ctas, int variant, void* stream) {
-  if (variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].grouped || !VARIANTS[variant].launch) return -10;
+  if (variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].grouped) return -10;
   if (offs == nullptr) return -11;
   return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
 
 extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int max_ctas) {
-  return variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].grid ? -10
-                                                                            : VARIANTS[variant].grid(M, N, max_ctas, 0);
+  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas, 0);
 }
 
 extern "C" int relay_fp8_gemm_smem_bytes(int variant) {
-  return variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].launch ? -1 : VARIANTS[variant].smem_bytes;
+  return variant < 0 || variant >= NUM_VARIANTS ? -1 : VARIANTS[variant].smem_bytes;
 }

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -123,115 +122,46 @@ class WgmmaUnsupported(WgmmaError):
     """The kernel does not take this call (`unsupported_reason` says why); nothing failed."""
 
 
-def shape_flags(shape: tuple[int, int], unroll: int) -> tuple[str, ...]:
-    """nvcc flags of a library built for one weight shape (N, K): fp8_wgmma.cu's FIXED_N/FIXED_K,
-    its K loop unrolled `unroll` times."""
-    if not fixed_shape_ok(shape) or unroll < 1:
-        raise ValueError(
-            f"no fixed-shape build for N, K = {shape} unrolled {unroll}x (even N, K a multiple of {BLOCK})"
-        )
-    n, k = shape
-    return (f"-DRELAY_SHAPE_N={n}", f"-DRELAY_SHAPE_K={k}", f"-DRELAY_K_UNROLL={unroll}")
-
-
-def fixed_shape_ok(shape: tuple[int, int]) -> bool:
-    """Whether a library can be built for weights of this (N, K)."""
-    n, k = shape
-    return n > 0 and n % 2 == 0 and k > 0 and k % BLOCK == 0
-
-
-def _flags(shape: tuple[int, int] | None, unroll: int) -> tuple[str, ...]:
-    if shape:
-        return NVCC_FLAGS + shape_flags(shape, unroll)
-    return NVCC_FLAGS + ((f"-DRELAY_K_UNROLL={unroll}",) if unroll != GENERIC_UNROLL else ())
-
-
-def _unroll(shape: tuple[int, int] | None, unroll: int | None) -> int:
-    """The K-loop unroll asked for, else the library kind's default (fixed shape: 8, generic: 1)."""
-    return unroll if unroll is not None else (DEFAULT_UNROLL if shape else GENERIC_UNROLL)
-
-
-# A fixed-shape library's K-loop unrolls, tried in turn (`build_fixed`): the first whose build
-# ptxas did not serialise is used. Unrolling by 8 is DeepGEMM's; where that unrolls the whole
-# loop (K = 512-1152: 3-8 K blocks after the first), ptxas runs out of registers for the wgmma
-# pipeline and serialises it (C7511), and the build measured 0.86-0.92x the generic one at K = 1024
-# (results/deepgemm_h100_22_fixed_smallk.json).
-FIXED_UNROLLS = (8, 4, 1)
-DEFAULT_UNROLL = FIXED_UNROLLS[0]
-GENERIC_UNROLL = 4  # the generic library's K loop (its trip count known at run time only)
+# fp8_wgmma.cu's K_UNROLL: how many times its K loops are unrolled. `unroll` below builds another
+# (bench/fp8/deepgemm.py --generic-unrolls measures them against each other).
+K_UNROLL = 4
 # ptxas's warnings that a kernel's wgmmas run one at a time: register shortage (C7511), an
 # accumulator used while in flight (C7515), divergent code around them (C7518).
 _SERIALISED = re.compile(r"\(C75(11|15|18)\)")
 
 
-def library_path(shape: tuple[int, int] | None = None, unroll: int | None = None) -> Path:
-    u = _unroll(shape, unroll)
-    generic = "fp8_wgmma" + ("" if u == GENERIC_UNROLL else f"_u{u}")
-    stem = f"fp8_wgmma_n{shape[0]}_k{shape[1]}_u{u}" if shape else generic
-    return nvcc.library_path(SOURCE, stem, _flags(shape, u))
+def _flags(unroll: int | None) -> tuple[str, ...]:
+    return NVCC_FLAGS if unroll in (None, K_UNROLL) else (*NVCC_FLAGS, f"-DRELAY_K_UNROLL={unroll}")
 
 
-def build(out: Path | None = None, shape: tuple[int, int] | None = None, unroll: int | None = None) -> Path:
-    """Compile the library (with `shape`, the one for that (N, K) alone), its K loop unrolled
-    `unroll` times (default: 8 for a shape's, 1 for the generic one), to `out` (default: the cache
-    path); returns it."""
+def library_path(unroll: int | None = None) -> Path:
+    stem = "fp8_wgmma" if unroll in (None, K_UNROLL) else f"fp8_wgmma_u{unroll}"
+    return nvcc.library_path(SOURCE, stem, _flags(unroll))
+
+
+def build(out: Path | None = None, unroll: int | None = None) -> Path:
+    """Compile the library (its K loops unrolled `unroll` times, default K_UNROLL) to `out`
+    (default: the cache path); returns it."""
     try:
-        return nvcc.build(SOURCE, out or library_path(shape, unroll), _flags(shape, _unroll(shape, unroll)))
+        return nvcc.build(SOURCE, out or library_path(unroll), _flags(unroll))
     except nvcc.BuildError as e:
         raise WgmmaError(str(e)) from e
 
 
 def serialised(library_file: Path) -> bool:
-    """Whether ptxas warned, building this library, that it serialised some kernel's wgmmas."""
+    """Whether ptxas warned, building this library, that it serialised some kernel's wgmmas (which
+    undoes the kernel's overlap of promotion and tensor-core work)."""
     log = nvcc.log_path(library_file)
     return log.exists() and _SERIALISED.search(log.read_text()) is not None
 
 
-def build_fixed(shape: tuple[int, int]) -> int | None:
-    """Build (or find cached) the library for weights of `shape` (N, K), trying FIXED_UNROLLS in
-    turn; the unroll of the first that ptxas did not serialise, or None (the generic library then
-    serves the shape)."""
-    for unroll in FIXED_UNROLLS:
-        path = library_path(shape, unroll)
-        if not path.exists():
-            build(path, shape, unroll)
-        if not serialised(path):
-            return unroll
-    return None
-
-
-# The (N, K) whose fixed-shape library is loaded in this process, and its unroll
-# (`prepare_shapes`): fp8_gemm runs those shapes from it unless told otherwise.
-READY_SHAPES: dict[tuple[int, int], int] = {}
-
-
-def prepare_shapes(shapes: Iterable[tuple[int, int]], jobs: int = 8) -> list[tuple[int, int]]:
-    """Build (or take from the cache) and load the fixed-shape libraries of `shapes` (N, K), those the
-    kernel can take, so that fp8_gemm runs them from now on: 1.01-1.06x the generic library at the
-    DeepSeek-V3 shapes on the H100 (bench/fp8/results/deepgemm_h100_22_fixed.json). Called at model
-    load, as DeepGEMM JIT-compiles per shape; a first build is ~10 s of nvcc per shape and unroll,
-    `jobs` shapes at a time. Returns the shapes now ready (WgmmaError if a build or load failed)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    wanted = sorted({(int(n), int(k)) for n, k in shapes if fixed_shape_ok((n, k))})
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        unrolls = list(pool.map(build_fixed, wanted))
-    for shape, unroll in zip(wanted, unrolls, strict=True):
-        if unroll is not None:
-            library(shape, unroll)
-            READY_SHAPES[shape] = unroll
-    return [s for s, u in zip(wanted, unrolls, strict=True) if u is not None]
-
-
 @functools.cache
-def library(shape: tuple[int, int] | None = None, unroll: int | None = None) -> ctypes.CDLL:
-    """The library, built first when the cache has none (WgmmaError when it cannot be). With
-    `shape` (N, K): the one built for that weight shape, N and K compile-time constants and the K
-    loop unrolled `unroll` times, as DeepGEMM compiles per shape; it holds only the dense OVERLAP
-    variants."""
-    path = library_path(shape, unroll)
+def library(unroll: int | None = None) -> ctypes.CDLL:
+    """The library, built first when the cache has none (WgmmaError when it cannot be); `unroll`:
+    the one built with its K loops unrolled that many times (a measurement's, not the product's)."""
+    path = library_path(unroll)
     if not path.exists():
-        build(path, shape, unroll)
+        build(path, unroll)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -302,15 +232,11 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     out: torch.Tensor | None = None,
     variant: int = DEFAULT_VARIANT,
-    fixed_shape: bool | None = None,
     unroll: int | None = None,
 ) -> torch.Tensor:
     """(a, a_scale 1x128) @ (w, w_scale 128x128)^T in bf16 on the current stream; CUDA-graph safe
     (no synchronisation, no allocation when `out` is given and the scales are K-block-major).
-    fixed_shape: run the library built for w's (N, K) (`library(shape, unroll)`, built now if it is
-    not cached; only OVERLAP variants are in it); None: where `prepare_shapes` has loaded it.
-    unroll: the K-loop unroll of the library to run (default: the one `prepare_shapes` chose for
-    a fixed shape, else the kind's default)."""
+    unroll: run `library(unroll)` (a measurement's build) instead of the product's."""
     reason = unsupported_reason(a, w)
     if reason is not None:
         raise WgmmaUnsupported(reason)
@@ -318,12 +244,6 @@ def fp8_gemm(
         raise ValueError(f"variant must be a dense one in [0, {len(VARIANTS)}), got {variant}")
     m, k = a.shape
     n = w.shape[0]
-    in_fixed = "ovl" in mode_parts(VARIANTS[variant][2])[1]
-    if fixed_shape is None:
-        fixed_shape = in_fixed and (n, k) in READY_SHAPES
-    elif fixed_shape and not in_fixed:
-        raise ValueError(f"variant {variant} is not in a fixed-shape library (only the OVERLAP ones are)")
-    lib = library((n, k), unroll or READY_SHAPES.get((n, k))) if fixed_shape else library(None, unroll)
     kb = k // BLOCK
     if tuple(a_scale.shape) != (m, kb) or tuple(w_scale.shape) != (ref._cdiv(n, BLOCK), kb):
         raise ValueError(
@@ -343,7 +263,7 @@ def fp8_gemm(
     _launch(
         "relay_fp8_gemm", a.device, variant,
         a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
-        m, n, k, out.stride(0), lib=lib,
+        m, n, k, out.stride(0), lib=None if unroll is None else library(unroll),
     )  # fmt: skip
     return out
 
@@ -351,7 +271,7 @@ def fp8_gemm(
 def _launch(
     entry: str, device: torch.device, variant: int, *args: int, lib: ctypes.CDLL | None = None
 ) -> None:
-    """Call `entry` of `lib` (default: the generic library) with `args`, then the SM count, the
+    """Call `entry` of `lib` (default: the product's library) with `args`, then the SM count, the
     variant and the current stream (the arguments both entry points end with)."""
     # The raw handle: torch.cuda.current_stream() builds a Stream object (~5 us of host time,
     # against ~0.2 us; bench/fp8/train_profile.py), and an eager FP8 training step is host-bound.
