@@ -39,7 +39,7 @@ constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
 // compiled per weight shape with N and K constant and the loop unrolled 8x, DeepGEMM's way
 // (1.00x the 4x-unrolled generic library in the same run; measured and removed in session 22).
 // Unrolling a whole short loop (a fixed K of 512-1152) ran ptxas out of registers for the wgmma
-// pipeline and serialised it (C7511), 0.86-0.92x: fp8_wgmma.serialised reads the build log.
+// pipeline and serialised it (C7511), 0.87-0.92x: fp8_wgmma.serialised reads the build log.
 #ifdef RELAY_K_UNROLL
 constexpr int K_UNROLL = RELAY_K_UNROLL;
 #else

@@ -1,13 +1,14 @@
 """The warp-specialised Hopper FP8 GEMM (`fp8_wgmma.cu`): built with nvcc on first use, loaded
 through ctypes, launched on torch's current stream. The engine's and trainer's "cuda" FP8 backend
 (services/engine/fp8_linear.py), which "auto" picks where bench/fp8/tune.py measured it fastest:
-at M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.02-1.09x cuBLAS block-wise
-and 0.91-1.01x DeepGEMM over three runs (one H100, session 20, bench/fp8/README.md). Its grouped
+at M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.00-1.10x cuBLAS block-wise
+and 0.96-0.99x DeepGEMM (one H100, session 22, its K loops unrolled 4x; bench/fp8/README.md). Its grouped
 variants (`fp8_grouped_gemm`) are the MoE experts' GEMM from 32 rows per expert. The other
 variants are the measured alternatives bench/fp8/wgmma.py and deepgemm.py time against it.
 
 Built and cached by nvcc.py (one nvcc call of ~10 s, no torch headers; the library is keyed by the
-source's hash, so a changed kernel rebuilds). The library links no libcuda (it looks the
+source's hash, so a changed kernel rebuilds; nvcc's output is kept beside it, and `serialised` reads
+ptxas's warnings there). The library links no libcuda (it looks the
 tensor-map encoder up through the CUDA runtime), so it also builds where there is no driver.
 
 Operands follow services/common/fp8.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
