@@ -124,7 +124,7 @@ class WgmmaUnsupported(WgmmaError):
 
 
 # fp8_wgmma.cu's K_UNROLL: how many times its K loops are unrolled. `unroll` below builds another
-# (bench/fp8/deepgemm.py --generic-unrolls measures them against each other).
+# (bench/fp8/deepgemm.py --unrolls measures them against each other).
 K_UNROLL = 4
 # ptxas's warnings that a kernel's wgmmas run one at a time: register shortage (C7511), an
 # accumulator used while in flight (C7515), divergent code around them (C7518).
