@@ -228,7 +228,8 @@ def main() -> None:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="check and time M,N,K = 4096,4096,7168 only (one JIT compile: a first reading in little device time)",
+        help="check and time one shape only (one JIT compile: a first reading in little device time): "
+        "M,N,K = 4096,4096,7168, or the first of --ms and --nk",
     )
     args = ap.parse_args()
     if args.ms:
@@ -241,9 +242,11 @@ def main() -> None:
         UNROLLS[:] = [int(u) for u in args.unrolls.split(",")]
     ROUNDS[0] = args.rounds
     if args.quick:
-        CHECK_SHAPES[:] = [(4096, 4096, 7168)]
-        TIME_MS[:] = [4096]
-        TIME_NK[:] = [(4096, 7168)]
+        m = TIME_MS[0] if args.ms else 4096
+        n, k = TIME_NK[0] if args.nk else (4096, 7168)
+        CHECK_SHAPES[:] = [(m, n, k)]
+        TIME_MS[:] = [m]
+        TIME_NK[:] = [(n, k)]
     dev = torch.device("cuda")
     src = Path(args.src).resolve()
     # Session 15's first H200 run died of a segfault before printing anything: these say where

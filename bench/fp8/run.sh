@@ -6,11 +6,12 @@
 #   bash bench/fp8/run.sh mismatch    -> $OUT/fp8_mismatch.json (+ .txt)
 #   bash bench/fp8/run.sh wgmma       -> $OUT/fp8_wgmma.json (+ .txt): the CUDA kernel probe
 #   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu    (NCU_VARIANT=1 ... ncu-source): Nsight Compute
+#      (every ncu mode profiles M, N, K = NCU_SHAPE, default 4096,4096,7168)
 #   bash bench/fp8/run.sh clocks      -> $OUT/fp8_clocks.json: SM clock and power under bf16 vs FP8 GEMMs
 #   bash bench/fp8/run.sh deepgemm    -> $OUT/fp8_deepgemm.json: DeepGEMM as a baseline (deepgemm.py),
 #                                        its chosen configuration per shape printed in the .txt
 #   bash bench/fp8/run.sh deepgemm-ncu ncu   -> Nsight Compute over DeepGEMM's kernel at
-#      M, N, K = 4096, 4096, 7168 ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
+#      NCU_SHAPE ($OUT/deepgemm_ncu*), then over ours at the same shape (NCU_VARIANTS)
 #   bash bench/fp8/run.sh product     -> the CUDA kernel as the dispatch's large-M backend: its self-check,
 #      tune.py --skip-triton at M = 512-8192 ($OUT/fp8_tune.json, the new table $OUT/fp8_configs.json),
 #      then gemm.py reading that table (~4 minutes). (train_linear.py imports torchtitan, whose import-time
@@ -24,6 +25,7 @@
 #   bash bench/fp8/run.sh deepgemm-ncu-source   -> $OUT/wgmma_source_deepgemm.csv: its stall samples per
 #      SASS instruction, as ncu-source gives ours
 set -uo pipefail
+IFS=, read -r NCU_M NCU_N NCU_K <<< "${NCU_SHAPE:-4096,4096,7168}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,8 +39,10 @@ for what in "${@:-gemm}"; do
   case "$what" in
     gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
     wgmma) python3 bench/fp8/wgmma.py --out "$OUT/fp8_wgmma.json" 2>&1 | tee "$OUT/fp8_wgmma.txt" ;;
-    ncu) bash bench/fp8/wgmma_ncu.sh "${NCU_VARIANTS:-1}" ;;
-    ncu-source) bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-1}" ;;
+    ncu) NCU_PROGRAM="${NCU_PROGRAM_OURS:-python3 bench/fp8/wgmma_profile.py --variants ${NCU_VARIANTS:-1} --m $NCU_M --n $NCU_N --k $NCU_K}" \
+      bash bench/fp8/wgmma_ncu.sh ;;
+    ncu-source) NCU_PROGRAM="${NCU_PROGRAM_OURS:-python3 bench/fp8/wgmma_profile.py --variants ${NCU_VARIANT:-1} --m $NCU_M --n $NCU_N --k $NCU_K}" \
+      bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-1}" ;;
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
     clocks) python3 bench/fp8/clocks.py --out "$OUT/fp8_clocks.json" 2>&1 | tee "$OUT/fp8_clocks.txt" ;;
     deepgemm)  # needs the tarball of bench/fp8/deepgemm_bundle.sh carried (.deepgemm, ignored by git)
@@ -47,7 +51,7 @@ for what in "${@:-gemm}"; do
     deepgemm-ncu)  # the --quick shape only, no timing: one launch of DeepGEMM's GEMM to profile
       unpack_deepgemm || exit 1
       DG_PRINT_CONFIGS=1 NCU_TAG=deepgemm_ncu NCU_KERNELS=regex:sm90_fp8_gemm \
-        NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_ncu.json" \
+        NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --ms $NCU_M --nk ${NCU_N}x$NCU_K --skip-timing --out /tmp/deepgemm_ncu.json" \
         bash bench/fp8/wgmma_ncu.sh ;;
     product)
       python3 bench/fp8/wgmma.py --variants "${WGMMA_VARIANTS:-18}" --skip-timing --out "$OUT/fp8_wgmma_check.json" 2>&1 | tail -2
@@ -75,7 +79,7 @@ json.dump(t, open('$OUT/fp8_configs_cublas.json', 'w'))"
     train-profile) python3 bench/fp8/train_profile.py --out "$OUT/fp8_train_profile.json" 2>&1 | tee "$OUT/fp8_train_profile.txt" ;;
     deepgemm-ncu-source)  # warp-stall samples per SASS instruction of DeepGEMM's kernel (--quick shape)
       unpack_deepgemm || exit 1
-      NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --skip-timing --out /tmp/deepgemm_src.json" \
+      NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --ms $NCU_M --nk ${NCU_N}x$NCU_K --skip-timing --out /tmp/deepgemm_src.json" \
         bash bench/fp8/wgmma_ncu_source.sh deepgemm regex:sm90_fp8_gemm ;;
     *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source | product | trainer)"; exit 2 ;;
   esac
