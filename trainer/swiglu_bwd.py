@@ -16,27 +16,30 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from services.engine.kernels.fp8_quant import HAS_TRITON
 
 BLOCK = 1024
 
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
-@triton.jit
-def _swiglu_bwd_kernel(gu_ptr, da_ptr, out_ptr, n, inter, BLOCK: tl.constexpr):
-    """Elements [pid * BLOCK, ...) of the (T, I) grid: row r, column c of the gate/up halves."""
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    r = idx // inter
-    c = idx - r * inter
-    gate = tl.load(gu_ptr + r * 2 * inter + c, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + r * 2 * inter + inter + c, mask=ok, other=0.0).to(tl.float32)
-    da = tl.load(da_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-    s = tl.sigmoid(gate)
-    d_gate = da * up * s * (1.0 + gate * (1.0 - s))
-    d_up = da * gate * s
-    tl.store(out_ptr + r * 2 * inter + c, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(out_ptr + r * 2 * inter + inter + c, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+    @triton.jit
+    def _swiglu_bwd_kernel(gu_ptr, da_ptr, out_ptr, n, inter, BLOCK: tl.constexpr):
+        """Elements [pid * BLOCK, ...) of the (T, I) grid: row r, column c of the gate/up halves."""
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = idx < n
+        r = idx // inter
+        c = idx - r * inter
+        gate = tl.load(gu_ptr + r * 2 * inter + c, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + r * 2 * inter + inter + c, mask=ok, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+        s = tl.sigmoid(gate)
+        d_gate = da * up * s * (1.0 + gate * (1.0 - s))
+        d_up = da * gate * s
+        tl.store(out_ptr + r * 2 * inter + c, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + r * 2 * inter + inter + c, d_up.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def swiglu_backward_reference(gu: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ def swiglu_backward(gu: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     t, inter = da.shape
     if tuple(gu.shape) != (t, 2 * inter):
         raise ValueError(f"gu {tuple(gu.shape)} is not [gate | up] for da {tuple(da.shape)}")
-    if not gu.is_cuda:
+    if not (gu.is_cuda and HAS_TRITON):
         return swiglu_backward_reference(gu, da)
     gu, da = gu.contiguous(), da.contiguous()
     out = torch.empty(t, 2 * inter, dtype=da.dtype, device=da.device)
