@@ -203,6 +203,27 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // Generic-proxy shared-memory writes made visible to the async proxy (the TMA store).
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// SPLIT's flags between CTAs. The writer's threads store their partial sums, meet at a named
+// barrier, and one of them adds to the flag with release semantics at GPU scope (cumulative over
+// the stores the barrier ordered before it); the reader acquires the flag the same way round.
+__device__ __forceinline__ void flag_raise_if(bool pred, int* flag) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p red.release.gpu.global.add.s32 [%1], 1;\n}" ::"r"(
+                   static_cast<int>(pred)),
+               "l"(flag)
+               : "memory");
+}
+__device__ __forceinline__ void flag_clear_if(bool pred, int* flag) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.relaxed.gpu.global.b32 [%1], 0;\n}" ::"r"(
+                   static_cast<int>(pred)),
+               "l"(flag)
+               : "memory");
+}
+__device__ __forceinline__ int flag_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -265,6 +286,74 @@ constexpr int GROUPED = 64;
 template <int BN, int STAGES, int MODE>
 using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
 
+// Flag on PLAIN | TMA_STORE | SB_SMEM (dense): the walk's last steps are shared out by K blocks
+// (stream-K) instead of whole tiles. A persistent walk of T steps over P walkers (clusters) runs
+// ceil(T / P) rounds, the last one with T % P steps: at M = 4096, N = 7168 that is 52 steps for
+// 66 walkers, so a fifth of the GPU idles through a seventh of the GEMM. Here the last
+// T % P + P steps (all of them when T < P) are cut into K blocks and each walker takes an equal
+// contiguous run of them, after its whole tiles. A tile whose blocks two walkers share is
+// finished by the one holding its first block (it runs them last, so it waits least): the others
+// leave their float32 partial sums in a workspace and raise a flag, and it adds them before the
+// epilogue. Every walker leaves at most one partial (only its first run can start mid-tile), so
+// the workspace holds one tile per CTA. When each walker would get fewer than MIN_SPLIT_BLOCKS
+// blocks, or T % P == 0, the walk is the plain one.
+constexpr int SPLIT = 128;
+constexpr int MIN_SPLIT_BLOCKS = 4;
+// SPLIT's workspace: FLAG_INTS ints of flags (zero between launches: the finishing CTA clears
+// each flag it consumed), then one BMT x BN float32 tile per CTA.
+constexpr int FLAG_INTS = 2048;  // 2 per CTA (one per math warpgroup): up to 1024 CTAs
+template <int BN, int MODE>
+__host__ __device__ constexpr int split_tile_floats() {
+  return tile_rows(MODE) * BN;
+}
+
+// The work items of one walker of a SPLIT walk (or of the plain walk when `split` is false):
+// item i is a walk step `tile` and its K blocks [k_lo, k_hi). Whole steps come first (w, w + P,
+// ...), then the walker's run of K blocks through the split steps. Host and device compile the
+// same code: relay_fp8_walk exports it for a CPU test.
+struct Walk {
+  int steps, walkers, nkb, walker;
+  bool split;
+  int split_base;  // the first split step (steps when none)
+  int whole;       // this walker's whole steps
+  long long units;  // K blocks of the split steps
+  __host__ __device__ Walk(int steps_, int walkers_, int nkb_, int walker_, bool splittable)
+      : steps(steps_), walkers(walkers_), nkb(nkb_), walker(walker_) {
+    split = splittable && steps % walkers != 0 && static_cast<long long>(steps) * nkb >= MIN_SPLIT_BLOCKS * walkers;
+    split_base = split ? (steps / walkers > 0 ? (steps / walkers - 1) * walkers : 0) : steps;
+    whole = walker < split_base ? (split_base - walker + walkers - 1) / walkers : 0;
+    units = static_cast<long long>(steps - split_base) * nkb;
+  }
+  // Walker v's first split K block (its run ends where v + 1's starts).
+  __host__ __device__ long long run_start(int v) const { return units * v / walkers; }
+  __host__ __device__ bool item(int i, int& tile, int& k_lo, int& k_hi) const {
+    if (i < whole) {
+      tile = walker + i * walkers;
+      k_lo = 0;
+      k_hi = nkb;
+      return true;
+    }
+    if (!split) return false;
+    const long long lo = run_start(walker), hi = run_start(walker + 1);
+    const int j = i - whole;
+    const long long s = j == 0 ? lo : (lo / nkb + j) * nkb;
+    if (s >= hi) return false;
+    const int t = static_cast<int>(s / nkb);
+    tile = split_base + t;
+    k_lo = static_cast<int>(s - static_cast<long long>(t) * nkb);
+    k_hi = static_cast<int>(hi - static_cast<long long>(t) * nkb < nkb ? hi - static_cast<long long>(t) * nkb : nkb);
+    return true;
+  }
+  // The walkers after this one that hold blocks of split step `tile` (whose first block this one
+  // holds): [walker + 1, end).
+  __host__ __device__ int contributors_end(int tile) const {
+    const long long tile_end = static_cast<long long>(tile - split_base + 1) * nkb;
+    int v = walker + 1;
+    while (v < walkers && run_start(v) < tile_end) ++v;
+    return v;
+  }
+};
+
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
 // float32 accumulators fit: 128 + 64 registers).
@@ -298,7 +387,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_c,
                     const __grid_constant__ CUtensorMap tm_sb, const float* __restrict__ sb,
                     __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc,
-                    const int* __restrict__ offs, int groups) {
+                    const int* __restrict__ offs, int groups, float* __restrict__ ws) {
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
@@ -317,6 +406,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   static_assert(!GROUPED_ || (BASE == PLAIN && EPI_TMA && SBS && !TALL_ && CLUSTER == 1),
                 "GROUPED: PLAIN | TMA_STORE | SB_SMEM, no TALL, no cluster");
+  constexpr bool SPLIT_ = (MODE & SPLIT) != 0;
+  static_assert(!SPLIT_ || (BASE == PLAIN && EPI_TMA && SBS && !GROUPED_), "SPLIT: PLAIN | TMA_STORE | SB_SMEM, dense");
   using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
@@ -400,8 +491,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     n0 = (TALL_ ? tn * CLUSTER + rank : tn) * BN;
   };
-  const int first = static_cast<int>(blockIdx.x) / CLUSTER;
+  const int first = static_cast<int>(blockIdx.x) / CLUSTER;  // this CTA's walker
   const int stride = static_cast<int>(gridDim.x) / CLUSTER;
+  const Walk walk(num_tiles, stride, nkb, first, SPLIT_);
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -430,13 +522,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sb)) : "memory");
       }
       int it = 0;
-      for (int tile = first; tile < num_tiles; tile += stride) {
+      int tile, k_lo, k_hi;
+      for (int i = 0; walk.item(i, tile, k_lo, k_hi); ++i) {
         int m0, n0, g, m_end;
         origin(tile, m0, n0, g, m_end);
         const int b_row = g * N + n0;                  // GROUPED: group g's weight rows
         const int sb_col = (g * nbp + n0 / 128) & ~3;  // and its weight-scale blocks
 #pragma unroll K_UNROLL
-        for (int kb = 0; kb < nkb; ++kb, ++it) {
+        for (int kb = k_lo; kb < k_hi; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           if (leader) {
@@ -557,13 +650,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     // issued here for the first tile, during the previous epilogue for the others. One shape on
     // every path, which ptxas can prove (the wgmmas stay asynchronous). Only part: a wgmma into
     // an accumulator that the K loop also promotes into makes ptxas serialise every wgmma (C7515).
+    int tile, k_lo, k_hi;
     if constexpr (OVL) {
-      if (first < num_tiles) {
+      if (walk.item(0, tile, k_lo, k_hi)) {
         mbar_wait(&full[0], 0);
         issue(part, 0, 0, 0);
       }
     }
-    for (int tile = first; tile < num_tiles; tile += stride) {
+    for (int i = 0; walk.item(i, tile, k_lo, k_hi); ++i) {
       int m0, n0, g, m_end;
       origin(tile, m0, n0, g, m_end);
       if constexpr (GROUPED_) sa_shift = m0 & 3;
@@ -580,12 +674,12 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int h = 0; h < NH; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
 
       if constexpr (BASE == UNSCALED) {
-        for (int kb = 0; kb < nkb; ++kb, ++it) {
+        for (int kb = k_lo; kb < k_hi; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
 #pragma unroll
-          for (int u = 0; u < SUBS; ++u) issue(acc[u], s, u, kb > 0);
-          if (kb == 0) flush_pending();
+          for (int u = 0; u < SUBS; ++u) issue(acc[u], s, u, kb > k_lo);
+          if (kb == k_lo) flush_pending();
           wgmma_wait<0>();
           release(s);
         }
@@ -640,8 +734,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       } else {
         float sb_now[NH];
 #pragma unroll
-        for (int h = 0; h < NH; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h]);
-        int kb0 = 0;
+        for (int h = 0; h < NH; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h] + k_lo);
+        int kb0 = k_lo;
         if constexpr (OVL) {
           {
             const int s = it % STAGES;
@@ -673,11 +767,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             release(s);
             start(acc[1], s0[1], s1[1]);
             ++it;
-            kb0 = 1;
+            kb0 = k_lo + 1;
           }
         }
 #pragma unroll K_UNROLL
-        for (int kb = kb0; kb < nkb; ++kb, ++it) {
+        for (int kb = kb0; kb < k_hi; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
           constexpr int MB = SUBS / NH;  // m64 blocks per warpgroup
@@ -696,10 +790,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
           for (int u = 0; u < SUBS; ++u) {
             issue(part, s, u, 0);
-            if (u == 0 && kb == 0) flush_pending();
+            if (u == 0 && kb == k_lo) flush_pending();
             if (u == 0) {
 #pragma unroll
-              for (int g = 0; g < NH; ++g) sb_next[g] = !SBS && kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
+              for (int g = 0; g < NH; ++g) sb_next[g] = !SBS && kb + 1 < k_hi ? __ldg(sb_rows[g] + kb + 1) : 0.f;
             }
             wgmma_wait<0>();
             fence_regs(part);
@@ -711,6 +805,50 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
 
+      if constexpr (SPLIT_) {
+        // A split step's partial sums (Walk): in the fragment layout, float4 j of partial sum u
+        // of math thread mt at float4 (u * 16 + j) * 256 + mt of the CTA's workspace tile, so a
+        // warp's stores and loads are 512 contiguous bytes.
+        constexpr int TILE_F4 = split_tile_floats<BN, MODE>() / 4;
+        int* flags = reinterpret_cast<int*>(ws);
+        float4* parts = reinterpret_cast<float4*>(ws + FLAG_INTS);
+        const int mt = half * 128 + tid;
+        if (k_lo > 0) {
+          // Not the step's first block: the walker holding that one finishes the tile.
+          float4* dst = parts + static_cast<size_t>(first * CLUSTER + rank) * TILE_F4;
+#pragma unroll
+          for (int u = 0; u < SUBS; ++u)
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+              __stcg(dst + (u * 16 + j) * 256 + mt,
+                     make_float4(acc[u][4 * j], acc[u][4 * j + 1], acc[u][4 * j + 2], acc[u][4 * j + 3]));
+          named_sync(1 + half, 128);
+          flag_raise_if(tid == 0, &flags[(first * CLUSTER + rank) * 2 + half]);
+        } else if (k_hi < nkb) {
+          // The step's first block, and later walkers hold the rest: add their partial sums.
+          const int end = walk.contributors_end(tile);
+          for (int v = first + 1; v < end; ++v) {
+            int* flag = &flags[(v * CLUSTER + rank) * 2 + half];
+            if (warp == 0) {
+              while (__shfl_sync(0xffffffff, flag_acquire(flag), 0) == 0) __nanosleep(32);
+            }
+            named_sync(1 + half, 128);
+            flag_clear_if(tid == 0, flag);  // for the next launch; nothing else reads it in this one
+            const float4* src = parts + static_cast<size_t>(v * CLUSTER + rank) * TILE_F4;
+#pragma unroll
+            for (int u = 0; u < SUBS; ++u)
+#pragma unroll
+              for (int j = 0; j < 16; ++j) {
+                const float4 q = __ldcg(src + (u * 16 + j) * 256 + mt);
+                acc[u][4 * j] += q.x;
+                acc[u][4 * j + 1] += q.y;
+                acc[u][4 * j + 2] += q.z;
+                acc[u][4 * j + 3] += q.w;
+              }
+          }
+        }
+      }
+
       // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
       // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
       if constexpr (EPI_TMA) {
@@ -718,7 +856,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(&full[s], (it / STAGES) & 1);
         ++it;
         // OVL: the first half of the next tile's first K block (ring slot `it`).
-        const bool preissue = OVL && tile + stride < num_tiles;
+        int next_tile, next_lo, next_hi;
+        const bool preissue = OVL && walk.item(i + 1, next_tile, next_lo, next_hi);
         const int s_next = it % STAGES;
         if constexpr (OVL) {
           if (preissue) {
@@ -731,6 +870,12 @@ __global__ void __launch_bounds__(THREADS, 1)
             // A group's last tile with the next group's rows after it: clipped direct stores,
             // and the lent slot goes straight back (no TMA store reads it).
             store_direct(m0, n0, m_end);
+            release(s);
+            continue;
+          }
+        }
+        if constexpr (SPLIT_) {
+          if (k_lo > 0) {  // a partial sum, left above: nothing to store
             release(s);
             continue;
           }
@@ -885,12 +1030,16 @@ int grid_for(int M, int N, int max_ctas, int groups) {
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c,
-           const int* offs, int groups, int M, int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
+           const int* offs, int groups, float* ws, int M, int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
   // The multicast operand's box is its share of the tile: B's without TALL, A's with it.
   constexpr int BMT = tile_rows(MODE);
   constexpr bool TALL_ = (MODE & TALL) != 0;
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   if (GROUPED_ != (offs != nullptr) || (GROUPED_ && (groups < 1 || groups > MAX_GROUPS))) return -11;
+  // SPLIT: the workspace of relay_fp8_gemm_workspace_bytes(variant, max_ctas), its flags zero.
+  if constexpr ((MODE & SPLIT) != 0) {
+    if (ws == nullptr || max_ctas > FLAG_INTS / 2) return -13;
+  }
   const int b_rows = GROUPED_ ? groups * N : N;                            // the stacked weights
   const int sb_cols = GROUPED_ ? groups * (((N + 127) / 128 + 3) & ~3) : (N + 127) / 128;
   CUtensorMap tm_a, tm_b, tm_sa;
@@ -912,8 +1061,9 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       if constexpr (GROUPED_)
         return -12;
       else
-        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups,
-                                                                          M, N, K, ldc, max_ctas, stream);
+        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | SPLIT), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs,
+                                                                                  groups, nullptr, M, N, K, ldc, max_ctas,
+                                                                                  stream);
     }
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
@@ -944,23 +1094,24 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
   err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, tm_sb, sb, static_cast<__nv_bfloat16*>(c), M,
-                           N, K, ldc, offs, groups);
+                           N, K, ldc, offs, groups, ws);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
 
 struct Variant {
-  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, const int*, int, int, int, int,
-                int, int, cudaStream_t);
+  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, const int*, int, float*, int, int,
+                int, int, int, cudaStream_t);
   int (*grid)(int, int, int, int);
   int smem_bytes;
   bool grouped;
+  int split_tile_floats;  // SPLIT: one CTA's workspace tile; else 0
 };
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
   return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES,
-          (MODE & GROUPED) != 0};
+          (MODE & GROUPED) != 0, (MODE & SPLIT) != 0 ? split_tile_floats<BN, MODE>() : 0};
 }
 
 // The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
@@ -986,6 +1137,9 @@ constexpr Variant VARIANTS[] = {
     // MoE grouped GEMMs (GROUPED; relay_fp8_grouped_gemm): 23 = variant 19 grouped, 24 without OVERLAP.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | GROUPED, 1>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUPED, 1>(),
+    // The walk's last steps shared out by K blocks (SPLIT): 25 = 18 split, 26 = 22 split.
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | SPLIT, 2>(),
+    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | SPLIT, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 
@@ -995,13 +1149,39 @@ constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 // floats (>= M, a multiple of 4). b: (N, K) e4m3, row pitch K. sb: (ceil(N/128), K/128) float32,
 // contiguous, or for the SB_SMEM variants K-block-major like sa with row pitch sb_pitch floats
 // (a multiple of 4). c: (M, N) bf16, row pitch ldc. K % 128 == 0, N even, 16-byte aligned pointers.
-// max_ctas: the most CTAs to launch (the SM count). Returns 0 or an error code.
+// max_ctas: the most CTAs to launch (the SM count). workspace: for a SPLIT variant, a buffer of
+// relay_fp8_gemm_workspace_bytes(variant, max_ctas) bytes, zeroed once before its first use and
+// used by one launch at a time (the kernel leaves its flags zero); else ignored. Returns 0 or an
+// error code.
 extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
-                              int sb_pitch, void* c, int M, int N, int K, int ldc, int max_ctas, int variant,
-                              void* stream) {
+                              int sb_pitch, void* c, void* workspace, int M, int N, int K, int ldc, int max_ctas,
+                              int variant, void* stream) {
   if (variant < 0 || variant >= NUM_VARIANTS || VARIANTS[variant].grouped) return -10;
-  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, nullptr, 0, M, N, K, ldc, max_ctas,
-                                  static_cast<cudaStream_t>(stream));
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, nullptr, 0, static_cast<float*>(workspace), M,
+                                  N, K, ldc, max_ctas, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" long long relay_fp8_gemm_workspace_bytes(int variant, int max_ctas) {
+  if (variant < 0 || variant >= NUM_VARIANTS) return -1;
+  const long long tile = VARIANTS[variant].split_tile_floats;
+  return tile == 0 ? 0 : 4LL * (FLAG_INTS + tile * max_ctas);
+}
+
+// The work items of walker `walker` (Walk): (step, k_lo, k_hi, contributors_end) quadruples into
+// out (room for cap of them), contributors_end -1 where the walker does not finish a shared
+// step; returns how many there are. For the CPU test of the schedule.
+extern "C" int relay_fp8_walk(int steps, int walkers, int nkb, int walker, int split, int* out, int cap) {
+  const Walk walk(steps, walkers, nkb, walker, split != 0);
+  int n = 0;
+  for (int tile, k_lo, k_hi; walk.item(n, tile, k_lo, k_hi); ++n) {
+    if (n < cap) {
+      out[4 * n] = tile;
+      out[4 * n + 1] = k_lo;
+      out[4 * n + 2] = k_hi;
+      out[4 * n + 3] = k_lo == 0 && k_hi < nkb ? walk.contributors_end(tile) : -1;
+    }
+  }
+  return n;
 }
 
 // The MoE grouped GEMM: a's M rows sorted by group, offs (groups,) int32 on the GPU: cumulative
@@ -1014,7 +1194,7 @@ extern "C" int relay_fp8_grouped_gemm(const void* a, const void* sa, int sa_pitc
                                       int ldc, int max_ctas, int variant, void* stream) {
   if (variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].grouped) return -10;
   if (offs == nullptr) return -11;
-  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, M, N, K, ldc, max_ctas,
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, nullptr, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
 
