@@ -175,11 +175,16 @@ def main() -> None:
         "--variants", default="", help="comma-separated indices into fp8_wgmma.VARIANTS (default all)"
     )
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
+    ap.add_argument(
+        "--nk", default="", help="(N, K) shapes to time, NxK comma list (default the DeepSeek-V3 four)"
+    )
     ap.add_argument("--rounds", type=int, default=ROUNDS[0], help="timing rounds (bench_rounds)")
     args = ap.parse_args()
     ROUNDS[0] = args.rounds
     if args.ms:
         TIME_MS[:] = [int(m) for m in args.ms.split(",")]
+    if args.nk:
+        TIME_NK[:] = [(int(n), int(k)) for n, k in (nk.split("x") for nk in args.nk.split(","))]
     if args.variants:
         VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")]
     dev = torch.device("cuda")
