@@ -157,7 +157,13 @@ def check_ours(dev: torch.device) -> list[dict[str, Any]]:
                 want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 fp8_wgmma.fp8_gemm(
-                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=out, variant=v, unroll=u
+                    d["aq"],
+                    d["as_col"],
+                    d["wq"],
+                    weight_scales(d, v),
+                    out=out,
+                    variant=v,
+                    lib=fp8_wgmma.library(u),
                 )
                 torch.cuda.synchronize()
                 err = bench.rel(out, want)
@@ -193,7 +199,13 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                 )
             for v, u in ((v, u) for v in OURS for u in UNROLLS):
                 fns[unrolled_key(v, u)] = lambda d=d, o=out, v=v, u=u: fp8_wgmma.fp8_gemm(
-                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v, unroll=u
+                    d["aq"],
+                    d["as_col"],
+                    d["wq"],
+                    weight_scales(d, v),
+                    out=o,
+                    variant=v,
+                    lib=fp8_wgmma.library(u),
                 )
             bench_rounds(fns, row)
             add_tflops(row, 2 * m * n * k)

@@ -218,6 +218,22 @@ __device__ __forceinline__ void flag_clear_if(bool pred, int* flag) {
                "l"(flag)
                : "memory");
 }
+// RELAY_SPLIT_TRACE (a measurement's build, bench/fp8/split_trace.py): math thread 0 of the CTA
+// stamps the global timer at the split walk's events into TRACE_SLOTS slots per CTA after the
+// workspace tiles. A predicated store, so no divergent path around the wgmmas.
+constexpr int TRACE_SLOTS = 8;
+#ifdef RELAY_SPLIT_TRACE
+__device__ unsigned long long g_trace[1024 * TRACE_SLOTS];
+#endif
+__device__ __forceinline__ void trace_if(bool pred, unsigned long long* slot) {
+#ifdef RELAY_SPLIT_TRACE
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.u64 [%1], %2;\n}" ::"r"(static_cast<int>(pred)),
+               "l"(slot), "l"(t)
+               : "memory");
+#endif
+}
 __device__ __forceinline__ int flag_acquire(const int* flag) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
@@ -564,6 +580,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS) : "memory");
+#ifdef RELAY_SPLIT_TRACE
+    unsigned long long* trace = g_trace + blockIdx.x * TRACE_SLOTS;
+#else
+    unsigned long long* trace = nullptr;
+#endif
+    const bool tracer = threadIdx.x == 128;
+    trace_if(tracer, trace + 0);
     const int half = wg - 1;  // rows half*RW .. half*RW+RW-1 of the tile
     const int warp = __shfl_sync(0xffffffff, tid / 32, 0);  // warp-uniform, as wg above
     const int lane = tid % 32;
@@ -660,6 +683,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int i = 0; walk.item(i, tile, k_lo, k_hi); ++i) {
       int m0, n0, g, m_end;
       origin(tile, m0, n0, g, m_end);
+      trace_if(tracer && walk.split && i == walk.whole, trace + 1);
       if constexpr (GROUPED_) sa_shift = m0 & 3;
       if constexpr (!OVL) {
 #pragma unroll
@@ -815,6 +839,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int mt = half * 128 + tid;
         if (k_lo > 0) {
           // Not the step's first block: the walker holding that one finishes the tile.
+          trace_if(tracer, trace + 2);
           float4* dst = parts + static_cast<size_t>(first * CLUSTER + rank) * TILE_F4;
 #pragma unroll
           for (int u = 0; u < SUBS; ++u)
@@ -824,9 +849,11 @@ __global__ void __launch_bounds__(THREADS, 1)
                      make_float4(acc[u][4 * j], acc[u][4 * j + 1], acc[u][4 * j + 2], acc[u][4 * j + 3]));
           named_sync(1 + half, 128);
           flag_raise_if(tid == 0, &flags[(first * CLUSTER + rank) * 2 + half]);
+          trace_if(tracer, trace + 3);
         } else if (k_hi < nkb) {
           // The step's first block, and later walkers hold the rest: add their partial sums.
           const int end = walk.contributors_end(tile);
+          trace_if(tracer, trace + 4);
           for (int v = first + 1; v < end; ++v) {
             int* flag = &flags[(v * CLUSTER + rank) * 2 + half];
             if (warp == 0) {
@@ -834,6 +861,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
             named_sync(1 + half, 128);
             flag_clear_if(tid == 0, flag);  // for the next launch; nothing else reads it in this one
+            trace_if(tracer, trace + 5);
             const float4* src = parts + static_cast<size_t>(v * CLUSTER + rank) * TILE_F4;
 #pragma unroll
             for (int u = 0; u < SUBS; ++u)
@@ -846,6 +874,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 acc[u][4 * j + 3] += q.w;
               }
           }
+          trace_if(tracer, trace + 6);
         }
       }
 
@@ -937,6 +966,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       store_direct(m0, n0, M);
     }
+    trace_if(tracer, trace + 7);
     if constexpr (EPI_TMA) {
       flush_pending();
       if (tid == 0) bulk_wait_all();
@@ -1197,6 +1227,17 @@ extern "C" int relay_fp8_grouped_gemm(const void* a, const void* sa, int sa_pitc
   return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, nullptr, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
+
+#ifdef RELAY_SPLIT_TRACE
+// The trace build's timer stamps (TRACE_SLOTS per CTA, by block index), and their reset.
+extern "C" int relay_fp8_trace_read(unsigned long long* out, int ctas) {
+  return static_cast<int>(cudaMemcpyFromSymbol(out, g_trace, sizeof(unsigned long long) * TRACE_SLOTS * ctas));
+}
+extern "C" int relay_fp8_trace_clear() {
+  static unsigned long long zeros[1024 * TRACE_SLOTS] = {};
+  return static_cast<int>(cudaMemcpyToSymbol(g_trace, zeros, sizeof(zeros)));
+}
+#endif
 
 extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int max_ctas) {
   return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas, 0);

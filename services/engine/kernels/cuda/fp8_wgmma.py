@@ -174,6 +174,12 @@ def library(unroll: int | None = None) -> ctypes.CDLL:
     path = library_path(unroll)
     if not path.exists():
         build(path, unroll)
+    return load(path)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its entry points declared (a measurement's build, e.g. with other defines,
+    goes through here too)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -286,11 +292,12 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     out: torch.Tensor | None = None,
     variant: int = DEFAULT_VARIANT,
-    unroll: int | None = None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """(a, a_scale 1x128) @ (w, w_scale 128x128)^T in bf16 on the current stream; CUDA-graph safe
     (no synchronisation, no allocation when `out` is given and the scales are K-block-major).
-    unroll: run `library(unroll)` (a measurement's build) instead of the product's."""
+    lib: run another build of the kernel (`library(unroll)`, `load`: a measurement's) instead of
+    the product's."""
     reason = unsupported_reason(a, w)
     if reason is not None:
         raise WgmmaUnsupported(reason)
@@ -314,7 +321,7 @@ def fp8_gemm(
         sb, sb_pitch = _k_block_major(w_scale)
     else:
         sb, sb_pitch = w_scale.float().contiguous(), 0
-    lib = library(unroll)
+    lib = lib or library()
     ws = workspace(variant, a.device, lib).data_ptr() if splits_k(variant) else None
     _launch(
         "relay_fp8_gemm", a.device, variant,
