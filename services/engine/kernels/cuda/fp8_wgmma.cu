@@ -313,6 +313,9 @@ using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
 // epilogue. Every walker leaves at most one partial (only its first run can start mid-tile), so
 // the workspace holds one tile per CTA. When each walker would get fewer than MIN_SPLIT_BLOCKS
 // blocks, or T % P == 0, the walk is the plain one.
+// Measured (session 23, results/deepgemm_h100_23_split.json): 0.84-1.00x the unsplit variants at
+// M >= 4096, losing more the larger the split share of the GEMM. Split walkers sit at scattered K
+// offsets, so the operand slices that whole-step walkers read from L2 together are read apart.
 constexpr int SPLIT = 128;
 constexpr int MIN_SPLIT_BLOCKS = 4;
 // SPLIT's workspace: FLAG_INTS ints of flags (zero between launches: the finishing CTA clears
