@@ -130,6 +130,14 @@ def run_deepgemm(dg: Any, d: dict[str, torch.Tensor], out: torch.Tensor) -> None
     dg.fp8_gemm_nt((d["aq"], d["as"]), (d["wq"], d["ws"]), out, disable_ue8m0_cast=True)
 
 
+def run_ours(d: dict[str, torch.Tensor], out: torch.Tensor, variant: int, unroll: int | None = None) -> None:
+    """Our variant from the product's library, or from the one unrolled `unroll` times."""
+    fp8_wgmma.fp8_gemm(
+        d["aq"], d["as_col"], d["wq"], weight_scales(d, variant), out=out, variant=variant,
+        lib=fp8_wgmma.library(unroll),
+    )  # fmt: skip
+
+
 def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
     rows = []
     for i, (m, n, k) in enumerate(CHECK_SHAPES):
@@ -156,15 +164,7 @@ def check_ours(dev: torch.device) -> list[dict[str, Any]]:
                 d = quantised(m, n, k, dev, seed=300 + m + n + k)
                 want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-                fp8_wgmma.fp8_gemm(
-                    d["aq"],
-                    d["as_col"],
-                    d["wq"],
-                    weight_scales(d, v),
-                    out=out,
-                    variant=v,
-                    lib=fp8_wgmma.library(u),
-                )
+                run_ours(d, out, v, u)
                 torch.cuda.synchronize()
                 err = bench.rel(out, want)
                 finite = bool(torch.isfinite(out).all())
@@ -194,19 +194,9 @@ def time_rows(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
                 "deepgemm": lambda d=d, o=out: run_deepgemm(dg, d, o),
             }
             for v in OURS:
-                fns[ours_key(v)] = lambda d=d, o=out, v=v: fp8_wgmma.fp8_gemm(
-                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
-                )
+                fns[ours_key(v)] = lambda d=d, o=out, v=v: run_ours(d, o, v)
             for v, u in ((v, u) for v in OURS for u in UNROLLS):
-                fns[unrolled_key(v, u)] = lambda d=d, o=out, v=v, u=u: fp8_wgmma.fp8_gemm(
-                    d["aq"],
-                    d["as_col"],
-                    d["wq"],
-                    weight_scales(d, v),
-                    out=o,
-                    variant=v,
-                    lib=fp8_wgmma.library(u),
-                )
+                fns[unrolled_key(v, u)] = lambda d=d, o=out, v=v, u=u: run_ours(d, o, v, u)
             bench_rounds(fns, row)
             add_tflops(row, 2 * m * n * k)
             row["deepgemm_vs_bf16"] = row["bf16_us"] / row["deepgemm_us"]

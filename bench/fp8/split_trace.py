@@ -19,7 +19,6 @@ import ctypes
 import json
 import statistics
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,15 +103,11 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     lib = trace_library()
-    result: dict[str, Any] = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": datetime.now(UTC).isoformat(),
-        "machine": torch.cuda.get_device_name(),
-        "baseline": "each split variant's unsplit counterpart (18 for 25, 22 for 26), traced the same way in "
-        "the same process; medians over --launches eager launches after 5 warm-up launches",
-        "events": EVENTS,
-        "rows": [],
-    }
+    result = bench.new_result(
+        "each split variant's unsplit counterpart (18 for 25, 22 for 26), traced the same way in "
+        "the same process; medians over --launches eager launches after 5 warm-up launches"
+    )
+    result["events"] = EVENTS
     for shape in args.shapes.split(","):
         m, n, k = (int(x) for x in shape.split("x"))
         d = quantised(m, n, k, dev, seed=m + n + k)
