@@ -21,7 +21,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if nvcc.nvcc_path() is None:
         pytest.skip("nvcc not installed")
     path = fp8_wgmma.build(tmp_path_factory.mktemp("wgmma") / "lib.so")
-    return ctypes.CDLL(str(path))
+    return fp8_wgmma.load(path)
 
 
 def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:

@@ -195,6 +195,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.relay_fp8_gemm_smem_bytes.restype = i
     lib.relay_fp8_gemm_workspace_bytes.argtypes = [i, i]
     lib.relay_fp8_gemm_workspace_bytes.restype = ctypes.c_longlong
+    lib.relay_fp8_walk.argtypes = [i, i, i, i, i, vp, i]
+    lib.relay_fp8_walk.restype = i
     return lib
 
 
@@ -217,6 +219,10 @@ def workspace(variant: int, device: torch.device, lib: ctypes.CDLL | None = None
     key = (index, id(lib), variant)
     buf = _WORKSPACES.get(key)
     if buf is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise WgmmaUnsupported(
+                f"variant {variant}'s workspace is allocated by a first eager call, not in a capture"
+            )
         size = int(lib.relay_fp8_gemm_workspace_bytes(variant, num_sms(device)))
         buf = torch.zeros(size, dtype=torch.uint8, device=torch.device("cuda", index))
         _WORKSPACES[key] = buf
@@ -234,9 +240,7 @@ def walk(
     """The kernel's schedule (fp8_wgmma.cu's Walk, run on the host) for one walker: (step, first K
     block, end K block, end of the later walkers whose partial sums it adds or -1) per work item."""
     lib = lib or library()
-    lib.relay_fp8_walk.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_int]
-    lib.relay_fp8_walk.restype = ctypes.c_int
-    cap = 4 * (steps + 2)
+    cap = steps + 2  # items: a walker's whole steps and split steps, and one step it shares twice
     out = (ctypes.c_int * (4 * cap))()
     n = int(lib.relay_fp8_walk(steps, walkers, nkb, walker, int(split), out, cap))
     assert n <= cap, (n, cap)
