@@ -44,6 +44,7 @@ from wgmma import (  # noqa: E402
     TIME_NK,
     add_tflops,
     bench_rounds,
+    parse_nk,
     quantised,
     weight_scales,
 )
@@ -239,7 +240,7 @@ def main() -> None:
     if args.ms:
         TIME_MS[:] = [int(m) for m in args.ms.split(",")]
     if args.nk:
-        TIME_NK[:] = [(int(n), int(k)) for n, k in (nk.split("x") for nk in args.nk.split(","))]
+        TIME_NK[:] = parse_nk(args.nk)
     if args.variants:
         OURS[:] = [int(v) for v in args.variants.split(",")]
     if args.unrolls:

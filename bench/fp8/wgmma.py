@@ -55,6 +55,11 @@ VARIANT_IDS = [
 MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 reference
 
 
+def parse_nk(text: str) -> list[tuple[int, int]]:
+    """--nk's "NxK,NxK" -> [(N, K), ...]."""
+    return [(int(n), int(k)) for n, k in (nk.split("x") for nk in text.split(","))]
+
+
 def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str, torch.Tensor]:
     """gemm.py's inputs plus the activation scales K-block-major (what the Triton quantiser writes)
     and the weight scales K-block-major (what the `_sbs` variants read without a copy)."""
@@ -184,7 +189,7 @@ def main() -> None:
     if args.ms:
         TIME_MS[:] = [int(m) for m in args.ms.split(",")]
     if args.nk:
-        TIME_NK[:] = [(int(n), int(k)) for n, k in (nk.split("x") for nk in args.nk.split(","))]
+        TIME_NK[:] = parse_nk(args.nk)
     if args.variants:
         VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")]
     dev = torch.device("cuda")

@@ -339,7 +339,8 @@ struct Walk {
   __host__ __device__ Walk(int steps_, int walkers_, int nkb_, int walker_, bool splittable)
       : steps(steps_), walkers(walkers_), nkb(nkb_), walker(walker_) {
     split = splittable && steps % walkers != 0 && static_cast<long long>(steps) * nkb >= MIN_SPLIT_BLOCKS * walkers;
-    split_base = split ? (steps / walkers > 0 ? (steps / walkers - 1) * walkers : 0) : steps;
+    const int rounds = steps / walkers;  // whole rounds of the plain walk
+    split_base = !split ? steps : rounds > 0 ? (rounds - 1) * walkers : 0;
     whole = walker < split_base ? (split_base - walker + walkers - 1) / walkers : 0;
     units = static_cast<long long>(steps - split_base) * nkb;
   }
@@ -357,10 +358,10 @@ struct Walk {
     const int j = i - whole;
     const long long s = j == 0 ? lo : (lo / nkb + j) * nkb;
     if (s >= hi) return false;
-    const int t = static_cast<int>(s / nkb);
-    tile = split_base + t;
-    k_lo = static_cast<int>(s - static_cast<long long>(t) * nkb);
-    k_hi = static_cast<int>(hi - static_cast<long long>(t) * nkb < nkb ? hi - static_cast<long long>(t) * nkb : nkb);
+    const long long step_start = s / nkb * nkb;  // the step's first K block in the run's units
+    tile = split_base + static_cast<int>(s / nkb);
+    k_lo = static_cast<int>(s - step_start);
+    k_hi = static_cast<int>(hi - step_start < nkb ? hi - step_start : nkb);
     return true;
   }
   // The walkers after this one that hold blocks of split step `tile` (whose first block this one

@@ -108,22 +108,27 @@ def mode_value(mode: str) -> int:
     return value
 
 
+# Each variant's mode parsed once: fp8_gemm asks three of these per call, and parsing the string
+# each time cost ~0.5 us a question on the host-bound eager path.
+_MODES = tuple(mode_parts(mode) for _, _, mode, _ in VARIANTS)
+
+
 def tile_rows(variant: int) -> int:
-    return 2 * BLOCK if mode_parts(VARIANTS[variant][2])[0] == "tall" else BLOCK
+    return 2 * BLOCK if _MODES[variant][0] == "tall" else BLOCK
 
 
 def is_grouped(variant: int) -> bool:
-    return "grouped" in mode_parts(VARIANTS[variant][2])[1]
+    return "grouped" in _MODES[variant][1]
 
 
 def splits_k(variant: int) -> bool:
     """Whether the variant shares its walk's last steps out by K blocks (needs `workspace`)."""
-    return "sk" in mode_parts(VARIANTS[variant][2])[1]
+    return "sk" in _MODES[variant][1]
 
 
 def uses_smem_scales(variant: int) -> bool:
     """Whether the variant reads the weight scales K-block-major (no copy for that layout)."""
-    return "sbs" in mode_parts(VARIANTS[variant][2])[1]
+    return "sbs" in _MODES[variant][1]
 
 
 class WgmmaError(RuntimeError):
@@ -325,7 +330,6 @@ def fp8_gemm(
         sb, sb_pitch = _k_block_major(w_scale)
     else:
         sb, sb_pitch = w_scale.float().contiguous(), 0
-    lib = lib or library()
     ws = workspace(variant, a.device, lib).data_ptr() if splits_k(variant) else None
     _launch(
         "relay_fp8_gemm", a.device, variant,
@@ -335,18 +339,15 @@ def fp8_gemm(
     return out
 
 
-def _stream(device: torch.device) -> int:
-    # The raw handle: torch.cuda.current_stream() builds a Stream object (~5 us of host time,
-    # against ~0.2 us; bench/fp8/train_profile.py), and an eager FP8 training step is host-bound.
-    return int(torch._C._cuda_getCurrentRawStream(device_index(device)))
-
-
 def _launch(
     entry: str, device: torch.device, variant: int, *args: int, lib: ctypes.CDLL | None = None
 ) -> None:
     """Call `entry` of `lib` (default: the product's library) with `args`, then the SM count, the
     variant and the current stream (the arguments both entry points end with)."""
-    rc = getattr(lib or library(), entry)(*args, num_sms(device), variant, _stream(device))
+    # The raw handle: torch.cuda.current_stream() builds a Stream object (~5 us of host time,
+    # against ~0.2 us; bench/fp8/train_profile.py), and an eager FP8 training step is host-bound.
+    stream = torch._C._cuda_getCurrentRawStream(device_index(device))
+    rc = getattr(lib or library(), entry)(*args, num_sms(device), variant, stream)
     if rc != 0:
         raise WgmmaError(f"{entry} failed with code {rc}")
 
