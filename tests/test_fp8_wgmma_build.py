@@ -256,3 +256,30 @@ def test_walk_stays_whole_steps_when_splitting_would_not_pay(
         got = fp8_wgmma.walk(steps, walkers, nkb, w, lib=built)
         assert got == fp8_wgmma.walk(steps, walkers, nkb, w, split=False, lib=built)
         assert got == [(t, 0, nkb, -1) for t in range(w, steps, walkers)]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "want_split", "want_plain"),
+    [
+        (1024, 2048, 7168, 66, 32),  # 32 steps of 56 blocks: a split walk uses every walker
+        (512, 7168, 2048, 66, 56),
+        (4096, 7168, 2048, 66, 66),  # more steps than walkers: every walker either way
+        (128, 256, 256, 1, 1),  # one step of 2 blocks: under MIN_SPLIT_BLOCKS per walker
+        (1024, 4096, 256, 64, 64),  # 64 steps of 2 blocks: too few to share out
+    ],
+)
+def test_split_variants_launch_every_walker_below_one_wave(
+    built: ctypes.CDLL, m: int, n: int, k: int, want_split: int, want_plain: int
+) -> None:
+    """Below one wave the plain walk launches a walker per step and leaves the rest of the GPU idle;
+    a split variant launches every resident walker whenever its Walk shares the steps' K blocks out,
+    else as many as its unsplit counterpart (an extra walker would have nothing to do)."""
+    built.relay_fp8_gemm_walkers.restype = ctypes.c_int
+    variants = fp8_wgmma.VARIANTS
+    split = [v for v in range(len(variants)) if fp8_wgmma.splits_k(v)]
+    assert split, "no split (stream-K) variant"
+    for v in split:
+        bn, stages, mode, cluster = variants[v]
+        counterpart = variants.index((bn, stages, mode.removesuffix("_sk"), cluster))
+        assert built.relay_fp8_gemm_walkers(v, m, n, k, 66) == want_split, v
+        assert built.relay_fp8_gemm_walkers(counterpart, m, n, k, 66) == want_plain, counterpart

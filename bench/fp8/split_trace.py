@@ -126,7 +126,7 @@ def main() -> None:
             ok = bool(torch.isfinite(out).all()) and err < MAX_REL_ERR
             for _ in range(5):
                 run()
-            ctas = int(lib.relay_fp8_gemm_grid(v, m, n, fp8_wgmma.num_sms(dev)))
+            ctas = int(lib.relay_fp8_gemm_grid(v, m, n, k, fp8_wgmma.num_sms(dev)))
             launches = [traced(lib, run, ctas) for _ in range(args.launches)]
             row = {"M": m, "N": n, "K": k, "variant": v, "ctas": ctas, "rel_err": err, "ok": ok,
                    **summarise(launches), "last_launch": launches[-1]}  # fmt: skip

@@ -162,7 +162,7 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
             bench_rounds(fns, row)
             add_tflops(row, flops)
             for v in VARIANT_IDS:
-                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, dev)
+                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, k, dev)
             best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS if not is_probe(v))
             row["wgmma_best_vs_bf16"] = row["bf16_us"] / best
             row["wgmma_best_vs_torch_blockwise"] = row["torch_blockwise_us"] / best

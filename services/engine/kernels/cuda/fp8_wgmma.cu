@@ -338,11 +338,15 @@ struct Walk {
   long long units;  // K blocks of the split steps
   __host__ __device__ Walk(int steps_, int walkers_, int nkb_, int walker_, bool splittable)
       : steps(steps_), walkers(walkers_), nkb(nkb_), walker(walker_) {
-    split = splittable && steps % walkers != 0 && static_cast<long long>(steps) * nkb >= MIN_SPLIT_BLOCKS * walkers;
+    split = splittable && splits(steps, walkers, nkb);
     const int rounds = steps / walkers;  // whole rounds of the plain walk
     split_base = !split ? steps : rounds > 0 ? (rounds - 1) * walkers : 0;
     whole = walker < split_base ? (split_base - walker + walkers - 1) / walkers : 0;
     units = static_cast<long long>(steps - split_base) * nkb;
+  }
+  // Whether a split walk of `walkers` cuts anything: a short round, and enough K blocks to share.
+  __host__ __device__ static bool splits(int steps, int walkers, int nkb) {
+    return steps % walkers != 0 && static_cast<long long>(steps) * nkb >= MIN_SPLIT_BLOCKS * walkers;
   }
   // Walker v's first split K block (its run ends where v + 1's starts).
   __host__ __device__ long long run_start(int v) const { return units * v / walkers; }
@@ -1034,13 +1038,22 @@ struct ClusterLaunch {
 // CTAs to launch: one per SM (max_ctas) or per tile; with clusters, no more than can be resident
 // at once (the persistent walk assumes every CTA runs from the start). GROUPED: the walk's length
 // is known on the GPU only; each group adds at most one partial m-tile.
-template <int BN, int STAGES, int MODE, int CLUSTER>
-int grid_for(int M, int N, int max_ctas, int groups) {
+// walkers_for: how many of `clusters` resident walkers the walk uses (host code only, no CUDA
+// call: the CPU test asks it through relay_fp8_gemm_walkers).
+template <int BN, int MODE, int CLUSTER>
+int walkers_for(int M, int N, int K, int clusters, int groups) {
   constexpr int BMT = tile_rows(MODE);
   const int tiles_m = (M + BMT - 1) / BMT + ((MODE & GROUPED) != 0 ? groups : 0);
   const int tiles_n = (N + BN - 1) / BN;
   const int walk = (MODE & TALL) != 0 ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
                                       : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
+  // SPLIT below one wave: every walker, when Walk shares the steps' K blocks among them.
+  if ((MODE & SPLIT) != 0 && walk < clusters && Walk::splits(walk, clusters, K / BK)) return clusters;
+  return max(1, min(clusters, walk));
+}
+
+template <int BN, int STAGES, int MODE, int CLUSTER>
+int grid_for(int M, int N, int K, int max_ctas, int groups) {
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
     // The device's resident-cluster limit for this kernel, asked once per device: the query costs
@@ -1059,7 +1072,7 @@ int grid_for(int M, int N, int max_ctas, int groups) {
     }
     if (active > 0) clusters = min(clusters, active);
   }
-  return max(1, min(clusters, walk)) * CLUSTER;
+  return walkers_for<BN, MODE, CLUSTER>(M, N, K, clusters, groups) * CLUSTER;
 }
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
@@ -1124,7 +1137,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
     if (err != cudaSuccess) return static_cast<int>(err);
     if (device < kMaxDevices) smem_set[device] = true;
   }
-  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas, groups);
+  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, K, max_ctas, groups);
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
   err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, tm_sb, sb, static_cast<__nv_bfloat16*>(c), M,
@@ -1136,7 +1149,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
 struct Variant {
   int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, const int*, int, float*, int, int,
                 int, int, int, cudaStream_t);
-  int (*grid)(int, int, int, int);
+  int (*grid)(int, int, int, int, int);
+  int (*walkers)(int, int, int, int, int);
   int smem_bytes;
   bool grouped;
   int split_tile_floats;  // SPLIT: one CTA's workspace tile; else 0
@@ -1144,7 +1158,8 @@ struct Variant {
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES,
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, walkers_for<BN, MODE, CLUSTER>,
+          SmemOf<BN, STAGES, MODE>::BYTES,
           (MODE & GROUPED) != 0, (MODE & SPLIT) != 0 ? split_tile_floats<BN, MODE>() : 0};
 }
 
@@ -1243,8 +1258,14 @@ extern "C" int relay_fp8_trace_clear() {
 }
 #endif
 
-extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int max_ctas) {
-  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas, 0);
+extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int K, int max_ctas) {
+  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, K, max_ctas, 0);
+}
+
+// The walkers (CTAs / cluster size) a launch uses with `clusters` resident; no CUDA call (grid
+// asks the device's cluster limit first). For the CPU test of the grid.
+extern "C" int relay_fp8_gemm_walkers(int variant, int M, int N, int K, int clusters) {
+  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].walkers(M, N, K, clusters, 0);
 }
 
 extern "C" int relay_fp8_gemm_smem_bytes(int variant) {

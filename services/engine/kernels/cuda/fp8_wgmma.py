@@ -194,8 +194,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.relay_fp8_gemm.restype = i
     lib.relay_fp8_grouped_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, vp, i, i, i, i, i, i, i, vp]
     lib.relay_fp8_grouped_gemm.restype = i
-    lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i]
+    lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i, i]
     lib.relay_fp8_gemm_grid.restype = i
+    lib.relay_fp8_gemm_walkers.argtypes = [i, i, i, i, i]
+    lib.relay_fp8_gemm_walkers.restype = i
     lib.relay_fp8_gemm_smem_bytes.argtypes = [i]
     lib.relay_fp8_gemm_smem_bytes.restype = i
     lib.relay_fp8_gemm_workspace_bytes.argtypes = [i, i]
@@ -205,9 +207,9 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def launch_grid(variant: int, m: int, n: int, device: torch.device | None = None) -> int:
-    """The CTAs `fp8_gemm` launches for an (M, N) output with this variant."""
-    return int(library().relay_fp8_gemm_grid(variant, m, n, num_sms(device or torch.device("cuda"))))
+def launch_grid(variant: int, m: int, n: int, k: int, device: torch.device | None = None) -> int:
+    """The CTAs `fp8_gemm` launches for an (M, N, K) GEMM with this variant."""
+    return int(library().relay_fp8_gemm_grid(variant, m, n, k, num_sms(device or torch.device("cuda"))))
 
 
 # One workspace per (device, library, variant), allocated outside any CUDA-graph capture by the first
