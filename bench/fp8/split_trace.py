@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -94,6 +95,48 @@ def summarise(launches: list[list[list[int]]]) -> dict[str, Any]:
     return {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
 
 
+def walk_steps(v: int, m: int, n: int) -> int:
+    """The walk's steps for variant v at an (M, N) output (one per cluster of tiles)."""
+    bn, _, mode, cluster = fp8_wgmma.VARIANTS[v]
+    tiles_m, tiles_n = math.ceil(m / fp8_wgmma.tile_rows(v)), math.ceil(n / bn)
+    if fp8_wgmma.mode_parts(mode)[0] == "tall":  # clusters share A: neighbouring columns
+        return tiles_m * math.ceil(tiles_n / cluster)
+    return math.ceil(tiles_m / cluster) * tiles_n
+
+
+def phases(lib: ctypes.CDLL, v: int, m: int, n: int, k: int, stamps: list[list[int]]) -> dict[str, float]:
+    """Where one launch's time went, per walker (its cluster's first CTA), from the kernel's own
+    schedule (fp8_wgmma.walk): a whole step's time, a split K block's time and the partial-sum
+    exchange (leaving one, waiting for and adding the others'), against the K blocks the split
+    phase gives each walker and the plain walk's two last rounds it replaces (us, medians)."""
+    cluster = fp8_wgmma.VARIANTS[v][3]
+    walkers = len(stamps) // cluster
+    steps, nkb = walk_steps(v, m, n), k // 128
+    out: dict[str, list[float]] = {
+        "whole_step_us": [],
+        "split_block_us": [],
+        "exchange_us": [],
+        "split_blocks": [],
+    }
+    for w in range(walkers):
+        x = stamps[w * cluster]
+        items = fp8_wgmma.walk(steps, walkers, nkb, w, split=fp8_wgmma.splits_k(v), lib=lib)
+        if x[1] < 0:  # no split phase: the plain walk
+            out["whole_step_us"].append(x[7] / 1e3 / len(items))
+            continue
+        # Walk's whole steps: w, w + P, ... below the first split step, one round before the last.
+        split_base = max(0, (steps // walkers - 1) * walkers)
+        whole = max(0, -(-(split_base - w) // walkers))
+        blocks = sum(hi - lo for _, lo, hi, _ in items[whole:])
+        exchange = sum(max(0, x[b] - x[a]) for a, b in ((2, 3), (4, 6)) if x[a] >= 0 and x[b] >= 0)
+        if whole:
+            out["whole_step_us"].append(x[1] / 1e3 / whole)
+        out["split_blocks"].append(blocks)
+        out["exchange_us"].append(exchange / 1e3)
+        out["split_block_us"].append((x[7] - x[1] - exchange) / 1e3 / blocks)
+    return {k_: statistics.median(vs) for k_, vs in out.items() if vs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="18,25,22,26")
@@ -128,8 +171,10 @@ def main() -> None:
                 run()
             ctas = int(lib.relay_fp8_gemm_grid(v, m, n, k, fp8_wgmma.num_sms(dev)))
             launches = [traced(lib, run, ctas) for _ in range(args.launches)]
+            per = [phases(lib, v, m, n, k, s) for s in launches]
             row = {"M": m, "N": n, "K": k, "variant": v, "ctas": ctas, "rel_err": err, "ok": ok,
-                   **summarise(launches), "last_launch": launches[-1]}  # fmt: skip
+                   **summarise(launches), "phases": {kk: statistics.median(p[kk] for p in per) for kk in per[0]},
+                   "last_launch": launches[-1]}  # fmt: skip
             result["rows"].append(row)
             print(json.dumps({kk: vv for kk, vv in row.items() if kk != "last_launch"}), flush=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
