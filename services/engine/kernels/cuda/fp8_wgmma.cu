@@ -249,10 +249,15 @@ __device__ __forceinline__ void wgmma_wait() {
 // memory.
 constexpr int MAX_GROUPS = 1024;
 
-template <int BMT, int BN, int STAGES, bool GROUPS = false>
+template <int BMT, int BN, int STAGES, bool GROUPS = false, bool SPARE = false>
 struct Smem {
   static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
+  // SPARE_BOX: the output boxes a lent ring slot cannot hold (per math warpgroup: 4 boxes of
+  // 64 x 64 bf16, 3 fit in a slot), 1024-byte aligned after the ring's A and B.
+  static constexpr int BOX = 64 * 128;
+  static constexpr int SPARE_BOXES = SPARE ? BMT * BN * 2 / BOX - (A + B) / BOX : 0;
+  static constexpr int E = SPARE_BOXES * BOX;
   // GROUPED: 4 rows more. A group's tiles start at any row, but a TMA box must start 16 bytes
   // into the scales' rows (else an illegal instruction): the box starts at the row rounded down
   // to a multiple of 4, and the tile's scales sit (m0 % 4) floats into it. Each stage's box
@@ -266,7 +271,7 @@ struct Smem {
   static constexpr int SB = 128;
   // GROUPED: per group, the m-tiles before it and its first row (MAX_GROUPS + 1 ints each).
   static constexpr int G = GROUPS ? 2 * (MAX_GROUPS + 1) * 4 : 0;
-  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8 + G;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + E + 2 * STAGES * 8 + G;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
@@ -299,8 +304,13 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // when it ends before the next group's rows start, is stored by the direct epilogue with the
 // rows clipped at the group's end (a TMA store would write the next group's rows too).
 constexpr int GROUPED = 64;
+// Flag on PLAIN | TMA_STORE | SB_SMEM: shared memory of its own for the output boxes a lent ring
+// slot cannot hold (one per math warpgroup at 128 x 256 or 256 x 128 tiles; 16 KB in all), so
+// the epilogue writes all its boxes at once instead of waiting, mid-epilogue, for its first TMA
+// store to have read its box before writing the fourth.
+constexpr int SPARE_BOX = 256;
 template <int BN, int STAGES, int MODE>
-using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
+using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0, (MODE & SPARE_BOX) != 0>;
 
 // Flag on PLAIN | TMA_STORE | SB_SMEM (dense): the walk's last steps are shared out by K blocks
 // (stream-K) instead of whole tiles. A persistent walk of T steps over P walkers (clusters) runs
@@ -432,6 +442,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 "GROUPED: PLAIN | TMA_STORE | SB_SMEM, no TALL, no cluster");
   constexpr bool SPLIT_ = (MODE & SPLIT) != 0;
   static_assert(!SPLIT_ || (BASE == PLAIN && EPI_TMA && SBS && !GROUPED_), "SPLIT: PLAIN | TMA_STORE | SB_SMEM, dense");
+  static_assert((MODE & SPARE_BOX) == 0 || EPI_TMA, "SPARE_BOX: TMA_STORE");
   using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
@@ -440,7 +451,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
-  float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
+  uint8_t* s_spare = s_b + STAGES * L::B;  // SPARE_BOX: L::SPARE_BOXES output boxes
+  float* s_sa = reinterpret_cast<float*>(s_spare + L::E);
   constexpr int SAF = L::SA / 4;      // activation-scale floats per stage
   float* s_sb = s_sa + STAGES * SAF;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
@@ -923,11 +935,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         constexpr int A_BOXES = L::A / BOX;
         constexpr int CB = BN / 64;            // boxes across a row block
         constexpr int BOXES = SUBS / NH * CB;  // per warpgroup: its m64 row blocks x CB
-        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot.
-        constexpr int SLOTS = (L::A + L::B) / BOX / 2;
+        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot, and SPARE_BOX's own.
+        constexpr int LENT = (L::A + L::B) / BOX / 2;
+        constexpr int SPARE = L::SPARE_BOXES / 2;
+        constexpr int SLOTS = LENT + SPARE;
         constexpr int FIRST = BOXES < SLOTS ? BOXES : SLOTS;
         auto slot = [&](int k) -> uint8_t* {
-          const int g = half * SLOTS + k;
+          if (k >= LENT) return s_spare + (half * SPARE + k - LENT) * BOX;
+          const int g = half * LENT + k;
           return g < A_BOXES ? s_a + s * L::A + g * BOX : s_b + s * L::B + (g - A_BOXES) * BOX;
         };
         // stmatrix x4: lanes 8q..8q+7 address rows (q & 1) * 8 + lane % 8 of the warp's 16, 16-byte
@@ -1108,7 +1123,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       if constexpr (GROUPED_)
         return -12;
       else
-        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | SPLIT), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs,
+        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | SPLIT | SPARE_BOX), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs,
                                                                                   groups, nullptr, M, N, K, ldc, max_ctas,
                                                                                   stream);
     }
@@ -1189,6 +1204,9 @@ constexpr Variant VARIANTS[] = {
     // The walk's last steps shared out by K blocks (SPLIT): 25 = 18 split, 26 = 22 split.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | SPLIT, 2>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | SPLIT, 2>(),
+    // 18 and 22 with the boxes a lent slot cannot hold in shared memory of their own (SPARE_BOX): 27, 28.
+    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | SPARE_BOX, 2>(),
+    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | SPARE_BOX, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

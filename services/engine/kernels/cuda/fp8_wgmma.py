@@ -48,7 +48,9 @@ CAPABILITY = (9, 0)  # sm_90a: wgmma, setmaxnreg, TMA multicast
 # tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
 # An "_sk" mode shares the persistent walk's last steps out by K blocks (stream-K: no walker idles
 # through a short last round; a tile split between walkers is finished by the one holding its
-# first block, from the others' float32 partial sums in a workspace, `workspace`).
+# first block, from the others' float32 partial sums in a workspace, `workspace`). A "_box" mode
+# gives the output boxes a lent ring slot cannot hold shared memory of their own (16 KB), so the
+# epilogue does not wait mid-way for a TMA store to free its box.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -77,6 +79,8 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "plain_tma_sbs_grouped", 1),
     (256, 4, "plain_tma_sbs_ovl_sk", 2),
     (128, 4, "tall_tma_sbs_ovl_sk", 2),
+    (256, 4, "plain_tma_sbs_ovl_box", 2),
+    (128, 4, "tall_tma_sbs_ovl_box", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
 # session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
@@ -90,7 +94,7 @@ FLAG_INTS = 2048  # fp8_wgmma.cu's: the split variants' flags at the start of th
 
 # fp8_wgmma.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
 BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64, "sk": 128}
+MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64, "sk": 128, "box": 256}
 
 
 def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
