@@ -6,7 +6,6 @@ setmaxnreg), the exported symbols, the shared-memory budget of every variant, an
 from __future__ import annotations
 
 import ctypes
-import re
 
 import pytest
 import torch
@@ -46,7 +45,7 @@ def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:
 def test_unknown_variant_is_refused_before_any_cuda_call(built: ctypes.CDLL) -> None:
     fn = built.relay_fp8_gemm
     fn.restype = ctypes.c_int
-    args = [None, None, 4, None, None, 4, None, None, 4, 128, 128, 128, 132]
+    args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
     assert fn(*args, len(fp8_wgmma.VARIANTS), None) == -10
     assert fn(*args, -1, None) == -10
 
@@ -83,7 +82,7 @@ def test_dense_and_grouped_entry_points_refuse_each_others_variants(built: ctype
     grouped.restype = ctypes.c_int
     g = fp8_wgmma.DEFAULT_GROUPED_VARIANT
     assert fp8_wgmma.is_grouped(g) and not fp8_wgmma.is_grouped(fp8_wgmma.DEFAULT_VARIANT)
-    args = [None, None, 4, None, None, 4, None, None, 4, 128, 128, 128, 132]
+    args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
     assert dense(*args, g, None) == -10  # a grouped variant through the dense entry
     gargs = [None, None, 4, None, None, 4, None, None, 1, 4, 128, 128, 128, 132]
     assert grouped(*gargs, fp8_wgmma.DEFAULT_VARIANT, None) == -10
@@ -183,105 +182,3 @@ def test_unrolled_builds_are_cache_entries_of_their_own() -> None:
     assert len({fp8_wgmma.library_path(), fp8_wgmma.library_path(1), fp8_wgmma.library_path(8)}) == 3
     assert "-DRELAY_K_UNROLL=1" in fp8_wgmma._flags(1)
     assert not any("RELAY_K_UNROLL" in f for f in fp8_wgmma._flags(None))
-
-
-def test_split_variants_refuse_a_launch_without_their_workspace(built: ctypes.CDLL) -> None:
-    built.relay_fp8_gemm.restype = ctypes.c_int
-    built.relay_fp8_gemm_workspace_bytes.restype = ctypes.c_longlong
-    split = [v for v in range(len(fp8_wgmma.VARIANTS)) if fp8_wgmma.splits_k(v)]
-    assert split, "no split (stream-K) variant"
-    args = [None, None, 4, None, None, 4, None, None, 4, 128, 128, 128, 132]
-    for v in split:
-        assert built.relay_fp8_gemm(*args, v, None) == -13  # before any CUDA call
-        # The flags, then one tile of float32 partial sums per CTA.
-        want = 4 * (fp8_wgmma.FLAG_INTS + fp8_wgmma.tile_rows(v) * fp8_wgmma.VARIANTS[v][0] * 132)
-        assert built.relay_fp8_gemm_workspace_bytes(v, 132) == want
-    assert built.relay_fp8_gemm_workspace_bytes(fp8_wgmma.DEFAULT_VARIANT, 132) == 0
-    flags = re.search(r"constexpr int FLAG_INTS = (\d+);", fp8_wgmma.SOURCE.read_text())
-    assert flags and int(flags.group(1)) == fp8_wgmma.FLAG_INTS
-
-
-@pytest.mark.parametrize(
-    ("steps", "walkers", "nkb"),
-    [
-        (448, 66, 16),  # M, N, K = 4096, 7168, 2048 at 128 x 256 tiles in 2-CTA clusters
-        (896, 66, 16),
-        (608, 66, 20),  # 4096 x 9728 x 2560: 14 steps in the last round
-        (256, 66, 56),
-        (32, 66, 32),  # fewer steps than walkers: every step split
-        (7, 66, 40),  # a step split among ~10 walkers
-        (67, 66, 1),  # one K block per step
-        (133, 132, 5),
-    ],
-)
-def test_split_walk_covers_every_k_block_once_and_balances_the_walkers(
-    built: ctypes.CDLL, steps: int, walkers: int, nkb: int
-) -> None:
-    """The kernel's own schedule (Walk, compiled for the host): every (step, K block) is computed by
-    exactly one walker, the walkers' loads differ by at most one K block, each walker leaves at most
-    one partial sum (its first split item), and the walker finishing a shared step adds exactly
-    the walkers holding the step's other blocks."""
-    items = {w: fp8_wgmma.walk(steps, walkers, nkb, w, lib=built) for w in range(walkers)}
-    seen: dict[tuple[int, int], int] = {}
-    holders: dict[int, set[int]] = {}
-    for w, work in items.items():
-        for step, lo, hi, _ in work:
-            assert 0 <= step < steps and 0 <= lo < hi <= nkb, (w, step, lo, hi)
-            for kb in range(lo, hi):
-                assert (step, kb) not in seen, (step, kb, w, seen[(step, kb)])
-                seen[(step, kb)] = w
-            holders.setdefault(step, set()).add(w)
-    assert len(seen) == steps * nkb
-    loads = [sum(hi - lo for _, lo, hi, _ in work) for work in items.values()]
-    assert max(loads) - min(loads) <= 1, loads
-    for w, work in items.items():
-        # A partial sum comes straight after the walker's whole steps, so it is left early.
-        partial = [i for i, (_, lo, _, _) in enumerate(work) if lo > 0]
-        assert len(partial) <= 1, work
-        assert all((lo, hi) == (0, nkb) for _, lo, hi, _ in work[: partial[0] if partial else 0]), work
-        for step, lo, hi, end in work:
-            if lo == 0 and hi < nkb:
-                assert set(range(w + 1, end)) == holders[step] - {w}, (w, step, end, holders[step])
-            else:
-                assert end == -1 and (lo > 0 or holders[step] == {w})
-
-
-@pytest.mark.parametrize(
-    ("steps", "walkers", "nkb"), [(132, 66, 16), (10, 66, 16), (130, 66, 1), (5, 132, 2)]
-)
-def test_walk_stays_whole_steps_when_splitting_would_not_pay(
-    built: ctypes.CDLL, steps: int, walkers: int, nkb: int
-) -> None:
-    """No short last round (steps % walkers == 0), or under MIN_SPLIT_BLOCKS K blocks per walker:
-    the plain persistent walk, w, w + P, ..., as the variants without "_sk" run."""
-    for w in range(walkers):
-        got = fp8_wgmma.walk(steps, walkers, nkb, w, lib=built)
-        assert got == fp8_wgmma.walk(steps, walkers, nkb, w, split=False, lib=built)
-        assert got == [(t, 0, nkb, -1) for t in range(w, steps, walkers)]
-
-
-@pytest.mark.parametrize(
-    ("m", "n", "k", "want_split", "want_plain"),
-    [
-        (1024, 2048, 7168, 66, 32),  # 32 steps of 56 blocks: a split walk uses every walker
-        (512, 7168, 2048, 66, 56),
-        (4096, 7168, 2048, 66, 66),  # more steps than walkers: every walker either way
-        (128, 256, 256, 1, 1),  # one step of 2 blocks: under MIN_SPLIT_BLOCKS per walker
-        (1024, 4096, 256, 64, 64),  # 64 steps of 2 blocks: too few to share out
-    ],
-)
-def test_split_variants_launch_every_walker_below_one_wave(
-    built: ctypes.CDLL, m: int, n: int, k: int, want_split: int, want_plain: int
-) -> None:
-    """Below one wave the plain walk launches a walker per step and leaves the rest of the GPU idle;
-    a split variant launches every resident walker whenever its Walk shares the steps' K blocks out,
-    else as many as its unsplit counterpart (an extra walker would have nothing to do)."""
-    built.relay_fp8_gemm_walkers.restype = ctypes.c_int
-    variants = fp8_wgmma.VARIANTS
-    split = [v for v in range(len(variants)) if fp8_wgmma.splits_k(v)]
-    assert split, "no split (stream-K) variant"
-    for v in split:
-        bn, stages, mode, cluster = variants[v]
-        counterpart = variants.index((bn, stages, mode.removesuffix("_sk"), cluster))
-        assert built.relay_fp8_gemm_walkers(v, m, n, k, 66) == want_split, v
-        assert built.relay_fp8_gemm_walkers(counterpart, m, n, k, 66) == want_plain, counterpart

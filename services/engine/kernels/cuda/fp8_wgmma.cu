@@ -203,43 +203,6 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // Generic-proxy shared-memory writes made visible to the async proxy (the TMA store).
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// SPLIT's flags between CTAs. The writer's threads store their partial sums, meet at a named
-// barrier, and one of them adds to the flag with release semantics at GPU scope (cumulative over
-// the stores the barrier ordered before it); the reader acquires the flag the same way round.
-__device__ __forceinline__ void flag_raise_if(bool pred, int* flag) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p red.release.gpu.global.add.s32 [%1], 1;\n}" ::"r"(
-                   static_cast<int>(pred)),
-               "l"(flag)
-               : "memory");
-}
-__device__ __forceinline__ void flag_clear_if(bool pred, int* flag) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.relaxed.gpu.global.b32 [%1], 0;\n}" ::"r"(
-                   static_cast<int>(pred)),
-               "l"(flag)
-               : "memory");
-}
-// RELAY_SPLIT_TRACE (a measurement's build, bench/fp8/split_trace.py): math thread 0 of the CTA
-// stamps the global timer at the split walk's events into TRACE_SLOTS slots per CTA after the
-// workspace tiles. A predicated store, so no divergent path around the wgmmas.
-constexpr int TRACE_SLOTS = 8;
-#ifdef RELAY_SPLIT_TRACE
-__device__ unsigned long long g_trace[1024 * TRACE_SLOTS];
-#endif
-__device__ __forceinline__ void trace_if(bool pred, unsigned long long* slot) {
-#ifdef RELAY_SPLIT_TRACE
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.u64 [%1], %2;\n}" ::"r"(static_cast<int>(pred)),
-               "l"(slot), "l"(t)
-               : "memory");
-#endif
-}
-__device__ __forceinline__ int flag_acquire(const int* flag) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -294,7 +257,12 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // descriptors stepped from per-warpgroup bases (9.8 instead of 11.5 non-FFMA instructions per
 // wgmma, yet 0.96-1.01x: the K loop's issue slots are not what limits it). Removing LEAN's two
 // broadcasts changed the default's schedule (+16 SASS instructions); an A/B of both schedules in
-// one process measured them equal (results/deepgemm_h100_20_ab.json).
+// one process measured them equal (results/deepgemm_h100_20_ab.json). Also removed (sessions
+// 23-24): SPLIT, stream-K over the walk's last T % P + P steps (K blocks shared out, float32
+// partial sums exchanged through a global workspace). At M >= 4096 the exchange cost each walker
+// ~10 us, more than the short last round it recovered (0.84-1.00x, results/split_trace_h100_24.json);
+// below one wave it beat variant 18 by up to 1.39x but stayed at 0.47-0.79x cuBLAS block-wise,
+// which the dispatch table picks there (results/wgmma_h100_24_split_smallm.json).
 // Flag on PLAIN | TMA_STORE | SB_SMEM, CLUSTER 1: MoE experts' grouped GEMM. A's rows are sorted
 // by group (offs: cumulative row ends), B holds one (N, K) weight per group, stacked (E * N
 // rows), and the weight scales are K-block-major with each group's ceil(N / 128) blocks padded
@@ -311,82 +279,6 @@ constexpr int GROUPED = 64;
 constexpr int SPARE_BOX = 256;
 template <int BN, int STAGES, int MODE>
 using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0, (MODE & SPARE_BOX) != 0>;
-
-// Flag on PLAIN | TMA_STORE | SB_SMEM (dense): the walk's last steps are shared out by K blocks
-// (stream-K) instead of whole tiles. A persistent walk of T steps over P walkers (clusters) runs
-// ceil(T / P) rounds, the last one with T % P steps: at M = 4096, N = 7168 that is 52 steps for
-// 66 walkers, so a fifth of the GPU idles through a seventh of the GEMM. Here the last
-// T % P + P steps (all of them when T < P) are cut into K blocks and each walker takes an equal
-// contiguous run of them, after its whole tiles. A tile whose blocks two walkers share is
-// finished by the one holding its first block (it runs them last, so it waits least): the others
-// leave their float32 partial sums in a workspace and raise a flag, and it adds them before the
-// epilogue. Every walker leaves at most one partial (only its first run can start mid-tile), so
-// the workspace holds one tile per CTA. When each walker would get fewer than MIN_SPLIT_BLOCKS
-// blocks, or T % P == 0, the walk is the plain one.
-// Measured (session 23, results/deepgemm_h100_23_split.json): 0.84-1.00x the unsplit variants at
-// M >= 4096, losing more the larger the split share of the GEMM. Split walkers sit at scattered K
-// offsets, so the operand slices that whole-step walkers read from L2 together are read apart.
-constexpr int SPLIT = 128;
-constexpr int MIN_SPLIT_BLOCKS = 4;
-// SPLIT's workspace: FLAG_INTS ints of flags (zero between launches: the finishing CTA clears
-// each flag it consumed), then one BMT x BN float32 tile per CTA.
-constexpr int FLAG_INTS = 2048;  // 2 per CTA (one per math warpgroup): up to 1024 CTAs
-template <int BN, int MODE>
-__host__ __device__ constexpr int split_tile_floats() {
-  return tile_rows(MODE) * BN;
-}
-
-// The work items of one walker of a SPLIT walk (or of the plain walk when `split` is false):
-// item i is a walk step `tile` and its K blocks [k_lo, k_hi). Whole steps come first (w, w + P,
-// ...), then the walker's run of K blocks through the split steps. Host and device compile the
-// same code: relay_fp8_walk exports it for a CPU test.
-struct Walk {
-  int steps, walkers, nkb, walker;
-  bool split;
-  int split_base;  // the first split step (steps when none)
-  int whole;       // this walker's whole steps
-  long long units;  // K blocks of the split steps
-  __host__ __device__ Walk(int steps_, int walkers_, int nkb_, int walker_, bool splittable)
-      : steps(steps_), walkers(walkers_), nkb(nkb_), walker(walker_) {
-    split = splittable && splits(steps, walkers, nkb);
-    const int rounds = steps / walkers;  // whole rounds of the plain walk
-    split_base = !split ? steps : rounds > 0 ? (rounds - 1) * walkers : 0;
-    whole = walker < split_base ? (split_base - walker + walkers - 1) / walkers : 0;
-    units = static_cast<long long>(steps - split_base) * nkb;
-  }
-  // Whether a split walk of `walkers` cuts anything: a short round, and enough K blocks to share.
-  __host__ __device__ static bool splits(int steps, int walkers, int nkb) {
-    return steps % walkers != 0 && static_cast<long long>(steps) * nkb >= MIN_SPLIT_BLOCKS * walkers;
-  }
-  // Walker v's first split K block (its run ends where v + 1's starts).
-  __host__ __device__ long long run_start(int v) const { return units * v / walkers; }
-  __host__ __device__ bool item(int i, int& tile, int& k_lo, int& k_hi) const {
-    if (i < whole) {
-      tile = walker + i * walkers;
-      k_lo = 0;
-      k_hi = nkb;
-      return true;
-    }
-    if (!split) return false;
-    const long long lo = run_start(walker), hi = run_start(walker + 1);
-    const int j = i - whole;
-    const long long s = j == 0 ? lo : (lo / nkb + j) * nkb;
-    if (s >= hi) return false;
-    const long long step_start = s / nkb * nkb;  // the step's first K block in the run's units
-    tile = split_base + static_cast<int>(s / nkb);
-    k_lo = static_cast<int>(s - step_start);
-    k_hi = static_cast<int>(hi - step_start < nkb ? hi - step_start : nkb);
-    return true;
-  }
-  // The walkers after this one that hold blocks of split step `tile` (whose first block this one
-  // holds): [walker + 1, end).
-  __host__ __device__ int contributors_end(int tile) const {
-    const long long tile_end = static_cast<long long>(tile - split_base + 1) * nkb;
-    int v = walker + 1;
-    while (v < walkers && run_start(v) < tile_end) ++v;
-    return v;
-  }
-};
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -421,7 +313,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_c,
                     const __grid_constant__ CUtensorMap tm_sb, const float* __restrict__ sb,
                     __nv_bfloat16* __restrict__ c, int M, int N, int K, int ldc,
-                    const int* __restrict__ offs, int groups, float* __restrict__ ws) {
+                    const int* __restrict__ offs, int groups) {
   constexpr int BASE = MODE & 3;
   constexpr bool EPI_TMA = (MODE & TMA_STORE) != 0;
   constexpr bool SBS = (MODE & SB_SMEM) != 0;
@@ -440,8 +332,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   static_assert(!GROUPED_ || (BASE == PLAIN && EPI_TMA && SBS && !TALL_ && CLUSTER == 1),
                 "GROUPED: PLAIN | TMA_STORE | SB_SMEM, no TALL, no cluster");
-  constexpr bool SPLIT_ = (MODE & SPLIT) != 0;
-  static_assert(!SPLIT_ || (BASE == PLAIN && EPI_TMA && SBS && !GROUPED_), "SPLIT: PLAIN | TMA_STORE | SB_SMEM, dense");
   static_assert((MODE & SPARE_BOX) == 0 || EPI_TMA, "SPARE_BOX: TMA_STORE");
   using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
@@ -527,9 +417,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     n0 = (TALL_ ? tn * CLUSTER + rank : tn) * BN;
   };
-  const int first = static_cast<int>(blockIdx.x) / CLUSTER;  // this CTA's walker
+  const int first = static_cast<int>(blockIdx.x) / CLUSTER;
   const int stride = static_cast<int>(gridDim.x) / CLUSTER;
-  const Walk walk(num_tiles, stride, nkb, first, SPLIT_);
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -558,14 +447,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tm_sb)) : "memory");
       }
       int it = 0;
-      int tile, k_lo, k_hi;
-      for (int i = 0; walk.item(i, tile, k_lo, k_hi); ++i) {
+      for (int tile = first; tile < num_tiles; tile += stride) {
         int m0, n0, g, m_end;
         origin(tile, m0, n0, g, m_end);
         const int b_row = g * N + n0;                  // GROUPED: group g's weight rows
         const int sb_col = (g * nbp + n0 / 128) & ~3;  // and its weight-scale blocks
 #pragma unroll K_UNROLL
-        for (int kb = k_lo; kb < k_hi; ++kb, ++it) {
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
           if (leader) {
@@ -600,13 +488,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MATH_REGS) : "memory");
-#ifdef RELAY_SPLIT_TRACE
-    unsigned long long* trace = g_trace + blockIdx.x * TRACE_SLOTS;
-#else
-    unsigned long long* trace = nullptr;
-#endif
-    const bool tracer = threadIdx.x == 128;
-    trace_if(tracer, trace + 0);
     const int half = wg - 1;  // rows half*RW .. half*RW+RW-1 of the tile
     const int warp = __shfl_sync(0xffffffff, tid / 32, 0);  // warp-uniform, as wg above
     const int lane = tid % 32;
@@ -693,17 +574,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     // issued here for the first tile, during the previous epilogue for the others. One shape on
     // every path, which ptxas can prove (the wgmmas stay asynchronous). Only part: a wgmma into
     // an accumulator that the K loop also promotes into makes ptxas serialise every wgmma (C7515).
-    int tile, k_lo, k_hi;
     if constexpr (OVL) {
-      if (walk.item(0, tile, k_lo, k_hi)) {
+      if (first < num_tiles) {
         mbar_wait(&full[0], 0);
         issue(part, 0, 0, 0);
       }
     }
-    for (int i = 0; walk.item(i, tile, k_lo, k_hi); ++i) {
+    for (int tile = first; tile < num_tiles; tile += stride) {
       int m0, n0, g, m_end;
       origin(tile, m0, n0, g, m_end);
-      trace_if(tracer && walk.split && i == walk.whole, trace + 1);
       if constexpr (GROUPED_) sa_shift = m0 & 3;
       if constexpr (!OVL) {
 #pragma unroll
@@ -718,12 +597,12 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int h = 0; h < NH; ++h) sb_rows[h] = sb + static_cast<size_t>(min(n0 / 128 + h, nb - 1)) * nkb;
 
       if constexpr (BASE == UNSCALED) {
-        for (int kb = k_lo; kb < k_hi; ++kb, ++it) {
+        for (int kb = 0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
 #pragma unroll
-          for (int u = 0; u < SUBS; ++u) issue(acc[u], s, u, kb > k_lo);
-          if (kb == k_lo) flush_pending();
+          for (int u = 0; u < SUBS; ++u) issue(acc[u], s, u, kb > 0);
+          if (kb == 0) flush_pending();
           wgmma_wait<0>();
           release(s);
         }
@@ -778,8 +657,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       } else {
         float sb_now[NH];
 #pragma unroll
-        for (int h = 0; h < NH; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h] + k_lo);
-        int kb0 = k_lo;
+        for (int h = 0; h < NH; ++h) sb_now[h] = SBS ? 0.f : __ldg(sb_rows[h]);
+        int kb0 = 0;
         if constexpr (OVL) {
           {
             const int s = it % STAGES;
@@ -811,11 +690,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             release(s);
             start(acc[1], s0[1], s1[1]);
             ++it;
-            kb0 = k_lo + 1;
+            kb0 = 1;
           }
         }
 #pragma unroll K_UNROLL
-        for (int kb = kb0; kb < k_hi; ++kb, ++it) {
+        for (int kb = kb0; kb < nkb; ++kb, ++it) {
           const int s = it % STAGES;
           mbar_wait(&full[s], (it / STAGES) & 1);
           constexpr int MB = SUBS / NH;  // m64 blocks per warpgroup
@@ -834,10 +713,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
           for (int u = 0; u < SUBS; ++u) {
             issue(part, s, u, 0);
-            if (u == 0 && kb == k_lo) flush_pending();
+            if (u == 0 && kb == 0) flush_pending();
             if (u == 0) {
 #pragma unroll
-              for (int g = 0; g < NH; ++g) sb_next[g] = !SBS && kb + 1 < k_hi ? __ldg(sb_rows[g] + kb + 1) : 0.f;
+              for (int g = 0; g < NH; ++g) sb_next[g] = !SBS && kb + 1 < nkb ? __ldg(sb_rows[g] + kb + 1) : 0.f;
             }
             wgmma_wait<0>();
             fence_regs(part);
@@ -849,55 +728,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
 
-      if constexpr (SPLIT_) {
-        // A split step's partial sums (Walk): in the fragment layout, float4 j of partial sum u
-        // of math thread mt at float4 (u * 16 + j) * 256 + mt of the CTA's workspace tile, so a
-        // warp's stores and loads are 512 contiguous bytes.
-        constexpr int TILE_F4 = split_tile_floats<BN, MODE>() / 4;
-        int* flags = reinterpret_cast<int*>(ws);
-        float4* parts = reinterpret_cast<float4*>(ws + FLAG_INTS);
-        const int mt = half * 128 + tid;
-        if (k_lo > 0) {
-          // Not the step's first block: the walker holding that one finishes the tile.
-          trace_if(tracer, trace + 2);
-          float4* dst = parts + static_cast<size_t>(first * CLUSTER + rank) * TILE_F4;
-#pragma unroll
-          for (int u = 0; u < SUBS; ++u)
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-              __stcg(dst + (u * 16 + j) * 256 + mt,
-                     make_float4(acc[u][4 * j], acc[u][4 * j + 1], acc[u][4 * j + 2], acc[u][4 * j + 3]));
-          named_sync(1 + half, 128);
-          flag_raise_if(tid == 0, &flags[(first * CLUSTER + rank) * 2 + half]);
-          trace_if(tracer, trace + 3);
-        } else if (k_hi < nkb) {
-          // The step's first block, and later walkers hold the rest: add their partial sums.
-          const int end = walk.contributors_end(tile);
-          trace_if(tracer, trace + 4);
-          for (int v = first + 1; v < end; ++v) {
-            int* flag = &flags[(v * CLUSTER + rank) * 2 + half];
-            if (warp == 0) {
-              while (__shfl_sync(0xffffffff, flag_acquire(flag), 0) == 0) __nanosleep(32);
-            }
-            named_sync(1 + half, 128);
-            flag_clear_if(tid == 0, flag);  // for the next launch; nothing else reads it in this one
-            trace_if(tracer, trace + 5);
-            const float4* src = parts + static_cast<size_t>(v * CLUSTER + rank) * TILE_F4;
-#pragma unroll
-            for (int u = 0; u < SUBS; ++u)
-#pragma unroll
-              for (int j = 0; j < 16; ++j) {
-                const float4 q = __ldcg(src + (u * 16 + j) * 256 + mt);
-                acc[u][4 * j] += q.x;
-                acc[u][4 * j + 1] += q.y;
-                acc[u][4 * j + 2] += q.z;
-                acc[u][4 * j + 3] += q.w;
-              }
-          }
-          trace_if(tracer, trace + 6);
-        }
-      }
-
       // Fragment layout of m64nNk32 (per warp 16 rows): value 4j+{0,1} is row lane/4, columns
       // 8j + 2*(lane%4) + {0,1}; value 4j+{2,3} the same columns of row lane/4 + 8.
       if constexpr (EPI_TMA) {
@@ -905,8 +735,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(&full[s], (it / STAGES) & 1);
         ++it;
         // OVL: the first half of the next tile's first K block (ring slot `it`).
-        int next_tile, next_lo, next_hi;
-        const bool preissue = OVL && walk.item(i + 1, next_tile, next_lo, next_hi);
+        const bool preissue = OVL && tile + stride < num_tiles;
         const int s_next = it % STAGES;
         if constexpr (OVL) {
           if (preissue) {
@@ -919,12 +748,6 @@ __global__ void __launch_bounds__(THREADS, 1)
             // A group's last tile with the next group's rows after it: clipped direct stores,
             // and the lent slot goes straight back (no TMA store reads it).
             store_direct(m0, n0, m_end);
-            release(s);
-            continue;
-          }
-        }
-        if constexpr (SPLIT_) {
-          if (k_lo > 0) {  // a partial sum, left above: nothing to store
             release(s);
             continue;
           }
@@ -989,7 +812,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       store_direct(m0, n0, M);
     }
-    trace_if(tracer, trace + 7);
     if constexpr (EPI_TMA) {
       flush_pending();
       if (tid == 0) bulk_wait_all();
@@ -1053,22 +875,13 @@ struct ClusterLaunch {
 // CTAs to launch: one per SM (max_ctas) or per tile; with clusters, no more than can be resident
 // at once (the persistent walk assumes every CTA runs from the start). GROUPED: the walk's length
 // is known on the GPU only; each group adds at most one partial m-tile.
-// walkers_for: how many of `clusters` resident walkers the walk uses (host code only, no CUDA
-// call: the CPU test asks it through relay_fp8_gemm_walkers).
-template <int BN, int MODE, int CLUSTER>
-int walkers_for(int M, int N, int K, int clusters, int groups) {
+template <int BN, int STAGES, int MODE, int CLUSTER>
+int grid_for(int M, int N, int max_ctas, int groups) {
   constexpr int BMT = tile_rows(MODE);
   const int tiles_m = (M + BMT - 1) / BMT + ((MODE & GROUPED) != 0 ? groups : 0);
   const int tiles_n = (N + BN - 1) / BN;
   const int walk = (MODE & TALL) != 0 ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
                                       : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
-  // SPLIT below one wave: every walker, when Walk shares the steps' K blocks among them.
-  if ((MODE & SPLIT) != 0 && walk < clusters && Walk::splits(walk, clusters, K / BK)) return clusters;
-  return max(1, min(clusters, walk));
-}
-
-template <int BN, int STAGES, int MODE, int CLUSTER>
-int grid_for(int M, int N, int K, int max_ctas, int groups) {
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
     // The device's resident-cluster limit for this kernel, asked once per device: the query costs
@@ -1087,21 +900,17 @@ int grid_for(int M, int N, int K, int max_ctas, int groups) {
     }
     if (active > 0) clusters = min(clusters, active);
   }
-  return walkers_for<BN, MODE, CLUSTER>(M, N, K, clusters, groups) * CLUSTER;
+  return max(1, min(clusters, walk)) * CLUSTER;
 }
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c,
-           const int* offs, int groups, float* ws, int M, int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
+           const int* offs, int groups, int M, int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
   // The multicast operand's box is its share of the tile: B's without TALL, A's with it.
   constexpr int BMT = tile_rows(MODE);
   constexpr bool TALL_ = (MODE & TALL) != 0;
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   if (GROUPED_ != (offs != nullptr) || (GROUPED_ && (groups < 1 || groups > MAX_GROUPS))) return -11;
-  // SPLIT: the workspace of relay_fp8_gemm_workspace_bytes(variant, max_ctas), its flags zero.
-  if constexpr ((MODE & SPLIT) != 0) {
-    if (ws == nullptr || max_ctas > FLAG_INTS / 2) return -13;
-  }
   const int b_rows = GROUPED_ ? groups * N : N;                            // the stacked weights
   const int sb_cols = GROUPED_ ? groups * (((N + 127) / 128 + 3) & ~3) : (N + 127) / 128;
   CUtensorMap tm_a, tm_b, tm_sa;
@@ -1123,9 +932,8 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       if constexpr (GROUPED_)
         return -12;
       else
-        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | SPLIT | SPARE_BOX), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs,
-                                                                                  groups, nullptr, M, N, K, ldc, max_ctas,
-                                                                                  stream);
+        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | SPARE_BOX), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups,
+                                                                          M, N, K, ldc, max_ctas, stream);
     }
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
                   CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
@@ -1152,30 +960,27 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
     if (err != cudaSuccess) return static_cast<int>(err);
     if (device < kMaxDevices) smem_set[device] = true;
   }
-  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, K, max_ctas, groups);
+  const int grid = grid_for<BN, STAGES, MODE, CLUSTER>(M, N, max_ctas, groups);
   if (grid < 0) return -4;
   const ClusterLaunch config(CLUSTER, grid, bytes, stream);
   err = cudaLaunchKernelEx(&config.cfg, kernel, tm_a, tm_b, tm_sa, tm_c, tm_sb, sb, static_cast<__nv_bfloat16*>(c), M,
-                           N, K, ldc, offs, groups, ws);
+                           N, K, ldc, offs, groups);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
 
 struct Variant {
-  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, const int*, int, float*, int, int,
-                int, int, int, cudaStream_t);
-  int (*grid)(int, int, int, int, int);
-  int (*walkers)(int, int, int, int, int);
+  int (*launch)(const void*, const void*, int, const void*, const float*, int, void*, const int*, int, int, int, int,
+                int, int, cudaStream_t);
+  int (*grid)(int, int, int, int);
   int smem_bytes;
   bool grouped;
-  int split_tile_floats;  // SPLIT: one CTA's workspace tile; else 0
 };
 
 template <int BN, int STAGES, int MODE, int CLUSTER>
 constexpr Variant variant() {
-  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, walkers_for<BN, MODE, CLUSTER>,
-          SmemOf<BN, STAGES, MODE>::BYTES,
-          (MODE & GROUPED) != 0, (MODE & SPLIT) != 0 ? split_tile_floats<BN, MODE>() : 0};
+  return {launch<BN, STAGES, MODE, CLUSTER>, grid_for<BN, STAGES, MODE, CLUSTER>, SmemOf<BN, STAGES, MODE>::BYTES,
+          (MODE & GROUPED) != 0};
 }
 
 // The variants the library exports, by index (fp8_wgmma.py's VARIANTS lists the same).
@@ -1201,10 +1006,7 @@ constexpr Variant VARIANTS[] = {
     // MoE grouped GEMMs (GROUPED; relay_fp8_grouped_gemm): 23 = variant 19 grouped, 24 without OVERLAP.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | GROUPED, 1>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUPED, 1>(),
-    // The walk's last steps shared out by K blocks (SPLIT): 25 = 18 split, 26 = 22 split.
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | SPLIT, 2>(),
-    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | SPLIT, 2>(),
-    // 18 and 22 with the boxes a lent slot cannot hold in shared memory of their own (SPARE_BOX): 27, 28.
+    // 18 and 22 with the boxes a lent slot cannot hold in shared memory of their own (SPARE_BOX): 25, 26.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | SPARE_BOX, 2>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | SPARE_BOX, 2>(),
 };
@@ -1216,39 +1018,13 @@ constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 // floats (>= M, a multiple of 4). b: (N, K) e4m3, row pitch K. sb: (ceil(N/128), K/128) float32,
 // contiguous, or for the SB_SMEM variants K-block-major like sa with row pitch sb_pitch floats
 // (a multiple of 4). c: (M, N) bf16, row pitch ldc. K % 128 == 0, N even, 16-byte aligned pointers.
-// max_ctas: the most CTAs to launch (the SM count). workspace: for a SPLIT variant, a buffer of
-// relay_fp8_gemm_workspace_bytes(variant, max_ctas) bytes, zeroed once before its first use and
-// used by one launch at a time (the kernel leaves its flags zero); else ignored. Returns 0 or an
-// error code.
+// max_ctas: the most CTAs to launch (the SM count). Returns 0 or an error code.
 extern "C" int relay_fp8_gemm(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb,
-                              int sb_pitch, void* c, void* workspace, int M, int N, int K, int ldc, int max_ctas,
-                              int variant, void* stream) {
+                              int sb_pitch, void* c, int M, int N, int K, int ldc, int max_ctas, int variant,
+                              void* stream) {
   if (variant < 0 || variant >= NUM_VARIANTS || VARIANTS[variant].grouped) return -10;
-  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, nullptr, 0, static_cast<float*>(workspace), M,
-                                  N, K, ldc, max_ctas, static_cast<cudaStream_t>(stream));
-}
-
-extern "C" long long relay_fp8_gemm_workspace_bytes(int variant, int max_ctas) {
-  if (variant < 0 || variant >= NUM_VARIANTS) return -1;
-  const long long tile = VARIANTS[variant].split_tile_floats;
-  return tile == 0 ? 0 : 4LL * (FLAG_INTS + tile * max_ctas);
-}
-
-// The work items of walker `walker` (Walk): (step, k_lo, k_hi, contributors_end) quadruples into
-// out (room for cap of them), contributors_end -1 where the walker does not finish a shared
-// step; returns how many there are. For the CPU test of the schedule.
-extern "C" int relay_fp8_walk(int steps, int walkers, int nkb, int walker, int split, int* out, int cap) {
-  const Walk walk(steps, walkers, nkb, walker, split != 0);
-  int n = 0;
-  for (int tile, k_lo, k_hi; walk.item(n, tile, k_lo, k_hi); ++n) {
-    if (n < cap) {
-      out[4 * n] = tile;
-      out[4 * n + 1] = k_lo;
-      out[4 * n + 2] = k_hi;
-      out[4 * n + 3] = k_lo == 0 && k_hi < nkb ? walk.contributors_end(tile) : -1;
-    }
-  }
-  return n;
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, nullptr, 0, M, N, K, ldc, max_ctas,
+                                  static_cast<cudaStream_t>(stream));
 }
 
 // The MoE grouped GEMM: a's M rows sorted by group, offs (groups,) int32 on the GPU: cumulative
@@ -1261,29 +1037,12 @@ extern "C" int relay_fp8_grouped_gemm(const void* a, const void* sa, int sa_pitc
                                       int ldc, int max_ctas, int variant, void* stream) {
   if (variant < 0 || variant >= NUM_VARIANTS || !VARIANTS[variant].grouped) return -10;
   if (offs == nullptr) return -11;
-  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, nullptr, M, N, K, ldc, max_ctas,
+  return VARIANTS[variant].launch(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups, M, N, K, ldc, max_ctas,
                                   static_cast<cudaStream_t>(stream));
 }
 
-#ifdef RELAY_SPLIT_TRACE
-// The trace build's timer stamps (TRACE_SLOTS per CTA, by block index), and their reset.
-extern "C" int relay_fp8_trace_read(unsigned long long* out, int ctas) {
-  return static_cast<int>(cudaMemcpyFromSymbol(out, g_trace, sizeof(unsigned long long) * TRACE_SLOTS * ctas));
-}
-extern "C" int relay_fp8_trace_clear() {
-  static unsigned long long zeros[1024 * TRACE_SLOTS] = {};
-  return static_cast<int>(cudaMemcpyToSymbol(g_trace, zeros, sizeof(zeros)));
-}
-#endif
-
-extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int K, int max_ctas) {
-  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, K, max_ctas, 0);
-}
-
-// The walkers (CTAs / cluster size) a launch uses with `clusters` resident; no CUDA call (grid
-// asks the device's cluster limit first). For the CPU test of the grid.
-extern "C" int relay_fp8_gemm_walkers(int variant, int M, int N, int K, int clusters) {
-  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].walkers(M, N, K, clusters, 0);
+extern "C" int relay_fp8_gemm_grid(int variant, int M, int N, int max_ctas) {
+  return variant < 0 || variant >= NUM_VARIANTS ? -10 : VARIANTS[variant].grid(M, N, max_ctas, 0);
 }
 
 extern "C" int relay_fp8_gemm_smem_bytes(int variant) {

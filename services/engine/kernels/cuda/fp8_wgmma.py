@@ -46,10 +46,7 @@ CAPABILITY = (9, 0)  # sm_90a: wgmma, setmaxnreg, TMA multicast
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
 # them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
 # tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
-# An "_sk" mode shares the persistent walk's last steps out by K blocks (stream-K: no walker idles
-# through a short last round; a tile split between walkers is finished by the one holding its
-# first block, from the others' float32 partial sums in a workspace, `workspace`). A "_box" mode
-# gives the output boxes a lent ring slot cannot hold shared memory of their own (16 KB), so the
+# A "_box" mode gives the output boxes a lent ring slot cannot hold shared memory of their own (16 KB), so the
 # epilogue does not wait mid-way for a TMA store to free its box.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
@@ -77,8 +74,6 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 4, "tall_tma_sbs_ovl", 2),
     (256, 4, "plain_tma_sbs_ovl_grouped", 1),
     (256, 4, "plain_tma_sbs_grouped", 1),
-    (256, 4, "plain_tma_sbs_ovl_sk", 2),
-    (128, 4, "tall_tma_sbs_ovl_sk", 2),
     (256, 4, "plain_tma_sbs_ovl_box", 2),
     (128, 4, "tall_tma_sbs_ovl_box", 2),
 )
@@ -89,12 +84,11 @@ DEFAULT_VARIANT = 18
 # expert's rows (no clusters: a cluster's two row tiles could belong to two experts).
 DEFAULT_GROUPED_VARIANT = 23
 MAX_GROUPS = 1024  # fp8_wgmma.cu's: the group tables live in shared memory
-FLAG_INTS = 2048  # fp8_wgmma.cu's: the split variants' flags at the start of their workspace
 
 
 # fp8_wgmma.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
 BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64, "sk": 128, "box": 256}
+MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64, "box": 256}
 
 
 def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
@@ -112,7 +106,7 @@ def mode_value(mode: str) -> int:
     return value
 
 
-# Each variant's mode parsed once: fp8_gemm asks three of these per call, and parsing the string
+# Each variant's mode parsed once: fp8_gemm asks two of these per call, and parsing the string
 # each time cost ~0.5 us a question on the host-bound eager path.
 _MODES = tuple(mode_parts(mode) for _, _, mode, _ in VARIANTS)
 
@@ -123,11 +117,6 @@ def tile_rows(variant: int) -> int:
 
 def is_grouped(variant: int) -> bool:
     return "grouped" in _MODES[variant][1]
-
-
-def splits_k(variant: int) -> bool:
-    """Whether the variant shares its walk's last steps out by K blocks (needs `workspace`)."""
-    return "sk" in _MODES[variant][1]
 
 
 def uses_smem_scales(variant: int) -> bool:
@@ -194,68 +183,20 @@ def load(path: Path) -> ctypes.CDLL:
     except OSError as e:
         raise WgmmaError(f"cannot load {path}: {e}") from e
     vp, i = ctypes.c_void_p, ctypes.c_int
-    lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, vp, i, i, i, i, i, i, vp]
+    lib.relay_fp8_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, i, i, i, i, i, i, vp]
     lib.relay_fp8_gemm.restype = i
     lib.relay_fp8_grouped_gemm.argtypes = [vp, vp, i, vp, vp, i, vp, vp, i, i, i, i, i, i, i, vp]
     lib.relay_fp8_grouped_gemm.restype = i
-    lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i, i]
+    lib.relay_fp8_gemm_grid.argtypes = [i, i, i, i]
     lib.relay_fp8_gemm_grid.restype = i
-    lib.relay_fp8_gemm_walkers.argtypes = [i, i, i, i, i]
-    lib.relay_fp8_gemm_walkers.restype = i
     lib.relay_fp8_gemm_smem_bytes.argtypes = [i]
     lib.relay_fp8_gemm_smem_bytes.restype = i
-    lib.relay_fp8_gemm_workspace_bytes.argtypes = [i, i]
-    lib.relay_fp8_gemm_workspace_bytes.restype = ctypes.c_longlong
-    lib.relay_fp8_walk.argtypes = [i, i, i, i, i, vp, i]
-    lib.relay_fp8_walk.restype = i
     return lib
 
 
-def launch_grid(variant: int, m: int, n: int, k: int, device: torch.device | None = None) -> int:
-    """The CTAs `fp8_gemm` launches for an (M, N, K) GEMM with this variant."""
-    return int(library().relay_fp8_gemm_grid(variant, m, n, k, num_sms(device or torch.device("cuda"))))
-
-
-# One workspace per (device, library, variant), allocated outside any CUDA-graph capture by the first
-# eager call (a capture would record its zeroing into every replay). Split launches that share it
-# must run one at a time: relay issues its GEMMs on one stream per device.
-_WORKSPACES: dict[tuple[int, int, int], torch.Tensor] = {}
-
-
-def workspace(variant: int, device: torch.device, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The zeroed buffer a split ("_sk") variant's launches on `device` share (the kernel leaves
-    its flags zero again), sized for a launch over every SM."""
-    lib = lib or library()
-    index = device_index(device)
-    key = (index, id(lib), variant)
-    buf = _WORKSPACES.get(key)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise WgmmaUnsupported(
-                f"variant {variant}'s workspace is allocated by a first eager call, not in a capture"
-            )
-        size = int(lib.relay_fp8_gemm_workspace_bytes(variant, num_sms(device)))
-        buf = torch.zeros(size, dtype=torch.uint8, device=torch.device("cuda", index))
-        _WORKSPACES[key] = buf
-    return buf
-
-
-def flags_clear(variant: int, device: torch.device, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the split variant's workspace flags are all zero, as every launch must leave them."""
-    return not bool(workspace(variant, device, lib)[: 4 * FLAG_INTS].view(torch.int32).any())
-
-
-def walk(
-    steps: int, walkers: int, nkb: int, walker: int, split: bool = True, lib: ctypes.CDLL | None = None
-) -> list[tuple[int, int, int, int]]:
-    """The kernel's schedule (fp8_wgmma.cu's Walk, run on the host) for one walker: (step, first K
-    block, end K block, end of the later walkers whose partial sums it adds or -1) per work item."""
-    lib = lib or library()
-    cap = steps + 2  # items: a walker's whole steps and split steps, and one step it shares twice
-    out = (ctypes.c_int * (4 * cap))()
-    n = int(lib.relay_fp8_walk(steps, walkers, nkb, walker, int(split), out, cap))
-    assert n <= cap, (n, cap)
-    return [tuple(out[4 * i : 4 * i + 4]) for i in range(n)]  # type: ignore[misc]
+def launch_grid(variant: int, m: int, n: int, device: torch.device | None = None) -> int:
+    """The CTAs `fp8_gemm` launches for an (M, N) output with this variant."""
+    return int(library().relay_fp8_gemm_grid(variant, m, n, num_sms(device or torch.device("cuda"))))
 
 
 def is_hopper(device: torch.device) -> bool:
@@ -336,10 +277,9 @@ def fp8_gemm(
         sb, sb_pitch = _k_block_major(w_scale)
     else:
         sb, sb_pitch = w_scale.float().contiguous(), 0
-    ws = workspace(variant, a.device, lib).data_ptr() if splits_k(variant) else None
     _launch(
         "relay_fp8_gemm", a.device, variant,
-        a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(), ws,
+        a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
         m, n, k, out.stride(0), lib=lib,
     )  # fmt: skip
     return out
