@@ -789,6 +789,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         auto store_box = [&](int b, const uint8_t* src) {
           tma_store_2d_if(tid == 0, &tm_c, src, n0 + 64 * (b % CB), m0 + half * RW + 64 * (b / CB));
         };
+        // SPARE_BOX: the spare boxes' last stores have been read (warp 0 waited for them at this
+        // tile's start, in flush_pending) before any warp writes them again.
+        if constexpr (SPARE > 0) named_sync(1 + half, 128);
 #pragma unroll
         for (int j = 0; j < FIRST; ++j) write_box(j, slot(j));
         fence_async_smem();
