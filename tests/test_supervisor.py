@@ -232,6 +232,13 @@ def test_restart_request_by_service_name(tmp_path: Path, redis_server: str, pref
         # `decode` names every replica
         assert request_restart(r, prefix, "decode") == ["decode.0", "decode.1"]
         wait_for(lambda: pid_changed("decode.0"), what="decode.0 restarted")
+
+        def restarted_twice() -> bool:
+            s = json.loads(r.get(state_key(prefix, "decode.1")) or "{}")
+            return s.get("restarts") == 2 and s.get("state") == "running"
+
+        # Both replicas restarted before the teardown (a SIGTERM mid-restart is another test's case).
+        wait_for(restarted_twice, what="decode.1 restarted again")
         assert states["orchestrator"]["child_pid"] == before["orchestrator"]
     finally:
         for s in sups.values():

@@ -212,15 +212,10 @@ __device__ __forceinline__ void wgmma_wait() {
 // memory.
 constexpr int MAX_GROUPS = 1024;
 
-template <int BMT, int BN, int STAGES, bool GROUPS = false, bool SPARE = false>
+template <int BMT, int BN, int STAGES, bool GROUPS = false>
 struct Smem {
   static constexpr int A = BMT * BK;  // bytes per stage
   static constexpr int B = BN * BK;
-  // SPARE_BOX: the output boxes a lent ring slot cannot hold (per math warpgroup: 4 boxes of
-  // 64 x 64 bf16, 3 fit in a slot), 1024-byte aligned after the ring's A and B.
-  static constexpr int BOX = 64 * 128;
-  static constexpr int SPARE_BOXES = SPARE ? BMT * BN * 2 / BOX - (A + B) / BOX : 0;
-  static constexpr int E = SPARE_BOXES * BOX;
   // GROUPED: 4 rows more. A group's tiles start at any row, but a TMA box must start 16 bytes
   // into the scales' rows (else an illegal instruction): the box starts at the row rounded down
   // to a multiple of 4, and the tile's scales sit (m0 % 4) floats into it. Each stage's box
@@ -234,7 +229,7 @@ struct Smem {
   static constexpr int SB = 128;
   // GROUPED: per group, the m-tiles before it and its first row (MAX_GROUPS + 1 ints each).
   static constexpr int G = GROUPS ? 2 * (MAX_GROUPS + 1) * 4 : 0;
-  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + E + 2 * STAGES * 8 + G;
+  static constexpr int BYTES = 1024 + STAGES * (A + B + SA + SB) + 2 * STAGES * 8 + G;
 };
 
 enum Mode { PLAIN = 0, PIPELINED = 1, UNSCALED = 2 };
@@ -262,7 +257,10 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // partial sums exchanged through a global workspace). At M >= 4096 the exchange cost each walker
 // ~10 us, more than the short last round it recovered (0.84-1.00x, results/split_trace_h100_24.json);
 // below one wave it beat variant 18 by up to 1.39x but stayed at 0.47-0.79x cuBLAS block-wise,
-// which the dispatch table picks there (results/wgmma_h100_24_split_smallm.json).
+// which the dispatch table picks there (results/wgmma_h100_24_split_smallm.json). And SPARE_BOX
+// (session 24): 16 KB of shared memory of their own for the output boxes a lent slot cannot hold
+// (a warpgroup's fourth), so the epilogue need not wait for its first TMA store to free a box:
+// 0.995-1.011x variant 18 (results/wgmma_h100_24_box_ab.json).
 // Flag on PLAIN | TMA_STORE | SB_SMEM, CLUSTER 1: MoE experts' grouped GEMM. A's rows are sorted
 // by group (offs: cumulative row ends), B holds one (N, K) weight per group, stacked (E * N
 // rows), and the weight scales are K-block-major with each group's ceil(N / 128) blocks padded
@@ -272,13 +270,8 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // when it ends before the next group's rows start, is stored by the direct epilogue with the
 // rows clipped at the group's end (a TMA store would write the next group's rows too).
 constexpr int GROUPED = 64;
-// Flag on PLAIN | TMA_STORE | SB_SMEM: shared memory of its own for the output boxes a lent ring
-// slot cannot hold (one per math warpgroup at 128 x 256 or 256 x 128 tiles; 16 KB in all), so
-// the epilogue writes all its boxes at once instead of waiting, mid-epilogue, for its first TMA
-// store to have read its box before writing the fourth.
-constexpr int SPARE_BOX = 256;
 template <int BN, int STAGES, int MODE>
-using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0, (MODE & SPARE_BOX) != 0>;
+using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
 
 // BN: 128 or 256 output columns per tile (each 128 a weight-scale block; with 256 a math
 // warpgroup runs the two halves one after the other through one 64-register partial sum, so the
@@ -332,7 +325,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   static_assert(!GROUPED_ || (BASE == PLAIN && EPI_TMA && SBS && !TALL_ && CLUSTER == 1),
                 "GROUPED: PLAIN | TMA_STORE | SB_SMEM, no TALL, no cluster");
-  static_assert((MODE & SPARE_BOX) == 0 || EPI_TMA, "SPARE_BOX: TMA_STORE");
   using L = SmemOf<BN, STAGES, MODE>;
   // 128-byte swizzled tiles must start on 1024-byte boundaries (the swizzle pattern's period).
   // Declared aligned rather than aligned at run time: generic-pointer arithmetic on the shared
@@ -341,8 +333,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* s_a = smem;
   uint8_t* s_b = s_a + STAGES * L::A;
-  uint8_t* s_spare = s_b + STAGES * L::B;  // SPARE_BOX: L::SPARE_BOXES output boxes
-  float* s_sa = reinterpret_cast<float*>(s_spare + L::E);
+  float* s_sa = reinterpret_cast<float*>(s_b + STAGES * L::B);
   constexpr int SAF = L::SA / 4;      // activation-scale floats per stage
   float* s_sb = s_sa + STAGES * SAF;  // L::SB / 4 floats per stage
   uint64_t* full = reinterpret_cast<uint64_t*>(s_sb + STAGES * (L::SB / 4));
@@ -758,14 +749,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         constexpr int A_BOXES = L::A / BOX;
         constexpr int CB = BN / 64;            // boxes across a row block
         constexpr int BOXES = SUBS / NH * CB;  // per warpgroup: its m64 row blocks x CB
-        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot, and SPARE_BOX's own.
-        constexpr int LENT = (L::A + L::B) / BOX / 2;
-        constexpr int SPARE = L::SPARE_BOXES / 2;
-        constexpr int SLOTS = LENT + SPARE;
+        // Per warpgroup: 2 (BN 128) or 3 (BN 256, TALL) in a lent slot.
+        constexpr int SLOTS = (L::A + L::B) / BOX / 2;
         constexpr int FIRST = BOXES < SLOTS ? BOXES : SLOTS;
         auto slot = [&](int k) -> uint8_t* {
-          if (k >= LENT) return s_spare + (half * SPARE + k - LENT) * BOX;
-          const int g = half * LENT + k;
+          const int g = half * SLOTS + k;
           return g < A_BOXES ? s_a + s * L::A + g * BOX : s_b + s * L::B + (g - A_BOXES) * BOX;
         };
         // stmatrix x4: lanes 8q..8q+7 address rows (q & 1) * 8 + lane % 8 of the warp's 16, 16-byte
@@ -789,9 +777,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         auto store_box = [&](int b, const uint8_t* src) {
           tma_store_2d_if(tid == 0, &tm_c, src, n0 + 64 * (b % CB), m0 + half * RW + 64 * (b / CB));
         };
-        // SPARE_BOX: the spare boxes' last stores have been read (warp 0 waited for them at this
-        // tile's start, in flush_pending) before any warp writes them again.
-        if constexpr (SPARE > 0) named_sync(1 + half, 128);
 #pragma unroll
         for (int j = 0; j < FIRST; ++j) write_box(j, slot(j));
         fence_async_smem();
@@ -935,7 +920,7 @@ int launch(const void* a, const void* sa, int sa_pitch, const void* b, const flo
       if constexpr (GROUPED_)
         return -12;
       else
-        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP | SPARE_BOX), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups,
+        return launch<BN, STAGES, MODE & ~(TMA_STORE | OVERLAP), CLUSTER>(a, sa, sa_pitch, b, sb, sb_pitch, c, offs, groups,
                                                                           M, N, K, ldc, max_ctas, stream);
     }
     if (encode_2d(&tm_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, c, N, M, static_cast<uint64_t>(ldc) * 2, 64, 64,
@@ -1009,9 +994,6 @@ constexpr Variant VARIANTS[] = {
     // MoE grouped GEMMs (GROUPED; relay_fp8_grouped_gemm): 23 = variant 19 grouped, 24 without OVERLAP.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | GROUPED, 1>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUPED, 1>(),
-    // 18 and 22 with the boxes a lent slot cannot hold in shared memory of their own (SPARE_BOX): 25, 26.
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | SPARE_BOX, 2>(),
-    variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP | SPARE_BOX, 2>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

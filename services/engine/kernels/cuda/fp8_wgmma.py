@@ -46,8 +46,6 @@ CAPABILITY = (9, 0)  # sm_90a: wgmma, setmaxnreg, TMA multicast
 # TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
 # them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
 # tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
-# A "_box" mode gives the output boxes a lent ring slot cannot hold shared memory of their own (16 KB), so the
-# epilogue does not wait mid-way for a TMA store to free its box.
 VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 5, "plain", 1),
     (256, 4, "plain", 1),
@@ -74,8 +72,6 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 4, "tall_tma_sbs_ovl", 2),
     (256, 4, "plain_tma_sbs_ovl_grouped", 1),
     (256, 4, "plain_tma_sbs_grouped", 1),
-    (256, 4, "plain_tma_sbs_ovl_box", 2),
-    (128, 4, "tall_tma_sbs_ovl_box", 2),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
 # session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
@@ -88,7 +84,7 @@ MAX_GROUPS = 1024  # fp8_wgmma.cu's: the group tables live in shared memory
 
 # fp8_wgmma.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
 BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64, "box": 256}
+MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64}
 
 
 def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
