@@ -220,8 +220,11 @@ def test_restart_request_by_service_name(tmp_path: Path, redis_server: str, pref
             request_restart(r, prefix, "prefill")
         assert request_restart(r, prefix, "decode.1") == ["decode.1"]
 
+        def state(name: str) -> dict:
+            return json.loads(r.get(state_key(prefix, name)) or "{}")
+
         def pid_changed(name: str) -> bool:
-            s = json.loads(r.get(state_key(prefix, name)) or "{}")
+            s = state(name)
             return bool(s.get("child_pid")) and s["child_pid"] != before[name] and s["state"] == "running"
 
         wait_for(lambda: pid_changed("decode.1"), what="decode.1 restarted")
@@ -233,12 +236,9 @@ def test_restart_request_by_service_name(tmp_path: Path, redis_server: str, pref
         assert request_restart(r, prefix, "decode") == ["decode.0", "decode.1"]
         wait_for(lambda: pid_changed("decode.0"), what="decode.0 restarted")
 
-        def restarted_twice() -> bool:
-            s = json.loads(r.get(state_key(prefix, "decode.1")) or "{}")
-            return s.get("restarts") == 2 and s.get("state") == "running"
-
         # Both replicas restarted before the teardown (a SIGTERM mid-restart is another test's case).
-        wait_for(restarted_twice, what="decode.1 restarted again")
+        wait_for(lambda: (s := state("decode.1")).get("restarts") == 2 and s.get("state") == "running",
+                 what="decode.1 restarted again")  # fmt: skip
         assert states["orchestrator"]["child_pid"] == before["orchestrator"]
     finally:
         for s in sups.values():

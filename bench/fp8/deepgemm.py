@@ -60,8 +60,9 @@ OURS = [fp8_wgmma.DEFAULT_VARIANT]
 UNROLLS: list[int] = []
 
 
-def unrolled_key(variant: int, unroll: int) -> str:
-    return f"{ours_key(variant)}_u{unroll}"
+def unrolled_key(variant: int, unroll: int | None) -> str:
+    """The row's name for a variant from the library unrolled `unroll` times (None: the product's)."""
+    return ours_key(variant) if unroll is None else f"{ours_key(variant)}_u{unroll}"
 
 
 def ours_key(variant: int) -> str:
@@ -169,7 +170,7 @@ def check_ours(dev: torch.device) -> list[dict[str, Any]]:
                 torch.cuda.synchronize()
                 err = bench.rel(out, want)
                 finite = bool(torch.isfinite(out).all())
-                rows.append({"M": m, "N": n, "K": k, "variant": ours_key(v) if u is None else unrolled_key(v, u),
+                rows.append({"M": m, "N": n, "K": k, "variant": unrolled_key(v, u),
                              "rel_err": err, "all_written": finite, "ok": finite and err < MAX_REL_ERR})  # fmt: skip
                 print(rows[-1], flush=True)
     return rows
