@@ -167,14 +167,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       : "memory");
 }
 
-// The ranks of cluster row 0 (rank_m = 0) of a CM x CN cluster: bits 0, CM, 2 CM, ...
-template <int CM, int CN>
-__host__ __device__ constexpr uint32_t cluster_row_mask() {
-  uint32_t m = 0;
-  for (int j = 0; j < CN; ++j) m |= 1u << (CM * j);
-  return m;
-}
-
 // Four 8x8 bf16 matrices to shared memory: lanes 8i..8i+7 give the row addresses of matrix i,
 // register i holds a lane's two elements of matrix i in the mma accumulator layout.
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
@@ -255,12 +247,6 @@ constexpr int OVERLAP = 16;
 // for these shapes), and a cluster shares the A tile between CTAs with neighbouring columns.
 constexpr int TALL = 32;
 __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 0 ? 2 * BM : BM; }
-// A cluster's CTAs along M (sharing B) and along N (sharing A): rank = rank_m + CM * rank_n.
-// TALL clusters run along N; otherwise 2 CTAs along M, and 4 as 2 x 2.
-__host__ __device__ constexpr int cluster_m(int mode, int cluster) {
-  return (mode & TALL) != 0 ? 1 : (cluster < 2 ? cluster : 2);
-}
-__host__ __device__ constexpr int cluster_n(int mode, int cluster) { return cluster / cluster_m(mode, cluster); }
 // Measured and removed (session 20, docs/fp8.md): DEDICATED_D, the epilogue through a buffer of
 // its own with a stage fewer (DeepGEMM's layout; 0.97-1.00x the lent ring slot), and LEAN, the
 // descriptors stepped from per-warpgroup bases (9.8 instead of 11.5 non-FFMA instructions per
@@ -298,10 +284,6 @@ using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
 //     cores reach with this pipeline when nothing is promoted).
 // CLUSTER 2: two CTAs with the same columns and neighbouring rows share the B tile, each loading
 // half of it and multicasting it to both (a third less L2 -> SM traffic at BN 256).
-// CLUSTER 4 (not TALL): 2 x 2 CTAs; the two in a row share A and the two in a column share B,
-// each CTA loading half of each and multicasting it to its partner (a quarter less L2 -> SM
-// traffic than CLUSTER 2 at BN 256). A cluster of 4 must fit in one GPC, so fewer SMs may run
-// (cluster_shape below; grid_for asks the device how many clusters fit).
 // MODE | TMA_STORE: the epilogue without per-thread global stores. After a tile's last K block the
 // producer lends the math warpgroups the next ring slot instead of filling it (an arrival on its
 // full barrier with no copy). Each math warpgroup converts its 64 x BN rows to bf16, writes them
@@ -394,17 +376,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int nbp = (nb + 3) & ~3;  // GROUPED: a group's weight-scale blocks, padded
   const int tiles_m = GROUPED_ ? s_mt[groups] : (M + BMT - 1) / BMT;
   const int tiles_n = (N + BN - 1) / BN;
-  // With a cluster, one step of the walk is CM x CN adjacent tiles, one per CTA: CTAs in a
-  // column share B, CTAs in a row share A.
-  constexpr int CM = cluster_m(MODE, CLUSTER);
-  constexpr int CN = cluster_n(MODE, CLUSTER);
-  static_assert(CM * CN == CLUSTER, "cluster shape");
-  const int walk_m = (tiles_m + CM - 1) / CM;
-  const int walk_n = (tiles_n + CN - 1) / CN;
+  // With a cluster, one step of the walk is CLUSTER adjacent tiles, one per CTA: vertically
+  // (sharing B), or with TALL horizontally (sharing A).
+  const int walk_m = TALL_ ? tiles_m : (tiles_m + CLUSTER - 1) / CLUSTER;
+  const int walk_n = TALL_ ? (tiles_n + CLUSTER - 1) / CLUSTER : tiles_n;
   const int num_tiles = walk_m * walk_n;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int rank_m = rank % CM;
-  const int rank_n = rank / CM;
   // The output tile of walk step `tile` for this CTA; GROUPED: also its group g and the row
   // where the group ends (else g = 0, m_end = M).
   auto origin = [&](int tile, int& m0, int& n0, int& g, int& m_end) {
@@ -427,9 +404,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       m0 = s_row[g] + (tm - s_mt[g]) * BMT;
       m_end = s_row[g + 1];
     } else {
-      m0 = (tm * CM + rank_m) * BMT;
+      m0 = (TALL_ ? tm : tm * CLUSTER + rank) * BMT;
     }
-    n0 = (tn * CN + rank_n) * BN;
+    n0 = (TALL_ ? tn * CLUSTER + rank : tn) * BN;
   };
   const int first = static_cast<int>(blockIdx.x) / CLUSTER;
   const int stride = static_cast<int>(gridDim.x) / CLUSTER;
@@ -438,9 +415,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      // Every math warp of each CTA whose stage this CTA's producer writes into (its own, and
-      // through multicast its cluster row's and column's), as `release` below signals.
-      mbar_init(&empty[s], 8 * (CM + CN - 1));
+      mbar_init(&empty[s], 8 * CLUSTER);  // every math warp of every CTA reading the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -476,21 +451,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_expect_tx(&full[s], L::A + L::B + L::SA_BOX + (SBS ? 32 : 0));
             tma_load_2d(s_sa + s * SAF, &tm_sa, &full[s], GROUPED_ ? m0 & ~3 : m0, kb);
             if constexpr (SBS) tma_load_2d(s_sb + s * (L::SB / 4), &tm_sb, &full[s], sb_col, kb);
-            // Each CTA loads its share of a shared tile into every CTA sharing it: A goes to this
-            // cluster row (ranks rank_m + CM * j), B to this cluster column (ranks j + CM * rank_n).
-            if constexpr (CN > 1) {
-              constexpr int PART = BMT / CN;
-              const uint16_t row = static_cast<uint16_t>(cluster_row_mask<CM, CN>() << rank_m);
-              tma_load_2d_multicast(s_a + s * L::A + rank_n * PART * BK, &tm_a, &full[s], kb * BK, m0 + rank_n * PART,
-                                    row);
+            constexpr uint16_t ALL = (1 << CLUSTER) - 1;
+            if constexpr (CLUSTER > 1 && TALL_) {
+              constexpr int PART = BMT / CLUSTER;
+              tma_load_2d_multicast(s_a + s * L::A + rank * PART * BK, &tm_a, &full[s], kb * BK, m0 + rank * PART, ALL);
             } else {
               tma_load_2d(s_a + s * L::A, &tm_a, &full[s], kb * BK, m0);
             }
-            if constexpr (CM > 1) {
-              constexpr int PART = BN / CM;
-              const uint16_t column = static_cast<uint16_t>(((1 << CM) - 1) << (CM * rank_n));
-              tma_load_2d_multicast(s_b + s * L::B + rank_m * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank_m * PART,
-                                    column);
+            if constexpr (CLUSTER > 1 && !TALL_) {
+              constexpr int PART = BN / CLUSTER;
+              tma_load_2d_multicast(s_b + s * L::B + rank * PART * BK, &tm_b, &full[s], kb * BK, n0 + rank * PART, ALL);
             } else {
               tma_load_2d(s_b + s * L::B, &tm_b, &full[s], kb * BK, b_row);
             }
@@ -517,16 +487,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     // Row r_local's activation scale of stage s.
     int sa_shift = 0;  // GROUPED: the tile's first row's place in its scale box (m0 % 4)
     auto sa_at = [&](int s, int offset) { return lds(s_sa + s * SAF + sa_shift + r_local + offset); };
-    // One arrival per CTA whose producer writes this CTA's stages (this CTA's cluster row and
-    // column: a 2 x 2 cluster's diagonal partner does not), lane r signalling CTA r: one
-    // instruction for the warp.
+    // One arrival per CTA of the cluster, lane r signalling CTA r: one instruction for the warp.
     auto release = [&](int s) {
       __syncwarp();
       if constexpr (CLUSTER == 1)
         mbar_arrive_if(lane == 0, &empty[s]);
       else
-        mbar_arrive_cluster_if(lane < CLUSTER && (lane % CM == rank_m || lane / CM == rank_n), &empty[s],
-                               static_cast<uint32_t>(lane % CLUSTER));
+        mbar_arrive_cluster_if(lane < CLUSTER, &empty[s], static_cast<uint32_t>(lane % CLUSTER));
     };
     float acc[SUBS][64];
     float part[BASE == UNSCALED ? 1 : 64];
@@ -901,9 +868,8 @@ int grid_for(int M, int N, int max_ctas, int groups) {
   constexpr int BMT = tile_rows(MODE);
   const int tiles_m = (M + BMT - 1) / BMT + ((MODE & GROUPED) != 0 ? groups : 0);
   const int tiles_n = (N + BN - 1) / BN;
-  constexpr int CM = cluster_m(MODE, CLUSTER);
-  constexpr int CN = cluster_n(MODE, CLUSTER);
-  const int walk = (tiles_m + CM - 1) / CM * ((tiles_n + CN - 1) / CN);
+  const int walk = (MODE & TALL) != 0 ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
+                                      : (tiles_m + CLUSTER - 1) / CLUSTER * tiles_n;
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
     // The device's resident-cluster limit for this kernel, asked once per device: the query costs
@@ -928,17 +894,18 @@ int grid_for(int M, int N, int max_ctas, int groups) {
 template <int BN, int STAGES, int MODE, int CLUSTER>
 int launch(const void* a, const void* sa, int sa_pitch, const void* b, const float* sb, int sb_pitch, void* c,
            const int* offs, int groups, int M, int N, int K, int ldc, int max_ctas, cudaStream_t stream) {
-  // A multicast operand's box is one CTA's share of the tile.
+  // The multicast operand's box is its share of the tile: B's without TALL, A's with it.
   constexpr int BMT = tile_rows(MODE);
+  constexpr bool TALL_ = (MODE & TALL) != 0;
   constexpr bool GROUPED_ = (MODE & GROUPED) != 0;
   if (GROUPED_ != (offs != nullptr) || (GROUPED_ && (groups < 1 || groups > MAX_GROUPS))) return -11;
   const int b_rows = GROUPED_ ? groups * N : N;                            // the stacked weights
   const int sb_cols = GROUPED_ ? groups * (((N + 127) / 128 + 3) & ~3) : (N + 127) / 128;
   CUtensorMap tm_a, tm_b, tm_sa;
-  if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, BMT / cluster_n(MODE, CLUSTER),
+  if (encode_2d(&tm_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, BK, TALL_ ? BMT / CLUSTER : BMT,
                 CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -1;
-  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, b_rows, K, BK, BN / cluster_m(MODE, CLUSTER),
+  if (encode_2d(&tm_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, b_rows, K, BK, TALL_ ? BN : BN / CLUSTER,
                 CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
     return -2;
   if (encode_2d(&tm_sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sa, M, K / BK, static_cast<uint64_t>(sa_pitch) * 4,
@@ -1027,8 +994,6 @@ constexpr Variant VARIANTS[] = {
     // MoE grouped GEMMs (GROUPED; relay_fp8_grouped_gemm): 23 = variant 19 grouped, 24 without OVERLAP.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | GROUPED, 1>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUPED, 1>(),
-    // Variant 18 in 2 x 2 clusters (A and B both shared): 25.
-    variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP, 4>(),
 };
 constexpr int NUM_VARIANTS = sizeof(VARIANTS) / sizeof(VARIANTS[0]);
 

@@ -36,7 +36,7 @@ NVCC_FLAGS = nvcc.SM90A_FLAGS
 BLOCK = 128
 CAPABILITY = (9, 0)  # sm_90a: wgmma, setmaxnreg, TMA multicast
 # The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
-# cluster size: 4 is 2 x 2 CTAs sharing both operands); fp8_wgmma.cu describes the modes. "unscaled" is a probe (no scales: not the
+# cluster size); fp8_wgmma.cu describes the modes. "unscaled" is a probe (no scales: not the
 # recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups), or
 # 256 for a "tall" mode ("plain" with each warpgroup holding two 64-row blocks that share the
 # B tile, and clusters sharing the A tile between CTAs with neighbouring columns: `tile_rows`).
@@ -72,7 +72,6 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (128, 4, "tall_tma_sbs_ovl", 2),
     (256, 4, "plain_tma_sbs_ovl_grouped", 1),
     (256, 4, "plain_tma_sbs_grouped", 1),
-    (256, 4, "plain_tma_sbs_ovl", 4),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
 # session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
