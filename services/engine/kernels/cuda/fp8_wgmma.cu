@@ -260,7 +260,11 @@ __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 
 // which the dispatch table picks there (results/wgmma_h100_24_split_smallm.json). And SPARE_BOX
 // (session 24): 16 KB of shared memory of their own for the output boxes a lent slot cannot hold
 // (a warpgroup's fourth), so the epilogue need not wait for its first TMA store to free a box:
-// 0.995-1.011x variant 18 (results/wgmma_h100_24_box_ab.json).
+// 0.995-1.011x variant 18 (results/wgmma_h100_24_box_ab.json). And 2 x 2 clusters (session 25):
+// variant 18 with each CTA multicasting half of A to its cluster row and half of B to its column
+// (a quarter less L2 -> SM traffic than 2-CTA clusters; 33 clusters of 4 fit on an H100, so all
+// 132 SMs ran): 0.74-0.97x variant 18 (results/deepgemm_h100_25_cluster4.json). A stage then
+// waits for the slowest of three CTAs' math warps before it is refilled.
 // Flag on PLAIN | TMA_STORE | SB_SMEM, CLUSTER 1: MoE experts' grouped GEMM. A's rows are sorted
 // by group (offs: cumulative row ends), B holds one (N, K) weight per group, stacked (E * N
 // rows), and the weight scales are K-block-major with each group's ceil(N / 128) blocks padded

@@ -1,0 +1,99 @@
+"""Host time per eager call of the FP8 linear's pieces at decode M, next to bf16's, and where the
+FP8 linear's host time goes (cProfile): the eager small-M numbers of gemm.py are host-bound, and
+they moved between runs (results/gemm_h100_25.json against gemm_h100_20_full.json).
+
+Per function and shape: `host_us` is the host's time to enqueue one call (200 calls back to back,
+no synchronisation; the GPU queue does not fill at these sizes), `wall_us` the time per call
+including the final synchronisation. The same process times bf16 (`F.linear`) as the baseline.
+
+    python3 bench/fp8/host_probe.py --out $OUT/fp8_host_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gemm as bench  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from services.common import fp8 as ref  # noqa: E402
+from services.engine import fp8_linear as fl  # noqa: E402
+
+SHAPES = [(64, 7168, 2048), (128, 7168, 2048), (128, 4096, 7168), (128, 2048, 7168)]
+CALLS = 200
+
+
+def host_time(fn: Callable[[], Any]) -> dict[str, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {"host_us": (t1 - t0) / CALLS * 1e6, "wall_us": (t2 - t0) / CALLS * 1e6}
+
+
+def profile(fn: Callable[[], Any], top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(CALLS):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    result = bench.new_result("bf16 F.linear, eager, same process")
+    result["rows"] = []
+    for m, n, k in SHAPES:
+        d = bench.quantised(m, n, k, dev)
+        ops = (*bench.engine_act(d), d["wq"], d["ws"], torch.bfloat16)
+        fns = {
+            "linear_bf16": partial(F.linear, d["x"], d["w"]),
+            "quant_act": partial(fl.quantize_activation, d["x"]),
+            "torch_blockwise": partial(ref.fp8_gemm, *ops, "torch"),
+            "auto": partial(fl.fp8_gemm_dispatch, *ops),
+            "linear_fp8_auto": partial(fl.fp8_matmul, d["x"], d["wq"], d["ws"], torch.bfloat16),
+        }
+        row: dict[str, Any] = {"M": m, "N": n, "K": k}
+        for name, fn in fns.items():
+            row[name] = host_time(fn)
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+    m, n, k = SHAPES[1]
+    d = bench.quantised(m, n, k, dev)
+    result["profile_linear_fp8_auto"] = {
+        "shape": [m, n, k],
+        "stats": profile(partial(fl.fp8_matmul, d["x"], d["wq"], d["ws"], torch.bfloat16), args.top),
+    }
+    print(result["profile_linear_fp8_auto"]["stats"])
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
