@@ -36,8 +36,10 @@ every row, `summary` (the issue's goals for auto) and the table suggestion.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import subprocess
 import sys
 import time
@@ -97,6 +99,34 @@ def machine() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - informational only
         info["nvidia_smi"] = f"unavailable: {e}"
     return info
+
+
+def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[tuple[str, int, float]]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = [
+        (f"{Path(f).name}:{line}({fn})", cc // steps, tt / steps * 1e3)
+        for (f, line, fn), (cc, _nc, tt, _ct, _callers) in stats.items()
+    ]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def host_and_wall_ms(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """Per call: the host time to enqueue `calls` calls, and the time until they have run."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e3, (t2 - t0) / calls * 1e3
 
 
 def bench_ms(

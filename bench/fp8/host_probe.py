@@ -2,9 +2,10 @@
 FP8 linear's host time goes (cProfile): the eager small-M numbers of gemm.py are host-bound, and
 they moved between runs (results/gemm_h100_25.json against gemm_h100_20_full.json).
 
-Per function and shape: `host_us` is the host's time to enqueue one call (200 calls back to back,
-no synchronisation; the GPU queue does not fill at these sizes), `wall_us` the time per call
-including the final synchronisation. The same process times bf16 (`F.linear`) as the baseline.
+Per function and shape (gemm.host_and_wall_ms): `host_us` is the host's time to enqueue one call
+(200 calls back to back, no synchronisation; the GPU queue does not fill at these sizes), `wall_us`
+the time per call including the final synchronisation. The same process times bf16 (`F.linear`)
+as the baseline. The profile is gemm.host_top's: (function, calls per linear, host ms per linear).
 
     python3 bench/fp8/host_probe.py --out $OUT/fp8_host_probe.json
 """
@@ -12,13 +13,8 @@ including the final synchronisation. The same process times bf16 (`F.linear`) as
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,31 +31,6 @@ from services.engine import fp8_linear as fl  # noqa: E402
 
 SHAPES = [(64, 7168, 2048), (128, 7168, 2048), (128, 4096, 7168), (128, 2048, 7168)]
 CALLS = 200
-
-
-def host_time(fn: Callable[[], Any]) -> dict[str, float]:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return {"host_us": (t1 - t0) / CALLS * 1e6, "wall_us": (t2 - t0) / CALLS * 1e6}
-
-
-def profile(fn: Callable[[], Any], top: int) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(CALLS):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
 
 
 def main() -> None:
@@ -82,16 +53,17 @@ def main() -> None:
         }
         row: dict[str, Any] = {"M": m, "N": n, "K": k}
         for name, fn in fns.items():
-            row[name] = host_time(fn)
+            host_ms, wall_ms = bench.host_and_wall_ms(fn, CALLS)
+            row[name] = {"host_us": host_ms * 1e3, "wall_us": wall_ms * 1e3}
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
     m, n, k = SHAPES[1]
     d = bench.quantised(m, n, k, dev)
-    result["profile_linear_fp8_auto"] = {
-        "shape": [m, n, k],
-        "stats": profile(partial(fl.fp8_matmul, d["x"], d["wq"], d["ws"], torch.bfloat16), args.top),
-    }
-    print(result["profile_linear_fp8_auto"]["stats"])
+    # (function, calls per linear, host ms per linear under the profiler), most own time first
+    top = bench.host_top(partial(fl.fp8_matmul, d["x"], d["wq"], d["ws"], torch.bfloat16), CALLS, args.top)
+    result["profile_linear_fp8_auto"] = {"shape": [m, n, k], "host_top": top}
+    for name, calls, ms in top:
+        print(f"{ms * 1e3:8.2f} us  {calls:3d}x  {name}")
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

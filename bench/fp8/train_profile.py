@@ -22,9 +22,7 @@ a training step's time, next to bf16 F.linear, at a few of train_linear.py's sha
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import sys
 import time
 from collections import defaultdict
@@ -81,36 +79,8 @@ def kernel_times(step: Callable[[], None], steps: int = 5) -> tuple[float, list[
     return sum(r[2] for r in rows), rows
 
 
-def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[tuple[str, int, float]]:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    rows = [
-        (f"{Path(f).name}:{line}({fn})", cc // steps, tt / steps * 1e3)
-        for (f, line, fn), (cc, _nc, tt, _ct, _callers) in stats.items()
-    ]
-    return sorted(rows, key=lambda r: -r[2])[:top]
-
-
-def host_and_wall_ms(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
-    """Per call: the host time to enqueue `calls` calls, and the time until they have run."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / calls * 1e3, (t2 - t0) / calls * 1e3
-
-
 def host_us(fn: Callable[[], Any], calls: int = 10) -> float:
-    return host_and_wall_ms(fn, calls)[0] * 1e3
+    return bench.host_and_wall_ms(fn, calls)[0] * 1e3
 
 
 def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
@@ -223,7 +193,7 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
     step = step_fn(x, w, grad, fp8)
     for _ in range(5):
         step()
-    host_ms, wall_ms = host_and_wall_ms(step, STEPS)
+    host_ms, wall_ms = bench.host_and_wall_ms(step, STEPS)
     through_ops = None
     if fp8:
         import trainer.fp8 as tf
@@ -231,7 +201,7 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
         direct = tf._through_op
         tf._through_op = lambda: True
         try:
-            through_ops = host_and_wall_ms(step, STEPS)[0]
+            through_ops = bench.host_and_wall_ms(step, STEPS)[0]
         finally:
             tf._through_op = direct
     gpu_ms, kernels = kernel_times(step)
@@ -245,7 +215,7 @@ def profile_row(m: int, n: int, k: int, fp8: bool) -> dict[str, Any]:
         "host_ms_through_ops": through_ops,
         "gpu_ms": gpu_ms,
         "kernels": kernels,
-        "host_top": host_top(step) if fp8 else [],
+        "host_top": bench.host_top(step) if fp8 else [],
         "pieces": pieces(x, w, grad) if fp8 else {},
         "cpu_ops": cpu_ops(step) if fp8 else [],
         "stages": stages(step) if fp8 else {},
