@@ -102,6 +102,9 @@ def machine() -> dict[str, Any]:
 
 
 def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[tuple[str, int, float]]:
+    """The `top` host functions by own time over `steps` calls of `step` (cProfile): (file:line
+    (function), calls per step, ms per step). Profiled times are inflated; compare them with each
+    other, and take host time per call from host_and_wall_ms."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
