@@ -5,6 +5,7 @@ All on CPU (reference path; Triton kernels through TRITON_INTERPRET=1 in a subpr
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import textwrap
 from pathlib import Path
@@ -394,6 +395,27 @@ def test_trainer_fp8_dgrad_uses_block_scaled_gemm() -> None:
     want = fp8_gemm_reference(gq, gs, wq.t().contiguous(), ws.t().contiguous())
     assert torch.equal(x.grad, want)
     assert rel_err(x.grad, g @ w.detach()) < 0.06
+
+
+def test_trainer_converter_min_weights_keeps_small_linears_high_precision() -> None:
+    model = build_model(M_CFG, seed=0)
+    sizes = {n: model.get_submodule(n).weight.numel() for n in TRAINER_LINEARS}
+    threshold = sorted(set(sizes.values()))[1]  # above the smallest linears, equal to some
+    conv = Fp8BlockwiseConverter(min_weights=threshold)
+    conv.convert(model)
+    want = [n for n in TRAINER_LINEARS if sizes[n] >= threshold]
+    assert 0 < len(want) < len(TRAINER_LINEARS) and any(sizes[n] == threshold for n in want)
+    assert conv.converted == want
+    for n in TRAINER_LINEARS:
+        assert (type(model.get_submodule(n)) is Fp8TrainLinear) == (n in want), n
+    tokens = torch.randint(0, M_CFG.vocab_size, (2, 24), generator=gen(15))
+    model(tokens).float().sum().backward()  # mixed FP8 and high-precision linears train together
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_trainer_fp8_min_weights_rejects_negative() -> None:
+    with pytest.raises(ValidationError, match="fp8_min_weights"):
+        TrainerSection(fp8_min_weights=-1)
 
 
 def test_trainer_converter_keeps_params_and_trains() -> None:
@@ -791,18 +813,22 @@ def test_trainer_run_with_fp8_learns(
 
     converted: list[list[str]] = []
     backward: list[tuple[object, object]] = []
+    min_weights: list[object] = []
     real_convert = trainer.fp8.convert
 
     def recording_convert(model: nn.Module, *args: object, **kw: object) -> list[str]:
         converted.append(real_convert(model, *args, **kw))  # type: ignore[arg-type]
         mod = model.get_submodule(converted[-1][0])
         backward.append((getattr(mod, "fp8_dgrad", None), getattr(mod, "fp8_wgrad", None)))
+        bound = inspect.signature(real_convert).bind(model, *args, **kw)
+        min_weights.append(bound.arguments.get("min_weights"))
         return converted[-1]
 
     monkeypatch.setattr(trainer.fp8, "convert", recording_convert)
 
     run_dir = tmp_path / "run"
-    cfg = make_cfg(run_dir, fp8=True)
+    # fp8_min_weights = 1 filters no linear here; it checks the option reaches the converter.
+    cfg = make_cfg(run_dir, fp8=True, fp8_min_weights=1)
     feeder = Feeder(cfg, redis_server, run_dir)
     feeder.start()
     try:
@@ -813,6 +839,7 @@ def test_trainer_run_with_fp8_learns(
     assert feeder.error is None
     assert converted and len(converted[0]) == 7 * cfg.model.n_layers  # the fp8 path really ran
     assert backward == [(True, True)]  # trainer.fp8_backward (default): both backward GEMMs in FP8
+    assert min_weights == [1]
     n = cfg.run.max_steps
     tensors = load_file(str(run_dir / "weights" / f"step_{n}" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in tensors.values())

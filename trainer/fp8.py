@@ -392,15 +392,17 @@ def convert(
     backend: str = "auto",
     fp8_dgrad: bool = False,
     fp8_wgrad: bool = False,
+    min_weights: int = 0,
 ) -> list[str]:
-    """Re-class every nn.Linear not matched by `trainer_skip` as Fp8TrainLinear, and every MoE's
-    RoutedExperts as Fp8RoutedExperts (the engine's Fp8Experts recipe), in place. Returns the
-    converted names. Call before FSDP/compile wrapping (like torchtitan's converters)."""
+    """Re-class every nn.Linear not matched by `trainer_skip` and of at least `min_weights`
+    weights as Fp8TrainLinear, and every MoE's RoutedExperts as Fp8RoutedExperts (the engine's
+    Fp8Experts recipe), in place. Returns the converted names. Call before FSDP/compile wrapping
+    (like torchtitan's converters)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     names = []
     for name, mod in model.named_modules():
-        if type(mod) is nn.Linear and not trainer_skip(name):
+        if type(mod) is nn.Linear and not trainer_skip(name) and mod.weight.numel() >= min_weights:
             mod.__class__ = Fp8TrainLinear
             mod.pow2_scales, mod.backend = pow2_scales, backend
             mod.fp8_dgrad, mod.fp8_wgrad = fp8_dgrad, fp8_wgrad
@@ -426,13 +428,17 @@ class Fp8BlockwiseConverter:
         backend: str = "auto",
         fp8_dgrad: bool = False,
         fp8_wgrad: bool = False,
+        min_weights: int = 0,
     ) -> None:
         self.pow2_scales, self.backend = pow2_scales, backend
         self.fp8_dgrad, self.fp8_wgrad = fp8_dgrad, fp8_wgrad
+        self.min_weights = min_weights
         self.converted: list[str] = []
 
     def convert(self, model: nn.Module) -> None:
-        self.converted = convert(model, self.pow2_scales, self.backend, self.fp8_dgrad, self.fp8_wgrad)
+        self.converted = convert(
+            model, self.pow2_scales, self.backend, self.fp8_dgrad, self.fp8_wgrad, self.min_weights
+        )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         # Nothing to refresh: the weights are re-quantised from the master weights every forward.

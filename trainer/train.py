@@ -282,7 +282,9 @@ class Trainer:
             # Same FP8 recipe as an engine with quantization="fp8"; master weights stay as they are.
             from trainer.fp8 import Fp8BlockwiseConverter
 
-            Fp8BlockwiseConverter(fp8_dgrad=tc.fp8_backward, fp8_wgrad=tc.fp8_backward).convert(model)
+            Fp8BlockwiseConverter(
+                fp8_dgrad=tc.fp8_backward, fp8_wgrad=tc.fp8_backward, min_weights=tc.fp8_min_weights
+            ).convert(model)
         # --- perf path (issue 9): attention kernel (document masking), cp, AC, compile, FSDP2
         # with mixed precision, per trainer.* (trainer/parallel.py; docs/trainer.md)
         self.model, self.degrees, self.meshes = parallelize(

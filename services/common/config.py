@@ -534,6 +534,12 @@ class TrainerSection(Strict):
     # (grouped), the weight gradients bf16 from the saved inputs, no recompute; false: the
     # straight-through gradients recomputed in bf16 (H100, 30B-A3B widths: 1.05x against 0.87x bf16).
     fp8_backward: bool = True
+    # With fp8: a linear with fewer weights (in x out) than this stays in the activations' dtype,
+    # as torchtitan's float8 converter filters small layers. Below ~25M weights an FP8 training
+    # linear costs more host time (two quantisers and a GEMM launch per call) than its GEMMs save
+    # (docs/fp8.md, "Trainer"). The engine still runs such layers in FP8, so those layers lose the
+    # recipe match with it. 0: every linear, the engine's rule. MoE experts are not filtered.
+    fp8_min_weights: int = Field(0, ge=0)
     # --- performance path (trainer/parallel.py, docs/trainer.md)
     # bfloat16: FSDP2 mixed precision (bf16 params/compute, float32 master weights, optimizer
     # state and gradient reduction). A plain single process (no FSDP) uses torch.autocast.
