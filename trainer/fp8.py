@@ -437,7 +437,12 @@ class Fp8BlockwiseConverter:
 
     def convert(self, model: nn.Module) -> None:
         self.converted = convert(
-            model, self.pow2_scales, self.backend, self.fp8_dgrad, self.fp8_wgrad, self.min_weights
+            model,
+            pow2_scales=self.pow2_scales,
+            backend=self.backend,
+            fp8_dgrad=self.fp8_dgrad,
+            fp8_wgrad=self.fp8_wgrad,
+            min_weights=self.min_weights,
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

@@ -101,7 +101,7 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def host_top(step: Callable[[], None], steps: int = 10, top: int = 25) -> list[tuple[str, int, float]]:
+def host_top(step: Callable[[], Any], steps: int = 10, top: int = 25) -> list[tuple[str, int, float]]:
     """The `top` host functions by own time over `steps` calls of `step` (cProfile): (file:line
     (function), calls per step, ms per step). Profiled times are inflated; compare them with each
     other, and take host time per call from host_and_wall_ms."""
