@@ -1,0 +1,189 @@
+"""Decode-size GEMMs against the time it takes just to read their weights: how far the FP8 and
+bf16 GEMMs at M = 64-128 are from the memory-bandwidth limit that bounds them.
+
+At decode M a GEMM's cost is reading its weight once from HBM (an FP8 weight is half a bf16 one,
+so at the limit FP8 is 2x bf16). gemm.py times one call per CUDA-graph replay, so its numbers at
+these sizes include the replay's fixed cost (its quantiser, a kernel over a few KB, reads 6 us).
+Here each variant's calls over R distinct weights (R x the FP8 weight's bytes >= MIN_BYTES, so
+no weight is still in L2 when it is read) are captured back to back in one graph, as a decode
+step runs its layers, and a call costs replay / R:
+
+- `read_fp8`, `read_bf16`: a max over the R weights' bytes (as int32) with torch's reduction:
+  what streaming those bytes costs here, the GEMM's practical limit;
+- `empty`: R launches of a one-element kernel: the cost of a kernel in a graph, bytes aside;
+- `bf16` (F.linear), `fp8_auto` (the engine's dispatch: fl.fp8_gemm_dispatch), `fp8_cublas`
+  (torch's block-wise scaled_mm) and `linear_fp8` (the whole FP8 linear: quantiser + GEMM).
+
+Per row: us per call, the weight's GB/s, and each GEMM's fraction of its read's speed. Then, while
+--sweep-budget-s lasts, the Triton kernel's decode configurations (BLOCK_M 64; BLOCK_N, split-K and
+stages around the table's) are timed the same way: gemm.py's sweep chose the table's entries from
+single-call replays, whose fixed cost hides differences of a few us.
+
+    python3 bench/fp8/decode_stream.py --out $OUT/fp8_decode_stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gemm as bench  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from services.common import fp8 as ref  # noqa: E402
+from services.engine import fp8_linear as fl  # noqa: E402
+from services.engine.kernels import fp8_gemm as kern  # noqa: E402
+
+MS = [128, 64]  # 128 first: its sweep (the row-tile question) matters most
+MIN_BYTES = 200 * 2**20  # 4x the H100's and H200's 50 MB L2
+
+
+def weights(n: int, k: int, r: int, dev: torch.device) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(r):
+        g = torch.Generator(device=dev).manual_seed(1000 + i)
+        w = (torch.randn(n, k, device=dev, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        wq, ws = ref.quantize_weight(w)
+        out.append({"w": w, "wq": wq, "ws": ws})
+    return out
+
+
+def per_call_us(fns: list[Callable[[], Any]]) -> float:
+    """The median replay of one graph holding every fn once, divided by their number."""
+    replay = bench.graphed(lambda: [f() for f in fns])
+    return bench.bench_ms(replay) * 1e3 / len(fns)
+
+
+def sweep_configs(m: int) -> list[kern.GemmConfig]:
+    """BLOCK_M 64 (the table's at decode M) and, at M > 64, 128 rows, or 64 rows with both row
+    tiles of a weight column launched together (group_m 2): with group_m 1 the second row tile
+    reads its weight tile again long after the first, from HBM once the weights exceed L2."""
+    shapes = [(64, 1)] + ([(64, 2), (128, 1)] if m > 64 else [])
+    return [
+        kern.GemmConfig(bm, bn, split, group, 4 if bm == 64 else 8, stages, fused_reduce=split > 1)
+        for bm, group in shapes
+        for bn in (64, 128, 256)
+        for split in (1, 2, 4, 8)
+        for stages in (4, 6)
+        if (bm + bn) * 128 * stages <= 200 * 1024  # A + W tiles per stage within shared memory
+    ]
+
+
+def row_for(m: int, n: int, k: int, dev: torch.device, sweep_until: float) -> dict[str, Any]:
+    fp8_bytes = n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+    r = max(2, math.ceil(MIN_BYTES / fp8_bytes))
+    ws = weights(n, k, r, dev)
+    x = torch.randn(m, k, device=dev, dtype=torch.float32).to(torch.bfloat16)
+    aq, as_col = fl.quantize_activation(x)
+    tiny = torch.zeros(1, device=dev)
+    variants: dict[str, list[Callable[[], Any]]] = {
+        "empty": [partial(tiny.add_, 0.0) for _ in ws],
+        "read_fp8": [partial(torch.amax, d["wq"].view(torch.int32)) for d in ws],
+        "read_bf16": [partial(torch.amax, d["w"].view(torch.int32)) for d in ws],
+        "bf16": [partial(F.linear, x, d["w"]) for d in ws],
+        "fp8_auto": [partial(fl.fp8_gemm_dispatch, aq, as_col, d["wq"], d["ws"], torch.bfloat16) for d in ws],
+        "fp8_cublas": [
+            partial(ref.fp8_gemm, aq, as_col, d["wq"], d["ws"], torch.bfloat16, "torch") for d in ws
+        ],
+        "linear_fp8": [partial(fl.fp8_matmul, x, d["wq"], d["ws"], torch.bfloat16) for d in ws],
+    }
+    row: dict[str, Any] = {
+        "M": m,
+        "N": n,
+        "K": k,
+        "weights": r,
+        "fp8_bytes": fp8_bytes,
+        "bf16_bytes": 2 * n * k,
+    }
+    row["auto_choice"] = bench.choice_name(fl.auto_choice(m, n, k, dev))
+    us: dict[str, float] = {}
+    for name, fns in variants.items():
+        us[name], err = bench.attempt(partial(per_call_us, fns))
+        if err:
+            row.setdefault("errors", {})[name] = err
+    us = {k_: v for k_, v in us.items() if v is not None}
+    row["us"] = us
+    gbs = {}
+    for name, v in us.items():
+        if name != "empty":
+            nbytes = row["bf16_bytes"] if name in ("bf16", "read_bf16") else fp8_bytes
+            gbs[name] = nbytes / (v * 1e-6) / 1e9
+    row["weight_gb_s"] = gbs
+    if "read_fp8" in us:
+        row["fraction_of_read"] = {
+            name: us["read_fp8"] / us[name] for name in ("fp8_auto", "fp8_cublas", "linear_fp8") if name in us
+        }
+        if "bf16" in us and "read_bf16" in us:
+            row["fraction_of_read"]["bf16"] = us["read_bf16"] / us["bf16"]
+    if "bf16" in us:
+        row["speedup_vs_bf16"] = {
+            name: us["bf16"] / us[name]
+            for name in ("fp8_auto", "fp8_cublas", "linear_fp8", "read_fp8")
+            if name in us
+        }
+    sweep: dict[str, float] = {}
+    for cfg in sweep_configs(m):
+        if time.perf_counter() > sweep_until:
+            row.setdefault("errors", {})["sweep"] = "stopped: time budget"
+            break
+        fns = [partial(kern.triton_fp8_gemm, aq, as_col, d["wq"], d["ws"], torch.bfloat16, cfg) for d in ws]
+        t, err = bench.attempt(partial(per_call_us, fns))
+        if err:
+            row.setdefault("errors", {})[cfg.name()] = err
+        else:
+            sweep[cfg.name()] = t
+    if sweep:
+        best = min(sweep, key=sweep.__getitem__)
+        row["sweep_us"] = sweep
+        row["sweep_best"] = {"config": best, "us": sweep[best]}
+        if "read_fp8" in us:
+            row["fraction_of_read"]["sweep_best"] = us["read_fp8"] / sweep[best]
+        if "bf16" in us:
+            row["speedup_vs_bf16"]["sweep_best"] = us["bf16"] / sweep[best]
+    del ws
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--nk", default=",".join(f"{n}x{k}" for n, k in bench.DENSE_NK))
+    p.add_argument("--sweep-budget-s", type=float, default=150.0, help="no config sweep starts after this")
+    args = p.parse_args()
+    sweep_until = time.perf_counter() + args.sweep_budget_s
+    dev = torch.device("cuda")
+    result = bench.new_result(
+        "bf16 F.linear and a torch reduction over the same weight bytes, same graphs, same process"
+    )
+    for m in MS:
+        for nk in args.nk.split(","):
+            n, k = (int(v) for v in nk.split("x"))
+            row = row_for(m, n, k, dev, sweep_until)
+            print(
+                json.dumps(
+                    {
+                        key: row[key]
+                        for key in ("M", "N", "K", "us", "fraction_of_read", "speedup_vs_bf16", "sweep_best")
+                        if key in row
+                    }
+                ),
+                flush=True,
+            )
+            result["rows"].append(row)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
