@@ -8,13 +8,14 @@ Here each variant's calls over R distinct weights (R x the FP8 weight's bytes >=
 no weight is still in L2 when it is read) are captured back to back in one graph, as a decode
 step runs its layers, and a call costs replay / R:
 
-- `read_fp8`, `read_bf16`: a max over the R weights' bytes (as int32) with torch's reduction:
-  what streaming those bytes costs here, the GEMM's practical limit;
+- `read_fp8`, `read_bf16`: a max over the R weights' bytes (as int32) with torch's reduction
+  (its first run read no faster than the FP8 GEMMs, so it is a reference, not the limit);
 - `empty`: R launches of a one-element kernel: the cost of a kernel in a graph, bytes aside;
 - `bf16` (F.linear), `fp8_auto` (the engine's dispatch: fl.fp8_gemm_dispatch), `fp8_cublas`
   (torch's block-wise scaled_mm) and `linear_fp8` (the whole FP8 linear: quantiser + GEMM).
 
-Per row: us per call, the weight's GB/s, and each GEMM's fraction of its read's speed. Then, while
+Per row: us per call, the weight's GB/s, each GEMM's fraction of its read's speed, and the
+fraction of the HBM's peak (`HBM_TB_S` by GPU name: the limit a decode GEMM can approach). Then, while
 --sweep-budget-s lasts, the Triton kernel's decode configurations (BLOCK_M 64; BLOCK_N, split-K and
 stages around the table's) are timed the same way: gemm.py's sweep chose the table's entries from
 single-call replays, whose fixed cost hides differences of a few us.
@@ -47,6 +48,12 @@ from services.engine.kernels import fp8_gemm as kern  # noqa: E402
 
 MS = [128, 64]  # 128 first: its sweep (the row-tile question) matters most
 MIN_BYTES = 200 * 2**20  # 4x the H100's and H200's 50 MB L2
+HBM_TB_S = {"H100 80GB HBM3": 3.35, "H200": 4.8}  # datasheet peaks (SXM)
+
+
+def hbm_tb_s() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((v for key, v in HBM_TB_S.items() if key in name), None)
 
 
 def weights(n: int, k: int, r: int, dev: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -66,17 +73,15 @@ def per_call_us(fns: list[Callable[[], Any]]) -> float:
 
 
 def sweep_configs(m: int) -> list[kern.GemmConfig]:
-    """BLOCK_M 64 (the table's at decode M) and, at M > 64, 128 rows, or 64 rows with both row
-    tiles of a weight column launched together (group_m 2): with group_m 1 the second row tile
-    reads its weight tile again long after the first, from HBM once the weights exceed L2."""
-    shapes = [(64, 1)] + ([(64, 2), (128, 1)] if m > 64 else [])
+    """BLOCK_M 64 (the table's at decode M; 128-row tiles and grouped row tiles ran no faster in
+    this probe's first run), BLOCK_N 64 or 128, split-K reduced by a second kernel or in-kernel
+    (fused_reduce), 3 or 6 stages."""
     return [
-        kern.GemmConfig(bm, bn, split, group, 4 if bm == 64 else 8, stages, fused_reduce=split > 1)
-        for bm, group in shapes
-        for bn in (64, 128, 256)
+        kern.GemmConfig(64, bn, split, 1, 4, stages, fused_reduce=fused)
+        for bn in (64, 128)
         for split in (1, 2, 4, 8)
-        for stages in (4, 6)
-        if (bm + bn) * 128 * stages <= 200 * 1024  # A + W tiles per stage within shared memory
+        for fused in ((False, True) if split > 1 else (False,))
+        for stages in (3, 6)
     ]
 
 
@@ -120,6 +125,9 @@ def row_for(m: int, n: int, k: int, dev: torch.device, sweep_until: float) -> di
             nbytes = row["bf16_bytes"] if name in ("bf16", "read_bf16") else fp8_bytes
             gbs[name] = nbytes / (v * 1e-6) / 1e9
     row["weight_gb_s"] = gbs
+    peak = hbm_tb_s()
+    if peak is not None:
+        row["fraction_of_hbm_peak"] = {name: v / (peak * 1e3) for name, v in gbs.items()}
     if "read_fp8" in us:
         row["fraction_of_read"] = {
             name: us["read_fp8"] / us[name] for name in ("fp8_auto", "fp8_cublas", "linear_fp8") if name in us
