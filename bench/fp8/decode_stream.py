@@ -1,5 +1,5 @@
-"""Decode-size GEMMs against the time it takes just to read their weights: how far the FP8 and
-bf16 GEMMs at M = 64-128 are from the memory-bandwidth limit that bounds them.
+"""Decode-size GEMMs against the memory bandwidth that bounds them: how far the FP8 and bf16
+GEMMs at M = 64-128 are from reading their weights at the HBM's peak.
 
 At decode M a GEMM's cost is reading its weight once from HBM (an FP8 weight is half a bf16 one,
 so at the limit FP8 is 2x bf16). gemm.py times one call per CUDA-graph replay, so its numbers at
@@ -46,7 +46,7 @@ from services.common import fp8 as ref  # noqa: E402
 from services.engine import fp8_linear as fl  # noqa: E402
 from services.engine.kernels import fp8_gemm as kern  # noqa: E402
 
-MS = [128, 64]  # 128 first: its sweep (the row-tile question) matters most
+MS = [128, 64]  # 128 first: the first run found the dispatch furthest from bf16 there
 MIN_BYTES = 200 * 2**20  # 4x the H100's and H200's 50 MB L2
 HBM_TB_S = {"H100 80GB HBM3": 3.35, "H200": 4.8}  # datasheet peaks (SXM)
 
@@ -114,10 +114,11 @@ def row_for(m: int, n: int, k: int, dev: torch.device, sweep_until: float) -> di
     row["auto_choice"] = bench.choice_name(fl.auto_choice(m, n, k, dev))
     us: dict[str, float] = {}
     for name, fns in variants.items():
-        us[name], err = bench.attempt(partial(per_call_us, fns))
+        t, err = bench.attempt(partial(per_call_us, fns))
         if err:
             row.setdefault("errors", {})[name] = err
-    us = {k_: v for k_, v in us.items() if v is not None}
+        else:
+            us[name] = t
     row["us"] = us
     gbs = {}
     for name, v in us.items():
