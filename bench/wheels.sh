@@ -10,7 +10,7 @@
 #                                   `import trainer...` needs (bench/fp8/train_linear.py). Not
 #                                   included, too large to carry with the rest (64 MiB in all):
 #                                   pyarrow and pandas (datasets imports them); whether the GPU
-#                                   image has them is unchecked (docs/fp8.md, "Session 20").
+#                                   image has them is unchecked (docs/fp8.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}

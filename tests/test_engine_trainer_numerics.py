@@ -1,31 +1,25 @@
-"""The bf16 engine and the bf16 trainer compute the same function (issue 7: Router Replay's KL floor).
+"""The bf16 engine and the bf16 trainer compute the same function (Router Replay's KL floor).
 
 bench/r3/numerics.py runs one random model in the engine (bf16, CPU torch path) and in the trainer
 (autocast over float32 weights, and bf16 parameters as FSDP2's mixed precision computes) with the
 engine's expert ids replayed, and compares every layer and the final log-probs.
 
 Measured with that harness (4-layer MoE, dim 256, 64 experts top-8, 4 x 64 tokens, HF init;
-`.venv/bin/python bench/r3/numerics.py`), engine vs trainer with replay:
-
-    before (2026-11-30)   autocast:    |dlogp| mean 1.75e-3, max 7.8e-3, KL 2.9e-6
-                          bf16 params: |dlogp| mean 1.29e-3, max 5.9e-3, KL 1.6e-6
-    after                 both:        0 (bitwise equal hidden states and log-probs)
-
-where "before" already had the engine's CPU path rounding q/k-norm and RoPE like the trainer; with
-the engine's GPU formulation (float32 norm + RoPE, one rounding, now also its CPU path) the
-bf16-parameter trainer was 1.5e-3 mean / 5.9e-3 max apart before RelayAttention. The alignments:
+`.venv/bin/python bench/r3/numerics.py`), engine vs trainer with replay: 0 for autocast and for
+bf16 parameters (bitwise equal hidden states and log-probs). Without the alignments below the
+two sides are 1.3-1.75e-3 mean / 5.9-7.8e-3 max apart in |dlogp| (KL 1.6-2.9e-6). The alignments:
 router logits in float32 from the compute dtype's input and gate values (trainer/replay.py,
 services/engine/moe.py Router.round_weight_), routing weights rounded to the model dtype and the
 expert sum in float32 with one rounding (ExpertWeights.combine, ReplayRouter), q/k-norm + RoPE in
 float32 with one rounding and compute-dtype cos/sin (trainer/model.py RelayAttention,
 services/engine/model.py norm_rope), the residual stream rounded where the engine rounds it
 (residual_stream_like_engine: float32 with model.fp32_residual, the default, else bf16) and the RMSNorms multiplying by bf16 weight values (RelayRMSNorm:
-with norm weights that are not bf16 values, as after training, `--perturb-norms`, autocast was
+with norm weights that are not bf16 values, as after training, `--perturb-norms`, autocast is
 1.9e-3 mean / 8.0e-3 max apart without it). The bounds below leave room for a stray bf16 ulp from
 a kernel, not for a formulation difference (those give ~1e-3 mean).
 
 Both sides' LM-head logits are float32 by default (services/common/lm_head.py, `logits_fp32`);
-the bf16-output head (`logits_fp32` off) is still bitwise equal on CPU. `floor_sources` emulates
+the bf16-output head (`logits_fp32` off) is bitwise equal on CPU too. `floor_sources` emulates
 the GPU's accumulation-order differences on the trainer side and shows what rounding the logits
 to bf16 adds (docs/loss.md "bf16 numerics")."""
 
@@ -125,7 +119,7 @@ def test_bf16_logits_head_still_equal_with_replay(result_bf16_logits: dict[str, 
 def test_bf16_residual_stream_still_equal_with_replay(
     result_bf16_residual: dict[str, Any], path: str
 ) -> None:
-    """fp32_residual off on both sides (the bf16 stream of session 4): still the same function."""
+    """fp32_residual off on both sides (a bf16 residual stream): still the same function."""
     assert result_bf16_residual["fp32_residual"] is False
     _check_equal(result_bf16_residual[f"engine_vs_trainer_{path}"], path)
 
@@ -136,8 +130,8 @@ def test_fp32_residual_brings_the_bf16_engine_closer_to_float32(
 ) -> None:
     """Same model, tokens and expert ids: with the float32 stream the bf16 engine (and each bf16
     trainer path) is nearer the float32 reference, in the last layer's stream and in log-probs.
-    (Until session 9 the dense case compared the dense model with the float32 stream against the
-    MoE model without it: it passed or failed with the CPU's bf16 kernels.)"""
+    (Both sides of each comparison use the same architecture: comparing the dense model with the
+    float32 stream against the MoE model without it passes or fails with the CPU's bf16 kernels.)"""
     m = moe_config(3) if arch == "moe" else dense_config(3)
     on, off = (
         measure(m, rows=2, seq=48, seed=3, perturb_norms=True, workdir=tmp_path_factory.mktemp(f"res{flag}"),

@@ -1,4 +1,4 @@
-"""FP8 block-scaled quantisation and GEMMs (issue 8), CPU reference path.
+"""FP8 block-scaled quantisation and GEMMs, CPU reference path.
 
 Error bound used below (derived in docs/fp8.md): E4M3 has 3 mantissa bits, so round-to-nearest of
 a normal value y has |y - q(y)| <= 2^-4 |y| (half an ulp, ulp = 2^-3 * 2^floor(log2 |y|)); below

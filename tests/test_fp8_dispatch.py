@@ -1,4 +1,4 @@
-"""FP8 GEMM dispatch tuned from the H200 measurements (issue 8 follow-up), on CPU:
+"""FP8 GEMM dispatch tuned from the H200 measurements, on CPU:
 
 - "auto" follows the measured table (services/engine/kernels/fp8_gemm.TUNED_CONFIGS) and its
   fallback; every config in the table computes the reference's function (Triton interpreter);

@@ -1,4 +1,4 @@
-"""FP8 in the engine and the trainer (issue 8): dispatch, Triton kernels under the interpreter, the
+"""FP8 in the engine and the trainer: dispatch, Triton kernels under the interpreter, the
 engine with quantization="fp8", the trainer's FP8 linear/converter and the train/infer mismatch.
 All on CPU (reference path; Triton kernels through TRITON_INTERPRET=1 in a subprocess)."""
 

@@ -106,7 +106,7 @@ def test_every_variant_has_a_k_loop_in_the_real_kernel(loops: dict[str, object])
 
 
 def test_default_variant_keeps_its_wgmma_descriptors_in_uniform_registers(loops: dict[str, object]) -> None:
-    # Session 19: descriptors built from a run-time-aligned pointer and a warpgroup index the
+    # Descriptors built from a run-time-aligned pointer and a warpgroup index the
     # compiler could not prove uniform cost 14.8 non-FFMA instructions per wgmma (vector 64-bit
     # arithmetic and R2UR moves before every wgmma); uniform, the default issues 11.5. A change
     # that sends them back to vector registers lands above 13.

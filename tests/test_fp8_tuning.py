@@ -1,4 +1,4 @@
-"""The tuned FP8 GEMM table and the kernels it can name (issue 8, bench/fp8/tune.py), on CPU:
+"""The tuned FP8 GEMM table and the kernels it can name (bench/fp8/tune.py), on CPU:
 
 - the table file (services/engine/kernels/fp8_configs.json) validates, the dispatch reads it
   (dense per M bucket, the fused-linear flag, grouped tiles by rows per expert) and falls back to

@@ -1,4 +1,4 @@
-"""Issue 9: the chunked LM head keeps the forward's onehot - p for its backward
+"""The chunked LM head keeps the forward's onehot - p for its backward
 (`trainer.head_cache_gib`) instead of recomputing the logits there.
 
 On CPU (eager) the cached backward must give the SAME gradients as the recomputing one, to the
@@ -318,7 +318,7 @@ def _bench_worker(rank: int, port: int, out: dict[str, Any]) -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 def test_bench_head_recompute_variant_reaches_the_head() -> None:
     """step.py's build_ours passes the trainer section's head knobs to the head as train.py does
-    (logits_fp32 included, which used to stay at its default there), and the two head paths give
+    (logits_fp32 included), and the two head paths give
     the same loss and gradient norm. Spawned: step.Ctx joins a process group."""
     out = mp.Manager().dict()
     mp.start_processes(_bench_worker, args=(_free_port(), out), nprocs=1, start_method="spawn")

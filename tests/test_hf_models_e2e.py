@@ -1,4 +1,4 @@
-"""Real HF chat-model directories end to end (follow-ups on issues 3 and 4).
+"""Real HF chat-model directories end to end.
 
 A small Qwen-style model directory: a tokenizer with `<|endoftext|>`, `<|im_start|>`,
 `<|im_end|>` and tool-call words, a ChatML chat template with tools, config.json naming only

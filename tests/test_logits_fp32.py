@@ -1,4 +1,4 @@
-"""Float32 LM-head logits on both sides (issue 7, services/common/lm_head.py): the engine's
+"""Float32 LM-head logits on both sides (services/common/lm_head.py): the engine's
 `logits()` and the trainer's heads (chunked and plain, forward and backward) return the bf16
 GEMM's float32 accumulator instead of rounding it to bf16."""
 

@@ -1,4 +1,4 @@
-"""trainer.compile over several optimizer steps (issue 9): the compiled trainer tracks the eager one.
+"""trainer.compile over several optimizer steps: the compiled trainer tracks the eager one.
 
 On the H200 the bf16 0.6B benchmark's per-step losses of `bf16` and `bf16+compile` agreed for two
 steps and then differed 16x. These tests pin down the mechanism in float32 on CPU, where eager and

@@ -1,4 +1,4 @@
-"""World size 1 with bf16 parameters and float32 master weights (trainer.fsdp = "master", issue 9).
+"""World size 1 with bf16 parameters and float32 master weights (trainer.fsdp = "master").
 
 On CPU, one rank of a gloo group (as tests/test_trainer_world1.py), bf16:
 - the knob validates and `use_master_weights` decides (one rank, bf16 only);

@@ -1,4 +1,4 @@
-"""Issue 9 (trainer MFU) on CPU: the faster paths compute what the old ones did.
+"""Trainer MFU paths on CPU: the fast paths compute what the plain ones do.
 
 - the chunked log-prob head's per-chunk math (the torch form; the Triton form is checked against
   it in tests/test_head_kernel.py) equals the full log-softmax path, values and gradients;

@@ -1,4 +1,4 @@
-"""The MoE trainer step's fast path (issue 9) on CPU: trainer.moe_grouped_mm and the overheads removed.
+"""The MoE trainer step's fast path on CPU: trainer.moe_grouped_mm and the overheads removed.
 
 - torch._grouped_mm experts (trainer/moe_routing.py RoutedExperts) give the per-expert loop's
   log-probs and gradients: float32 to rounding, bf16 (autocast, torchtitan's bf16 GEMMs) closely;

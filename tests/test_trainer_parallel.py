@@ -3,7 +3,7 @@
 - the trainer.* knobs validate, with errors naming the key;
 - selective / full activation checkpointing give the same gradients as none;
 - bf16 mixed precision under FSDP2 (2 gloo processes) trains with losses close to float32;
-- the per-parameter publisher writes exactly the tensors today's full-state publish writes,
+- the per-parameter publisher writes exactly the tensors the full-state publish writes,
   sharded (FSDP2, AC-wrapped names) and unsharded.
 The GPU-only parts (flex/varlen kernels, compile speed, CP) are measured by bench/trainer/.
 """
@@ -242,7 +242,7 @@ def _worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, Any]
             t = Trainer(cfg, run_dir, redis_url, d)
             t.setup()
             losses = [t.train_step(_groups(s)).loss for s in range(4)]
-            # Publishing from FSDP2 shards, per parameter, vs today's full-state-dict publish.
+            # Publishing from FSDP2 shards, per parameter, vs the full-state-dict publish.
             t.publisher.publish(t.model, 99, run_dir / "weights" / "step_99")
             t.publisher.wait()
             t._write_weights(98)

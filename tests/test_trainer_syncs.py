@@ -1,4 +1,4 @@
-"""The train step's hot path reads nothing back from the device (issue 9): the loss stats, the
+"""The train step's hot path reads nothing back from the device: the loss stats, the
 mismatch sums and their per-step accumulation run on `meta` tensors (which have no values, so
 any .item() / .tolist() / boolean-mask gather / data-dependent shape raises), and give exactly
 the values of the float path they replace."""

@@ -1,4 +1,4 @@
-"""World size 1 without FSDP (trainer.fsdp = "auto", issue 9), on CPU with gloo process groups.
+"""World size 1 without FSDP (trainer.fsdp = "auto"), on CPU with gloo process groups.
 
 - the knob validates and `use_fsdp` decides: FSDP2 only for more than one rank, unless "always";
 - one rank of a process group, no FSDP (float32 parameters, bf16 under autocast) gives the loss and

@@ -170,7 +170,7 @@ def attention_kind(model: nn.Module) -> AttentionKind:
 
 def flex_block_mask(seq_lens: list[int], device: torch.device) -> object:
     """A BlockMask: causal and within the same document."""
-    # Lengths through pinned memory, output size from the host: no device-to-host read (issue 9).
+    # Lengths through pinned memory, output size from the host: no device-to-host read.
     doc = torch.repeat_interleave(
         torch.arange(len(seq_lens), device=device, dtype=torch.int32),
         to_device(torch.tensor(seq_lens), device),

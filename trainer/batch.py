@@ -50,7 +50,7 @@ class MicroBatch:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-built CPU tensor on `device` without stalling the host (issue 9). A copy from
+    """A host-built CPU tensor on `device` without stalling the host. A copy from
     pageable memory may wait for the stream's queued work before it is staged, so a micro-batch
     copied while the previous one's backward runs drained the GPU; from pinned memory the copy
     is queued and the host goes on. (torch's pinned-memory allocator keeps the block until the

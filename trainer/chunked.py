@@ -18,17 +18,17 @@ So grad_h = g * (q @ W) and grad_W = q^T @ (g * h): the per-token upstream gradi
 [chunk x D] operand or result, and no pass over the [chunk x V] q is needed between the GEMMs.
 Both GEMMs run on the tensor cores with a float32 output (`_mm_float32`); q is in the GEMM dtype.
 
-Speed (issue 9, bench/trainer/profile_step.py): with `fused` (set on CUDA by trainer.parallel) the
+Speed (bench/trainer/profile_step.py): with `fused` (set on CUDA by trainer.parallel) the
 softmax math is two Triton kernels (trainer/head_kernel.py): the statistics in one pass over the
 logits, and q. On CPU the same math in plain torch.
 
-Float32 logits (issue 7, `trainer.logits_fp32`, default on): the head's logits are the model-dtype
+Float32 logits (`trainer.logits_fp32`, default on): the head's logits are the model-dtype
 GEMM's float32 output (`services.common.lm_head.float32_logits`, what the engine's `logits()`
 returns), not rounded to bf16, in the forward, in the backward's recomputation and in the plain
 (unchunked) head alike. q is rounded to the GEMM dtype before the two gradient GEMMs, as autograd
 rounds a bf16 output's gradient.
 
-Kept for the backward (issue 9, `trainer.head_cache_gib`, default 12): the recomputing backward
+Kept for the backward (`trainer.head_cache_gib`, default 12): the recomputing backward
 repeats the forward's logits GEMM (2*N*V*D FLOP, ~5 TFLOP at 16k tokens, vocabulary 152k, dim
 1024) and reads the float32 [chunk x vocab] logits again, while 100+ GiB of the GPU sit unused.
 So when the [N x V] q fits the budget (N*V*itemsize of the GEMM dtype <= head_cache_gib GiB,
@@ -174,9 +174,9 @@ def _chunk_math(fused: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b as float32 for the weight gradient. Low-precision inputs used to be copied to
-    float32 first (a [V x chunk] copy and a float32 GEMM without tensor cores: on the H200 at 16k
-    tokens and vocab 152k, ~5 TFLOP run at fp32 SIMT speed). The tensor-core GEMM with float32
+    """a @ b as float32 for the weight gradient. Copying low-precision inputs to
+    float32 first would cost a [V x chunk] copy and a float32 GEMM without tensor cores (on the
+    H200 at 16k tokens and vocab 152k, ~5 TFLOP at fp32 SIMT speed). The tensor-core GEMM with float32
     output computes the same products (bf16 values are exact in float32) with float32 accumulation."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return a @ b

@@ -1,4 +1,4 @@
-"""FP8 training linears with the engine's recipe (issue 8), as a torchtitan model converter.
+"""FP8 training linears with the engine's recipe, as a torchtitan model converter.
 
 Forward: the master weight (float32, or bf16 under FSDP2 mixed precision) is quantised 128x128 and
 the input 1x128, then the same block-scaled GEMM as the engine runs (services/engine/fp8_linear:
@@ -71,7 +71,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 # selective activation checkpointing (a dispatch mode) sees one op. In plain eager execution the
 # autograd function calls the ops' bodies directly: torch.library's wrapper cost 70-340 us of
 # host time per op on the H100 machines, and the host is what limits an eager FP8 linear at
-# most widths (bench/fp8/train_profile.py, docs/fp8.md "Session 21").
+# most widths (bench/fp8/train_profile.py, docs/fp8.md).
 def _through_op() -> bool:
     """Whether the FP8 linear must go through its custom ops: compiling, or a dispatch mode
     (selective AC's, fake tensors) is active."""

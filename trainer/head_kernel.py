@@ -11,9 +11,9 @@ Per chunk of c tokens the head has [c x V] float32 logits x (V ~ 152k). What it 
   dtype: what the backward's two GEMMs take (chunked.py: the per-token upstream gradient scales
   their [c x D] operands instead of q).
 
-torch.compile's version of the same math (sessions 5-7) read x three times for the statistics and
-wrote p as float32: 2.8 ms per 4,096-row chunk for the stats plus 1.8 ms in the backward turning p
-into the gradient, on the H200 (bench/trainer/results/profile_h200_0.6b_idle.json).
+torch.compile's version of the same math reads x three times for the statistics and
+writes p as float32: 2.8 ms per 4,096-row chunk for the stats plus 1.8 ms in the backward turning p
+into the gradient, on the H200 (bench/trainer/profile_step.py).
 
 Under TRITON_INTERPRET=1 (set before this module is imported) they run on CPU: tests/test_head_kernel.py.
 """

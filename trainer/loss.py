@@ -84,9 +84,9 @@ class LossStats:
     entropy_sum (entropy over loss tokens), loss_sum (this micro-batch's share of the step loss).
 
     Held as ONE float64 tensor [4] on the loss's device, never read by ratio_loss or add(): four
-    .item() calls between the forward and the backward used to drain the GPU queue every
-    micro-batch (issue 9). Reading a field copies the tensor to the host once (cached until the
-    next add). The values are those of the float path before: each float32 sum widened exactly
+    .item() calls between the forward and the backward would drain the GPU queue every
+    micro-batch. Reading a field copies the tensor to the host once (cached until the
+    next add). The values are those of a Python-float path: each float32 sum widened exactly
     to float64, then added in float64 in micro-batch order, as Python floats were."""
 
     FIELDS = ("loss_tokens", "masked_tokens", "entropy_sum", "loss_sum")

@@ -159,8 +159,8 @@ def token_mismatch_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """token_mismatch's sums as a float64 tensor [6] (SUM_FIELDS order) and its max as one [1],
     on the inputs' device and never read on the host: the trainer accumulates them over the
-    step's micro-batches and copies them to the host once (issue 9: the boolean-mask gathers and
-    seven .item() calls per micro-batch were host syncs). Positions outside the mask are zeroed
+    step's micro-batches and copies them to the host once (boolean-mask gathers and
+    .item() calls per micro-batch would be host syncs). Positions outside the mask are zeroed
     by torch.where (not multiplied: an inf or NaN there must not leak into a sum), instead of
     gathered, so no shape depends on the data. The float64 sums run over zeros where the old
     gather skipped positions: equal up to float64 summation order (~1e-16 relative)."""

@@ -72,7 +72,7 @@ def moe_args(m: ModelConfig) -> MoEArgs:
     )
 
 
-# --- RoPE scaling and Llama-3 (owner: HF-models follow-up; keep this block together) ---------
+# --- RoPE scaling and Llama-3 (keep this block together) ------------------------------------
 #
 # arch "llama3" trains on torchtitan's Qwen3 with qk_norm = false (ModelConfig makes that the
 # llama3 default and refuses qk_norm = true): Llama-3's decoder is Qwen3's minus QK-norm (same

@@ -188,7 +188,7 @@ def routing(model: nn.Module, routes: torch.Tensor | None, replay: bool) -> Iter
     finally:
         counted = [isinstance(r, ReplayRouter) and r.stats is not None for r in routers]
         if routers and all(counted):
-            # One stack on the routers' device, no per-layer host copy (issue 9: those were a
+            # One stack on the routers' device, no per-layer host copy (that would be a
             # host sync per MoE layer per micro-batch); the trainer reads them once per step.
             s = torch.stack([r.stats.detach() for r in routers])  # type: ignore[union-attr]
             rec.agree, rec.total, rec.replayed = s[:, 0], s[:, 1], s[:, 2]

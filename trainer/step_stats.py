@@ -1,16 +1,16 @@
-"""The train step's metric sums, kept on the device and read on the host once per step (issue 9).
+"""The train step's metric sums, kept on the device and read on the host once per step.
 
 What trainer/train.py reports per step (loss sums, the trainer/inference mismatch, MoE routing
-agreement, token count, gradient norm) used to be read on the host as each micro-batch finished:
+agreement, token count, gradient norm) would, read on the host as each micro-batch finished, cost
 four `.item()` calls in the loss between the forward and the backward, seven more and three
 boolean-mask gathers (data-dependent shapes) in the mismatch metrics, a host copy per MoE layer,
 and the gradient norm before the optimizer step. Each read waits for every kernel queued before
-it, so the GPU ran dry while the host then launched the next kernels. `StepStats` accumulates
+it, so the GPU would run dry while the host launched the next kernels. `StepStats` accumulates
 the same sums as device tensors and `read` reduces them across ranks on the device and copies
 them to the host in ONE transfer after the optimizer step.
 
-The values are those the float path computed: float32 sums widened exactly to float64, added in
-float64 in micro-batch order starting from 0.0 (as Python floats were), the max as Python's
+The values are those a Python-float path computes: float32 sums widened exactly to float64, added in
+float64 in micro-batch order starting from 0.0 (as Python floats would be), the max as Python's
 max(0.0, ...) (torch.fmax also skips NaN), and the same three cross-rank reductions (sum of the
 loss sums and token count, sum of the mismatch sums, max of |p_train - p_infer|). The one
 difference is inside token_mismatch_tensors: masked-out positions are summed as zeros instead of

@@ -50,7 +50,7 @@ from services.common.config import RunConfig, load_resolved
 from services.common.modeldir import step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
-from trainer.attention import micro_batch_attention, packed_logprobs  # perf path (issue 9)
+from trainer.attention import micro_batch_attention, packed_logprobs  # perf path
 from trainer.batch import (
     MicroBatch,
     flatten,
@@ -75,7 +75,7 @@ from trainer.parallel import (
     cp_micro_batch,
     parallelize,
 )
-from trainer.publish import Publisher  # perf path (issue 9)
+from trainer.publish import Publisher  # perf path
 from trainer.replay import enable_router_replay, micro_batch_routes, routing
 from trainer.step_stats import StepStats
 
@@ -246,7 +246,7 @@ class Trainer:
         self.backlog: list[tuple[str, RolloutGroup]] = []
         self.model: nn.Module
         self.opt: torch.optim.Optimizer
-        # perf path (issue 9): set by setup()
+        # perf path: set by setup()
         self.degrees: Degrees
         self.meshes: dict[str, Any] = {}
         self.publisher = Publisher(cfg.model, self.d.is_main, getattr(torch, cfg.decode.engine.dtype))
@@ -285,14 +285,14 @@ class Trainer:
             Fp8BlockwiseConverter(
                 fp8_dgrad=tc.fp8_backward, fp8_wgrad=tc.fp8_backward, min_weights=tc.fp8_min_weights
             ).convert(model)
-        # --- perf path (issue 9): attention kernel (document masking), cp, AC, compile, FSDP2
+        # --- perf path: attention kernel (document masking), cp, AC, compile, FSDP2
         # with mixed precision, per trainer.* (trainer/parallel.py; docs/trainer.md)
         self.model, self.degrees, self.meshes = parallelize(
             model.to(self.d.device), tc, self.d.world, self.d.device, self.d.enabled
         )
         # --- end perf path
         # Fused on CUDA (one kernel per parameter group instead of foreach's several passes;
-        # bench/trainer/results/step_h200_0.6b_mfu.json: bf16+fused_adam), torch's default elsewhere.
+        # measured faster on the H200 by bench/trainer/step.py's bf16+fused_adam), torch's default elsewhere.
         self.opt = torch.optim.AdamW(
             optimizer_params(self.model),  # trainer.fsdp = "master": the float32 masters
             lr=tc.lr,
@@ -517,7 +517,7 @@ class Trainer:
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        # Loss and mismatch sums stay on the device until the step's one host read (issue 9).
+        # Loss and mismatch sums stay on the device until the step's one host read.
         acc = StepStats(self.d.device, len(moe_layer_ids(self.cfg.model)))
         for i in range(n_mb):
             if i < len(mbs):

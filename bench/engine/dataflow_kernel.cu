@@ -17,8 +17,8 @@
 // publishes (a release fence, then either its own flag := epoch, or +1 on the phase's counter).
 // A waiting lane polls with relaxed loads (several in flight at once), then one acquire fence;
 // with ONE_POLLER only warp 0 of a program polls and the others wait at a named barrier (it
-// measured no faster: session 18's clock marks put the slow exchanges of session 17 on a
-// division slow path in down's SiLU, not on the polling).
+// measured no faster: clock marks put the slow exchanges on a division slow path in down's
+// SiLU, not on the polling).
 //
 // The residual is float32 in two buffers: ha (the input of q/k/v, written by down) and hb (written
 // by o_proj, the input of gate/up); program p owns rows [8p, 8p + 8) of both, so no program reads
@@ -238,7 +238,7 @@ __device__ __forceinline__ void load_input(const Args& a, int c, float (&x)[8]) 
     unpack8(__ldcg(reinterpret_cast<const uint4*>(a.gu + INTER + c)), u);
 #pragma unroll
     // Approximate division, as Triton's: the probe's random weights grow through the layers, and
-    // with -g past ~88 __expf is inf, which sends IEEE division down its slow path (session 18's
+    // with -g past ~88 __expf is inf, which sends IEEE division down its slow path (a clock
     // trace: 15 us of this phase's 17). (x / inf = 0 here too.)
     for (int i = 0; i < 8; ++i) x[i] = bf16_round(__fdividef(g[i], 1.0f + __expf(-g[i])) * u[i]);
   }

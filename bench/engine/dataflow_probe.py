@@ -1,9 +1,9 @@
 """Does a CUDA C++ kernel with per-program flags make the batch-1 chain's exchanges cheaper?
 
-Sessions 12-16 measured the batch-1 persistent kernel's chain of GEMV phases in Triton and Gluon
-(stream_probe.py): ~2.8 us an exchange before any weight is read, and every arrangement at 17-20
-us a layer for the four GEMV phases against 7.4 us of DRAM time. The one design not measured was
-Hazy Research's: CUDA C++, a producer warp streaming weights into shared memory, and consumers
+stream_probe.py and megakernel_probe.py measure the batch-1 persistent kernel's chain of GEMV phases in Triton and Gluon:
+~2.8 us an exchange before any weight is read, and every arrangement at 17-20
+us a layer for the four GEMV phases against 7.4 us of DRAM time. This probe measures
+Hazy Research's design: CUDA C++, a producer warp streaming weights into shared memory, and consumers
 that wait on the flags of the programs that wrote their inputs instead of on a grid barrier.
 `dataflow_kernel.cu` is that kernel for the same chain (q/k/v, o_proj, gate/up, down; 28 layers;
 no norms or attention), with the exchange selectable in the same code:

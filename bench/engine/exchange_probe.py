@@ -1,5 +1,5 @@
 """What one all-to-all exchange costs in a persistent kernel, and whether self-validating data beats
-a grid barrier (issue 3: the batch-1 kernel's layer is six such exchanges).
+a grid barrier (the batch-1 kernel's layer is six such exchanges).
 
 A chain of E exchanges among P resident programs: in exchange e every program reads the whole
 vector the previous exchange wrote (N values), averages it, and writes its own N / P values of

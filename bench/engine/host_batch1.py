@@ -1,4 +1,4 @@
-"""Where the host's time goes in a batch-1 decode step (issue 3: a step within 2x of one weight read).
+"""Where the host's time goes in a batch-1 decode step (the target: a step within 2x of one weight read).
 
 With CUDA graphs and overlap scheduling a batch-1 step is bound by whichever is slower: the GPU
 (graph + logits + sampler) or the host's own work per step (scheduling, input building, the

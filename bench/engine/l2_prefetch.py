@@ -1,9 +1,9 @@
 """Does streaming the next weights into L2 on a side stream shorten the batch-1 decode chain?
 
-Issue 3 asks for a batch-1 decode step within 2x of one weight read. The step's graph is a chain of
+The target is a batch-1 decode step within 2x of one weight read. The step's graph is a chain of
 ~10 dependent kernels per layer; its GEMVs read 4-12 MB each in ~4-5 us where the bytes alone take
 1-3 us (profile_batch1_*.json): each waits for its DRAM latency and ramp-up in turn. Folding
-kernels together did not help under PDL (bench/engine/README.md, sessions 7 and 11). This probe
+kernels together did not help under PDL (bench/engine/README.md). This probe
 tests the other way out, the one megakernels take: keep DRAM streaming the weights continuously,
 ahead of the compute chain, so that the chain's GEMVs read from L2 (50 MB on the H200; one
 Qwen3-0.6B layer's GEMM weights are 30 MB).
@@ -13,7 +13,7 @@ kernels, PDL on as in the engine): per layer the q/k/v GEMV, add + RMSNorm, the 
 add + RMSNorm, the gate/up GEMV, SiLU-mul, the down GEMV (attention is left out: it reads the KV,
 not weights). Captured as one CUDA graph; variants, each replayed and timed alternately:
 
-- `chain`: the chain alone (the baseline: today's graph minus attention).
+- `chain`: the chain alone (the baseline: the engine's graph minus attention).
 - `l2_resident`: every layer reuses layer 0's weights, so they stay in L2 (the lower bound a
   perfect prefetch could reach).
 - `touch_d{D}`: a side stream reads the weights of the GEMV D ops ahead (a Triton kernel on a few

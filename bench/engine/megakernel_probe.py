@@ -1,4 +1,4 @@
-"""Where the batch-1 megakernel's time goes (services/engine/kernels/megakernel.py, issue 3).
+"""Where the batch-1 megakernel's time goes (services/engine/kernels/megakernel.py).
 
 Builds Qwen3-0.6B's 28 layers with random bf16 weights and a random KV cache (context --ctx), and
 times the persistent decode kernel under launch overrides, each as CUDA events around --launches
@@ -6,19 +6,13 @@ back-to-back launches (the residual row reset before each), rounds alternating b
 
 - `full`: the engine's launch; `warps16`; `late_gu`: gate/up's weights loaded in the o_proj
   phase, not already in the merge phase;
-- `ta1`, `ta2`: only the arrival (1) or only the passing (2) stores of TRACE_ALL (session 13: the
-  passing stores alone made the kernel 3% faster, unexplained: `megakernel_probe_h200_stores.json`);
-- switches measured slower and removed since, their numbers kept in the results files: `prefetch`
-  and `fold` (session 12), the first KV tile loaded in the attention phase (`kv_ahead` in
-  `megakernel_probe_h200_s13.json` is today's kernel), the look-ahead not spread over the
-  barriers (`full` in `_spread*.json` and `_stores.json`; today's kernel is their `spread`),
-  PIN (volatile timer reads around the barriers, `_spread_pin.json`: no effect);
-- session 14's layouts (the merge inside o_proj; also the MLP in one phase), POLL (relaxed
-  barrier polling), WCACHE (weights `.cg` or `evict_first`, the latter now fixed), `kv_evict`
-  (fixed since), `inputs_first` (fixed since) and `fold` (retried, slower) were variants of
-  this probe at the commits their results files name (`megakernel_probe_h200_layouts*.json`,
-  `_poll.json`, `_evict.json`, `_inputs_first.json`, `_fold.json`), as was BULK_PF (one
-  `cp.async.bulk.prefetch.L2` of each weight slice a phase ahead: slower, `_bulk_pf.json`);
+- `ta1`, `ta2`: only the arrival (1) or only the passing (2) stores of TRACE_ALL (the passing
+  stores alone measured the kernel 3% faster, unexplained);
+- measured slower or equal and not in the kernel (git history has those variants): L2 prefetch
+  of weights or KV, the merge folded into the attention phase, the look-ahead not spread over the
+  barriers, volatile timer reads around the barriers, fewer phases a layer (the merge inside
+  o_proj; the MLP in one phase), relaxed barrier polling, weights loaded `.cg`, and one
+  `cp.async.bulk.prefetch.L2` of each weight slice a phase ahead;
 - `barriers_only`: the grid barriers alone (WORK off);
 - `arrivals`: every program's time at each arrival and barrier passing (TRACE_ALL), summarised per
   phase (which programs arrive last, by how much, how long the barrier takes to pass after them);

@@ -1,4 +1,4 @@
-"""Where the batch-1 decode step's time goes (issue 3: a step within 2x of one weight read).
+"""Where the batch-1 decode step's time goes (the target: a step within 2x of one weight read).
 
 Builds W1's Qwen3-0.6B-shaped random-weight model, runs the engine with its CUDA defaults (Triton
 paged attention, CUDA graphs, fused kernels, overlap scheduling), prefills one 512-token prompt,
@@ -398,13 +398,13 @@ def pin_gemv(path: Path, dtype: torch.dtype) -> dict[str, str]:
     from services.engine.kernels import gemv
 
     doc = json.loads(path.read_text())
-    # A profile's file, a compare's, or a compare's from before --compare (session 7's --pdl-compare).
+    # A profile's file, a compare's, or an older --pdl-compare's.
     where = (doc, doc.get("compare", {}), doc.get("pdl_compare", {}))
     found = next((d["decode_gemm_choices"] for d in where if d.get("decode_gemm_choices")), {})
     for key, choice in found.items():
         shape, bucket = key.split(",M<=")
         n, k = (int(v) for v in shape.split("x"))
-        cfg = choice.split(" + ")[0]  # session 11's files also name the prologues a GEMV took
+        cfg = choice.split(" + ")[0]  # some files also name the prologues a GEMV took
         gemv.pin(n, k, int(bucket), dtype, None if cfg == "F.linear" else tuple(ast.literal_eval(cfg)))
     return found
 

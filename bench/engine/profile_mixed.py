@@ -1,9 +1,8 @@
-"""Where a mixed decode step's time goes (issue 6 interference: steps that carry any prefill).
+"""Where a mixed decode step's time goes (interference: steps that carry any prefill).
 
 On the GPU a decode-only step is one CUDA-graph replay (~3 ms at 64 streams); a step that also
-feeds prefill tokens used to run the model eagerly, 25-46 ms in the interference bench whatever
-its token count (17, 128 or 2,048 prefill tokens); now it replays a mixed-step graph
-(cuda_graphs.MixedGraphs), and `eager_mixed` (decode.engine.cuda_graph_mixed = false) is the
+feeds prefill tokens replays a mixed-step graph (cuda_graphs.MixedGraphs; run eagerly such a step
+took 25-46 ms in the interference bench whatever its token count), and `eager_mixed` (decode.engine.cuda_graph_mixed = false) is the
 comparison in the same process. This script builds W1's
 Qwen3-0.6B-shaped random-weight model with the engine's CUDA defaults, keeps `--streams` requests
 decoding, and for each prefill size adds one request and times the step that feeds it

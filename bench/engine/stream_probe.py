@@ -1,6 +1,6 @@
 """Does a producer warp streaming weights over TMA take the weight DRAM time off the barrier chain?
 
-Session 13's TRACE_ALL runs of the batch-1 persistent kernel (kernels/megakernel.py) showed that a
+TRACE_ALL runs of the batch-1 persistent kernel (kernels/megakernel.py) showed that a
 program polling a grid barrier behind ~100 KB of outstanding register loads sees it pass 2-3.5 us
 late: the weight reads that were meant to overlap the barrier chain sit on it instead, because the
 warps that compute are also the warps that load. This probe runs the same chain of GEMV phases as
@@ -12,9 +12,9 @@ no norms or attention) two ways, on random weights, in one process:
 - `gluon_no_weights`: that kernel's chain of barriers and input loads alone (no weights);
 - `gluon_l2_weights`: every layer streams layer 0's weights (from L2 after the first layer);
 - `gluon_w8`: 8 consumer warps instead of 4;
-- `paced_<ns>` (`--paced`, session 14): the producers issue their chunks no faster than evenly
+- `paced_<ns>` (`--paced`): the producers issue their chunks no faster than evenly
   over <ns> a layer, so the weights never stream in as a burst behind a barrier;
-- `ll_*` (session 16): the same kernels with the grid barriers replaced by flags inside the data,
+- `ll_*`: the same kernels with the grid barriers replaced by flags inside the data,
   as NCCL's LL protocol does: every exchanged element is one 32-bit word holding its bf16 value
   and a 16-bit tag naming the (launch, layer, phase) that wrote it, so a consumer polls the
   vector it needs until every tag is the expected one. One L2 round trip an exchange instead of
@@ -347,7 +347,7 @@ def _compute(bufs, ready, empty, h_ptr, qkv_ptr, gu_ptr, bar_ptr, layers, hp, qk
                 y, idn = _consume(db, dr, de, idn, xs, RBD, CD, ND, L3, WEIGHTS)
                 _ll_rows_out(hp, h_ptr, pid * RD + rg * RBD, y, _ll_tag(e0, layer, 3), RBD, True, L3)
             _cta_sync()
-    else:  # a grid barrier after each phase (sessions 13-14)
+    else:  # a grid barrier after each phase
         nb = 0
         for _layer in range(layers):
             xs = _x4(h_ptr, CQ, NQ_, 0, 0, L3)
@@ -557,7 +557,7 @@ def main() -> None:
             run_w8()
             runners["gluon_w8"] = run_w8
             results["gluon_w8"] = {"note": "8 consumer warps instead of 4"}
-        for ns in args.paced:  # session 14: the weight stream paced over a target layer time
+        for ns in args.paced:  # the weight stream paced over a target layer time
 
             def run_paced(ns: int = ns) -> None:
                 h.copy_(h0)
@@ -570,7 +570,7 @@ def main() -> None:
                 results[f"paced_{ns}"] = {"note": f"producers issue chunks evenly over {ns} ns a layer"}
             except Exception as e:  # noqa: BLE001 - the other variants still run
                 results[f"paced_{ns}"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
-        try:  # session 16: tagged words instead of grid barriers
+        try:  # tagged words instead of grid barriers
             hl = h0.clone()
             print("ll check", flush=True)
             check.run(hl, ll=True)

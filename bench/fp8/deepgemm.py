@@ -113,7 +113,7 @@ def import_deepgemm(src: Path, build_dir: Path) -> Any:
         # library's code itself (the crash frames, codecvt and ostream internals, were in _C.so):
         # a second copy whose locale facet ids disagree with the shared library's, so the first
         # std::regex or `ostream << unsigned long` calls through the wrong facet's vtable and
-        # segfaults (sessions 15-18; a 10-line extension with a std::regex crashed the same way,
+        # segfaults (a 10-line extension with a std::regex crashed the same way,
         # and ran once linked with this flag). Why that link takes the static archive there was
         # not found: the toolchain has libstdc++.so.
         extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc", "-l:libstdc++.so.6"],
@@ -253,8 +253,8 @@ def main() -> None:
         TIME_NK[:] = [(n, k)]
     dev = torch.device("cuda")
     src = Path(args.src).resolve()
-    # Session 15's first H200 run died of a segfault before printing anything: these say where
-    # (session 17: in the first DeepGEMM call, see import_deepgemm's link flags).
+    # A segfault before anything prints (the libstdc++ facet mismatch import_deepgemm's link
+    # flags avoid) still says where it happened.
     faulthandler.enable()
     fp8_wgmma.build()
     for u in UNROLLS:

@@ -1,4 +1,4 @@
-"""FP8 block-scaled GEMM benchmark on one Hopper GPU (issue 8): relay's tuned dispatch ("auto") vs
+"""FP8 block-scaled GEMM benchmark on one Hopper GPU: relay's tuned dispatch ("auto") vs
 bf16 cuBLAS vs torch's block-wise `scaled_mm`, all in the same run (~3 minutes on an H200).
 "auto" follows services/engine/kernels/fp8_configs.json (bench/fp8/tune.py writes it; run tune.py
 first, then this with --sweep-budget-s 0); each row records the entry it used (`auto_choice`,

@@ -1,6 +1,6 @@
 """Does a torch C++ extension built on this machine share the process's libstdc++?
 
-Why: DeepGEMM's module segfaulted on the GPU machine in its first call (sessions 15-18), inside
+Why: DeepGEMM's module segfaulted on the GPU machine in its first call, inside
 std::regex and then inside `ostream << unsigned long`. The cause was not DeepGEMM: an extension
 linked there the default way carries its own static copy of libstdc++, whose locale facet ids
 disagree with the shared library's, so its first facet call goes through another facet's vtable.

@@ -1,4 +1,4 @@
-"""Train/inference mismatch with an FP8 engine (issue 8), on one GPU.
+"""Train/inference mismatch with an FP8 engine, on one GPU.
 
     PYTHONPATH=. python3 bench/fp8/mismatch.py --out $OUT/fp8_mismatch.json
 
@@ -179,7 +179,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> di
     # Warm-up at the timed batch's shapes, twice: the first run fills the prefix cache, so later
     # runs prefill only the prompts' uncached tails, at other M. Triton compiles each new (M
     # bucket, N, K) FP8 config on first use (~0.1-0.2 s), which would otherwise land in the timed
-    # run (session 9 diagnosis: decode steps equal, bf16 1.18 / fp8 1.17 ms p50 at batch 64; one
+    # run (measured without this warm-up: decode steps equal, bf16 1.18 / fp8 1.17 ms p50 at batch 64; one
     # prefill step 196 ms in fp8 vs 31 ms in bf16).
     short = [r.model_copy(update={"sampling": r.sampling.model_copy(update={"max_tokens": 4})}) for r in reqs]
     for _ in range(2):

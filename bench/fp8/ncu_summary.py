@@ -8,7 +8,7 @@ Two kinds of input, each the CSV the device scripts write:
     prints, per SASS opcode, the warp-level instructions executed and the warp-stall samples of
     each kernel, then each kernel's stall reasons and hottest instructions.
 
-Why: the question in session 19 was where our kernel spends the cycles DeepGEMM's does not, and
+Why: the question is where our kernel spends the cycles DeepGEMM's does not, and
 these pages answer it only when read against each other.
 
     python3 bench/fp8/ncu_summary.py --source ours.csv deepgemm.csv --names ours,deepgemm

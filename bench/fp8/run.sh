@@ -84,8 +84,8 @@ json.dump(t, open('$OUT/fp8_configs_cublas.json', 'w'))"
     *) echo "unknown benchmark $what (gemm | wgmma | ncu | ncu-source | mismatch | clocks | deepgemm | deepgemm-ncu | deepgemm-ncu-source | product | trainer)"; exit 2 ;;
   esac
 done
-# The device tool brings back only the first few files under $OUT (session 24 lost Nsight
-# Compute's CSVs that way): everything but the .json and .txt results goes into one tarball per
+# The device tool brings back only the first few files under $OUT (Nsight Compute's
+# CSVs can be lost that way): everything but the .json and .txt results goes into one tarball per
 # invocation (raw_<first mode>_<time>.tgz, so a second run.sh in the same call keeps the first's).
 (cd "$OUT" && raw=$(ls | grep -v -E '\.(json|txt)$|^raw_.*\.tgz$') && [ -n "$raw" ] &&
   tar czf "raw_${1:-gemm}_$(date +%s).tgz" --remove-files $raw && echo "raw outputs packed in $OUT: $(echo $raw | wc -w) files") || true

@@ -1,8 +1,8 @@
 """Static instruction counts of the FP8 GEMM kernels' K loops, ours (`fp8_wgmma.cu`) against
 DeepGEMM's, read from their SASS on this machine: nvcc and cuobjdump, no GPU.
 
-Why: device time is scarce, and session 19's largest gain came from reading the two kernels' SASS
-side by side (DeepGEMM's compiles here from the bundle of deepgemm_bundle.sh): ours spent about
+Why: device time is scarce, and the largest measured gain of the kernel came from reading the two
+kernels' SASS side by side (DeepGEMM's compiles here from the bundle of deepgemm_bundle.sh): ours spent about
 twice DeepGEMM's non-FMA instructions per K block. This makes that comparison one command, so a
 kernel change can be judged by its SASS before it spends a device call.
 
@@ -33,7 +33,7 @@ from ncu_summary import opcode  # noqa: E402
 from services.engine.kernels.cuda import fp8_wgmma, nvcc  # noqa: E402
 
 # DeepGEMM's SM90 1D2D kernel as its heuristic configures it for M, N, K = 4096, 4096, 7168 on 132
-# SMs (session 19's DG_PRINT_CONFIGS): 256 x 128 tiles, 3 stages, 2-CTA clusters sharing A. The
+# SMs (its DG_PRINT_CONFIGS output): 256 x 128 tiles, 3 stages, 2-CTA clusters sharing A. The
 # template arguments of sm90_fp8_gemm_1d2d_impl, in its order.
 DEEPGEMM_ARGS = (
     "cute::UMMA::Major::K, 0, 4096, 7168, 1, 256, 128, 128, 128, 128, 128, 3, 128, 256, 2, true, 132, "

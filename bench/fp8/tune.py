@@ -1,4 +1,4 @@
-"""Tune the FP8 block-scaled GEMM dispatch table on one Hopper GPU (issue 8): for every shape, time
+"""Tune the FP8 block-scaled GEMM dispatch table on one Hopper GPU: for every shape, time
 every candidate kernel config as CUDA-graph replays, check it against the dequantised reference,
 and write the fastest verified option per (M bucket, N, K) -- one of our Triton configs, cuBLAS
 block-wise, or (M > 256, Hopper) our CUDA kernel -- to services/engine/kernels/fp8_configs.json,

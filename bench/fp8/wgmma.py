@@ -122,7 +122,7 @@ def bench_rounds(fns: dict[str, Callable[[], Any]], row: dict[str, Any]) -> None
     kept as `<name>_us_samples`).
 
     Why: back to back at the 700 W cap the card's clock drifts with its temperature and power
-    draw, by 10% within one run (session 19: one kernel timed 1147 and 1003 TFLOP/s minutes apart
+    draw, by 10% within one run (one kernel timed 1147 and 1003 TFLOP/s minutes apart
     at the same shape), so one reading per kernel in a fixed order favours whichever ran at the
     better moment. Taking turns spreads the drift over all of them, bf16 included."""
     names = list(fns)

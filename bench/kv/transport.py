@@ -9,12 +9,11 @@ Starts Redis and the KV store gateway (RAM tier) as processes, then times, for b
   import  kv_transfer.import_pages of the pulled bytes into a KVCache of that layout on --device
           (the copy the engine's step thread pays), reported separately and as get+import
 
-`--paths legacy` runs the pre-fix code path (the client over the gateway's HTTP routes: httpx, one
-response body read into bytes, a bytes copy per page and a join, put copying its chunk into a new
-frame; the pre-fix import: a join copy, a contiguous copy per pool, one indexed write) against the
-same gateway in the same process, so before and after are measured side by side. `http` is
-today's client forced onto the HTTP routes, `client` today's client (the data plane, reused
-staging buffers, run-wise import). The default runs all three.
+`--paths legacy` runs a plain data path as the baseline (the client over the gateway's HTTP routes:
+httpx, one response body read into bytes, a bytes copy per page and a join, put copying its chunk
+into a new frame; a plain import: a join copy, a contiguous copy per pool, one indexed write)
+against the same gateway in the same process. `http` is relay's client forced onto the HTTP
+routes, `client` relay's client (the data plane, reused staging buffers, run-wise import). The default runs all three.
 
     .venv/bin/python -m bench.kv.transport --out bench/kv/results/transport_cpu.json
 """
@@ -43,15 +42,16 @@ LEGACY_PAGES_PER_CALL = 64
 
 
 class LegacyClient:
-    """The client's data path before the transport work (services/kvstore/client.py as of
-    2026-11-30 morning), kept here as the baseline: same frames, same gateway."""
+    """The plain client data path (httpx over the gateway's HTTP routes, a bytes copy per page and a
+    join, put copying its chunk into a new frame), kept here as the baseline: same frames, same
+    gateway."""
 
     def __init__(self, url: str, max_call_bytes: int = 512 << 20):
         self.url, self.max_call_bytes = url, max_call_bytes
         self.http = httpx.Client(timeout=120, headers={"content-type": MEDIA_TYPE})
 
     def get_prefix(self, keys: list[bytes]) -> tuple[list[bytes], bytes]:
-        # Unchanged by the transport work but for the bytes copy per page, which copy_pages keeps.
+        # The shared HTTP reader, with the bytes copy per page (copy_pages).
         return http_get_prefix(self.http, self.url, keys, LEGACY_PAGES_PER_CALL, copy_pages=True)
 
     def put(self, keys: list[bytes], data: bytes, page_bytes: int) -> int:
@@ -73,7 +73,7 @@ class LegacyClient:
 
 
 def legacy_import(kv: KVCache, hashes: list[bytes], data: bytes) -> int:
-    """kv_transfer.import_pages before the transport work (same bookkeeping): a join copy of the
+    """A plain kv_transfer.import_pages (same bookkeeping): a join copy of the
     pages to import, frombuffer -> device, a contiguous copy per pool and one indexed write."""
     per = page_nbytes(kv)
     pages = [kv.blocks.allocate() for _ in hashes]
@@ -191,8 +191,8 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="legacy,http,client",
-        help="legacy: the pre-fix client over HTTP; http: today's client forced onto the HTTP "
-        "routes; client: today's client (the data plane)",
+        help="legacy: the plain client over HTTP; http: relay's client forced onto the HTTP "
+        "routes; client: relay's client (the data plane)",
     )
     p.add_argument("--import-pages", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default="cpu", help="where the import's KVCache lives")
@@ -220,9 +220,9 @@ def main() -> None:
             "page_bytes": page_bytes,
             "summary": summary,
             "path_meaning": {
-                "legacy": "pre-fix code path: client over the HTTP routes with its copies, pre-fix import",
-                "http": "today's client forced onto the gateway's HTTP routes",
-                "client": "today's client: TCP data plane, reused staging buffers, run-wise import",
+                "legacy": "plain code path: client over the HTTP routes with its copies, plain import",
+                "http": "relay's client forced onto the gateway's HTTP routes",
+                "client": "relay's client: TCP data plane, reused staging buffers, run-wise import",
             },
             "paths": results,
         },

@@ -1,4 +1,4 @@
-"""Where do the bf16 engine and the bf16 trainer round differently? (issue 7, Router Replay's KL floor)
+"""Where do the bf16 engine and the bf16 trainer round differently? (Router Replay's KL floor)
 
 With Router Replay the trainer routes every token to the experts the engine chose, so what is left
 of the engine/trainer mismatch is bf16 numerics: each place where the two sides round at a
@@ -29,7 +29,7 @@ softmax in float32 explicitly, and a layer norm's bf16 output is the same roundi
 float32 value either way, so both trainer paths compute the same function on both devices.
 The engine's CPU path computes q/k-norm + RoPE as its GPU kernel does (float32, one rounding).
 Both sides' LM-head logits are float32 by default (`logits_fp32`, services/common/lm_head.py);
-`--bf16-logits` measures the old bf16-output head.
+`--bf16-logits` measures a bf16-output head.
 
 Floor sources (`--sources`, `floor_sources()`): on CPU the two sides are bitwise equal with replay,
 so the GPU's floor (kernels summing in different orders) is emulated on the trainer side, one
@@ -48,7 +48,7 @@ Residual stream (`--residual`, `residual_sources()`): ModelConfig.fp32_residual 
 (default fp32: the hidden state between layers in float32, each residual add in float32; bf16:
 rounded at every add). `--residual fp32,bf16 --sources` runs the floor sources with each stream,
 side by side: how much of the emulated body_flip floor the float32 stream removes (a sub-ulp
-sublayer difference is no longer rounded up to a whole ulp of the larger residual).
+sublayer difference is not rounded up to a whole ulp of the larger residual).
 
 Head alone (`--head`, `head_only()`): the LM head at the real shape (dim 2048, vocabulary 151936)
 with a real accumulation-order difference (one float32 GEMM against the same products summed as

@@ -1,4 +1,4 @@
-"""Router Replay benchmark (issue 7): trainer/inference mismatch on a Qwen3-30B-A3B-shaped MoE,
+"""Router Replay benchmark: trainer/inference mismatch on a Qwen3-30B-A3B-shaped MoE,
 with and without replaying the engine's expert choices in the trainer.
 
     # on the H200 (repo on PYTHONPATH; torchtitan/pydantic wheels in .whl/ are installed into
@@ -32,7 +32,7 @@ agreement 1.0 and a near-zero KL; and `logits_check`: the float32 LM head on the
 real head shape against a float64 reference, and the chunked head against the plain one.
 
 LM-head precision (`--logits`, default fp32): "fp32" runs both sides' logits as the bf16 GEMM's
-float32 output (decode.engine.logits_fp32 / trainer.logits_fp32, the default); "bf16" the old bf16
+float32 output (decode.engine.logits_fp32 / trainer.logits_fp32, the default); "bf16" a bf16
 output. `--logits fp32,bf16` runs every initialisation with each, in one process (phases
 `bf16/<init>` and `bf16/<init>/bf16_logits`; every phase records `logits_fp32`).
 
@@ -120,7 +120,7 @@ from trainer.parallel import autocast_context, parallelize  # noqa: E402
 from trainer.publish import Publisher  # noqa: E402
 from trainer.replay import micro_batch_routes, moe_routers, routing  # noqa: E402
 
-KL_GOAL = 10.0  # issue 7: replay cuts the mismatch KL at least 10x
+KL_GOAL = 10.0  # the goal: replay cuts the mismatch KL at least 10x
 
 
 # ------------------------------------------------------------------ model shapes

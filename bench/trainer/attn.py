@@ -1,4 +1,4 @@
-"""Causal attention forward + backward on one H200, every backend that runs (issue 9: MFU).
+"""Causal attention forward + backward on one H200, every backend that runs (trainer MFU).
 
     python3 bench/trainer/attn.py --out $OUT/attn.json          # ~1-2 min
 

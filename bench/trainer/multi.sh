@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two-GPU trainer benchmarks (a later session; needs the nvidia-h200-x2 machine). One part per
+# Two-GPU trainer benchmarks (needs a two-GPU machine). One part per
 # device command (each fits the 10-minute limit; writes $OUT/trainer_multi_<part>.json):
 #   bash bench/trainer/multi.sh fsdp    |    bash bench/trainer/multi.sh cp    |    ... ep
 # 1. FSDP2 over 2 GPUs, Qwen3-4B shape, 16k tokens per GPU (dp = 2), bf16 mixed precision.
@@ -7,7 +7,7 @@
 #    torchtitan's ring SDPA, head-tail load balancing), full / selective activation checkpointing.
 # 3. Qwen3-30B-A3B-shaped MoE (12 of 48 layers, 128 experts, top-8), expert parallel ep = 2,
 #    16k tokens per GPU: the trainer's per-expert loop, and torch._grouped_mm experts.
-# 4. Tensor parallel tp = 2 (session 8), Qwen3-4B shape, one 16k-token batch shared by both GPUs.
+# 4. Tensor parallel tp = 2, Qwen3-4B shape, one 16k-token batch shared by both GPUs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,4 +1,4 @@
-"""Where the trainer step's GPU time goes: torch.profiler over steps of chosen variants (issue 9).
+"""Where the trainer step's GPU time goes: torch.profiler over steps of chosen variants.
 
     python3 bench/trainer/profile_step.py --out $OUT/profile.json \\
         --variants bf16,bf16+compile,baseline_hf          # ~1 min per variant on one H200
@@ -29,7 +29,7 @@ time, and the gap (wall - busy = host overhead / idle GPU); ms and share per cat
 kernels by total time with their category; counts per step: kernels per category and copies
 (`copies_per_step`: memcpy kernels on CUDA, `aten::copy_` ops on CPU, with their ms;
 `fsdp_copies_per_step`: those launched inside FSDP2's hooks), which is where FSDP2's copy-in/out
-on one rank shows (issue 9: `bf16+compile` vs `bf16+compile+nofsdp`). --device cpu profiles the tiny shape on CPU (the CPU
+on one rank shows (`bf16+compile` vs `bf16+compile+nofsdp`). --device cpu profiles the tiny shape on CPU (the CPU
 ops that do the work stand in for kernels): a smoke run of this script's logic.
 
 Where the GPU idles (`idle`, `idle_report`): each profiled step runs inside a `relay::profile_step`

@@ -13,7 +13,7 @@ random weights of a Qwen3-0.6B / Qwen3-4B shape (vocabulary 151936, tied embeddi
     FSDP2 mixed precision bf16 / float32 master weights and reductions, AC, compile, attention
     kernel; trainer.attention micro_batch_attention + packed_logprobs with the chunked log-prob
     head; trainer.loss.ratio_loss; clip_grad_norm_; AdamW as the trainer builds it).
-    One process runs in a 1-rank NCCL group. The variants named before issue 9's world-1 work
+    One process runs in a 1-rank NCCL group. Variants without `+nofsdp`
     keep FSDP2 on it (trainer.fsdp = "always", what they measured); `+nofsdp` variants use the
     trainer's default "auto": no FSDP at world 1, float32 parameters under torch.autocast(bf16),
     which is what the trainer runs on one GPU (trainer.parallel.use_fsdp).
@@ -148,9 +148,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         pack=True, attention="varlen", activation_checkpoint="selective", compile=True
     ),
     "packed+varlen+full_ac": dict(pack=True, attention="varlen", activation_checkpoint="full"),
-    # MoE (issue 9): trainer.moe_grouped_mm "off" = the per-expert loop (a host sync per layer),
+    # MoE: trainer.moe_grouped_mm "off" = the per-expert loop (a host sync per layer),
     # "on" = torch._grouped_mm experts ("auto", the default, is "on" for bf16 on CUDA: a plain
-    # "bf16+sac" is grouped now). moe_sac_extra=False: SAC with torchtitan's Qwen3 save list only,
+    # "bf16+sac" is grouped). moe_sac_extra=False: SAC with torchtitan's Qwen3 save list only,
     # without trainer.parallel.MOE_SAC_SAVE_OPS (all-to-all, grouped GEMMs), to see what they buy.
     "bf16+sac+loop": dict(activation_checkpoint="selective", moe_grouped_mm="off"),
     "bf16+sac+grouped_mm": dict(activation_checkpoint="selective", moe_grouped_mm="on"),
@@ -161,9 +161,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+grouped_mm+fused_adam": dict(moe_grouped_mm="on", optimizer="fused"),
     "bf16+sac+grouped_mm+compile": dict(activation_checkpoint="selective", moe_grouped_mm="on", compile=True),
     "bf16+grouped_mm+compile+fused_adam": dict(moe_grouped_mm="on", compile=True, optimizer="fused"),
-    # Issue 9 (MFU): the SDPA kernel (trainer.sdpa_backend / sdpa_expand_kv), the chunked
+    # MFU: the SDPA kernel (trainer.sdpa_backend / sdpa_expand_kv), the chunked
     # log-prob head's compiled softmax math alone (compile_head: what trainer.compile adds to
-    # the head on CUDA) and fused AdamW (optimizer="fused"; the trainer builds foreach today).
+    # the head on CUDA) and fused AdamW (optimizer="fused"; the trainer builds foreach).
     "bf16+cudnn": dict(sdpa_backend="cudnn"),
     "bf16+flash": dict(sdpa_backend="flash"),
     "bf16+cudnn+expand_kv": dict(sdpa_backend="cudnn", sdpa_expand_kv=True),
@@ -177,7 +177,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+sac+compile+cudnn+fused_adam": dict(
         compile=True, activation_checkpoint="selective", sdpa_backend="cudnn", optimizer="fused"
     ),
-    # Issue 9, world 1: trainer.fsdp = "auto" (the trainer's default) applies no FSDP on one rank:
+    # World 1: trainer.fsdp = "auto" (the trainer's default) applies no FSDP on one rank:
     # float32 parameters, bf16 through autocast, no all-gather / reduce-scatter copies. Compare with
     # "bf16+compile" (FSDP2 on the 1-rank group, reshard_after_forward=False as apply_fsdp sets
     # for one rank). fused_adam: the AdamW the trainer builds on CUDA.
@@ -208,7 +208,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (trainer/master_weights.py). Compare with bf16+compile+fused_adam+fsdp.
     "bf16+master": dict(fsdp="master"),
     "bf16+compile+master+fused_adam": dict(compile=True, fsdp="master", optimizer="fused"),
-    # The LM head's logits rounded to bf16 (trainer.logits_fp32 = false, the pre-session-5 head):
+    # The LM head's logits rounded to bf16 (trainer.logits_fp32 = false):
     # what float32 logits (the mismatch fix, docs/loss.md) cost in step time.
     "bf16+compile+fused_adam+fsdp+bf16_logits": dict(compile=True, optimizer="fused", logits_fp32=False),
     # The chunked head recomputing its logits in the backward (trainer.head_cache_gib = 0, the
@@ -356,7 +356,7 @@ def build_ours(
         packing=True,
         **trainer_knobs,
     )
-    # The head's knobs as trainer/train.py passes them (logits_fp32 used to stay at its default here).
+    # The head's knobs as trainer/train.py passes them (logits_fp32 included).
     model = enable_chunked_output(
         build_model(m, seed=0, device=ctx.device, init_std=0.02), tc.logits_fp32, tc.head_cache_gib
     )

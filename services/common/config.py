@@ -275,8 +275,8 @@ class EngineConfig(Strict):
     pdl: bool = True
     # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
     # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). On by
-    # default since `bench/engine/gpu_fused_check.py` passed on an H200 and W1 went from 46% to 56%
-    # of the memory roofline (bench/engine/results/w1_h200_3.json). No effect on CPU. The fused
+    # default: `bench/engine/gpu_fused_check.py` passes on an H200, and on the H200 W1 reaches 56%
+    # of the memory roofline with it against 46% without. No effect on CPU. The fused
     # sampler draws a different random stream than the CPU path.
     fused_kernels: bool = True
     # CUDA (Hopper) with fused_kernels: a batch-1 decode step runs every layer in one persistent
@@ -284,7 +284,7 @@ class EngineConfig(Strict):
     # kernel"); dense GQA models with the float32 residual stream only. Its programs must all be
     # resident at once (one per SM): the engine leaves it off under MPS with an SM limit, and a
     # launch that deadlocks anyway traps instead of hanging. On the H200: Qwen3-0.6B's batch-1
-    # graph 0.760 vs 0.864 ms (bench/engine/results/profile_batch1_megakernel_h200_s14.json).
+    # graph 0.760 vs 0.864 ms.
     megakernel: bool = True
     # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
     # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.
@@ -292,8 +292,8 @@ class EngineConfig(Strict):
     quantization: Literal["none", "fp8"] = "none"
     # Overlap scheduling (docs/engine.md): step N+1 is scheduled and launched before step N's
     # sampled tokens reach the host (they feed N+1 on the device); N's bookkeeping runs while N+1
-    # computes. Same tokens as off. "auto": on with CUDA, where it took W1 from 51% to 64% of the
-    # roofline (bench/engine/results/w1_h200_4.json); off on CPU, where the forward is synchronous
+    # computes. Same tokens as off. "auto": on with CUDA, where W1 reaches 64% of the roofline with
+    # it against 51% without (H200); off on CPU, where the forward is synchronous
     # and nothing overlaps. true / false force it (the CPU tests force it on).
     overlap_schedule: Literal["auto"] | bool = "auto"
     # LM-head logits as the bf16 GEMM's float32 output, not rounded to bf16 (services/common/
@@ -330,7 +330,7 @@ class KVPullSection(Strict):
     prefill steps; they are conservative (a slow pull, a fast prefill) so an unmeasured GPU replica
     recomputes rather than stalls on a pull."""
 
-    # auto: the cost model; always: pull whatever the store has (the pre-2026-11-30 behaviour);
+    # auto: the cost model; always: pull whatever the store has;
     # never: recompute every missing prefix (the store still receives pages).
     mode: Literal["auto", "always", "never"] = "auto"
     prior_pull_bytes_per_s: float = Field(200e6, gt=0)  # gateway -> decode host memory
@@ -530,7 +530,7 @@ class TrainerSection(Strict):
     # the weight gradient over tokens with grad_out^T and x^T quantised 1x128 along the tokens), as
     # DeepSeek-V3 trains. false: both in the activations' dtype through the dequantised operands.
     # H200: a training linear of >= ~25M weights is 1.14-1.35x bf16 with it, 0.71-0.94x without
-    # (bench/fp8/results/train_linear_h200.json; docs/fp8.md). MoE experts: the two dgrads in FP8
+    # (docs/fp8.md). MoE experts: the two dgrads in FP8
     # (grouped), the weight gradients bf16 from the saved inputs, no recompute; false: the
     # straight-through gradients recomputed in bf16 (H100, 30B-A3B widths: 1.05x against 0.87x bf16).
     fp8_backward: bool = True

@@ -1,4 +1,4 @@
-"""FP8 block-scaled quantisation and GEMMs, the DeepSeek-V3 recipe (issue 8), CPU reference path.
+"""FP8 block-scaled quantisation and GEMMs, the DeepSeek-V3 recipe, CPU reference path.
 
 Recipe: E4M3 (`torch.float8_e4m3fn`, max 448) values with float32 *decoding* scales, so that
 ``x ~= x_fp8.float() * scale``:

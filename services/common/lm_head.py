@@ -1,4 +1,5 @@
-"""The LM head's logits in float32, computed the same way by the engine and the trainer (issue 7).
+"""The LM head's logits in float32, computed the same way by the engine and the trainer
+(so that Router Replay's train/inference KL is not floored by the head's rounding).
 
 A bf16 GEMM with a bf16 *output* rounds each of the ~152k logits to a bf16 ulp (0.004-0.016 at
 |logit| ~ 1-2). The engine and the trainer accumulate the same products in different orders, and

@@ -348,7 +348,7 @@ def token_ladder(max_tokens: int, smallest: int = 64) -> list[int]:
     between them, ending at max_tokens (a step's token budget). Padding costs at most half the
     step's own size, in GEMM rows only (attention and the KV writes skip padding rows): with
     powers of two alone a 2,112-token step ran the 4,096 graph, 11.9 ms against 9.7 ms eager on
-    an idle host (bench/engine/results/profile_mixed_h200_*.json)."""
+    an idle H200 host."""
     sizes = []
     size = smallest
     while size < max_tokens:

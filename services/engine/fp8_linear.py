@@ -42,7 +42,7 @@ Backend = Literal["auto", "reference", "torch", "triton", "cuda"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton", "cuda")
 # For (N, K) outside the measured table: M at or below which "auto" picks the Triton kernel on
 # CUDA. H200 run 1: Triton (pick_config) beat cuBLAS block-wise at every measured M <= 256 and
-# lost at 10 of 12 (M, N, K) with 512 <= M <= 2048 (bench/fp8/results/gemm_h200_1.json).
+# lost at 10 of 12 (M, N, K) with 512 <= M <= 2048.
 TRITON_MAX_M = 256
 # Triton configs that failed to compile/launch here (name -> error); "auto" then uses torch.
 TRITON_FAILURES: dict[str, str] = {}
@@ -51,7 +51,7 @@ _FAILED_CONFIGS: set[kern.GemmConfig] = set()  # the same, by config: no name() 
 # "auto" then uses cuBLAS where the table says "cuda", and Triton for grouped GEMMs.
 CUDA_FAILURE: list[str] = []
 # Rows per expert (T / E) from which "auto" runs MoE grouped GEMMs on the CUDA kernel (Hopper).
-# One H100, E = 32 (bench/fp8/results/grouped_h100_20*.json): from 32 rows per expert it beat the
+# One H100, E = 32: from 32 rows per expert it beat the
 # Triton grouped kernel at every measured point, 1.73-2.37x bf16 grouped_mm against 0.83-1.79x at
 # DeepSeek-V3's expert shapes and 1.49-1.94x against 1.07-1.61x at Qwen3-30B-A3B's; below 32 it
 # did not always (8 rows, 30B-A3B down: Triton 2.81x, CUDA 2.02x), so decode stays on Triton.

@@ -91,7 +91,7 @@ def small_ds(**kw: object) -> ModelConfig:
 
 def tokens(m: ModelConfig, *, b: int, t: int, seed: int = 1) -> torch.Tensor:
     """Seeded random token ids [b, t] in the model's vocabulary. b and t have no defaults: the
-    modules that share this used to have different ones."""
+    modules that share this use different ones."""
     return torch.randint(0, m.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
 
 

@@ -1,8 +1,8 @@
-"""Triton kernels for the DeepSeek-V3 FP8 recipe (issue 8): block-scaled GEMM, grouped (MoE) GEMM,
+"""Triton kernels for the DeepSeek-V3 FP8 recipe: block-scaled GEMM, grouped (MoE) GEMM,
 and 1x128 activation quantisation, plus the measured dispatch table they are launched from.
 
 Why our own kernels: torch's block-wise `scaled_mm` (cuBLAS) is ~1.5x bf16 at M >= 4096 but only
-0.6-1.3x at decode-sized M (bench/fp8/results/gemm_h200_2.json): with 128x128 output tiles,
+0.6-1.3x at decode-sized M (H200): with 128x128 output tiles,
 M = 128 and N = 2048 gives 16 CTAs for 132 SMs. At small M the GEMM is weight-bandwidth bound and
 fp8 weights are half the bytes of bf16 ones, so a kernel that keeps every SM streaming weights
 can approach 2x bf16.
@@ -558,7 +558,7 @@ if HAS_TRITON:
         """The correctly rounded x / s (what div_rn gives), s a scale per row, column or tile in a
         shape that broadcasts against x: one div_rn per scale (y = 1 / s), then Markstein's
         correction (see _quant_block), three multiply-adds instead of a division per element,
-        which made the quantisers compute-bound (session 21: the one-pass x/x^T quantiser ran
+        which made the quantisers compute-bound (measured: the one-pass x/x^T quantiser ran
         1.7x slower than the two passes with a div_rn per element)."""
         y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         q0 = x * y

@@ -22,12 +22,10 @@ grid-wide barrier between the six phases of a layer:
 Weights do not depend on the data, so each program loads its slice of the next GEMV's weights
 into registers a phase or two ahead, after arriving at the barrier and before waiting on it: the
 weights stream in while the barriers serialise only the small activations, which stay in L2.
-(L2 prefetch instructions instead, of weights or of KV, were slower in every arrangement tried:
-bench/engine/README.md, sessions 12 and 14.) Weights and KV are loaded evict_first, so that
+(L2 prefetch instructions instead, of weights or of KV, were slower in every arrangement measured.) Weights and KV are loaded evict_first, so that
 their stream does not push the small data every phase waits on out of L2. Fewer phases a layer
 (the merge inside o_proj's split-K partials; the MLP in one phase with atomically added down
-outputs) and relaxed barrier polling were measured no faster and removed (bench/engine/README.md,
-session 14).
+outputs) and relaxed barrier polling were measured no faster, so the kernel does not have them.
 
 Numerics follow the layered GPU path: bf16 GEMV outputs, float32 residual stream, RMSNorm and
 q/k norm + RoPE in float32 rounded once, P cast to the cache dtype for P @ V, partitions merged
@@ -112,7 +110,7 @@ def _trap():
 def _grid_wait(bar_ptr, target, MAX_POLLS: tl.constexpr):
     """Wait until the counter reaches `target` arrivals (P programs x barriers so far). A barrier
     is ~1 us on the H200 with 128 programs (polling with ld.acquire instead of atomic reads, or
-    spreading the arrivals over 8 counters, was slower: bench/engine/results/megakernel_probe_*).
+    spreading the arrivals over 8 counters, was slower).
     Arrive, issue the next phase's weight loads, then wait: a warp that issues 100 KB of loads
     stalls until the memory system takes them, and an arrival behind them made everyone wait.
     A barrier that some program never reaches (not every program resident: another client
@@ -204,7 +202,7 @@ def _tile(w_ptr, r0, c: tl.constexpr, K: tl.constexpr, RC: tl.constexpr, KC: tl.
     mask = tl.arange(0, RC)[:, None] < tl.where(ok, RC, 0)
     # evict_first: a step streams ~18x L2's size of weights, which otherwise push out the small
     # data every phase waits on (the activations, partials and barrier counter): 670 against
-    # 697 us for 28 layers (bench/engine/results/megakernel_probe_h200_poll.json, WCACHE 2).
+    # 697 us for 28 layers (H200).
     return tl.load(
         w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
         mask=mask,
@@ -285,7 +283,7 @@ def _gemv(
             if NCH > 3:
                 _gemv_out(out_ptr, r0 + 3 * RC, _rows_dot(w3, x0), WDT, RC, RESIDUAL)
     else:  # every K chunk's input loaded before the first dot: 666 against 672 us for 28 layers,
-        # lower in all 9 rounds (bench/engine/results/megakernel_probe_h200_inputs_first.json)
+        # lower in all 9 rounds (H200)
         x1 = x0
         x2 = x0
         x3 = x0
@@ -367,7 +365,7 @@ def _kv_tile(kc_ptr, vc_ptr, bt_ptr, g, n0, cached, HKV: tl.constexpr, HD: tl.co
     page = tl.load(bt_ptr + p_n // PAGE, mask=nmask, other=0).to(tl.int64)
     rows = (page * PAGE + p_n % PAGE) * (HKV * HD) + g * HD
     # evict_first, as the weights (_tile): 665 against 677 us for 28 layers at context 600
-    # (bench/engine/results/megakernel_probe_h200_evict.json, `kv_evict`).
+    # (H200).
     ev: tl.constexpr = "evict_first"
     k1 = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0, eviction_policy=ev)
     k2 = tl.load(
@@ -507,16 +505,15 @@ def _decode_layers(
     attention item's first KV tile goes out in the q/k/v phase, o_proj's slice in the attention
     phase, gate/up's first tile in the merge phase and the rest in the o_proj phase (each
     measured faster than the arrangement before it: 715 against 724 us for 28 layers, then
-    709-715 against 715-722 in three runs; bench/engine/results/megakernel_probe_h200_s13.json,
-    _spread*.json, _stores.json).
+    709-715 against 715-722 in three runs on the H200).
     EARLY_GU off: gate/up's whole slice in the o_proj phase instead (measured slower);
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
     barriers; WORK off (the barriers only)
     is for bench/engine/megakernel_probe.py's breakdown. MAX_POLLS: _grid_wait's watchdog (tests
     lower it). (L2 prefetch of weights or KV, and the
-    merge folded into the attention phase behind a per-head counter, were measured slower and
-    removed: bench/engine/README.md, session 12.)"""
+    merge folded into the attention phase behind a per-head counter, were measured slower, so the
+    kernel does not have them.)"""
     NQ: tl.constexpr = H * HD
     NQKV: tl.constexpr = (H + 2 * HKV) * HD
     R_QKV: tl.constexpr = NQKV // P

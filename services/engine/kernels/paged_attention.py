@@ -233,9 +233,9 @@ def _merge_kernel(
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D)
     # The first CHUNK items in one shot (a row rarely has more), the rest in the loop below. At
-    # batch 1 under PDL this kernel profiles at 5.3-5.8 us against 4.4 us for the session-7
+    # batch 1 under PDL this kernel profiles at 5.3-5.8 us against 4.4 us for a
     # uniform-split merge (2.1-2.4 us vs 1.9-2.0 us without PDL); neither the one-shot first chunk
-    # nor num_stages moved that (bench/engine/README.md, "Session 8").
+    # nor num_stages moved that.
     cmask = offs_c < n
     idx = (first + offs_c).to(tl.int64) * H + h
     lse = tl.load(part_lse_ptr + idx, mask=cmask, other=float("-inf"))

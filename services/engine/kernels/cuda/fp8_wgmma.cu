@@ -4,8 +4,8 @@
 //
 // Why a CUDA kernel next to the Triton ones: the recipe promotes the tensor cores' partial sum
 // to float32 after every 128-wide K block. In Triton that promotion waits for the block's MMAs
-// and the tensor cores sit idle meanwhile (every Triton formulation measured 0.65-0.85 PFLOP/s,
-// bench/fp8/results/kernel_probe_h200.json). Here, as in DeepGEMM, the work is split by role:
+// and the tensor cores sit idle meanwhile (every Triton formulation measured 0.65-0.85 PFLOP/s
+// on the H200). Here, as in DeepGEMM, the work is split by role:
 //   - one producer warp feeds a ring of shared-memory stages with the bulk tensor copy engine
 //     (TMA: A tile, B tile and the A tile's scales, one mbarrier per stage);
 //   - two math warpgroups each own 64 rows of the 128-row tile. A warpgroup issues the block's
@@ -35,9 +35,9 @@ constexpr int BM = 128;        // two math warpgroups x 64 rows (TALL: 256, two 
 constexpr int THREADS = 384;   // one producer warpgroup + two math warpgroups
 // The producer's and the math warpgroups' K loops are unrolled K_UNROLL times (RELAY_K_UNROLL
 // overrides it for a measurement). Unrolled 4x the default variant ran 1.00-1.05x itself not
-// unrolled (median 1.02x; results/deepgemm_h100_22_generic_unroll.json), as much as libraries
+// unrolled (median 1.02x, one H100), as much as libraries
 // compiled per weight shape with N and K constant and the loop unrolled 8x, DeepGEMM's way
-// (1.00x the 4x-unrolled generic library in the same run; measured and removed in session 22).
+// (1.00x the 4x-unrolled generic library in the same run, so the per-shape libraries are not built).
 // Unrolling a whole short loop (a fixed K of 512-1152) ran ptxas out of registers for the wgmma
 // pipeline and serialised it (C7511), 0.87-0.92x: fp8_wgmma.serialised reads the build log.
 #ifdef RELAY_K_UNROLL
@@ -63,7 +63,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
 // the same constant for every tile, and stepping along K adds to the address field only (it
 // cannot carry out of it: shared addresses stay below 2^18). Descriptors built from warp-uniform
 // values this way stay in uniform registers, so issuing a wgmma costs no R2UR moves and no 64-bit
-// vector arithmetic (session 19's SASS comparison: ours spent ~120 non-FMA instructions per K
+// vector arithmetic (a SASS comparison: with vector descriptors ~120 non-FMA instructions per K
 // block and warp, DeepGEMM's ~60).
 constexpr uint32_t DESC_HI = (1024 >> 4) | (1u << 30);
 __device__ __forceinline__ uint32_t smem_desc_lo(const void* p) { return ((smem_u32(p) & 0x3FFFF) >> 4) | (1u << 16); }
@@ -136,7 +136,7 @@ __device__ __forceinline__ void cluster_sync() {
 // (CTA-scope) semantics, as CUTLASS's ClusterBarrier does: the arrival only says that this warp's
 // wgmmas have finished reading the stage. `.release.cluster` here compiled to a GPU-wide memory
 // barrier and an L1 invalidation per arrival and made the cluster variants 1.5-2x slower
-// (bench/fp8/results/wgmma_ncu_h200*.json).
+// (Nsight Compute, H200).
 //
 // The single-thread operations here and below take their condition as a predicate inside the asm
 // instead of an `if` around it: a branch on the lane is a divergent path to ptxas, and a divergent
@@ -247,23 +247,21 @@ constexpr int OVERLAP = 16;
 // for these shapes), and a cluster shares the A tile between CTAs with neighbouring columns.
 constexpr int TALL = 32;
 __host__ __device__ constexpr int tile_rows(int mode) { return (mode & TALL) != 0 ? 2 * BM : BM; }
-// Measured and removed (session 20, docs/fp8.md): DEDICATED_D, the epilogue through a buffer of
+// Measured slower or equal, so not built (docs/fp8.md): DEDICATED_D, the epilogue through a buffer of
 // its own with a stage fewer (DeepGEMM's layout; 0.97-1.00x the lent ring slot), and LEAN, the
 // descriptors stepped from per-warpgroup bases (9.8 instead of 11.5 non-FFMA instructions per
 // wgmma, yet 0.96-1.01x: the K loop's issue slots are not what limits it). Removing LEAN's two
 // broadcasts changed the default's schedule (+16 SASS instructions); an A/B of both schedules in
-// one process measured them equal (results/deepgemm_h100_20_ab.json). Also removed (sessions
-// 23-24): SPLIT, stream-K over the walk's last T % P + P steps (K blocks shared out, float32
+// one process measured them equal. Also not built: SPLIT, stream-K over the walk's last T % P + P steps (K blocks shared out, float32
 // partial sums exchanged through a global workspace). At M >= 4096 the exchange cost each walker
-// ~10 us, more than the short last round it recovered (0.84-1.00x, results/split_trace_h100_24.json);
+// ~10 us, more than the short last round it recovered (0.84-1.00x);
 // below one wave it beat variant 18 by up to 1.39x but stayed at 0.47-0.79x cuBLAS block-wise,
-// which the dispatch table picks there (results/wgmma_h100_24_split_smallm.json). And SPARE_BOX
-// (session 24): 16 KB of shared memory of their own for the output boxes a lent slot cannot hold
+// which the dispatch table picks there. And SPARE_BOX: 16 KB of shared memory of their own for the output boxes a lent slot cannot hold
 // (a warpgroup's fourth), so the epilogue need not wait for its first TMA store to free a box:
-// 0.995-1.011x variant 18 (results/wgmma_h100_24_box_ab.json). And 2 x 2 clusters (session 25):
+// 0.995-1.011x variant 18. And 2 x 2 clusters:
 // variant 18 with each CTA multicasting half of A to its cluster row and half of B to its column
 // (a quarter less L2 -> SM traffic than 2-CTA clusters; 33 clusters of 4 fit on an H100, so all
-// 132 SMs ran): 0.74-0.97x variant 18 (results/deepgemm_h100_25_cluster4.json). A stage then
+// 132 SMs ran): 0.74-0.97x variant 18. A stage then
 // waits for the slowest of three CTAs' math warps before it is refilled.
 // Flag on PLAIN | TMA_STORE | SB_SMEM, CLUSTER 1: MoE experts' grouped GEMM. A's rows are sorted
 // by group (offs: cumulative row ends), B holds one (N, K) weight per group, stacked (E * N
@@ -296,8 +294,8 @@ using SmemOf = Smem<tile_rows(MODE), BN, STAGES, (MODE & GROUPED) != 0>;
 // while the next tile's wgmmas do: the slot goes back to the producer only after the stores have
 // read it, checked once the next tile's first wgmma group is issued. The direct epilogue left the
 // tensor cores idle while 8 warps issued 64 scattered 4-byte stores each (per 128x256 tile), and
-// cost more at K = 2048 (16 blocks per tile) than at K = 7168 (results/wgmma_h200_8_final.json:
-// even the unscaled probe lost 20% there). Needs ldc % 8 == 0 and a 16-byte aligned C (TMA);
+// cost more at K = 2048 (16 blocks per tile) than at K = 7168 (H200:
+// even a kernel without the scales lost 20% there). Needs ldc % 8 == 0 and a 16-byte aligned C (TMA);
 // otherwise the launch falls back to the direct epilogue.
 // MODE | OVERLAP: both warpgroups reach the epilogue together, so without it the tensor cores idle
 // through it (at K = 2048 a tile is only 16 K blocks). Here a warpgroup issues the first partial
@@ -994,7 +992,6 @@ constexpr Variant VARIANTS[] = {
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 2>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL, 1>(),
     variant<128, 4, PLAIN | TMA_STORE | SB_SMEM | TALL | OVERLAP, 2>(),
-    // Variants 23-25 (DEDICATED_D, LEAN) were measured and removed in session 20 (see above).
     // MoE grouped GEMMs (GROUPED; relay_fp8_grouped_gemm): 23 = variant 19 grouped, 24 without OVERLAP.
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | OVERLAP | GROUPED, 1>(),
     variant<256, 4, PLAIN | TMA_STORE | SB_SMEM | GROUPED, 1>(),

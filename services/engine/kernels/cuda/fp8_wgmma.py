@@ -2,7 +2,7 @@
 through ctypes, launched on torch's current stream. The engine's and trainer's "cuda" FP8 backend
 (services/engine/fp8_linear.py), which "auto" picks where bench/fp8/tune.py measured it fastest:
 at M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.00-1.10x cuBLAS block-wise
-and 0.96-0.99x DeepGEMM (one H100, session 22, its K loops unrolled 4x; bench/fp8/README.md). Its grouped
+and 0.96-0.99x DeepGEMM (one H100, its K loops unrolled 4x; bench/fp8/README.md). Its grouped
 variants (`fp8_grouped_gemm`) are the MoE experts' GEMM from 32 rows per expert. The other
 variants are the measured alternatives bench/fp8/wgmma.py and deepgemm.py time against it.
 
@@ -74,7 +74,7 @@ VARIANTS: tuple[tuple[int, int, str, int], ...] = (
     (256, 4, "plain_tma_sbs_grouped", 1),
 )
 # BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
-# session 19's interleaved timings (results/deepgemm_h100_19*.json), by 0-7% over variant 17.
+# interleaved timings on one H100, by 0-7% over variant 17.
 DEFAULT_VARIANT = 18
 # "_grouped" modes are the MoE grouped GEMM (`fp8_grouped_gemm`): variant 19's schedule over each
 # expert's rows (no clusters: a cluster's two row tiles could belong to two experts).
