@@ -23,7 +23,7 @@ from rich.console import Console
 
 from sbatch.summary import StepLine, summarize
 from sbatch.supervisor import RestartPolicy, supervisor_argv
-from services.common.bus import Bus
+from services.common.bus import Bus, run_prefix
 from services.common.config import REPO_ROOT, RunConfig
 from services.common.redis_server import RedisServer
 from services.kvstore.launch import ensure_installed, kv_plan, resolve_ports
@@ -118,7 +118,7 @@ class LocalRun:
             self.redis = RedisServer(self.run_dir / "redis").start()
             redis_url = self.redis.url
         # Namespacing by run keeps several runs (or a re-run) on one Redis apart.
-        prefix = f"{cfg.redis.prefix}:{self.run_dir.name}"
+        prefix = run_prefix(cfg.redis.prefix, self.run_dir.name)
         self.cfg = resolve_ports(cfg).model_copy(
             update={"redis": cfg.redis.model_copy(update={"url": redis_url, "prefix": prefix})}
         )

@@ -46,7 +46,7 @@ from rich.console import Console
 from sbatch.local import RUNS_DIR, make_run_dir, read_metrics_after, service_argv
 from sbatch.summary import StepLine, summarize
 from sbatch.supervisor import FINAL_STATES, RestartPolicy, read_states, supervisor_argv
-from services.common.bus import Bus, connect, wait_for_redis
+from services.common.bus import Bus, Keys, connect, run_prefix, wait_for_redis
 from services.common.config import REPO_ROOT, ConfigError, RunConfig, SlurmComponent, slurm_time_minutes
 from services.common.net import free_port
 from services.kvstore.launch import resolve_ports
@@ -57,10 +57,6 @@ ROLES = ("head", "decode", "trainer", "prefill")
 STOP_ORDER = ("orchestrator", "prefill", "decode", "sandbox", "kvstore", "trainer", "redis")
 HEAD_FILE = "head.json"
 TEST_CLUSTER_CONF = Path(os.environ.get("RELAY_SLURM_PREFIX", "/tmp/relay-slurm")) / "etc" / "slurm.conf"
-
-
-def shutdown_key(prefix: str) -> str:
-    return f"{prefix}:control:shutdown"
 
 
 # ---------------------------------------------------------------------- the plan
@@ -198,7 +194,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> JobPlan:
     return JobPlan(
         run_dir=str(run_dir),
         config_path=str(run_dir / "config.json"),
-        prefix=f"{cfg.redis.prefix}:{run_dir.name}",
+        prefix=run_prefix(cfg.redis.prefix, run_dir.name),
         redis_url=cfg.redis.url,
         redis_port=s.redis_port,
         rdzv_port=s.rdzv_port,
@@ -563,7 +559,7 @@ class ComponentTask:
     def _trainer_endpoint(self) -> str:
         """Trainer node 0 publishes host:port for torchrun's c10d rendezvous; the others read it."""
         assert self.r is not None
-        key = f"{self.plan.prefix}:slurm:{self.job_id}:rdzv"
+        key = Keys(self.plan.prefix).slurm_rendezvous(self.job_id)
         if self.rank == 0:
             endpoint = f"{self.host}:{self.plan.rdzv_port or free_port()}"
             self.r.set(key, endpoint)
@@ -625,7 +621,7 @@ class ComponentTask:
         """Ask every component to stop (first reason wins)."""
         assert self.r is not None
         try:
-            self.r.set(shutdown_key(self.plan.prefix), reason, nx=True)
+            self.r.set(Keys(self.plan.prefix).control_shutdown, reason, nx=True)
         except redis.RedisError:
             pass
 
@@ -647,7 +643,7 @@ class ComponentTask:
             if self.stop_reason:
                 return 130 if self.stop_reason.startswith("signal") else code
             try:
-                reason = self.r.get(shutdown_key(self.plan.prefix))
+                reason = self.r.get(Keys(self.plan.prefix).control_shutdown)
             except redis.RedisError:
                 reason = None  # Redis restarting under its supervisor: keep going
             if reason:
@@ -890,7 +886,7 @@ def stop_job(run_dir: Path, console: Console, reason: str = "stop requested (mak
 
         cfg = load_resolved(run_dir / "config.json")
         if cfg.redis.url:
-            connect(cfg.redis.url).set(shutdown_key(cfg.redis.prefix), reason, nx=True)
+            connect(cfg.redis.url).set(Keys(cfg.redis.prefix).control_shutdown, reason, nx=True)
             console.print(f"asked job {job_id} to stop ({reason})")
             deadline = time.monotonic() + cfg.slurm.supervisor.stop_timeout_s + 60
             while not job_gone(job_id) and time.monotonic() < deadline:

@@ -73,7 +73,7 @@ def ledger_report(bus: Bus) -> dict[str, Any]:
     started: set[str] = led["started"]  # type: ignore[assignment]
     trained: dict[str, int] = led["trained"]  # type: ignore[assignment]
     dropped: dict[str, str] = led["dropped"]  # type: ignore[assignment]
-    inflight = set(bus.r.hkeys(f"{bus.k.orchestrator_state}:inflight"))
+    inflight = set(bus.r.hkeys(bus.k.inflight))
     queued: set[str] = set()
     if bus.r.exists(bus.k.rollouts):
         for _eid, fields in bus.r.xrange(bus.k.rollouts):
@@ -94,7 +94,7 @@ def ledger_report(bus: Bus) -> dict[str, Any]:
 
 def versions_served(bus: Bus) -> list[int]:
     versions: set[int] = set()
-    for key in bus.r.scan_iter(match=f"{bus.k.prefix}:rollout:*", count=1000):
+    for key in bus.r.scan_iter(match=bus.k.rollouts_pattern, count=1000):
         raw = bus.r.get(key)
         if raw:
             for s in RolloutGroup.model_validate_json(raw).samples:

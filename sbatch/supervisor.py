@@ -38,6 +38,8 @@ from typing import IO, Any
 
 import redis
 
+from services.common.bus import Keys
+
 # States a supervisor reports.
 STARTING, RUNNING, BACKOFF, STOPPING, STOPPED, EXITED, FAILED = (
     "starting",
@@ -50,14 +52,6 @@ STARTING, RUNNING, BACKOFF, STOPPING, STOPPED, EXITED, FAILED = (
 )
 FINAL_STATES = (STOPPED, EXITED, FAILED)
 _PR_SET_PDEATHSIG = 1
-
-
-def state_key(prefix: str, name: str) -> str:
-    return f"{prefix}:sup:{name}"
-
-
-def restart_key(prefix: str, name: str) -> str:
-    return f"{prefix}:sup-restart:{name}"
 
 
 @dataclass(frozen=True)
@@ -119,6 +113,7 @@ class Supervisor:
         self.argv = list(argv)
         self.policy = policy or RestartPolicy()
         self.prefix = prefix
+        self.k = Keys(prefix)
         self.r = (
             redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
             if redis_url
@@ -155,7 +150,7 @@ class Supervisor:
         try:
             # A final state stays a day so `make status` can still show how a service ended.
             self.r.set(
-                state_key(self.prefix, self.name),
+                self.k.supervisor(self.name),
                 json.dumps(asdict(self.st)),
                 ex=86400 if final else int(self.ttl_s),
             )
@@ -166,7 +161,7 @@ class Supervisor:
         if self.r is None:
             return
         try:
-            req = self.r.getdel(restart_key(self.prefix, self.name))
+            req = self.r.getdel(self.k.supervisor_restart(self.name))
         except (redis.RedisError, OSError):
             return
         if req:
@@ -331,7 +326,7 @@ class Supervisor:
 
 def read_states(r: redis.Redis, prefix: str) -> list[dict[str, Any]]:
     """Every supervisor of a run that reported recently (or ended within a day), sorted by name."""
-    keys = sorted(r.scan_iter(match=state_key(prefix, "*"), count=500))
+    keys = sorted(r.scan_iter(match=Keys(prefix).supervisor("*"), count=500))
     vals = r.mget(keys) if keys else []
     return sorted((json.loads(v) for v in vals if v), key=lambda s: s["name"])
 
@@ -352,7 +347,7 @@ def request_restart(r: redis.Redis, prefix: str, service: str) -> list[str]:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     for n in names:
         # Expires so a request for a supervisor that died meanwhile cannot fire much later.
-        r.set(restart_key(prefix, n), stamp, ex=120)
+        r.set(Keys(prefix).supervisor_restart(n), stamp, ex=120)
     return names
 
 

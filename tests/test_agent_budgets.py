@@ -30,6 +30,7 @@ from prometheus_client import REGISTRY
 
 from services.common.bus import Bus
 from services.common.config import RedisSection, RunConfig
+from services.common.registry import Registry
 from services.common.schemas import (
     GenerateChoice,
     GenerateRequest,
@@ -39,7 +40,7 @@ from services.common.schemas import (
     StepResponse,
 )
 from services.common.tokenizer import build_char_tokenizer, eos_id
-from services.orchestrator.clients import DecodeClient, Registry, Router, SandboxClient
+from services.orchestrator.clients import DecodeClient, Router, SandboxClient
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.rollout import (
     TRUNCATION_MARKER,
@@ -169,7 +170,7 @@ async def run_groups(
     bus.register(ServiceInfo(kind="decode", id=decode_id, url=f"http://127.0.0.1:{port}"), ttl_s=600)
     orch = Orchestrator(cfg, bus, tmp)
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60, connect=5))
-    registry = Registry(bus)
+    registry = Registry(bus.services)
     decode, sandbox = (
         DecodeClient(http, Router(registry, "decode")),
         SandboxClient(http, Router(registry, "sandbox"), credit=credit),
@@ -205,7 +206,7 @@ def assert_accounted(bus: Bus, specs: list[GroupSpec]) -> None:
     for spec in specs:
         assert spec.group_id in ledger["started"]  # type: ignore[operator]
         assert (spec.group_id in on_stream) != (spec.group_id in ledger["dropped"])  # type: ignore[operator]
-    assert not bus.r.hlen(f"{bus.k.orchestrator_state}:inflight")
+    assert not bus.r.hlen(bus.k.inflight)
 
 
 def sandbox_open(sb: object) -> int:

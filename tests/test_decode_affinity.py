@@ -19,8 +19,9 @@ from prometheus_client import REGISTRY
 from test_agent_budgets import ENV, EOS, TOK, Policy, budget_cfg, budget_sandbox, scripted_decode_app
 
 from services.common.bus import Bus
+from services.common.registry import Registry
 from services.common.schemas import GenerateRequest, ServiceInfo
-from services.orchestrator.clients import DecodeClient, Registry, Router, SandboxClient
+from services.orchestrator.clients import DecodeClient, Router, SandboxClient
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.rollout import GroupSpec, RolloutRunner
 
@@ -49,7 +50,7 @@ def kept_count(outcome: str) -> float:
 
 def test_router_keeps_the_preferred_replica_within_the_slack(bus: Bus) -> None:
     a, b = two_replicas(bus)
-    router = Router(Registry(bus), "decode", affinity_slack=2)
+    router = Router(Registry(bus.services), "decode", affinity_slack=2)
     kept0, moved0 = kept_count("kept"), kept_count("moved")
 
     async def run() -> None:
@@ -68,7 +69,7 @@ def test_router_keeps_the_preferred_replica_within_the_slack(bus: Bus) -> None:
 
 def test_router_without_affinity_is_least_outstanding(bus: Bus) -> None:
     a, b = two_replicas(bus)
-    router = Router(Registry(bus), "decode", affinity_slack=None)
+    router = Router(Registry(bus.services), "decode", affinity_slack=None)
 
     async def run() -> None:
         router.outstanding[a] = 1
@@ -119,7 +120,7 @@ def run_two_replicas(
             ids.append(sid)
         orch = Orchestrator(cfg, bus, tmp_path)
         http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60, connect=5))
-        registry = Registry(bus)
+        registry = Registry(bus.services)
         decode = DecodeClient(http, Router(registry, "decode", affinity_slack=slack))
         orch.runner = RolloutRunner(cfg, decode, SandboxClient(http, Router(registry, "sandbox")), TOK, EOS)
         try:

@@ -70,7 +70,7 @@ def test_debug_run_learns_end_to_end(tmp_path: Path) -> None:
 
         versions: set[int] = set()
         token_credit = cfg.orchestrator.advantage == "token"
-        for key in bus.r.scan_iter(match=f"{cfg.redis.prefix}:rollout:*"):
+        for key in bus.r.scan_iter(match=bus.k.rollouts_pattern):
             group = RolloutGroup.model_validate_json(bus.r.get(key))
             for s in group.samples:
                 versions.update(v for v in s.versions if v >= 0)

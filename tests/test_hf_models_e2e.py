@@ -42,6 +42,7 @@ from services.common.config import (
     load_config,
 )
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
+from services.common.registry import Registry
 from services.common.schemas import (
     GenerateRequest,
     SamplingParams,
@@ -55,7 +56,7 @@ from services.decode.tool_calls import finish_reason as tool_finish_reason
 from services.engine import LLMEngine, WeightsError
 from services.engine.batch import ForwardBatch, Span
 from services.engine.loader import read_checkpoint
-from services.orchestrator.clients import DecodeClient, Registry, Router
+from services.orchestrator.clients import DecodeClient, Router
 from services.orchestrator.rollout import GroupSpec, RolloutRunner
 from trainer.model import build_model, load_weights_dir, save_weights_dir, to_hf_state
 
@@ -394,7 +395,7 @@ def test_orchestrator_turns_end_with_im_end(server: Server) -> None:
 
     async def run() -> tuple[Any, EpisodeSandbox]:
         async with aiohttp.ClientSession() as http:
-            decode = DecodeClient(http, Router(Registry(server.bus), "decode"))
+            decode = DecodeClient(http, Router(Registry(server.bus.services), "decode"))
             sandbox = EpisodeSandbox()
             runner = RolloutRunner(cfg, decode, sandbox, tok, eot, chat=template)  # type: ignore[arg-type]
             return await runner.run(GroupSpec("g-im-end", "tool-env", 7)), sandbox
@@ -442,7 +443,7 @@ def test_orchestrator_turn_ending_on_another_eos_id(endoftext_server: Server, us
 
     async def run() -> tuple[Any, EpisodeSandbox, RolloutRunner]:
         async with aiohttp.ClientSession() as http:
-            decode = DecodeClient(http, Router(Registry(endoftext_server.bus), "decode"))
+            decode = DecodeClient(http, Router(Registry(endoftext_server.bus.services), "decode"))
             sandbox = EpisodeSandbox()
             runner = RolloutRunner.for_model_dir(cfg, decode, sandbox, d)  # type: ignore[arg-type]
             if not use_template:

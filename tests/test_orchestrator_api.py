@@ -86,7 +86,7 @@ def test_rollout_transcript_masks(
         logprobs=[0, 0, -1.0, -0.5, 0, 0, -0.2, -0.1], versions=[-1, -1, 0, 0, -1, -1, 1, 1], reward=1.0,
     )  # fmt: skip
     group = RolloutGroup(group_id="g1", env="echo-turns", seed=3, samples=[sample])
-    bus.r.set(f"{bus.k.prefix}:rollout:g1", group.model_dump_json())
+    bus.r.set(bus.k.rollout("g1"), group.model_dump_json())
     body = httpx.get(f"{url}/v1/rollouts/g1.0").json()
     (s,) = body["samples"]
     assert [seg["role"] for seg in s["segments"]] == ["prompt", "model", "env", "model"]

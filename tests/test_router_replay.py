@@ -451,7 +451,7 @@ def _debug_moe_run(tmp_path: Path, learn: bool) -> None:
         cfg = load_resolved(run_dir / "config.json")
         bus = Bus(redis.url, cfg.redis.prefix)
         checked = 0
-        for key in bus.r.scan_iter(match=f"{cfg.redis.prefix}:rollout:*", count=100):
+        for key in bus.r.scan_iter(match=bus.k.rollouts_pattern, count=100):
             group = RolloutGroup.model_validate_json(bus.r.get(key))
             for s in group.samples:
                 assert s.routed_experts is not None

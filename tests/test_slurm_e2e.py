@@ -17,7 +17,8 @@ import pytest
 import redis
 
 from sbatch.slurm import job_states
-from sbatch.supervisor import FINAL_STATES, read_states, state_key
+from sbatch.supervisor import FINAL_STATES, read_states
+from services.common.bus import Keys
 from services.common.config import REPO_ROOT, load_resolved
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def run_redis(run_dir: Path) -> tuple[redis.Redis, str]:
 
 
 def supervisor_state(r: redis.Redis, prefix: str, name: str) -> dict[str, Any]:
-    raw = r.get(state_key(prefix, name))
+    raw = r.get(Keys(prefix).supervisor(name))
     assert raw, f"no supervisor state for {name}"
     return json.loads(raw)
 
@@ -231,7 +232,7 @@ def test_trainer_killed_resumes_from_checkpoint_locally(tmp_path: Path) -> None:
     deadline = time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            raw = r.get(f"{prefix}:weights:latest")
+            raw = r.get(Keys(prefix).weights_latest)
         except redis.RedisError:
             break
         if raw:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from sbatch.supervisor import read_states, request_restart, restart_key, state_key
+from sbatch.supervisor import read_states, request_restart
+from services.common.bus import Keys
 from services.common.config import REPO_ROOT
 
 PY = sys.executable
@@ -117,7 +118,7 @@ def test_gives_up_after_max_restarts_and_reports_failed(
     starts = [e for e in events(log) if e["msg"] == "started"]
     assert len(starts) == 3, "max_restarts=2 means three attempts in all"
     r = redis.Redis.from_url(redis_server, decode_responses=True)
-    st = json.loads(r.get(state_key(prefix, "bad.0")))
+    st = json.loads(r.get(Keys(prefix).supervisor("bad.0")))
     assert st["state"] == "failed" and st["last_exit"] == 7 and st["restarts"] == 2
     assert "gave up after 3 consecutive failures" in st["last_reason"]
 
@@ -162,7 +163,7 @@ def test_sigterm_is_forwarded_and_stops_cleanly(tmp_path: Path, redis_server: st
     assert got.exists(), "the child did not receive SIGTERM"
     assert not alive(int(child))  # type: ignore[arg-type]
     r = redis.Redis.from_url(redis_server, decode_responses=True)
-    assert json.loads(r.get(state_key(prefix, "svc")))["state"] == "stopped"
+    assert json.loads(r.get(Keys(prefix).supervisor("svc")))["state"] == "stopped"
 
 
 def test_child_ignoring_sigterm_is_killed_after_timeout(tmp_path: Path) -> None:
@@ -186,11 +187,13 @@ def test_kill9_of_child_is_restarted_and_state_reports_it(
     )
     r = redis.Redis.from_url(redis_server, decode_responses=True)
     try:
-        first = wait_for(lambda: (s := r.get(state_key(prefix, "decode.0"))) and json.loads(s)["child_pid"])
+        first = wait_for(
+            lambda: (s := r.get(Keys(prefix).supervisor("decode.0"))) and json.loads(s)["child_pid"]
+        )
         os.kill(int(first), signal.SIGKILL)  # type: ignore[call-overload]
 
         def restarted() -> dict[str, object] | None:
-            st = json.loads(r.get(state_key(prefix, "decode.0")) or "{}")
+            st = json.loads(r.get(Keys(prefix).supervisor("decode.0")) or "{}")
             return (
                 st
                 if st.get("restarts") == 1 and st.get("state") == "running" and st.get("child_pid")
@@ -221,14 +224,14 @@ def test_restart_request_by_service_name(tmp_path: Path, redis_server: str, pref
         assert request_restart(r, prefix, "decode.1") == ["decode.1"]
 
         def state(name: str) -> dict:
-            return json.loads(r.get(state_key(prefix, name)) or "{}")
+            return json.loads(r.get(Keys(prefix).supervisor(name)) or "{}")
 
         def pid_changed(name: str) -> bool:
             s = state(name)
             return bool(s.get("child_pid")) and s["child_pid"] != before[name] and s["state"] == "running"
 
         wait_for(lambda: pid_changed("decode.1"), what="decode.1 restarted")
-        assert not r.exists(restart_key(prefix, "decode.1")), "the request was not consumed"
+        assert not r.exists(Keys(prefix).supervisor_restart("decode.1")), "the request was not consumed"
         states = {s["name"]: s for s in read_states(r, prefix)}
         assert states["decode.0"]["child_pid"] == before["decode.0"], "decode.0 must not restart"
         assert states["decode.1"]["restarts"] == 1 and states["decode.1"]["failures"] == 0

@@ -290,16 +290,17 @@ def test_sigkill_restart_resumes_from_checkpoint_without_double_training(
     assert state["status"] == "done" and state["last_checkpoint"] == "7"
 
 
-@pytest.mark.parametrize("published", [True, False], ids=["published", "write-in-flight"])
+@pytest.mark.parametrize("window", ["published", "write-in-flight", "redis-lost"])
 def test_resume_when_published_weights_are_newer_than_checkpoint(
-    redis_server: str, tmp_path: Path, published: bool
+    redis_server: str, tmp_path: Path, window: str
 ) -> None:
     """Crash window: step 3 committed (its metrics pushed), checkpoint only at 2; weights:latest
     says 3, or (write-in-flight: killed while the background publisher wrote step 3) still says 2,
-    with weights/step_3 on disk unpublished. Either way the trainer resumes from checkpoint 2's
-    model and optimizer, publishes it as version 4 (versions and step numbers never go back or
-    repeat, weights/step_3 is never rewritten), trains on from there and never trains a group
-    twice."""
+    with weights/step_3 on disk unpublished, or (redis-lost: Redis lost its last writes) both
+    weights:latest and the recorded trainer state say 2 while weights/step_3 is on disk. Every
+    time the trainer resumes from checkpoint 2's model and optimizer, publishes it as version 4
+    (a version number is never reused for other weights, weights/step_3 is never rewritten),
+    trains on from there and never trains a group twice."""
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir)
     cfg.run.max_steps = 3
@@ -310,8 +311,10 @@ def test_resume_when_published_weights_are_newer_than_checkpoint(
     cfg2 = cfg.model_copy(deep=True)
     cfg2.run.max_steps = 5
     bus = Bus(redis_server, cfg.redis.prefix)
-    if not published:  # the background publisher had not yet set weights:latest to 3
+    if window != "published":  # the background publisher had not yet set weights:latest to 3
         bus.publish_weights(WeightsInfo(version=2, path=str(step_dir(run_dir, 2))))
+    if window == "redis-lost":
+        bus.r.hset(bus.k.trainer_state, "version", 2)
     trainer = Trainer(cfg2, run_dir, redis_server)
     trainer.setup()
     assert trainer.version == 4 and trainer.last_checkpoint == 2

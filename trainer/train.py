@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from services.common.bus import Bus
 from services.common.config import RunConfig, load_resolved
-from services.common.modeldir import step_dir
+from services.common.modeldir import newest_version, step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
 from trainer.attention import micro_batch_attention, packed_logprobs  # perf path
@@ -318,15 +318,21 @@ class Trainer:
 
         # Publish the version we hold. On a resume the checkpoint may be OLDER than the newest
         # version the previous process reached, M: weights:latest (a crash after publishing step
-        # M but before checkpointing it), or its recorded state (a crash after committing step M,
+        # M but before checkpointing it), its recorded state (a crash after committing step M,
         # its metrics pushed, while its weights were still being written in the background, so
-        # weights:latest is one behind and weights/step_M may be on disk unpublished). The updates
-        # after the checkpoint are lost, and we publish the checkpoint's model as version M+1, so
-        # versions and step numbers never go back or repeat and no weights directory is ever
-        # rewritten (docs/loss.md). Rank 0 decides (another rank could see a directory appear
-        # mid-write and skip the collective inside _write_weights).
+        # weights:latest is one behind), or the newest weights directory on disk (written but
+        # unpublished, or published while Redis lost its last second of writes). The updates
+        # after the checkpoint are lost, and we publish the checkpoint's model as version M+1:
+        # a version number names one set of weights for the whole run, never reused for other
+        # weights and never lower than one already served, and no weights directory is rewritten
+        # (docs/loss.md). Rank 0 decides (another rank could see a directory appear mid-write and
+        # skip the collective inside _write_weights).
         latest = self.bus.latest_weights() if self.bus is not None else None
-        reached = max(latest.version if latest is not None else -1, self._recorded_version())
+        reached = max(
+            latest.version if latest is not None else -1,
+            self._recorded_version(),
+            newest_version(self.run_dir) if self.d.is_main else -1,
+        )
         if ckpt is not None and reached > self.version:
             self.version = reached + 1
         self.version = int(self.d.broadcast(self.version))

@@ -54,6 +54,19 @@ class Keys:
         return f"{self.prefix}:orchestrator"
 
     @property
+    def inflight(self) -> str:
+        """group id -> {"env", "seed"} of every group started but not yet pushed or dropped."""
+        return f"{self.prefix}:orchestrator:inflight"
+
+    def rollout(self, group_id: str) -> str:
+        """A finished group's transcript (the RolloutGroup as pushed), kept for inspection."""
+        return f"{self.prefix}:rollout:{group_id}"
+
+    @property
+    def rollouts_pattern(self) -> str:
+        return self.rollout("*")
+
+    @property
     def trainer_state(self) -> str:
         return f"{self.prefix}:trainer"
 
@@ -62,8 +75,31 @@ class Keys:
         """Set (any value) to ask the trainer to stop at the next batch boundary."""
         return f"{self.prefix}:control:stop"
 
+    @property
+    def control_shutdown(self) -> str:
+        """Set (a reason) to stop every component of a Slurm job; the first reason wins."""
+        return f"{self.prefix}:control:shutdown"
+
     def service(self, kind: str, sid: str) -> str:
         return f"{self.prefix}:svc:{kind}:{sid}"
+
+    def supervisor(self, name: str) -> str:
+        """A supervisor's state (JSON), refreshed every beat with a TTL."""
+        return f"{self.prefix}:sup:{name}"
+
+    def supervisor_restart(self, name: str) -> str:
+        """Set to ask the supervisor `name` to restart its child (`make restart`)."""
+        return f"{self.prefix}:sup-restart:{name}"
+
+    def slurm_rendezvous(self, job_id: str) -> str:
+        """host:port of trainer node 0's c10d rendezvous for one Slurm job."""
+        return f"{self.prefix}:slurm:{job_id}:rdzv"
+
+
+def run_prefix(base: str, run_name: str) -> str:
+    """The key prefix of one run (`redis.prefix` + the run directory's name): several runs, or a
+    resumed one, share a Redis without mixing their keys."""
+    return f"{base}:{run_name}"
 
 
 def connect(url: str) -> redis.Redis:

@@ -31,6 +31,13 @@ def step_dir(run_dir: str | Path, version: int) -> Path:
     return Path(run_dir) / "weights" / f"step_{version}"
 
 
+def newest_version(run_dir: str | Path) -> int:
+    """The highest N of a complete `weights/step_N` (renamed into place only once whole), -1 if none."""
+    root = Path(run_dir) / "weights"
+    found = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
+    return max(found, default=-1)
+
+
 def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[str, Any]:
     llama = m.arch == "llama3"
     extra: dict[str, Any] = {}

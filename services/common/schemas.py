@@ -285,12 +285,6 @@ class RolloutGroup(Wire):
     samples: list[Sample] = Field(min_length=1)
     created: float = Field(default_factory=time.time)
 
-    def advantages_per_token(self) -> list[float]:
-        """The advantage of every token: token_advantages, or the sample's one advantage."""
-        if self.token_advantages is not None:
-            return self.token_advantages
-        return [self.advantage] * len(self.tokens)
-
     @property
     def min_version(self) -> int:
         return min(s.min_version for s in self.samples)

@@ -65,7 +65,7 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
         `segments` splits each sample into prompt / model / env pieces with their text, and for model
         pieces the log-probs, weight versions and (token credit) each token's advantage."""
         group_id, _, idx = rollout_id.partition(".")
-        raw = await asyncio.to_thread(orch.bus.r.get, orch.rollout_key(group_id))
+        raw = await asyncio.to_thread(orch.bus.r.get, orch.k.rollout(group_id))
         if raw is None:
             raise HTTPException(404, f"rollout_id: no finished rollout {rollout_id!r}")
         group = RolloutGroup.model_validate_json(raw)

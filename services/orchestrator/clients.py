@@ -11,14 +11,12 @@ crashed decode or sandbox loses no rollout.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
 from collections import defaultdict
 
 import aiohttp
 
-from services.common.bus import Bus
+from services.common.registry import Registry
 from services.common.schemas import (
     CreateSessionResponse,
     CreateSessionsRequest,
@@ -26,7 +24,6 @@ from services.common.schemas import (
     GenerateRequest,
     GenerateResponse,
     ScoreResponse,
-    ServiceInfo,
     StepRequest,
     StepResponse,
     UpdateWeightsRequest,
@@ -40,34 +37,6 @@ class ServiceUnavailable(RuntimeError):
 
 class NoLiveService(ServiceUnavailable):
     pass
-
-
-class Registry:
-    """Cached view of live services, refreshed from Redis at most every `refresh_s`."""
-
-    def __init__(self, bus: Bus, refresh_s: float = 0.5, quarantine_s: float = 5.0):
-        self.bus = bus
-        self.refresh_s = refresh_s
-        self.quarantine_s = quarantine_s
-        self._cache: dict[str, list[ServiceInfo]] = {}
-        self._at: dict[str, float] = {}
-        self._down: dict[str, float] = {}
-        self._lock = asyncio.Lock()
-
-    async def live(self, kind: str, force: bool = False) -> list[ServiceInfo]:
-        now = time.monotonic()
-        if force or now - self._at.get(kind, 0.0) > self.refresh_s:
-            async with self._lock:
-                if force or now - self._at.get(kind, 0.0) > self.refresh_s:
-                    self._cache[kind] = await asyncio.to_thread(self.bus.services, kind)
-                    self._at[kind] = time.monotonic()
-        now = time.monotonic()
-        return [i for i in self._cache.get(kind, []) if self._down.get(i.url, 0.0) < now]
-
-    def forget(self, url: str) -> None:
-        """A request to `url` failed: route around it until its registry entry has had time to
-        expire (or a restarted process re-registered at the same url)."""
-        self._down[url] = time.monotonic() + self.quarantine_s
 
 
 class Router:

@@ -23,16 +23,11 @@ import redis
 
 from services.common.bus import Bus
 from services.common.config import RunConfig
+from services.common.registry import Registry
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
 from services.orchestrator import metrics as prom
-from services.orchestrator.clients import (
-    DecodeClient,
-    Registry,
-    Router,
-    SandboxClient,
-    ServiceUnavailable,
-)
+from services.orchestrator.clients import DecodeClient, Router, SandboxClient, ServiceUnavailable
 from services.orchestrator.rollout import GroupSpec, GroupTimedOut, RolloutRunner
 
 GROUP_ATTEMPTS = 3
@@ -52,9 +47,10 @@ class Orchestrator:
         self.run_dir = run_dir
         self.k = bus.k
         self._http: aiohttp.ClientSession | None = None
-        self.registry = Registry(bus, quarantine_s=cfg.redis.ttl_s)
+        self.registry = Registry(bus.services, quarantine_s=cfg.redis.ttl_s)
         self.version = -1  # the version every live decode has been asked to serve
         self.rolled_out: WeightsInfo | None = None
+        self._refused = -1  # the last lower version weights:latest showed (logged once)
         # Called with each version rolled out (the service shows it in its registry entry).
         self.on_version: Callable[[int], None] = lambda _v: None
         self.paused = False
@@ -73,13 +69,6 @@ class Orchestrator:
 
     def _state(self) -> dict[str, str]:
         return self.bus.r.hgetall(self.k.orchestrator_state)
-
-    @property
-    def inflight_key(self) -> str:
-        return f"{self.k.orchestrator_state}:inflight"
-
-    def rollout_key(self, group_id: str) -> str:
-        return f"{self.k.prefix}:rollout:{group_id}"
 
     def _counts(self) -> tuple[int, int]:
         pipe = self.bus.r.pipeline()
@@ -122,9 +111,20 @@ class Orchestrator:
         while not self.stopping:
             try:
                 info = await asyncio.to_thread(self.bus.latest_weights)
-                # Any change, not only a higher number: a trainer that resumed from an older
-                # checkpoint republishes that version, and later re-creates version numbers.
-                if info is not None and info != self.rolled_out:
+                # Only a higher number is new weights: a version names one set of weights for the
+                # whole run (a resumed trainer republishes the version it holds, or numbers on
+                # after the newest it reached: trainer/train.py, setup). A lower one means the key
+                # was rewritten from outside the run (or Redis lost it): never roll back to it.
+                if info is not None and info.version < self.version:
+                    if info.version != self._refused:
+                        self._refused = info.version
+                        log_event(
+                            log,
+                            "weights version went back: ignored",
+                            version=info.version,
+                            serving=self.version,
+                        )
+                elif info is not None and info.version > self.version:
                     t0 = time.monotonic()
                     await self._roll_out(info)
                     log_event(
@@ -188,7 +188,7 @@ class Orchestrator:
         pipe = self.bus.r.pipeline()
         pipe.hincrby(self.k.orchestrator_state, "started", 1)
         pipe.sadd(self.k.started, spec.group_id)
-        pipe.hset(self.inflight_key, spec.group_id, json.dumps({"env": spec.env, "seed": spec.seed}))
+        pipe.hset(self.k.inflight, spec.group_id, json.dumps({"env": spec.env, "seed": spec.seed}))
         pipe.execute()
 
     def _launch(self, spec: GroupSpec) -> None:
@@ -227,9 +227,9 @@ class Orchestrator:
     def _commit_group(self, group: RolloutGroup) -> None:
         # Transcript first, then the stream record, then clear in-flight: a crash in between
         # re-issues the group and the trainer's dedup by group id drops the duplicate.
-        self.bus.r.set(self.rollout_key(group.group_id), group.model_dump_json(), ex=ROLLOUT_TTL_S)
+        self.bus.r.set(self.k.rollout(group.group_id), group.model_dump_json(), ex=ROLLOUT_TTL_S)
         self.bus.push_group(group)
-        self.bus.r.hdel(self.inflight_key, group.group_id)
+        self.bus.r.hdel(self.k.inflight, group.group_id)
         self.recent_rewards.setdefault(group.env, deque(maxlen=64)).extend(s.reward for s in group.samples)
         for s in group.samples:
             self.versions_served.update(v for v in s.versions if v >= 0)
@@ -239,13 +239,13 @@ class Orchestrator:
 
     def _drop(self, spec: GroupSpec, reason: str) -> None:
         self.bus.mark_dropped(spec.group_id, reason)
-        self.bus.r.hdel(self.inflight_key, spec.group_id)
+        self.bus.r.hdel(self.k.inflight, spec.group_id)
         prom.DROPPED.labels(reason=reason.split(":")[0]).inc()
         log_event(log, "group dropped", group=spec.group_id, reason=reason)
 
     async def resume_inflight(self) -> int:
         """Re-issue groups a previous orchestrator process started but never pushed."""
-        pending = await asyncio.to_thread(self.bus.r.hgetall, self.inflight_key)
+        pending = await asyncio.to_thread(self.bus.r.hgetall, self.k.inflight)
         for gid, raw in pending.items():
             d = json.loads(raw)
             self._launch(GroupSpec(group_id=gid, env=d["env"], seed=int(d["seed"])))

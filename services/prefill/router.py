@@ -26,9 +26,7 @@ import contextlib
 import itertools
 import logging
 import socket
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -37,7 +35,8 @@ import torch
 from prometheus_client import Counter
 
 from services.common.config import KVPullSection, RunConfig
-from services.common.schemas import GenerateRequest, GenerateResponse, ServiceInfo
+from services.common.registry import Lookup, Registry
+from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import (
@@ -69,35 +68,16 @@ SEGMENTS_TIMEOUT_S = 5.0
 HANDOFF_READER = HandoffReader()
 
 
-class Registry:
-    """Live services of one kind from the Redis registry, re-read at most every DISCOVERY_TTL_S."""
-
-    def __init__(self, lookup: Callable[[str], list[ServiceInfo]], kind: str):
-        self.lookup, self.kind = lookup, kind
-        self._cache: list[ServiceInfo] = []
-        self._at = -1e9
-
-    def get(self) -> list[ServiceInfo]:
-        now = time.monotonic()
-        if now - self._at > DISCOVERY_TTL_S:
-            try:
-                self._cache = self.lookup(self.kind)
-            except Exception as e:  # noqa: BLE001 - Redis away: keep what we knew
-                log.warning(f"registry lookup of {self.kind} failed: {e}")
-            self._at = now
-        return self._cache
-
-
-def store_client(cfg: RunConfig, lookup: Callable[[str], list[ServiceInfo]] | None) -> KVStoreClient:
+def store_client(cfg: RunConfig, lookup: Lookup | None) -> KVStoreClient:
     """A client of the run's gateway: kvstore.url, else the first one registered."""
     sec = cfg.kvstore
     if sec.url:
         return KVStoreClient(sec.url, sec.timeout_s, sec.retry_after_s, sec.max_request_bytes)
     if lookup is None:
         raise ValueError("kvstore.url is empty and there is no registry to find the gateway in")
-    reg = Registry(lookup, "kvstore")
+    reg = Registry(lookup, refresh_s=DISCOVERY_TTL_S)
     return KVStoreClient(
-        lambda: next((s.url for s in reg.get()), None),
+        lambda: next((s.url for s in reg.get("kvstore")), None),
         sec.timeout_s,
         sec.retry_after_s,
         sec.max_request_bytes,
@@ -435,18 +415,20 @@ async def pull_pages(
 
 
 class KVRouter:
-    def __init__(self, cfg: RunConfig, lookup: Callable[[str], list[ServiceInfo]] | None):
+    def __init__(self, cfg: RunConfig, lookup: Lookup | None):
         self.cfg = cfg
         self.store = store_client(cfg, lookup)
-        self.prefills = Registry(lookup, "prefill") if lookup is not None else None
+        # A failed prefill is routed around for kvstore.retry_after_s.
+        self.prefills = (
+            Registry(lookup, DISCOVERY_TTL_S, cfg.kvstore.retry_after_s) if lookup is not None else None
+        )
         # Its own view for premap_segments: its reads never make the routing view's cache older.
-        self._premap_view = Registry(lookup, "prefill") if lookup is not None else None
+        self._premap_view = Registry(lookup, DISCOVERY_TTL_S) if lookup is not None else None
         self.http = httpx.AsyncClient(timeout=cfg.prefill.timeout_s)
         self.publisher: PagePublisher | None = None
         self.engine: LLMEngine | None = None
         self.policy: PullPolicy | None = None
         self._rr = itertools.count()
-        self._quarantine: dict[str, float] = {}
         self._same_host: set[str] = set()  # prefill URLs registered from this host
         self.counts = {"local": 0, "remote": 0, "remote_failed": 0, "pulled_pages": 0}
         self._premapper: asyncio.Task[None] | None = None
@@ -488,7 +470,7 @@ class KVRouter:
         per = page_nbytes(engine.kv)
         pin = engine.kv.k.device.type == "cuda"
         new = 0
-        for svc in await asyncio.to_thread(self._premap_view.get):  # a Redis read: off the loop
+        for svc in await self._premap_view.live("prefill"):
             if svc.host != here:
                 continue
             try:
@@ -507,10 +489,7 @@ class KVRouter:
     def _prefill_url(self, version: int) -> str | None:
         if self.prefills is None:
             return None
-        now = time.monotonic()
-        live = [
-            s for s in self.prefills.get() if s.version == version and self._quarantine.get(s.url, 0) < now
-        ]
+        live = [s for s in self.prefills.get("prefill") if s.version == version]
         if not live:
             return None
         pick = live[next(self._rr) % len(live)]
@@ -530,7 +509,8 @@ class KVRouter:
             return PrefillResponse.model_validate_json(r.content)
         except (httpx.HTTPError, ValueError) as e:
             log.warning(f"prefill at {url} failed ({type(e).__name__}: {e}); prefilling locally")
-            self._quarantine[url] = time.monotonic() + self.cfg.kvstore.retry_after_s
+            if self.prefills is not None:
+                self.prefills.forget(url)
             return None
 
     async def generate(self, aengine: AsyncEngine, req: GenerateRequest) -> GenerateResponse:
