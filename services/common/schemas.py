@@ -113,6 +113,10 @@ class OpenAISampling(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extensions for RL clients: the prompt's and each choice's token ids in the response
+    # (`prompt_token_ids`, `choices[i].token_ids`), and log-prob tokens as "token_id:<id>".
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     @property
     def stop_strings(self) -> list[str]:
@@ -156,12 +160,68 @@ class ChatCompletionRequest(OpenAISampling):
     add_generation_prompt: bool = True
     # Extra template variables, e.g. {"enable_thinking": false} for Qwen3 (vLLM's extension).
     chat_template_kwargs: dict[str, Any] = {}
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; checked
+    # against `tools` by services/decode/tool_calls.py (tool_choice_prefix).
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
+
+
+class ChatCompletionTokensRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/tokens (the route verifiers' token client and prime-rl use):
+    a chat request whose prompt is given as token ids, `tokens`, instead of being rendered from
+    `messages` (which stay for the response's bookkeeping), so multi-turn rollouts continue from
+    exactly the ids the engine produced."""
+
+    tokens: list[int] = Field(min_length=1)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: `prompt` text, or chat `messages` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    # vLLM's defaults: BOS etc. for a text prompt, none for a rendered chat (the template has them)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = {}
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class UpdateWeightsRequest(Wire):

@@ -5,7 +5,14 @@ messages rendered with its chat template first); the engine detokenises the outp
 stop strings as it generates (services/engine/detokenizer.py), so this module only shapes the
 JSON: whole responses, or SSE chunks built from the progress the engine reports after each step.
 Chat requests with `tools` get their `<tool_call>` blocks returned as OpenAI `tool_calls`
-(services/decode/tool_calls.py).
+(services/decode/tool_calls.py); `tool_choice` naming a function (or "required" with one tool)
+starts the assistant turn with that call's opening, so the call is certain.
+
+RL clients (verifiers, prime-rl) use vLLM's extensions, served the same way: `return_token_ids`
+(the prompt's and each choice's token ids in the response; log-probs then cover every generated
+token, aligned with `token_ids`), `/v1/chat/completions/tokens` (the prompt given as token ids),
+`/tokenize` and `/detokenize`. With `return_token_ids` each choice also carries `weight_versions`
+(relay's extension: the weight version that sampled each token).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from tokenizers import Tokenizer
 from services.common.chat import ChatTemplate, ChatTemplateError
 from services.common.schemas import (
     ChatCompletionRequest,
+    ChatCompletionTokensRequest,
     CompletionRequest,
     GenerateChoice,
     GenerateRequest,
@@ -28,8 +36,15 @@ from services.common.schemas import (
     OpenAISampling,
     SamplingParams,
 )
+from services.common.tools import OPEN
+from services.decode.tool_calls import (
+    ParsedTurn,
+    openai_tool_calls,
+    safe_content_prefix,
+    split_tool_calls,
+    tool_names,
+)
 from services.decode.tool_calls import finish_reason as tool_finish_reason
-from services.decode.tool_calls import openai_tool_calls, safe_content_prefix, split_tool_calls
 from services.engine.sequence import RequestState
 
 
@@ -81,7 +96,7 @@ def to_generate_request(req: CompletionRequest, tokenizer: Tokenizer | None) -> 
     return GenerateRequest(input_ids=ids, sampling=sampling)
 
 
-def _message_dict(index: int, msg: Any) -> dict[str, Any]:
+def message_dict(index: int, msg: Any) -> dict[str, Any]:
     d: dict[str, Any] = msg.model_dump()
     content = d.get("content")
     if isinstance(content, list):
@@ -98,7 +113,7 @@ def _message_dict(index: int, msg: Any) -> dict[str, Any]:
 def chat_prompt(req: ChatCompletionRequest, template: ChatTemplate | None) -> str:
     if template is None:
         raise PromptError("messages", "this model directory has no chat template; use /v1/completions")
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
     try:
         return template.render(
             messages, req.tools, add_generation_prompt=req.add_generation_prompt, **req.chat_template_kwargs
@@ -107,14 +122,56 @@ def chat_prompt(req: ChatCompletionRequest, template: ChatTemplate | None) -> st
         raise PromptError("messages", f"the chat template rejected them: {e}") from None
 
 
+def forced_call(req: ChatCompletionRequest) -> str | None:
+    """The function `tool_choice` forces, or None ("auto", "none", unset). A name that is not
+    among `tools`, a tool_choice without tools, or "required" with several tools (honouring it
+    would need constrained decoding over the tool names) is a PromptError naming tool_choice."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    names = tool_names(req.tools)
+    if not names:
+        raise PromptError("tool_choice", f"{choice!r} needs `tools`")
+    if choice == "required":
+        if len(names) != 1:
+            raise PromptError(
+                "tool_choice",
+                f"'required' with {len(names)} tools is not supported (no constrained decoding); "
+                "name the function instead",
+            )
+        return names[0]
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise PromptError("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
+        if name not in names:
+            raise PromptError("tool_choice", f"function {name!r} is not among tools ({', '.join(names)})")
+        return name
+    raise PromptError("tool_choice", f"{choice!r}: expected 'none', 'auto', 'required' or a named function")
+
+
+def forced_call_text(name: str) -> str:
+    """What the assistant turn starts with when `name` is forced: the Hermes call's opening up to
+    its arguments, which the model writes (services/common/tools.py's format)."""
+    return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
 def to_chat_generate_request(
     req: ChatCompletionRequest, template: ChatTemplate | None, tokenizer: Tokenizer | None, max_seq_len: int
 ) -> GenerateRequest:
     if tokenizer is None:
         raise PromptError("messages", "this model directory has no tokenizer.json")
-    ids = tokenizer.encode(chat_prompt(req, template), add_special_tokens=False).ids
-    if not ids:
-        raise PromptError("messages", "render to no tokens")
+    forced = forced_call(req)
+    if isinstance(req, ChatCompletionTokensRequest):
+        ids = list(req.tokens)
+    else:
+        ids = tokenizer.encode(chat_prompt(req, template), add_special_tokens=False).ids
+        if not ids:
+            raise PromptError("messages", "render to no tokens")
+    if forced is not None:
+        # The forced opening is part of the prompt (not sampled): prompt_token_ids include it.
+        ids += tokenizer.encode(forced_call_text(forced), add_special_tokens=False).ids
     # OpenAI's default is "until the context is full"; the engine rejects a prompt that fills it.
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, max_seq_len - len(ids))
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -124,9 +181,29 @@ def to_chat_generate_request(
 # ------------------------------------------------------------------ token-level log-probs
 
 
-def _token_text(tokenizer: Tokenizer | None, token: int) -> str:
-    # Special tokens (EOS) render as "", so the tokens join to exactly the returned text.
+def _text_piece(tokenizer: Tokenizer | None, token: int) -> str:
+    # What the token adds to the returned text: special tokens (EOS) add nothing.
     return "" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=True)
+
+
+def token_str(tokenizer: Tokenizer | None, token: int, as_ids: bool = False) -> str:
+    """A token as log-probs show it: its text, special tokens included (`<|im_end|>`, not ""),
+    or vLLM's "token_id:<id>" (`return_tokens_as_token_ids`, no tokenizer, or an id it lacks)."""
+    if as_ids or tokenizer is None or tokenizer.id_to_token(token) is None:
+        # ids past the tokenizer's vocabulary (the model's may be padded) have no text
+        return f"token_id:{token}"
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def top_dict(tokenizer: Tokenizer | None, top: list[tuple[int, float]], as_ids: bool) -> dict[str, float]:
+    """Completions' {token: logprob} of one position, one entry per top log-prob: two tokens with
+    the same text (e.g. halves of one UTF-8 character, both "\ufffd") must not overwrite each
+    other, so a repeated text falls back to the token's "token_id:<id>"."""
+    out: dict[str, float] = {}
+    for t, lp in top:
+        key = token_str(tokenizer, t, as_ids)
+        out[f"token_id:{t}" if key in out else key] = lp
+    return out
 
 
 def completion_logprobs(
@@ -135,13 +212,14 @@ def completion_logprobs(
     logprobs: list[float],
     tops: list[list[tuple[int, float]]] | None,
     offset: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """The legacy completions `logprobs` object for these tokens; text offsets start at `offset`."""
-    pieces = [_token_text(tokenizer, t) for t in ids]
+    pieces = [token_str(tokenizer, t, as_ids) for t in ids]
     starts = [offset + s for s in [0, *accumulate(len(p) for p in pieces)][: len(pieces)]]
     top_dicts = None
     if tops is not None:
-        top_dicts = [{_token_text(tokenizer, t): lp for t, lp in top} for top in tops]
+        top_dicts = [top_dict(tokenizer, top, as_ids) for top in tops]
     return {
         "tokens": pieces,
         "token_logprobs": list(logprobs),
@@ -155,9 +233,10 @@ def chat_logprobs(
     ids: list[int],
     logprobs: list[float],
     tops: list[list[tuple[int, float]]] | None,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     def entry(token: int, lp: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, token)
+        text = token_str(tokenizer, token, as_ids)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
     content = []
@@ -173,7 +252,7 @@ def _kept_tokens(tokenizer: Tokenizer | None, ch: GenerateChoice) -> int:
     the tokens that make it up are generated but not part of the text."""
     if ch.stop_str is None or ch.text is None:
         return len(ch.output_ids)
-    pieces = [_token_text(tokenizer, t) for t in ch.output_ids]
+    pieces = [_text_piece(tokenizer, t) for t in ch.output_ids]
     starts = [0, *accumulate(len(p) for p in pieces)][: len(pieces)]
     return sum(1 for s in starts if s < len(ch.text))
 
@@ -190,17 +269,45 @@ def usage(resp: GenerateResponse) -> dict[str, int]:
 # ------------------------------------------------------------------ whole responses
 
 
+def _logprob_tokens(
+    req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer | None, ch: GenerateChoice
+) -> int:
+    """How many output tokens the log-probs cover: with `return_token_ids` all of them (aligned
+    with `token_ids`, as training needs), else those of the returned text."""
+    return len(ch.output_ids) if req.return_token_ids else _kept_tokens(tokenizer, ch)
+
+
+def _token_fields(req: CompletionRequest | ChatCompletionRequest, ch: GenerateChoice) -> dict[str, Any]:
+    if not req.return_token_ids:
+        return {}
+    return {"token_ids": list(ch.output_ids), "weight_versions": list(ch.versions)}
+
+
 def to_completion(
-    req: CompletionRequest, resp: GenerateResponse, tokenizer: Tokenizer | None, model: str
+    req: CompletionRequest,
+    resp: GenerateResponse,
+    tokenizer: Tokenizer | None,
+    model: str,
+    prompt_ids: list[int],
 ) -> dict[str, Any]:
     choices = []
     for i, ch in enumerate(resp.choices):
         lp = None
         if req.logprobs is not None:
-            n = _kept_tokens(tokenizer, ch)
+            n = _logprob_tokens(req, tokenizer, ch)
             tops = None if ch.top_logprobs is None else ch.top_logprobs[:n]
-            lp = completion_logprobs(tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops)
-        choices.append({"text": ch.text or "", "index": i, "logprobs": lp, "finish_reason": ch.finish_reason})
+            lp = completion_logprobs(
+                tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops, as_ids=req.return_tokens_as_token_ids
+            )
+        choice: dict[str, Any] = {
+            "text": ch.text or "",
+            "index": i,
+            "logprobs": lp,
+            "finish_reason": ch.finish_reason,
+        }
+        if req.return_token_ids:  # vLLM puts the prompt's ids on each completions choice
+            choice["prompt_token_ids"] = list(prompt_ids)
+        choices.append({**choice, **_token_fields(req, ch)})
     return {
         "id": f"cmpl-{resp.request_id}",
         "object": "text_completion",
@@ -211,21 +318,41 @@ def to_completion(
     }
 
 
+def parse_turn(req: ChatCompletionRequest, text: str) -> ParsedTurn | None:
+    """The tool calls of a chat turn, or None when calls are not parsed (no tools, or
+    tool_choice "none"); `parallel_tool_calls: false` keeps only the first call."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    turn = split_tool_calls(text)
+    if req.parallel_tool_calls is False and len(turn.calls) > 1:
+        turn = ParsedTurn(turn.content, turn.calls[:1])
+    return turn
+
+
 def to_chat_completion(
-    req: ChatCompletionRequest, resp: GenerateResponse, tokenizer: Tokenizer | None, model: str
+    req: ChatCompletionRequest,
+    resp: GenerateResponse,
+    tokenizer: Tokenizer | None,
+    model: str,
+    prompt_ids: list[int],
+    forced: str = "",
 ) -> dict[str, Any]:
+    """`forced`: the text the assistant turn was started with (tool_choice), part of the prompt."""
     choices = []
     for i, ch in enumerate(resp.choices):
         lp = None
         if req.logprobs:
-            n = _kept_tokens(tokenizer, ch)
+            n = _logprob_tokens(req, tokenizer, ch)
             tops = None if ch.top_logprobs is None else ch.top_logprobs[:n]
-            lp = chat_logprobs(tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops)
-        message: dict[str, Any] = {"role": "assistant", "content": ch.text or ""}
+            lp = chat_logprobs(
+                tokenizer, ch.output_ids[:n], ch.logprobs[:n], tops, as_ids=req.return_tokens_as_token_ids
+            )
+        text = forced + (ch.text or "")
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish: str | None = ch.finish_reason
-        if req.tools:
+        turn = parse_turn(req, text)
+        if turn is not None:
             # Hermes/Qwen <tool_call> blocks become OpenAI tool calls (services/decode/tool_calls.py).
-            turn = split_tool_calls(ch.text or "")
             if turn.calls:
                 message = {
                     "role": "assistant",
@@ -235,8 +362,16 @@ def to_chat_completion(
             else:
                 message["content"] = turn.content
             finish = tool_finish_reason(ch.finish_reason, turn.calls)
-        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
-    return {
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": lp,
+                "finish_reason": finish,
+                **_token_fields(req, ch),
+            }
+        )
+    out: dict[str, Any] = {
         "id": f"chatcmpl-{resp.request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -244,6 +379,9 @@ def to_chat_completion(
         "choices": choices,
         "usage": usage(resp),
     }
+    if req.return_token_ids:
+        out["prompt_token_ids"] = list(prompt_ids)
+    return out
 
 
 # ------------------------------------------------------------------ streaming
@@ -307,8 +445,15 @@ class Stream:
         tokenizer: Tokenizer | None,
         model: str,
         request_id: str,
+        prompt_ids: list[int] | None = None,
+        forced: str = "",
     ):
         self.chat = isinstance(req, ChatCompletionRequest)
+        # return_token_ids: the prompt's ids on the first chunk (chat: the role chunk; completions:
+        # each choice's first chunk), each chunk's new token ids on its choice (vLLM's fields).
+        self.prompt_ids = list(prompt_ids or []) if req.return_token_ids else None
+        self.forced = forced  # tool_choice: the call opening the turn starts with (in the prompt)
+        self.as_ids = req.return_tokens_as_token_ids
         self.req = req
         self.tokenizer = tokenizer
         self.model = model
@@ -319,7 +464,7 @@ class Stream:
         self.emitted: dict[int, int] = {}  # chars of text sent per choice
         # Chat with tools: content is the text minus parsed call blocks (tool_calls.py); what is
         # sent is a prefix of it, and the calls go out in the choice's final chunks.
-        self.tools = self.chat and bool(getattr(req, "tools", None))
+        self.tools = isinstance(req, ChatCompletionRequest) and bool(req.tools) and req.tool_choice != "none"
         self.content_sent: dict[int, str] = {}
         self.finished: set[int] = set()
         self.started: set[int] = set()  # chat: choices whose role chunk went out
@@ -333,23 +478,40 @@ class Stream:
             "choices": choices,
         }
 
-    def _choice(self, index: int, text: str, lp: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        lp: dict[str, Any] | None,
+        finish: str | None,
+        ids: list[int] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
-            return {
+            out = {
                 "index": index,
                 "delta": {"content": text} if text else {},
                 "logprobs": lp,
                 "finish_reason": finish,
             }
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        else:
+            out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            if self.prompt_ids is not None and index not in self.started:
+                self.started.add(index)
+                out["prompt_token_ids"] = self.prompt_ids
+        if ids is not None:
+            out["token_ids"] = ids
+        return out
+
+    def _ids(self, d: Delta) -> list[int] | None:
+        return list(d.ids) if self.prompt_ids is not None and d.ids else None
 
     def _logprobs(self, d: Delta) -> dict[str, Any] | None:
         if not self.want_logprobs or not d.ids:
             return None
         if self.chat:
-            return chat_logprobs(self.tokenizer, d.ids, d.logprobs, d.tops)
+            return chat_logprobs(self.tokenizer, d.ids, d.logprobs, d.tops, as_ids=self.as_ids)
         return completion_logprobs(
-            self.tokenizer, d.ids, d.logprobs, d.tops, offset=self.emitted.get(d.index, 0)
+            self.tokenizer, d.ids, d.logprobs, d.tops, offset=self.emitted.get(d.index, 0), as_ids=self.as_ids
         )
 
     def start(self) -> list[str]:
@@ -360,37 +522,56 @@ class Stream:
         for i in range(self.req.n):
             self.started.add(i)
             delta = {"role": "assistant", "content": ""}
-            out.append(
-                sse(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
-            )
+            chunk = self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            if self.prompt_ids is not None and i == 0:
+                chunk["prompt_token_ids"] = self.prompt_ids
+            out.append(sse(chunk))
         return out
 
-    def _tool_chunks(self, index: int, text: str, lp: dict[str, Any] | None, finish: str | None) -> list[str]:
+    def _tool_chunks(
+        self,
+        index: int,
+        text: str,
+        lp: dict[str, Any] | None,
+        finish: str | None,
+        ids: list[int] | None = None,
+    ) -> list[str]:
         """Chat with tools: the content that became certain, and at the end the rest of the
         content, the parsed tool calls (one chunk) and the finish reason (a last, empty chunk)."""
+        text = self.forced + text
+        extra = {} if ids is None else {"token_ids": ids}
         sent = self.content_sent.get(index, "")
         if finish is None:
             content = safe_content_prefix(text, self.holdback)
             if not content.startswith(sent):  # cannot happen (the prefix only grows); never resend
                 content = sent
             new = content[len(sent) :]
-            if not new and lp is None:
+            if not new and lp is None and ids is None:
                 return []
             self.content_sent[index] = content
             grown = {"content": new} if new else {}
             return [
-                sse(self._chunk([{"index": index, "delta": grown, "logprobs": lp, "finish_reason": None}]))
+                sse(
+                    self._chunk(
+                        [{"index": index, "delta": grown, "logprobs": lp, "finish_reason": None, **extra}]
+                    )
+                )
             ]
-        turn = split_tool_calls(text)
+        turn = parse_turn(self.req, text)  # type: ignore[arg-type]  # tools: a chat request
+        assert turn is not None
         rest = turn.content[len(sent) :] if turn.content.startswith(sent) else ""
         self.content_sent[index] = turn.content
         last: dict[str, Any] = {"content": rest} if rest else {}
         out = []
         if turn.calls:
             last["tool_calls"] = openai_tool_calls(turn.calls, with_index=True)
-        if last or lp is not None:
+        if last or lp is not None or ids is not None:
             out.append(
-                sse(self._chunk([{"index": index, "delta": last, "logprobs": lp, "finish_reason": None}]))
+                sse(
+                    self._chunk(
+                        [{"index": index, "delta": last, "logprobs": lp, "finish_reason": None, **extra}]
+                    )
+                )
             )
         reason = tool_finish_reason(finish, turn.calls)
         out.append(
@@ -406,18 +587,19 @@ class Stream:
             if self.tools:
                 if d.finish_reason is not None:
                     self.finished.add(d.index)
-                out += self._tool_chunks(d.index, d.text, self._logprobs(d), d.finish_reason)
+                out += self._tool_chunks(d.index, d.text, self._logprobs(d), d.finish_reason, self._ids(d))
                 continue
             done = d.finish_reason is not None
             end = len(d.text) if done else max(len(d.text) - self.holdback, self.emitted.get(d.index, 0))
             text = d.text[self.emitted.get(d.index, 0) : end]
             lp = self._logprobs(d)
-            if not text and lp is None and not done:
+            ids = self._ids(d)
+            if not text and lp is None and ids is None and not done:
                 continue
             self.emitted[d.index] = end
             if done:
                 self.finished.add(d.index)
-            out.append(sse(self._chunk([self._choice(d.index, text, lp, d.finish_reason)])))
+            out.append(sse(self._chunk([self._choice(d.index, text, lp, d.finish_reason, ids)])))
         return out
 
     def finish(self, resp: GenerateResponse) -> list[str]:

@@ -25,9 +25,14 @@ from tokenizers import Tokenizer
 from services.common.chat import ChatTemplate, ChatTemplateError
 from services.common.schemas import (
     ChatCompletionRequest,
+    ChatCompletionTokensRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     GenerateRequest,
     GenerateResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     UpdateWeightsRequest,
 )
 from services.common.service import Service, create_app, log_event, start_service
@@ -36,12 +41,15 @@ from services.decode.openai import (
     PromptError,
     Stream,
     api_field,
+    forced_call,
+    forced_call_text,
     to_chat_completion,
     to_chat_generate_request,
     to_completion,
     to_generate_request,
 )
 from services.decode.streaming import sse_events
+from services.decode.tokenize import detokenize, tokenize
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
 from services.prefill.router import KVRouter
@@ -199,7 +207,10 @@ def build_app(service: Service) -> FastAPI:
             raise HTTPException(400, str(e)) from None
 
     async def openai_call(
-        req: CompletionRequest | ChatCompletionRequest, greq: GenerateRequest, prompt_field: str
+        req: CompletionRequest | ChatCompletionRequest,
+        greq: GenerateRequest,
+        prompt_field: str,
+        forced: str = "",
     ) -> GenerateResponse | StreamingResponse:
         """Run an OpenAI request: the whole response, or (stream: true) an SSE stream."""
         engine = state.ready()
@@ -208,7 +219,9 @@ def build_app(service: Service) -> FastAPI:
             # Checked before answering 200, so bad input is a 4xx even when streaming.
             engine.engine.validate(greq)
             if req.stream:
-                stream = Stream(req, state.tokenizer, service.cfg.run.name, greq.request_id)
+                stream = Stream(
+                    req, state.tokenizer, service.cfg.run.name, greq.request_id, greq.input_ids, forced
+                )
                 events = sse_events(engine.engine, state.submit, greq, stream)
                 return StreamingResponse(events, media_type="text/event-stream")
             return await state.submit(greq)
@@ -225,26 +238,36 @@ def build_app(service: Service) -> FastAPI:
         out = await openai_call(req, greq, "prompt")
         if isinstance(out, StreamingResponse):
             return out
-        return to_completion(req, out, state.tokenizer, service.cfg.run.name)
+        return to_completion(req, out, state.tokenizer, service.cfg.run.name, greq.input_ids)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+    async def chat(req: ChatCompletionRequest, prompt_field: str) -> dict[str, Any] | StreamingResponse:
         engine = state.ready()
         try:
             greq = to_chat_generate_request(
                 req, state.chat_template, state.tokenizer, engine.engine.max_seq_len
             )
+            name = forced_call(req)
         except PromptError as e:
             raise HTTPException(400, str(e)) from None
-        out = await openai_call(req, greq, "messages")
+        forced = "" if name is None else forced_call_text(name)
+        out = await openai_call(req, greq, prompt_field, forced)
         if isinstance(out, StreamingResponse):
             return out
-        return to_chat_completion(req, out, state.tokenizer, service.cfg.run.name)
+        return to_chat_completion(req, out, state.tokenizer, service.cfg.run.name, greq.input_ids, forced)
 
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any] | StreamingResponse:
+        return await chat(req, "messages")
+
+    @app.post("/v1/chat/completions/tokens", response_model=None)
+    async def chat_completions_tokens(req: ChatCompletionTokensRequest) -> dict[str, Any] | StreamingResponse:
+        """A chat request whose prompt is `tokens` (ids), e.g. the previous turn's prompt and
+        output ids plus the new messages' rendering: multi-turn without re-tokenising."""
+        return await chat(req, "tokens")
+
+    def model_card() -> dict[str, Any]:
         eng = state.engine
-        card = {
+        return {
             "id": service.cfg.run.name,
             "object": "model",
             "created": int(service.started),
@@ -253,7 +276,37 @@ def build_app(service: Service) -> FastAPI:
             "root": str(eng.engine.model_dir) if eng else None,
             "max_model_len": eng.engine.max_seq_len if eng else None,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def model(model_id: str) -> dict[str, Any]:
+        card = model_card()
+        if model_id != card["id"]:
+            raise HTTPException(
+                404, f"model_id: unknown model {model_id!r}; this replica serves {card['id']!r}"
+            )
+        return card
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:
+        engine = state.ready()
+        try:
+            return tokenize(req, state.tokenizer, state.chat_template, engine.engine.max_seq_len)
+        except PromptError as e:
+            raise HTTPException(400, str(e)) from None
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
+        engine = state.ready()
+        try:
+            return detokenize(req, state.tokenizer, engine.engine.model_config.vocab_size)
+        except PromptError as e:
+            raise HTTPException(400, str(e)) from None
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:

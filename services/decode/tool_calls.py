@@ -90,3 +90,14 @@ def safe_content_prefix(text: str, holdback: int) -> str:
     else:
         cut = min(cut, len(text) - _open_prefix_at_end(text))
     return text[: max(cut, 0)].strip()
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
+    """The function names a request's `tools` offer (OpenAI shape: {"type": "function",
+    "function": {"name": ...}}; a bare {"name": ...} is read too)."""
+    names = []
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    return names
