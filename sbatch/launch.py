@@ -18,11 +18,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
 
 from sbatch.local import RUNS_DIR
+from sbatch.status_view import print_running, print_services
+from sbatch.summary import print_summary
 from services.common.bus import Bus, connect
 from services.common.config import ConfigError, RunConfig, load_config, load_resolved
 
@@ -74,22 +77,15 @@ def _run_bus(run_dir: Path) -> tuple[RunConfig, Bus] | None:
     return cfg, Bus(cfg.redis.url, cfg.redis.prefix)
 
 
-def print_supervisors(bus: Bus) -> None:
+def _supervisors(bus: Bus) -> list[dict[str, Any]]:
     from sbatch.supervisor import read_states
 
-    states = read_states(bus.r, bus.k.prefix)
-    if not states:
-        return
-    console.print("services (supervisors):")
-    now = time.time()
-    for s in states:
-        up = f"{now - s['child_started']:.0f}s" if s.get("child_started") and s["state"] == "running" else "-"
-        last = "-" if s.get("last_exit") is None else str(s["last_exit"])
-        pid = s.get("child_pid") or "-"
-        console.print(
-            f"  {s['name']:<13} {s['state']:<8} {s['host']}:{pid} up {up} restarts {s['restarts']} last exit {last}",
-            soft_wrap=True,
-        )
+    return read_states(bus.r, bus.k.prefix)
+
+
+def _print_registry(bus: Bus) -> None:
+    """What the registry and supervisors know when the orchestrator cannot answer."""
+    print_services(console, [s.model_dump() for s in bus.services()], _supervisors(bus))
 
 
 def cmd_status() -> int:
@@ -108,8 +104,8 @@ def cmd_status() -> int:
         )
     summary = run_dir / "summary.json"
     if summary.exists():
-        console.print(f"run {run_dir.name} finished:")
-        console.print_json(summary.read_text())
+        console.print(f"run [cyan]{run_dir.name}[/] finished ({run_dir})")
+        print_summary(console, json.loads(summary.read_text()))
         return 0
     try:
         got = _run_bus(run_dir)
@@ -123,55 +119,93 @@ def cmd_status() -> int:
         return 1
     if not orch:
         console.print(f"run {run_dir.name}: no live orchestrator registered")
-        for s in bus.services():
-            console.print(f"  {s.kind:<12} {s.url:<28} v{s.version}")
-        print_supervisors(bus)
+        _print_registry(bus)
         return 1
     try:
         status = httpx.get(f"{orch[0].url}/v1/status", timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
         # e.g. the orchestrator is restarting: still show what the registry and supervisors know
         console.print(f"run {run_dir.name}: orchestrator at {orch[0].url} did not answer ({e!r})")
-        for s in bus.services():
-            console.print(f"  {s.kind:<12} {s.url:<28} v{s.version}")
-        print_supervisors(bus)
+        _print_registry(bus)
         return 1
     services = status.pop("services")
-    console.print(f"run {run_dir.name} ({run_dir})")
-    console.print_json(json.dumps(status))
-    for s in services:
-        console.print(
-            f"  {s['kind']:<12} {s['url']:<28} host {s['host']:<12} pid {s['pid']:<8} v{s['version']}"
-        )
-    print_supervisors(bus)
+    print_running(console, run_dir.name, status, f"{orch[0].url}/dashboard", services, _supervisors(bus))
     return 0
+
+
+def _started_at(pid: int) -> float | None:
+    """A live process's start time (Unix seconds), None when there is no such process. Without
+    /proc (not Linux) any live pid counts as started at 0."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, someone else's
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime")
+        )
+    except (OSError, StopIteration):
+        return 0.0
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the parenthesised name
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _run_processes(pids_file: Path) -> dict[str, int]:
+    """The run's processes (name -> pid) still alive. The launcher writes pids.json once all of
+    them have started, so a pid whose process started after the file (by more than the clock's
+    tick) was reused by an unrelated process and is left alone."""
+    written = pids_file.stat().st_mtime
+    alive = {}
+    for name, pid in json.loads(pids_file.read_text()).items():
+        started = _started_at(int(pid))
+        if started is not None and started <= written + 1.0:
+            alive[name] = int(pid)
+    return alive
 
 
 def cmd_stop() -> int:
     run_dir = _latest()
-    if run_dir is not None and (run_dir / "slurm.json").exists():
+    if run_dir is None:
+        console.print("no run yet (runs/latest does not exist): nothing to stop")
+        return 0
+    if (run_dir / "slurm.json").exists():
         from sbatch.slurm import stop_job
 
         return stop_job(run_dir, console)
-    pids_file = run_dir / "pids.json" if run_dir else None
-    if not pids_file or not pids_file.exists():
-        console.print("no running local run")
+    pids_file = run_dir / "pids.json"
+    alive = _run_processes(pids_file) if pids_file.exists() else {}
+    if not alive:
+        summary = run_dir / "summary.json"
+        how = ""
+        if summary.exists():
+            s = json.loads(summary.read_text())
+            how = f" (it ended: {s['status']}, {s['steps']} steps)"
+        console.print(f"run {run_dir.name} is not running{how}: nothing to stop")
         return 0
-    pids = json.loads(pids_file.read_text())
-    launcher = pids.get("launcher")
-    try:
-        os.kill(int(launcher), signal.SIGTERM)
-        console.print(f"asked launcher {launcher} to stop run {run_dir.name if run_dir else ''}")
-        return 0
-    except (ProcessLookupError, TypeError):
-        pass
-    # The launcher is gone: stop its children directly.
-    for name, pid in pids.items():
+    launcher = alive.pop("launcher", None)
+    names = ", ".join(alive) or "no services"
+    if launcher is not None:
+        # The launcher stops the services in order and writes the summary; wait for it.
+        os.kill(launcher, signal.SIGTERM)
+        console.print(f"stopping run {run_dir.name} (launcher {launcher}; {names}) ...")
+        deadline = time.monotonic() + 120
+        while _started_at(launcher) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _started_at(launcher) is None:
+            console.print(f"stopped run {run_dir.name}: {names}")
+            return 0
+        console.print(f"[red]launcher {launcher} is still stopping after 120 s: see {run_dir}/logs[/]")
+        return 1
+    # The launcher is gone: stop its children directly (each a supervisor in its own group).
+    for name, pid in alive.items():
         try:
-            os.killpg(int(pid), signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)
             console.print(f"stopped {name} ({pid})")
-        except (ProcessLookupError, PermissionError):
-            pass
+        except (ProcessLookupError, PermissionError) as e:
+            console.print(f"{name} ({pid}): {e}")
     return 0
 
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from rich.console import Console
 
-from sbatch.summary import StepLine, summarize
+from sbatch.budget import RunClock
+from sbatch.summary import StepLine, print_summary, summarize
 from sbatch.supervisor import RestartPolicy, supervisor_argv
 from services.common.bus import Bus, run_prefix
 from services.common.config import REPO_ROOT, RunConfig
@@ -210,9 +211,7 @@ class LocalRun:
 
     def monitor(self) -> int:
         """Print step lines until the trainer finishes; returns the exit code of the run."""
-        deadline = time.monotonic() + self.cfg.run.timeout_s
-        budget = self.cfg.run.time_budget_s
-        budget_end = None if budget is None else time.monotonic() + budget
+        clock = RunClock(self.bus, self.cfg.run.time_budget_s, self.cfg.run.timeout_s)
         history: list[dict[str, Any]] = []
         line = StepLine(self.cfg)
         self.console.print(line.header())
@@ -251,12 +250,15 @@ class LocalRun:
                 return 1
             if self._stop_requested:
                 return 130
-            if budget_end is not None and time.monotonic() > budget_end:
-                self.console.print(f"[yellow]time budget of {budget:.0f}s spent: stopping the trainer[/]")
+            for event in clock.poll():
+                self.console.print(event)
+            if clock.budget_spent():
+                self.console.print(
+                    f"[yellow]time budget of {clock.budget_s:.0f}s spent: stopping the trainer[/]"
+                )
                 self.bus.r.set(self.bus.k.control_stop, "time budget")
-                budget_end = None
-            if time.monotonic() > deadline:
-                self.console.print(f"[red]run timed out after {self.cfg.run.timeout_s:.0f}s[/]")
+            if clock.timed_out():
+                self.console.print(f"[red]run timed out after {clock.timeout_s:.0f}s[/]")
                 return 124
             time.sleep(0.2)
         return 1
@@ -279,7 +281,7 @@ def run(cfg: RunConfig) -> int:
         code = lr.monitor()
         summary = summarize(lr.cfg, lr.run_dir, lr.bus, time.time() - t0, code)
         (lr.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        StepLine(lr.cfg).print_summary(console, summary)
+        print_summary(console, summary)
     finally:
         lr.stop()
     return code

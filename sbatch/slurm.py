@@ -44,7 +44,7 @@ import redis
 from rich.console import Console
 
 from sbatch.local import RUNS_DIR, make_run_dir, read_metrics_after, service_argv
-from sbatch.summary import StepLine, summarize
+from sbatch.summary import StepLine, print_summary, summarize
 from sbatch.supervisor import FINAL_STATES, RestartPolicy, read_states, supervisor_argv
 from services.common.bus import Bus, Keys, connect, run_prefix, wait_for_redis
 from services.common.config import REPO_ROOT, ConfigError, RunConfig, SlurmComponent, slurm_time_minutes
@@ -867,7 +867,7 @@ def follow(cfg: RunConfig, run_dir: Path, job_id: str, console: Console, t0: flo
         console.print(f"[red]job {job_id} ended without a summary: see {run_dir}/logs and {run_dir}/slurm[/]")
         return 1
     summary = json.loads(summary_path.read_text())
-    StepLine(cfg).print_summary(console, summary)
+    print_summary(console, summary)
     return {"completed": 0, "stopped": 130, "timed out": 124}.get(summary["status"], 1)
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.common.schemas import RolloutGroup
+from services.common.versions import version_span
 
 
 class StepLine:
@@ -31,34 +32,33 @@ class StepLine:
             f"{r['wait_data_s']:>6.2f} {r.get('decode_idle_s', 0.0):>6.1f} {r['entropy']:>7.3f}"
         )
 
-    def print_summary(self, console: Console, s: dict[str, Any]) -> None:
-        t = Table(title=f"relay run {s['run']} — {s['steps']} steps in {s['wall_s']:.0f}s ({s['status']})")
-        for col in ("task", "first 10", "last 10", "best 10", "target", "steps to target", "met"):
-            t.add_column(col)
-        for env, e in s["tasks"].items():
-            t.add_row(
-                env,
-                f"{e['first10']:.3f}",
-                f"{e['last10']:.3f}",
-                f"{e['best10']:.3f}",
-                f"{e['target']:.2f}",
-                str(e["steps_to_target"]),
-                "yes" if e["met"] else "no",
-            )
-        console.print(t)
-        led = s["ledger"]
-        console.print(
-            f"groups started {led['started']}, trained {led['trained']}, dropped {led['dropped']}, "
-            f"pending {led['pending']}, lost {led['lost']}, trained twice {led['trained_twice']}; "
-            f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
-            f"trainer waited {s['trainer_wait_s']:.1f}s, decode idle {s['decode_idle_s']:.1f}s; "
-            f"weight versions served {_span(s['versions_served'])}"
+
+def print_summary(console: Console, s: dict[str, Any]) -> None:
+    """The end-of-run table and totals (also what `make status` shows for a finished run)."""
+    t = Table(title=f"relay run {s['run']} — {s['steps']} steps in {s['wall_s']:.0f}s ({s['status']})")
+    for col in ("task", "first 10", "last 10", "best 10", "target", "steps to target", "met"):
+        t.add_column(col)
+    for env, e in s["tasks"].items():
+        hit = e["steps_to_target"]
+        t.add_row(
+            env,
+            f"{e['first10']:.3f}",
+            f"{e['last10']:.3f}",
+            f"{e['best10']:.3f}",
+            f"{e['target']:.2f}",
+            "not reached" if hit is None else str(hit),
+            "[green]yes[/]" if e["met"] else "[red]no[/]",
         )
-        console.print(f"metrics: {s['run_dir']}/metrics.jsonl  summary: {s['run_dir']}/summary.json")
-
-
-def _span(versions: list[int]) -> str:
-    return f"{len(versions)} (v{versions[0]}..v{versions[-1]})" if versions else "none"
+    console.print(t)
+    led = s["ledger"]
+    console.print(
+        f"groups started {led['started']}, trained {led['trained']}, dropped {led['dropped']}, "
+        f"pending {led['pending']}, lost {led['lost']}, trained twice {led['trained_twice']}; "
+        f"staleness mean {s['staleness_mean']:.2f} max {s['staleness_max']}; "
+        f"trainer waited {s['trainer_wait_s']:.1f}s, decode idle {s['decode_idle_s']:.1f}s; "
+        f"weight versions served {version_span(s['versions_served'])}"
+    )
+    console.print(f"metrics: {s['run_dir']}/metrics.jsonl  summary: {s['run_dir']}/summary.json")
 
 
 def _window_means(vals: list[float], w: int = 10) -> list[float]:

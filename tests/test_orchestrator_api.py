@@ -59,9 +59,31 @@ def test_status_pause_resume_and_errors(orchestrator: tuple[str, Bus, subprocess
     assert "relay_orchestrator_inflight_groups" in httpx.get(f"{url}/metrics").text
     assert httpx.get(f"{url}/docs").status_code == 200
 
-    assert httpx.post(f"{url}/v1/pause").json() == {"paused": True}
+    r = httpx.post(f"{url}/v1/pause").json()
+    assert r["paused"] is True and r["reason"] == ""
     assert httpx.get(f"{url}/v1/status").json()["paused"] is True
-    assert httpx.post(f"{url}/v1/resume").json() == {"paused": False}
+    r = httpx.post(f"{url}/v1/pause", json={"reason": "inspecting rollouts"}).json()
+    assert r["paused"] is True and r["reason"] == "inspecting rollouts"
+    status = httpx.get(f"{url}/v1/status").json()
+    assert status["paused_reason"] == "inspecting rollouts" and status["paused_s"] >= 0
+    # The pause is in Redis: a restarted orchestrator (and the launcher's budget) sees it.
+    assert bus.pause_state().paused and bus.pause_state().reason == "inspecting rollouts"
+    # A malformed body changes nothing and names what is wrong.
+    for body, field in (
+        ({"reason": 5}, "reason"),
+        ({"resaon": "typo"}, "resaon"),
+        ({"reason": "x" * 501}, "reason"),
+        (["reason"], "body"),
+    ):
+        r = httpx.post(f"{url}/v1/resume", json=body)
+        assert r.status_code == 422 and field in r.json()["detail"], (body, r.text)
+    r = httpx.post(f"{url}/v1/resume", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert httpx.get(f"{url}/v1/status").json()["paused"] is True
+    time.sleep(0.3)
+    r = httpx.post(f"{url}/v1/resume", json={"reason": "done"}).json()
+    assert r["paused"] is False and r["paused_s"] >= 0.3
+    assert not bus.pause_state().paused and bus.pause_state().total_s >= 0.3
 
     r = httpx.get(f"{url}/v1/metrics", params={"last": -1})
     assert r.status_code == 422 and "last" in r.json()["detail"]

@@ -3,8 +3,10 @@ step times, the GC trace, the background-event timeline, and the host tuning the
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.host_tuning import tune_after_startup
+from services.engine.host_tuning import collect_frozen, tune_after_startup
 from services.engine.stats import PHASES
 
 # bench/ is not a package on the tests' path: load its helpers from the file (as test_bench_r3.py).
@@ -90,9 +92,30 @@ def test_tune_after_startup_freezes_and_shortens_the_switch_interval() -> None:
         gc.collect()
         assert time.perf_counter() - t0 < 0.05
     finally:  # leave the test process as it was
+        atexit.unregister(collect_frozen)
         gc.unfreeze()
         gc.set_threshold(*thresholds)
         sys.setswitchinterval(interval)
+
+
+def test_frozen_startup_objects_are_freed_at_exit() -> None:
+    """The services freeze their start-up objects; a process that exits after that must not
+    leave libtriton's objects to the interpreter's teardown ("nanobind: leaked ..." on stderr)."""
+    code = (
+        "from services.engine import LLMEngine\n"
+        "from services.engine.host_tuning import tune_after_startup\n"
+        "import triton._C.libtriton\n"
+        "tune_after_startup()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
 
 
 def _blocked_in_the_driver() -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import redis
 
-from services.common.schemas import RolloutGroup, ServiceInfo, TrainerStepMetrics, WeightsInfo
+from services.common.schemas import PauseState, RolloutGroup, ServiceInfo, TrainerStepMetrics, WeightsInfo
 
 TRAINER_GROUP = "trainer"
 
@@ -79,6 +79,12 @@ class Keys:
     def control_shutdown(self) -> str:
         """Set (a reason) to stop every component of a Slurm job; the first reason wins."""
         return f"{self.prefix}:control:shutdown"
+
+    @property
+    def control_pause(self) -> str:
+        """Hash: the orchestrator's pause (since, reason) and the seconds paused before it
+        (total_s): a PauseState. Survives an orchestrator restart; the time budget skips it."""
+        return f"{self.prefix}:control:pause"
 
     def service(self, kind: str, sid: str) -> str:
         return f"{self.prefix}:svc:{kind}:{sid}"
@@ -216,6 +222,43 @@ class Bus:
             for _s, entries in resp or []
             for eid, f in entries
         ]
+
+    # ---------------------------------------------------------- pause
+
+    def pause_state(self) -> PauseState:
+        h = self.r.hgetall(self.k.control_pause)
+        since = h.get("since")
+        return PauseState(
+            paused=since is not None,
+            since=float(since) if since is not None else None,
+            reason=h.get("reason", ""),
+            total_s=float(h.get("total_s") or 0.0),
+        )
+
+    def set_paused(self, paused: bool, reason: str = "") -> PauseState:
+        """Pause or resume; a pause while paused keeps its start (only the reason changes), a
+        resume adds the pause's length to total_s. Atomic (WATCH), so two resumes racing each
+        other count the pause once."""
+        key = self.k.control_pause
+        with self.r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    since = pipe.hget(key, "since")
+                    pipe.multi()
+                    if paused:
+                        if since is None:
+                            pipe.hset(key, "since", repr(time.time()))
+                        pipe.hset(key, "reason", reason)
+                    elif since is not None:
+                        pipe.hincrbyfloat(key, "total_s", max(0.0, time.time() - float(since)))
+                        pipe.hdel(key, "since")
+                        pipe.hset(key, "reason", reason)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        return self.pause_state()
 
     # ---------------------------------------------------------- registry
 

@@ -394,6 +394,31 @@ class TrainerStepMetrics(Wire):
     time: float = Field(default_factory=time.time)
 
 
+# ---------------------------------------------------------------- control
+
+
+class PauseRequest(Wire):
+    """Body of the orchestrator's POST /v1/pause and /v1/resume (optional: no body is no reason)."""
+
+    reason: str = Field("", max_length=500, description="why, shown in /v1/status and the run's log")
+
+
+class PauseState(Wire):
+    """The run's pause (Redis hash `control:pause`, services/common/bus.py): whether the
+    orchestrator is paused, since when and why, and the seconds spent paused before the current
+    pause. The run's time budget does not count paused time."""
+
+    paused: bool = False
+    since: float | None = None
+    reason: str = ""
+    total_s: float = 0.0
+
+    def paused_s(self, now: float | None = None) -> float:
+        """Seconds spent paused up to `now` (wall clock), the current pause included."""
+        now = time.time() if now is None else now
+        return self.total_s + (max(0.0, now - self.since) if self.since is not None else 0.0)
+
+
 # ---------------------------------------------------------------- registry
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query
 
-from services.common.schemas import RolloutGroup
+from services.common.schemas import PauseRequest, RolloutGroup
 from services.common.service import Service, create_app, start_service
 from services.common.tokenizer import load_tokenizer
 from services.orchestrator.loop import Orchestrator
@@ -48,16 +48,16 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
         return orch.history[-last:] if last else orch.history
 
     @app.post("/v1/pause")
-    async def pause() -> dict[str, Any]:
-        """Stop starting new rollout groups; groups in flight finish."""
-        orch.paused = True
-        return {"paused": True}
+    async def pause(body: PauseRequest | None = None) -> dict[str, Any]:
+        """Stop starting new rollout groups; groups in flight finish. The run's time budget stops
+        with it (the launcher does not count paused time). The pause is kept in Redis, so a
+        restarted orchestrator stays paused."""
+        return await orch.set_paused(True, body.reason if body else "")
 
     @app.post("/v1/resume")
-    async def resume() -> dict[str, Any]:
-        orch.paused = False
-        orch._wake.set()
-        return {"paused": False}
+    async def resume(body: PauseRequest | None = None) -> dict[str, Any]:
+        """Start rollout groups again; the time budget runs again."""
+        return await orch.set_paused(False, body.reason if body else "")
 
     @app.get("/v1/rollouts/{rollout_id}")
     async def rollout(rollout_id: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from services.common.config import RunConfig
 from services.common.registry import Registry
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
+from services.common.versions import version_ranges
 from services.orchestrator import metrics as prom
 from services.orchestrator.clients import DecodeClient, Router, SandboxClient, ServiceUnavailable
 from services.orchestrator.rollout import GroupSpec, GroupTimedOut, RolloutRunner
@@ -53,7 +54,8 @@ class Orchestrator:
         self._refused = -1  # the last lower version weights:latest showed (logged once)
         # Called with each version rolled out (the service shows it in its registry entry).
         self.on_version: Callable[[int], None] = lambda _v: None
-        self.paused = False
+        # The pause lives in Redis (a restarted orchestrator stays paused); this is its mirror.
+        self.paused = bus.pause_state().paused
         self.stopping = False
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self.rng = random.Random(cfg.run.seed)
@@ -303,11 +305,19 @@ class Orchestrator:
                     self.decode_idle_prev[d.id] = float(idle)
             await asyncio.sleep(1.0)
 
+    async def set_paused(self, paused: bool, reason: str) -> dict[str, Any]:
+        state = await asyncio.to_thread(self.bus.set_paused, paused, reason)
+        self.paused = state.paused
+        self._wake.set()
+        log_event(log, "paused" if paused else "resumed", reason=reason, paused_s=round(state.paused_s(), 1))
+        return {"paused": state.paused, "reason": state.reason, "paused_s": round(state.paused_s(), 3)}
+
     async def status(self) -> dict[str, Any]:
         started, dropped = await asyncio.to_thread(self._counts)
         trainer = await asyncio.to_thread(self.bus.r.hgetall, self.k.trainer_state)
         queue = await asyncio.to_thread(self.bus.queue_depth)
         services = await asyncio.to_thread(self.bus.services)
+        pause = await asyncio.to_thread(self.bus.pause_state)
         last = self.history[-1] if self.history else {}
         return {
             "run": self.cfg.run.name,
@@ -315,6 +325,8 @@ class Orchestrator:
             "max_steps": self.cfg.run.max_steps,
             "policy_version": self.version,
             "paused": self.paused,
+            "paused_reason": pause.reason,
+            "paused_s": round(pause.paused_s(), 3),
             "inflight_groups": len(self.inflight),
             "queue_depth": queue,
             "groups_started": started,
@@ -327,6 +339,8 @@ class Orchestrator:
             "trainer_wait_s": last.get("wait_data_s"),
             "decode_idle_s": round(self.decode_idle_s, 3),
             "staleness_mean": last.get("staleness_mean"),
+            # Ranges of consecutive versions, [[first, last], ...]: hundreds of versions stay a line.
+            "versions_served": [list(r) for r in version_ranges(self.versions_served)],
             "services": [s.model_dump() for s in services],
         }
 
