@@ -8,11 +8,13 @@ ARGS ?=
 SERVICE ?=
 # DRY_RUN=1: print the plan (and, for Slurm runs, the het-job script) without starting anything.
 DRY_RUN ?=
+# NODES=<n>: make plan's GPU nodes in all (default: the config's split).
+NODES ?=
 # RUN=<run dir>: which run status/stop/restart/logs act on (default runs/latest).
 RUN ?=
 RUN_ENV := $(if $(RUN),RELAY_RUN_DIR=$(RUN))
 
-.PHONY: install launch stop status restart logs cluster cluster-stop test test-fast lint format clean
+.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +29,11 @@ install: $(STAMP)
 
 launch: $(STAMP)
 	$(PY) -m sbatch.launch run $(MODEL) $(if $(DRY_RUN),--dry-run) $(ARGS)
+
+# make plan MODEL=glm5 [NODES=28]: memory per GPU, predicted step time and the balanced node split
+# from the config and the rates measured in bench/ (bench/plan/rates.toml, docs/capacity.md).
+plan: $(STAMP)
+	$(PY) -m sbatch.plan $(MODEL) $(if $(NODES),--nodes $(NODES)) $(ARGS)
 
 stop: $(STAMP)
 	$(RUN_ENV) $(PY) -m sbatch.launch stop

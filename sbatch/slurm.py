@@ -375,13 +375,11 @@ def render_script(cfg: RunConfig, plan: JobPlan) -> str:
 
 def sizing(cfg: RunConfig) -> dict[str, float]:
     """Back-of-envelope memory for the plan: weights, trainer state per GPU, KV cache per token."""
+    from sbatch.plan import kv_bytes_per_token
+
     m = cfg.model
     p = m.param_counts()
-    if m.is_mla:
-        kv_token = (m.kv_lora_rank + m.qk_rope_head_dim) * 2 * m.n_layers  # bf16 latent + rope key
-        kv_token += m.index_head_dim * m.n_layers if m.index_topk else 0  # fp8 indexer keys
-    else:
-        kv_token = 2 * m.n_kv_heads * m.head_dim * 2 * m.n_layers
+    kv_token = kv_bytes_per_token(m)
     out = {
         "params_total_b": p["total"] / 1e9,
         "params_active_b": p["active"] / 1e9,

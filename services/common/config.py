@@ -699,6 +699,23 @@ class SlurmSection(Strict):
         return self
 
 
+class PlanSection(Strict):
+    """Workload assumptions for the capacity plan (`make plan`, sbatch/plan.py)."""
+
+    gpu: Literal["h100", "h200"] = "h200"
+    rollout_tokens: float = Field(512.0, gt=0)  # mean tokens per rollout, prompt and tools included
+    generated_tokens: float = Field(64.0, gt=0)  # mean tokens the policy generates per rollout
+    tail_factor: float = Field(10.0, ge=1)  # the longest rollout's generated tokens / the mean
+    prefill_miss: float = Field(1.0, ge=0, le=1)  # share of new prompt tokens not in a prefix cache
+    step_target_s: float | None = Field(None, gt=0)  # the step time the plan is checked against
+
+    @model_validator(mode="after")
+    def _lengths(self) -> PlanSection:
+        if self.generated_tokens > self.rollout_tokens:
+            raise ValueError("plan.generated_tokens must not exceed plan.rollout_tokens")
+        return self
+
+
 # decode.engine.max_num_batched_tokens when prefill services exist and it is not set (RunConfig).
 DISAGG_DECODE_STEP_TOKENS = 512
 
@@ -714,6 +731,7 @@ class RunConfig(Strict):
     orchestrator: OrchestratorSection = OrchestratorSection()
     trainer: TrainerSection = TrainerSection()
     slurm: SlurmSection = SlurmSection()
+    plan: PlanSection = PlanSection()
 
     @model_validator(mode="after")
     def _decode_step_budget(self) -> RunConfig:

@@ -1,0 +1,520 @@
+"""The capacity plan: memory per GPU, predicted step time and the node split that balances it.
+
+`make plan MODEL=<config> [NODES=<n>]` reads the model and cluster from a run config, the workload
+assumptions from its `[plan]` table and the rates measured in `bench/` (`bench/plan/rates.toml`,
+each rate with the result file it was read from), and prints what one RL step costs.
+
+The step model (asynchronous, `max_off_policy_steps >= 1`): the rollout side (decode, prefill,
+weight apply on inference) and the trainer side (train + the part of publishing that blocks
+training) run concurrently, so a step takes the longer of the two and the other side waits. The
+synchronous baseline (`max_off_policy_steps = 0`) adds them, and waits for the longest rollout.
+
+GPU rates are scaled from the measured shape to the planned one by a stated rule: decode reads
+the bytes a step touches (weights the batch routes to, plus KV) at the measured fraction of HBM
+bandwidth; prefill and training run the model's FLOPs at the measured fraction of the dense bf16
+peak (MFU). On CPU (the debug config) nothing is bandwidth- or FLOP-bound; there the rates are the
+debug model's own measured step costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from services.common.config import ConfigError, ModelConfig, RunConfig, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+RATES_FILE = REPO / "bench" / "plan" / "rates.toml"
+# Share of HBM a plan may fill: the rest is the allocator's slack, CUDA graphs, NCCL buffers.
+HBM_USABLE = 0.9
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    hbm_bytes: float
+    bf16_flops: float  # dense peak, per GPU
+    hbm_bytes_per_s: float = 0.0  # the device copy bandwidth measured on it (Rates)
+
+
+# Datasheet numbers (SXM parts): memory size and the bf16 peak MFU is read against. The memory
+# bandwidth is the copy bandwidth measured on each card (Rates).
+DEVICES = {
+    "h100": Device("H100 SXM", 80e9, 989e12),
+    "h200": Device("H200 SXM", 141e9, 989e12),
+}
+
+
+class Rate(BaseModel):
+    """One measured rate and where it came from."""
+
+    value: float = 0.0  # read from `file` by load_rates
+    unit: str
+    machine: str
+    file: str  # a result file under bench/, relative to the repository root
+    key: str  # dotted path of the value inside that JSON file
+    per: str = ""  # dotted path of a divisor in the same file (value = scale * key / per)
+    scale: float = 1.0
+    note: str = ""
+
+    def from_file(self, root: Path = REPO) -> float:
+        """The value as the result file gives it, so a rate can't drift from its source."""
+        import json
+
+        data = json.loads((root / self.file).read_text())
+
+        def get(path: str) -> float:
+            node = data
+            for part in path.split("."):
+                node = node[part]
+            return float(node)
+
+        v = get(self.key) * self.scale
+        return v / get(self.per) if self.per else v
+
+    def cite(self) -> str:
+        return f"{self.value:g} {self.unit} ({self.machine}; {self.file})"
+
+
+class Rates(BaseModel):
+    """The rates the planner uses, each read from a result file in `bench/` (bench/plan/rates.toml)."""
+
+    copy_bytes_per_s_h100: Rate  # device copy bandwidth, the decode roofline's
+    copy_bytes_per_s_h200: Rate
+    decode_hbm_fraction: Rate  # decode tokens/s against the bytes-read roofline at that bandwidth
+    prefill_mfu: Rate  # prompt tokens' FLOPs against the bf16 peak
+    train_mfu_dense: Rate
+    train_mfu_moe: Rate
+    publish_bytes_per_s: Rate  # per trainer rank: device -> host copy that blocks training
+    # Per inference rank: weights read and applied. None until measured: the plan then says so
+    # and counts no apply time.
+    apply_bytes_per_s: Rate | None = None
+    cpu_decode_step_s: Rate  # the debug model: one engine step at the debug batch, CPU
+    cpu_train_s_per_token: Rate  # the debug model: trainer seconds per trained token, CPU
+
+
+def load_rates(path: Path = RATES_FILE, root: Path = REPO) -> Rates:
+    """The rates of `path`, each value read from its result file (a missing file or key is an
+    error naming the rate)."""
+    with path.open("rb") as f:
+        table = tomllib.load(f)
+    for name, entry in table.items():
+        rate = Rate.model_validate(entry)
+        try:
+            entry["value"] = rate.from_file(root)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"rate {name}: cannot read {rate.key} from {rate.file}: {e!r}") from None
+    return Rates.model_validate(table)
+
+
+class Memory(BaseModel):
+    trainer_state_gb: float  # fp32 params, grads and Adam moments, per trainer GPU
+    trainer_activations_gb: float
+    trainer_total_gb: float
+    trainer_fits: bool
+    inference_weights_gb: float  # per inference GPU
+    inference_kv_gb: float  # per inference GPU, at the planned concurrency and mean context
+    inference_total_gb: float
+    inference_fits: bool
+    kv_tokens_capacity: int  # tokens of KV one decode engine holds after its weights
+    device_gb: float
+
+
+class StepTimes(BaseModel):
+    rollout_s: float  # decode (+ prefill when colocated) for one step's rollouts
+    decode_s: float
+    prefill_s: float
+    train_s: float
+    publish_blocked_s: float
+    apply_s: float
+    tail_s: float  # the longest rollout's own decode time
+    step_async_s: float
+    step_sync_s: float
+    trainer_wait_s: float
+    inference_wait_s: float
+    bound_by: Literal["decode", "prefill", "train", "apply"]
+
+
+class Split(BaseModel):
+    trainer_nodes: int
+    decode_nodes: int
+    prefill_nodes: int
+
+
+class Plan(BaseModel):
+    model: str
+    device: str
+    split: Split
+    rollouts_per_step: int
+    tokens_per_step: float
+    generated_per_step: float
+    memory: Memory
+    times: StepTimes
+    balanced: Split | None = None
+    balanced_times: StepTimes | None = None
+    off_policy_steps: int = 1
+    searched: bool = False  # whether a balanced split was looked for
+    rates_used: dict[str, str] = Field(default_factory=dict)
+    assumptions: dict[str, str] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- model arithmetic
+
+
+def kv_bytes_per_token(m: ModelConfig) -> float:
+    """KV bytes one token keeps in every layer: MLA's latent + rope key (bf16) and DSA's fp8
+    indexer key, or K and V per KV head (bf16)."""
+    if m.is_mla:
+        b = (m.kv_lora_rank + m.qk_rope_head_dim) * 2 * m.n_layers
+        return b + (m.index_head_dim * m.n_layers if m.index_topk else 0)
+    return 2 * m.n_kv_heads * m.head_dim * 2 * m.n_layers
+
+
+def kv_bytes_read_per_token(m: ModelConfig, context: float) -> float:
+    """KV bytes one decoded token reads at a given context: every cached token, or with DSA the
+    indexer keys of every token and the latents of its top-k."""
+    if m.is_mla and m.index_topk:
+        attended = min(context, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+        return (attended + context * m.index_head_dim) * m.n_layers
+    return context * kv_bytes_per_token(m)
+
+
+def attention_flops_per_token(m: ModelConfig, context: float) -> float:
+    """Score and value FLOPs of one token against `context` keys (causal: about half on
+    average for a prompt, so callers pass the mean attended length)."""
+    keys = min(context, m.index_topk) if m.index_topk else context
+    if m.is_mla:
+        per_key = m.n_heads * ((m.qk_nope_head_dim + m.qk_rope_head_dim) + m.v_head_dim)
+    else:
+        per_key = m.n_heads * 2 * m.head_dim
+    return 2 * keys * per_key * m.n_layers
+
+
+def experts_touched(m: ModelConfig, tokens: float) -> float:
+    """Expected routed experts one MoE layer reads for `tokens` independently routed tokens."""
+    if not m.is_moe:
+        return 0.0
+    k, e = m.n_experts_per_tok, m.n_routed_experts
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def decode_step_bytes(m: ModelConfig, batch: float, context: float, weight_bytes: float) -> float:
+    """Bytes one decode step of `batch` sequences reads: the weights its tokens touch and their KV."""
+    p = m.param_counts()
+    # Every weight but the input embedding (a gather; tied, it is the LM head and read) is read
+    # once a step, routed experts only where the batch's tokens go.
+    weights = p["total"] - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    if m.is_moe:
+        expert = 3 * m.dim * m.moe_hidden_dim
+        n_moe = m.n_layers - m.first_k_dense
+        weights -= n_moe * (m.n_routed_experts - experts_touched(m, batch)) * expert
+    return weights * weight_bytes + batch * kv_bytes_read_per_token(m, context)
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+def _mfu(cfg: RunConfig, rates: Rates) -> Rate:
+    return rates.train_mfu_moe if cfg.model.is_moe else rates.train_mfu_dense
+
+
+def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
+    m = cfg.model
+    p = m.param_counts()
+    tgpus = max(1, split.trainer_nodes * cfg.slurm.trainer.gpus_per_node)
+    state = p["total"] * 16 / tgpus
+    # Saved layer inputs under per-layer activation checkpointing (bf16), one micro-batch per
+    # GPU, context parallel splitting its tokens; plus one layer's recompute (about 34 x dim bytes
+    # a token) and a chunked LM head.
+    tokens = cfg.trainer.micro_batch_tokens / cfg.trainer.cp
+    act = tokens * m.dim * 2 * m.n_layers + tokens * m.dim * 34
+    wbytes = 1.0 if cfg.decode.engine.quantization == "fp8" else 2.0
+    gpus_per_engine = _gpus_per_decode_engine(cfg, split)
+    weights = p["total"] * wbytes / gpus_per_engine
+    ctx = cfg.plan.rollout_tokens / 2  # a rollout's mean context over its lifetime
+    conc = cfg.decode.engine.max_batch_size
+    kv = conc * ctx * kv_bytes_per_token(m) / gpus_per_engine
+    usable = dev.hbm_bytes * HBM_USABLE
+    kv_cap = max(0.0, (usable - weights) * gpus_per_engine) / kv_bytes_per_token(m)
+    return Memory(
+        trainer_state_gb=state / 1e9,
+        trainer_activations_gb=act / 1e9,
+        trainer_total_gb=(state + act) / 1e9,
+        trainer_fits=state + act <= usable,
+        inference_weights_gb=weights / 1e9,
+        inference_kv_gb=kv / 1e9,
+        inference_total_gb=(weights + kv) / 1e9,
+        inference_fits=weights + kv <= usable,
+        kv_tokens_capacity=int(kv_cap),
+        device_gb=dev.hbm_bytes / 1e9,
+    )
+
+
+def _gpus_per_decode_engine(cfg: RunConfig, split: Split) -> int:
+    """One decode engine spans a node's GPUs (expert/tensor parallel inside the node)."""
+    return max(1, cfg.slurm.decode.gpus_per_node)
+
+
+def _weight_bytes(cfg: RunConfig) -> float:
+    return 1.0 if cfg.decode.engine.quantization == "fp8" else 2.0
+
+
+def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> StepTimes:
+    m, w = cfg.model, cfg.plan
+    p = m.param_counts()
+    rollouts = cfg.orchestrator.batch_size * cfg.orchestrator.group_size
+    generated = rollouts * w.generated_tokens
+    new_prompt = rollouts * (w.rollout_tokens - w.generated_tokens) * w.prefill_miss
+    gpe = _gpus_per_decode_engine(cfg, split)
+    engines = max(1, split.decode_nodes * cfg.slurm.decode.gpus_per_node // gpe)
+    batch = cfg.decode.engine.max_batch_size
+    ctx = w.rollout_tokens / 2
+    step_bytes = decode_step_bytes(m, batch, ctx, _weight_bytes(cfg))
+    t_step = step_bytes / (rates.decode_hbm_fraction.value * dev.hbm_bytes_per_s * gpe)
+    decode_s = generated / (engines * batch) * t_step
+    tail_s = tail_generated(cfg) * t_step
+    pre_flops = new_prompt * (2 * p["active"] + attention_flops_per_token(m, ctx / 2))
+    pre_gpus = split.prefill_nodes * cfg.slurm.prefill.gpus_per_node
+    colocated = pre_gpus == 0
+    if colocated:
+        pre_gpus = split.decode_nodes * cfg.slurm.decode.gpus_per_node
+    prefill_s = pre_flops / (rates.prefill_mfu.value * dev.bf16_flops * pre_gpus)
+    rollout_s = decode_s + prefill_s if colocated else max(decode_s, prefill_s)
+    tokens = rollouts * w.rollout_tokens
+    recompute = 4 / 3 if cfg.trainer.activation_checkpoint != "none" else 1.0
+    train_flops = tokens * (6 * p["active"] * recompute + 3 * attention_flops_per_token(m, ctx))
+    tgpus = split.trainer_nodes * cfg.slurm.trainer.gpus_per_node
+    train_s = train_flops / (_mfu(cfg, rates).value * dev.bf16_flops * tgpus)
+    wbytes = _weight_bytes(cfg)
+    publish_s = p["total"] * wbytes / tgpus / rates.publish_bytes_per_s.value
+    apply = rates.apply_bytes_per_s
+    apply_s = p["total"] * wbytes / gpe / apply.value if apply else 0.0
+    return _combine(cfg, decode_s, prefill_s, rollout_s, train_s, publish_s, apply_s, tail_s)
+
+
+def _combine(
+    cfg: RunConfig,
+    decode_s: float,
+    prefill_s: float,
+    rollout_s: float,
+    train_s: float,
+    publish_s: float,
+    apply_s: float,
+    tail_s: float,
+) -> StepTimes:
+    infer = rollout_s + apply_s
+    trainer = train_s + publish_s
+    step_async = max(infer, trainer)
+    step_sync = max(rollout_s, tail_s) + apply_s + trainer
+    sides = {"decode": decode_s, "prefill": prefill_s, "apply": apply_s}
+    bound = "train" if trainer >= infer else max(sides, key=lambda k: sides[k])
+    return StepTimes(
+        rollout_s=rollout_s,
+        decode_s=decode_s,
+        prefill_s=prefill_s,
+        train_s=train_s,
+        publish_blocked_s=publish_s,
+        apply_s=apply_s,
+        tail_s=tail_s,
+        step_async_s=step_async,
+        step_sync_s=step_sync,
+        trainer_wait_s=step_async - trainer,
+        inference_wait_s=step_async - infer,
+        bound_by=bound,  # type: ignore[arg-type]
+    )
+
+
+def tail_generated(cfg: RunConfig) -> float:
+    """Tokens the longest rollout generates: tail_factor x the mean, but no more than its share of
+    a context-length rollout."""
+    w = cfg.plan
+    cap = cfg.model.max_seq_len * w.generated_tokens / w.rollout_tokens
+    return min(w.generated_tokens * w.tail_factor, cap)
+
+
+def step_times_cpu(cfg: RunConfig, rates: Rates) -> StepTimes:
+    """The debug config on CPU: the measured step costs of the debug model. A step's rollouts
+    decode in lockstep (every sequence of the batch in one engine step), one engine step per
+    generated token of a turn, turn after turn."""
+    w = cfg.plan
+    rollouts = cfg.orchestrator.batch_size * cfg.orchestrator.group_size
+    waves = math.ceil(rollouts / (cfg.decode.engine.max_batch_size * cfg.decode.replicas))
+    decode_s = waves * w.generated_tokens * rates.cpu_decode_step_s.value
+    train_s = rollouts * w.rollout_tokens * rates.cpu_train_s_per_token.value
+    return _combine(cfg, decode_s, 0.0, decode_s, train_s, 0.0, 0.0, decode_s)
+
+
+def device_for(cfg: RunConfig, rates: Rates) -> Device:
+    base = DEVICES[cfg.plan.gpu]
+    bw = getattr(rates, f"copy_bytes_per_s_{cfg.plan.gpu}").value
+    return Device(base.name, base.hbm_bytes, base.bf16_flops, bw)
+
+
+def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance: bool = True) -> Plan:
+    split = split or Split(
+        trainer_nodes=cfg.slurm.trainer.nodes,
+        decode_nodes=cfg.slurm.decode.nodes,
+        prefill_nodes=cfg.slurm.prefill.nodes,
+    )
+    rollouts = cfg.orchestrator.batch_size * cfg.orchestrator.group_size
+    w = cfg.plan
+    on_cpu = cfg.slurm.launcher == "local" and cfg.decode.engine.device == "cpu"
+    dev = device_for(cfg, rates)
+    used = {}
+    assumptions = {
+        "rollout_tokens": f"{w.rollout_tokens:g} tokens per rollout on average (plan.rollout_tokens)",
+        "generated_tokens": f"{w.generated_tokens:g} generated per rollout (plan.generated_tokens)",
+    }
+    if on_cpu:
+        times = step_times_cpu(cfg, rates)
+        for k in ("cpu_decode_step_s", "cpu_train_s_per_token"):
+            used[k] = getattr(rates, k).cite()
+        mem = memory(cfg, split, Device("CPU", 24e9, 1.0, 1.0))
+        device = "CPU (the debug model's measured step costs)"
+        balanced = balanced_times = None
+    else:
+        times = step_times_gpu(cfg, split, dev, rates)
+        mfu = "train_mfu_moe" if cfg.model.is_moe else "train_mfu_dense"
+        bw = f"copy_bytes_per_s_{cfg.plan.gpu}"
+        for k in (bw, "decode_hbm_fraction", "prefill_mfu", mfu, "publish_bytes_per_s", "apply_bytes_per_s"):
+            rate = getattr(rates, k)
+            used[k] = rate.cite() if rate else "NOT MEASURED: no apply time is counted"
+        mem = memory(cfg, split, dev)
+        device = (
+            f"{dev.name}: {dev.hbm_bytes / 1e9:.0f} GB, {dev.bf16_flops / 1e12:.0f} TFLOP/s bf16 (datasheet), "
+            f"{dev.hbm_bytes_per_s / 1e12:.2f} TB/s copy (measured)"
+        )
+        assumptions |= {
+            "tail_factor": f"the longest rollout generates {w.tail_factor:g}x the mean (plan.tail_factor)",
+            "prefill_miss": f"{w.prefill_miss:g} of prompt tokens are prefilled (the rest hit the prefix cache; plan.prefill_miss)",
+        }
+        balanced, balanced_times = balance_split(cfg, rates, dev, split) if balance else (None, None)
+    return Plan(
+        model=cfg.run.name,
+        device=device,
+        split=split,
+        rollouts_per_step=rollouts,
+        tokens_per_step=rollouts * w.rollout_tokens,
+        generated_per_step=rollouts * w.generated_tokens,
+        memory=mem,
+        times=times,
+        balanced=balanced,
+        balanced_times=balanced_times,
+        off_policy_steps=cfg.orchestrator.max_off_policy_steps,
+        searched=balance and not on_cpu,
+        rates_used=used,
+        assumptions=assumptions,
+    )
+
+
+def balance_split(
+    cfg: RunConfig, rates: Rates, dev: Device, split: Split
+) -> tuple[Split | None, StepTimes | None]:
+    """The split of the same GPU nodes with the shortest asynchronous step among those whose
+    trainer and decode memory fit."""
+    total = split.trainer_nodes + split.decode_nodes + split.prefill_nodes
+    best: tuple[float, Split, StepTimes] | None = None
+    for t in range(1, total):
+        for d in range(1, total - t + 1):
+            s = Split(trainer_nodes=t, decode_nodes=d, prefill_nodes=total - t - d)
+            mem = memory(cfg, s, dev)
+            if not (mem.trainer_fits and mem.inference_fits):
+                continue
+            times = step_times_gpu(cfg, s, dev, rates)
+            if best is None or times.step_async_s < best[0]:
+                best = (times.step_async_s, s, times)
+    return (best[1], best[2]) if best else (None, None)
+
+
+# ---------------------------------------------------------------------- output
+
+
+def render(plan: Plan, budget_s: float | None = None) -> str:
+    t, mm, s = plan.times, plan.memory, plan.split
+    lines = [
+        f"capacity plan: {plan.model} on {plan.device}",
+        f"  split: {s.trainer_nodes} trainer / {s.decode_nodes} decode / {s.prefill_nodes} prefill nodes",
+        f"  step: {plan.rollouts_per_step} rollouts, {plan.tokens_per_step:,.0f} tokens "
+        f"({plan.generated_per_step:,.0f} generated)",
+        "memory per GPU:",
+        f"  trainer   {mm.trainer_total_gb:8.1f} GB (state {mm.trainer_state_gb:.1f}, activations "
+        f"{mm.trainer_activations_gb:.1f}) of {mm.device_gb:.0f}: {'fits' if mm.trainer_fits else 'DOES NOT FIT'}",
+        f"  inference {mm.inference_total_gb:8.1f} GB (weights {mm.inference_weights_gb:.1f}, KV "
+        f"{mm.inference_kv_gb:.1f}) of {mm.device_gb:.0f}: {'fits' if mm.inference_fits else 'DOES NOT FIT'}; "
+        f"KV room per engine {mm.kv_tokens_capacity:,} tokens",
+        "step time (s):",
+        f"  rollout {t.rollout_s:8.1f}  (decode {t.decode_s:.1f}, prefill {t.prefill_s:.1f}; longest rollout "
+        f"{t.tail_s:.1f})",
+        f"  train   {t.train_s:8.1f}  publish (blocking) {t.publish_blocked_s:.2f}, apply {t.apply_s:.2f}",
+        f"  asynchronous step {t.step_async_s:.1f} s (bound by {t.bound_by}); trainer waits "
+        f"{t.trainer_wait_s:.1f} s, inference waits {t.inference_wait_s:.1f} s",
+        f"  synchronous step {t.step_sync_s:.1f} s",
+    ]
+    if budget_s is not None:
+        verdict = "under" if t.step_async_s <= budget_s else "OVER"
+        lines.append(f"  target {budget_s:.0f} s: the asynchronous step is {verdict} it")
+    bound = plan.off_policy_steps + 1
+    if t.step_async_s > 0 and t.tail_s > bound * t.step_async_s:
+        lines.append(
+            f"  the longest rollout spans {t.tail_s / t.step_async_s:.1f} steps, over the staleness bound of "
+            f"{bound} (orchestrator.max_off_policy_steps + 1): such rollouts are dropped unless the bound grows"
+        )
+    if plan.balanced is None and plan.searched:
+        lines.append("no split of these nodes fits both trainer and inference memory")
+    if plan.balanced and plan.balanced_times:
+        b = plan.balanced
+        lines.append(
+            f"balanced split of the same nodes: {b.trainer_nodes} trainer / {b.decode_nodes} decode / "
+            f"{b.prefill_nodes} prefill -> {plan.balanced_times.step_async_s:.1f} s "
+            f"(bound by {plan.balanced_times.bound_by})"
+        )
+    lines.append("measured rates used:")
+    lines += [f"  {k}: {v}" for k, v in plan.rates_used.items()]
+    lines.append("assumptions:")
+    lines += [f"  {k}: {v}" for k, v in plan.assumptions.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make plan", description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="run config name or path (configs/<name>.toml)")
+    ap.add_argument("--nodes", type=int, default=None, help="GPU nodes in all; split as the config's ratio")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. --orchestrator.batch_size=64")
+    args, extra = ap.parse_known_args(argv)
+    try:
+        cfg = load_config(args.model, args.overrides + extra)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    split = None
+    if args.nodes is not None:
+        split = scale_split(cfg, args.nodes)
+    plan = build_plan(cfg, load_rates(), split)
+    print(plan.model_dump_json(indent=2) if args.json else render(plan, cfg.plan.step_target_s))
+    return 0
+
+
+def scale_split(cfg: RunConfig, nodes: int) -> Split:
+    """The config's trainer/decode/prefill ratio over `nodes` GPU nodes (at least one trainer and
+    one decode node)."""
+    s = cfg.slurm
+    total = s.trainer.nodes + s.decode.nodes + s.prefill.nodes
+    if nodes < 2:
+        raise SystemExit("NODES must be at least 2 (one trainer and one decode node)")
+    t = max(1, round(nodes * s.trainer.nodes / total))
+    p = round(nodes * s.prefill.nodes / total)
+    d = max(1, nodes - t - p)
+    p = nodes - t - d
+    return Split(trainer_nodes=t, decode_nodes=d, prefill_nodes=max(0, p))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
