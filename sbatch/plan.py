@@ -391,6 +391,11 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
             f"{dev.name}: {dev.hbm_bytes / 1e9:.0f} GB, {dev.bf16_flops / 1e12:.0f} TFLOP/s bf16 (datasheet), "
             f"{dev.hbm_bytes_per_s / 1e12:.2f} TB/s copy (measured)"
         )
+        if cfg.model.is_moe:
+            used["all_to_all_bytes_per_s"] = (
+                "NOT MEASURED: expert-parallel dispatch and combine are not counted "
+                "(no multi-GPU measurement in bench/ yet)"
+            )
         assumptions |= {
             "tail_factor": f"the longest rollout generates {w.tail_factor:g}x the mean (plan.tail_factor)",
             "prefill_miss": f"{w.prefill_miss:g} of prompt tokens are prefilled (the rest hit the prefix cache; plan.prefill_miss)",
