@@ -13,8 +13,10 @@ The roofline (the best any engine could do on this card and workload):
   - prefill: the FLOPs of the 64 prompts' tokens (each prompt once: the samples share its pages) at
     the dense bf16 peak;
   - decode: every step reads the weights once (at least max(longest sample, samples / batch limit)
-    steps) plus, for every generated token, its sequence's whole KV (prompt + tokens so far), at
-    the device copy bandwidth measured in the same process.
+    steps) plus, for every generated token, its sample's own KV and, once per prompt and step,
+    the prompt's shared KV (the bytes a cascade-attention engine moves), at the device copy
+    bandwidth measured in the same process. The per-sample bound (every sample reads its prompt
+    pages itself, as a paged-attention kernel does) is reported beside it.
 Also measured alone in the same process: the prefill of the 64 prompts (max_tokens = 1), which
 gives the prefill's fraction of the bf16 peak, and W1 (the engine README's workload), for the
 comparison the GRPO number is read against. Both fractions feed the capacity plan
@@ -100,7 +102,14 @@ def roofline(
     steps = max(max(lens), math.ceil(gen / batch))
     kv_reads = sum(nums["kv_bytes_per_token"] * (n * len(p) + n * (n + 1) / 2) for p, ls in work for n in ls)
     decode_bytes = steps * nums["weight_bytes"] + kv_reads
+    # An engine that reads a shared prompt's pages once a step for all its samples (cascade
+    # attention) moves fewer bytes: that bound is the one the goal is read against.
+    shared_reads = sum(
+        nums["kv_bytes_per_token"] * (max(ls) * len(p) + sum(n * (n + 1) / 2 for n in ls)) for p, ls in work
+    )
+    decode_bytes_shared = steps * nums["weight_bytes"] + shared_reads
     t_pre, t_dec = prefill_flops / peak, decode_bytes / bw
+    t_dec_shared = decode_bytes_shared / bw
     return {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": gen,
@@ -114,6 +123,10 @@ def roofline(
         "decode_time_s": t_dec,
         "time_s": t_pre + t_dec,
         "tok_s": gen / (t_pre + t_dec),
+        "decode_bytes_shared_prefix": decode_bytes_shared,
+        "decode_time_shared_prefix_s": t_dec_shared,
+        "time_shared_prefix_s": t_pre + t_dec_shared,
+        "tok_s_shared_prefix": gen / (t_pre + t_dec_shared),
         "bandwidth_bytes_s": bw,
         "peak_flops": peak,
     }
@@ -246,10 +259,13 @@ def main() -> None:
             "wall_s": wall,
             "output_tokens": tokens,
             "output_tok_s": tokens / wall,
-            "fraction_of_roofline": roof["time_s"] / wall,
+            # Against the shared-prefix bound (the stricter one; the goal's) and against the
+            # bound of an engine that reads every sample's prompt pages itself.
+            "fraction_of_roofline": roof["time_shared_prefix_s"] / wall,
+            "fraction_of_per_sample_roofline": roof["time_s"] / wall,
             # The decode part's bytes against the time left after a prefill as long as the one
             # measured alone: the decode's fraction of the copy bandwidth.
-            "decode_fraction_of_bandwidth": roof["decode_time_s"] / decode_s,
+            "decode_fraction_of_bandwidth": roof["decode_time_shared_prefix_s"] / decode_s,
             "goal": ">= 0.6 of the roofline",
         }
         if tokens != roof["generated_tokens"]:
