@@ -389,7 +389,7 @@ def save_weights_dir(
     if tok.get_vocab_size() > m.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > model vocab_size {m.vocab_size}")
     with tempfile.TemporaryDirectory() as tdir:
-        save_tokenizer(tok, Path(tdir))
+        save_tokenizer(tok, Path(tdir), m.chat_template)
         return write_model_dir(dest, to_hf_state(m, state), hf_config(m, eos_id(tok)), Path(tdir), meta)
 
 

@@ -110,7 +110,7 @@ def write_weights_dir(
     n = write_safetensors(tmp / WEIGHTS_FILE, hf_state, {"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(hf_config(m, eos_id(tok)), indent=2))
     with tempfile.TemporaryDirectory() as tdir:
-        save_tokenizer(tok, Path(tdir))
+        save_tokenizer(tok, Path(tdir), m.chat_template)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (Path(tdir) / name).exists():
                 shutil.copy2(Path(tdir) / name, tmp / name)

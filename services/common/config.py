@@ -69,6 +69,9 @@ class ModelConfig(Strict):
     tie_embeddings: bool = True
     # "char": the built-in debug tokenizer; "hf": the checkpoint's own tokenizer.json.
     tokenizer: Literal["char", "hf"] = "char"
+    # A chat template (jinja) for the char tokenizer, written into every published weights
+    # directory's tokenizer_config.json, so chat clients (verifiers environments) can talk to it.
+    chat_template: str | None = None
     # Residual stream in float32 on both sides (engine and trainer; sublayer outputs and norm
     # outputs stay in the compute dtype): a bf16 stream turns a sub-ulp kernel difference in a
     # sublayer output into a whole-ulp difference of the residual (Router Replay's KL floor,
@@ -428,6 +431,17 @@ class TaskSpec(Strict):
     weight: float = Field(1.0, gt=0)
     # Reward the run aims for on this task; reported in the summary.
     target: float = Field(0.0, ge=0.0, le=1.0)
+    # A verifiers environment: the module (or installed package) whose load_environment(**args)
+    # builds it; the sandbox loads it and runs its rollouts against decode's OpenAI API under the
+    # name `env` (services/sandbox/verifiers_host.py, docs/environments.md).
+    verifiers: str | None = None
+    args: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _args_need_verifiers(self) -> TaskSpec:
+        if self.args and self.verifiers is None:
+            raise ValueError('args: only a verifiers task (with `verifiers = "<module>"`) takes args')
+        return self
 
 
 class SamplingConfig(Strict):

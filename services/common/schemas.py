@@ -458,3 +458,39 @@ class FileResponse(Wire):
     content: str = ""
     truncated: bool = False
     bytes: int = 0
+
+
+# ---------------------------------------------------------------- verifiers environments
+
+
+class VerifiersGroupRequest(Wire):
+    """POST /v1/verifiers/{env}/group: run one group of a verifiers environment's rollouts
+    (example `seed % len(dataset)`, `n` times) against the decode replica at `decode_url`."""
+
+    seed: int = 0
+    n: int = Field(ge=1, le=1024)
+    decode_url: str = Field(min_length=1)
+    model: str = Field(min_length=1, description="the served model id (decode's run name)")
+    sampling: SamplingParams = SamplingParams()
+
+
+class VerifiersTurn(Wire):
+    """One model call of a rollout, as decode returned it (return_token_ids)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    versions: list[int]  # the weight version that sampled each completion token
+    truncated: bool = False  # cut by max_tokens (or the context)
+
+
+class VerifiersRollout(Wire):
+    turns: list[VerifiersTurn]
+    reward: float
+    metrics: dict[str, float] = {}
+    stop_condition: str | None = None
+    error: str | None = None  # the rollout ended on an error (reward as the rubric gave it)
+
+
+class VerifiersGroupResponse(Wire):
+    rollouts: list[VerifiersRollout]

@@ -28,20 +28,18 @@ def build_char_tokenizer() -> Tokenizer:
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, model_dir: Path) -> None:
+def save_tokenizer(tok: Tokenizer, model_dir: Path, chat_template: str | None = None) -> None:
     tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS,
-                "pad_token": PAD,
-                "unk_token": UNK,
-                "model_max_length": 1 << 20,
-            },
-            indent=2,
-        )
-    )
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "model_max_length": 1 << 20,
+    }
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:

@@ -27,6 +27,8 @@ from services.common.schemas import (
     StepRequest,
     StepResponse,
     UpdateWeightsRequest,
+    VerifiersGroupRequest,
+    VerifiersGroupResponse,
 )
 from services.orchestrator.metrics import AFFINITY
 
@@ -187,3 +189,27 @@ class SandboxClient:
             raise
         created = CreateSessionsResponse.model_validate_json(resp).sessions
         return [SandboxSession(self.client, url, c, self.credit) for c in created]
+
+    async def verifiers_group(
+        self, env: str, req: VerifiersGroupRequest, timeout_s: float
+    ) -> VerifiersGroupResponse:
+        """A whole group of a verifiers environment, run by the sandbox against decode: one call
+        that lasts the group's episode, hence its own timeout."""
+        url = await self.router.pick()
+        try:
+            async with self.client.post(
+                f"{url}/v1/verifiers/{env}/group",
+                data=req.model_dump_json(),
+                headers=JSON_HEADERS,
+                timeout=aiohttp.ClientTimeout(total=timeout_s, connect=5.0),
+            ) as resp:
+                content = await resp.read()
+                status = resp.status
+        except TRANSPORT_ERRORS as e:
+            self.router.registry.forget(url)
+            raise ServiceUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+        if status >= 500:
+            raise ServiceUnavailable(f"{url}: HTTP {status}: {content[:500]!r}")
+        if status >= 400:
+            raise ValueError(f"{url}: HTTP {status}: {content[:500]!r}")
+        return VerifiersGroupResponse.model_validate_json(content)

@@ -30,6 +30,7 @@ from services.common.versions import version_ranges
 from services.orchestrator import metrics as prom
 from services.orchestrator.clients import DecodeClient, Router, SandboxClient, ServiceUnavailable
 from services.orchestrator.rollout import GroupSpec, GroupTimedOut, RolloutRunner
+from services.orchestrator.verifiers_rollout import run_verifiers_group
 
 GROUP_ATTEMPTS = 3
 ROLLOUT_TTL_S = 7 * 24 * 3600
@@ -65,6 +66,8 @@ class Orchestrator:
         self.decode_idle_s = 0.0
         self.versions_served: set[int] = set()
         self.runner: RolloutRunner | None = None
+        # tasks the sandbox runs as verifiers environments (services/orchestrator/verifiers_rollout.py)
+        self.verifiers_envs = {t.env for t in cfg.orchestrator.tasks if t.verifiers is not None}
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------ redis-backed counters
@@ -203,7 +206,12 @@ class Orchestrator:
         try:
             for attempt in range(GROUP_ATTEMPTS):
                 try:
-                    group = await self.runner.run(spec)
+                    if spec.env in self.verifiers_envs:
+                        group = await run_verifiers_group(
+                            self.cfg, self.decode, self.sandbox, self.runner.sampling, spec
+                        )
+                    else:
+                        group = await self.runner.run(spec)
                     await asyncio.to_thread(self._commit_group, group)
                     return
                 except ServiceUnavailable as e:

@@ -47,6 +47,8 @@ from services.common.schemas import (
     ScoreResponse,
     StepRequest,
     StepResponse,
+    VerifiersGroupRequest,
+    VerifiersGroupResponse,
     WriteFileRequest,
 )
 from services.common.service import Service, create_app, log_event, start_service
@@ -60,6 +62,7 @@ from services.sandbox.sessions import (
     SessionError,
     SessionStore,
 )
+from services.sandbox.verifiers_host import DecodeUnavailable, VerifiersError, VerifiersHost
 
 # Module-level: prometheus_client's default registry allows one collector per name per process.
 SESSIONS_CREATED = Counter("relay_sandbox_sessions_created", "Sessions created", ["env"])
@@ -99,6 +102,13 @@ def check_tasks(cfg: RunConfig) -> None:
     """Fail at start, not mid-run, when the orchestrator's tasks name an env nobody registered."""
     known = set(env_names())
     for i, task in enumerate(cfg.orchestrator.tasks):
+        if task.verifiers is not None:
+            if task.env in known:
+                raise EnvError(
+                    f"orchestrator.tasks[{i}].env = {task.env!r} names a registered environment; "
+                    "a verifiers task needs a name of its own"
+                )
+            continue
         if task.env not in known:
             raise EnvError(
                 f"orchestrator.tasks[{i}].env = {task.env!r} is not a registered environment "
@@ -106,8 +116,12 @@ def check_tasks(cfg: RunConfig) -> None:
             )
 
 
-def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) -> FastAPI:
+def build_app(
+    cfg: RunConfig, service: Service | None = None, replica: int = 0, verifiers: VerifiersHost | None = None
+) -> FastAPI:
+    """`verifiers`: the run's verifiers environments, loaded (main() loads them before serving)."""
     sec = cfg.sandbox
+    vf_host = verifiers if verifiers is not None else VerifiersHost()
     workspaces = WorkspaceManager.from_config(sec, replica)
     store = SessionStore(
         sec.max_sessions, sec.session_ttl_s, workspaces=workspaces, file_max_bytes=sec.file_max_bytes
@@ -186,7 +200,26 @@ def build_app(cfg: RunConfig, service: Service | None = None, replica: int = 0) 
 
     @app.get("/v1/envs")
     def list_envs() -> dict[str, list[dict[str, Any]]]:
-        return {"envs": env_catalog()}
+        return {"envs": env_catalog() + [vf_host.describe(n) for n in vf_host.names()]}
+
+    @app.post("/v1/verifiers/{env}/group")
+    async def verifiers_group(env: str, req: VerifiersGroupRequest) -> VerifiersGroupResponse:
+        """One group of a verifiers environment's rollouts against decode (verifiers_host.py)."""
+        if env not in vf_host.envs:
+            known = ", ".join(vf_host.names()) or "none"
+            return JSONResponse(  # type: ignore[return-value]
+                status_code=404, content={"detail": f"env: no verifiers environment {env!r}; loaded: {known}"}
+            )
+        try:
+            out = await vf_host.run_group(env, req)
+        except DecodeUnavailable as e:
+            return JSONResponse(status_code=503, content={"detail": f"env {env!r}: {e}"})  # type: ignore[return-value]
+        except VerifiersError as e:
+            ERRORS.labels(env).inc()
+            return JSONResponse(status_code=500, content={"detail": f"env {env!r}: {e}"})  # type: ignore[return-value]
+        for r in out.rollouts:
+            REWARD.labels(env).observe(r.reward)
+        return out
 
     @app.post("/v1/sessions")
     def create_session(req: CreateSessionRequest) -> CreateSessionResponse:
@@ -283,12 +316,20 @@ def main() -> None:
     try:
         load_plugins(sec.plugins)
         check_tasks(cfg)
-    except EnvError as e:
+        vf_host = VerifiersHost.from_tasks(cfg.orchestrator.tasks)
+    except (EnvError, VerifiersError) as e:
         svc.log.error(str(e))
         svc.sock.close()
         sys.exit(2)
-    log_event(svc.log, "environments", envs=env_names(), plugins=sec.plugins, subreaper=enable_subreaper())
-    svc.run(build_app(cfg, svc, replica=args.index))
+    log_event(
+        svc.log,
+        "environments",
+        envs=env_names(),
+        verifiers=vf_host.names(),
+        plugins=sec.plugins,
+        subreaper=enable_subreaper(),
+    )
+    svc.run(build_app(cfg, svc, replica=args.index, verifiers=vf_host))
 
 
 if __name__ == "__main__":
