@@ -1,7 +1,7 @@
 """The same model, engine, environments and loss as a relay run, but in ONE process with no
 HTTP, Redis or staleness: the baseline the distributed pipeline's learning speed is compared to.
 
-    python bench/calibration/inprocess.py --env reverse --steps 150 --out bench/calibration/inprocess-reverse.json
+    python bench/calibration/inprocess.py --env reverse --steps 150 --out /tmp/inprocess-reverse.json
 """
 
 from __future__ import annotations

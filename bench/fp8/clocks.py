@@ -3,7 +3,7 @@ FP8/bf16 speed ratio held below 2x by the chip's clock under the 700 W power lim
 
 The FP8 tensor cores do twice bf16's work per clock, so the best ratio of the two GEMMs' speeds is
 2 x (FP8 clock / bf16 clock) x (FP8 efficiency / bf16 efficiency). Nsight Compute saw the SM clock
-at 1.55-1.6 GHz under FP8 load (results/wgmma_ncu_h200.json) against a 1.98 GHz maximum; this
+at 1.55-1.6 GHz under FP8 load on an H200 against a 1.98 GHz maximum; this
 measures both clocks the same way, without a profiler: each GEMM is replayed from a CUDA graph for
 `--seconds` while `nvidia-smi` samples the SM clock and power every 50 ms, and the samples of the
 steady middle of each window are summarised (median, 10th and 90th percentiles).

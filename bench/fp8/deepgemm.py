@@ -1,12 +1,10 @@
 """DeepGEMM's own SM90 block-scaled FP8 GEMM as a baseline, next to bf16 cuBLAS, torch's block-wise
-scaled_mm (cuBLAS) and our CUDA kernel's default variant, in one process, at the issue's large-M
+scaled_mm (cuBLAS) and our CUDA kernel's default variant, in one process, at DeepSeek-V3's large-M
 shapes.
 
-Why: the issue's goal (>= 1.7x bf16 at M >= 4096) is DeepGEMM's H800 figure. On this H200 cuBLAS's
-block-wise kernel reaches 1.44-1.68x and ours 0.98-1.05x of it (results/wgmma_h200_15_*.json), so
-the question is whether DeepGEMM itself reaches 1.7x here: if it does, its kernel is the next thing
-to read (bench/fp8/wgmma_ncu_source.sh profiles any kernel by name); if it does not, the goal is
-beyond what is known to run on this machine.
+Why: the goal (>= 1.7x bf16 at M >= 4096) is DeepGEMM's H800 figure, so DeepGEMM measured on the
+same machine in the same process says what this card reaches; where it is faster, its kernel is
+the one to read (bench/fp8/wgmma_ncu_source.sh profiles any kernel by name).
 
 DeepGEMM is not a dependency and is not in this repository: `--src` is an extracted source tree
 made by bench/fp8/deepgemm_bundle.sh (DeepGEMM plus the CUTLASS and {fmt} headers at its submodule

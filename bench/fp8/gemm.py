@@ -30,7 +30,7 @@ Timing: triton.testing.do_bench (median), which clears a 256 MB buffer before ev
 call reads its weight from HBM as in a real model (a decode step streams every layer's weights
 once; L2-resident timings would flatter small M). Every variant is in try/except: a failure is
 recorded as its error string. JSON: command, date, machine (nvidia-smi), the table in force,
-every row, `summary` (the issue's goals for auto) and the table suggestion.
+every row, `summary` (the goals for auto) and the table suggestion.
 """
 
 from __future__ import annotations
@@ -667,7 +667,7 @@ def grouped_rows(dev: torch.device, t0: float) -> list[dict[str, Any]]:
 
 
 def summary(dense: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's goals for what the engine runs ("auto", the tuned dispatch): >= 1.7x bf16 at
+    """The goals for what the engine runs ("auto", the tuned dispatch): >= 1.7x bf16 at
     M >= 4096, never slower than bf16 at M = 64-128. Speedups from CUDA-graph replays (GPU time:
     the engine captures its decode step) and, for the whole linear (quantiser included), eager too."""
 

@@ -1,6 +1,6 @@
 """Host time per eager call of the FP8 linear's pieces at decode M, next to bf16's, and where the
-FP8 linear's host time goes (cProfile): the eager small-M numbers of gemm.py are host-bound, and
-they moved between runs (results/gemm_h100_25.json against gemm_h100_20_full.json).
+FP8 linear's host time goes (cProfile): the eager small-M numbers of gemm.py are host-bound and
+move with the host's speed between machines.
 
 Per function and shape (gemm.host_and_wall_ms): `host_us` is the host's time to enqueue one call
 (200 calls back to back, no synchronisation; the GPU queue does not fill at these sizes), `wall_us`

@@ -1,5 +1,5 @@
 """Side-by-side summaries of Nsight Compute CSV exports of two FP8 GEMM kernels (ours and
-DeepGEMM's, or any two), as committed under bench/fp8/results/ncu_*.txt.
+DeepGEMM's, or any two).
 
 Two kinds of input, each the CSV the device scripts write:
   - `--details A.csv:ID B.csv:ID`: the details pages of wgmma_ncu.sh (`<tag>.csv`), one kernel by

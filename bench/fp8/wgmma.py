@@ -1,5 +1,5 @@
 """The warp-specialised CUDA FP8 GEMM (services/engine/kernels/cuda/fp8_wgmma.cu) against bf16 cuBLAS
-and torch's block-wise scaled_mm (cuBLAS) in the same process, at the issue's large-M shapes.
+and torch's block-wise scaled_mm (cuBLAS) in the same process, at DeepSeek-V3's large-M shapes.
 
 First a self-check: build the library, then at ragged and full shapes (M tails, N not a multiple
 of 128, K = 128..7168) compare with the float32 reference of the recipe (services/common/fp8.py)

@@ -409,7 +409,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             for k in ("long_via_pull", "long_local_fallback", "long_ttft_ms_p50", "long_ttft_ms_max"):
                 out[f"{m}_{k}"] = r[k]
     base = results.get("baseline")
-    if base:  # the bar: disaggregated p99 within 1.5x of the no-interference p99
+    if base:  # the goal: disaggregated p99 within 1.5x of the no-interference p99
         for m in ("colocated", "disaggregated"):
             if m in results:
                 out[f"{m}_p99_over_baseline"] = results[m]["itl_ms_p99"] / base["itl_ms_p99"]

@@ -666,7 +666,7 @@ def _try(fn: Any) -> Any:
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The numbers the issue asks for, one line per (init, trainer path)."""
+    """The headline numbers, one line per (init, trainer path)."""
     rows: dict[str, Any] = {}
     for key, phase in result.items():
         if not key.startswith("bf16/") or not isinstance(phase, dict):

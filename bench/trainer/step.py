@@ -523,7 +523,7 @@ def correctness(ctx: Ctx) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref_model.parameters())
     ref_loss, ref_gn = our_step(ref_model, ref_opt, [mb], n, ref_deg, {}, ctx.device)
     out: dict[str, Any] = {"reference_fp32": {"loss": ref_loss, "grad_norm": ref_gn}}
-    # The same pack through each kernel, and the issue-9 knobs (forced cuDNN first with expanded
+    # The same pack through each kernel, and the MFU knobs (forced cuDNN first with expanded
     # kv, the compiled log-prob head); "one_doc": a one-sample pack, the plain causal SDPA path.
     one = pack(make_samples([1023], m.vocab_size, seed=8, jitter=0.3))
     n_one = loss_token_count(make_samples([1023], m.vocab_size, seed=8, jitter=0.3))
