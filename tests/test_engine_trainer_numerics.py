@@ -21,7 +21,7 @@ a kernel, not for a formulation difference (those give ~1e-3 mean).
 Both sides' LM-head logits are float32 by default (services/common/lm_head.py, `logits_fp32`);
 the bf16-output head (`logits_fp32` off) is bitwise equal on CPU too. `floor_sources` emulates
 the GPU's accumulation-order differences on the trainer side and shows what rounding the logits
-to bf16 adds (docs/loss.md "bf16 numerics")."""
+to bf16 adds (docs/replay.md "bf16 numerics")."""
 
 from __future__ import annotations
 

@@ -153,9 +153,9 @@ def _cublas_blockwise_standin(
     recipe_b: object,
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """F.scaled_mm block-wise has no CPU kernel: enforce the layout cuBLAS demanded on the H200
-    (shared/notes/infra-facts.md, run 1's errors: K blocks of scale_b padded to a multiple of 4;
-    M a multiple of 4, as reported by other users of this path), then compute the product."""
+    """F.scaled_mm block-wise has no CPU kernel: enforce the layout cuBLAS demands on the H200
+    (K blocks of scale_b padded to a multiple of 4; M a multiple of 4, as reported by other
+    users of this path), then compute the product."""
     assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
     m, k = a.shape
     n = b.shape[1]

@@ -1,4 +1,4 @@
-"""A handed-off request starts on the decode as a pure decode (docs/kv.md, "Same-host handoff"):
+"""A handed-off request starts on the decode as a pure decode (docs/kv-near.md, "Same-host handoff"):
 a real prefill engine with a shared near tier and a real gateway data plane, a decode engine that
 takes the prefill's first token and, through router.pull_prefilled, every full page of the prompt
 (the last one too: no prompt token needs its logits on the decode) and the partial last page from

@@ -242,7 +242,7 @@ def random_policy(rng: random.Random, max_tokens: int = 6):  # noqa: ANN201
 
 
 # Measured with 20k episodes: echo 0.017, reverse 0.016, echo-turns 0.017, guess 0.040 (uniform over 59
-# tokens; a real random-init model is less uniform, infra-facts measured ~0.02 for echo and reverse).
+# tokens; a real random-init model is less uniform, ~0.02 for echo and reverse).
 @pytest.mark.parametrize(
     ("name", "lo", "hi"),
     [

@@ -1,4 +1,4 @@
-"""Trainer/inference mismatch metrics, reported every step (docs/loss.md, "Mismatch metrics").
+"""Trainer/inference mismatch metrics, reported every step (docs/replay.md, "Mismatch metrics").
 
 Over the step's trained tokens (loss_mask 1), with p_train = exp(logp_train) under the weights
 being trained and p_infer = exp(logp_infer) as the engine reported it:

@@ -274,7 +274,7 @@ class Trainer:
             self.version = 0
         # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
         # Both swaps keep parameters and names; they only act when packing / chunking is used.
-        # float32 logits as the engine's (docs/loss.md); head_cache_gib: no logits GEMM in the
+        # float32 logits as the engine's (docs/replay.md); head_cache_gib: no logits GEMM in the
         # head's backward when its probabilities fit (docs/trainer.md)
         enable_chunked_output(model, tc.logits_fp32, tc.head_cache_gib)
         enable_router_replay(model)  # MoE: routers that can follow recorded expert ids

@@ -2,7 +2,7 @@
 
 The target is a batch-1 decode step within 2x of one weight read. The step's graph is a chain of
 ~10 dependent kernels per layer; its GEMVs read 4-12 MB each in ~4-5 us where the bytes alone take
-1-3 us (profile_batch1_*.json): each waits for its DRAM latency and ramp-up in turn. Folding
+1-3 us (bench/engine/profile_batch1.py): each waits for its DRAM latency and ramp-up in turn. Folding
 kernels together did not help under PDL (bench/engine/README.md). This probe
 tests the other way out, the one megakernels take: keep DRAM streaming the weights continuously,
 ahead of the compute chain, so that the chain's GEMVs read from L2 (50 MB on the H200; one
@@ -51,7 +51,7 @@ from services.engine.kernels.fused_norm import add_rms_norm, silu_mul
 from services.engine.kernels.gemv import gemv, replay_us
 
 # (name, N, K) of one layer's decode GEMMs, and the GEMV configuration the warm-up chose for each
-# at M = 1 on the H200 (profile_batch1_pdl_h200.json).
+# at M = 1 on the H200 (bench/engine/profile_batch1.py's decode_gemm_choices).
 GEMMS = (
     ("qkv", 4096, 1024, (2, 1024, 4)),
     ("o_proj", 1024, 2048, (4, 2048, 8)),

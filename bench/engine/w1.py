@@ -3,7 +3,7 @@
     python3 bench/engine/w1.py --out $OUT/w1.json            # on the H200 (about 5-8 minutes)
     python bench/engine/w1.py --smoke --out /tmp/w1.json     # CPU, tiny model: checks the script runs
 
-W1 (docs: /work/shared/notes/infra-facts.md): a Qwen3-0.6B-shaped model with random weights
+W1: a Qwen3-0.6B-shaped model with random weights
 (bf16), 256 prompts of 100-1024 tokens (random.seed(0): the 256 lengths, then each prompt's token
 ids, uniform in [0, 10000]), exactly 512 new tokens each (EOS ignored), temperature 1.
 
@@ -74,7 +74,7 @@ SMOKE_MODEL = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
-NOMINAL_BW = 4.27e12  # bytes/s, device copy on the H200 (infra-facts.md)
+NOMINAL_BW = 4.27e12  # bytes/s, device copy measured on the H200
 
 
 # ----------------------------------------------------------------------------- bookkeeping
@@ -268,7 +268,7 @@ def drive(engine: Any, reqs: list[Any], time_cap_s: float) -> dict[str, Any]:
 
 
 def measure_bandwidth(device: torch.device) -> float:
-    """Device copy bandwidth (bytes read + written per second), like infra-facts' 4.27 TB/s."""
+    """Device copy bandwidth (bytes read + written per second), 4.27 TB/s on the H200."""
     if device.type != "cuda":
         return NOMINAL_BW
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)

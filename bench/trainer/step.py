@@ -7,8 +7,8 @@ One RL step = forward -> per-token log-probs -> loss -> backward -> clip -> opti
 random weights of a Qwen3-0.6B / Qwen3-4B shape (vocabulary 151936, tied embeddings).
 
 (a) baseline: HF transformers Qwen3ForCausalLM, bf16 weights, fused AdamW, SDPA, full logits
-    + log_softmax in float32, gradient checkpointing for 4B (the method of the "Trainer
-    baseline" in /work/shared/notes/infra-facts.md).
+    + log_softmax in float32, gradient checkpointing for 4B (a plain HF
+    training step, the reference MFU).
 (b) ours: the functions trainer/train.py's train_step uses (trainer.parallel.parallelize:
     FSDP2 mixed precision bf16 / float32 master weights and reductions, AC, compile, attention
     kernel; trainer.attention micro_batch_attention + packed_logprobs with the chunked log-prob
@@ -209,7 +209,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16+master": dict(fsdp="master"),
     "bf16+compile+master+fused_adam": dict(compile=True, fsdp="master", optimizer="fused"),
     # The LM head's logits rounded to bf16 (trainer.logits_fp32 = false):
-    # what float32 logits (the mismatch fix, docs/loss.md) cost in step time.
+    # what float32 logits (docs/replay.md) cost in step time.
     "bf16+compile+fused_adam+fsdp+bf16_logits": dict(compile=True, optimizer="fused", logits_fp32=False),
     # The chunked head recomputing its logits in the backward (trainer.head_cache_gib = 0, the
     # pre-issue-9 head); the variants without it keep the forward's probabilities (default 12 GiB).

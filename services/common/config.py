@@ -75,7 +75,7 @@ class ModelConfig(Strict):
     # Residual stream in float32 on both sides (engine and trainer; sublayer outputs and norm
     # outputs stay in the compute dtype): a bf16 stream turns a sub-ulp kernel difference in a
     # sublayer output into a whole-ulp difference of the residual (Router Replay's KL floor,
-    # docs/loss.md "bf16 numerics"). Carried in config.json as relay_fp32_residual when off.
+    # docs/replay.md "bf16 numerics"). Carried in config.json as relay_fp32_residual when off.
     fp32_residual: bool = True
     # --- Mixture of Experts (n_routed_experts = 0: every layer is dense)
     n_routed_experts: int = Field(0, ge=0)
@@ -300,7 +300,7 @@ class EngineConfig(Strict):
     # and nothing overlaps. true / false force it (the CPU tests force it on).
     overlap_schedule: Literal["auto"] | bool = "auto"
     # LM-head logits as the bf16 GEMM's float32 output, not rounded to bf16 (services/common/
-    # lm_head.py): the trainer's head does the same (trainer.logits_fp32); docs/loss.md "bf16 numerics".
+    # lm_head.py): the trainer's head does the same (trainer.logits_fp32); docs/replay.md "bf16 numerics".
     logits_fp32: bool = True
 
 
@@ -528,7 +528,7 @@ class TrainerSection(Strict):
     packing: bool = False
     # > 0: project to the vocabulary this many tokens at a time (no [tokens x vocab] tensor).
     logprob_chunk_tokens: int = Field(0, ge=0)
-    # LM-head logits in float32 from the bf16 GEMM (as decode.engine.logits_fp32; docs/loss.md).
+    # LM-head logits in float32 from the bf16 GEMM (as decode.engine.logits_fp32; docs/replay.md).
     logits_fp32: bool = True
     # Chunked head (logprob_chunk_tokens > 0): keep the forward's onehot - p (GEMM dtype) for the
     # backward (no logits GEMM there) when a micro-batch's tokens x vocab x itemsize fit in this

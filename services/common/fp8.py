@@ -20,9 +20,8 @@ GEMMs: ``fp8_gemm`` computes ``out = dequant(a) @ dequant(w).T`` by accumulating
 one 128-wide K block at a time with both scales applied per block (what the Hopper kernels do);
 ``grouped_fp8_gemm`` does the same for MoE experts, one weight per contiguous group of rows.
 With ``backend="auto"`` a CUDA input goes to ``torch.nn.functional.scaled_mm`` with
-``ScalingType.BlockWise1x128`` / ``BlockWise128x128``. **That GPU dispatch is untested on GPU**
-(written against the scale layouts in shared/notes/infra-facts.md; CI covers only the CPU
-reference path). The engine and trainer reach these through services/engine/fp8_linear.py, whose
+``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` (checked on the GPU by bench/fp8/gemm.py's
+self-check; CI covers only the CPU reference path). The engine and trainer reach these through services/engine/fp8_linear.py, whose
 dispatch adds relay's Triton kernels (services/engine/kernels/fp8_gemm.py). See docs/fp8.md.
 """
 
@@ -232,8 +231,8 @@ def fp8_gemm_reference(
 def _scaled_mm_blockwise(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """torch's block-wise cuBLAS path (torch >= 2.11, Hopper). Layouts (checked on the H200,
-    shared/notes/infra-facts.md): scale_a (M, K/128) column-major (strides (1, M)); scale_b
+    """torch's block-wise cuBLAS path (torch >= 2.11, Hopper). Layouts (checked on the H200):
+    scale_a (M, K/128) column-major (strides (1, M)); scale_b
     (KB4, N/128) with strides (1, KB4), i.e. the transpose of a contiguous (N/128, KB4) tensor,
     where KB4 = ceil(K/128) rounded up to a multiple of 4: cuBLAS wants the weight's K-block
     count padded to 4 (H200 run 1: "scale_b must have shape 12 x 8 ... got [11, 8]" at K = 1300).

@@ -376,7 +376,7 @@ class TrainerStepMetrics(Wire):
     publish_s: float
     tokens_per_s: float
     entropy_coef: float = 0.0  # the entropy bonus's coefficient in this step (trainer/entropy.py)
-    # Trainer/inference mismatch over the step's trained tokens (trainer/mismatch.py, docs/loss.md):
+    # Trainer/inference mismatch over the step's trained tokens (trainer/mismatch.py, docs/replay.md):
     # k3 KL(pi_infer || pi_train), max/mean |p_train - p_infer|, share of ratios outside [0.5, 2].
     mismatch_kl_k3: float = 0.0
     mismatch_p_abs_max: float = 0.0

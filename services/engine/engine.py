@@ -98,7 +98,7 @@ class LLMEngine:
             self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype)
             self.model.load_hf_state(self._high_precision(ckpt))
         self.model.eval()
-        self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/loss.md)
+        self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/replay.md)
         # GQA or MLA-latent layout, plus the routed-expert store of an MoE model (kv_cache.py).
         self.kv = KVCache.for_model(
             m, self._num_kv_blocks(), cfg.block_size, self.max_seq_len, self.dtype, self.device

@@ -4,7 +4,7 @@ A `mooncake_master` (started by the launcher: `python -m services.kvstore.master
 index; every gateway is a store client that contributes `segment_bytes` of its RAM to the pool and
 reads and writes pages by key. Any gateway can read a page another one wrote, which is what makes
 the pool span nodes. Data lives in the contributing clients' segments: a page survives the gateway
-that reads it, not the one whose segment holds it (infra-facts "Mooncake Store").
+that reads it, not the one whose segment holds it.
 
 The `mooncake` module comes from the optional `kv` extra (services/kvstore/install_mooncake.sh).
 """

@@ -1,6 +1,6 @@
 """guess: find a hidden number 0..15 from '<' '>' '=' feedback in up to 6 turns. The task that
-shows whether multi-turn masks and the off-policy correction are right (infra-facts: it fails
-without the importance-ratio correction). Perfect binary search averages 0.7625."""
+shows whether multi-turn masks and the off-policy correction are right (it fails without the
+importance-ratio correction). Perfect binary search averages 0.7625."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""reverse: reverse three letters. The calibrated single-turn toy task (infra-facts: a ~100k-param
+"""reverse: reverse three letters. The calibrated single-turn toy task (a ~100k-param
 model goes from ~0.02 to 0.9 in ~100 GRPO steps)."""
 
 from __future__ import annotations
