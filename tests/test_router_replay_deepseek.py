@@ -160,9 +160,10 @@ def test_unsupported_deepseek_layouts_are_rejected(bad: dict[str, object], match
         build_model(small_ds(**bad))
 
 
-def test_glm_moe_dsa_is_rejected() -> None:
-    m = small_ds(arch="glm_moe_dsa", index_topk=4, index_n_heads=2, index_head_dim=8)
-    with pytest.raises(ValueError, match="qwen3_moe and deepseek_v3"):
+def test_glm_moe_dsa_needs_the_low_rank_query() -> None:
+    """GLM-5 trains (tests/test_glm5_trainer.py); its indexer reads q_lora's latent."""
+    m = small_ds(arch="glm_moe_dsa", index_topk=4, index_n_heads=2, index_head_dim=8, q_lora_rank=0)
+    with pytest.raises(ValueError, match="q_lora_rank"):
         build_model(m)
 
 

@@ -146,7 +146,8 @@ def _varlen_causal_kwargs(enable_gqa: bool) -> dict[str, Any]:
 
 
 def _attentions(model: nn.Module) -> list[nn.Module]:
-    return [layer.attention for layer in model.layers.values()]  # type: ignore[union-attr]
+    # (a hybrid stack's Mamba-2 / MLP / MoE layers have none: trainer/nemotron.py)
+    return [layer.attention for layer in model.layers.values() if hasattr(layer, "attention")]  # type: ignore[union-attr]
 
 
 def enable_document_attention(

@@ -381,9 +381,10 @@ class Fp8TrainLinear(nn.Linear):
 
 
 def trainer_skip(name: str) -> bool:
-    """Kept in high precision: the engine's rule (lm_head, routers, embeddings, norms) plus
-    torchtitan's name for the output head."""
-    return default_skip(name) or name.split(".")[-1] == "output"
+    """Kept in high precision: the engine's rule (lm_head, routers, embeddings, norms, and MLA's
+    kv_b_proj, which the engine's absorbed decode reads as a plain weight) in torchtitan's names:
+    `output` for the head, `wkv_b` for kv_b_proj."""
+    return default_skip(name) or name.split(".")[-1] in ("output", "wkv_b")
 
 
 def convert(

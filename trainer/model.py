@@ -25,6 +25,7 @@ from services.common.config import ModelConfig, RopeScaling
 from services.common.fp8_checkpoint import check_checkpoint, dequantize_state
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
+from trainer.glm5 import GlmMoeDsaAdapter, build_glm5
 from trainer.moe_routing import (
     DeepSeekV3Adapter,
     RelayDeepSeekV3Model,
@@ -34,16 +35,24 @@ from trainer.moe_routing import (
     deepseek_moe_args,
     routed_experts_like,
 )
+from trainer.nemotron import NemotronHAdapter, NemotronHModel, build_nemotron
+
+# Built on torchtitan's DeepSeek-V3 (MLA + DeepSeek MoE); glm_moe_dsa adds the DSA indexer.
+MLA_ARCHS = ("deepseek_v3", "glm_moe_dsa")
+# Architectures with their own blocks (not torchtitan's Qwen3, whose modules build_model re-classes
+# for the engine's rounding): MLA models and the nemotron_h hybrid stack.
+OWN_ARCHS = (*MLA_ARCHS, "nemotron_h")
 
 
 def moe_args(m: ModelConfig) -> MoEArgs:
     """torchtitan MoE settings computing HF Qwen3-MoE's function (Qwen3MoeSparseMoeBlock), or
     DeepSeek-V3's (deepseek_moe_args)."""
-    if m.arch == "deepseek_v3":
+    if m.arch in MLA_ARCHS:
         return deepseek_moe_args(m)
     if m.arch != "qwen3_moe":
-        # glm_moe_dsa: GLM-5's DSA indexer (sparse attention) is not implemented in the trainer.
-        raise ValueError(f"the trainer builds MoE only for arch qwen3_moe and deepseek_v3 (got {m.arch!r})")
+        raise ValueError(
+            f"the trainer builds MoE only for arch qwen3_moe, deepseek_v3 and glm_moe_dsa (got {m.arch!r})"
+        )
     # What HF Qwen3-MoE (and so the published config.json, services/common/modeldir.py) can say.
     if m.n_shared_experts or m.expert_bias or m.n_group != 1 or m.routed_scaling_factor != 1.0:
         raise ValueError(
@@ -149,7 +158,7 @@ def build_model(
     seed: int | None = None,
     device: str | torch.device = "cpu",
     init_std: float | None = None,
-) -> Qwen3Model | RelayDeepSeekV3Model:
+) -> Qwen3Model | RelayDeepSeekV3Model | NemotronHModel:
     """torchtitan's init; with `init_std`, tied embeddings are re-drawn with that std (see below).
 
     Why: torchtitan gives the tied embedding/output matrix std dim**-0.5. At init the residual
@@ -160,10 +169,18 @@ def build_model(
     std 0.02 the same ratio holds but all logits are small, so the policy starts near uniform.
     """
     with torch.device(device):
-        # deepseek_v3: torchtitan's DeepSeek-V3 (MLA + DeepSeek MoE), trainer/moe_routing.py.
-        model = build_deepseek_v3(m) if m.arch == "deepseek_v3" else RelayQwen3Model(model_args(m))
+        # deepseek_v3: torchtitan's DeepSeek-V3 (MLA + DeepSeek MoE), trainer/moe_routing.py;
+        # glm_moe_dsa: the same with the DSA indexer, trainer/glm5.py.
+        if m.arch == "glm_moe_dsa":
+            model = build_glm5(m)
+        elif m.arch == "nemotron_h":
+            model = build_nemotron(m)  # the hybrid Mamba-2 / attention / MoE stack, trainer/nemotron.py
+        elif m.arch == "deepseek_v3":
+            model = build_deepseek_v3(m)
+        else:
+            model = RelayQwen3Model(model_args(m))
         _moe_blocks(model, m)
-    if m.arch != "deepseek_v3":
+    if m.arch not in OWN_ARCHS:
         residual_stream_like_engine(model, m.fp32_residual)
         for block in model.layers.values():
             block.attention.__class__ = RelayAttention  # same parameters and names: see its docstring
@@ -174,7 +191,7 @@ def build_model(
         torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(device))
-        if m.arch == "deepseek_v3" and m.tie_embeddings:
+        if m.arch in OWN_ARCHS and m.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight  # torchtitan's DeepSeek never ties
         if init_std is not None and m.tie_embeddings:
             torch.nn.init.trunc_normal_(
@@ -328,15 +345,17 @@ def _moe_blocks(model: Qwen3Model, m: ModelConfig) -> None:
         return
     from trainer.replay import enable_router_replay  # (replay.py imports the batch modules)
 
-    if m.arch == "deepseek_v3":
+    if m.arch in MLA_ARCHS:
         add_expert_bias(model, m)  # its leading dense layers are built by torchtitan's DeepSeek
-    else:
+    elif not m.is_hybrid:  # (nemotron_h: its MoE layers are the pattern's, with their bias)
         _dense_leading_layers(model, m)
     for block in model.layers.values():
         if block.moe_enabled:
             block.moe.reorderer = CountingReorderer(m.n_routed_experts, m.n_experts_per_tok)
-            # Loop or grouped GEMMs, chosen by trainer.moe_grouped_mm at parallelize.
-            block.moe.experts = routed_experts_like(block.moe.experts)
+            # Loop or grouped GEMMs, chosen by trainer.moe_grouped_mm at parallelize
+            # (nemotron_h's squared-ReLU experts have both paths themselves).
+            if not m.is_hybrid:
+                block.moe.experts = routed_experts_like(block.moe.experts)
     # The router too counts with count_per_expert; outside trainer.replay.routing(...) it is exactly
     # torchtitan's token-choice top-k router.
     enable_router_replay(model)
@@ -356,10 +375,15 @@ def _dense_leading_layers(model: Qwen3Model, m: ModelConfig) -> None:
 
 def moe_layer_ids(m: ModelConfig) -> list[int]:
     """Indices of the MoE layers, in the order of a RoutedExperts array's layer axis."""
-    return list(range(m.first_k_dense, m.n_layers)) if m.is_moe else []
+    return m.moe_layers()
 
 
-def adapter(m: ModelConfig) -> Qwen3StateDictAdapter | DeepSeekV3Adapter:
+def adapter(m: ModelConfig) -> Qwen3StateDictAdapter | DeepSeekV3Adapter | NemotronHAdapter:
+    """The one place that maps this architecture's torchtitan names to HF's (and back)."""
+    if m.arch == "nemotron_h":
+        return NemotronHAdapter(m)
+    if m.arch == "glm_moe_dsa":
+        return GlmMoeDsaAdapter(m)
     if m.arch == "deepseek_v3":
         return DeepSeekV3Adapter(m)
     return Qwen3StateDictAdapter(model_args(m), None)
@@ -367,10 +391,10 @@ def adapter(m: ModelConfig) -> Qwen3StateDictAdapter | DeepSeekV3Adapter:
 
 def to_hf_state(m: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     hf = adapter(m).to_hf(state)
-    if m.is_moe:
+    if m.is_moe:  # (every MoE layout writes per-expert tensors)
         # The adapter splits each [experts, ...] tensor into views of one storage; safetensors
         # refuses tensors that share memory, so every expert gets its own copy.
-        hf = {k: v.clone() if ".mlp.experts." in k else v for k, v in hf.items()}
+        hf = {k: v.clone() if ".experts." in k else v for k, v in hf.items()}
     return hf
 
 

@@ -15,8 +15,8 @@ the aux-loss-free balancing rule during pre-training), and relay does not update
 published weights keep describing the engine's routing. Weights convert to/from HF DeepSeek-V3
 names through torchtitan's DeepSeekV3StateDictAdapter (`DeepSeekV3Adapter` adds tied embeddings).
 
-Not covered: glm_moe_dsa (its DSA indexer is not in the trainer), YaRN RoPE (refused, as the engine
-refuses it), deepseek_v3 without MLA (no HF model has that layout).
+GLM-5 (glm_moe_dsa) is this model plus the DSA indexer: trainer/glm5.py. Not covered: YaRN RoPE
+(refused, as the engine refuses it), deepseek_v3 without MLA (no HF model has that layout).
 
 The routed experts of every trainer MoE (qwen3_moe and deepseek_v3) are `RoutedExperts` (below):
 torchtitan's per-expert loop, or torch._grouped_mm GEMMs per `trainer.moe_grouped_mm`, and token
@@ -113,8 +113,22 @@ class RelayDeepSeekV3Model(DeepSeekV3Model):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
 
+# HF's q_a_layernorm / kv_a_layernorm are built with the RMSNorm default eps, not rms_norm_eps
+# (torchtitan gives them norm_eps; the engine's LATENT_NORM_EPS).
+LATENT_NORM_EPS = 1e-6
+
+
 def build_deepseek_v3(m: ModelConfig) -> RelayDeepSeekV3Model:
-    return RelayDeepSeekV3Model(deepseek_args(m))
+    model = RelayDeepSeekV3Model(deepseek_args(m))
+    latent_norm_eps(model)
+    return model
+
+
+def latent_norm_eps(model: nn.Module) -> None:
+    for block in model.layers.values():  # type: ignore[union-attr]
+        for norm in (getattr(block.attention, "q_norm", None), block.attention.kv_norm):
+            if norm is not None:
+                norm.eps = LATENT_NORM_EPS
 
 
 def add_expert_bias(model: nn.Module, m: ModelConfig) -> None:

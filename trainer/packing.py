@@ -149,7 +149,8 @@ class DocumentSDPA(ScaledDotProductAttentionWrapper):
 
 
 def _attentions(model: nn.Module) -> list[nn.Module]:
-    return [layer.attention for layer in model.layers.values()]  # type: ignore[union-attr]
+    # (a hybrid stack's Mamba-2 / MLP / MoE layers have none: trainer/nemotron.py)
+    return [layer.attention for layer in model.layers.values() if hasattr(layer, "attention")]  # type: ignore[union-attr]
 
 
 def enable_document_masking(model: nn.Module) -> nn.Module:

@@ -350,6 +350,18 @@ def parallelize(
             raise ValueError("trainer.ep > 1 needs torchrun with trainer.nproc processes")
         apply_expert_parallel(model, meshes["ep"], device)
     if deg.cp > 1:
+        from trainer.glm5 import glm_attentions
+
+        if glm_attentions(model):
+            # A CP shard sees part of the sequence: the indexer's top-k over all keys is not wired.
+            raise NotImplementedError(
+                "trainer.cp > 1 for glm_moe_dsa (DSA top-k across CP shards) is not wired"
+            )
+        if any(hasattr(b, "mamba") for b in model.layers.values()):  # type: ignore[union-attr]
+            # A Mamba-2 state would have to pass from each CP shard to the next.
+            raise NotImplementedError(
+                "trainer.cp > 1 for nemotron_h (Mamba-2 state across CP shards) is not wired"
+            )
         if meshes.get("cp") is None:
             raise ValueError("trainer.cp > 1 needs torchrun with nproc = dp * cp")
         from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
@@ -362,6 +374,9 @@ def parallelize(
     if tc.activation_checkpoint != "none":
         apply_activation_checkpoint(model, tc.activation_checkpoint, tc.compile)
     if tc.compile:
+        if any(hasattr(b, "mamba") for b in model.layers.values()):  # type: ignore[union-attr]
+            # Packed rows split each Mamba-2 layer by sample on the host (trainer/nemotron.py).
+            raise NotImplementedError("trainer.compile for nemotron_h is not wired")
         apply_compile(model, deg.ep > 1)
     head = getattr(model, "output", None)
     if device.type == "cuda" and hasattr(head, "fused"):

@@ -266,7 +266,7 @@ def micro_batch_routes(
     groups = micro_batch_samples(samples, packing, token_budget)
     if not m.is_moe:
         return [None] * len(groups)
-    layers, k, e = m.n_layers - m.first_k_dense, m.n_experts_per_tok, m.n_routed_experts
+    layers, k, e = len(m.moe_layers()), m.n_experts_per_tok, m.n_routed_experts
     if packing:
         return [packed_routes(g, layers, k, e) for g in groups]
     # collate pads every row to the longest sample (at least 2 tokens)

@@ -62,6 +62,7 @@ from trainer.batch import (
 )
 from trainer.chunked import enable_chunked_output
 from trainer.entropy import EntropyControl
+from trainer.glm5 import glm_attentions, indexer_loss, set_indexer_mode
 from trainer.loss import ratio_loss
 from trainer.master_weights import masters_of, optimizer_params, sync_params
 from trainer.mismatch import micro_batch_versions
@@ -224,6 +225,7 @@ class StepResult:
     entropy_coef: float = 0.0  # the bonus's coefficient this step used
     # trainer/inference mismatch (trainer.mismatch.MismatchStats.summary), TrainerStepMetrics fields
     mismatch: dict[str, Any] = field(default_factory=dict)
+    dsa_indexer_kl: float | None = None  # GLM-5, trainer.dsa_indexer = "kl"
 
 
 class Trainer:
@@ -278,6 +280,7 @@ class Trainer:
         # head's backward when its probabilities fit (docs/trainer.md)
         enable_chunked_output(model, tc.logits_fp32, tc.head_cache_gib)
         enable_router_replay(model)  # MoE: routers that can follow recorded expert ids
+        set_indexer_mode(model, tc.dsa_indexer)  # GLM-5's DSA indexer: frozen or KL-trained
         if tc.fp8:
             # Same FP8 recipe as an engine with quantization="fp8"; master weights stay as they are.
             from trainer.fp8 import Fp8BlockwiseConverter
@@ -525,6 +528,11 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         # Loss and mismatch sums stay on the device until the step's one host read.
         acc = StepStats(self.d.device, len(moe_layer_ids(self.cfg.model)))
+        # GLM-5 with a KL-trained indexer: L_I's gradient scale, and its sum over the step.
+        train_indexer = tc.dsa_indexer == "kl" and bool(glm_attentions(self.model))
+        indexer_scale = tc.dsa_indexer_loss_coef * scale / total_loss_tokens
+        indexer_kl = torch.zeros((), dtype=torch.float64, device=self.d.device)
+        indexer_queries = 0
         for i in range(n_mb):
             if i < len(mbs):
                 mb = mbs[i].to(self.d.device)
@@ -539,6 +547,7 @@ class Trainer:
                         tc.router_replay,
                     ) as rec,
                     micro_batch_attention(self.model, mb),
+                    indexer_loss(self.model, indexer_scale) as attns,
                 ):  # perf path: masks held over backward too
                     with amp:  # perf path: packed_logprobs picks the attention kernel
                         logp, ent = packed_logprobs(
@@ -556,6 +565,9 @@ class Trainer:
                         entropy_coef=self.entropy.coef,
                     )
                     (loss * scale).backward()
+                if train_indexer:
+                    indexer_kl += sum(a.indexer_loss_sum for a in attns if a.indexer_loss_sum is not None)
+                    indexer_queries += int(mb.inputs.numel())
                 on_policy = (
                     to_device(versions[i], logp.device) == self.version if versions is not None else None
                 )
@@ -577,6 +589,10 @@ class Trainer:
         # Cross-rank reduction on the device, then ONE device-to-host copy for every metric.
         g, n_tokens, mismatch, grad_norm = acc.read(norm, self.d.all_reduce_, copies=deg.tp)
         entropy = g.entropy_sum / max(1.0, g.loss_tokens)
+        kl_stats = None
+        if train_indexer:  # (kl mode only: one more small host read)
+            sums = self.d.all_reduce(torch.stack([indexer_kl.cpu(), torch.tensor(float(indexer_queries))]))
+            kl_stats = float(sums[0]) / max(1.0, float(sums[1]))
         coef = self.entropy.coef
         self.entropy.update(entropy)  # every rank sees the same all-reduced entropy
         return StepResult(
@@ -589,6 +605,7 @@ class Trainer:
             tokens=int(n_tokens) // deg.cp,  # every cp rank counted the whole sample
             compute_s=time.monotonic() - t0,
             mismatch=mismatch.summary(),
+            dsa_indexer_kl=kl_stats,
         )
 
     # -------------------------------------------------------------- main loop
@@ -664,6 +681,7 @@ class Trainer:
             publish_s=publish_s,
             tokens_per_s=res.tokens / max(res.compute_s, 1e-9),
             entropy_coef=res.entropy_coef,
+            dsa_indexer_kl=res.dsa_indexer_kl,
             **res.mismatch,
         )
 

@@ -52,8 +52,9 @@ class ModelConfig(Strict):
 
     # qwen3: dense Qwen3 (QK-norm); llama3: dense Llama-3 (no QK-norm); qwen3_moe: Qwen3-MoE;
     # deepseek_v3: MLA + MoE with sigmoid/group-limited routing (DeepSeek-V3, Kimi-K2);
-    # glm_moe_dsa: GLM-5 (deepseek_v3 plus the DSA indexer).
-    arch: Literal["qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa"] = "qwen3"
+    # glm_moe_dsa: GLM-5 (deepseek_v3 plus the DSA indexer); nemotron_h: NVIDIA's hybrid
+    # Mamba-2 / attention / MoE stack (Nemotron-H, Nemotron-3), one mixer per layer.
+    arch: Literal["qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa", "nemotron_h"] = "qwen3"
     vocab_size: int = Field(64, gt=0)
     dim: int = Field(64, gt=0)
     n_layers: int = Field(2, gt=0)
@@ -104,6 +105,21 @@ class ModelConfig(Strict):
     index_head_dim: int = Field(0, ge=0)
     # Multi-token-prediction layers shipped with the checkpoint (not counted in param_counts).
     n_mtp_layers: int = Field(0, ge=0)
+    # --- hybrid stack (arch nemotron_h; HF NemotronH names in brackets). One mixer per layer, by
+    # hybrid_pattern [hybrid_override_pattern]: M = Mamba-2, * = attention (no RoPE), - = MLP,
+    # E = MoE; every MLP and expert is up/down with a squared-ReLU (hidden_dim: the MLP's width).
+    hybrid_pattern: str = ""
+    mamba_n_heads: int = Field(0, ge=0)  # [mamba_num_heads]
+    mamba_head_dim: int = Field(0, ge=0)  # [mamba_head_dim]
+    ssm_state_size: int = Field(0, ge=0)  # [ssm_state_size]
+    mamba_n_groups: int = Field(1, ge=1)  # [n_groups]: B/C groups, also the gated norm's groups
+    mamba_conv_kernel: int = Field(4, ge=2)  # [conv_kernel]
+    mamba_chunk_size: int = Field(128, gt=0)  # [chunk_size]: the chunked scan's block
+    # [time_step_limit]: dt clamped to [min, max] after the softplus (max None: no upper bound)
+    mamba_dt_min: float = Field(0.0, ge=0)
+    mamba_dt_max: float | None = Field(None, gt=0)
+    # [moe_shared_expert_intermediate_size]; 0: moe_hidden_dim * n_shared_experts
+    shared_expert_hidden_dim: int = Field(0, ge=0)
 
     @property
     def is_moe(self) -> bool:
@@ -112,6 +128,23 @@ class ModelConfig(Strict):
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.arch == "nemotron_h"
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' FFN width (one SwiGLU, or one squared-ReLU MLP for nemotron_h)."""
+        return self.shared_expert_hidden_dim or self.moe_hidden_dim * self.n_shared_experts
+
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers, in the order of a RoutedExperts array's layer axis."""
+        if not self.is_moe:
+            return []
+        if self.is_hybrid:
+            return [i for i, c in enumerate(self.hybrid_pattern) if c == "E"]
+        return list(range(self.first_k_dense, self.n_layers))
 
     @model_validator(mode="before")
     @classmethod
@@ -165,14 +198,49 @@ class ModelConfig(Strict):
             raise ValueError(f"arch {self.arch} has no MLA/DSA attention: use deepseek_v3 or glm_moe_dsa")
         if self.arch in ("qwen3", "llama3") and self.is_moe:
             raise ValueError(f"arch {self.arch} is dense: use qwen3_moe or deepseek_v3 for MoE")
+        if self.is_hybrid:
+            self._check_hybrid()
+        elif self.hybrid_pattern or self.mamba_n_heads or self.shared_expert_hidden_dim:
+            raise ValueError("hybrid_pattern/mamba_*/shared_expert_hidden_dim need arch nemotron_h")
         if self.is_moe and (self.n_routed_experts % self.n_group or self.topk_group > self.n_group):
             raise ValueError(
                 f"n_group ({self.n_group}) must divide n_routed_experts and be >= topk_group ({self.topk_group})"
             )
         return self
 
+    def _check_hybrid(self) -> None:
+        p = self.hybrid_pattern
+        if not p or set(p) - set("M*-E"):
+            raise ValueError(
+                f"hybrid_pattern {p!r}: one of M (Mamba-2), * (attention), - (MLP), E (MoE) per layer"
+            )
+        if len(p) != self.n_layers:
+            raise ValueError(f"hybrid_pattern has {len(p)} layers, n_layers is {self.n_layers}")
+        if ("E" in p) != self.is_moe:
+            raise ValueError("hybrid_pattern has MoE layers (E) exactly when n_routed_experts > 0")
+        if self.is_moe and self.n_shared_experts != 1:
+            raise ValueError("nemotron_h's MoE layers have one shared expert (n_shared_experts = 1)")
+        if "M" in p:
+            if min(self.mamba_n_heads, self.mamba_head_dim, self.ssm_state_size) <= 0:
+                raise ValueError("Mamba-2 layers need mamba_n_heads, mamba_head_dim, ssm_state_size > 0")
+            if self.mamba_n_heads % self.mamba_n_groups:
+                raise ValueError(
+                    f"mamba_n_groups ({self.mamba_n_groups}) must divide mamba_n_heads ({self.mamba_n_heads})"
+                )
+        if self.first_k_dense or self.is_mla or self.index_topk or self.qk_norm:
+            raise ValueError(
+                "nemotron_h has no first_k_dense, MLA, DSA or QK-norm (its layers are hybrid_pattern)"
+            )
+        if self.rope_scaling is not None:
+            raise ValueError("nemotron_h's attention has no RoPE: model.rope_scaling does not apply")
+        if self.tie_embeddings:
+            # HF's NemotronHForCausalLM never ties lm_head to the embedding (_tied_weights_keys {}).
+            raise ValueError("nemotron_h has an untied lm_head: set tie_embeddings = false")
+
     def param_counts(self) -> dict[str, int]:
         """Parameters (total and active per token) from the shapes, norms included; MTP excluded."""
+        if self.is_hybrid:
+            return self._hybrid_param_counts()
         d, h = self.dim, self.n_heads
         if self.is_mla:
             q = (
@@ -205,6 +273,24 @@ class ModelConfig(Strict):
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
         total = self.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * moe_total + emb
         active = self.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * moe_active + emb
+        return {"total": total, "active": active, "embedding": emb}
+
+    def _hybrid_param_counts(self) -> dict[str, int]:
+        d = self.dim
+        inner = self.mamba_n_heads * self.mamba_head_dim
+        conv = inner + 2 * self.mamba_n_groups * self.ssm_state_size
+        mamba = d * (inner + conv + self.mamba_n_heads) + conv * (self.mamba_conv_kernel + 1)
+        mamba += 3 * self.mamba_n_heads + inner + inner * d  # dt_bias, A_log, D, gated norm, out_proj
+        attn = d * self.n_heads * self.head_dim * 2 + 2 * d * self.n_kv_heads * self.head_dim
+        expert = 2 * d * self.moe_hidden_dim
+        shared = 2 * d * self.shared_width if self.n_shared_experts else 0
+        total_of = {"M": mamba, "*": attn, "-": 2 * d * self.hidden_dim, "E": 0}
+        active_of = dict(total_of)
+        total_of["E"] = self.n_routed_experts * (expert + d) + shared
+        active_of["E"] = self.n_experts_per_tok * expert + self.n_routed_experts * d + shared
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+        total = sum(total_of[c] + d for c in self.hybrid_pattern) + emb
+        active = sum(active_of[c] + d for c in self.hybrid_pattern) + emb
         return {"total": total, "active": active, "embedding": emb}
 
 
@@ -537,6 +623,12 @@ class TrainerSection(Strict):
     # MoE: route every token to the experts inference recorded for it (Sample.routed_experts)
     # instead of the trainer's own top-k; the gate still learns through its scores at those ids.
     router_replay: bool = True
+    # GLM-5's DSA indexer (trainer/glm5.py): "frozen" (never updated; the RL loss cannot reach it
+    # through the top-k selection) or "kl" (DeepSeek-V3.2's sparse-stage KL to the attention
+    # distribution over the selected keys, on detached inputs, scaled by dsa_indexer_loss_coef /
+    # the step's loss tokens). No effect on other architectures.
+    dsa_indexer: Literal["frozen", "kl"] = "frozen"
+    dsa_indexer_loss_coef: float = Field(1.0, gt=0)
     # FP8 linears with the engine's recipe (1x128 activations, 128x128 weights) in the forward;
     # master weights, gradients and optimizer state stay in high precision (trainer/fp8.py).
     fp8: bool = False

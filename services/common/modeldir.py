@@ -13,6 +13,7 @@ sees a half-written version; any HF-compatible engine can load one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -77,6 +78,8 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    if cfg.get("model_type") == "nemotron_h":
+        return _nemotron_h_from_hf(cfg)
     if cfg.get("model_type") in MOE_MODEL_TYPES:
         return _moe_mla_from_hf(cfg)
     if cfg.get("model_type") not in ("qwen3", "llama", "qwen2"):
@@ -123,8 +126,10 @@ MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "kimi_k2", "glm_moe_dsa")
 
 
 def _moe_mla_hf(m: ModelConfig) -> dict[str, Any]:
-    """config.json keys of Qwen3MoeForCausalLM / DeepseekV3ForCausalLM / GlmMoeDsaForCausalLM,
-    overriding the dense ones (empty for dense archs)."""
+    """config.json keys of Qwen3MoeForCausalLM / DeepseekV3ForCausalLM / GlmMoeDsaForCausalLM /
+    NemotronHForCausalLM, overriding the dense ones (empty for dense archs)."""
+    if m.arch == "nemotron_h":
+        return _nemotron_h_hf(m)
     if m.arch == "qwen3_moe":
         # HF Qwen3-MoE: softmax top-k, no shared experts, no bias, no groups, no output scaling.
         fixed = {
@@ -282,6 +287,134 @@ def _moe_mla_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         n_mtp_layers=cfg.get("num_nextn_predict_layers", 0),
         **dsa,
         **common,
+    )
+
+
+# --------------------------------------------------------------------------- Nemotron-H (HF names)
+
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+# transformers 5 spells each layer's kind out (layers_block_type / layer_types)
+_NEMOTRON_TYPES = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+
+
+def _nemotron_h_hf(m: ModelConfig) -> dict[str, Any]:
+    """NemotronHForCausalLM's config.json (HF NemotronHConfig; the pattern as the Hub configs
+    write it, hybrid_override_pattern, which transformers 5 turns into layers_block_type)."""
+    if m.is_moe and m.router_score != "sigmoid":
+        raise ValueError("model.router_score: nemotron_h routes by sigmoid scores")
+    out: dict[str, Any] = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": m.hybrid_pattern,
+        "num_hidden_layers": m.n_layers,
+        "layer_norm_epsilon": m.norm_eps,
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": False,
+        "mamba_hidden_act": "silu",
+        "mamba_num_heads": m.mamba_n_heads,
+        "mamba_head_dim": m.mamba_head_dim,
+        "ssm_state_size": m.ssm_state_size,
+        "n_groups": m.mamba_n_groups,
+        "conv_kernel": m.mamba_conv_kernel,
+        "chunk_size": m.mamba_chunk_size,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "residual_in_fp32": False,
+    }
+    if m.mamba_dt_min or m.mamba_dt_max is not None:
+        out["time_step_limit"] = [
+            m.mamba_dt_min,
+            m.mamba_dt_max if m.mamba_dt_max is not None else float("inf"),
+        ]
+    if m.is_moe:
+        out |= {
+            "n_routed_experts": m.n_routed_experts,
+            "num_experts_per_tok": m.n_experts_per_tok,
+            "moe_intermediate_size": m.moe_hidden_dim,
+            "n_shared_experts": m.n_shared_experts,
+            "moe_shared_expert_intermediate_size": m.shared_width,
+            "routed_scaling_factor": m.routed_scaling_factor,
+            "n_group": m.n_group,
+            "topk_group": m.topk_group,
+            "norm_topk_prob": m.norm_topk_prob,
+        }
+    return out
+
+
+def _nemotron_pattern(cfg: dict[str, Any]) -> str:
+    if isinstance(cfg.get("hybrid_override_pattern"), str):
+        return str(cfg["hybrid_override_pattern"])
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if not isinstance(types, list) or any(t not in _NEMOTRON_TYPES for t in types):
+        raise ValueError(f"nemotron_h: unsupported layer types {types!r}")
+    return "".join(_NEMOTRON_TYPES[t] for t in types)
+
+
+def _json_float(v: Any) -> float:
+    """A float of config.json: a number, or transformers' {"__float__": "Infinity"} for inf."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+
+def _nemotron_h_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Inverse of _nemotron_h_hf, for Hub Nemotron-H / Nemotron-3 configs too."""
+    pattern = _nemotron_pattern(cfg)
+    fixed = {
+        "mlp_hidden_act": "relu2",
+        "mamba_hidden_act": "silu",
+        "use_conv_bias": True,
+        "use_bias": False,
+        "mlp_bias": False,
+        "moe_latent_size": None,
+        "residual_in_fp32": False,
+    }
+    for key, want in fixed.items():
+        if cfg.get(key, want) != want:
+            raise ValueError(f"nemotron_h: {key} = {cfg[key]!r} is not supported (only {want!r})")
+    n_heads = cfg["num_attention_heads"]
+    moe = "E" in pattern
+    lo, hi = (_json_float(v) for v in (cfg.get("time_step_limit") or [0.0, float("inf")])[:2])
+    shared = 1 if moe else 0  # HF's NemotronHMoE always has its one shared expert
+    return ModelConfig(
+        arch="nemotron_h",
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=len(pattern),
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        hidden_dim=cfg.get("intermediate_size", 256),
+        max_seq_len=cfg.get("max_position_embeddings", 4096),
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        qk_norm=False,
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
+        hybrid_pattern=pattern,
+        mamba_n_heads=cfg.get("mamba_num_heads", 0) if "M" in pattern else 0,
+        mamba_head_dim=cfg.get("mamba_head_dim", 0) if "M" in pattern else 0,
+        ssm_state_size=cfg.get("ssm_state_size", 0) if "M" in pattern else 0,
+        mamba_n_groups=cfg.get("n_groups", cfg.get("mamba_n_groups", 1)),
+        mamba_conv_kernel=cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
+        mamba_chunk_size=cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128)),
+        mamba_dt_min=lo,
+        mamba_dt_max=None if math.isinf(hi) else hi,
+        n_routed_experts=cfg.get("n_routed_experts", 0) if moe else 0,
+        n_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
+        moe_hidden_dim=cfg.get("moe_intermediate_size", 0) if moe else 0,
+        n_shared_experts=shared,
+        shared_expert_hidden_dim=cfg.get("moe_shared_expert_intermediate_size", 0) if shared else 0,
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+        router_score="sigmoid",
+        norm_topk_prob=cfg.get("norm_topk_prob", True),
+        n_group=cfg.get("n_group") or 1,
+        topk_group=cfg.get("topk_group") or 1,
+        # HF's NemotronH router always has the correction bias (a float32 buffer, zeros by default)
+        expert_bias=moe,
     )
 
 

@@ -391,6 +391,9 @@ class TrainerStepMetrics(Wire):
     routing_agreement: list[float | None] = []
     routing_agreement_mean: float | None = None
     routing_replayed_frac: float | None = None
+    # GLM-5 with trainer.dsa_indexer = "kl": the indexer's KL to the attention over its selected
+    # keys, summed over layers, per query token (None: the indexer is frozen or absent).
+    dsa_indexer_kl: float | None = None
     time: float = Field(default_factory=time.time)
 
 

@@ -89,6 +89,59 @@ def small_ds(**kw: object) -> ModelConfig:
     return ModelConfig(**(base | kw))
 
 
+def small_glm(**kw: object) -> ModelConfig:
+    """A random small GLM-5: small_ds's MLA + MoE with one expert group (GLM-5's routing), HF's
+    rms_norm_eps 1e-5 (the latent norms keep 1e-6), and a DSA indexer selecting each query's 6
+    best keys out of up to 64 (8 indexer heads: a key ties at score 0 only if every head's relu
+    is 0)."""
+    base: dict[str, object] = dict(
+        arch="glm_moe_dsa",
+        n_group=1,
+        topk_group=1,
+        norm_eps=1e-5,
+        index_topk=6,
+        index_n_heads=8,
+        index_head_dim=8,
+    )
+    return small_ds(**(base | kw))
+
+
+def small_nemotron(**kw: object) -> ModelConfig:
+    """A random small Nemotron-H: every mixer kind (Mamba-2 with 2 B/C groups, GQA attention,
+    squared-ReLU MLP, and two MoE layers of 8 experts top-2 with a shared expert of its own width,
+    sigmoid scores with a correction bias), a Mamba chunk of 8 tokens so scans span chunks."""
+    base: dict[str, object] = dict(
+        arch="nemotron_h",
+        vocab_size=64,
+        dim=32,
+        n_layers=6,
+        hybrid_pattern="M*EM-E",
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=48,
+        max_seq_len=64,
+        qk_norm=False,
+        tie_embeddings=False,
+        norm_eps=1e-5,
+        mamba_n_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        mamba_n_groups=2,
+        mamba_chunk_size=8,
+        n_routed_experts=8,
+        n_experts_per_tok=2,
+        moe_hidden_dim=16,
+        n_shared_experts=1,
+        shared_expert_hidden_dim=24,
+        routed_scaling_factor=2.5,
+        router_score="sigmoid",
+        norm_topk_prob=True,
+        expert_bias=True,
+    )
+    return ModelConfig(**(base | kw))
+
+
 def tokens(m: ModelConfig, *, b: int, t: int, seed: int = 1) -> torch.Tensor:
     """Seeded random token ids [b, t] in the model's vocabulary. b and t have no defaults: the
     modules that share this use different ones."""
@@ -102,6 +155,15 @@ def random_routes(m: ModelConfig, b: int, t: int, seed: int = 2) -> torch.Tensor
     n_layers = len(moe_layer_ids(m))
     scores = torch.rand(b, t, n_layers, m.n_routed_experts, generator=g)
     return scores.topk(m.n_experts_per_tok, dim=-1).indices
+
+
+def own_choice(model: torch.nn.Module, layer: int, x: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    """HF's sigmoid-routed selection (DeepSeek-style, one expert group) for one MoE layer's input: top-k of
+    sigmoid(gate(x)) + the correction bias."""
+    moe = model.layers[str(layer)].moe
+    with torch.no_grad():
+        choice = torch.sigmoid(moe.router.gate(x).float()) + moe.expert_bias
+    return choice.topk(m.n_experts_per_tok, dim=-1).indices
 
 
 class RouterCall(NamedTuple):

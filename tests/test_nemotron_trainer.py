@@ -1,0 +1,350 @@
+"""Nemotron-H / Nemotron-3 (nemotron_h) in the trainer: the Mamba-2 scan (trainer/mamba2.py)
+against the naive recurrence, forward and gradients; the hybrid stack (trainer/nemotron.py)
+against HF NemotronHForCausalLM (logits and float32 gradients); the HF checkpoint layouts; packed
+micro-batches; Router Replay on its MoE layers; one trainer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.moe import (
+    RouterTap,
+    own_choice,
+    random_routes,
+    routed_sample,
+    run_one_step,
+    small_nemotron,
+    tokens,
+)
+
+from services.common.config import ModelConfig, RunConfig
+from services.common.modeldir import hf_config, model_config_from_hf, step_dir
+from services.common.schemas import RolloutGroup
+from trainer.batch import micro_batches
+from trainer.loss import token_logprobs
+from trainer.mamba2 import causal_conv1d, conv1d_step, conv_state_after, ssd_chunked, ssd_naive, ssd_step
+from trainer.model import adapter, build_model, from_hf_state, load_weights_dir, save_weights_dir, to_hf_state
+from trainer.replay import UNRECORDED, micro_batch_routes, moe_routers, routing
+
+# ------------------------------------------------------------------ the scan
+
+
+def scan_inputs(
+    seed: int, b: int = 2, t: int = 29, h: int = 4, p: int = 3, g: int = 2, n: int = 5
+) -> list[torch.Tensor]:
+    """float64 x, dt (> 0), A (< 0), B, C, D and an initial state; decays wide enough that early
+    tokens matter late and late ones matter more."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, h, p, generator=gen, dtype=torch.float64)
+    dt = torch.nn.functional.softplus(torch.randn(b, t, h, generator=gen, dtype=torch.float64))
+    a = -torch.rand(h, generator=gen, dtype=torch.float64) * 1.5
+    bm = torch.randn(b, t, g, n, generator=gen, dtype=torch.float64)
+    cm = torch.randn(b, t, g, n, generator=gen, dtype=torch.float64)
+    d = torch.randn(h, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(b, h, p, n, generator=gen, dtype=torch.float64)
+    return [x, dt, a, bm, cm, d, s0]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8, 29, 64])
+def test_chunked_scan_equals_the_recurrence(chunk: int) -> None:
+    """float32 chunked scan (chunks that divide T or not, one chunk, chunks of one token) against
+    the float64 recurrence: outputs, final state, and an initial state carried in."""
+    x, dt, a, bm, cm, d, s0 = scan_inputs(0)
+    y_ref, s_ref = ssd_naive(x, dt, a, bm, cm, d, s0)
+    y, s = ssd_chunked(*(v.float() for v in (x, dt, a, bm, cm)), chunk, d.float(), s0.float())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=2e-5 * y_ref.abs().max().item())
+    torch.testing.assert_close(s.double(), s_ref, rtol=0, atol=2e-5 * s_ref.abs().max().item())
+    # Split in two at any point, the second half starting from the first's final state.
+    y1, s1 = ssd_chunked(
+        *(v[:, :11].float() for v in (x, dt)),
+        a.float(),
+        bm[:, :11].float(),
+        cm[:, :11].float(),
+        chunk,
+        d.float(),
+        s0.float(),
+    )
+    y2, s2 = ssd_chunked(
+        *(v[:, 11:].float() for v in (x, dt)),
+        a.float(),
+        bm[:, 11:].float(),
+        cm[:, 11:].float(),
+        chunk,
+        d.float(),
+        s1,
+    )
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-5 * y_ref.abs().max().item())
+    torch.testing.assert_close(s2, s, rtol=0, atol=1e-5 * s_ref.abs().max().item())
+
+
+def test_chunked_scan_gradients_equal_the_recurrences() -> None:
+    """Autograd through the float32 chunked scan gives the gradients of the float64 recurrence
+    (every input: x, dt, A, B, C, D, the initial state), to float32 accuracy."""
+    ref_in = [v.requires_grad_() for v in scan_inputs(1)]
+    y_ref, s_ref = ssd_naive(*ref_in)
+    gy = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    gs = torch.randn(s_ref.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want = torch.autograd.grad((y_ref * gy).sum() + (s_ref * gs).sum(), ref_in)
+    ins = [v.detach().float().requires_grad_() for v in ref_in]
+    x, dt, a, bm, cm, d, s0 = ins
+    y, s = ssd_chunked(x, dt, a, bm, cm, 8, d, s0)
+    got = torch.autograd.grad((y * gy.float()).sum() + (s * gs.float()).sum(), ins)
+    for name, g, w in zip(("x", "dt", "A", "B", "C", "D", "state"), got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=3e-5 * w.abs().max().item(), msg=name)
+    # float32 against float32: the chunked form is as accurate as the recurrence itself.
+    y32, _ = ssd_naive(*(v.detach().float() for v in ref_in))
+    err_chunked = (y.double() - y_ref).abs().max().item()
+    err_naive = (y32.double() - y_ref).abs().max().item()
+    assert err_chunked < 10 * err_naive + 1e-6
+
+
+def test_step_and_convolution_forms_equal_the_sequence_forms() -> None:
+    """Decode's forms: ssd_step token by token = the scan; conv1d_step = the causal convolution,
+    and the state after a prefix continues it exactly."""
+    x, dt, a, bm, cm, d, s0 = (v.float() for v in scan_inputs(4))
+    y, s = ssd_chunked(x, dt, a, bm, cm, 8, d, s0)
+    state, ys = s0, []
+    for i in range(x.shape[1]):
+        yi, state = ssd_step(state, x[:, i], dt[:, i], a, bm[:, i], cm[:, i], d)
+        ys.append(yi)
+    torch.testing.assert_close(torch.stack(ys, 1), y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, s, rtol=1e-5, atol=1e-5)
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randn(2, 13, 6, generator=gen)
+    w, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    full = causal_conv1d(u, w, bias)
+    head = causal_conv1d(u[:, :5], w, bias)
+    tail = causal_conv1d(u[:, 5:], w, bias, conv_state_after(u[:, :5], 4))
+    torch.testing.assert_close(torch.cat([head, tail], 1), full)
+    cs = conv_state_after(u[:, :2], 4)  # shorter than the kernel: zeros before it
+    outs = []
+    for i in range(2, 13):
+        o, cs = conv1d_step(u[:, i], cs, w, bias)
+        outs.append(o)
+    torch.testing.assert_close(torch.stack(outs, 1), full[:, 2:], rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the model against HF
+
+
+def nemotron_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """Random weights where every part matters: weights and norms perturbed, dt_bias and D moved,
+    decisive routing (gate std 1) and a correction bias that changes the selection."""
+    model = build_model(m, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or "norm" in name or name.endswith(("dt_bias", ".D")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+        for r in moe_routers(model):
+            r.gate.weight.copy_(torch.randn(r.gate.weight.shape, generator=g))
+        for block in model.layers.values():
+            if block.moe_enabled:
+                block.moe.expert_bias.copy_(0.5 * torch.rand(m.n_routed_experts, generator=g))
+    return model
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    from transformers import NemotronHForCausalLM
+
+    return NemotronHForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def test_config_round_trips_and_counts_parameters() -> None:
+    m = small_nemotron()
+    assert model_config_from_hf(hf_config(m, 0)) == m
+    assert m.moe_layers() == [2, 5]
+    model = build_model(m, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == m.param_counts()["total"]
+    with pytest.raises(ValueError, match="hybrid_pattern"):
+        small_nemotron(hybrid_pattern="M*EX-E")
+    with pytest.raises(ValueError, match="n_layers"):
+        small_nemotron(n_layers=5)
+    with pytest.raises(ValueError, match="untied"):
+        small_nemotron(tie_embeddings=True)
+
+
+def test_logits_match_hf_nemotron_h(tmp_path: Path) -> None:
+    m = small_nemotron()
+    model = nemotron_model(m)
+    d = save_weights_dir(m, model.state_dict(), tmp_path / "w", {"version": 0})
+    hf = hf_model(d)
+    x = tokens(m, b=2, t=27)  # > 3 Mamba chunks
+    with torch.no_grad():
+        ours, theirs = model(x), hf(input_ids=x).logits
+    assert ours.abs().mean().item() > 0.1
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-5)
+
+
+def test_trainer_gradients_match_hf_float32(tmp_path: Path) -> None:
+    """d(sum of log-probs)/d(weights) equals HF's float32 autograd (its torch Mamba path), every
+    parameter through the one name map; experts against HF's fused tensors."""
+    m = small_nemotron()
+    model = nemotron_model(m)
+    d = save_weights_dir(m, model.state_dict(), tmp_path / "w", {"version": 0})
+    hf = hf_model(d)
+    hf.train()  # (HF's training branch: its torch fallback of the fused kernel path)
+    x = tokens(m, b=2, t=20)
+    logp, _ = token_logprobs(model, x)
+    hf_logp = hf(input_ids=x[:, :-1]).logits.float().log_softmax(-1).gather(-1, x[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, hf_logp, rtol=0, atol=1e-5)
+    logp.sum().backward()
+    hf_logp.sum().backward()
+    ours = adapter(m).to_hf({k: p.grad for k, p in model.named_parameters()})
+    theirs = {k.replace("model.", "backbone.", 1): p for k, p in hf.named_parameters()}
+    checked = 0
+    for k, g in ours.items():
+        if ".experts." in k:
+            layer, e, proj = k.split(".")[2], int(k.split(".")[5]), k.split(".")[6]
+            ref = theirs[f"backbone.layers.{layer}.mixer.experts.{proj}"].grad[e]
+        else:
+            ref = theirs[k].grad
+        assert ref is not None and g is not None, k
+        scale = max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=2e-5 * scale, msg=k)
+        checked += 1
+    assert checked == len(ours) > 40
+
+
+def test_weights_round_trip_in_both_hf_layouts(tmp_path: Path) -> None:
+    """Ours -> HF names -> ours exactly; HF's save_pretrained directory (backbone.*, per-expert)
+    and transformers' in-memory names (model.*, fused experts) load as the same weights."""
+    m = small_nemotron()
+    model = nemotron_model(m)
+    state = model.state_dict()
+    hf_state = to_hf_state(m, state)
+    for name in (
+        "backbone.layers.0.mixer.A_log",
+        "backbone.layers.0.mixer.conv1d.weight",
+        "backbone.layers.1.mixer.k_proj.weight",
+        "backbone.layers.2.mixer.experts.7.down_proj.weight",
+        "backbone.layers.2.mixer.gate.e_score_correction_bias",
+        "backbone.layers.4.mixer.up_proj.weight",
+        "backbone.norm_f.weight",
+    ):
+        assert name in hf_state, name
+    back = from_hf_state(m, hf_state)
+    assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
+    d = save_weights_dir(m, state, tmp_path / "w", {"version": 0})
+    hf = hf_model(d)
+    memory = {k: v.detach() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mixer.experts.up_proj") for k in memory)
+    fused = from_hf_state(m, memory)
+    assert all(torch.equal(fused[k], v) for k, v in state.items())
+    hf.save_pretrained(str(tmp_path / "hf"))
+    m2, loaded = load_weights_dir(tmp_path / "hf")
+    assert m2 == m and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+# ------------------------------------------------------------------ the trainer's paths
+
+
+def test_packed_equals_padded_nemotron() -> None:
+    """A packed row (every Mamba layer restarts its state and convolution at each sample, the
+    attention is document-masked) gives each sample's log-probs of a padded batch."""
+    from trainer.attention import enable_document_attention, micro_batch_attention, packed_logprobs
+    from trainer.packing import packed_micro_batches
+
+    m = small_nemotron()
+    model = enable_document_attention(nemotron_model(m), "sdpa")
+    rng = np.random.default_rng(0)
+    samples = [routed_sample(f"s{i}", n, m, rng)[0] for i, n in enumerate([13, 9, 21])]
+    (mb,) = micro_batches(samples, 10_000)
+    (routes,) = micro_batch_routes(samples, m, False, 10_000)
+    with torch.no_grad(), routing(model, routes, replay=True):
+        logp, _ = token_logprobs(model, mb.tokens)
+    padded = {}
+    for row in range(mb.tokens.shape[0]):
+        n = int(mb.loss_mask[row].sum()) + 2
+        padded[tuple(mb.tokens[row, :n].tolist())] = logp[row, 1 : n - 1]
+    (pmb,) = packed_micro_batches(samples, 10_000)
+    (proutes,) = micro_batch_routes(samples, m, True, 10_000)
+    assert len(pmb.seq_lens) == 3
+    with torch.no_grad(), routing(model, proutes, replay=True), micro_batch_attention(model, pmb):
+        plogp, _ = packed_logprobs(model, pmb)
+    start = 0
+    for seg in pmb.seq_lens:
+        toks = pmb.inputs[0, start : start + seg].tolist() + [int(pmb.targets[0, start + seg - 1])]
+        torch.testing.assert_close(plogp[0, start + 1 : start + seg], padded[tuple(toks)], rtol=0, atol=1e-5)
+        start += seg
+
+
+def test_replay_routes_exactly_as_recorded_nemotron() -> None:
+    m = small_nemotron()
+    model = nemotron_model(m)
+    x = tokens(m, b=2, t=16)
+    b, t = x.shape
+    routes = random_routes(m, b, t, seed=2)
+    routes[0, 2:5] = UNRECORDED
+    recorded = (routes >= 0).all(-1)
+    with torch.no_grad():
+        free = model(x)
+    tap = RouterTap(model)
+    with torch.no_grad(), routing(model, routes, replay=True) as rec:
+        out = model(x)
+    tap.close()
+    assert len(tap.calls) == len(m.moe_layers()) == 2
+    assert (out - free).abs().max().item() > 1e-3
+    for li, (layer, call) in enumerate(zip(m.moe_layers(), tap.calls, strict=True)):
+        own = own_choice(model, layer, call.x, m).view(b, t, -1)  # on the input this layer saw
+        want = torch.where(recorded[:, :, li, None], routes[:, :, li], own)
+        assert torch.equal(call.ids.view(b, t, -1).sort(-1).values, want.sort(-1).values)
+    assert rec.replayed.tolist() == [float(recorded[..., 0].sum())] * 2
+
+
+def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Path) -> None:
+    """trainer.train.run on a nemotron_h model (packed, full activation checkpointing, grouped
+    expert GEMMs): one step learns (every kind of layer moves) and step_1 loads in transformers."""
+    import shutil
+    import uuid
+
+    from safetensors.torch import load_file
+
+    m = small_nemotron()
+    model = nemotron_model(m, seed=5)
+    d0 = save_weights_dir(m, model.state_dict(), tmp_path / "step0", {"version": 0})
+    rng = np.random.default_rng(1)
+    groups = []
+    for gi in range(2):
+        samples = []
+        for i in range(4):
+            s, _ = routed_sample(f"g{gi}.{i}", 10 + i, m, rng)
+            # The behaviour log-probs are step_0's own (replaying the sample's routes): on-policy.
+            (routes,) = micro_batch_routes([s], m, False, 10_000)
+            with torch.no_grad(), routing(model, routes, replay=True):
+                logp, _ = token_logprobs(model, torch.tensor([s.tokens]))
+            update = {"logprobs": [0.0, *logp[0].tolist()], "versions": [0] * len(s.tokens)}
+            samples.append(
+                s.model_copy(update=update | {"reward": float(i % 2), "advantage": float(i % 2) - 0.5})
+            )
+        groups.append(RolloutGroup(group_id=f"nem-{gi}", env="reverse", seed=gi, samples=samples))
+    run_dir = tmp_path / "run"
+    shutil.copytree(d0, step_dir(run_dir, 0))
+    tree = RunConfig().model_dump()
+    tree["model"] = m.model_dump()
+    tree["redis"]["prefix"] = f"nem-{uuid.uuid4().hex[:8]}"
+    tree["run"].update(max_steps=1, dir=str(run_dir))
+    tree["orchestrator"].update(batch_size=2, group_size=4)
+    tree["trainer"].update(
+        lr=1e-2, micro_batch_tokens=64, packing=True, activation_checkpoint="full", moe_grouped_mm="on"
+    )
+    mt, w1 = run_one_step(RunConfig.model_validate(tree), run_dir, redis_server, groups, timeout_s=300)
+    assert mt.routing_replayed_frac == 1.0 and mt.loss != 0.0 and abs(mt.mismatch_kl_k3) < 1e-6
+    w0 = load_file(str(d0 / "model.safetensors"))
+    for k in (
+        "backbone.layers.0.mixer.A_log",
+        "backbone.layers.0.mixer.in_proj.weight",
+        "backbone.layers.1.mixer.q_proj.weight",
+        "backbone.layers.2.mixer.experts.0.up_proj.weight",
+        "backbone.layers.4.mixer.down_proj.weight",
+    ):
+        assert (w1[k] - w0[k]).abs().max() > 0, k
+    assert torch.equal(
+        w1["backbone.layers.2.mixer.gate.e_score_correction_bias"],
+        w0["backbone.layers.2.mixer.gate.e_score_correction_bias"],
+    )
+    hf_model(step_dir(run_dir, 1))
