@@ -277,13 +277,30 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 class Workspace:
-    """One session's directory and uid. Create through `WorkspaceManager.create`."""
+    """One session's directory and uid. Create through `WorkspaceManager.create`.
 
-    def __init__(self, manager: WorkspaceManager, name: str, uid: int | None):
+    `base`: a directory the session starts from (a project's source tree). As root it is the
+    lower layer of an overlayfs mounted at the session directory, whose upper layer (every file
+    the session writes) lives in the session's own quota tmpfs: 64 sessions on one project share
+    one copy of it, and starting a session copies nothing. Without root it is copied.
+    `binds`: host directories mounted read-only inside the sandbox ({host: path inside})."""
+
+    def __init__(
+        self,
+        manager: WorkspaceManager,
+        name: str,
+        uid: int | None,
+        base: Path | None = None,
+        binds: dict[Path, str] | None = None,
+    ):
         self.manager = manager
         self.name = name
         self.uid = uid
+        self.base = base
+        self.binds = dict(binds or {})
         self.path = manager.root / name
+        self.upper = manager.root / f"{name}.upper"  # the overlay's upper layer (base, as root)
+        self.overlay = False
         # Host-only directory for an environment's private files (hidden tests); never writable
         # from the sandbox, visible read-only at /hidden only to runs that ask for it.
         self.private = manager.root / f"{name}.private"
@@ -297,6 +314,11 @@ class Workspace:
     def _setup(self) -> None:
         self.path.mkdir(mode=0o700)
         self.private.mkdir(mode=0o700)
+        if self.base is not None and self.uid is not None:
+            self._setup_overlay()
+            return
+        if self.base is not None:  # no root: nothing can be mounted, so a private copy
+            shutil.copytree(self.base, self.path, symlinks=True, dirs_exist_ok=True)
         if self.uid is not None and self.manager.disk_quota_mb:
             try:
                 mount_tmpfs(
@@ -309,6 +331,43 @@ class Workspace:
             self.quota = True
         if self.uid is not None:
             os.chown(self.path, self.uid, self.uid)
+
+    def _setup_overlay(self) -> None:
+        """Session directory = overlayfs(lower: base, upper: <name>.upper/u in the quota tmpfs)."""
+        assert self.base is not None and self.uid is not None
+        self.upper.mkdir(mode=0o700)
+        try:
+            if self.manager.disk_quota_mb:
+                mount_tmpfs(
+                    self.upper, self.manager.disk_quota_mb << 20, self.manager.disk_quota_inodes, self.uid
+                )
+                self.quota = True
+            (self.upper / "u").mkdir()
+            (self.upper / "w").mkdir()
+            os.chown(self.upper / "u", self.uid, self.uid)
+            os.chmod(self.upper / "u", 0o700)
+            opts = f"lowerdir={self.base},upperdir={self.upper / 'u'},workdir={self.upper / 'w'}"
+            if _libc.mount(
+                b"overlay", os.fsencode(self.path), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()
+            ):
+                e = ctypes.get_errno()
+                raise IsolationError(f"cannot mount the session's overlay over {self.base}: {os.strerror(e)}")
+            self.overlay = True
+        except BaseException:
+            self._teardown_mounts()
+            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.private, ignore_errors=True)
+            shutil.rmtree(self.upper, ignore_errors=True)
+            raise
+
+    def _teardown_mounts(self) -> None:
+        for mounted, path in (
+            (self.overlay, self.path),
+            (self.quota, self.upper if self.base else self.path),
+        ):
+            if mounted:
+                with contextlib.suppress(OSError):
+                    unmount(path)
 
     def disk_usage(self) -> DiskUsage | None:
         """What the session has written into /work, against its quota (None: no quota).
@@ -338,16 +397,20 @@ class Workspace:
 
     def seed_files(self, files: dict[str, str]) -> None:
         """Write the task's initial files. Host side, so only before any command has run."""
+        root = self.path.resolve()
         for rel, text in files.items():
             p = (self.path / rel).resolve()
-            if not p.is_relative_to(self.path.resolve()):
+            if not p.is_relative_to(root):
                 raise ValueError(f"seed file {rel!r} is outside the workspace")
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text)
-        if self.uid is not None:
-            for dirpath, dirnames, filenames in os.walk(self.path):
-                for n in [*dirnames, *filenames]:
-                    os.lchown(os.path.join(dirpath, n), self.uid, self.uid)
+            if self.uid is not None:
+                # Only what was written (and its directories): touching the rest of an overlay
+                # base would copy every file of it up into the session.
+                for q in [p, *p.parents]:
+                    if q == root or not q.is_relative_to(root):
+                        break
+                    os.lchown(q, self.uid, self.uid)
 
     def seed_private(self, files: dict[str, str]) -> None:
         for rel, text in files.items():
@@ -393,6 +456,8 @@ class Workspace:
         argv += ["--proc", "/proc", "--dev", "/dev"]
         argv += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
         argv += ["--bind", str(self.path), WORKDIR]
+        for host, inside in self.binds.items():
+            argv += ["--ro-bind", str(host), inside]
         if hidden:
             argv += ["--ro-bind", str(self.private), HIDDEN]
         # The root and /dev are bwrap's own tmpfs: read-only, so the only writable (and
@@ -586,10 +651,8 @@ class Workspace:
             procs = list(self._procs)
         for p in procs:
             _kill_group(p)
-        if self.quota:
-            with contextlib.suppress(OSError):
-                unmount(self.path)
-        for d in (self.path, self.private):
+        self._teardown_mounts()
+        for d in (self.path, self.private, self.upper):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -692,9 +755,9 @@ class WorkspaceManager:
             self._next += 1
             return self.uid_base + self._next - 1
 
-    def create(self) -> Workspace:
+    def create(self, base: Path | None = None, binds: dict[Path, str] | None = None) -> Workspace:
         self._ensure_root()
-        ws = Workspace(self, uuid.uuid4().hex, self._alloc_uid())
+        ws = Workspace(self, uuid.uuid4().hex, self._alloc_uid(), base, binds)
         ws._setup()
         return ws
 

@@ -17,6 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.sandbox.envs.base import (
@@ -237,7 +238,7 @@ class SessionStore:
             raise SandboxFull(self._full_message())
         ws = None
         if cls.needs_workspace:
-            ws = self._new_workspace(env_name)
+            ws = self._new_workspace(env_name, *cls.workspace_base(seed))
         try:
             env = cls()
             env.workspace = ws
@@ -270,11 +271,13 @@ class SessionStore:
             raise SandboxFull(self._full_message())
         return s, prompt
 
-    def _new_workspace(self, what: str) -> Workspace:
+    def _new_workspace(
+        self, what: str, base: Path | None = None, binds: dict[Path, str] | None = None
+    ) -> Workspace:
         if self.workspaces is None:
             raise NoIsolation(f"{what}: this sandbox has no workspace manager (isolated execution is off)")
         try:
-            return self.workspaces.create()
+            return self.workspaces.create(base, binds)
         except (IsolationError, OSError) as e:
             raise NoIsolation(f"{what}: cannot create a workspace: {e}") from e
 

@@ -15,6 +15,7 @@ import importlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeAlias, TypeVar
 
 if TYPE_CHECKING:
@@ -47,6 +48,13 @@ class Environment(ABC):
     # before `reset`) whose `run(cmd)`, `read_file`, `write_file` execute under bubblewrap.
     needs_workspace: ClassVar[bool] = False
     workspace: Workspace | None = None
+
+    @classmethod
+    def workspace_base(cls, seed: int) -> tuple[Path | None, dict[Path, str] | None]:
+        """With needs_workspace: the directory the episode's workspace starts from (a
+        copy-on-write view of it; None: empty) and host directories mounted read-only inside
+        ({host: path inside}). Called before the instance exists, with reset's seed."""
+        return None, None
 
     @abstractmethod
     def reset(self, seed: int) -> str:

@@ -1,0 +1,206 @@
+"""The real-repository task factory: mutate, verify against the project's own tests in the
+sandbox, keep, index.
+
+A mutation becomes a task only if, run in a sandbox workspace over the project's base, some tests
+fail with it (`fail_to_pass`), not every test does (a module that no longer imports is not a bug
+report), and the unmutated project passes all of them (checked once per project). Everything is
+drawn from `random.Random(f"{seed}:{project}")`, so a seed gives the same task set; verification
+results are cached per (project, mutation) in `<cache>/verified.jsonl`, so a rebuild re-runs
+nothing it has run, and `build` can be stopped and resumed (`make tasks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from services.sandbox.isolation import Limits, Workspace, WorkspaceManager
+from services.sandbox.swe_real.base import DEFAULT_CACHE, DEPS_INSIDE, ensure_base, test_command
+from services.sandbox.swe_real.mutate import Mutation, candidates
+from services.sandbox.swe_real.projects import PROJECTS, Project
+
+RUN_LIMITS = Limits(timeout_s=240, cpu_s=240, memory_mb=2048, max_procs=64, output_bytes=1 << 20, tmp_mb=256)
+MAX_FAIL_SHARE = 0.5  # more failing tests than this share: the mutation breaks the module, not a bug
+
+
+@dataclass(frozen=True)
+class TestRun:
+    failed: list[str]
+    passed: int
+    code: int
+    output: str
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    project: str
+    version: str
+    mutation: dict[str, Any]
+    fail_to_pass: list[str]
+    passed_before: int  # tests passing without the bug
+    statement: str
+
+    def mutation_obj(self) -> Mutation:
+        return Mutation(**self.mutation)
+
+
+def workspace(mgr: WorkspaceManager, project: Project, cache: Path = DEFAULT_CACHE) -> Workspace:
+    base = ensure_base(project, cache)
+    return mgr.create(base / "src", {base / "deps": DEPS_INSIDE})
+
+
+def run_tests(ws: Workspace, project: Project, limits: Limits = RUN_LIMITS) -> TestRun:
+    r = ws.run(test_command(project), limits=limits)
+    line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith("RELAY-REPORT ")), None)
+    if line is None:
+        return TestRun(["run: no report"], 0, r.exit_code, (r.stdout + r.stderr)[-4000:])
+    out = json.loads(line[len("RELAY-REPORT ") :])
+    return TestRun(out["failed"], out["passed"], out["code"], r.stdout[-8000:])
+
+
+def mutation_id(project: Project, m: Mutation) -> str:
+    h = hashlib.sha256(f"{project.key}:{m.path}:{m.start}:{m.end}:{m.after}".encode()).hexdigest()
+    return f"{project.name}.{h[:12]}"
+
+
+def project_mutations(project: Project, seed: int, cache: Path = DEFAULT_CACHE) -> list[Mutation]:
+    """Every candidate mutation of the project's source files, in the seed's order."""
+    src = ensure_base(project, cache) / "src"
+    out: list[Mutation] = []
+    for rel in project.src:
+        out += candidates(rel, (src / rel).read_text())
+    random.Random(f"{seed}:{project.key}").shuffle(out)
+    return out
+
+
+def statement(project: Project, m: Mutation, failed: list[str], output: str) -> str:
+    """An issue report written from the failing tests: what fails and how, not where the bug is."""
+    names = [f.split("::")[-1] for f in failed]
+    shown = "\n".join(f"- `{f}`" for f in failed[:12]) + (
+        f"\n- ... and {len(failed) - 12} more" if len(failed) > 12 else ""
+    )
+    # pytest's -q summary lines ("FAILED test::name - AssertionError: ...") say how they fail
+    reasons = [ln for ln in output.splitlines() if ln.startswith(("FAILED ", "ERROR "))][:5]
+    how = ("\n\nThe test run reports:\n```\n" + "\n".join(reasons) + "\n```") if reasons else ""
+    return (
+        f"# {project.name} {project.version}: {names[0]} fails\n\n"
+        f"After a recent change, {len(failed)} test(s) of {project.name}'s own suite fail:\n\n{shown}{how}\n\n"
+        "Find the bug in the library and fix it. Do not change the tests: the fix is checked against "
+        "the project's test suite, and every test that passes now must still pass."
+    )
+
+
+class Verifier:
+    """Runs mutations against a project's suite in sandbox workspaces, with a result cache."""
+
+    def __init__(self, mgr: WorkspaceManager, cache: Path = DEFAULT_CACHE, results: Path | None = None):
+        self.mgr, self.cache = mgr, cache
+        self.cache_file = results or cache / "verified.jsonl"
+        self._lock = threading.Lock()
+        self.done: dict[str, dict[str, Any]] = {}
+        if self.cache_file.exists():
+            for line in self.cache_file.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    self.done[rec["id"]] = rec
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self.done[rec["id"]] = rec
+            with open(self.cache_file, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def baseline(self, project: Project) -> TestRun:
+        ws = workspace(self.mgr, project, self.cache)
+        try:
+            return run_tests(ws, project)
+        finally:
+            self.mgr.release(ws)
+
+    def verify(self, project: Project, m: Mutation, passed_before: int) -> Task | None:
+        mid = mutation_id(project, m)
+        rec = self.done.get(mid)
+        if rec is None:
+            src = ensure_base(project, self.cache) / "src" / m.path
+            ws = workspace(self.mgr, project, self.cache)
+            try:
+                ws.seed_files({m.path: m.apply(src.read_text())})
+                run = run_tests(ws, project)
+            finally:
+                self.mgr.release(ws)
+            rec = {"id": mid, "failed": run.failed, "output": run.output[-3000:]}
+            self._record(rec)
+        failed = rec["failed"]
+        if not failed or any(f.startswith(("collect:", "run:")) for f in failed):
+            return None
+        if len(failed) > MAX_FAIL_SHARE * (passed_before + 0):
+            return None
+        return Task(
+            mid,
+            project.name,
+            project.version,
+            asdict(m),
+            failed,
+            passed_before,
+            statement(project, m, failed, rec["output"]),
+        )
+
+
+def build(
+    seed: int,
+    per_project: int,
+    projects: tuple[Project, ...] = PROJECTS,
+    mgr: WorkspaceManager | None = None,
+    cache: Path = DEFAULT_CACHE,
+    workers: int = 2,
+    max_tries: int | None = None,
+    log: Any = print,
+    results: Path | None = None,
+) -> list[Task]:
+    """Up to `per_project` verified tasks of each project, in the seed's order. `max_tries`
+    bounds the mutations tried per project (None: until enough are kept or none are left);
+    `results`: the verification cache (default `<cache>/verified.jsonl`)."""
+    mgr = mgr or WorkspaceManager.temporary(max_concurrent=workers)
+    ver = Verifier(mgr, cache, results)
+    tasks: list[Task] = []
+    for p in projects:
+        base = ver.baseline(p)
+        if base.failed:
+            log(f"{p.key}: its own suite fails without a bug ({base.failed[:3]}); skipped")
+            continue
+        kept: list[Task] = []
+        muts = project_mutations(p, seed, cache)[: max_tries or None]
+        with ThreadPoolExecutor(workers) as pool:
+            for chunk in _chunks(muts, workers * 2):
+                for t in pool.map(lambda m, p=p, n=base.passed: ver.verify(p, m, n), chunk):
+                    if t is not None and len(kept) < per_project:
+                        kept.append(t)
+                if len(kept) >= per_project:
+                    break
+        log(f"{p.key}: {len(kept)} tasks ({base.passed} tests)")
+        tasks += kept
+    return tasks
+
+
+def _chunks(xs: list[Mutation], n: int) -> Iterator[list[Mutation]]:
+    for i in range(0, len(xs), n):
+        yield xs[i : i + n]
+
+
+def write_index(tasks: list[Task], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(asdict(t)) + "\n" for t in tasks))
+    tmp.rename(path)
+
+
+def read_index(path: Path) -> list[Task]:
+    return [Task(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
