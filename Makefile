@@ -14,7 +14,7 @@ NODES ?=
 RUN ?=
 RUN_ENV := $(if $(RUN),RELAY_RUN_DIR=$(RUN))
 
-.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast lint format clean
+.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast tasks lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,6 +69,14 @@ test-full: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# Real-repository SWE tasks (docs/environments.md, "swe-real"): >= 500 verified tasks from the 12
+# projects, reproducible from SEED; cached and resumable (.cache/swe-real). Needs root + bubblewrap.
+SEED ?= 0
+TASKS ?= 500
+tasks: $(STAMP)
+	bash services/sandbox/install_bwrap.sh >/dev/null
+	$(PY) -m services.sandbox.swe_real --seed $(SEED) --tasks $(TASKS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
