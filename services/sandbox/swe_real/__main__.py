@@ -40,7 +40,9 @@ def main() -> None:
         mgr.shutdown()
     write_index(tasks, a.out)
     names = {t.project for t in tasks}
-    print(f"{len(tasks)} verified tasks from {len(names)} projects in {time.monotonic() - t0:.0f} s -> {a.out}")
+    print(
+        f"{len(tasks)} verified tasks from {len(names)} projects in {time.monotonic() - t0:.0f} s -> {a.out}"
+    )
     if len(tasks) < a.tasks or len(names) < min(10, len(projects)):
         sys.exit(f"wanted {a.tasks} tasks from at least {min(10, len(projects))} projects")
 
