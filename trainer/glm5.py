@@ -11,8 +11,9 @@ bias and shared experts: trainer/moe_routing.py) whose attention adds a DSA inde
     I[t, s] = sum_h w[t, h] * relu(q_I[t, h] . k_I[s] / sqrt(D_I))
     attention of query t runs over the index_topk visible keys s with the highest I[t, s]
 
-Selection is exact `torch.topk` over float32 scores computed in the engine's order (a head at a
-time), so the engine and the trainer pick the same keys from the same weights. While every query
+Selection is the exact top-k of float32 scores computed in the engine's order (a head at a time),
+equal scores going to the earlier key, so the engine and the trainer pick the same keys from the
+same weights. While every query
 sees at most index_topk keys (T <= index_topk) every visible key is selected and attention is
 plain MLA through the block's inner attention (flash / flex / varlen / CP as configured); beyond
 that the selection is a dense [T, T] mask and attention runs as SDPA with it (the CPU reference;
@@ -102,9 +103,12 @@ class DSAIndexer(nn.Module):
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """scores [B, T, T], visible [B|1, T, T] bool -> the visible keys among each query's
-        index_topk best (bool [B, T, T]). Exact top-k; invisible keys score -inf."""
+        index_topk best (bool [B, T, T]); invisible keys score -inf. Equal scores go to the
+        earlier key (a stable sort): keys whose every head's ReLU is 0 all score exactly 0, and
+        torch.topk would break those ties by its own (shape-dependent) order."""
         masked = scores.masked_fill(~visible, float("-inf"))
-        top = masked.topk(min(self.topk, masked.shape[-1]), dim=-1).indices
+        order = masked.sort(dim=-1, descending=True, stable=True).indices
+        top = order[..., : min(self.topk, masked.shape[-1])]
         keep = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, top, True)
         return keep & visible
 
@@ -246,8 +250,6 @@ def indexer_loss(model: nn.Module, scale: float) -> Iterator[list[GlmAttention]]
 
 def build_glm5(m: ModelConfig) -> RelayDeepSeekV3Model:
     """torchtitan's DeepSeek-V3 with every block's attention a GlmAttention (frozen indexer)."""
-    if m.rope_scaling is not None:
-        raise ValueError("model.rope_scaling: not supported for glm_moe_dsa in the trainer")
     args = deepseek_args(m)
     model = RelayDeepSeekV3Model(args)
     for block in model.layers.values():

@@ -39,7 +39,7 @@ from torchtitan.models.moe import moe as tt_moe
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.models.moe.utils import indices_padding_wrapper
 
-from services.common.config import ModelConfig
+from services.common.config import ModelConfig, YarnScaling
 
 
 def deepseek_moe_args(m: ModelConfig) -> MoEArgs:
@@ -72,10 +72,25 @@ def deepseek_args(m: ModelConfig) -> DeepSeekV3ModelArgs:
         raise ValueError(
             "model.arch: the trainer's deepseek_v3 needs MLA (kv_lora_rank > 0) and MoE (n_routed_experts > 0)"
         )
-    if m.rope_scaling is not None:
-        raise ValueError("model.rope_scaling: not supported for deepseek_v3 in the trainer")
+    yarn = m.rope_scaling if isinstance(m.rope_scaling, YarnScaling) else None
+    if m.rope_scaling is not None and yarn is None:
+        raise ValueError("model.rope_scaling: only yarn applies to deepseek_v3 / glm_moe_dsa")
+    # torchtitan applies YaRN (frequencies and the softmax mscale) only when its RoPE table is
+    # longer than original_seq_len; HF applies it at every length: a yarn model's table is at
+    # least one past the original context, so both always compute the extended RoPE.
+    rope: dict[str, Any] = {"original_seq_len": m.max_seq_len, "rope_factor": 1.0}
+    table = m.max_seq_len
+    if yarn is not None:
+        rope = {
+            "original_seq_len": yarn.original_max_position_embeddings,
+            "rope_factor": yarn.factor,
+            "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow,
+            "mscale": yarn.mscale_all_dim,
+        }
+        table = max(m.max_seq_len, yarn.original_max_position_embeddings + 1)
     args = DeepSeekV3ModelArgs(
-        max_seq_len=m.max_seq_len,
+        max_seq_len=table,
         vocab_size=m.vocab_size,
         dim=m.dim,
         inter_dim=m.hidden_dim,
@@ -93,11 +108,10 @@ def deepseek_args(m: ModelConfig) -> DeepSeekV3ModelArgs:
         # SDPA: FlexAttention has no CPU backward (trainer.attention wraps it for packing).
         attn_type="sdpa",
         attn_mask_type="causal",
-        # original_seq_len = max_seq_len: no YaRN (precompute_freqs_cis and the softmax mscale
-        # apply it only beyond original_seq_len); plain interleaved RoPE as HF rope_interleave.
-        original_seq_len=m.max_seq_len,
+        # Interleaved RoPE as HF rope_interleave; without yarn original_seq_len = max_seq_len, so
+        # precompute_freqs_cis and the softmax mscale leave it plain.
         rope_theta=m.rope_theta,
-        rope_factor=1.0,
+        **rope,
     )
     # Set by torchtitan's update_from_config (a JobConfig we do not have): the plain all-to-all MoE.
     args.moe_impl = "standard"  # type: ignore[attr-defined]

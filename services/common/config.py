@@ -40,6 +40,28 @@ class RopeScaling(Strict):
     original_max_position_embeddings: int = Field(8192, gt=0)
 
 
+class YarnScaling(Strict):
+    """YaRN RoPE extension as DeepSeek-V3 / Kimi-K2 / GLM-5 configure it (HF rope_type "yarn"):
+    frequencies between the beta_fast and beta_slow rotation counts of the original context are
+    blended from extrapolated to interpolated by `factor`, and MLA's softmax scale is multiplied by
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2. MLA models only; mscale must equal mscale_all_dim
+    (the cos/sin factor HF derives from their ratio is then 1, as torchtitan assumes)."""
+
+    rope_type: Literal["yarn"]
+    factor: float = Field(gt=1)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float = Field(1.0, gt=0)
+    mscale_all_dim: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _same_mscale(self) -> YarnScaling:
+        if self.mscale != self.mscale_all_dim:
+            raise ValueError("rope_scaling: yarn with mscale != mscale_all_dim is not supported")
+        return self
+
+
 class ModelConfig(Strict):
     """A decoder-only transformer. Field names follow HF config.json semantics.
 
@@ -64,7 +86,7 @@ class ModelConfig(Strict):
     hidden_dim: int = Field(256, gt=0)  # FFN width of dense layers
     max_seq_len: int = Field(256, gt=0)
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    rope_scaling: RopeScaling | YarnScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-6
     qk_norm: bool = True
     tie_embeddings: bool = True
@@ -194,6 +216,10 @@ class ModelConfig(Strict):
             raise ValueError(
                 "arch glm_moe_dsa needs MoE (n_routed_experts), MLA (kv_lora_rank) and DSA (index_topk)"
             )
+        if isinstance(self.rope_scaling, YarnScaling) and not self.is_mla:
+            raise ValueError("rope_scaling: yarn applies to MLA models (deepseek_v3, glm_moe_dsa)")
+        if isinstance(self.rope_scaling, RopeScaling) and self.is_mla:
+            raise ValueError("rope_scaling: llama3 scaling does not apply to MLA models (use yarn)")
         if self.arch in ("qwen3", "llama3", "qwen3_moe") and (self.is_mla or self.index_topk):
             raise ValueError(f"arch {self.arch} has no MLA/DSA attention: use deepseek_v3 or glm_moe_dsa")
         if self.arch in ("qwen3", "llama3") and self.is_moe:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.config import ModelConfig, RopeScaling
+from services.common.config import ModelConfig, RopeScaling, YarnScaling
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -202,7 +202,21 @@ def _moe_mla_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     mt = cfg["model_type"]
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    yarn = None
+    if rope_type == "yarn" and mt != "qwen3_moe":
+        if not rope.get("mscale_all_dim"):
+            # HF then leaves MLA's softmax scale unscaled, a variant no checkpoint we know uses.
+            raise ValueError(f"{mt}: yarn rope_scaling without mscale_all_dim is not supported")
+        yarn = YarnScaling(
+            rope_type="yarn",
+            factor=rope["factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            mscale=rope.get("mscale") or 1.0,
+            mscale_all_dim=rope["mscale_all_dim"],
+        )
+    elif rope_type != "default":
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported for model_type {mt!r}")
     n_heads = cfg["num_attention_heads"]
     common: dict[str, Any] = {
@@ -213,6 +227,7 @@ def _moe_mla_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         "hidden_dim": cfg["intermediate_size"],
         "max_seq_len": cfg.get("max_position_embeddings", 4096),
         "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        "rope_scaling": yarn,
         "norm_eps": cfg.get("rms_norm_eps", 1e-6),
         "tie_embeddings": cfg.get("tie_word_embeddings", False),
         "moe_hidden_dim": cfg["moe_intermediate_size"],

@@ -207,3 +207,66 @@ def render_tool_results(results: list[ToolResult], fmt: Literal["plain", "qwen"]
     if fmt == "qwen":
         return f"<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
     return f"\n{body}\n"
+
+
+# --------------------------------------------------------------------------- tool-call dialects
+
+# How a model writes its calls. "hermes": the <tool_call> JSON blocks above (Qwen, Llama, the
+# debug model). "kimi_k2": Kimi-K2's special-token sections, each call with an id the chat
+# template quotes back with its result ("## Return of functions.read_file:0"):
+#   <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+#   {"json": "arguments"}<|tool_call_end|>...<|tool_calls_section_end|>
+Dialect = Literal["hermes", "kimi_k2"]
+KIMI_SECTION_BEGIN, KIMI_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_ARGS_BEGIN, KIMI_CALL_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+_KIMI_SECTION = re.compile(
+    re.escape(KIMI_SECTION_BEGIN) + r"(.*?)(" + re.escape(KIMI_SECTION_END) + r"|$)", re.DOTALL
+)
+_KIMI_CALL = re.compile(
+    re.escape(KIMI_CALL_BEGIN)
+    + r"\s*(.*?)\s*"
+    + re.escape(KIMI_ARGS_BEGIN)
+    + r"(.*?)("
+    + re.escape(KIMI_CALL_END)
+    + r"|$)",
+    re.DOTALL,
+)
+
+
+def dialect_of(special_tokens: set[str] | frozenset[str]) -> Dialect:
+    """The dialect of a tokenizer, from its special tokens: Kimi-K2's sections are tokens of their own."""
+    return "kimi_k2" if KIMI_SECTION_BEGIN in special_tokens else "hermes"
+
+
+def kimi_call_name(call_id: str) -> str:
+    """`functions.read_file:0` -> `read_file` (the id is `functions.NAME:INDEX`)."""
+    name = call_id.rsplit(":", 1)[0] if ":" in call_id else call_id
+    return name.removeprefix("functions.")
+
+
+def kimi_to_hermes(text: str) -> tuple[str, list[str]]:
+    """A Kimi-K2 turn's text (decoded with its special tokens) as the Hermes text tool environments
+    parse, and the call ids in order. Each call becomes one <tool_call> block holding
+    {"name", "arguments"}; arguments that are not JSON are kept verbatim (the environment's parser
+    reports them), and a call the model did not finish stays an unterminated block."""
+    ids: list[str] = []
+
+    def section(m: re.Match[str]) -> str:
+        blocks = []
+        for call in _KIMI_CALL.finditer(m.group(1)):
+            call_id, raw, closed = call.group(1), call.group(2).strip(), bool(call.group(3))
+            ids.append(call_id)
+            name = json.dumps(kimi_call_name(call_id), ensure_ascii=False)
+            try:
+                args = json.dumps(json.loads(raw) if raw else {}, ensure_ascii=False)
+            except json.JSONDecodeError:
+                args = raw
+            body = f'{{"name": {name}, "arguments": {args}}}'
+            blocks.append(f"{OPEN}\n{body}\n{CLOSE}" if closed else f"{OPEN}\n{body}")
+        return "\n" + "\n".join(blocks) + "\n"
+
+    return _KIMI_SECTION.sub(section, text), ids

@@ -69,12 +69,18 @@ def parse_tool_observation(observation: str) -> list[str] | None:
     return contents
 
 
-def observation_messages(observation: str) -> list[dict[str, Any]]:
-    """Tool results as role "tool" messages; anything else the env says is a user message."""
+def observation_messages(observation: str, call_ids: list[str] | None = None) -> list[dict[str, Any]]:
+    """Tool results as role "tool" messages; anything else the env says is a user message.
+    `call_ids`: the ids of the calls the model made this turn, in order (Kimi-K2's chat template
+    quotes each result's id): result i answers call i, as the environment runs them in order."""
     contents = parse_tool_observation(observation)
     if contents is None:
         return [{"role": "user", "content": observation}]
-    return [{"role": "tool", "content": c} for c in contents]
+    ids = call_ids or []
+    return [
+        {"role": "tool", "content": c} | ({"tool_call_id": ids[i]} if i < len(ids) else {})
+        for i, c in enumerate(contents)
+    ]
 
 
 class ChatConversation:

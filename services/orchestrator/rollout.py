@@ -42,6 +42,7 @@ from services.common.schemas import (
     SamplingParams,
 )
 from services.common.tokenizer import end_of_turn_id, load_tokenizer, model_eos_ids
+from services.common.tools import dialect_of, kimi_to_hermes
 from services.orchestrator.chat_turns import (
     ChatConversation,
     TemplateMismatch,
@@ -190,6 +191,9 @@ class RolloutRunner:
         # The model's chat template: tool environments' prompts and observations go through it
         # (chat_turns.py). None (the char debug tokenizer): text exactly as the env wrote it.
         self.chat = chat
+        # How the model writes tool calls (services/common/tools.py): from its special tokens.
+        specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+        self.dialect = dialect_of(specials)
         self.eos_text = tok.decode([eos], skip_special_tokens=False)
         o = cfg.orchestrator
         self.sampling = SamplingParams(
@@ -244,6 +248,14 @@ class RolloutRunner:
                 await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
                 attempt += 1
 
+    def _action(self, text_ids: list[int]) -> tuple[str, list[str]]:
+        """The model turn's text for the environment, and the ids of the calls it made. Tool
+        environments read Hermes calls: a Kimi-K2 model's calls (special-token sections, decoded
+        with their tokens) are rewritten as Hermes blocks and their ids kept for the chat template."""
+        if self.dialect == "kimi_k2":
+            return kimi_to_hermes(self.tok.decode(text_ids, skip_special_tokens=False))
+        return self.tok.decode(text_ids), []
+
     def _budget_left(self, traj: Trajectory) -> int:
         return self.max_len - len(traj.tokens)
 
@@ -269,13 +281,19 @@ class RolloutRunner:
         return obs_ids[:keep] + marker
 
     def _fit_chat_observation(
-        self, traj: Trajectory, conv: ChatConversation, text_ids: list[int], ended_eos: bool, observation: str
+        self,
+        traj: Trajectory,
+        conv: ChatConversation,
+        text_ids: list[int],
+        ended_eos: bool,
+        observation: str,
+        call_ids: list[str] | None = None,
     ) -> list[int] | None:
         """Like _fit_observation, through the chat template: the observation is the template's
         continuation after the model's turn; truncation cuts the last message's content (never
         the template's own turn markers) and re-renders. Commits the turn to `conv` when it fits."""
         model_text = self.tok.decode(text_ids, skip_special_tokens=False)
-        messages = observation_messages(observation)
+        messages = observation_messages(observation, call_ids)
         original = messages[-1]
         room = self._budget_left(traj) - self.sampling.max_tokens
         content_ids: list[int] = []
@@ -321,9 +339,10 @@ class RolloutRunner:
             traj.actions.append(
                 ActionSpan(len(traj.tokens) - len(choice.output_ids), len(text_ids), ended_eos)
             )
+            action, call_ids = self._action(text_ids)
             try:
                 async with asyncio.timeout_at(turn.at):
-                    step = await session.step(self.tok.decode(text_ids), eos=ended_eos)
+                    step = await session.step(action, eos=ended_eos)
             except TimeoutError:
                 # The sandbox still finishes the step (env code is not interruptible); score()
                 # below waits for it server-side, so the reward sees the action's effect.
@@ -347,7 +366,9 @@ class RolloutRunner:
                 closed = last == self.eos
                 turn_ids = text_ids if closed else choice.output_ids
                 try:
-                    obs_ids = self._fit_chat_observation(traj, conv, turn_ids, closed, step.observation)
+                    obs_ids = self._fit_chat_observation(
+                        traj, conv, turn_ids, closed, step.observation, call_ids
+                    )
                 except TemplateMismatch as e:
                     # Continuing would feed the model a history its template never renders.
                     log.warning("chat template mismatch, sample ends: %s", e)
