@@ -168,13 +168,32 @@ class Plan(BaseModel):
 # ---------------------------------------------------------------------- model arithmetic
 
 
+def attention_layers(m: ModelConfig) -> int:
+    """Layers with attention (a hybrid stack's `*` layers; every layer otherwise)."""
+    return m.hybrid_pattern.count("*") if m.is_hybrid else m.n_layers
+
+
 def kv_bytes_per_token(m: ModelConfig) -> float:
-    """KV bytes one token keeps in every layer: MLA's latent + rope key (bf16) and DSA's fp8
-    indexer key, or K and V per KV head (bf16)."""
+    """KV bytes one token keeps in every attention layer: MLA's latent + rope key (bf16) and DSA's
+    fp8 indexer key, or K and V per KV head (bf16)."""
     if m.is_mla:
         b = (m.kv_lora_rank + m.qk_rope_head_dim) * 2 * m.n_layers
         return b + (m.index_head_dim * m.n_layers if m.index_topk else 0)
-    return 2 * m.n_kv_heads * m.head_dim * 2 * m.n_layers
+    return 2 * m.n_kv_heads * m.head_dim * 2 * attention_layers(m)
+
+
+def recurrent_state_bytes(m: ModelConfig) -> float:
+    """Bytes one sequence keeps whatever its length: each Mamba-2 layer's float32 SSM state
+    (heads x head_dim x state) and its convolution's last inputs (bf16); 0 without Mamba layers."""
+    if not m.is_hybrid:
+        return 0.0
+    ssm = m.mamba_n_heads * m.mamba_head_dim * m.ssm_state_size * 4
+    conv = (
+        (m.mamba_n_heads * m.mamba_head_dim + 2 * m.mamba_n_groups * m.ssm_state_size)
+        * (m.mamba_conv_kernel - 1)
+        * 2
+    )
+    return float((ssm + conv) * m.hybrid_pattern.count("M"))
 
 
 def kv_bytes_read_per_token(m: ModelConfig, context: float) -> float:
@@ -194,7 +213,7 @@ def attention_flops_per_token(m: ModelConfig, context: float) -> float:
         per_key = m.n_heads * ((m.qk_nope_head_dim + m.qk_rope_head_dim) + m.v_head_dim)
     else:
         per_key = m.n_heads * 2 * m.head_dim
-    return 2 * keys * per_key * m.n_layers
+    return 2 * keys * per_key * attention_layers(m)
 
 
 def experts_touched(m: ModelConfig, tokens: float) -> float:
@@ -212,8 +231,8 @@ def decode_step_bytes(m: ModelConfig, batch: float, context: float, weight_bytes
     # once a step, routed experts only where the batch's tokens go.
     weights = p["total"] - (0 if m.tie_embeddings else m.vocab_size * m.dim)
     if m.is_moe:
-        expert = 3 * m.dim * m.moe_hidden_dim
-        n_moe = m.n_layers - m.first_k_dense
+        expert = (2 if m.is_hybrid else 3) * m.dim * m.moe_hidden_dim  # (nemotron_h: up/down)
+        n_moe = len(m.moe_layers())
         weights -= n_moe * (m.n_routed_experts - experts_touched(m, batch)) * expert
     return weights * weight_bytes + batch * kv_bytes_read_per_token(m, context)
 
@@ -240,7 +259,7 @@ def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
     weights = p["total"] * wbytes / gpus_per_engine
     ctx = cfg.plan.rollout_tokens / 2  # a rollout's mean context over its lifetime
     conc = cfg.decode.engine.max_batch_size
-    kv = conc * ctx * kv_bytes_per_token(m) / gpus_per_engine
+    kv = conc * (ctx * kv_bytes_per_token(m) + recurrent_state_bytes(m)) / gpus_per_engine
     usable = dev.hbm_bytes * HBM_USABLE
     kv_cap = max(0.0, (usable - weights) * gpus_per_engine) / kv_bytes_per_token(m)
     return Memory(

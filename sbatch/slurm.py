@@ -375,7 +375,7 @@ def render_script(cfg: RunConfig, plan: JobPlan) -> str:
 
 def sizing(cfg: RunConfig) -> dict[str, float]:
     """Back-of-envelope memory for the plan: weights, trainer state per GPU, KV cache per token."""
-    from sbatch.plan import kv_bytes_per_token
+    from sbatch.plan import kv_bytes_per_token, recurrent_state_bytes
 
     m = cfg.model
     p = m.param_counts()
@@ -389,6 +389,7 @@ def sizing(cfg: RunConfig) -> dict[str, float]:
         "train_state_tb": p["total"] * 16 / 1e12,
         "kv_kb_per_token": kv_token / 1024,
         "kv_gb_per_max_seq": kv_token * cfg.decode.engine.max_seq_len / 1e9,
+        "state_mb_per_seq": recurrent_state_bytes(m) / 1e6,
     }
     tgpus = cfg.slurm.trainer.nodes * cfg.slurm.trainer.gpus_per_node
     if tgpus:
@@ -437,6 +438,7 @@ def describe(cfg: RunConfig, plan: JobPlan) -> str:
         "sizing: {params_total_b:.1f}B params ({params_active_b:.1f}B active); weights {weights_bf16_gb:.0f} GB bf16 / "
         "{weights_fp8_gb:.0f} GB fp8; trainer state {train_state_tb:.2f} TB; KV {kv_kb_per_token:.1f} KiB/token, "
         "{kv_gb_per_max_seq:.2f} GB per max-length sequence".format(**sz)
+        + (f" + {sz['state_mb_per_seq']:.0f} MB of recurrent state" if sz["state_mb_per_seq"] else "")
         + (
             f"; trainer state per GPU {sz['train_state_gb_per_gpu']:.0f} GB"
             if "train_state_gb_per_gpu" in sz

@@ -348,3 +348,32 @@ def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Pa
         w0["backbone.layers.2.mixer.gate.e_score_correction_bias"],
     )
     hf_model(step_dir(run_dir, 1))
+
+
+def test_nemotron3_configs_size() -> None:
+    """configs/models/nemotron3.toml is Nemotron-3 Nano's published size, and the run config's dry
+    run sizes it: KV for the 6 attention layers only, plus each sequence's Mamba-2 state."""
+    import subprocess
+    import sys
+    import tomllib
+
+    from services.common.config import CONFIG_DIR, REPO_ROOT
+
+    m = ModelConfig(**tomllib.loads((CONFIG_DIR / "models" / "nemotron3.toml").read_text()))
+    p = m.param_counts()
+    assert 31.5e9 < p["total"] < 31.7e9 and 3.5e9 < p["active"] < 3.7e9  # published: 31.6B / 3.6B
+    assert (
+        m.hybrid_pattern.count("M") == m.hybrid_pattern.count("E") == 23 and m.hybrid_pattern.count("*") == 6
+    )
+    small = ModelConfig(**tomllib.loads((CONFIG_DIR / "models" / "debug-nemotron.toml").read_text()))
+    assert sum(t.numel() for t in build_model(small, seed=0).parameters()) == small.param_counts()["total"]
+    out = subprocess.run(
+        [sys.executable, "-m", "sbatch.launch", "run", "nemotron3", "--dry-run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "sizing: 31.6B params (3.6B active)" in out.stdout
+    assert "KV 6.0 KiB/token, 0.81 GB per max-length sequence + 49 MB of recurrent state" in out.stdout
