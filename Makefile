@@ -14,7 +14,7 @@ NODES ?=
 RUN ?=
 RUN_ENV := $(if $(RUN),RELAY_RUN_DIR=$(RUN))
 
-.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast tasks lint format clean
+.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast tasks lint format clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -61,10 +61,10 @@ cluster-stop:
 # 21.7 min serial). Each test module runs whole, in order, on one worker (--dist loadfile: some
 # modules' tests build on the ones before them); tests of the one Slurm cluster take a lock
 # (tests/conftest.py).
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q -ra -m "not full" -n 2 --dist loadfile
 
-test-full: $(STAMP)
+test-full: $(STAMP) chromium
 	$(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)
@@ -77,6 +77,15 @@ TASKS ?= 500
 tasks: $(STAMP)
 	bash services/sandbox/install_bwrap.sh >/dev/null
 	$(PY) -m services.sandbox.swe_real --seed $(SEED) --tasks $(TASKS)
+
+# The dashboard test loads the page in a real headless browser: Debian's chromium package,
+# installed once (apt-get, as root or through sudo) when it is not on PATH.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  echo "installing chromium (the dashboard test's headless browser)"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

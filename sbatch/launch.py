@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 from rich.console import Console
@@ -28,6 +27,7 @@ from sbatch.status_view import print_running, print_services
 from sbatch.summary import print_summary
 from services.common.bus import Bus, connect
 from services.common.config import ConfigError, RunConfig, load_config, load_resolved
+from services.common.health import health_rows
 
 console = Console(highlight=False)
 
@@ -77,15 +77,9 @@ def _run_bus(run_dir: Path) -> tuple[RunConfig, Bus] | None:
     return cfg, Bus(cfg.redis.url, cfg.redis.prefix)
 
 
-def _supervisors(bus: Bus) -> list[dict[str, Any]]:
-    from sbatch.supervisor import read_states
-
-    return read_states(bus.r, bus.k.prefix)
-
-
 def _print_registry(bus: Bus) -> None:
     """What the registry and supervisors know when the orchestrator cannot answer."""
-    print_services(console, [s.model_dump() for s in bus.services()], _supervisors(bus))
+    print_services(console, health_rows(bus.services(), bus.supervisors()))
 
 
 def cmd_status() -> int:
@@ -128,29 +122,31 @@ def cmd_status() -> int:
         console.print(f"run {run_dir.name}: orchestrator at {orch[0].url} did not answer ({e!r})")
         _print_registry(bus)
         return 1
-    services = status.pop("services")
-    print_running(console, run_dir.name, status, f"{orch[0].url}/dashboard", services, _supervisors(bus))
+    print_running(console, run_dir.name, status, f"{orch[0].url}/dashboard", status["health"])
     return 0
 
 
 def _started_at(pid: int) -> float | None:
-    """A live process's start time (Unix seconds), None when there is no such process. Without
-    /proc (not Linux) any live pid counts as started at 0."""
+    """A live process's start time (Unix seconds), None when there is no such process (or only
+    its zombie). Without /proc (not Linux) any live pid counts as started at 0."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None
     except PermissionError:
         pass  # alive, someone else's
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(
-            float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime")
-        )
-    except (OSError, StopIteration):
+    if not Path("/proc/stat").exists():
         return 0.0
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the parenthesised name
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after the name
+    except OSError:
+        return None  # gone since the signal check
+    if fields[0] in ("Z", "X"):
+        return None  # exited, not yet reaped by its parent
+    boot = next(
+        float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime")
+    )
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in ticks
 
 
 def _run_processes(pids_file: Path) -> dict[str, int]:

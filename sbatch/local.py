@@ -209,11 +209,22 @@ class LocalRun:
                 return False
         return True
 
+    def _print_dashboard(self, wait_s: float = 60.0) -> None:
+        """The dashboard's URL, once the orchestrator has registered (it picks its port)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and all(p.alive for p in self.procs) and not self._stop_requested:
+            orch = self.bus.services("orchestrator")
+            if orch:
+                self.console.print(f"dashboard [cyan]{orch[0].url}/dashboard[/] (and `make status`)")
+                return
+            time.sleep(0.2)
+
     def monitor(self) -> int:
         """Print step lines until the trainer finishes; returns the exit code of the run."""
         clock = RunClock(self.bus, self.cfg.run.time_budget_s, self.cfg.run.timeout_s)
         history: list[dict[str, Any]] = []
         line = StepLine(self.cfg)
+        self._print_dashboard()
         self.console.print(line.header())
         feed = self._metrics()
         for rec in feed:

@@ -3,7 +3,6 @@ orchestrator's /v1/status and the supervisors' states), or a finished run's summ
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.console import Console
@@ -25,8 +24,7 @@ def print_running(
     run: str,
     status: dict[str, Any],
     dashboard: str,
-    services: list[dict[str, Any]],
-    supervisors: list[dict[str, Any]],
+    health: list[dict[str, Any]],
 ) -> None:
     state = "running"
     if status.get("paused"):
@@ -54,34 +52,23 @@ def print_running(
     )
     served = [v for a, b in status.get("versions_served", []) for v in range(a, b + 1)]
     console.print(f"versions   served {version_span(served)}")
-    print_services(console, services, supervisors)
+    print_services(console, health)
 
 
-def print_services(
-    console: Console, services: list[dict[str, Any]], supervisors: list[dict[str, Any]]
-) -> None:
-    """One row per supervised process (state, restarts, uptime) with its registry entry (URL,
-    weight version) when it has one; registered services without a supervisor follow."""
+def print_services(console: Console, rows: list[dict[str, Any]]) -> None:
+    """The health rows (services/common/health.py) as one table."""
     t = Table(box=None, pad_edge=False, show_edge=False)
     for col in ("service", "state", "restarts", "up", "url", "version", "pid"):
         t.add_column(col)
-    by_pid = {(s.get("host"), s.get("pid")): s for s in services}
-    now = time.time()
-    for sup in supervisors:
-        reg = by_pid.pop((sup.get("host"), sup.get("child_pid")), None)
-        running = sup["state"] == "running" and sup.get("child_started")
-        up = f"{now - sup['child_started']:.0f}s" if running else "-"
-        last = "" if sup.get("last_exit") is None else f" (last exit {sup['last_exit']})"
+    for h in rows:
+        last = "" if h["last_exit"] is None else f" (last exit {h['last_exit']})"
         t.add_row(
-            sup["name"],
-            sup["state"] if sup["state"] == "running" else f"[yellow]{sup['state']}[/]",
-            f"{sup['restarts']}{last}",
-            up,
-            reg["url"] if reg else "-",
-            f"v{reg['version']}" if reg and reg["version"] >= 0 else "-",
-            str(sup.get("child_pid") or "-"),
+            h["name"],
+            h["state"] if h["ok"] else f"[yellow]{h['state']}[/]",
+            "-" if h["restarts"] is None else f"{h['restarts']}{last}",
+            "-" if h["up_s"] is None else f"{h['up_s']:.0f}s",
+            h["url"] or "-",
+            "-" if h["version"] is None else f"v{h['version']}",
+            str(h["pid"] or "-"),
         )
-    for reg in by_pid.values():
-        version = f"v{reg['version']}" if reg["version"] >= 0 else "-"
-        t.add_row(reg["kind"], "registered", "-", "-", reg["url"], version, str(reg["pid"]))
     console.print(t)

@@ -38,7 +38,7 @@ from typing import IO, Any
 
 import redis
 
-from services.common.bus import Keys
+from services.common.bus import Keys, supervisor_states
 
 # States a supervisor reports.
 STARTING, RUNNING, BACKOFF, STOPPING, STOPPED, EXITED, FAILED = (
@@ -326,9 +326,7 @@ class Supervisor:
 
 def read_states(r: redis.Redis, prefix: str) -> list[dict[str, Any]]:
     """Every supervisor of a run that reported recently (or ended within a day), sorted by name."""
-    keys = sorted(r.scan_iter(match=Keys(prefix).supervisor("*"), count=500))
-    vals = r.mget(keys) if keys else []
-    return sorted((json.loads(v) for v in vals if v), key=lambda s: s["name"])
+    return supervisor_states(r, Keys(prefix))
 
 
 def matches(name: str, service: str) -> bool:

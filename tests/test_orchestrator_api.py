@@ -116,3 +116,99 @@ def test_rollout_transcript_masks(
     assert s["segments"][1]["text"] == "c<eos>" and s["segments"][3]["versions"] == [1, 1]
     assert s["min_version"] == 0
     assert httpx.get(f"{url}/v1/rollouts/g1.7").status_code == 404
+
+
+def test_rollout_browser_lists_filters_and_pages(
+    orchestrator: tuple[str, Bus, subprocess.Popen[bytes]], model_dir: Path
+) -> None:
+    """GET /v1/rollouts over the rollout log and the ledger, as the orchestrator and the trainer
+    write them (through the bus): newest first, each row's fate and staleness, filters, paging,
+    and a 422 naming any bad parameter."""
+    url, bus, _ = orchestrator
+    from services.common.schemas import RolloutLogEntry, WeightsInfo
+
+    bus.publish_weights(WeightsInfo(version=0, path=str(model_dir)))
+    groups = []
+    for i in range(12):
+        v = i // 3  # versions 0, 0, 0, 1, 1, 1, ...
+        n_out = 1 + i % 3
+        s = Sample(
+            rollout_id=f"b{i}.0", tokens=[3, 4, 5] + [6] * n_out, loss_mask=[0, 0, 0] + [1] * n_out,
+            logprobs=[0.0] * 3 + [-0.5] * n_out, versions=[-1] * 3 + [v] * n_out, reward=i / 12,
+        )  # fmt: skip
+        g = RolloutGroup(group_id=f"b{i}", env="reverse", seed=i, samples=[s, s])
+        bus.r.set(bus.k.rollout(g.group_id), g.model_dump_json())
+        bus.push_group(g)
+        bus.log_rollout(RolloutLogEntry.of_group(g))
+        groups.append(g)
+    # The trainer trained b0-b7 (b0-b3 at version 1, b4-b7 at 2), dropped b8 as stale; b9-b11 pend.
+    bus.mark_trained([f"b{i}" for i in range(4)], version=1)
+    bus.mark_trained([f"b{i}" for i in range(4, 8)], version=2)
+    bus.mark_dropped("b8", "stale: trainer v4 - min_version 2 = 2 > max_off_policy_steps 1", version=4)
+    # A group the orchestrator dropped before it finished: no transcript, no reward.
+    bus.mark_dropped("x1", "failed after 3 attempts")
+    bus.log_rollout(RolloutLogEntry(group_id="x1", env="reverse", seed=99))
+
+    page = httpx.get(f"{url}/v1/rollouts").json()
+    rows = page["rollouts"]
+    assert [r["id"] for r in rows] == ["x1", *[f"b{i}" for i in range(11, -1, -1)]]
+    assert page["next_cursor"] is None
+    by_id = {r["id"]: r for r in rows}
+    assert (
+        by_id["x1"]["status"] == "dropped"
+        and by_id["x1"]["reward"] is None
+        and by_id["x1"]["version"] is None
+    )
+    assert (
+        by_id["b8"]["status"] == "dropped"
+        and by_id["b8"]["staleness"] == 2
+        and "stale" in by_id["b8"]["reason"]
+    )
+    assert by_id["b5"] == {
+        **by_id["b5"], "status": "trained", "version": 1, "staleness": 1, "trained_at": 2, "reward": 5 / 12,
+        "task": "reverse", "samples": 2, "length": 6.0, "model_tokens": 3.0,
+    }  # fmt: skip
+    assert (
+        by_id["b0"]["staleness"] == 1
+        and by_id["b10"]["status"] == "pending"
+        and by_id["b10"]["staleness"] is None
+    )
+
+    # Filters: status, task, version range (a group's version is its oldest weights).
+    got = lambda **p: [r["id"] for r in httpx.get(f"{url}/v1/rollouts", params=p).json()["rollouts"]]  # noqa: E731
+    assert got(status="pending") == ["b11", "b10", "b9"]
+    assert got(status="dropped") == ["x1", "b8"]
+    assert got(status="trained", version_min=1, version_max=1) == ["b5", "b4", "b3"]
+    assert got(version_min=3) == ["b11", "b10", "b9"]
+    assert got(task="reverse", limit=2) == ["x1", "b11"]
+
+    # Paging: limit + cursor walks every row once, newest first.
+    seen, cursor = [], None
+    while True:
+        params = {"limit": 5, **({"cursor": cursor} if cursor else {})}
+        page = httpx.get(f"{url}/v1/rollouts", params=params).json()
+        seen += [r["id"] for r in page["rollouts"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [r["id"] for r in rows]
+
+    for params, name in (
+        ({"limit": 0}, "limit"),
+        ({"limit": 501}, "limit"),
+        ({"status": "lost"}, "status"),
+        ({"cursor": "yesterday"}, "cursor"),
+        ({"version_min": -1}, "version_min"),
+        ({"version_min": 3, "version_max": 1}, "version_max"),
+        ({"task": "echo"}, "task"),
+        ({"colour": "red"}, "colour"),
+    ):
+        r = httpx.get(f"{url}/v1/rollouts", params=params)
+        assert r.status_code == 422 and name in r.json()["detail"], (params, r.text)
+
+    # A listed row opens its transcript: turns with each model token's text and advantage.
+    body = httpx.get(f"{url}/v1/rollouts/b5").json()
+    assert body["fate"] == {"status": "trained", "trainer_version": 2, "reason": ""}
+    assert body["reward"] == 5 / 12 and body["min_version"] == 1
+    model = [seg for seg in body["samples"][0]["segments"] if seg["role"] == "model"]
+    assert len(model) == 1 and len(model[0]["pieces"]) == len(model[0]["advantages"]) == 3

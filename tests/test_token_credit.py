@@ -240,7 +240,10 @@ def test_rendered_transcript_shows_each_tokens_advantage() -> None:
     s = sample(prompt + out, [0] * len(prompt) + [1] * 4, 0.0, [0.0] * len(prompt) + [0.0, -0.6, 0.0, 0.0])
     prompt_seg, model_seg = render_sample(s, TOK)
     assert "advantages" not in prompt_seg and model_seg["advantages"] == [0.0, -0.6, 0.0, 0.0]
-    assert "advantages" not in render_sample(s.model_copy(update={"token_advantages": None}), TOK)[1]
+    assert model_seg["pieces"] == ["c", "a", "a", TOK.id_to_token(EOS)]
+    # Sequence advantages: every model token shows the sample's one advantage.
+    seq = s.model_copy(update={"token_advantages": None, "advantage": 0.25})
+    assert render_sample(seq, TOK)[1]["advantages"] == [0.25] * 4
 
 
 async def reverse_turns_policy(req: GenerateRequest) -> list[list[int]]:

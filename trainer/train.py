@@ -479,6 +479,7 @@ class Trainer:
                         g.group_id,
                         f"stale: trainer v{self.version} - min_version {g.min_version} = {staleness}"
                         f" > max_off_policy_steps {oc.max_off_policy_steps}",
+                        version=self.version,
                     )
                     dropped += 1
                     continue
@@ -641,7 +642,7 @@ class Trainer:
                 self._checkpoint()
             if self.bus is not None:
                 # Commit, then ack: a crash in between re-delivers entries the ledger already has.
-                self.bus.mark_trained([g.group_id for g in batch.groups])
+                self.bus.mark_trained([g.group_id for g in batch.groups], version=v)
                 self._record_state("running")
                 self.bus.ack(entry_ids)
                 m = self._metrics(v, batch, res, publish_s)

@@ -1,5 +1,6 @@
 """Everything relay keeps in Redis: key names, the rollout stream, the service registry,
-the latest-weights key and the rollout ledger. Services never share memory; this is the contract.
+the latest-weights key, the rollout ledger, the rollout log (the browser's index) and the pause.
+Services never share memory; this is the contract.
 
 Synchronous redis-py throughout; asyncio callers wrap calls in `asyncio.to_thread`, so there is
 one implementation of each operation.
@@ -7,18 +8,30 @@ one implementation of each operation.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
-from services.common.schemas import PauseState, RolloutGroup, ServiceInfo, TrainerStepMetrics, WeightsInfo
+from services.common.schemas import (
+    PauseState,
+    RolloutFate,
+    RolloutGroup,
+    RolloutLogEntry,
+    ServiceInfo,
+    TrainerStepMetrics,
+    WeightsInfo,
+)
 
 TRAINER_GROUP = "trainer"
+# The rollout log keeps about this many newest entries (a few MB; transcripts expire on their own).
+ROLLOUT_LOG_MAX = 100_000
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,18 @@ class Keys:
     @property
     def dropped(self) -> str:
         return f"{self.prefix}:ledger:dropped"
+
+    @property
+    def consumed_at(self) -> str:
+        """group -> the trainer's version when it trained or dropped the group (its staleness is
+        this minus the group's min_version)."""
+        return f"{self.prefix}:ledger:consumed_at"
+
+    @property
+    def rollout_log(self) -> str:
+        """Stream of RolloutLogEntry, one per group pushed or dropped by the orchestrator, newest
+        last, trimmed to about ROLLOUT_LOG_MAX entries: what GET /v1/rollouts pages through."""
+        return f"{self.prefix}:rollouts:log"
 
     @property
     def orchestrator_state(self) -> str:
@@ -106,6 +131,14 @@ def run_prefix(base: str, run_name: str) -> str:
     """The key prefix of one run (`redis.prefix` + the run directory's name): several runs, or a
     resumed one, share a Redis without mixing their keys."""
     return f"{base}:{run_name}"
+
+
+def supervisor_states(r: redis.Redis, k: Keys) -> list[dict[str, Any]]:
+    """Every supervisor of a run that reported recently (or ended within a day), sorted by name:
+    the JSON each writes under `k.supervisor(name)` (sbatch/supervisor.py SupervisorState)."""
+    keys = sorted(r.scan_iter(match=k.supervisor("*"), count=500))
+    vals = r.mget(keys) if keys else []
+    return sorted((json.loads(v) for v in vals if v), key=lambda s: s["name"])
 
 
 def connect(url: str) -> redis.Redis:
@@ -189,15 +222,23 @@ class Bus:
 
     # ---------------------------------------------------------- ledger
 
-    def mark_trained(self, group_ids: list[str]) -> None:
+    def mark_trained(self, group_ids: list[str], version: int | None = None) -> None:
+        """`version`: the trainer's version that trained them (recorded for their staleness)."""
         if group_ids:
             pipe = self.r.pipeline()
             for g in group_ids:
                 pipe.hincrby(self.k.trained, g, 1)
+                if version is not None:
+                    pipe.hset(self.k.consumed_at, g, version)
             pipe.execute()
 
-    def mark_dropped(self, group_id: str, reason: str) -> None:
-        self.r.hset(self.k.dropped, group_id, reason)
+    def mark_dropped(self, group_id: str, reason: str, version: int | None = None) -> None:
+        """`version`: the trainer's version when the trainer dropped it (None: the orchestrator)."""
+        pipe = self.r.pipeline()
+        pipe.hset(self.k.dropped, group_id, reason)
+        if version is not None:
+            pipe.hset(self.k.consumed_at, group_id, version)
+        pipe.execute()
 
     def is_trained(self, group_id: str) -> bool:
         return bool(self.r.hexists(self.k.trained, group_id))
@@ -207,6 +248,47 @@ class Bus:
         trained = {k: int(v) for k, v in self.r.hgetall(self.k.trained).items()}
         dropped = self.r.hgetall(self.k.dropped)
         return {"started": started, "trained": trained, "dropped": dropped}
+
+    # ---------------------------------------------------------- rollout log (the browser's index)
+
+    def log_rollout(self, entry: RolloutLogEntry, done: str | None = None) -> None:
+        """Append to the rollout log; `done`: also take that group off the in-flight hash, in the
+        same transaction (so a group the orchestrator re-issues after a crash is listed once)."""
+        pipe = self.r.pipeline()
+        pipe.xadd(
+            self.k.rollout_log, {"e": entry.model_dump_json()}, maxlen=ROLLOUT_LOG_MAX, approximate=True
+        )
+        if done is not None:
+            pipe.hdel(self.k.inflight, done)
+        pipe.execute()
+
+    def rollout_log(self, before: str | None, count: int) -> list[tuple[str, RolloutLogEntry]]:
+        """Up to `count` entries, newest first, strictly older than the entry id `before`."""
+        top = f"({before}" if before else "+"
+        return [
+            (eid, RolloutLogEntry.model_validate_json(f["e"]))
+            for eid, f in self.r.xrevrange(self.k.rollout_log, max=top, min="-", count=count)
+        ]
+
+    def fates(self, group_ids: list[str]) -> list[RolloutFate]:
+        """What the ledger says of each group (one round trip for the lot)."""
+        if not group_ids:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hmget(self.k.trained, group_ids)
+        pipe.hmget(self.k.dropped, group_ids)
+        pipe.hmget(self.k.consumed_at, group_ids)
+        trained, dropped, at = pipe.execute()
+        out = []
+        for t, d, v in zip(trained, dropped, at, strict=True):
+            version = int(v) if v is not None else None
+            if d is not None:
+                out.append(RolloutFate(status="dropped", trainer_version=version, reason=d))
+            elif t is not None:
+                out.append(RolloutFate(status="trained", trainer_version=version))
+            else:
+                out.append(RolloutFate(status="pending"))
+        return out
 
     # ---------------------------------------------------------- metrics
 
@@ -267,6 +349,9 @@ class Bus:
 
     def deregister(self, kind: str, sid: str) -> None:
         self.r.delete(self.k.service(kind, sid))
+
+    def supervisors(self) -> list[dict[str, Any]]:
+        return supervisor_states(self.r, self.k)
 
     def services(self, kind: str | None = None) -> list[ServiceInfo]:
         pattern = self.k.service(kind or "*", "*")

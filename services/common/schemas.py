@@ -354,6 +354,49 @@ class RolloutGroup(Wire):
         return sum(s.reward for s in self.samples) / len(self.samples)
 
 
+class RolloutLogEntry(Wire):
+    """One finished (pushed) or dropped group, as the rollout browser lists it (Redis stream
+    `rollouts:log`, newest last): enough to find a rollout and open its transcript."""
+
+    group_id: str
+    env: str
+    seed: int
+    # Mean reward of the group's samples; None for a group dropped before it finished.
+    reward: float | None = None
+    # The oldest weight version that generated any of its tokens (-1: none, dropped before).
+    min_version: int = -1
+    samples: int = 0
+    # Mean tokens per sample (prompt, model and environment), and mean model (trained) tokens.
+    tokens: float = 0.0
+    model_tokens: float = 0.0
+    finished: float = Field(default_factory=time.time)
+
+    @classmethod
+    def of_group(cls, g: RolloutGroup) -> RolloutLogEntry:
+        n = len(g.samples)
+        return cls(
+            group_id=g.group_id,
+            env=g.env,
+            seed=g.seed,
+            reward=g.mean_reward,
+            min_version=g.min_version,
+            samples=n,
+            tokens=sum(len(s.tokens) for s in g.samples) / n,
+            model_tokens=sum(sum(s.loss_mask) for s in g.samples) / n,
+        )
+
+
+class RolloutFate(Wire):
+    """Where a group ended up, from the ledger: trained (at which trainer version), dropped (why),
+    or pending (on the stream or in flight: not trained or dropped yet)."""
+
+    status: Literal["trained", "dropped", "pending"]
+    # The trainer's version when it trained or dropped the group (staleness = this - min_version);
+    # None when pending or dropped by the orchestrator.
+    trainer_version: int | None = None
+    reason: str = ""
+
+
 class TrainerStepMetrics(Wire):
     """What the trainer reports after committing a step (Redis stream `metrics`)."""
 

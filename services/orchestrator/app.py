@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Query
+from prometheus_client import REGISTRY
 
 from services.common.schemas import PauseRequest, RolloutGroup
 from services.common.service import Service, create_app, start_service
 from services.common.tokenizer import load_tokenizer
+from services.orchestrator import dashboard
+from services.orchestrator.browse import RolloutQuery, list_rollouts
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.rollout import render_sample
 
@@ -35,6 +38,9 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
 
     app = create_app("relay orchestrator", lambda: {"version": orch.version, "paused": orch.paused}, lifespan)
 
+    dashboard.mount(app, svc.cfg)
+    REGISTRY.register(dashboard.DashboardCollector(svc.cfg, orch.bus, lambda: orch.history))
+
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:
         """Step, policy version, rollouts in flight, queue depth, last reward, live services."""
@@ -43,9 +49,17 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
     @app.get("/v1/metrics")
     async def metrics(
         last: int = Query(0, ge=0, description="only the last N steps (0: all)"),
+        after: int = Query(0, ge=0, description="only steps after this one (the dashboard's poll)"),
     ) -> list[dict[str, Any]]:
         """Per-step history: trainer metrics merged with the orchestrator's view."""
-        return orch.history[-last:] if last else orch.history
+        hist = orch.history
+        if after:
+            # Steps are appended in order; a restarted trainer may repeat some, which stay.
+            i = len(hist)
+            while i > 0 and hist[i - 1]["step"] > after:
+                i -= 1
+            hist = hist[i:]
+        return hist[-last:] if last else hist
 
     @app.post("/v1/pause")
     async def pause(body: PauseRequest | None = None) -> dict[str, Any]:
@@ -59,11 +73,25 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
         """Start rollout groups again; the time budget runs again."""
         return await orch.set_paused(False, body.reason if body else "")
 
+    @app.get("/v1/rollouts")
+    async def rollouts(q: Annotated[RolloutQuery, Query()]) -> dict[str, Any]:
+        """Recent rollout groups, newest first: id, task, mean reward, version (the oldest weights
+        that generated it), staleness when trained, length, and whether it was trained, dropped
+        (with the reason) or is pending. Filter by task, status and version range; page with
+        `limit` and the `next_cursor` of the previous page."""
+        tasks = [t.env for t in orch.o.tasks]
+        if q.task is not None and q.task not in tasks:
+            raise HTTPException(422, f"task: unknown task {q.task!r} (this run's tasks: {', '.join(tasks)})")
+        if q.version_min is not None and q.version_max is not None and q.version_max < q.version_min:
+            raise HTTPException(422, f"version_max: {q.version_max} is below version_min {q.version_min}")
+        return await asyncio.to_thread(list_rollouts, orch.bus, q)
+
     @app.get("/v1/rollouts/{rollout_id}")
     async def rollout(rollout_id: str) -> dict[str, Any]:
         """A group (by group id) or one sample (`<group_id>.<i>`): tokens, masks, text, rewards;
-        `segments` splits each sample into prompt / model / env pieces with their text, and for model
-        pieces the log-probs, weight versions and (token credit) each token's advantage."""
+        `segments` splits each sample into its turns: prompt / model / env pieces with their text,
+        and for model pieces each token's text, log-prob, weight version and advantage. `fate`: trained
+        (at which trainer version), dropped (why) or pending."""
         group_id, _, idx = rollout_id.partition(".")
         raw = await asyncio.to_thread(orch.bus.r.get, orch.k.rollout(group_id))
         if raw is None:
@@ -81,10 +109,14 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
             if not idx.isdigit() or int(idx) >= len(samples):
                 raise HTTPException(404, f"rollout_id: group {group_id} has no sample {idx!r}")
             samples = [samples[int(idx)]]
+        (fate,) = await asyncio.to_thread(orch.bus.fates, [group.group_id])
         return {
             "group_id": group.group_id,
             "env": group.env,
             "seed": group.seed,
+            "reward": group.mean_reward,
+            "min_version": group.min_version,
+            "fate": fate.model_dump(),
             "samples": [
                 {**s.model_dump(), "segments": render_sample(s, tok), "min_version": s.min_version}
                 for s in samples

@@ -23,8 +23,9 @@ import redis
 
 from services.common.bus import Bus
 from services.common.config import RunConfig
+from services.common.health import health_rows
 from services.common.registry import Registry
-from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
+from services.common.schemas import RolloutGroup, RolloutLogEntry, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
 from services.common.versions import version_ranges
 from services.orchestrator import metrics as prom
@@ -181,6 +182,10 @@ class Orchestrator:
                     group_id=uuid.uuid4().hex[:16], env=self._pick_task(), seed=self.rng.randrange(1 << 31)
                 )
                 await asyncio.to_thread(self._record_start, spec)
+                if self.stopping:
+                    # Shutdown began meanwhile and closed the HTTP session: a group launched now
+                    # would fail and be dropped; left in flight, a restart re-issues it.
+                    break
                 self._launch(spec)
 
     async def _sleep_until_woken(self, timeout: float) -> None:
@@ -239,7 +244,8 @@ class Orchestrator:
         # re-issues the group and the trainer's dedup by group id drops the duplicate.
         self.bus.r.set(self.k.rollout(group.group_id), group.model_dump_json(), ex=ROLLOUT_TTL_S)
         self.bus.push_group(group)
-        self.bus.r.hdel(self.k.inflight, group.group_id)
+        # Listed in the browser and off the in-flight hash together: a re-issue lists it once.
+        self.bus.log_rollout(RolloutLogEntry.of_group(group), done=group.group_id)
         self.recent_rewards.setdefault(group.env, deque(maxlen=64)).extend(s.reward for s in group.samples)
         for s in group.samples:
             self.versions_served.update(v for v in s.versions if v >= 0)
@@ -249,7 +255,9 @@ class Orchestrator:
 
     def _drop(self, spec: GroupSpec, reason: str) -> None:
         self.bus.mark_dropped(spec.group_id, reason)
-        self.bus.r.hdel(self.k.inflight, spec.group_id)
+        self.bus.log_rollout(
+            RolloutLogEntry(group_id=spec.group_id, env=spec.env, seed=spec.seed), done=spec.group_id
+        )
         prom.DROPPED.labels(reason=reason.split(":")[0]).inc()
         log_event(log, "group dropped", group=spec.group_id, reason=reason)
 
@@ -326,6 +334,7 @@ class Orchestrator:
         queue = await asyncio.to_thread(self.bus.queue_depth)
         services = await asyncio.to_thread(self.bus.services)
         pause = await asyncio.to_thread(self.bus.pause_state)
+        supervisors = await asyncio.to_thread(self.bus.supervisors)
         last = self.history[-1] if self.history else {}
         return {
             "run": self.cfg.run.name,
@@ -350,6 +359,8 @@ class Orchestrator:
             # Ranges of consecutive versions, [[first, last], ...]: hundreds of versions stay a line.
             "versions_served": [list(r) for r in version_ranges(self.versions_served)],
             "services": [s.model_dump() for s in services],
+            # Every supervised process with its registry entry: state, restarts, uptime, version.
+            "health": health_rows(services, supervisors),
         }
 
     # ------------------------------------------------------------ lifecycle

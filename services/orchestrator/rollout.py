@@ -504,6 +504,7 @@ def group_advantages(rewards: list[float], std_norm: bool) -> list[float]:
 def render_sample(sample: Sample, tok: Tokenizer) -> list[dict[str, object]]:
     """Split a sample into prompt / model / env segments with their text, for humans."""
     segments: list[dict[str, object]] = []
+    advantages = sample.advantages_per_token()
     start = 0
     seen_model = False
     for i in range(1, len(sample.tokens) + 1):
@@ -519,10 +520,12 @@ def render_sample(sample: Sample, tok: Tokenizer) -> list[dict[str, object]]:
                 "trained": trained,
             }
             if trained:
+                # Each token's text, log-prob, weight version and the advantage it was trained
+                # with (token credit: its own; otherwise the sample's, on every token).
+                seg["pieces"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
                 seg["logprobs"] = sample.logprobs[start:i]
                 seg["versions"] = sample.versions[start:i]
-                if sample.token_advantages is not None:  # token credit: what each token was pushed by
-                    seg["advantages"] = sample.token_advantages[start:i]
+                seg["advantages"] = advantages[start:i]
             segments.append(seg)
             start = i
     return segments
