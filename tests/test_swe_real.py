@@ -52,7 +52,7 @@ def mgr(root: Path, bwrap: str) -> Iterator[WorkspaceManager]:
 @pytest.fixture(scope="module")
 def tasks(mgr: WorkspaceManager, tmp_path_factory: pytest.TempPathFactory) -> list[Task]:
     results = tmp_path_factory.mktemp("swe-real") / "verified.jsonl"  # verify for real, no cache
-    out = build(seed=0, per_project=2, projects=PROJECTS, mgr=mgr, max_tries=40, results=results)
+    out = build(seed=0, total=4, projects=PROJECTS, mgr=mgr, max_tries=40, results=results)
     assert {t.project for t in out} == {p.name for p in PROJECTS}, out
     return out
 
@@ -77,7 +77,10 @@ def test_verified_tasks_fail_with_the_bug_and_pass_without(mgr: WorkspaceManager
         finally:
             mgr.release(ws)
         assert sorted(run.failed) == sorted(t.fail_to_pass) and t.fail_to_pass, t.id
-        assert t.fail_to_pass[0].split("::")[-1] in t.statement and m.after not in t.statement
+        buggy = m.apply(src)
+        line = buggy[buggy.rfind("\n", 0, m.start) + 1 : buggy.find("\n", m.start)].strip()
+        # an issue says what fails, not where: the buggy line is not in it
+        assert t.fail_to_pass[0].split("::")[-1] in t.statement and line not in t.statement
     # the base itself was never written: sessions only ever wrote their upper layers
     for t in tasks:
         m = t.mutation_obj()

@@ -3,7 +3,7 @@
     python -m services.sandbox.swe_real --seed 0 --tasks 500 [--projects inflection,six] [--out PATH]
 
 Builds each project's base (pip), tries its mutations in the seed's order in sandbox workspaces
-and keeps the verified ones, `ceil(tasks / projects)` per project, then writes the index
+and keeps the verified ones, spread over the projects (tasks.build), then writes the index
 (`.cache/swe-real/tasks.jsonl` by default: what the swe-real env reads). Verification results are
 cached, so a stopped build resumes where it was and a rebuild from the same seed is the same set.
 Needs root and bubblewrap, as the sandbox does."""
@@ -11,7 +11,6 @@ Needs root and bubblewrap, as the sandbox does."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -31,11 +30,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args()
     projects = tuple(BY_NAME[n] for n in a.projects.split(",")) if a.projects else PROJECTS
-    per = math.ceil(a.tasks / len(projects))
     t0 = time.monotonic()
     mgr = WorkspaceManager.temporary(max_concurrent=a.workers)
     try:
-        tasks = build(a.seed, per, projects, mgr, workers=a.workers, log=lambda m: print(m, flush=True))
+        tasks = build(a.seed, a.tasks, projects, mgr, workers=a.workers, log=lambda m: print(m, flush=True))
     finally:
         mgr.shutdown()
     write_index(tasks, a.out)

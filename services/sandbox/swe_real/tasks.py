@@ -156,7 +156,7 @@ class Verifier:
 
 def build(
     seed: int,
-    per_project: int,
+    total: int,
     projects: tuple[Project, ...] = PROJECTS,
     mgr: WorkspaceManager | None = None,
     cache: Path = DEFAULT_CACHE,
@@ -165,29 +165,43 @@ def build(
     log: Any = print,
     results: Path | None = None,
 ) -> list[Task]:
-    """Up to `per_project` verified tasks of each project, in the seed's order. `max_tries`
-    bounds the mutations tried per project (None: until enough are kept or none are left);
+    """At least `total` verified tasks if the projects have them, spread over the projects: in
+    rounds, each project's next mutations (in the seed's order) are verified until it holds
+    `ceil(total / projects)` tasks, then projects with mutations left make up for those that ran
+    out, up to twice that share each. `max_tries` bounds the mutations tried per project;
     `results`: the verification cache (default `<cache>/verified.jsonl`)."""
     mgr = mgr or WorkspaceManager.temporary(max_concurrent=workers)
     ver = Verifier(mgr, cache, results)
-    tasks: list[Task] = []
+    share = -(-total // len(projects))
+    live: dict[str, tuple[Project, list[Mutation], int]] = {}
+    kept: dict[str, list[Task]] = {}
     for p in projects:
         base = ver.baseline(p)
         if base.failed:
             log(f"{p.key}: its own suite fails without a bug ({base.failed[:3]}); skipped")
             continue
-        kept: list[Task] = []
-        muts = project_mutations(p, seed, cache)[: max_tries or None]
-        with ThreadPoolExecutor(workers) as pool:
-            for chunk in _chunks(muts, workers * 2):
-                for t in pool.map(lambda m, p=p, n=base.passed: ver.verify(p, m, n), chunk):
-                    if t is not None and len(kept) < per_project:
-                        kept.append(t)
-                if len(kept) >= per_project:
+        live[p.name] = (p, project_mutations(p, seed, cache)[: max_tries or None], base.passed)
+        kept[p.name] = []
+    pos = dict.fromkeys(live, 0)
+    with ThreadPoolExecutor(workers) as pool:
+        for cap in (share, 2 * share):
+            while True:
+                n = sum(len(v) for v in kept.values())
+                todo = [k for k, (_, muts, _) in live.items() if len(kept[k]) < cap and pos[k] < len(muts)]
+                if not todo or (cap > share and n >= total):
                     break
-        log(f"{p.key}: {len(kept)} tasks ({base.passed} tests)")
-        tasks += kept
-    return tasks
+                for k in todo:
+                    p, muts, passed = live[k]
+                    chunk = muts[pos[k] : pos[k] + 4 * workers]
+                    pos[k] += len(chunk)
+                    for t in pool.map(lambda m, p=p, n=passed: ver.verify(p, m, n), chunk):
+                        if t is not None and len(kept[k]) < cap:
+                            kept[k].append(t)
+            for k, ts in kept.items():
+                log(f"{live[k][0].key}: {len(ts)} tasks after {pos[k]} of {len(live[k][1])} mutations")
+            if sum(len(v) for v in kept.values()) >= total:
+                break
+    return [t for k in live for t in kept[k]]
 
 
 def _chunks(xs: list[Mutation], n: int) -> Iterator[list[Mutation]]:
