@@ -5,6 +5,7 @@ micro-batches; Router Replay on its MoE layers; one trainer step."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from helpers.moe import (
 
 from services.common.config import ModelConfig, RunConfig
 from services.common.modeldir import hf_config, model_config_from_hf, step_dir
-from services.common.schemas import RolloutGroup
+from services.common.schemas import RolloutGroup, TrainerStepMetrics
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
 from trainer.mamba2 import causal_conv1d, conv1d_step, conv_state_after, ssd_chunked, ssd_naive, ssd_step
@@ -296,24 +297,15 @@ def test_replay_routes_exactly_as_recorded_nemotron() -> None:
     assert rec.replayed.tolist() == [float(recorded[..., 0].sum())] * 2
 
 
-def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Path) -> None:
-    """trainer.train.run on a nemotron_h model (packed, full activation checkpointing, grouped
-    expert GEMMs): one step learns (every kind of layer moves) and step_1 loads in transformers."""
-    import shutil
-    import uuid
-
-    from safetensors.torch import load_file
-
-    m = small_nemotron()
-    model = nemotron_model(m, seed=5)
-    d0 = save_weights_dir(m, model.state_dict(), tmp_path / "step0", {"version": 0})
+def on_policy_groups(model: torch.nn.Module, m: ModelConfig) -> list[RolloutGroup]:
+    """Two groups of 4 random samples whose behaviour log-probs are the model's own (replaying
+    each sample's recorded routes): on-policy, so a step's mismatch is ~0."""
     rng = np.random.default_rng(1)
     groups = []
     for gi in range(2):
         samples = []
         for i in range(4):
             s, _ = routed_sample(f"g{gi}.{i}", 10 + i, m, rng)
-            # The behaviour log-probs are step_0's own (replaying the sample's routes): on-policy.
             (routes,) = micro_batch_routes([s], m, False, 10_000)
             with torch.no_grad(), routing(model, routes, replay=True):
                 logp, _ = token_logprobs(model, torch.tensor([s.tokens]))
@@ -322,17 +314,45 @@ def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Pa
                 s.model_copy(update=update | {"reward": float(i % 2), "advantage": float(i % 2) - 0.5})
             )
         groups.append(RolloutGroup(group_id=f"nem-{gi}", env="reverse", seed=gi, samples=samples))
-    run_dir = tmp_path / "run"
+    return groups
+
+
+def train_nemotron_step(
+    m: ModelConfig, model: torch.nn.Module, run_dir: Path, redis_url: str, **trainer: object
+) -> tuple[TrainerStepMetrics, dict[str, torch.Tensor], Path]:
+    """One trainer.train.run step (torchrun for nproc > 1) from `model`'s weights on its own
+    on-policy groups: (metrics, the published step_1 tensors, step_0's directory)."""
+    import shutil
+    import uuid
+
+    d0 = save_weights_dir(m, model.state_dict(), run_dir.parent / f"{run_dir.name}-step0", {"version": 0})
     shutil.copytree(d0, step_dir(run_dir, 0))
     tree = RunConfig().model_dump()
     tree["model"] = m.model_dump()
     tree["redis"]["prefix"] = f"nem-{uuid.uuid4().hex[:8]}"
     tree["run"].update(max_steps=1, dir=str(run_dir))
     tree["orchestrator"].update(batch_size=2, group_size=4)
-    tree["trainer"].update(
-        lr=1e-2, micro_batch_tokens=64, packing=True, activation_checkpoint="full", moe_grouped_mm="on"
+    tree["trainer"].update(lr=1e-2, micro_batch_tokens=64, **trainer)
+    groups = on_policy_groups(model, m)
+    mt, w1 = run_one_step(RunConfig.model_validate(tree), run_dir, redis_url, groups, timeout_s=300)
+    return mt, w1, d0
+
+
+def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Path) -> None:
+    """trainer.train.run on a nemotron_h model (packed, full activation checkpointing, grouped
+    expert GEMMs): one step learns (every kind of layer moves) and step_1 loads in transformers."""
+    from safetensors.torch import load_file
+
+    m = small_nemotron()
+    mt, w1, d0 = train_nemotron_step(
+        m,
+        nemotron_model(m, seed=5),
+        tmp_path / "run",
+        redis_server,
+        packing=True,
+        activation_checkpoint="full",
+        moe_grouped_mm="on",
     )
-    mt, w1 = run_one_step(RunConfig.model_validate(tree), run_dir, redis_server, groups, timeout_s=300)
     assert mt.routing_replayed_frac == 1.0 and mt.loss != 0.0 and abs(mt.mismatch_kl_k3) < 1e-6
     w0 = load_file(str(d0 / "model.safetensors"))
     for k in (
@@ -347,14 +367,30 @@ def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Pa
         w1["backbone.layers.2.mixer.gate.e_score_correction_bias"],
         w0["backbone.layers.2.mixer.gate.e_score_correction_bias"],
     )
-    hf_model(step_dir(run_dir, 1))
+    hf_model(step_dir(tmp_path / "run", 1))
+
+
+@pytest.mark.full  # EP itself: test_two_processes_match_one_deepseek, test_trainer_parallel.py
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
+def test_fsdp_and_expert_parallel_match_one_process_nemotron(redis_server: str, tmp_path: Path) -> None:
+    """FSDP2 with the squared-ReLU experts split over 2 EP ranks (torchrun, gloo) trains the
+    nemotron_h step (packed: Mamba-2 layers split per sample) as one process does."""
+    m = small_nemotron()
+    model = nemotron_model(m, seed=5)
+    m1, w1, _ = train_nemotron_step(m, model, tmp_path / "run1", redis_server, packing=True)
+    m2, w2, _ = train_nemotron_step(m, model, tmp_path / "run2", redis_server, packing=True, nproc=2, ep=2)
+    assert m2.routing_replayed_frac == 1.0
+    for f in ("loss", "grad_norm", "mismatch_kl_k3"):
+        assert getattr(m2, f) == pytest.approx(getattr(m1, f), rel=1e-5, abs=1e-7), f
+    assert w1.keys() == w2.keys()
+    for k in w1:  # 1e-4: 1% of a first Adam step at lr 1e-2 (test_two_processes_match_one_deepseek)
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4)
 
 
 def test_nemotron3_configs_size() -> None:
     """configs/models/nemotron3.toml is Nemotron-3 Nano's published size, and the run config's dry
     run sizes it: KV for the 6 attention layers only, plus each sequence's Mamba-2 state."""
     import subprocess
-    import sys
     import tomllib
 
     from services.common.config import CONFIG_DIR, REPO_ROOT
