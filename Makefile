@@ -87,9 +87,11 @@ chromium:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 format: $(STAMP)
 	$(PY) -m ruff format .

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from services.common.config import ModelConfig, RunConfig
 from services.common.schemas import RolloutGroup, Sample
-from trainer.publish import clean_name
+from trainer.param_names import clean_name
 
 M = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64)
 STEPS = 5

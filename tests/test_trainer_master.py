@@ -74,7 +74,7 @@ def test_master_knob_validates_and_decides() -> None:
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from trainer.master_weights import masters_of
-    from trainer.publish import clean_name
+    from trainer.param_names import clean_name
 
     mw = masters_of(model)
     if mw is not None:

@@ -328,7 +328,7 @@ def test_single_process_bf16_is_autocast_close_to_float32(redis_server: str, tmp
 def test_compile_with_selective_ac_keeps_gradients() -> None:
     """trainer.compile after selective AC (torchtitan's order), document mask held over backward:
     the same gradients, under the same (wrapper-free) names, as the plain model."""
-    from trainer.publish import clean_name
+    from trainer.param_names import clean_name
 
     mb = packed_micro_batches(_samples(6, seed=1), 64)[0]
     assert len(mb.seq_lens) > 1

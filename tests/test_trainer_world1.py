@@ -77,7 +77,7 @@ def test_fsdp_knob_validates_and_decides() -> None:
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from trainer.publish import clean_name
+    from trainer.param_names import clean_name
 
     out = {}
     for k, p in model.named_parameters():

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.publish import clean_name
+from trainer.param_names import clean_name
 
 # The optimizer's implementation flags: taken from the optimizer as built (fused on CUDA), not
 # from a checkpoint that may have been written on another device.

@@ -35,7 +35,9 @@ from torch import nn
 from services.common.config import ModelConfig
 from services.common.modeldir import WEIGHTS_FILE, hf_config
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
+from trainer.master_weights import masters_of
 from trainer.model import adapter
+from trainer.param_names import clean_name
 
 # safetensors dtype names
 _ST_DTYPES = {
@@ -48,14 +50,6 @@ _ST_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-# Wrappers that prefix parameter names: activation checkpointing and torch.compile.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    for p in _WRAPPER_PREFIXES:
-        name = name.replace(p, "")
-    return name
 
 
 @dataclass
@@ -140,9 +134,6 @@ class Publisher:
     def gather(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: full HF-named CPU tensors on rank 0 ({} elsewhere), one parameter at a time."""
         from torch.distributed.tensor import DTensor
-
-        # Lazy: trainer.master_weights imports clean_name from here.
-        from trainer.master_weights import masters_of
 
         out: dict[str, torch.Tensor] = {}
         cuda = False

@@ -563,7 +563,7 @@ def correctness(ctx: Ctx) -> dict[str, Any]:
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """float32 parameters by wrapper-free name (compile adds `_orig_mod.`); FSDP2 shards gathered."""
-    from trainer.publish import clean_name
+    from trainer.param_names import clean_name
 
     out = {}
     for k, p in model.named_parameters():

@@ -43,7 +43,7 @@ from services.engine.kernels import pdl
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
-from services.engine.model import CausalLM
+from services.engine.model import CausalLM, build_fp8_model
 from services.engine.overlap import Feed, InFlight, feed_pending
 from services.engine.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.scheduler import Scheduler, StepPlan
@@ -90,9 +90,7 @@ class LLMEngine:
             # weights are never allocated); lm_head, norms, embeddings, routers stay in dtype. The
             # load quantises high-precision tensors 128x128 and copies an FP8 checkpoint's own bits
             # and scales (fp8_linear.load_hf_state; docs/fp8.md).
-            self.model = fp8_linear.build_model(
-                m, self.max_seq_len, ckpt.attention_bias, self.device, self.dtype
-            )
+            self.model = build_fp8_model(m, self.max_seq_len, ckpt.attention_bias, self.device, self.dtype)
             fp8_linear.load_hf_state(self.model, ckpt.state)
         else:
             self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype)

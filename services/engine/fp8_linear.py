@@ -31,11 +31,9 @@ from torch import nn
 
 from services.common import fp8 as ref
 from services.common import fp8_checkpoint
-from services.common.config import ModelConfig
 from services.engine.kernels import fp8_gemm as kern
 from services.engine.kernels import fp8_quant
 from services.engine.kernels.cuda import fp8_wgmma
-from services.engine.model import CausalLM
 from services.engine.moe import PER_EXPERT, ExpertWeights
 
 Backend = Literal["auto", "reference", "torch", "triton", "cuda"]
@@ -509,7 +507,7 @@ def convert_model(
     """Quantise every attention/MLP nn.Linear of an engine model in place (see engine_skip for
     what stays) and every MoE ExpertWeights into Fp8Experts. Returns the converted names. Call
     after the weights are loaded and after any `.to(dtype)`: a later dtype cast would turn the fp8
-    buffers into that dtype. `empty`: only the layout (no quantisation; see build_model)."""
+    buffers into that dtype. `empty`: only the layout (no quantisation; see model.build_fp8_model)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     names = ref.convert_to_fp8(
@@ -526,25 +524,6 @@ def convert_model(
             new = Fp8Experts.from_experts(mod, pow2_scales, backend)
         setattr(parent, child, new)
     return names + [n for n, _ in experts]
-
-
-def build_model(
-    m: ModelConfig, max_seq_len: int, attention_bias: bool, device: torch.device, dtype: torch.dtype
-) -> CausalLM:
-    """An engine model whose attention/MLP linears and experts are FP8 from the start: built on the
-    meta device, converted to the FP8 layout there, then materialised on `device` (the rope tables
-    recomputed). Its high-precision linear and expert weights never exist, so a model whose bf16
-    weights do not fit the device (GLM-5, Kimi-K2: ~2x their FP8 bytes) can be served. The
-    weights are not loaded: load_hf_state fills it (quantising high-precision tensors, copying an
-    FP8 checkpoint's pairs). Same layout, dtypes and names as CausalLM(...).to(device, dtype) +
-    convert_model."""
-    with torch.device("meta"):
-        model = CausalLM(m, max_seq_len, attention_bias).to(dtype)
-    convert_model(model, empty=True)
-    model.to_empty(device=device)
-    model.reset_rope()
-    prepare_cuda_kernel(device)
-    return model
 
 
 def fp8_modules(model: nn.Module) -> dict[str, ref.Fp8Linear]:

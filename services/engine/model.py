@@ -345,7 +345,7 @@ class CausalLM(nn.Module):
     def reset_rope(self) -> None:
         """Recompute the rope tables (not part of any checkpoint) in the buffers' device and dtype,
         as construction + `.to()` leave them: for a model built on the meta device and
-        materialised with `to_empty` (fp8_linear.build_model)."""
+        materialised with `to_empty` (build_fp8_model)."""
         cos, sin = (t.to(self.rope_cos.device, torch.float32).to(self.rope_cos.dtype) for t in self._rope())
         self.rope_cos, self.rope_sin = cos, sin
 
@@ -425,6 +425,27 @@ class CausalLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Router):  # the gate in the model dtype's values (Router.round_weight_)
                 mod.round_weight_()
+
+
+def build_fp8_model(
+    m: ModelConfig, max_seq_len: int, attention_bias: bool, device: torch.device, dtype: torch.dtype
+) -> CausalLM:
+    """An engine model whose attention/MLP linears and experts are FP8 from the start: built on the
+    meta device, converted to the FP8 layout there, then materialised on `device` (the rope tables
+    recomputed). Its high-precision linear and expert weights never exist, so a model whose bf16
+    weights do not fit the device (GLM-5, Kimi-K2: ~2x their FP8 bytes) can be served. The
+    weights are not loaded: fp8_linear.load_hf_state fills it (quantising high-precision tensors,
+    copying an FP8 checkpoint's pairs). Same layout, dtypes and names as
+    CausalLM(...).to(device, dtype) + fp8_linear.convert_model."""
+    from services.engine import fp8_linear
+
+    with torch.device("meta"):
+        model = CausalLM(m, max_seq_len, attention_bias).to(dtype)
+    fp8_linear.convert_model(model, empty=True)
+    model.to_empty(device=device)
+    model.reset_rope()
+    fp8_linear.prepare_cuda_kernel(device)
+    return model
 
 
 def _drop_mtp_layers(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:

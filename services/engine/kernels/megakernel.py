@@ -713,12 +713,17 @@ def residency_risk(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+# What the kernel reads of a layer's attention (q/k/v fused, optional QK norms) and MLP (gate/up fused).
+_ATTENTION_PARTS = ("qkv", "q_norm", "k_norm", "o_proj")
+_MLP_PARTS = ("gate_up", "down_proj")
+
+
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run the megakernel (None: it can). Dense GQA decoders with the fused
     q/k/v and gate/up GEMMs (CausalLM.fuse_projections), no biases, the float32 residual stream,
-    a 16-bit dtype on the GPU (float32 too on CPU, for tests) and power-of-two head dims."""
-    from services.engine.model import MLP, Attention
-
+    a 16-bit dtype on the GPU (float32 too on CPU, for tests) and power-of-two head dims. The
+    layers are checked for the modules the kernel reads, not for their classes: the model
+    package builds on this one, not the other way round."""
     m = model.config  # type: ignore[attr-defined]
     if m.is_moe or m.is_mla:
         return "MoE and MLA models are not covered"
@@ -733,7 +738,7 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return "needs a power-of-two GQA group"
     for layer in model.model.layers:  # type: ignore[attr-defined]
         att, mlp = layer.self_attn, layer.mlp
-        if not isinstance(att, Attention) or not isinstance(mlp, MLP):
+        if not all(hasattr(att, a) for a in _ATTENTION_PARTS) or not all(hasattr(mlp, a) for a in _MLP_PARTS):
             return "every layer must be plain attention + MLP"
         if att.qkv is None or mlp.gate_up is None or att.qkv.fp8 is not None or mlp.gate_up.fp8 is not None:
             return "needs q/k/v and gate/up fused into one bf16 GEMM each"
