@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import pdl
+from ops import pdl
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _add_rms_norm(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
-    # The norm weight before the PDL wait (kernels/pdl.py): nothing in the forward writes it.
+    # The norm weight before the PDL wait (ops/pdl.py): nothing in the forward writes it.
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # x and delta come from earlier kernels
@@ -63,7 +63,7 @@ def _silu_mul(g_ptr, u_ptr, out_ptr, stride_g, stride_u, width, BLOCK: tl.conste
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     if USE_GDC:
-        tl.extra.cuda.gdc_wait()  # gate/up are the previous GEMM's output (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()  # gate/up are the previous GEMM's output (ops/pdl.py)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_GDC:

@@ -10,7 +10,7 @@ import torch
 
 from bench.engine import dataflow_probe as probe
 from bench.engine.gemv_chain import random_weights, reference
-from services.engine.kernels.cuda import nvcc
+from ops.fp8.cuda import nvcc
 
 
 def test_packed_tiles_compute_the_reference_chain() -> None:

@@ -2,7 +2,7 @@
 
 Sampling (kernels/sampling.py): exact log-probs of the chosen token, greedy = argmax, frequencies
 that follow softmax(logits / T), per-row seeded reproducibility, sanitising of NaN/inf rows, and
-the Sampler / engine dispatch to it. Residual-add + RMSNorm and SiLU-mul (kernels/fused_norm.py):
+the Sampler / engine dispatch to it. Residual-add + RMSNorm and SiLU-mul (ops/fused_norm.py):
 against the torch ops, and the whole engine with them on against the torch backend."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from helpers import triton_interp
 # The kernels run under Triton's interpreter without CUDA (tests/helpers/triton_interp.py); if
 # triton was imported too early for that, this file's tests skip and test_fused_kernel_tests_in_child_process
 # runs them in a child process.
-INTERPRET, IN_CHILD = triton_interp.prepare(("sampling", "fused_norm", "paged_attention", "qk_rope", "gemv"))
+INTERPRET, IN_CHILD = triton_interp.prepare(
+    ("sampling", "ops.fused_norm", "paged_attention", "qk_rope", "gemv")
+)
 needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
 triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
 
@@ -29,11 +31,12 @@ def test_fused_kernel_tests_in_child_process() -> None:
     triton_interp.run_file_in_child(__file__)
 
 
+from ops import fused_norm  # noqa: E402
 from services.common.config import EngineConfig, load_config  # noqa: E402
 from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.kernels import fused_norm, gemv, sampling  # noqa: E402
+from services.engine.kernels import gemv, sampling  # noqa: E402
 from services.engine.model import CausalLM  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
 

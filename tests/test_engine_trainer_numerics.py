@@ -18,7 +18,7 @@ with norm weights that are not bf16 values, as after training, `--perturb-norms`
 1.9e-3 mean / 8.0e-3 max apart without it). The bounds below leave room for a stray bf16 ulp from
 a kernel, not for a formulation difference (those give ~1e-3 mean).
 
-Both sides' LM-head logits are float32 by default (services/common/lm_head.py, `logits_fp32`);
+Both sides' LM-head logits are float32 by default (ops/lm_head.py, `logits_fp32`);
 the bf16-output head (`logits_fp32` off) is bitwise equal on CPU too. `floor_sources` emulates
 the GPU's accumulation-order differences on the trainer side and shows what rounding the logits
 to bf16 adds (docs/replay.md "bf16 numerics")."""

@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.common.config import ModelConfig
-from services.common.fp8 import (
+from ops.fp8.recipe import (
     BLOCK,
     FP8_DTYPE,
     FP8_MAX,
@@ -29,6 +28,7 @@ from services.common.fp8 import (
     quantize_act,
     quantize_weight,
 )
+from services.common.config import ModelConfig
 from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM

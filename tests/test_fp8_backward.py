@@ -1,7 +1,7 @@
 """The FP8 trainer's backward (trainer/fp8.py): the dgrad GEMM with the transposed weight tiles and
 the weight-gradient GEMM over tokens (both operands quantised 1x128 along the tokens), their
-references in services/common/fp8.py, and the Triton quantisers that feed them
-(services/engine/kernels/fp8_quant.py) against the references."""
+references in ops/fp8/recipe.py, and the Triton quantisers that feed them
+(ops/fp8/triton_quant.py) against the references."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import triton_interp
 
-from services.common.fp8 import (
+from ops.fp8.dispatch import quantize_weight_fast
+from ops.fp8.recipe import (
     BLOCK,
     FP8_MAX,
     dequantize_act,
@@ -24,7 +25,6 @@ from services.common.fp8 import (
     quantize_act_t,
     quantize_weight,
 )
-from services.engine.fp8_linear import quantize_weight_fast
 from trainer.fp8 import fp8_linear
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,8 +117,8 @@ def test_weight_quantiser_gives_the_transposed_copy() -> None:
 TRITON_CHECK = textwrap.dedent(
     """
     import json, torch
-    from services.common.fp8 import quantize_act, quantize_act_t, quantize_weight
-    from services.engine.kernels.fp8_quant import (
+    from ops.fp8.recipe import quantize_act, quantize_act_t, quantize_weight
+    from ops.fp8.triton_quant import (
         triton_quantize_act_both, triton_quantize_act_t, triton_quantize_weight)
     g = torch.Generator().manual_seed(0)
     res = {}

@@ -1,5 +1,5 @@
 """FP8 checkpoints with their own scales (HF quantization_config "fp8": DeepSeek-V3, Kimi-K2,
-Qwen3-*-FP8): services/common/fp8_checkpoint.py, the loader's checks, the engine (fp8 buffers hold
+Qwen3-*-FP8): ops/fp8/checkpoint.py, the loader's checks, the engine (fp8 buffers hold
 the checkpoint's bits; a high-precision engine loads the dequantised weights), the trainer's
 load_weights_dir. CPU, tiny random models: a Qwen3, a Qwen3-MoE with an expert width that is a
 multiple of 128 and one that is not, a DeepSeek-V3 (MLA's kv_b_proj stays high precision)."""
@@ -16,9 +16,9 @@ from helpers.debug_weights import random_model_dir
 from helpers.hf_random import engine, engine_logprobs
 from helpers.moe import small_ds, small_moe
 
+from ops.fp8.checkpoint import dequantize_state, fp8_pairs, parse_quantization_config
+from ops.fp8.recipe import FP8_DTYPE, default_skip, dequantize_weight, quantize_weight
 from services.common.config import EngineConfig, ModelConfig
-from services.common.fp8 import FP8_DTYPE, default_skip, dequantize_weight, quantize_weight
-from services.common.fp8_checkpoint import dequantize_state, fp8_pairs, parse_quantization_config
 from services.common.modeldir import read_model_dir, write_model_dir
 from services.engine import LLMEngine
 from services.engine import fp8_linear as engine_fp8

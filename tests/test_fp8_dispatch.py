@@ -1,6 +1,6 @@
 """FP8 GEMM dispatch tuned from the H200 measurements, on CPU:
 
-- "auto" follows the measured table (services/engine/kernels/fp8_gemm.TUNED_CONFIGS) and its
+- "auto" follows the measured table (ops/fp8/triton_gemm.TUNED_CONFIGS) and its
   fallback; every config in the table computes the reference's function (Triton interpreter);
 - the cuBLAS block-wise call meets the layout cuBLAS demanded on the H200 for ragged shapes (run 1
   failed "scale_b must have shape 12 x 8 ... got [11, 8]"): checked with a stand-in for
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from helpers import triton_interp
 
-from services.common import fp8 as ref
-from services.engine import fp8_linear as fl
-from services.engine.kernels import fp8_gemm as kern
+from ops.fp8 import dispatch as fl
+from ops.fp8 import recipe as ref
+from ops.fp8 import triton_gemm as kern
 
 REPO = Path(__file__).resolve().parents[1]
 # bench/ is scripts, not a package: load the GEMM benchmark's self-check functions from its file.
@@ -97,8 +97,8 @@ def test_table_entries_are_launchable_configs() -> None:
 TABLE_CHECK = textwrap.dedent(
     """
     import json, torch
-    from services.common.fp8 import quantize_act, quantize_weight, fp8_gemm_reference
-    from services.engine.kernels.fp8_gemm import (
+    from ops.fp8.recipe import quantize_act, quantize_weight, fp8_gemm_reference
+    from ops.fp8.triton_gemm import (
         TUNED_CONFIGS, GemmConfig, triton_fp8_gemm, triton_fp8_linear_fused, triton_quantize_act)
     g = torch.Generator().manual_seed(0)
     cfgs = list(dict.fromkeys(c for c in TUNED_CONFIGS.values() if isinstance(c, GemmConfig)))

@@ -15,11 +15,11 @@ from helpers import triton_interp
 from pydantic import ValidationError
 from torch import nn
 
-from services.common.config import EngineConfig, ModelConfig, TrainerSection
-from services.common.fp8 import (
+from ops.fp8.dispatch import fp8_gemm_dispatch, fp8_matmul, grouped_fp8_gemm_dispatch, resolve_backend
+from ops.fp8.recipe import (
     Fp8Linear as RefFp8Linear,
 )
-from services.common.fp8 import (
+from ops.fp8.recipe import (
     convert_to_fp8,
     dequantize_act,
     dequantize_weight,
@@ -29,18 +29,10 @@ from services.common.fp8 import (
     quantize_act,
     quantize_weight,
 )
+from services.common.config import EngineConfig, ModelConfig, TrainerSection
 from services.engine import LLMEngine
 from services.engine.batch import ForwardBatch, Span
-from services.engine.fp8_linear import (
-    Fp8Experts,
-    Fp8Linear,
-    convert_model,
-    engine_skip,
-    fp8_gemm_dispatch,
-    fp8_matmul,
-    grouped_fp8_gemm_dispatch,
-    resolve_backend,
-)
+from services.engine.fp8_linear import Fp8Experts, Fp8Linear, convert_model, engine_skip
 from services.engine.kv_cache import KVCache
 from services.engine.model import CausalLM
 from trainer.fp8 import CONVERTER_NAME, Fp8BlockwiseConverter, Fp8TrainLinear, convert, fp8_linear
@@ -195,8 +187,8 @@ def test_grouped_dispatch_cpu_equals_per_expert_reference() -> None:
 TRITON_CHECK = textwrap.dedent(
     """
     import json, torch
-    from services.common.fp8 import quantize_act, quantize_weight, fp8_gemm_reference, grouped_fp8_gemm
-    from services.engine.kernels.fp8_gemm import (
+    from ops.fp8.recipe import quantize_act, quantize_weight, fp8_gemm_reference, grouped_fp8_gemm
+    from ops.fp8.triton_gemm import (
         GemmConfig, pick_config, triton_fp8_gemm, triton_grouped_fp8_gemm, triton_quantize_act)
     g = torch.Generator().manual_seed(0)
     res = {"dense": [], "grouped": None, "quant": None}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.kernels.cuda import fp8_wgmma
+from ops.fp8.cuda import fp8_wgmma
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_every_variant_name_maps_to_a_mode_value() -> None:
 
 @pytest.fixture(scope="module")
 def loops() -> dict[str, object]:
-    from services.engine.kernels.cuda import nvcc
+    from ops.fp8.cuda import nvcc
 
     if nvcc.nvcc_path() is None:
         pytest.skip("nvcc not installed")

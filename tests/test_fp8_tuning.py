@@ -1,6 +1,6 @@
 """The tuned FP8 GEMM table and the kernels it can name (bench/fp8/tune.py), on CPU:
 
-- the table file (services/engine/kernels/fp8_configs.json) validates, the dispatch reads it
+- the table file (ops/fp8/fp8_configs.json) validates, the dispatch reads it
   (dense per M bucket, the fused-linear flag, grouped tiles by rows per expert) and falls back to
   the heuristic for shapes it does not list; a malformed file is an error naming the field;
 - tune.py's grid, compile-task list and table merge (its GPU parts run on the H200);
@@ -26,8 +26,8 @@ import pytest
 import torch
 from helpers import triton_interp
 
-from services.engine import fp8_linear as fl
-from services.engine.kernels import fp8_gemm as kern
+from ops.fp8 import dispatch as fl
+from ops.fp8 import triton_gemm as kern
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda")  # only its type is read: table lookups never touch a GPU
@@ -308,9 +308,9 @@ def test_tune_dry_run_lists_the_grid() -> None:
 KERNEL_CHECK = textwrap.dedent(
     """
     import dataclasses, json, torch
-    from services.common.fp8 import quantize_act, quantize_weight, fp8_gemm_reference, grouped_fp8_gemm
-    from services.engine.kernels import fp8_gemm as kern
-    from services.engine.kernels.fp8_gemm import GemmConfig
+    from ops.fp8.recipe import quantize_act, quantize_weight, fp8_gemm_reference, grouped_fp8_gemm
+    from ops.fp8 import triton_gemm as kern
+    from ops.fp8.triton_gemm import GemmConfig
     g = torch.Generator().manual_seed(0)
     res = {"dense": [], "fused": [], "grouped": None}
     cases = [((70, 200, 1100), GemmConfig(16, 64, 3, 1, 4, 2, fused_reduce=True)),
@@ -394,7 +394,7 @@ TUNE_FLOW = textwrap.dedent(
     sys.path.insert(0, "bench/fp8")
     spec = importlib.util.spec_from_file_location("fp8_tune_flow", "bench/fp8/tune.py")
     tune = importlib.util.module_from_spec(spec); sys.modules[spec.name] = tune; spec.loader.exec_module(tune)
-    from services.engine.kernels import fp8_gemm as kern
+    from ops.fp8 import triton_gemm as kern
 
     class WallTimer:
         # tune.Timer needs CUDA graphs; on CPU: one call, wall microseconds (real, just coarse)

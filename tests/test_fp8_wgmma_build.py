@@ -1,4 +1,4 @@
-"""The CUDA FP8 GEMM (services/engine/kernels/cuda/fp8_wgmma.cu) still builds, and its variant table
+"""The CUDA FP8 GEMM (ops/fp8/cuda/fp8_wgmma.cu) still builds, and its variant table
 agrees with the Python side. Its numerics and speed are checked on the GPU by bench/fp8/wgmma.py; here
 there is no GPU, so this covers what can rot without one: the nvcc build (sm_90a wgmma, TMA,
 setmaxnreg), the exported symbols, the shared-memory budget of every variant, and argument checks."""
@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from services.engine.kernels.cuda import fp8_wgmma, nvcc
+from ops.fp8.cuda import fp8_wgmma, nvcc
 
 H100_MAX_DYNAMIC_SMEM = 227 * 1024
 
@@ -112,7 +112,7 @@ def test_grouped_python_side_names_what_it_cannot_run() -> None:
 def test_a_call_the_kernel_does_not_take_is_not_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """ "auto" hands the kernel a call it does not take (here: CPU tensors): cuBLAS serves it (None)
     and the kernel stays usable, where a build or launch failure is remembered."""
-    from services.engine import fp8_linear as fl
+    from ops.fp8 import dispatch as fl
 
     monkeypatch.setattr(fl, "CUDA_FAILURE", [])
     a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
@@ -126,7 +126,7 @@ def test_a_failed_build_is_an_error_the_engine_remembers(
 ) -> None:
     # No nvcc and nothing cached: the library cannot be had. The engine's load-time preparation
     # records that once, after which "auto" never picks the kernel (it would only fail again).
-    from services.engine import fp8_linear as fl
+    from ops.fp8 import dispatch as fl
 
     assert not fl.prepare_cuda_kernel(torch.device("cpu"))  # nothing to prepare off the GPU
     monkeypatch.setenv("RELAY_KERNEL_CACHE", str(tmp_path))

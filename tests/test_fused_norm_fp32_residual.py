@@ -1,5 +1,5 @@
 """The float32 residual stream (ModelConfig.fp32_residual) on the engine's GPU path, under the
-Triton interpreter: kernels/fused_norm.py add_rms_norm with a float32 residual (float32 h in and
+Triton interpreter: ops/fused_norm.py add_rms_norm with a float32 residual (float32 h in and
 out, bf16 delta and y) against torch and the eager RMSNorm, and the whole bf16 engine with the
 fused elementwise kernels against its torch path, key on and off."""
 
@@ -14,7 +14,7 @@ from helpers import triton_interp
 
 # As tests/test_engine_fused_kernels.py: interpreted kernels need TRITON_INTERPRET=1 before triton
 # is first imported; otherwise this file runs itself in a child process.
-INTERPRET, IN_CHILD = triton_interp.prepare(("fused_norm", "paged_attention", "qk_rope", "gemv"))
+INTERPRET, IN_CHILD = triton_interp.prepare(("ops.fused_norm", "paged_attention", "qk_rope", "gemv"))
 needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
 triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
 
@@ -25,11 +25,11 @@ def test_fp32_residual_kernel_tests_in_child_process() -> None:
     triton_interp.run_file_in_child(__file__)
 
 
+from ops import fused_norm  # noqa: E402
 from services.common.config import EngineConfig, load_config  # noqa: E402
 from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.kernels import fused_norm  # noqa: E402
 from services.engine.model import CausalLM, DecoderLayer, RMSNorm  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -17,7 +17,7 @@ from helpers import triton_interp
 # The kernels run under Triton's interpreter without CUDA (tests/helpers/triton_interp.py); if
 # triton was imported too early for that, this file's tests skip and the child-process test runs them.
 INTERPRET, IN_CHILD = triton_interp.prepare(
-    ("feed", "sampling", "paged_attention", "qk_rope", "fused_norm", "gemv")
+    ("feed", "sampling", "paged_attention", "qk_rope", "ops.fused_norm", "gemv")
 )
 needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
 triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)

@@ -13,13 +13,19 @@ from typing import Any
 
 import grimp
 import pytest
+from importlinter import configuration
 from importlinter.contracts.acyclic_siblings import AcyclicSiblingsContract
 from importlinter.contracts.forbidden import ForbiddenContract
 from importlinter.contracts.layers import LayersContract
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
-KINDS = {"layers": LayersContract, "forbidden": ForbiddenContract, "acyclic_siblings": AcyclicSiblingsContract}
+configuration.configure()  # what the lint-imports command sets up before checking (its timer)
+KINDS = {
+    "layers": LayersContract,
+    "forbidden": ForbiddenContract,
+    "acyclic_siblings": AcyclicSiblingsContract,
+}
 
 
 def graph() -> grimp.ImportGraph:
@@ -66,14 +72,17 @@ def test_every_package_is_in_a_contract() -> None:
         ("trainer.train", "services.kvstore.client", {"trainer"}),
         # a lower layer importing a higher one
         ("services.common.config", "ops.fp8.recipe", {"layers"}),
-        ("ops.fp8.gemm", "services.engine.model", {"layers"}),
-        ("services.engine.model", "services.kvstore.client", {"layers"}),
-        ("services.kvstore.client", "services.decode.server", {"layers"}),
+        # (the trainer, which uses ops, would reach the engine through it)
+        ("ops.fp8.dispatch", "services.engine.model", {"layers", "trainer"}),
+        # (these two also close a cycle: the KV store's engine side imports the engine, decode the KV store)
+        ("services.engine.model", "services.kvstore.client", {"layers", "acyclic"}),
+        ("services.kvstore.client", "services.decode.server", {"layers", "acyclic"}),
         ("services.decode.server", "services.prefill.server", {"layers"}),
         ("services.orchestrator.loop", "trainer.train", {"layers"}),
         # a cycle inside a package
         ("services.engine.kv_cache", "services.engine.scheduler", {"acyclic"}),
         ("trainer.batch", "trainer.train", {"acyclic"}),
+        ("services.common.schemas", "services.common.bus", {"acyclic"}),
     ],
 )
 def test_a_crossing_import_breaks_its_contract(importer: str, imported: str, contracts: set[Any]) -> None:

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.prefill_schemas import KVHandoff
 from services.kvstore.handoff import HandoffLeases, HandoffReader
 from services.kvstore.near_cache import NearCache
 from services.kvstore.shared_segment import PREFIX, SHM_DIR, SegmentUnavailable, SharedSegment, sweep_dead
-from services.prefill.schemas import KVHandoff
 
 PAGE = 4096 + 320  # not a multiple of the OS page: slots must not assume alignment
 CPU = torch.device("cpu")

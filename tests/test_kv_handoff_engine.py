@@ -17,7 +17,7 @@ from services.engine import LLMEngine
 from services.engine.kv_transfer import page_nbytes
 from services.kvstore.client import PagePublisher
 from services.kvstore.handoff import HandoffLeases
-from services.prefill.router import HANDOFF_READER, attach_near, prompt_keys, pull_prefix
+from services.kvstore.router import HANDOFF_READER, attach_near, prompt_keys, pull_prefix
 
 __all__ = ["gateway"]  # the real gateway fixture of test_kv_near_cache
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from test_kv_near_cache import ENGINE, TINY, Gateway, gateway
 
 from services.common.config import EngineConfig, KVNearSection, RunConfig
+from services.common.prefill_schemas import HandoffSegment, KVHandoff
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import (
@@ -31,9 +32,8 @@ from services.engine.kv_transfer import (
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.handoff import HandoffLeases, HandoffReader, segment_list
 from services.kvstore.near_cache import NearCache
+from services.kvstore.router import HANDOFF_READER, attach_near, keep_tails, prompt_keys, pull_prefilled
 from services.kvstore.shared_segment import SharedSegment
-from services.prefill.router import HANDOFF_READER, attach_near, keep_tails, prompt_keys, pull_prefilled
-from services.prefill.schemas import HandoffSegment, KVHandoff
 
 __all__ = ["gateway"]  # the real gateway fixture of test_kv_near_cache
 

@@ -38,9 +38,9 @@ from services.engine.kv_transfer import export_pages, import_pages, page_nbytes
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.dataplane import DataPlaneServer
 from services.kvstore.near_cache import NearCache, near_budget
+from services.kvstore.pull_policy import PullPolicy
+from services.kvstore.router import attach_near, engine_policy, prompt_keys, pull_prefix
 from services.kvstore.tiers import MemoryTier, TieredStore
-from services.prefill.pull_policy import PullPolicy
-from services.prefill.router import attach_near, engine_policy, prompt_keys, pull_prefix
 
 MB = 1 << 20
 PAGE = 16 * 112 * 1024  # a Qwen3-0.6B page in bf16

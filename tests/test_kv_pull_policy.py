@@ -1,4 +1,4 @@
-"""Pull-or-recompute (services/prefill/pull_policy.py) and the gateway's bulk data plane
+"""Pull-or-recompute (services/kvstore/pull_policy.py) and the gateway's bulk data plane
 (services/kvstore/dataplane.py):
 
 - the decision: a fast pull is taken, a slow one is not (recompute), priors are conservative, a
@@ -42,9 +42,9 @@ from services.kvstore.dataplane import (
     DataPlaneServer,
     parse_pages_reply,
 )
+from services.kvstore.pull_policy import PullPolicy
 from services.kvstore.tiers import MemoryTier, TieredStore
 from services.kvstore.wire import encode_keys, encode_uniform_pages
-from services.prefill.pull_policy import PullPolicy
 
 MB = 1 << 20
 PAGE = 16 * 112 * 1024  # a Qwen3-0.6B page in bf16 (16 tokens x 112 KiB)

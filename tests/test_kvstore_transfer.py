@@ -25,9 +25,9 @@ from services.engine.kv_transfer import (
 )
 from services.kvstore.client import KVStoreClient
 from services.kvstore.dataplane import DataPlaneServer
+from services.kvstore.pull_policy import PullPolicy
+from services.kvstore.router import prompt_keys, pull_prefix
 from services.kvstore.tiers import MemoryTier, TieredStore
-from services.prefill.pull_policy import PullPolicy
-from services.prefill.router import prompt_keys, pull_prefix
 from trainer.model import build_model, save_weights_dir
 
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4)

@@ -1,4 +1,4 @@
-"""Float32 LM-head logits on both sides (services/common/lm_head.py): the engine's
+"""Float32 LM-head logits on both sides (ops/lm_head.py): the engine's
 `logits()` and the trainer's heads (chunked and plain, forward and backward) return the bf16
 GEMM's float32 accumulator instead of rounding it to bf16."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ops.lm_head import float32_logits, gemm_dtype
 from services.common.config import EngineConfig, ModelConfig
-from services.common.lm_head import float32_logits, gemm_dtype
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.batch import ForwardBatch, Span

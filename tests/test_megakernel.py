@@ -15,7 +15,7 @@ from helpers import triton_interp
 
 # As the other kernel test files: TRITON_INTERPRET=1 before triton's first import, else a child.
 INTERPRET, IN_CHILD = triton_interp.prepare(
-    ("megakernel", "fused_norm", "paged_attention", "qk_rope", "gemv")
+    ("megakernel", "ops.fused_norm", "paged_attention", "qk_rope", "gemv")
 )
 needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
 triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)

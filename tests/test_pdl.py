@@ -1,4 +1,4 @@
-"""Programmatic Dependent Launch (services/engine/kernels/pdl.py, EngineConfig.pdl): what can be
+"""Programmatic Dependent Launch (ops/pdl.py, EngineConfig.pdl): what can be
 checked without a Hopper GPU.
 
 - the config field and its dotted override;
@@ -30,7 +30,9 @@ import pytest
 import torch
 from helpers import triton_interp
 
-INTERPRET, IN_CHILD = triton_interp.prepare(("sampling", "fused_norm", "paged_attention", "qk_rope", "gemv"))
+INTERPRET, IN_CHILD = triton_interp.prepare(
+    ("sampling", "ops.fused_norm", "paged_attention", "qk_rope", "gemv")
+)
 # These run CPU tensors under the interpreter (on a GPU host the H200 bench checks the real thing).
 needs_interpreter = pytest.mark.skipif(
     IN_CHILD or not INTERPRET, reason=triton_interp.CHILD_REASON if IN_CHILD else "no interpreter with CUDA"
@@ -46,17 +48,18 @@ def test_pdl_kernel_tests_in_child_process() -> None:
 
 from pydantic import ValidationError  # noqa: E402
 
+from ops import fused_norm, pdl  # noqa: E402
 from services.common.config import ConfigError, EngineConfig, load_config  # noqa: E402
 from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import HostBatch, Span  # noqa: E402
-from services.engine.kernels import fused_norm, gemv, paged_attention, pdl, qk_rope, sampling  # noqa: E402
+from services.engine.kernels import gemv, paged_attention, qk_rope, sampling  # noqa: E402
 from services.engine.model import CausalLM, apply_rope, rope_cache  # noqa: E402
 from services.engine.sampler import Sampler  # noqa: E402
 
 T = TypeVar("T")
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "services" / "engine" / "kernels"
+REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- the switch
 
@@ -252,7 +255,7 @@ def test_engine_with_pdl_forced_on_equals_off(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- the hazard rule
 
 # Loads allowed before gdc_wait, per kernel: weights (no kernel of the forward writes them) and
-# step metadata the host copies in before the forward's first kernel (kernels/pdl.py).
+# step metadata the host copies in before the forward's first kernel (ops/pdl.py).
 PRE_WAIT_LOADS = {
     "_gemv_kernel": {"w_ptr"},
     "_add_rms_norm": {"w_ptr"},
@@ -271,12 +274,12 @@ PRE_WAIT_LOADS = {
     "_prefill_kernel": {"blk_ptr"},
 }
 ENGINE_KERNEL_MODULES = (
-    "gemv.py",
-    "fused_norm.py",
-    "qk_rope.py",
-    "paged_attention.py",
-    "sampling.py",
-    "page_copy.py",
+    "services/engine/kernels/gemv.py",
+    "ops/fused_norm.py",
+    "services/engine/kernels/qk_rope.py",
+    "services/engine/kernels/paged_attention.py",
+    "services/engine/kernels/sampling.py",
+    "services/engine/kernels/page_copy.py",
 )
 
 
@@ -330,7 +333,7 @@ def _launched_kernels(tree: ast.Module) -> list[tuple[str, ast.Call, ast.Functio
 def test_every_engine_kernel_follows_the_pdl_hazard_rule() -> None:
     checked = set()
     for fname in ENGINE_KERNEL_MODULES:
-        tree = ast.parse((KERNELS_DIR / fname).read_text())
+        tree = ast.parse((REPO / fname).read_text())
         jit = {
             f.name: f
             for f in tree.body
@@ -345,7 +348,7 @@ def test_every_engine_kernel_follows_the_pdl_hazard_rule() -> None:
             assert "USE_GDC" in kw and kw.get("launch_pdl") == kw["USE_GDC"], (
                 f"{where}: launch_pdl and USE_GDC must be the same value"
             )
-            # ... and that value comes from the one place that decides (kernels/pdl.py).
+            # ... and that value comes from the one place that decides (ops/pdl.py).
             assigns = [
                 n
                 for n in ast.walk(launcher)

@@ -25,7 +25,7 @@ from services.common.bus import Bus
 from services.common.config import REPO_ROOT, EngineConfig, RunConfig, load_config
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
 from services.engine import LLMEngine
-from services.prefill.router import DISCOVERY_TTL_S
+from services.kvstore.router import DISCOVERY_TTL_S
 from trainer.model import build_model, save_weights_dir
 
 ENGINE = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=128, block_size=4)

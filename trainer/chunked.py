@@ -23,7 +23,7 @@ softmax math is two Triton kernels (trainer/head_kernel.py): the statistics in o
 logits, and q. On CPU the same math in plain torch.
 
 Float32 logits (`trainer.logits_fp32`, default on): the head's logits are the model-dtype
-GEMM's float32 output (`services.common.lm_head.float32_logits`, what the engine's `logits()`
+GEMM's float32 output (`ops.lm_head.float32_logits`, what the engine's `logits()`
 returns), not rounded to bf16, in the forward, in the backward's recomputation and in the plain
 (unchunked) head alike. q is rounded to the GEMM dtype before the two gradient GEMMs, as autograd
 rounds a bf16 output's gradient.
@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from services.common.lm_head import float32_logits, gemm_dtype, mm_out_dtype_works
+from ops.lm_head import float32_logits, gemm_dtype, mm_out_dtype_works
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -264,7 +264,7 @@ class ChunkedOutput(nn.Linear):
     """The output layer; with `targets` set it returns (logp, entropy) instead of logits.
     `fused` (set by trainer.parallel on CUDA): the Triton chunk math (trainer/head_kernel.py).
     `logits_fp32` (trainer.logits_fp32, default on): logits are the GEMM's float32 output, in
-    both modes (as the engine's; services/common/lm_head.py).
+    both modes (as the engine's; ops/lm_head.py).
     `head_cache_gib` (trainer.head_cache_gib): the budget for keeping the chunked head's
     probabilities for its backward (0: recompute the logits there)."""
 

@@ -32,7 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
-from services.common.fp8 import (
+from ops.fp8.dispatch import (
+    BACKENDS,
+    fp8_gemm_dispatch,
+    grouped_fp8_gemm_dispatch,
+    quantize_activation,
+    quantize_activation_both,
+    quantize_activation_t,
+    quantize_weight_fast,
+)
+from ops.fp8.recipe import (
     BLOCK,
     FP8_DTYPE,
     _cdiv,
@@ -41,15 +50,6 @@ from services.common.fp8 import (
     dequantize_act,
     dequantize_weight,
     fp8_gemm_tokens,
-)
-from services.engine.fp8_linear import (
-    BACKENDS,
-    fp8_gemm_dispatch,
-    grouped_fp8_gemm_dispatch,
-    quantize_activation,
-    quantize_activation_both,
-    quantize_activation_t,
-    quantize_weight_fast,
 )
 from trainer.moe_routing import RoutedExperts
 from trainer.swiglu_bwd import swiglu_backward

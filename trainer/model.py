@@ -21,8 +21,8 @@ from torchtitan.models.qwen3.model.model import (
 )
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
+from ops.fp8.checkpoint import check_checkpoint, dequantize_state
 from services.common.config import ModelConfig, RopeScaling
-from services.common.fp8_checkpoint import check_checkpoint, dequantize_state
 from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
 from trainer.glm5 import GlmMoeDsaAdapter, build_glm5
@@ -102,7 +102,7 @@ def scaled_rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: Ro
     the duplicated angles) with the engine's llama3 frequency scaling applied first: the same
     float32 arithmetic as services/engine/model.py's rope_cache."""
     # Imported here: the engine package is only needed by rope-scaled models.
-    from services.engine.rope_scaling import llama3_scale_freqs
+    from ops.rope import llama3_scale_freqs
 
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
     freqs = llama3_scale_freqs(freqs, scaling)

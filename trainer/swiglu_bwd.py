@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.fp8_quant import HAS_TRITON
+from ops.fp8.triton_quant import HAS_TRITON
 
 BLOCK = 1024
 

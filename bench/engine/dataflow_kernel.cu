@@ -24,7 +24,7 @@
 // by o_proj, the input of gate/up); program p owns rows [8p, 8p + 8) of both, so no program reads
 // a row while another writes it (the dependency chain orders every reuse: see stream_probe.py).
 //
-// Built at run time by bench/engine/dataflow_probe.py (services/engine/kernels/cuda/nvcc.py, then ctypes).
+// Built at run time by bench/engine/dataflow_probe.py (ops/fp8/cuda/nvcc.py, then ctypes).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -52,7 +52,7 @@ from bench.engine.gemv_chain import (  # noqa: E402
     setup,
     time_variants,
 )
-from services.engine.kernels.cuda import nvcc  # noqa: E402
+from ops.fp8.cuda import nvcc  # noqa: E402
 
 SOURCE = Path(__file__).with_name("dataflow_kernel.cu")
 P = 128

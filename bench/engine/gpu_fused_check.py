@@ -4,7 +4,7 @@
 
 Compiled (not interpreted) Triton: the fused sampler (kernels/sampling.py) against log_softmax
 and torch.argmax, its frequencies on a small distribution; add + RMSNorm and SiLU-mul
-(kernels/fused_norm.py) against torch; and a whole engine (debug-shaped Qwen3 model, bf16, CUDA
+(ops/fused_norm.py) against torch; and a whole engine (debug-shaped Qwen3 model, bf16, CUDA
 graphs) with everything fused (the CUDA default) against the same engine with the fused layer
 paths off and the torch sampler: greedy tokens and log-probs. Exits non-zero if a check fails.
 """
@@ -61,7 +61,7 @@ def check_sampler() -> dict[str, Any]:
 
 
 def check_norms() -> dict[str, Any]:
-    from services.engine.kernels.fused_norm import add_rms_norm, silu_mul
+    from ops.fused_norm import add_rms_norm, silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x, d = (torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))

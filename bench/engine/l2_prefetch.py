@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 
 from bench.engine.w1 import QWEN3_0_6B, measure_bandwidth, profile_setup
-from services.engine.kernels import pdl
-from services.engine.kernels.fused_norm import add_rms_norm, silu_mul
+from ops import pdl
+from ops.fused_norm import add_rms_norm, silu_mul
 from services.engine.kernels.gemv import gemv, replay_us
 
 # (name, N, K) of one layer's decode GEMMs, and the GEMV configuration the warm-up chose for each

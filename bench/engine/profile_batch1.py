@@ -320,7 +320,7 @@ def compare(args: argparse.Namespace, cuda: bool, device: torch.device, root: Pa
             "CPU: the engine's GPU-only switches (PDL, fused kernels, CUDA graphs) resolve off in both"
         )
     elif "pdl" in fields and not engines["on"].pdl:
-        res["note"] = "PDL is not usable on this device (kernels/pdl.py): both engines run without it"
+        res["note"] = "PDL is not usable on this device (ops/pdl.py): both engines run without it"
     runs = {name: greedy_runs(e, prompts, args.check_tokens) for name, e in engines.items()}
     off, on = runs["off"], runs["on"]
     tokens_ok = off["alone"] == on["alone"] and off["batched"] == on["batched"]

@@ -54,7 +54,7 @@ def timed_step(eng: Any, cuda: bool) -> tuple[float, dict[str, float], int]:
 def launch_cost_us(device: torch.device, n: int = 2000) -> dict[str, float]:
     """Host microseconds per launch from Python, no graph: a Triton kernel (silu_mul), a torch
     pointwise op, a cuBLAS GEMM. The GPU work is tiny, so this is the launch path's cost."""
-    from services.engine.kernels.fused_norm import silu_mul
+    from ops.fused_norm import silu_mul
 
     g = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
     u = torch.randn_like(g)

@@ -119,8 +119,8 @@ def main() -> None:
     import gemm as bench
     from wgmma import quantised, weight_scales
 
-    from services.common import fp8 as ref
-    from services.engine.kernels.cuda import fp8_wgmma
+    from ops.fp8 import recipe as ref
+    from ops.fp8.cuda import fp8_wgmma
 
     dev = torch.device("cuda")
     d = quantised(args.m, args.n, args.k, dev, seed=0)

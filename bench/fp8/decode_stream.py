@@ -42,9 +42,9 @@ import gemm as bench  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine import fp8_linear as fl  # noqa: E402
-from services.engine.kernels import fp8_gemm as kern  # noqa: E402
+from ops.fp8 import dispatch as fl  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8 import triton_gemm as kern  # noqa: E402
 
 MS = [128, 64]  # 128 first: the first run found the dispatch furthest from bf16 there
 MIN_BYTES = 200 * 2**20  # 4x the H100's and H200's 50 MB L2

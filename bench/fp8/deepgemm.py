@@ -10,7 +10,7 @@ DeepGEMM is not a dependency and is not in this repository: `--src` is an extrac
 made by bench/fp8/deepgemm_bundle.sh (DeepGEMM plus the CUTLASS and {fmt} headers at its submodule
 commits). Its C++ module is built here with torch's cpp_extension (ninja; no setup.py, no wheel),
 and its kernels JIT-compile with nvcc at their first call, so the script warms every shape up
-before any timing. The inputs are quantised by relay's own recipe (services/common/fp8.py), whose
+before any timing. The inputs are quantised by relay's own recipe (ops/fp8/recipe.py), whose
 scales follow DeepGEMM's convention (float32 decoding scales, 1x128 for activations and 128x128
 for weights), and every output is checked against the recipe's float32 reference first.
 
@@ -47,9 +47,9 @@ from wgmma import (  # noqa: E402
     weight_scales,
 )
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
-from services.engine.kernels.cuda.nvcc import nvcc_path  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8.cuda import fp8_wgmma  # noqa: E402
+from ops.fp8.cuda.nvcc import nvcc_path  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
 # Which of our variants to time (--variants); each also from the library built with each of

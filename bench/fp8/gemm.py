@@ -1,13 +1,13 @@
 """FP8 block-scaled GEMM benchmark on one Hopper GPU: relay's tuned dispatch ("auto") vs
 bf16 cuBLAS vs torch's block-wise `scaled_mm`, all in the same run (~3 minutes on an H200).
-"auto" follows services/engine/kernels/fp8_configs.json (bench/fp8/tune.py writes it; run tune.py
+"auto" follows ops/fp8/fp8_configs.json (bench/fp8/tune.py writes it; run tune.py
 first, then this with --sweep-budget-s 0); each row records the entry it used (`auto_choice`,
 `auto_linear`: fused quantise+GEMM or not, `table_entry`: which run measured it).
 
     PYTHONPATH=. python3 bench/fp8/gemm.py --out $OUT/fp8_gemm.json
     bash bench/fp8/run.sh gemm      (on the device machine: installs the carried .whl first)
 
-1. Self-check on the GPU against the exact reference (services/common/fp8.py), fp32 and bf16
+1. Self-check on the GPU against the exact reference (ops/fp8/recipe.py), fp32 and bf16
    outputs: Triton dense GEMM (mma.sync and wgmma configs, split-K, the config "auto" picks,
    ragged shapes), torch's block-wise scaled_mm (incl. ragged K/N/M), "auto" itself, the grouped
    GEMM (Triton and the torch loop), and the Triton 1x128 quantiser (bits must equal the torch
@@ -57,11 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.nn.functional as F
 
-from services.common import fp8 as ref
-from services.engine import fp8_linear as fl
-from services.engine.kernels import fp8_gemm as kern
+from ops.fp8 import dispatch as fl
+from ops.fp8 import recipe as ref
+from ops.fp8 import triton_gemm as kern
 
-TABLE = kern.load_table()  # the dispatch table in force (services/engine/kernels/fp8_configs.json)
+TABLE = kern.load_table()  # the dispatch table in force (ops/fp8/fp8_configs.json)
 DENSE_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
 DENSE_M = [64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # Config sweeps after the tuned-dispatch pass, most useful first (decode sizes feed
@@ -460,7 +460,7 @@ def dense_row(m: int, n: int, k: int, dev: torch.device) -> dict[str, Any]:
     row["auto_repr"] = "TORCH" if choice == kern.TORCH else repr(choice)
     row["auto_from_table"] = kern.tuned_choice(m, n, k) is not None
     # Which table entry won this shape (bench/fp8/tune.py's output): the whole linear runs fused
-    # quantise+GEMM where the table says so (fp8_linear.fp8_matmul).
+    # quantise+GEMM where the table says so (ops/fp8/dispatch.fp8_matmul).
     fused_cfg = kern.tuned_linear_fused(m, n, k)
     row["auto_linear"] = "separate" if fused_cfg is None else f"fused {fused_cfg.name()}"
     bucket = kern.m_bucket(m)
@@ -556,7 +556,7 @@ def dense_rows(dev: torch.device, t0: float, sweep_budget_s: float = SWEEP_BUDGE
 
 
 def table_suggestion(rows: list[dict[str, Any]]) -> list[str]:
-    """TUNED_CONFIGS lines (services/engine/kernels/fp8_gemm.py format) from this run: per bucket
+    """TUNED_CONFIGS lines (ops/fp8/triton_gemm.py format) from this run: per bucket
     M, the fastest (CUDA-graph replay, i.e. GPU time) of cuBLAS block-wise, the auto choice and
     every swept Triton config; the comment is its speedup over bf16 (also replayed)."""
     lines = []

@@ -1,5 +1,5 @@
 """The MoE grouped FP8 GEMM on one Hopper GPU: our CUDA kernel's grouped variants
-(services/engine/kernels/cuda/fp8_wgmma.fp8_grouped_gemm) checked against the recipe's reference,
+(ops/fp8/cuda/fp8_wgmma.fp8_grouped_gemm) checked against the recipe's reference,
 then timed against bf16 `torch._grouped_mm` and the Triton grouped kernel (what "auto" ran before)
 in the same process, at DeepSeek-V3's expert shapes over a range of rows per expert.
 
@@ -7,7 +7,7 @@ in the same process, at DeepSeek-V3's expert shapes over a range of rows per exp
 
 1. Self-check: uneven groups (empty experts, a 1-row expert, groups ending inside a 128-row tile
    and on its edge, N not a multiple of 256), the output poisoned with NaN first; the float32
-   reference is services/common/fp8.grouped_fp8_gemm's per-expert reference path. Timing runs
+   reference is ops/fp8/recipe.grouped_fp8_gemm's per-expert reference path. Timing runs
    only when every check passed.
 2. Timing: E = 32 experts, rows routed unevenly (gemm.py's `grouped_inputs`: Gamma-distributed
    expert popularity), T = E x rows per expert; (N, K) = (4096, 7168) (fused gate/up) and
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm as bench  # noqa: E402
 from wgmma import MAX_REL_ERR, ROUNDS, add_tflops, bench_rounds  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine.kernels import fp8_gemm as kern  # noqa: E402
-from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8 import triton_gemm as kern  # noqa: E402
+from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 
 # (group sizes, N, K): empty experts, a 1-row expert, groups ending inside a tile and on its edge
 # (128, 256), N = 384 (3 weight-scale blocks padded to 4, a 256-wide tile past N), K = 128 (one K

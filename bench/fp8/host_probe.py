@@ -26,8 +26,8 @@ import gemm as bench  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine import fp8_linear as fl  # noqa: E402
+from ops.fp8 import dispatch as fl  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
 
 SHAPES = [(64, 7168, 2048), (128, 7168, 2048), (128, 4096, 7168), (128, 2048, 7168)]
 CALLS = 200

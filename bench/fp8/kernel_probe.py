@@ -5,7 +5,7 @@ float32 reference of the recipe:
 
   plain     acc = dot(a, w, acc): no scales at all (not the recipe: the ceiling Triton reaches)
   vector    acc += dot(a, w) * a_s[:, None] * w_s[None, :] (w_s read per column: the kernel in
-            services/engine/kernels/fp8_gemm.py)
+            ops/fp8/triton_gemm.py)
   scalar    acc += dot(a, w) * (a_s * w_s)[:, None], w_s one value per 128-column tile
   unroll2   two K blocks per iteration: both dots issued, then both promotions
 
@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.common import fp8 as ref  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
 
 SHAPES = [(4096, 4096, 7168), (4096, 7168, 2048), (8192, 18432, 7168)]
 # (mode, BLOCK_M, BLOCK_N, num_warps, num_stages)

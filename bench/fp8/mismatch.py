@@ -47,10 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from torch import nn
 
+from ops.fp8 import dispatch as fl
 from services.common.config import EngineConfig, ModelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine import fp8_linear as fl
+from services.engine.fp8_linear import Fp8Linear
 from trainer import fp8 as tfp8
 from trainer.model import build_model, save_weights_dir
 
@@ -86,7 +87,7 @@ def self_check(dev: torch.device) -> dict[str, Any]:
         x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
         case: dict[str, Any] = {"M": m, "N": n, "K": k, "backend": fl.resolve_backend("auto", m, dev, n, k)}
         try:
-            eng = fl.Fp8Linear.from_linear(lin)
+            eng = Fp8Linear.from_linear(lin)
             tr = copy.deepcopy(lin)
             tfp8.convert(nn.Sequential(tr))
             with torch.no_grad():

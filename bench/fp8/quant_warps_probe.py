@@ -1,4 +1,4 @@
-"""The one-pass quantiser of x and x^T (kernels/fp8_quant.triton_quantize_act_both) against the two
+"""The one-pass quantiser of x and x^T (ops/fp8/triton_quant.triton_quantize_act_both) against the two
 passes it replaces (triton_quantize_act + triton_quantize_act_t, the baseline, same process), at
 num_warps 4, 8 and 16, with its outputs checked bit for bit across the settings.
 
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
-from services.engine.kernels.fp8_gemm import triton_quantize_act  # noqa: E402
-from services.engine.kernels.fp8_quant import triton_quantize_act_both, triton_quantize_act_t  # noqa: E402
+from ops.fp8.triton_gemm import triton_quantize_act  # noqa: E402
+from ops.fp8.triton_quant import triton_quantize_act_both, triton_quantize_act_t  # noqa: E402
 
 SHAPES = [(8192, 2048), (8192, 7168), (16384, 1024), (16384, 9728), (8192, 18432)]
 

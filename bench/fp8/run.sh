@@ -57,7 +57,7 @@ for what in "${@:-gemm}"; do
       python3 bench/fp8/wgmma.py --variants "${WGMMA_VARIANTS:-18}" --skip-timing --out "$OUT/fp8_wgmma_check.json" 2>&1 | tail -2
       python3 -c "import json, sys; sys.exit(not json.load(open('$OUT/fp8_wgmma_check.json'))['check_ok'])" ||
         { echo "the CUDA kernel failed its self-check: not tuned"; exit 1; }
-      cp services/engine/kernels/fp8_configs.json "$OUT/fp8_configs.json"
+      cp ops/fp8/fp8_configs.json "$OUT/fp8_configs.json"
       python3 bench/fp8/tune.py --m 512,1024,2048,4096,8192 --skip-triton --skip-grouped --budget-s 200 \
         --nk 7168x2048,4096x7168,2048x7168,18432x7168,4096x1024,1024x2048,6144x1024,1024x3072,3072x1024,9728x2560,2560x9728 \
         --table "$OUT/fp8_configs.json" --out "$OUT/fp8_tune.json" 2>&1 | grep -v '^{'
@@ -69,7 +69,7 @@ for what in "${@:-gemm}"; do
       python3 -c "import trainer.fp8" 2>/dev/null || { echo "trainer.fp8 does not import here"; exit 1; }
       python3 -c "
 import json
-t = json.load(open('services/engine/kernels/fp8_configs.json'))
+t = json.load(open('ops/fp8/fp8_configs.json'))
 for e in t['dense']:
     e['choice'] = 'torch' if e['choice'] == 'cuda' else e['choice']
 json.dump(t, open('$OUT/fp8_configs_cublas.json', 'w'))"

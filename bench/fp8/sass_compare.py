@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ncu_summary import opcode  # noqa: E402
 
-from services.engine.kernels.cuda import fp8_wgmma, nvcc  # noqa: E402
+from ops.fp8.cuda import fp8_wgmma, nvcc  # noqa: E402
 
 # DeepGEMM's SM90 1D2D kernel as its heuristic configures it for M, N, K = 4096, 4096, 7168 on 132
 # SMs (its DG_PRINT_CONFIGS output): 256 x 128 tiles, 3 stages, 2-CTA clusters sharing A. The

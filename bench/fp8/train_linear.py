@@ -6,7 +6,7 @@ backward time of one training linear (3 GEMMs) in bf16 and with trainer/fp8.py's
   fp8_all        + the FP8 weight gradient over tokens (grad_out^T and x^T quantised 1x128 along
                  the tokens; torch block-wise scaled_mm with 1x128 scales on both operands)
 
-Self-check (bits and bounds, against services/common/fp8's references run on the GPU): the
+Self-check (bits and bounds, against ops/fp8/recipe.py's references run on the GPU): the
 Triton weight quantiser and its transposed copy, the transposed activation quantiser, the token
 GEMM (cuBLAS) against the float32 reference, and each gradient of `fp8_all` against its formula.
 Shapes: DeepSeek-V3's (M = 8192 tokens) and Qwen3-0.6B/4B's (M = 16384).
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine.fp8_linear import fp8_gemm_dispatch, quantize_activation  # noqa: E402
-from services.engine.kernels.fp8_quant import (  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8.dispatch import fp8_gemm_dispatch, quantize_activation  # noqa: E402
+from ops.fp8.triton_quant import (  # noqa: E402
     triton_quantize_act_both,
     triton_quantize_act_t,
     triton_quantize_weight,

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine.fp8_linear import (  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8.dispatch import (  # noqa: E402
     fp8_gemm_dispatch,
     quantize_activation,
     quantize_activation_both,
@@ -111,7 +111,7 @@ def pieces(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> dict[str, fl
             lambda: fp8_linear_bwd(grad, *saved, False, "auto", True, True, bf)  # type: ignore[misc]
         ),
     }
-    from services.engine.kernels.cuda import fp8_wgmma
+    from ops.fp8.cuda import fp8_wgmma
 
     lib, index = fp8_wgmma.library(), x.device.index or 0
     out["current_stream().cuda_stream"] = host_us(
@@ -141,7 +141,7 @@ def cpu_ops(step: Callable[[], None], steps: int = 5, top: int = 30) -> list[tup
 def stages(step: Callable[[], None], steps: int = 30) -> dict[str, float]:
     """Host microseconds per step spent inside each wrapped stage (nested stages count in both)."""
     import trainer.fp8 as tf
-    from services.engine.kernels.cuda import fp8_wgmma
+    from ops.fp8.cuda import fp8_wgmma
 
     spent: dict[str, float] = defaultdict(float)
     patched: list[tuple[Any, str, Any]] = []

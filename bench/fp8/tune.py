@@ -1,7 +1,7 @@
 """Tune the FP8 block-scaled GEMM dispatch table on one Hopper GPU: for every shape, time
 every candidate kernel config as CUDA-graph replays, check it against the dequantised reference,
 and write the fastest verified option per (M bucket, N, K) -- one of our Triton configs, cuBLAS
-block-wise, or (M > 256, Hopper) our CUDA kernel -- to services/engine/kernels/fp8_configs.json,
+block-wise, or (M > 256, Hopper) our CUDA kernel -- to ops/fp8/fp8_configs.json,
 which the engine's "auto" dispatch reads.
 
     PYTHONPATH=. python3 bench/fp8/tune.py --out $OUT/fp8_tune.json     (~5 minutes on an H200)
@@ -17,11 +17,11 @@ Phases (each bounded by --budget-s, so the run ends in time with whatever it mea
 2. Dense shapes, M in --m (default 64, 128, 256, 4096, 8192) x (N, K) in bench/fp8/gemm.py's
    DENSE_NK, decode M first: bf16 cuBLAS, cuBLAS block-wise and the activation quantiser as
    baselines; every surviving config screened with a few replays, the fastest few re-timed with
-   more; each contender checked against services/common/fp8's reference (gemm.py's bounds) on a
+   more; each contender checked against ops/fp8/recipe.py's reference (gemm.py's bounds) on a
    row sample. At M <= 256 the choice is by the whole linear as the engine runs it (quantiser +
    GEMM, or the fused quantise+GEMM kernel of the same config, whose bits must equal the two-kernel
    path: the trainer runs that); at large M by the GEMM (the quantiser is the same for every
-   option there), where our CUDA kernel (services/engine/kernels/cuda/fp8_wgmma.py, default
+   option there), where our CUDA kernel (ops/fp8/cuda/fp8_wgmma.py, default
    variant) is a contender too, checked like the others.
 3. Grouped MoE shapes (gemm.py's GROUPED): the grouped kernel's tiles, per rows-per-expert.
 4. The table: this run's entries replace the same keys of the existing file, others are kept
@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.nn.functional as F
 
-from services.common import fp8 as ref
-from services.engine.kernels import fp8_gemm as kern
-from services.engine.kernels.cuda import fp8_wgmma
+from ops.fp8 import recipe as ref
+from ops.fp8 import triton_gemm as kern
+from ops.fp8.cuda import fp8_wgmma
 
 GemmConfig = kern.GemmConfig
 TUNE_M = (64, 128, 256, 4096, 8192)

@@ -1,8 +1,8 @@
-"""The warp-specialised CUDA FP8 GEMM (services/engine/kernels/cuda/fp8_wgmma.cu) against bf16 cuBLAS
+"""The warp-specialised CUDA FP8 GEMM (ops/fp8/cuda/fp8_wgmma.cu) against bf16 cuBLAS
 and torch's block-wise scaled_mm (cuBLAS) in the same process, at DeepSeek-V3's large-M shapes.
 
 First a self-check: build the library, then at ragged and full shapes (M tails, N not a multiple
-of 128, K = 128..7168) compare with the float32 reference of the recipe (services/common/fp8.py)
+of 128, K = 128..7168) compare with the float32 reference of the recipe (ops/fp8/recipe.py)
 on freshly drawn inputs, the output poisoned with NaN before every launch. Then CUDA-graph timings
 (triton.testing.do_bench_cudagraph, median) of each pipeline depth.
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 
 # (2048, 4096, 128): one K block per tile and ~2 tiles per CTA, so the "_tma" modes' lent epilogue
 # slot wraps around the ring every other slot; (77, 2110, 256): N % 8 != 0, the "_tma" modes'

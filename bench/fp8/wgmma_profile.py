@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from wgmma import quantised, weight_scales  # noqa: E402
 
-from services.common import fp8 as ref  # noqa: E402
-from services.engine.kernels.cuda import fp8_wgmma  # noqa: E402
+from ops.fp8 import recipe as ref  # noqa: E402
+from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 
 
 def main() -> None:

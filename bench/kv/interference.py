@@ -6,7 +6,7 @@
   disaggregated  a real prefill service (its own process and device) prefills them and publishes
                  the pages to a real KV store gateway; the decode engine pulls the pages in a
                  background thread, imports them between steps and continues from the prefill's
-                 first token (the same path as services/prefill/router.py: pull_prefilled, every
+                 first token (the same path as services/kvstore/router.py: pull_prefilled, every
                  full page and, from a same-host handoff, the partial last one, so a long prompt's
                  first decode step feeds only its first token)
 
@@ -50,13 +50,13 @@ from bench.kv.common import (
     synchronize_stream,
 )
 from services.common.config import RunConfig
+from services.common.prefill_schemas import PrefillRequest, PrefillResponse
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine, kv_transfer
 from services.engine.host_tuning import tune_after_startup
 from services.engine.sequence import Status
 from services.kvstore.client import KVStoreClient
-from services.prefill.router import pull_prefilled, reserve_pinned
-from services.prefill.schemas import PrefillRequest, PrefillResponse
+from services.kvstore.router import pull_prefilled, reserve_pinned
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -9,7 +9,7 @@ replica, where other rollouts' pages evict yours while your tool runs). Modes:
   local    the engine's own prefix cache only (evicted between an agent's turns)
   tiered   prefix cache + the KV store gateway (a real process; RAM then disk tiers): pages of every
            finished turn are published; the next turn pulls its missing prefix when decode's cost
-           model (services/prefill/pull_policy.py) expects the pull to beat recomputing it
+           model (services/kvstore/pull_policy.py) expects the pull to beat recomputing it
   tiered-always  the same, pulling whatever the store has (kvstore.pull.mode = "always"): measures
            the pull path itself
   tiered-remote  tiered without the near tier (kvstore.near.bytes = 0): every pull crosses the
@@ -42,7 +42,7 @@ from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import page_nbytes
 from services.kvstore.client import KVStoreClient, PagePublisher
-from services.prefill.router import attach_near, engine_policy, prompt_keys, pull_prefix
+from services.kvstore.router import attach_near, engine_policy, prompt_keys, pull_prefix
 
 MODES = ("nocache", "local", "tiered", "tiered-always", "tiered-remote")
 
@@ -86,7 +86,7 @@ def run_mode(
             )
         publisher = PagePublisher(store, page_nbytes(eng.kv))
         eng.pages.sink = publisher
-        # The decode service's own decision (services/prefill/router.py), fed by this engine.
+        # The decode service's own decision (services/kvstore/router.py), fed by this engine.
         policy = engine_policy(eng, KVPullSection(mode="always" if mode == "tiered-always" else "auto"))
     started = time.perf_counter()
     rng = random.Random(args.seed)

@@ -28,7 +28,7 @@ float32 under autocast, CPU does not); the trainer now computes q/k-norm, RoPE a
 softmax in float32 explicitly, and a layer norm's bf16 output is the same rounding of the same
 float32 value either way, so both trainer paths compute the same function on both devices.
 The engine's CPU path computes q/k-norm + RoPE as its GPU kernel does (float32, one rounding).
-Both sides' LM-head logits are float32 by default (`logits_fp32`, services/common/lm_head.py);
+Both sides' LM-head logits are float32 by default (`logits_fp32`, ops/lm_head.py);
 `--bf16-logits` measures a bf16-output head.
 
 Floor sources (`--sources`, `floor_sources()`): on CPU the two sides are bitwise equal with replay,

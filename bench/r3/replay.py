@@ -561,10 +561,10 @@ def phase_bf16(
 
 def phase_logits_check(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """On the device, the float32 LM head at the real head shape (dim 2048, vocab 151936, 64 rows):
-    services.common.lm_head.float32_logits (CUDA: torch.mm out_dtype) against a float64 reference
+    ops.lm_head.float32_logits (CUDA: torch.mm out_dtype) against a float64 reference
     of the bf16 inputs, the bf16-output GEMM's error for scale, and the trainer's chunked head
     (forward + backward, logits recomputed) against the plain float32 head."""
-    from services.common.lm_head import float32_logits, mm_out_dtype_works
+    from ops.lm_head import float32_logits, mm_out_dtype_works
     from trainer.chunked import chunked_logprobs, float32_head
     from trainer.loss import logprobs_from_logits
 

@@ -8,7 +8,7 @@ config.json carries
 
 and every quantised linear `X.weight` is float8_e4m3fn (N, K) with a partner `X.weight_scale_inv`
 float32 (ceil(N/128), ceil(K/128)): the weight is `q.float() * scale_inv` per 128x128 tile, which
-is exactly services/common/fp8's decoding-scale convention (dequantize_weight), so the pairs can be
+is exactly ops/fp8/recipe.py's decoding-scale convention (dequantize_weight), so the pairs can be
 used as they are. Everything else (embeddings, norms, lm_head, MoE routers) is high precision.
 
 This module only parses/validates that config, finds the pairs and dequantises them; the engine
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from services.common.fp8 import BLOCK, FP8_DTYPE, _cdiv, dequantize_weight
+from ops.fp8.recipe import BLOCK, FP8_DTYPE, _cdiv, dequantize_weight
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 FLOAT8_DTYPES = tuple(

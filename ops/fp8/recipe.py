@@ -20,9 +20,9 @@ GEMMs: ``fp8_gemm`` computes ``out = dequant(a) @ dequant(w).T`` by accumulating
 one 128-wide K block at a time with both scales applied per block (what the Hopper kernels do);
 ``grouped_fp8_gemm`` does the same for MoE experts, one weight per contiguous group of rows.
 With ``backend="auto"`` a CUDA input goes to ``torch.nn.functional.scaled_mm`` with
-``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` (checked on the GPU by bench/fp8/gemm.py's
-self-check; CI covers only the CPU reference path). The engine and trainer reach these through services/engine/fp8_linear.py, whose
-dispatch adds relay's Triton kernels (services/engine/kernels/fp8_gemm.py). See docs/fp8.md.
+``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` (CI covers only the CPU reference path).
+The engine and trainer reach these through ops/fp8/dispatch.py, which adds relay's Triton kernels
+(ops/fp8/triton_gemm.py) and the CUDA one (ops/fp8/cuda/). See docs/fp8.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Kernels (GemmConfig.kernel):
 All apply the scales DeepGEMM's way: per 128-wide K block, in float32 registers,
 acc += dot(a_kb, w_kb^T) * a_s[:, None] * w_s[None, :].
 
-Operand conventions are those of services/common/fp8.py: a (M, K) fp8 with a_scale (M, KB) (any
+Operand conventions are those of ops/fp8/recipe.py: a (M, K) fp8 with a_scale (M, KB) (any
 strides), w (N, K) fp8 with w_scale (NB, KB), decoding scales, KB = ceil(K/128), NB = ceil(N/128).
 Ragged M/N/K are masked (zero fill), which is exactly the reference's ragged-trailing-block rule
 ("tma" needs K and N multiples of 16 for its descriptors; `supports` says which shapes a config
@@ -30,10 +30,10 @@ can run).
 Dispatch table: fp8_configs.json next to this file (or $RELAY_FP8_CONFIGS), written by
 bench/fp8/tune.py from CUDA-graph timings on the H200: per (M bucket, N, K) the fastest verified
 option among our Triton configs, cuBLAS block-wise ("torch") and, on Hopper at large M, our
-warp-specialised CUDA kernel ("cuda": kernels/cuda/fp8_wgmma.cu), and whether the whole linear is faster
+warp-specialised CUDA kernel ("cuda": ops/fp8/cuda/fp8_wgmma.cu), and whether the whole linear is faster
 with the fused quantiser; per grouped (rows per expert, N, K) the grouped kernel's tiles.
 `tuned_choice` / `tuned_linear_fused` / `tuned_grouped` read it; `pick_config` is the heuristic
-for shapes it does not list (services/engine/fp8_linear.py's "auto").
+for shapes it does not list (ops/fp8/dispatch.py's "auto").
 
 CPU: runs under TRITON_INTERPRET=1 (tests/test_fp8_linear.py, tests/test_fp8_tuning.py). Known
 interpreter defect (triton 3.9): its fp32 -> float8e4nv conversion sometimes loses a round-up
@@ -80,7 +80,7 @@ except ImportError:  # pragma: no cover
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
-AMAX_EPS = 1e-12  # same as services/common/fp8.py: an all-zero block gets scale 1e-12 / 448
+AMAX_EPS = 1e-12  # same as ops/fp8/recipe.py: an all-zero block gets scale 1e-12 / 448
 NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
 KERNELS: tuple[str, ...] = ("tiled", "tma")
 
@@ -216,7 +216,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) ->
 # ------------------------------------------------------------------ the tuned table (JSON)
 
 TORCH = "torch"
-CUDA = "cuda"  # kernels/cuda/fp8_wgmma.py's default variant (sm_90, nvcc-built at first use)
+CUDA = "cuda"  # ops/fp8/cuda/fp8_wgmma.py's default variant (sm_90, nvcc-built at first use)
 TABLE_PATH = Path(__file__).with_name("fp8_configs.json")
 TABLE_ENV = "RELAY_FP8_CONFIGS"  # another table file (tune.py's fresh output, tests)
 
@@ -246,7 +246,7 @@ class TableConfig(BaseModel):
 
 class DenseEntry(BaseModel):
     """The measured winner for (M bucket, N, K). `choice` "torch" = cuBLAS block-wise; "cuda" = our
-    CUDA kernel (kernels/cuda/fp8_wgmma.py); "triton" = `config`. `linear` "fused": the whole linear (quantise + GEMM) was faster as one fused launch
+    CUDA kernel (ops/fp8/cuda/fp8_wgmma.py); "triton" = `config`. `linear` "fused": the whole linear (quantise + GEMM) was faster as one fused launch
     with `fused_config` than as the quantiser + `choice` (tune.py times both)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -391,7 +391,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _scale_of(amax, POW2: tl.constexpr):
-        """The decoding scale of services/common/fp8._scale_from_amax: IEEE amax / 448 (div_rn), or
+        """The decoding scale of ops/fp8/recipe._scale_from_amax: IEEE amax / 448 (div_rn), or
         its power-of-two ceiling taken on the bits (exact; log2 on the GPU is approximate: keep the
         exponent, bump it when any mantissa bit is set; amax >= 1e-12 keeps the scale normal)."""
         s = tl.math.div_rn(tl.maximum(amax, _C_AMAX_EPS), _C_FP8_MAX)
@@ -567,7 +567,7 @@ if HAS_TRITON:
     @triton.jit
     def _quant_block(x, POW2: tl.constexpr):
         """(R, 128) float32 -> (fp8-range float32 values, (R,) decoding scales), the bits of
-        _quant_act_kernel / services.common.fp8.quantize_act: scale = amax / 448 (IEEE quotient,
+        _quant_act_kernel / ops.fp8.recipe.quantize_act: scale = amax / 448 (IEEE quotient,
         or its power-of-two ceiling), q = RN(x / scale) clamped to +-448. The per-element
         division is done as Markstein's correction of a reciprocal multiply: with y = RN(1/s)
         (one div_rn per row) and q0 = RN(x*y), r = fma(-q0, s, x) is exact and RN(q0 + r*y) is
@@ -856,7 +856,7 @@ if HAS_TRITON:
     ):
         """ROWS rows x one 128-wide block per program: scale = amax / 448 per row (or its
         power-of-two ceiling), q = x / scale, correctly rounded (_div_exact) so the bits equal
-        services/common/fp8.quantize_act. A (ROWS, 128) tile per program, not one row: run 1 had
+        ops/fp8/recipe.quantize_act. A (ROWS, 128) tile per program, not one row: run 1 had
         one 128-element program per (row, block) and the quantiser cost more than the GEMM
         (e.g. M = 4096, K = 2048: whole linear 0.39x bf16 against 1.34x for the GEMM alone)."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -1149,7 +1149,7 @@ def triton_grouped_fp8_gemm(
     """MoE grouped GEMM, one launch: a (T, K) rows sorted by expert, w (E, N, K), w_scale
     (E, NB, KB), offs (E,) int32 cumulative end offsets on a's device. Returns (T, N). Tiles:
     grouped_launch. Offsets are not validated here (that would need a host sync);
-    services.common.fp8 does."""
+    ops.fp8.recipe does."""
     _require_triton()
     _check(a, a_scale, w, w_scale)
     t, k = a.shape

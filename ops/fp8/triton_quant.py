@@ -1,7 +1,7 @@
 """Triton quantisers the FP8 trainer needs besides the 1x128 activation one (fp8_gemm.py):
 
 - `triton_quantize_weight`: 128x128 tiles of a (N, K) weight in one pass (the torch reference
-  in services/common/fp8.quantize_weight makes ~6 passes over a float32 copy), optionally also
+  in ops/fp8/recipe.quantize_weight makes ~6 passes over a float32 copy), optionally also
   writing the transposed fp8 weight (K, N) that the FP8 dgrad GEMM reads, so the backward needs no
   transpose copy. The trainer re-quantises its master weights every step, and the engine on every
   weight update.
@@ -17,16 +17,16 @@
 
 All round like the references (IEEE division `div_rn` for the scale; every element's quotient
 correctly rounded too, by Markstein's exact correction of a reciprocal, fp8_gemm._div_exact;
-round-to-nearest-even fp8), so their bits equal services/common/fp8's on the GPU. The CPU
+round-to-nearest-even fp8), so their bits equal ops/fp8/recipe.py's on the GPU. The CPU
 interpreter's fp8 conversion is faulty (fp8_gemm.py's docstring), so CPU callers use the torch
-references (services/engine/fp8_linear.py dispatches).
+references (ops/fp8/dispatch.py dispatches).
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.common.fp8 import BLOCK, FP8_DTYPE, _cdiv
+from ops.fp8.recipe import BLOCK, FP8_DTYPE, _cdiv
 
 try:
     import triton
@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
 
 
 if HAS_TRITON:
-    from services.engine.kernels.fp8_gemm import _C_FP8_MAX, _div_exact, _scale_of
+    from ops.fp8.triton_gemm import _C_FP8_MAX, _div_exact, _scale_of
 
     @triton.jit
     def _quant_weight_kernel(
@@ -161,7 +161,7 @@ def triton_quantize_weight(
     w: torch.Tensor, pow2: bool = False, transposed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(N, K) weight -> (fp8 (N, K), scales (NB, KB), fp8 (K, N) contiguous or None): the bits of
-    services/common/fp8.quantize_weight, and that weight transposed when asked for. A stacked
+    ops/fp8/recipe.quantize_weight, and that weight transposed when asked for. A stacked
     (E, N, K) weight (MoE experts) is quantised per expert in the same launch: (E, N, K) fp8,
     (E, NB, KB) scales and, when asked for, each expert's transpose (E, K, N)."""
     if w.dim() not in (2, 3):
@@ -189,7 +189,7 @@ def padded_tokens(m: int) -> int:
 def triton_quantize_act_t(
     x: torch.Tensor, pow2: bool = False, scale_layout: str = "row"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, C) -> (q^T (C, M_pad) fp8, scales (C, M_pad / 128)): services/common/fp8's
+    """x (M, C) -> (q^T (C, M_pad) fp8, scales (C, M_pad / 128)): ops/fp8/recipe.py's
     quantize_act_t. `scale_layout` "row": scales stored row-major (C, MB); "col": a (C, MB) view
     of a column-major buffer (strides (1, C)), the layout cuBLAS wants for the left operand."""
     if x.dim() != 2:

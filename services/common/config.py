@@ -385,7 +385,7 @@ class EngineConfig(Strict):
     graph_sampling: bool = True
     # Programmatic Dependent Launch for the engine's Triton kernels (forward and fused sampler):
     # each may launch while the one before it still runs and prefetch its weights before waiting
-    # (services/engine/kernels/pdl.py, docs/engine.md). Only where usable: off on CPU, under
+    # (ops/pdl.py, docs/engine.md). Only where usable: off on CPU, under
     # TRITON_INTERPRET and on GPUs below compute capability 9 (Hopper), whatever this says.
     pdl: bool = True
     # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
@@ -439,7 +439,7 @@ class MooncakeSection(Strict):
 
 class KVPullSection(Strict):
     """Decode's choice between pulling a prompt's missing prefix from the KV store and recomputing
-    it (services/prefill/pull_policy.py). A pull happens only when its expected time (latency +
+    it (services/kvstore/pull_policy.py). A pull happens only when its expected time (latency +
     bytes / pull bandwidth + bytes / import bandwidth) is below the expected recompute time (tokens /
     prefill throughput). The priors are replaced by EWMAs of measured pulls and of the engine's own
     prefill steps; they are conservative (a slow pull, a fast prefill) so an unmeasured GPU replica

@@ -52,7 +52,7 @@ from services.decode.streaming import sse_events
 from services.decode.tokenize import detokenize, tokenize
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
-from services.prefill.router import KVRouter
+from services.kvstore.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
 
@@ -69,7 +69,7 @@ class Decode:
         self.chat_template: ChatTemplate | None = None  # the model directory's, for /v1/chat/completions
         self.paused = False  # remembered while loading, applied to the engine once it exists
         # kvstore.enabled: pull prompt pages from the KV store / route long prompts to prefill
-        # services before the engine prefills (services/prefill/router.py).
+        # services before the engine prefills (services/kvstore/router.py).
         self.kv: KVRouter | None = (
             KVRouter(self.cfg, service.bus.services) if self.cfg.kvstore.enabled else None
         )

@@ -258,7 +258,7 @@ class DecodeGraphs:
     def body(self, size: int, ragged: bool) -> torch.Tensor:
         """The device work of a decode step of `size` rows on the static buffers (what a graph
         captures; CPU tests run it eagerly): the logits [size, vocab]."""
-        from services.engine.kernels.pdl import scope as pdl_scope
+        from ops.pdl import scope as pdl_scope
 
         b = self.buf
         if self.sample_in_graph:

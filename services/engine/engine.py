@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import Tokenizer
 
+from ops import pdl
+from ops.fp8.checkpoint import dequantize_state
 from services.common import routing
 from services.common.config import EngineConfig
-from services.common.fp8_checkpoint import dequantize_state
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine import fp8_linear
 from services.engine.batch import (
@@ -39,7 +40,6 @@ from services.engine.batch import (
     num_sms,
 )
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
-from services.engine.kernels import pdl
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
@@ -107,7 +107,7 @@ class LLMEngine:
         )
         # On CUDA, plain batches sample in one fused kernel (kernels/sampling.py: its own stream).
         # Programmatic Dependent Launch of the Triton kernels (forward and fused sampler): on where
-        # EngineConfig.pdl asks and the device can (kernels/pdl.py); set before graph capture.
+        # EngineConfig.pdl asks and the device can (ops/pdl.py); set before graph capture.
         self.pdl = self.model.pdl = pdl.resolve(cfg.pdl, self.device)
         self.sampler = Sampler(fused=self.device.type == "cuda" and cfg.fused_kernels, pdl=self.pdl)
         self.eos_token_ids = set(ckpt.eos_token_ids)

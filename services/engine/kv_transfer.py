@@ -530,7 +530,7 @@ class PageExchange:
         # (key = tail_hash, [1, page_bytes] on the device). Kept apart from `sink`: a partial page
         # must never reach the gateway or a prefix cache as a full page.
         self.tail_sink: TailSink | None = None
-        # Set with a near tier (services/prefill/router.attach_near): exported pages go from the
+        # Set with a near tier (services/kvstore/router.attach_near): exported pages go from the
         # device straight into its pinned slots (one DMA), and the sink sends them from there.
         self.host_pages: HostPageTarget | None = None
         self._staged: deque[tuple[list[bytes], PageBytes, list[bytes], Callable[[], None] | None]] = deque()
@@ -552,7 +552,7 @@ class PageExchange:
         self.dropped_batches_total = 0  # staged batches drain() could not import
         self.exported_pages_total = 0
         # Bytes copied into the pool by drain() and the seconds it took: the pull decision's
-        # measured import bandwidth (services/prefill/pull_policy.py).
+        # measured import bandwidth (services/kvstore/pull_policy.py).
         self.import_bytes_total = 0
         self.import_seconds_total = 0.0
         # The same for imports from the near tier (HostPages: pinned host -> device only).

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from ops.fp8.checkpoint import check_checkpoint
 from services.common.config import ModelConfig
-from services.common.fp8_checkpoint import check_checkpoint
 from services.common.modeldir import model_config_from_hf, read_meta, read_model_dir
 from services.common.tokenizer import model_eos_ids
 
@@ -36,7 +36,7 @@ class Checkpoint:
     eos_token_ids: list[int]
     attention_bias: bool  # Qwen2-style q/k/v biases
     # HF "fp8" quantization_config: quantised linears are (X.weight E4M3, X.weight_scale_inv) pairs
-    # (services/common/fp8_checkpoint.py); consumers dequantise them or copy them into fp8 buffers.
+    # (ops/fp8/checkpoint.py); consumers dequantise them or copy them into fp8 buffers.
     fp8: bool = False
 
     def same_architecture(self, other: ModelConfig) -> bool:

@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.lm_head import float32_logits
+from ops.pdl import scope as pdl_scope
+from ops.rope import llama3_scale_freqs
 from services.common.config import ModelConfig, RopeScaling
-from services.common.lm_head import float32_logits
 from services.engine.batch import ForwardBatch
-from services.engine.kernels.pdl import scope as pdl_scope
 from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 from services.engine.moe import PER_EXPERT, ExpertWeights, MoE, Router
-from services.engine.rope_scaling import llama3_scale_freqs
 
 if TYPE_CHECKING:
     from services.engine.kernels.megakernel import DecodeMegakernel
@@ -41,7 +41,7 @@ def rope_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_seq_len, head_dim], computed exactly like torchtitan's
     precompute_rope_cache (float32, frequencies duplicated for the rotate_half layout).
-    `scaling`: Llama-3.1 frequency scaling, as HF's rope_type "llama3" (rope_scaling.py)."""
+    `scaling`: Llama-3.1 frequency scaling, as HF's rope_type "llama3" (ops/rope.py)."""
     freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
     if scaling is not None:
         freqs = llama3_scale_freqs(freqs, scaling)
@@ -133,7 +133,7 @@ class RMSNorm(nn.Module):
         if x.dtype != self.weight.dtype:
             # The float32 residual stream (ModelConfig.fp32_residual) of a lower-precision model:
             # normalise and weight in float32, round once to the model dtype (the next GEMM's
-            # input), as kernels/fused_norm.py add_rms_norm and the trainer's RelayRMSNorm do.
+            # input), as ops/fused_norm.py add_rms_norm and the trainer's RelayRMSNorm do.
             y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
             return y.to(self.weight.dtype)
         # Same kernel as torch.nn.RMSNorm, which torchtitan uses.
@@ -232,8 +232,8 @@ class MLP(nn.Module):
         return self.gate_up is not None
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """GPU path: SiLU and the product in one Triton kernel (kernels/fused_norm.py)."""
-        from services.engine.kernels.fused_norm import silu_mul
+        """GPU path: SiLU and the product in one Triton kernel (ops/fused_norm.py)."""
+        from ops.fused_norm import silu_mul
         from services.engine.kernels.gemv import decode_linear
 
         if self.gate_up is None:  # not fused: their own GEMMs
@@ -279,7 +279,7 @@ class DecoderLayer(nn.Module):
         """As forward, with the residual adds fused into the following RMSNorms (Triton): takes the
         residual stream h and the previous layer's not yet added MLP output `delta`, and returns
         the stream after attention and this layer's MLP output (added by the next norm)."""
-        from services.engine.kernels.fused_norm import add_rms_norm
+        from ops.fused_norm import add_rms_norm
 
         ln, post = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
@@ -320,10 +320,10 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Set by the engine on the GPU path: paged batches run the fused residual-add + RMSNorm and
-        # SiLU-mul kernels (kernels/fused_norm.py, 3 kernels fewer per layer); the CPU path keeps
+        # SiLU-mul kernels (ops/fused_norm.py, 3 kernels fewer per layer); the CPU path keeps
         # the torch ops bit for bit.
         self.fused_elementwise = False
-        # Set by the engine: EngineConfig.pdl as resolved for its device (kernels/pdl.py); the
+        # Set by the engine: EngineConfig.pdl as resolved for its device (ops/pdl.py); the
         # Triton kernels of each forward launch with Programmatic Dependent Launch if True.
         self.pdl = False
         # Set by the engine from EngineConfig.logits_fp32 (see logits()).
@@ -360,7 +360,7 @@ class CausalLM(nn.Module):
         return done
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        # The PDL setting reaches the kernel launchers through a context variable (kernels/pdl.py),
+        # The PDL setting reaches the kernel launchers through a context variable (ops/pdl.py),
         # so two engines in one process keep their own.
         with pdl_scope(self.pdl):
             return self._forward(batch, kv)
@@ -378,7 +378,7 @@ class CausalLM(nn.Module):
         # (after the megakernel's branch: it reads the tables at the position itself)
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         if self.fused_elementwise and paged is not None:
-            from services.engine.kernels.fused_norm import add_rms_norm
+            from ops.fused_norm import add_rms_norm
 
             delta: torch.Tensor | None = None
             for layer in self.model.layers:
@@ -392,7 +392,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, dim] -> [rows, vocab]. With `logits_fp32` (EngineConfig.logits_fp32, default on)
         float32: the model-dtype GEMM's float32 accumulator, not rounded to bf16, exactly as the
-        trainer's head computes it (services/common/lm_head.py); else in the model dtype."""
+        trainer's head computes it (ops/lm_head.py); else in the model dtype."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.logits_fp32:
             return float32_logits(hidden, weight)
@@ -437,6 +437,7 @@ def build_fp8_model(
     weights are not loaded: fp8_linear.load_hf_state fills it (quantising high-precision tensors,
     copying an FP8 checkpoint's pairs). Same layout, dtypes and names as
     CausalLM(...).to(device, dtype) + fp8_linear.convert_model."""
+    from ops.fp8.dispatch import prepare_cuda_kernel
     from services.engine import fp8_linear
 
     with torch.device("meta"):
@@ -444,7 +445,7 @@ def build_fp8_model(
     fp8_linear.convert_model(model, empty=True)
     model.to_empty(device=device)
     model.reset_rope()
-    fp8_linear.prepare_cuda_kernel(device)
+    prepare_cuda_kernel(device)
     return model
 
 

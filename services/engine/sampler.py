@@ -140,7 +140,7 @@ class Sampler:
         run kernels/sampling.py, one pass over the logits; the engine sets it on CUDA only, since
         that path draws a different random stream from the torch path for the same seed.
         pdl: launch those kernels with Programmatic Dependent Launch (EngineConfig.pdl, resolved
-        by the engine: kernels/pdl.py)."""
+        by the engine: ops/pdl.py)."""
         self.fused = fused
         self.pdl = pdl
 
@@ -235,7 +235,7 @@ class Sampler:
     def _sample_fused(
         self, logits: torch.Tensor, params: list[SamplingParams], rngs: list[random.Random]
     ) -> PendingSample:
-        from services.engine.kernels.pdl import scope as pdl_scope
+        from ops.pdl import scope as pdl_scope
         from services.engine.kernels.sampling import fused_sample  # triton: only when used
 
         t, s = self.fused_draws(params, rngs)

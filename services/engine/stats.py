@@ -37,7 +37,7 @@ class EngineStats:
     requests_timed_out: int = 0
     # Steps that fed more tokens than they had sequences (prompt chunks in the batch): their tokens
     # and seconds give the engine's measured prefill throughput, which decode's KV-pull decision
-    # weighs a pull against (services/prefill/pull_policy.py).
+    # weighs a pull against (services/kvstore/pull_policy.py).
     prefill_step_tokens_total: int = 0
     prefill_step_seconds_total: float = 0.0
     _computed_at_last_step: int = field(default=0, repr=False)

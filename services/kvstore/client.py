@@ -83,7 +83,7 @@ class KVStoreClient:
         self._down_until = 0.0
         self.failures = 0
         # In-process tier in front of the gateway (None: off); set by whoever knows the engine's
-        # page layout (services/prefill/router.py, near_cache.near_for_engine).
+        # page layout (services/kvstore/router.py, near_cache.near_for_engine).
         self.near = near
 
     def url(self) -> str | None:

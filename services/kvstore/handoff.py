@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from services.common.prefill_schemas import HandoffSegment, KVHandoff
 from services.engine.kv_transfer import copy_to_device
 from services.kvstore.near_cache import NearCache, NearRun
 from services.kvstore.shared_segment import SegmentUnavailable, SharedSegment
-from services.prefill.schemas import HandoffSegment, KVHandoff
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,13 @@ import torch
 from prometheus_client import Counter
 
 from services.common.config import KVPullSection, RunConfig
+from services.common.prefill_schemas import (
+    HandoffAck,
+    HandoffSegments,
+    KVHandoff,
+    PrefillRequest,
+    PrefillResponse,
+)
 from services.common.registry import Lookup, Registry
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine.async_engine import AsyncEngine
@@ -49,8 +56,7 @@ from services.engine.kv_transfer import (
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.handoff import HandoffReader
 from services.kvstore.near_cache import NearCache, near_for_engine
-from services.prefill.pull_policy import PullPolicy
-from services.prefill.schemas import HandoffAck, HandoffSegments, KVHandoff, PrefillRequest, PrefillResponse
+from services.kvstore.pull_policy import PullPolicy
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,14 @@ import redis
 from fastapi import FastAPI, HTTPException
 
 from services.common.config import EngineConfig
+from services.common.prefill_schemas import (
+    FirstToken,
+    HandoffAck,
+    HandoffSegments,
+    KVHandoff,
+    PrefillRequest,
+    PrefillResponse,
+)
 from services.common.schemas import GenerateRequest, UpdateWeightsRequest
 from services.common.service import Service, create_app, log_event, start_service
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
@@ -34,8 +42,8 @@ from services.engine.host_tuning import tune_after_startup
 from services.engine.kv_transfer import chain_hashes, page_nbytes, prompt_tail_key
 from services.kvstore.client import PagePublisher
 from services.kvstore.handoff import HandoffLeases, segment_list
-from services.prefill.pull_policy import PullPolicy
-from services.prefill.router import (
+from services.kvstore.pull_policy import PullPolicy
+from services.kvstore.router import (
     attach_near,
     engine_policy,
     keep_tails,
@@ -43,14 +51,6 @@ from services.prefill.router import (
     prompt_keys,
     pull_pages,
     store_client,
-)
-from services.prefill.schemas import (
-    FirstToken,
-    HandoffAck,
-    HandoffSegments,
-    KVHandoff,
-    PrefillRequest,
-    PrefillResponse,
 )
 
 WEIGHTS_POLL_S = 0.5
@@ -273,7 +273,7 @@ def build_app(service: Service) -> FastAPI:
     @app.get("/v1/handoff/segments", response_model=HandoffSegments)
     async def handoff_segments() -> HandoffSegments:
         """Every segment of the shared near tier: a same-host decode maps them before its first
-        handoff (services/prefill/router.py, KVRouter.premap_segments)."""
+        handoff (services/kvstore/router.py, KVRouter.premap_segments)."""
         return state.segments()
 
     @app.post("/update_weights")

@@ -38,7 +38,7 @@ def prepare(kernel_modules: tuple[str, ...]) -> tuple[bool, bool]:
     its child-process test runs them. Otherwise `services.engine.kernels.<m>` for each m is
     (re)imported under TRITON_INTERPRET=1 (Triton reads it when @triton.jit decorates); the rest
     of the session keeps the environment it had. A dotted name is a full module name
-    (e.g. trainer.head_kernel)."""
+    (e.g. ops.fused_norm)."""
     interpret = not torch.cuda.is_available()
     in_child = interpret and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
     if interpret and not in_child:

@@ -16,7 +16,7 @@
 // prefetches the next tile while the math warpgroups store the last one. The same kernel runs MoE
 // experts' grouped GEMMs (GROUPED mode: each expert's rows against its own weight, one launch).
 //
-// Built at run time by services/engine/kernels/cuda/fp8_wgmma.py (nvcc, then ctypes).
+// Built at run time by ops/fp8/cuda/fp8_wgmma.py (nvcc, then ctypes).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>

@@ -11,7 +11,7 @@ source's hash, so a changed kernel rebuilds; nvcc's output is kept beside it, an
 ptxas's warnings there). The library links no libcuda (it looks the
 tensor-map encoder up through the CUDA runtime), so it also builds where there is no driver.
 
-Operands follow services/common/fp8.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
+Operands follow ops/fp8/recipe.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
 e4m3 with w_scale (ceil(N/128), K/128) float32; the output is bf16. What the kernel needs
 (`unsupported_reason` says which one a call misses): Hopper (sm_90), K % 128 == 0, even N,
 row-major contiguous a and w, 16-byte aligned pointers. The activation scales are read K-block
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from services.common import fp8 as ref
-from services.engine.kernels.cuda import nvcc
-from services.engine.kernels.fp8_gemm import device_index, num_sms
+from ops.fp8 import recipe as ref
+from ops.fp8.cuda import nvcc
+from ops.fp8.triton_gemm import device_index, num_sms
 
 SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
 NVCC_FLAGS = nvcc.SM90A_FLAGS
@@ -202,7 +202,7 @@ def is_hopper(device: torch.device) -> bool:
 
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
-    # Cached, as kernels/fp8_gemm.num_sms: "auto" asks on every GEMM it may send here.
+    # Cached, as ops/fp8/triton_gemm.num_sms: "auto" asks on every GEMM it may send here.
     return torch.cuda.get_device_capability(index)
 
 
@@ -334,7 +334,7 @@ def fp8_grouped_gemm(
     out: torch.Tensor | None = None,
     variant: int = DEFAULT_GROUPED_VARIANT,
 ) -> torch.Tensor:
-    """MoE grouped GEMM in bf16 (services/common/fp8.grouped_fp8_gemm's function): a (T, K) rows
+    """MoE grouped GEMM in bf16 (ops/fp8/recipe.grouped_fp8_gemm's function): a (T, K) rows
     sorted by expert, expert e owning rows [offs[e-1], offs[e]) (offs: (E,) cumulative ends, on the
     GPU, empty experts allowed), times w[e]^T with w (E, N, K) e4m3 and w_scale (E, NB, KB). On
     the current stream, no host synchronisation (CUDA-graph safe)."""

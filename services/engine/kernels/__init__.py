@@ -1,2 +1,2 @@
-"""Triton kernels of the engine's GPU paths (docs/architecture.md "GPU path"; fp8_gemm: docs/fp8.md).
-Import the submodules directly."""
+"""Triton kernels of the engine's GPU paths (docs/architecture.md "GPU path"); the kernels the
+trainer shares are in ops/. Import the submodules directly."""

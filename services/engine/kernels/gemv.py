@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.engine.kernels import pdl
+from ops import pdl
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _gemv_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     # The first K tile of the weight is loaded before waiting for the previous kernel (PDL,
-    # kernels/pdl.py): no kernel of the forward writes weights, so with USE_GDC this read overlaps
+    # ops/pdl.py): no kernel of the forward writes weights, so with USE_GDC this read overlaps
     # the previous kernel's tail; it is most of this program's bytes (K <= BLOCK_K: all of them).
     k_ok = offs_k < K
     w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -105,7 +105,7 @@ def m_bucket(m: int) -> int:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T for M <= MAX_M (float32 accumulation, output in x's dtype). Launched
-    with PDL where kernels/pdl.py says so (the engine's forward scope on a Hopper GPU)."""
+    with PDL where ops/pdl.py says so (the engine's forward scope on a Hopper GPU)."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(-1) != 1:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import pdl
+from ops import pdl
 
 WORD = 8  # bytes per element the kernel moves (int64)
 MAX_BLOCK = 1024  # words per program

@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops import pdl
 from services.engine.batch import DECODE_BLOCK_N, DecodeMeta, PagedMeta, PrefillMeta
-from services.engine.kernels import pdl
 
 # Launch settings: reasonable first choices, not tuned on the H200 yet (bench/engine/w1.py's
 # "kernels" phase times alternatives; keys: tile sizes, warps, software-pipelining stages).
@@ -77,7 +77,7 @@ def _store_kv_kernel(
     USE_GDC: tl.constexpr,
 ):
     t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)  # step metadata: before the PDL wait (kernels/pdl.py)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # step metadata: before the PDL wait (ops/pdl.py)
     offs = tl.arange(0, HD_PAD)  # heads and dims flattened: rows are [n_kv * D] contiguous
     mask = offs < tl.where(slot >= 0, H_KV * D, 0)
     if USE_GDC:
@@ -135,7 +135,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     # Positions are int32 (loop bounds); addresses int64 (a large pool overflows 2^31 elements).
     # Step metadata (work list, context, query row) before the PDL wait: the host
-    # copies it in before the forward and no kernel writes it (kernels/pdl.py); q and the pool after.
+    # copies it in before the forward and no kernel writes it (ops/pdl.py); q and the pool after.
     if SINGLE:
         b = w
         ctx = tl.load(ctx_ptr + b).to(tl.int32)
@@ -296,7 +296,7 @@ def _prefill_kernel(
     USE_GDC: tl.constexpr,
 ):
     # Step metadata (block list, spans) is read before the PDL wait: the host copies it in before
-    # the forward and no kernel writes it (kernels/pdl.py). Every program waits before it can
+    # the forward and no kernel writes it (ops/pdl.py). Every program waits before it can
     # return: a grid that finished without waiting would let the next kernel's wait pass while
     # the kernel before this one still runs.
     if BLOCK_MAP:

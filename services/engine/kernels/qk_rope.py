@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import pdl
+from ops import pdl
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _qk_rope_store_kernel(
     cos = cos_ptr + t * stride_cs
     sin = sin_ptr + t * stride_cs
     offs_d = tl.arange(0, HALF)
-    # Before the PDL wait (kernels/pdl.py) only what no kernel of the forward writes: the q/k norm
+    # Before the PDL wait (ops/pdl.py) only what no kernel of the forward writes: the q/k norm
     # weights and the token's slot (copied in by the host before the forward).
     if NORM:
         qw1 = tl.load(qw_ptr + offs_d).to(tl.float32)

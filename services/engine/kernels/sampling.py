@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import pdl
+from ops import pdl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # a jit kernel reads only constexpr globals
 BLOCK_V = 2048  # vocabulary columns per loop iteration
@@ -55,7 +55,7 @@ def _sample_chunk(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     if USE_GDC:
-        tl.extra.cuda.gdc_wait()  # the logits are the previous kernel's output (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()  # the logits are the previous kernel's output (ops/pdl.py)
     temp = tl.load(temps_ptr + row)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
@@ -215,7 +215,7 @@ def fused_sample(
     block: columns per loop iteration (a power of two; small in tests, for several iterations).
     Each row is split into chunks of whole blocks so that about `programs` programs run (default:
     two per SM); a second kernel merges a row's chunks. The random stream is keyed by the column,
-    so the chunking never changes which token a seed picks. Launched with PDL where kernels/pdl.py
+    so the chunking never changes which token a seed picks. Launched with PDL where ops/pdl.py
     says so (the engine's sampler enters its scope). out: (tokens, logprobs) to write into instead
     of new tensors (a captured graph's static outputs)."""
     if logits.stride(-1) != 1:
