@@ -1,1 +1,2 @@
-"""Prefill services and the decode-side routing to them (prefill/decode disaggregation); docs/kv.md."""
+"""The prefill service (prefill/decode disaggregation): computes long prompts' pages and first
+tokens for decode; decode reaches it through services/kvstore/router.py. docs/kv.md."""
