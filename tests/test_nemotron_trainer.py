@@ -1,4 +1,4 @@
-"""Nemotron-H / Nemotron-3 (nemotron_h) in the trainer: the Mamba-2 scan (trainer/mamba2.py)
+"""Nemotron-H / Nemotron-3 (nemotron_h) in the trainer: the Mamba-2 scan (ops/mamba2.py)
 against the naive recurrence, forward and gradients; the hybrid stack (trainer/nemotron.py)
 against HF NemotronHForCausalLM (logits and float32 gradients); the HF checkpoint layouts; packed
 micro-batches; Router Replay on its MoE layers; one trainer step."""
@@ -21,12 +21,12 @@ from helpers.moe import (
     tokens,
 )
 
+from ops.mamba2 import causal_conv1d, conv1d_step, conv_state_after, ssd_chunked, ssd_naive, ssd_step
 from services.common.config import ModelConfig, RunConfig
 from services.common.modeldir import hf_config, model_config_from_hf, step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
-from trainer.mamba2 import causal_conv1d, conv1d_step, conv_state_after, ssd_chunked, ssd_naive, ssd_step
 from trainer.model import adapter, build_model, from_hf_state, load_weights_dir, save_weights_dir, to_hf_state
 from trainer.replay import UNRECORDED, micro_batch_routes, moe_routers, routing
 

@@ -8,7 +8,7 @@ Every layer is `x + mixer(RMSNorm(x))` with ONE mixer chosen by `model.hybrid_pa
 
   M  Mamba2Mixer   in_proj -> [z | xBC | dt]; causal depthwise conv1d + SiLU on xBC -> x, B, C;
                    dt = clamp(softplus(dt + dt_bias)); SSD scan with A = -exp(A_log) and the D
-                   skip (trainer/mamba2.py: the chunked scan, autograd its backward); gated
+                   skip (ops/mamba2.py: the chunked scan, autograd its backward); gated
                    group RMSNorm(y * silu(z)); out_proj
   *  Attention     GQA with no positional encoding (Nemotron-H's attention layers have no RoPE)
   -  Relu2MLP      down(relu(up(x))^2)
@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from torchtitan.models.moe import MoE
 
+from ops.mamba2 import causal_conv1d, ssd_chunked
 from services.common.config import ModelConfig
-from trainer.mamba2 import causal_conv1d, ssd_chunked
 from trainer.moe_routing import add_expert_bias, deepseek_moe_args
 
 
