@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from services.common.config import ConfigError, ModelConfig, RunConfig, load_config
+from services.common.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 RATES_FILE = REPO / "bench" / "plan" / "rates.toml"
@@ -224,17 +224,137 @@ def experts_touched(m: ModelConfig, tokens: float) -> float:
     return e * (1 - (1 - k / e) ** tokens)
 
 
+def expert_params(m: ModelConfig) -> int:
+    """Parameters of one routed expert (SwiGLU gate/up/down; nemotron_h's squared-ReLU up/down)."""
+    return (2 if m.is_hybrid else 3) * m.dim * m.moe_hidden_dim
+
+
+def routed_expert_params(m: ModelConfig) -> int:
+    """Parameters of every routed expert of every MoE layer (0 for a dense model)."""
+    return len(m.moe_layers()) * m.n_routed_experts * expert_params(m) if m.is_moe else 0
+
+
+def _step_weights(m: ModelConfig, batch: float) -> tuple[float, float]:
+    """(weights other than routed experts, routed expert weights) one decode step of `batch`
+    independently routed sequences reads, in parameters. Every weight but the input embedding (a
+    gather; tied, it is the LM head and read) is read once a step, routed experts only where the
+    batch's tokens go."""
+    p = m.param_counts()
+    weights = p["total"] - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    routed = routed_expert_params(m)
+    touched = len(m.moe_layers()) * experts_touched(m, batch) * expert_params(m) if m.is_moe else 0.0
+    return weights - routed, touched
+
+
 def decode_step_bytes(m: ModelConfig, batch: float, context: float, weight_bytes: float) -> float:
     """Bytes one decode step of `batch` sequences reads: the weights its tokens touch and their KV."""
-    p = m.param_counts()
-    # Every weight but the input embedding (a gather; tied, it is the LM head and read) is read
-    # once a step, routed experts only where the batch's tokens go.
-    weights = p["total"] - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    if m.is_moe:
-        expert = (2 if m.is_hybrid else 3) * m.dim * m.moe_hidden_dim  # (nemotron_h: up/down)
-        n_moe = len(m.moe_layers())
-        weights -= n_moe * (m.n_routed_experts - experts_touched(m, batch)) * expert
-    return weights * weight_bytes + batch * kv_bytes_read_per_token(m, context)
+    rest, routed = _step_weights(m, batch)
+    return (rest + routed) * weight_bytes + batch * kv_bytes_read_per_token(m, context)
+
+
+# ---------------------------------------------------------------------- one engine over many GPUs
+
+
+def kv_share_per_rank(m: ModelConfig, tp: int) -> float:
+    """The share of a token's KV one rank of a tp group keeps: its KV heads (one, replicated, when
+    there are fewer KV heads than ranks); all of MLA's latent, which every head reads."""
+    if m.is_mla:
+        return 1.0
+    return max(1, m.n_kv_heads // tp) / m.n_kv_heads
+
+
+def engine_params_per_rank(m: ModelConfig, par: ParallelConfig) -> float:
+    """Parameters one rank of an engine holds: everything but the routed experts split over tp
+    (replicated over dp_attention groups), the routed experts split over ep (over tp when ep = 1).
+    Norms, routers and MLA's down-projections, which tensor parallelism replicates, are counted as
+    split: under tp = 1 (data-parallel attention) that is exact."""
+    routed = routed_expert_params(m)
+    rest = m.param_counts()["total"] - routed
+    return rest / par.tp + routed / (par.ep if par.ep > 1 else par.tp)
+
+
+def decode_step_bytes_per_rank(
+    m: ModelConfig, par: ParallelConfig, batch: float, context: float, weight_bytes: float
+) -> float:
+    """Bytes one rank reads in a decode step of `batch` sequences over the whole engine: its share
+    of the weights the batch touches, and the KV of its attention group's sequences."""
+    rest, routed = _step_weights(m, batch)
+    weights = rest / par.tp + routed / (par.ep if par.ep > 1 else par.tp)
+    kv = batch / par.dp_attention * kv_bytes_read_per_token(m, context) * kv_share_per_rank(m, par.tp)
+    return weights * weight_bytes + kv
+
+
+class EngineLayout(BaseModel):
+    """One decode or prefill engine over its GPUs, and the memory per GPU it implies."""
+
+    role: str
+    engines: int
+    par: ParallelConfig
+    nodes_per_engine: float  # < 1: several engines share a node
+    heads_per_rank: int
+    kv_heads_per_rank: int  # MLA: every rank keeps the whole latent
+    experts_per_rank: int
+    vocab_per_rank: int
+    sequences_per_group: float  # of the engine's max_batch_size, per attention group
+    weights_gb: float  # per GPU
+    kv_gb: float  # per GPU, at the planned concurrency and mean context
+    kv_room_tokens: int  # per attention group: tokens of KV its GPUs hold after their weights
+    device_gb: float
+
+    @property
+    def fits(self) -> bool:
+        return (self.weights_gb + self.kv_gb) * 1e9 <= self.device_gb * 1e9 * HBM_USABLE
+
+
+def engine_layout(cfg: RunConfig, role: Literal["decode", "prefill"], dev: Device) -> EngineLayout:
+    m = cfg.model
+    par = cfg.decode.parallel if role == "decode" else cfg.prefill_parallel
+    engine = cfg.decode.engine if role == "decode" else (cfg.prefill.engine or cfg.decode.engine)
+    comp = getattr(cfg.slurm, role)
+    engines = cfg.decode.replicas if role == "decode" else max(1, comp.nodes)
+    wbytes = 1.0 if engine.quantization == "fp8" else 2.0
+    weights = engine_params_per_rank(m, par) * wbytes
+    per_group = engine.max_batch_size / par.dp_attention
+    ctx = cfg.plan.rollout_tokens / 2  # a rollout's mean context over its lifetime
+    token_kv = kv_bytes_per_token(m) * kv_share_per_rank(m, par.tp)
+    kv = per_group * (ctx * token_kv + recurrent_state_bytes(m))
+    room = max(0.0, dev.hbm_bytes * HBM_USABLE - weights) / token_kv
+    return EngineLayout(
+        role=role,
+        engines=engines,
+        par=par,
+        nodes_per_engine=comp.nodes / engines if engines else 0.0,
+        heads_per_rank=m.n_heads // par.tp,
+        kv_heads_per_rank=m.n_kv_heads if m.is_mla else max(1, m.n_kv_heads // par.tp),
+        experts_per_rank=m.n_routed_experts // par.ep,
+        vocab_per_rank=m.vocab_size // par.tp,
+        sequences_per_group=per_group,
+        weights_gb=weights / 1e9,
+        kv_gb=kv / 1e9,
+        kv_room_tokens=int(room),
+        device_gb=dev.hbm_bytes / 1e9,
+    )
+
+
+def render_layout(m: EngineLayout, gpus_per_node: int) -> list[str]:
+    """The layout as the dry run prints it (sbatch/slurm.py describe)."""
+    p = m.par
+    per_node = round(1 / m.nodes_per_engine) if m.nodes_per_engine else 0
+    where = (
+        f"{per_node} engine(s) per node, ranks 0-{p.ranks - 1} of each on its own GPUs"
+        if gpus_per_node
+        else f"ranks 0-{p.ranks - 1} as local processes"
+    )
+    return [
+        f"  {m.role}: {m.engines} engine(s) x {p.ranks} rank(s) (tp {p.tp}, dp_attention {p.dp_attention},"
+        f" ep {p.ep}); {where}",
+        f"    per rank: {m.heads_per_rank} attention heads, {m.kv_heads_per_rank} KV heads"
+        + (f", {m.experts_per_rank} routed experts" if m.experts_per_rank else "")
+        + f", {m.vocab_per_rank:,} vocabulary rows; attention group of {p.tp} rank(s) serves"
+        f" {m.sequences_per_group:g} sequences",
+        f"    per GPU: weights {m.weights_gb:.1f} GB + KV {m.kv_gb:.1f} GB of {m.device_gb:.0f}:"
+        f" {'fits' if m.fits else 'DOES NOT FIT'}; KV room {m.kv_room_tokens:,} tokens per attention group",
+    ]
 
 
 # ---------------------------------------------------------------------- the plan
@@ -254,14 +374,10 @@ def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
     # a token) and a chunked LM head.
     tokens = cfg.trainer.micro_batch_tokens / cfg.trainer.cp
     act = tokens * m.dim * 2 * m.n_layers + tokens * m.dim * 34
-    wbytes = 1.0 if cfg.decode.engine.quantization == "fp8" else 2.0
-    gpus_per_engine = _gpus_per_decode_engine(cfg, split)
-    weights = p["total"] * wbytes / gpus_per_engine
-    ctx = cfg.plan.rollout_tokens / 2  # a rollout's mean context over its lifetime
-    conc = cfg.decode.engine.max_batch_size
-    kv = conc * (ctx * kv_bytes_per_token(m) + recurrent_state_bytes(m)) / gpus_per_engine
+    lay = engine_layout(cfg, "decode", dev)
+    weights, kv = lay.weights_gb * 1e9, lay.kv_gb * 1e9
     usable = dev.hbm_bytes * HBM_USABLE
-    kv_cap = max(0.0, (usable - weights) * gpus_per_engine) / kv_bytes_per_token(m)
+    kv_cap = lay.kv_room_tokens * cfg.decode.parallel.dp_attention
     return Memory(
         trainer_state_gb=state / 1e9,
         trainer_activations_gb=act / 1e9,
@@ -276,11 +392,6 @@ def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
     )
 
 
-def _gpus_per_decode_engine(cfg: RunConfig, split: Split) -> int:
-    """One decode engine spans a node's GPUs (expert/tensor parallel inside the node)."""
-    return max(1, cfg.slurm.decode.gpus_per_node)
-
-
 def _weight_bytes(cfg: RunConfig) -> float:
     return 1.0 if cfg.decode.engine.quantization == "fp8" else 2.0
 
@@ -291,12 +402,13 @@ def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> S
     rollouts = cfg.orchestrator.batch_size * cfg.orchestrator.group_size
     generated = rollouts * w.generated_tokens
     new_prompt = rollouts * (w.rollout_tokens - w.generated_tokens) * w.prefill_miss
-    gpe = _gpus_per_decode_engine(cfg, split)
-    engines = max(1, split.decode_nodes * cfg.slurm.decode.gpus_per_node // gpe)
+    par = cfg.decode.parallel
+    engines = max(1, split.decode_nodes * cfg.slurm.decode.gpus_per_node // par.ranks)
     batch = cfg.decode.engine.max_batch_size
     ctx = w.rollout_tokens / 2
-    step_bytes = decode_step_bytes(m, batch, ctx, _weight_bytes(cfg))
-    t_step = step_bytes / (rates.decode_hbm_fraction.value * dev.hbm_bytes_per_s * gpe)
+    # The ranks of an engine step together: a step takes as long as one rank's reads.
+    step_bytes = decode_step_bytes_per_rank(m, par, batch, ctx, _weight_bytes(cfg))
+    t_step = step_bytes / (rates.decode_hbm_fraction.value * dev.hbm_bytes_per_s)
     decode_s = generated / (engines * batch) * t_step
     tail_s = tail_generated(cfg) * t_step
     pre_flops = new_prompt * (2 * p["active"] + attention_flops_per_token(m, ctx / 2))
@@ -314,7 +426,8 @@ def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> S
     wbytes = _weight_bytes(cfg)
     publish_s = p["total"] * wbytes / tgpus / rates.publish_bytes_per_s.value
     apply = rates.apply_bytes_per_s
-    apply_s = p["total"] * wbytes / gpe / apply.value if apply else 0.0
+    # Each rank reads and applies its own slice, all ranks at once.
+    apply_s = engine_params_per_rank(m, par) * wbytes / apply.value if apply else 0.0
     return _combine(cfg, decode_s, prefill_s, rollout_s, train_s, publish_s, apply_s, tail_s)
 
 

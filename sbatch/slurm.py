@@ -445,7 +445,21 @@ def describe(cfg: RunConfig, plan: JobPlan) -> str:
             else ""
         )
     )
+    lines += engine_lines(cfg, plan)
     return "\n".join(lines)
+
+
+def engine_lines(cfg: RunConfig, plan: JobPlan) -> list[str]:
+    """Each inference engine's ranks over its GPUs and the memory per GPU that implies (plan.py)."""
+    from sbatch.plan import DEVICES, engine_layout, render_layout
+
+    dev = DEVICES[cfg.plan.gpu]
+    lines = [f"engines (one rank per GPU; memory on {dev.name}, plan.gpu):"]
+    for role in ("decode", "prefill"):
+        c = plan.component(role)
+        if c is not None and c.nodes:
+            lines += render_layout(engine_layout(cfg, role, dev), c.gpus_per_node)  # type: ignore[arg-type]
+    return lines
 
 
 # ---------------------------------------------------------------------- inside the job

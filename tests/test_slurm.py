@@ -223,6 +223,7 @@ def test_several_decode_replicas_per_node_split_the_gpus(tmp_path: Path) -> None
             "--decode.replicas=4",
             "--slurm.decode.nodes=2",
             "--slurm.decode.gpus_per_node=8",
+            "--decode.parallel.tp=4",  # one rank per GPU of the replica
         ],
     )
     decode = slurm.build_plan(cfg, tmp_path).component("decode")

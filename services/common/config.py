@@ -416,8 +416,74 @@ class EngineConfig(Strict):
     logits_fp32: bool = True
 
 
+class ParallelConfig(Strict):
+    """How one engine (a decode or prefill service) spreads over its GPUs: ranks = tp x dp_attention
+    processes, one per GPU (docs/parallel.md).
+
+    tp: attention and dense layers tensor-parallel over tp ranks (heads, FFN width and vocabulary
+    split; KV heads split, or replicated when the model has fewer KV heads than tp).
+    dp_attention: that many groups of tp ranks, each holding its own requests' KV and running
+    attention on them (MoE models, with ep = ranks: every MoE layer sends tokens to their experts'
+    ranks and back, all-to-all).
+    ep: 1 (experts tensor-parallel with the rest, over tp) or the whole engine (experts split over
+    all ranks)."""
+
+    tp: int = Field(1, ge=1)
+    dp_attention: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp_attention
+
+    @model_validator(mode="after")
+    def _degrees(self) -> ParallelConfig:
+        if self.ep not in (1, self.ranks):
+            raise ValueError(
+                f"ep ({self.ep}) must be 1 or the engine's ranks, tp x dp_attention = {self.ranks}"
+            )
+        if self.dp_attention > 1 and self.ep != self.ranks:
+            raise ValueError(
+                f"dp_attention ({self.dp_attention}) > 1 needs ep = tp x dp_attention = {self.ranks}"
+                " (data-parallel attention serves MoE layers by expert parallelism)"
+            )
+        return self
+
+    def check(self, m: ModelConfig, key: str) -> None:
+        """Raise ValueError naming `key`.<field> when the model's shape cannot be split this way."""
+        tp, what = self.tp, f"{key}.tp ({self.tp})"
+        if self.ranks > 1 and m.is_hybrid:
+            raise ValueError(f"{key}: arch nemotron_h runs on one rank (tp = dp_attention = ep = 1)")
+        if m.n_heads % tp:
+            raise ValueError(f"{what} must divide model.n_heads ({m.n_heads})")
+        if not m.is_mla and m.n_kv_heads % tp and tp % m.n_kv_heads:
+            raise ValueError(
+                f"{what} must divide model.n_kv_heads ({m.n_kv_heads}), or be a multiple of it"
+                " (each KV head then replicated on tp / n_kv_heads ranks)"
+            )
+        if m.vocab_size % tp:
+            raise ValueError(f"{what} must divide model.vocab_size ({m.vocab_size}): vocab-parallel head")
+        if (not m.is_moe or m.first_k_dense) and m.hidden_dim % tp:
+            raise ValueError(f"{what} must divide model.hidden_dim ({m.hidden_dim})")
+        if m.is_moe and m.shared_width % tp:
+            raise ValueError(f"{what} must divide the shared experts' width ({m.shared_width})")
+        if self.ep > 1:
+            if not m.is_moe:
+                raise ValueError(f"{key}.ep ({self.ep}) > 1 needs an MoE model (model.n_routed_experts)")
+            if m.n_routed_experts % self.ep:
+                raise ValueError(
+                    f"{key}.ep ({self.ep}) must divide model.n_routed_experts ({m.n_routed_experts})"
+                )
+        elif m.is_moe and m.moe_hidden_dim % tp:
+            raise ValueError(
+                f"{what} must divide model.moe_hidden_dim ({m.moe_hidden_dim}) (experts tensor-parallel"
+                " with ep = 1)"
+            )
+
+
 class DecodeSection(ServiceSection):
     engine: EngineConfig = EngineConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
 
 class MooncakeSection(Strict):
@@ -504,6 +570,8 @@ class PrefillSection(ServiceSection):
     replicas: int = Field(0, ge=0)
     # None: decode's engine config (pages must have decode's layout to be reusable there).
     engine: EngineConfig | None = None
+    # None: decode's parallel layout.
+    parallel: ParallelConfig | None = None
     # Routing (in decode): prompts with at least this many tokens not already cached go to a
     # prefill service; shorter ones are prefilled locally.
     min_new_tokens: int = Field(1024, gt=0)
@@ -879,6 +947,38 @@ class RunConfig(Strict):
             engine.max_num_batched_tokens = max(DISAGG_DECODE_STEP_TOKENS, engine.max_batch_size)
         return self
 
+    @model_validator(mode="after")
+    def _engine_layouts(self) -> RunConfig:
+        self.decode.parallel.check(self.model, "decode.parallel")
+        self._check_gpus(self.decode.parallel, "decode", self.decode.replicas)
+        if self.prefill.replicas > 0 or self.slurm.prefill.nodes > 0:
+            key = "prefill.parallel" if self.prefill.parallel else "decode.parallel"
+            self.prefill_parallel.check(self.model, key)
+            # One prefill service per prefill node (sbatch/slurm.py).
+            self._check_gpus(self.prefill_parallel, "prefill", self.slurm.prefill.nodes, key)
+        return self
+
+    def _check_gpus(self, par: ParallelConfig, role: str, replicas: int, key: str = "") -> None:
+        """Under Slurm, an engine's ranks are exactly the GPUs its replica is given."""
+        key = key or f"{role}.parallel"
+        comp: SlurmComponent = getattr(self.slurm, role)
+        if self.slurm.launcher != "slurm" or not comp.gpus_per_node or not replicas:
+            return
+        gpus = comp.gpus_per_node * comp.nodes
+        if gpus % replicas:
+            return  # sbatch/slurm.py's layout names that error
+        per = gpus // replicas
+        if par.ranks != per:
+            raise ValueError(
+                f"{key}: tp x dp_attention = {par.ranks} rank(s) per engine, but each {role} replica"
+                f" gets {per} GPU(s) (slurm.{role}.gpus_per_node {comp.gpus_per_node} x nodes"
+                f" {comp.nodes} / {replicas} replicas): one rank per GPU"
+            )
+
+    @property
+    def prefill_parallel(self) -> ParallelConfig:
+        return self.prefill.parallel or self.decode.parallel
+
     def dump(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
 
@@ -920,11 +1020,19 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {e}") from None
 
 
+# A cross-section check (a RunConfig validator) names its own dotted key at its message's start.
+_NAMED_KEY = re.compile(r"^Value error, ([a-z_]+(?:\.[a-z_]+)+\b.*)$", re.S)
+
+
 def _format_validation(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        named = _NAMED_KEY.match(msg) if key == "<root>" else None
+        if named:  # the input here is the whole tree: not worth printing
+            lines.append(f"  {named[1]}")
+            continue
         lines.append(f"  {key}: {msg} (got {e.get('input')!r})")
     return "\n".join(lines)
 
