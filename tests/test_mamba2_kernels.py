@@ -1,0 +1,45 @@
+"""ops/mamba2_triton.py under Triton's interpreter: the decode step kernel updates a state pool in
+place at the batch's slots, equal to ops/mamba2.py ssd_step (tests/helpers/triton_interp.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import triton_interp
+
+INTERPRET, IN_CHILD = triton_interp.prepare(("ops.mamba2_triton",))
+needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
+triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
+def test_mamba2_kernel_tests_in_child_process() -> None:
+    triton_interp.run_file_in_child(__file__)
+
+
+from ops.mamba2 import ssd_step  # noqa: E402
+from ops.mamba2_triton import ssd_step_pool  # noqa: E402
+
+
+@needs_interpreter
+@pytest.mark.parametrize("p,n,groups", [(12, 10, 2), (64, 16, 1), (80, 128, 4)])
+def test_step_kernel_equals_the_torch_step(p: int, n: int, groups: int) -> None:
+    """Head channels over several blocks (80 > 64), state sizes not powers of two, 1-4 groups;
+    rows of the pool outside the batch's slots untouched."""
+    g = torch.Generator().manual_seed(p + n)
+    b, h, slots_total = 3, 4, 6
+    state = torch.randn(slots_total, h, p, n, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    x = torch.randn(b, h, p, generator=g)
+    dt = torch.rand(b, h, generator=g)
+    a = -torch.rand(h, generator=g)
+    bm, cm = torch.randn(b, groups, n, generator=g), torch.randn(b, groups, n, generator=g)
+    d = torch.randn(h, generator=g)
+    want_y, want_s = ssd_step(state[slots], x, dt, a, bm, cm, d)
+    pool = state.clone()
+    y = ssd_step_pool(pool, slots, x, dt, a, bm, cm, d)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[slots], want_s, rtol=1e-5, atol=1e-5)
+    others = [i for i in range(slots_total) if i not in slots.tolist()]
+    assert torch.equal(pool[others], state[others])
