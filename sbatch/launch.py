@@ -25,7 +25,8 @@ from rich.console import Console
 from sbatch.local import RUNS_DIR
 from sbatch.status_view import print_running, print_services
 from sbatch.summary import print_summary
-from services.common.bus import Bus, connect
+from services.common.auth import load_run_secrets, with_credentials
+from services.common.bus import Bus
 from services.common.config import ConfigError, RunConfig, load_config, load_resolved
 from services.common.health import health_rows
 
@@ -70,11 +71,16 @@ def _latest() -> Path | None:
     return latest.resolve() if latest.exists() else None
 
 
+def run_redis_url(run_dir: Path, cfg: RunConfig) -> str:
+    """The run's Redis URL with its credentials (RUN_DIR/secrets.json), for this process only."""
+    return with_credentials(cfg.redis.url, load_run_secrets(run_dir))
+
+
 def _run_bus(run_dir: Path) -> tuple[RunConfig, Bus] | None:
     cfg = load_resolved(run_dir / "config.json")
     if not cfg.redis.url:
         return None  # a Slurm run whose head has not started Redis yet
-    return cfg, Bus(cfg.redis.url, cfg.redis.prefix)
+    return cfg, Bus(run_redis_url(run_dir, cfg), cfg.redis.prefix)
 
 
 def _print_registry(bus: Bus) -> None:
@@ -219,9 +225,9 @@ def cmd_restart(service: str) -> int:
     if got is None:
         console.print("no run with a live Redis (runs/latest)")
         return 1
-    cfg, _bus = got
+    cfg, bus = got
     try:
-        names = request_restart(connect(cfg.redis.url), cfg.redis.prefix, service)
+        names = request_restart(bus.r, cfg.redis.prefix, service)
     except LookupError as e:
         console.print(f"[red]{e}[/]")
         return 1

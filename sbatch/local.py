@@ -1,8 +1,9 @@
 """The local executor: the whole pipeline as separate processes on one machine (no Slurm).
 
-Starts Redis (unless the run names one), then sandbox, decode, trainer and orchestrator, each
-its own process logging to RUN_DIR/logs/<name>.log; prints one line per trainer step from
-RUN_DIR/metrics.jsonl and a summary at the end (RUN_DIR/summary.json).
+Creates the run's secrets (RUN_DIR/secrets.json, services/common/auth.py), starts Redis with
+their password (unless the run names one), then sandbox, decode, trainer and orchestrator, each
+its own process logging to RUN_DIR/logs/<name>.log, the secrets in its environment; prints one
+line per trainer step from RUN_DIR/metrics.jsonl and a summary at the end (RUN_DIR/summary.json).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rich.console import Console
 from sbatch.budget import RunClock
 from sbatch.summary import StepLine, print_summary, summarize
 from sbatch.supervisor import RestartPolicy, supervisor_argv
+from services.common.auth import child_env, ensure_run_secrets, with_credentials
 from services.common.bus import Bus, run_prefix
 from services.common.config import REPO_ROOT, RunConfig
 from services.common.redis_server import RedisServer
@@ -115,8 +117,10 @@ class LocalRun:
         self.run_dir = make_run_dir(cfg)
         self.redis: RedisServer | None = None
         redis_url = cfg.redis.url or os.environ.get("REDIS_URL", "")
+        # The run token, and Redis credentials kept out of config.json and every command line.
+        self.secrets, redis_url = ensure_run_secrets(self.run_dir, redis_url)
         if not redis_url:
-            self.redis = RedisServer(self.run_dir / "redis").start()
+            self.redis = RedisServer(self.run_dir / "redis", password=self.secrets.redis_password).start()
             redis_url = self.redis.url
         # Namespacing by run keeps several runs (or a re-run) on one Redis apart.
         prefix = run_prefix(cfg.redis.prefix, self.run_dir.name)
@@ -125,7 +129,7 @@ class LocalRun:
         )
         self.config_path = self.run_dir / "config.json"
         self.config_path.write_text(self.cfg.dump())
-        self.bus = Bus(redis_url, prefix)
+        self.bus = Bus(with_credentials(redis_url, self.secrets), prefix)
         self.procs: list[Proc] = []
         self._stop_requested = False
 
@@ -143,7 +147,12 @@ class LocalRun:
 
     def start(self) -> None:
         ensure_installed(self.cfg)  # the Mooncake extra, when the run uses that tier
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "REDIS_URL": self.cfg.redis.url}
+        env = {
+            **child_env(os.environ, self.secrets),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "REDIS_URL": self.cfg.redis.url,
+        }
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         sp = self.cfg.slurm.supervisor
         policy = RestartPolicy(

@@ -46,9 +46,11 @@ from rich.console import Console
 from sbatch.local import RUNS_DIR, make_run_dir, read_metrics_after, service_argv
 from sbatch.summary import StepLine, print_summary, summarize
 from sbatch.supervisor import FINAL_STATES, RestartPolicy, read_states, supervisor_argv
+from services.common.auth import AuthError, RunSecrets, ensure_run_secrets, load_run_secrets, with_credentials
 from services.common.bus import Bus, Keys, connect, run_prefix, wait_for_redis
 from services.common.config import REPO_ROOT, ConfigError, RunConfig, SlurmComponent, slurm_time_minutes
 from services.common.net import free_port
+from services.common.redis_server import secure_conf
 from services.kvstore.launch import resolve_ports
 from trainer.launch import trainer_command
 
@@ -239,18 +241,19 @@ def multinode_trainer_argv(argv: list[str], nnodes: int, endpoint: str, rdzv_id:
 
 
 def redis_argv(run_dir: Path, port: int | str) -> list[str]:
-    from services.common.redis_server import server_binary
+    from services.common.redis_server import CONF_FILE, server_binary
 
     # AOF on: a Redis restarted by its supervisor (or a requeued job) comes back with the run's
     # state (ledger, stream, step counters); everything else assumes Redis keeps what it was told.
+    # Bound on all interfaces (other nodes connect); the password and protected mode are in the
+    # head's RUN_DIR/redis/redis-auth.conf (mode 0600), not on this command line.
     return [
         server_binary(),
+        str(run_dir / "redis" / CONF_FILE),
         "--port",
         str(port),
         "--bind",
         "0.0.0.0",
-        "--protected-mode",
-        "no",
         "--dir",
         str(run_dir / "redis"),
         "--save",
@@ -509,6 +512,7 @@ class ComponentTask:
         self.r: redis.Redis | None = None
         self.t0 = time.time()
         self.cfg: RunConfig | None = None
+        self.secrets = RunSecrets(token="-" * 32)  # the run's, loaded when the task starts
 
     # -- setup
 
@@ -556,7 +560,7 @@ class ComponentTask:
             url = self.plan.redis_url
         else:
             port = self.plan.redis_port or free_port()
-            (self.run_dir / "redis").mkdir(exist_ok=True)
+            secure_conf(self.run_dir / "redis", self.secrets.redis_password)
             url = f"redis://{self.host}:{port}/0"
             spec = next(s for s in self.specs if s.kind == "redis")
             self._start(spec, redis_argv(self.run_dir, port), url)
@@ -604,6 +608,10 @@ class ComponentTask:
 
         code = 1
         try:
+            # The run's secrets (written by the submit side, mode 0600, on the shared run
+            # directory): this task's own Redis clients and every service it starts use them.
+            self.secrets = load_run_secrets(self.run_dir)
+            os.environ.update(self.secrets.env())
             if self.comp.role == "head" and self.rank == 0:
                 redis_url = self._start_head_redis(load_resolved(self.plan.config_path))
             else:
@@ -805,6 +813,11 @@ def submit(cfg: RunConfig, console: Console) -> int:
     if missing:
         console.print(f"[red]this plan needs modules this checkout lacks: {', '.join(missing)}[/]")
         return 2
+    # The run token and Redis credentials, read by every component from the shared run directory.
+    _secrets, public_url = ensure_run_secrets(run_dir, cfg.redis.url)
+    if public_url != cfg.redis.url:
+        cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update={"url": public_url})})
+        plan = build_plan(cfg, run_dir)
     (run_dir / "slurm").mkdir(exist_ok=True)
     (run_dir / "slurm" / HEAD_FILE).unlink(missing_ok=True)
     # The head rewrites this with the live Redis URL once the job runs.
@@ -900,12 +913,13 @@ def stop_job(run_dir: Path, console: Console, reason: str = "stop requested (mak
 
         cfg = load_resolved(run_dir / "config.json")
         if cfg.redis.url:
-            connect(cfg.redis.url).set(Keys(cfg.redis.prefix).control_shutdown, reason, nx=True)
+            url = with_credentials(cfg.redis.url, load_run_secrets(run_dir))
+            connect(url).set(Keys(cfg.redis.prefix).control_shutdown, reason, nx=True)
             console.print(f"asked job {job_id} to stop ({reason})")
             deadline = time.monotonic() + cfg.slurm.supervisor.stop_timeout_s + 60
             while not job_gone(job_id) and time.monotonic() < deadline:
                 time.sleep(1.0)
-    except (redis.RedisError, OSError, ValueError) as e:
+    except (redis.RedisError, OSError, ValueError, AuthError) as e:
         console.print(f"Redis unreachable ({e}); cancelling directly")
     if not job_gone(job_id):
         subprocess.run(["scancel", job_id], check=False)

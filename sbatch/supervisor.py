@@ -38,7 +38,7 @@ from typing import IO, Any
 
 import redis
 
-from services.common.bus import Keys, supervisor_states
+from services.common.bus import Keys, connect, supervisor_states
 
 # States a supervisor reports.
 STARTING, RUNNING, BACKOFF, STOPPING, STOPPED, EXITED, FAILED = (
@@ -114,8 +114,9 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.prefix = prefix
         self.k = Keys(prefix)
+        # Credentials come from the environment the launcher gives it (services/common/auth.py).
         self.r = (
-            redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2)
+            connect(redis_url, socket_timeout=2, socket_connect_timeout=2, health_check_interval=0)
             if redis_url
             else None
         )

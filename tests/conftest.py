@@ -4,12 +4,20 @@ random-weight HF models), imported as `from helpers.<module> import ...`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from services.common.auth import REDIS_PASSWORD_ENV, TOKEN_ENV, new_token
 from services.common.redis_server import RedisServer
+
+# Every relay service requires the run token and every Redis the tests start a password
+# (services/common/auth.py): the tests' own, in the environment of every process they start.
+# Clients in tests send it with `auth_headers()`.
+os.environ.setdefault(TOKEN_ENV, new_token())
+os.environ.setdefault(REDIS_PASSWORD_ENV, new_token())
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import RedisSection, RunConfig
 from services.common.registry import Registry
@@ -169,7 +170,7 @@ async def run_groups(
     decode_id = f"scripted-{uuid.uuid4().hex[:6]}"
     bus.register(ServiceInfo(kind="decode", id=decode_id, url=f"http://127.0.0.1:{port}"), ttl_s=600)
     orch = Orchestrator(cfg, bus, tmp)
-    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60, connect=5))
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60, connect=5), headers=auth_headers())
     registry = Registry(bus.services)
     decode, sandbox = (
         DecodeClient(http, Router(registry, "decode")),

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.auth import bearer, load_run_secrets
 from services.common.config import REPO_ROOT
 from services.common.redis_server import RedisServer
 
@@ -100,9 +101,14 @@ def test_dashboard_in_chromium_against_a_running_pipeline(tmp_path: Path) -> Non
             base = dash.removesuffix("/dashboard")
 
             spec = httpx.get(f"{base}/v1/dashboard").json()
-            trained = httpx.get(f"{base}/v1/rollouts", params={"status": "trained", "limit": 1}).json()
+            # The rollout browser's routes need the run's token; the page takes it from its address.
+            token = load_run_secrets(run_dir).token
+            auth = bearer(token)
+            trained = httpx.get(
+                f"{base}/v1/rollouts", params={"status": "trained", "limit": 1}, headers=auth
+            ).json()
             (row,) = trained["rollouts"]
-            page = dump_dom(chromium, f"{dash}#rollout={row['id']}", tmp_path)
+            page = dump_dom(chromium, f"{dash}#token={token}&rollout={row['id']}", tmp_path)
 
             assert page.having("data-ready"), "the page's start-up did not finish"
             assert not page.having("data-error"), page.having("data-error")
@@ -119,7 +125,7 @@ def test_dashboard_in_chromium_against_a_running_pipeline(tmp_path: Path) -> Non
             assert int(page.by_id("rollouts")["data-rows"]) > 0
             assert page.by_id("rollout").get("data-id") == row["id"]
             # ... every model token of every sample, shaded by the advantage it was trained with.
-            detail = httpx.get(f"{base}/v1/rollouts/{row['id']}").json()
+            detail = httpx.get(f"{base}/v1/rollouts/{row['id']}", headers=auth).json()
             want = [
                 a for smp in detail["samples"] for seg in smp["segments"] if seg["role"] == "model"
                 for a in seg["advantages"]

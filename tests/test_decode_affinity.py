@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 from test_agent_budgets import ENV, EOS, TOK, Policy, budget_cfg, budget_sandbox, scripted_decode_app
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.registry import Registry
 from services.common.schemas import GenerateRequest, ServiceInfo
@@ -119,7 +120,9 @@ def run_two_replicas(
             runners.append(runner)
             ids.append(sid)
         orch = Orchestrator(cfg, bus, tmp_path)
-        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60, connect=5))
+        http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=60, connect=5), headers=auth_headers()
+        )
         registry = Registry(bus.services)
         decode = DecodeClient(http, Router(registry, "decode", affinity_slack=slack))
         orch.runner = RolloutRunner(cfg, decode, SandboxClient(http, Router(registry, "sandbox")), TOK, EOS)

@@ -20,6 +20,7 @@ from helpers import hf_random as hr
 from transformers import PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from services.common import routing
+from services.common.auth import auth_headers
 from services.common.config import CONFIG_DIR, ModelConfig
 from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import GenerateRequest, SamplingParams
@@ -318,7 +319,12 @@ def test_decode_service_returns_routed_experts(redis_url: str, tmp_path: Path) -
         redis_url, weights, m, tmp_path, prefix="test-moe", max_seq_len=64, max_batch_size=4
     ) as s:
         body = {"input_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 4, "ignore_eos": True, "n": 2}}
-        r = httpx.post(f"{s.url}/v1/generate", json={**body, "return_routed_experts": True}, timeout=30)
+        r = httpx.post(
+            f"{s.url}/v1/generate",
+            json={**body, "return_routed_experts": True},
+            timeout=30,
+            headers=auth_headers(),
+        )
         assert r.status_code == 200, r.text
         for choice in GenerateResponse.model_validate(r.json()).choices:
             assert choice.routed_experts is not None
@@ -326,7 +332,7 @@ def test_decode_service_returns_routed_experts(redis_url: str, tmp_path: Path) -
             assert ids.shape == (8, 2, 2) and ids.dtype == np.uint8
             assert (ids[:-1] < 8).all() and (ids[-1] == 255).all()
             assert (np.sort(ids[:-1], -1)[..., 0] < np.sort(ids[:-1], -1)[..., 1]).all()  # 2 distinct
-        plain = httpx.post(f"{s.url}/v1/generate", json=body, timeout=30).json()
+        plain = httpx.post(f"{s.url}/v1/generate", json=body, timeout=30, headers=auth_headers()).json()
         assert all(c["routed_experts"] is None for c in plain["choices"])
 
 

@@ -33,6 +33,7 @@ import torch
 from helpers.decode_server import Server, decode_server, sse_events
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from services.common.auth import auth_headers
 from services.common.chat import ChatTemplate
 from services.common.config import (
     ConfigError,
@@ -222,7 +223,7 @@ def server(redis_url: str, qwen_dir: Path, tmp_path_factory: pytest.TempPathFact
 
 def chat(s: Server, **kw: Any) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": "weather in paris?"}], "temperature": 0, **kw}
-    r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60, headers=auth_headers())
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -394,7 +395,7 @@ def test_orchestrator_turns_end_with_im_end(server: Server) -> None:
     cfg.orchestrator.sampling.temperature = 0.0
 
     async def run() -> tuple[Any, EpisodeSandbox]:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth_headers()) as http:
             decode = DecodeClient(http, Router(Registry(server.bus.services), "decode"))
             sandbox = EpisodeSandbox()
             runner = RolloutRunner(cfg, decode, sandbox, tok, eot, chat=template)  # type: ignore[arg-type]
@@ -442,7 +443,7 @@ def test_orchestrator_turn_ending_on_another_eos_id(endoftext_server: Server, us
     cfg.orchestrator.sampling.temperature = 0.0
 
     async def run() -> tuple[Any, EpisodeSandbox, RolloutRunner]:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth_headers()) as http:
             decode = DecodeClient(http, Router(Registry(endoftext_server.bus.services), "decode"))
             sandbox = EpisodeSandbox()
             runner = RolloutRunner.for_model_dir(cfg, decode, sandbox, d)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from test_prefill_service import Cluster, cluster, colocated, generate, req, same  # noqa: F401
 
+from services.common.auth import auth_headers
 from services.kvstore.shared_segment import SHM_DIR
 
 pytestmark = pytest.mark.slow  # four service processes: ~30-60 s on two cores
@@ -22,7 +23,9 @@ def prefill_segments(c: Cluster) -> list[str]:
     """The prefill's GET /v1/handoff/segments (waits while it loads)."""
     deadline = time.monotonic() + 30
     while True:
-        r = httpx.get(f"{c.url('prefill', 'prefill')}/v1/handoff/segments", timeout=10)
+        r = httpx.get(
+            f"{c.url('prefill', 'prefill')}/v1/handoff/segments", timeout=10, headers=auth_headers()
+        )
         if r.status_code == 200:
             return [s["name"] for s in r.json()["segments"]]
         assert r.status_code == 503 and time.monotonic() < deadline, r.text
@@ -52,7 +55,12 @@ def test_decode_maps_the_prefill_segments_before_any_handoff(cluster: Cluster) -
     for k in ("handoffs_granted", "handoffs_acked", "handoffs_expired", "handoff_held_pages"):
         assert after[k] == pf[k] == 0
     # Bad input is a 4xx naming the field elsewhere; here a wrong method is refused.
-    assert httpx.post(f"{c.url('prefill', 'prefill')}/v1/handoff/segments", timeout=10).status_code == 405
+    assert (
+        httpx.post(
+            f"{c.url('prefill', 'prefill')}/v1/handoff/segments", timeout=10, headers=auth_headers()
+        ).status_code
+        == 405
+    )
 
 
 def test_disaggregated_generation_uses_the_handoff(cluster: Cluster) -> None:  # noqa: F811

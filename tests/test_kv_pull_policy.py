@@ -27,6 +27,7 @@ from helpers.debug_weights import random_model_dir
 from helpers.service_process import start_service
 from prometheus_client import REGISTRY, generate_latest
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import EngineConfig, KVPullSection, ModelConfig, RunConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
@@ -367,7 +368,9 @@ def test_real_decode_pulls_when_it_pays(redis_url: str, tmp_path: Path) -> None:
         assert httpx.get(f"{gw}/v1/dataplane").json()["port"] > 0
 
         def generate(r: GenerateRequest) -> GenerateResponse:
-            resp = httpx.post(f"{dec}/v1/generate", json=r.model_dump(mode="json"), timeout=300)
+            resp = httpx.post(
+                f"{dec}/v1/generate", json=r.model_dump(mode="json"), timeout=300, headers=auth_headers()
+            )
             assert resp.status_code == 200, resp.text
             return GenerateResponse.model_validate_json(resp.content)
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from helpers.service_process import start_with_config, wait_registered
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.kvstore.client import KVStoreClient
@@ -156,11 +157,11 @@ def test_gateway_batched_put_get_and_stats(gateway: tuple[str, Bus, Path]) -> No
 
 def test_gateway_rejects_bad_bodies_naming_the_field(gateway: tuple[str, Bus, Path]) -> None:
     url = gateway[0]
-    r = httpx.put(f"{url}/v1/pages", content=b"nonsense")
+    r = httpx.put(f"{url}/v1/pages", content=b"nonsense", headers=auth_headers())
     assert r.status_code == 400 and r.json()["detail"].startswith("body:")
-    r = httpx.post(f"{url}/v1/pages/get", content=encode_pages([key(1)], [b"x"]))
+    r = httpx.post(f"{url}/v1/pages/get", content=encode_pages([key(1)], [b"x"]), headers=auth_headers())
     assert r.status_code == 400 and "magic" in r.json()["detail"]
-    r = httpx.put(f"{url}/v1/pages", content=b"\0" * 60_000)
+    r = httpx.put(f"{url}/v1/pages", content=b"\0" * 60_000, headers=auth_headers())
     assert r.status_code == 413 and "max_request_bytes" in r.json()["detail"]
 
 

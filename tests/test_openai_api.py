@@ -14,6 +14,7 @@ import httpx
 import pytest
 from helpers.decode_server import Server, decode_server, sse_events, wait_for
 
+from services.common.auth import auth_headers
 from services.common.chat import ChatTemplate
 from services.common.config import CONFIG_DIR, load_config
 from services.common.tokenizer import load_tokenizer
@@ -44,7 +45,7 @@ def server(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def post(s: Server, path: str, body: object) -> httpx.Response:
-    return httpx.post(f"{s.url}{path}", json=body, timeout=60)
+    return httpx.post(f"{s.url}{path}", json=body, timeout=60, headers=auth_headers())
 
 
 def stream(s: Server, path: str, body: dict[str, Any]) -> list[Any]:
@@ -235,25 +236,46 @@ def generated_tokens(s: Server) -> float:
 
 
 def test_client_disconnect_aborts_the_stream(server: Server) -> None:
-    """A client that goes away mid-stream frees its slot instead of generating to max_tokens."""
-    assert post(server, "/pause", {}).status_code == 200
-    try:
-        before = generated_tokens(server)
-        body = chat_body(max_tokens=80, ignore_eos=True, stream=True)
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as r:
-            assert r.status_code == 200
-            first = next(line for line in r.iter_lines() if line)
-            assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
-            # leaving the block closes the connection while the request waits (paused engine)
-        wait_for(lambda: httpx.get(f"{server.url}/health").json()["queue"] == 1, what="request queued")
-    finally:
-        post(server, "/resume", {})
+    """A client that goes away mid-stream frees its slots instead of generating to max_tokens: 8
+    samples to the end of the context would be about 8 * MAX_LEN tokens; the client leaves after
+    the first content chunk and the replica stops far short of that."""
+    before = generated_tokens(server)
+    body = chat_body(max_tokens=MAX_LEN, n=8, ignore_eos=True, stream=True, logprobs=True, top_logprobs=5)
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=30, headers=auth_headers()
+    ) as r:
+        assert r.status_code == 200
+        lines = (json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line)
+        assert next(lines)["choices"][0]["delta"]["role"] == "assistant"
+        next(ev for ev in lines if ev["choices"] and ev["choices"][0]["delta"].get("content"))
+        # leaving the block closes the connection mid-generation
     wait_for(
         lambda: (h := httpx.get(f"{server.url}/health").json())["queue"] == 0 and h["running"] == 0,
         what="aborted request gone",
     )
     time.sleep(0.3)  # a request that kept running would keep adding tokens
-    assert generated_tokens(server) - before < 10
+    made = generated_tokens(server) - before
+    assert 0 < made < 8 * MAX_LEN // 2, made
+
+
+def test_paused_replica_answers_503(server: Server) -> None:
+    """New requests to a paused replica get 503 with Retry-After on every generation route (the
+    caller retries, or another replica serves them); /resume lets them in again."""
+    assert post(server, "/pause", {}).json()["paused"] is True
+    try:
+        for path, body in (
+            ("/v1/completions", {"prompt": "abc", "max_tokens": 2}),
+            ("/v1/chat/completions", chat_body(max_tokens=2)),
+            ("/v1/chat/completions", chat_body(max_tokens=2, stream=True)),
+            ("/v1/generate", {"input_ids": [5, 6], "sampling": {"max_tokens": 2}}),
+        ):
+            r = post(server, path, body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", (path, r.text)
+            assert "paused" in r.json()["detail"]
+        assert httpx.get(f"{server.url}/health").json()["paused"] is True
+    finally:
+        assert post(server, "/resume", {}).json()["paused"] is False
+    assert post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 2}).status_code == 200
 
 
 # ------------------------------------------------------------------ models and errors

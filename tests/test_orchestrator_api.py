@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import RedisSection, RunConfig
 from services.common.schemas import RolloutGroup, Sample
@@ -59,10 +60,10 @@ def test_status_pause_resume_and_errors(orchestrator: tuple[str, Bus, subprocess
     assert "relay_orchestrator_inflight_groups" in httpx.get(f"{url}/metrics").text
     assert httpx.get(f"{url}/docs").status_code == 200
 
-    r = httpx.post(f"{url}/v1/pause").json()
+    r = httpx.post(f"{url}/v1/pause", headers=auth_headers()).json()
     assert r["paused"] is True and r["reason"] == ""
     assert httpx.get(f"{url}/v1/status").json()["paused"] is True
-    r = httpx.post(f"{url}/v1/pause", json={"reason": "inspecting rollouts"}).json()
+    r = httpx.post(f"{url}/v1/pause", headers=auth_headers(), json={"reason": "inspecting rollouts"}).json()
     assert r["paused"] is True and r["reason"] == "inspecting rollouts"
     status = httpx.get(f"{url}/v1/status").json()
     assert status["paused_reason"] == "inspecting rollouts" and status["paused_s"] >= 0
@@ -75,19 +76,23 @@ def test_status_pause_resume_and_errors(orchestrator: tuple[str, Bus, subprocess
         ({"reason": "x" * 501}, "reason"),
         (["reason"], "body"),
     ):
-        r = httpx.post(f"{url}/v1/resume", json=body)
+        r = httpx.post(f"{url}/v1/resume", headers=auth_headers(), json=body)
         assert r.status_code == 422 and field in r.json()["detail"], (body, r.text)
-    r = httpx.post(f"{url}/v1/resume", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{url}/v1/resume",
+        content=b"{not json",
+        headers={"content-type": "application/json", **auth_headers()},
+    )
     assert r.status_code == 422, r.text
     assert httpx.get(f"{url}/v1/status").json()["paused"] is True
     time.sleep(0.3)
-    r = httpx.post(f"{url}/v1/resume", json={"reason": "done"}).json()
+    r = httpx.post(f"{url}/v1/resume", headers=auth_headers(), json={"reason": "done"}).json()
     assert r["paused"] is False and r["paused_s"] >= 0.3
     assert not bus.pause_state().paused and bus.pause_state().total_s >= 0.3
 
     r = httpx.get(f"{url}/v1/metrics", params={"last": -1})
     assert r.status_code == 422 and "last" in r.json()["detail"]
-    r = httpx.get(f"{url}/v1/rollouts/nope")
+    r = httpx.get(f"{url}/v1/rollouts/nope", headers=auth_headers())
     assert r.status_code == 404 and "rollout_id" in r.json()["detail"]
     assert httpx.get(f"{url}/v1/metrics").json() == []
 
@@ -109,13 +114,17 @@ def test_rollout_transcript_masks(
     )  # fmt: skip
     group = RolloutGroup(group_id="g1", env="echo-turns", seed=3, samples=[sample])
     bus.r.set(bus.k.rollout("g1"), group.model_dump_json())
-    body = httpx.get(f"{url}/v1/rollouts/g1.0").json()
+    body = httpx.get(f"{url}/v1/rollouts/g1.0", headers=auth_headers()).json()
     (s,) = body["samples"]
     assert [seg["role"] for seg in s["segments"]] == ["prompt", "model", "env", "model"]
     assert [seg["trained"] for seg in s["segments"]] == [False, True, False, True]
     assert s["segments"][1]["text"] == "c<eos>" and s["segments"][3]["versions"] == [1, 1]
     assert s["min_version"] == 0
-    assert httpx.get(f"{url}/v1/rollouts/g1.7").status_code == 404
+    assert httpx.get(f"{url}/v1/rollouts/g1.7", headers=auth_headers()).status_code == 404
+    # A sample index must be ASCII digits: '²' passes str.isdigit() but not int().
+    for bad in ("g1.²", "g1.x", "g1.-1", ".0"):
+        r = httpx.get(f"{url}/v1/rollouts/{bad}", headers=auth_headers())
+        assert r.status_code == 422 and r.json()["detail"].startswith("rollout_id:"), (bad, r.text)
 
 
 def test_rollout_browser_lists_filters_and_pages(

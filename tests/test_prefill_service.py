@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, EngineConfig, RunConfig, load_config
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
@@ -114,7 +115,12 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def generate(c: Cluster, req: GenerateRequest, name: str = "decode") -> GenerateResponse:
-    r = httpx.post(f"{c.url('decode', name)}/v1/generate", json=req.model_dump(mode="json"), timeout=120)
+    r = httpx.post(
+        f"{c.url('decode', name)}/v1/generate",
+        json=req.model_dump(mode="json"),
+        timeout=120,
+        headers=auth_headers(),
+    )
     assert r.status_code == 200, r.text
     return GenerateResponse.model_validate_json(r.content)
 
@@ -181,6 +187,7 @@ def test_second_turn_prefills_only_new_tokens(cluster: Cluster) -> None:
             "request_id": "t2-probe",
         },
         timeout=60,
+        headers=auth_headers(),
     ).json()
     # The previous turn's 9 full pages were reused: the 7 prompt pages this service computed in
     # turn 1 from its own cache, the 2 pages decode filled while generating from the store.
@@ -221,7 +228,12 @@ def test_weight_update_never_uses_stale_pages(cluster: Cluster) -> None:
     neither is used: everything is computed with the new weights."""
     c = cluster
     url = c.url("decode", "decode2")
-    r = httpx.post(f"{url}/update_weights", json={"path": str(c.weights_v1), "version": 1}, timeout=60)
+    r = httpx.post(
+        f"{url}/update_weights",
+        json={"path": str(c.weights_v1), "version": 1},
+        timeout=60,
+        headers=auth_headers(),
+    )
     assert r.status_code == 200, r.text
     before = c.health("decode", "decode2")["kv"]
     req1 = req(P1, temperature=1.0, seed=21, max_tokens=6, ignore_eos=True)

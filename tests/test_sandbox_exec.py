@@ -14,6 +14,8 @@ import pytest
 from helpers.sandbox import session, session_root
 from test_sandbox_service import Sandbox
 
+from services.common.auth import auth_headers
+
 
 @pytest.fixture(scope="module")
 def workroot(bwrap: str) -> Iterator[Path]:
@@ -39,7 +41,7 @@ def sb(redis_server: str, tmp_path_factory: pytest.TempPathFactory, workroot: Pa
 
 @pytest.fixture
 def client(sb: Sandbox) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=sb.url, timeout=30) as c:
+    with httpx.Client(base_url=sb.url, timeout=30, headers=auth_headers()) as c:
         yield c
 
 
@@ -87,7 +89,7 @@ def test_concurrent_exec_limit_429(client: httpx.Client, sb: Sandbox) -> None:
     sids = [session(client) for _ in range(6)]
 
     def run(sid: str) -> httpx.Response:
-        with httpx.Client(base_url=sb.url, timeout=30) as c:
+        with httpx.Client(base_url=sb.url, timeout=30, headers=auth_headers()) as c:
             return c.post(f"/v1/sessions/{sid}/exec", json={"cmd": "sleep 1.5; echo ok"})
 
     with ThreadPoolExecutor(6) as pool:
@@ -149,12 +151,12 @@ def loadsb(redis_server: str, tmp_path_factory: pytest.TempPathFactory, workroot
 
 
 def test_64_concurrent_sessions_no_crosstalk_no_leaks(loadsb: Sandbox) -> None:
-    with httpx.Client(base_url=loadsb.url, timeout=60) as c:
+    with httpx.Client(base_url=loadsb.url, timeout=60, headers=auth_headers()) as c:
         sids = [c.post("/v1/sessions", json={"env": "echo"}).json()["session_id"] for _ in range(64)]
 
     def work(sid: str) -> list[str]:
         outs = []
-        with httpx.Client(base_url=loadsb.url, timeout=120) as c:
+        with httpx.Client(base_url=loadsb.url, timeout=120, headers=auth_headers()) as c:
             for i in range(3):
                 cmd = f"echo {sid}-{i} >> log; sleep 0.1 & wc -l < log; tail -1 log; cat /proc/self/status | grep ^Uid"
                 while (r := c.post(f"/v1/sessions/{sid}/exec", json={"cmd": cmd})).status_code == 429:
@@ -172,7 +174,7 @@ def test_64_concurrent_sessions_no_crosstalk_no_leaks(loadsb: Sandbox) -> None:
             assert lines[:2] == [str(i + 1), f"{sid}-{i}"], (sid, out)
             uids.add(int(lines[2].split()[1]))
     assert len(uids) == 64  # one uid per session
-    with httpx.Client(base_url=loadsb.url, timeout=60) as c:
+    with httpx.Client(base_url=loadsb.url, timeout=60, headers=auth_headers()) as c:
         for sid in sids:
             assert c.delete(f"/v1/sessions/{sid}").status_code == 200
         assert c.get("/health").json()["sessions_open"] == 0

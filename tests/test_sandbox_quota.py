@@ -16,6 +16,7 @@ import pytest
 from helpers.sandbox import session, session_root
 from test_sandbox_service import Sandbox
 
+from services.common.auth import auth_headers
 from services.sandbox.isolation import Limits, WorkspaceManager, mounts_under
 
 QUOTA_MB = 8
@@ -48,7 +49,7 @@ def sb(redis_server: str, tmp_path_factory: pytest.TempPathFactory, workroot: Pa
 
 @pytest.fixture
 def client(sb: Sandbox) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=sb.url, timeout=60) as c:
+    with httpx.Client(base_url=sb.url, timeout=60, headers=auth_headers()) as c:
         yield c
 
 

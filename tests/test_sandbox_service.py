@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import RedisSection, RunConfig, SandboxSection
 
@@ -102,7 +103,7 @@ def small(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 def client(sandbox: Sandbox) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=sandbox.url, timeout=10) as c:
+    with httpx.Client(base_url=sandbox.url, timeout=10, headers=auth_headers()) as c:
         yield c
 
 
@@ -203,7 +204,7 @@ def test_seed_determinism_over_http(client: httpx.Client) -> None:
 
 def test_concurrent_episodes(client: httpx.Client, sandbox: Sandbox) -> None:
     def episode(seed: int) -> float:
-        with httpx.Client(base_url=sandbox.url, timeout=10) as c:
+        with httpx.Client(base_url=sandbox.url, timeout=10, headers=auth_headers()) as c:
             s = create(c, "echo-turns", seed)
             context = s["prompt"]
             for _ in range(3):
@@ -285,7 +286,7 @@ def test_health_and_metrics(client: httpx.Client) -> None:
 
 
 def test_full_then_expiry_frees_slots(small: Sandbox) -> None:
-    with httpx.Client(base_url=small.url, timeout=10) as c:
+    with httpx.Client(base_url=small.url, timeout=10, headers=auth_headers()) as c:
         a, b = create(c, "echo"), create(c, "guess")
         r = c.post("/v1/sessions", json={"env": "echo"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"

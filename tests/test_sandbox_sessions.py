@@ -116,10 +116,11 @@ def test_broken_env_is_a_500_naming_the_env() -> None:
 def test_app_maps_env_failures_to_500() -> None:
     from fastapi.testclient import TestClient
 
+    from services.common.auth import auth_headers
     from services.common.config import RunConfig
     from services.sandbox.server import build_app
 
-    with TestClient(build_app(RunConfig())) as c:
+    with TestClient(build_app(RunConfig()), headers=auth_headers()) as c:
         r = c.post("/v1/sessions", json={"env": "test-broken", "seed": 1})
         assert r.status_code == 500 and "boom in reset" in r.json()["detail"]
         sid = c.post("/v1/sessions", json={"env": "test-broken"}).json()["session_id"]

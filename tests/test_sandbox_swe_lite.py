@@ -16,6 +16,7 @@ import httpx
 import pytest
 from test_sandbox_service import Sandbox
 
+from services.common.auth import auth_headers
 from services.sandbox.envs.swe_lite import TEMPLATES, generate_task
 
 
@@ -83,7 +84,7 @@ def sb(redis_server: str, tmp_path_factory: pytest.TempPathFactory, bwrap: str) 
 
 @pytest.fixture
 def client(sb: Sandbox) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=sb.url, timeout=60) as c:
+    with httpx.Client(base_url=sb.url, timeout=60, headers=auth_headers()) as c:
         yield c
 
 

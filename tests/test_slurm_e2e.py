@@ -18,7 +18,8 @@ import redis
 
 from sbatch.slurm import job_states
 from sbatch.supervisor import FINAL_STATES, read_states
-from services.common.bus import Keys
+from services.common.auth import load_run_secrets, with_credentials
+from services.common.bus import Keys, connect
 from services.common.config import REPO_ROOT, load_resolved
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,9 @@ def wait_steps(run_dir: Path, n: int, proc: subprocess.Popen[str], timeout: floa
 def run_redis(run_dir: Path) -> tuple[redis.Redis, str]:
     cfg = load_resolved(run_dir / "config.json")
     assert cfg.redis.url, "the head has not published Redis"
-    return redis.Redis.from_url(cfg.redis.url, decode_responses=True), cfg.redis.prefix
+    # config.json names no credentials: they are in the run's secrets file (mode 0600).
+    assert "@" not in cfg.redis.url
+    return connect(with_credentials(cfg.redis.url, load_run_secrets(run_dir))), cfg.redis.prefix
 
 
 def supervisor_state(r: redis.Redis, prefix: str, name: str) -> dict[str, Any]:

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import redis
 
 from sbatch.supervisor import read_states, request_restart
-from services.common.bus import Keys
+from services.common.bus import Keys, connect
 from services.common.config import REPO_ROOT
 
 PY = sys.executable
@@ -117,7 +116,7 @@ def test_gives_up_after_max_restarts_and_reports_failed(
     assert sup.wait(30) == 7
     starts = [e for e in events(log) if e["msg"] == "started"]
     assert len(starts) == 3, "max_restarts=2 means three attempts in all"
-    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    r = connect(redis_server)
     st = json.loads(r.get(Keys(prefix).supervisor("bad.0")))
     assert st["state"] == "failed" and st["last_exit"] == 7 and st["restarts"] == 2
     assert "gave up after 3 consecutive failures" in st["last_reason"]
@@ -162,7 +161,7 @@ def test_sigterm_is_forwarded_and_stops_cleanly(tmp_path: Path, redis_server: st
     assert time.monotonic() - t0 < 5
     assert got.exists(), "the child did not receive SIGTERM"
     assert not alive(int(child))  # type: ignore[arg-type]
-    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    r = connect(redis_server)
     assert json.loads(r.get(Keys(prefix).supervisor("svc")))["state"] == "stopped"
 
 
@@ -185,7 +184,7 @@ def test_kill9_of_child_is_restarted_and_state_reports_it(
     sup = start_supervisor(
         "decode.0", [PY, "-c", "import time; time.sleep(60)"], log, redis_server, prefix, "--backoff-s=0.1"
     )
-    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    r = connect(redis_server)
     try:
         first = wait_for(
             lambda: (s := r.get(Keys(prefix).supervisor("decode.0"))) and json.loads(s)["child_pid"]
@@ -209,7 +208,7 @@ def test_kill9_of_child_is_restarted_and_state_reports_it(
 
 
 def test_restart_request_by_service_name(tmp_path: Path, redis_server: str, prefix: str) -> None:
-    r = redis.Redis.from_url(redis_server, decode_responses=True)
+    r = connect(redis_server)
     sups = {
         n: start_supervisor(
             n, [PY, "-c", "import time; time.sleep(60)"], tmp_path / f"{n}.log", redis_server, prefix

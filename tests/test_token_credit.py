@@ -13,6 +13,7 @@ import torch
 from test_agent_budgets import EOS, TOK, budget_cfg, budget_sandbox, committed, run_groups  # noqa: F401
 from tokenizers import Tokenizer, decoders, models
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.schemas import GenerateRequest, Sample
 from services.orchestrator.credit import ActionSpan, char_bounds, group_token_advantages, token_credit
@@ -175,7 +176,7 @@ def test_loss_with_uniform_token_advantages_equals_sequence_loss() -> None:
 
 def test_sandbox_returns_checked_credit_over_http(budget_sandbox: object) -> None:  # noqa: F811
     url = budget_sandbox.url  # type: ignore[attr-defined]
-    with httpx.Client(base_url=url, timeout=10) as c:
+    with httpx.Client(base_url=url, timeout=10, headers=auth_headers()) as c:
         created = c.post("/v1/sessions", json={"env": "reverse", "seed": 7}).json()
         sid = created["session_id"]
         env = Reverse()

@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from services.common.auth import redis_credentials
 from services.common.schemas import (
     PauseState,
     RolloutFate,
@@ -141,8 +142,14 @@ def supervisor_states(r: redis.Redis, k: Keys) -> list[dict[str, Any]]:
     return sorted((json.loads(v) for v in vals if v), key=lambda s: s["name"])
 
 
-def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, socket_timeout=30, health_check_interval=10)
+def connect(url: str, **kw: Any) -> redis.Redis:
+    """A client of the run's Redis, authenticated with the URL's credentials or the run's
+    (services/common/auth.py). `kw` overrides redis-py options (timeouts)."""
+    username, password = redis_credentials(url)
+    opts: dict[str, Any] = {"decode_responses": True, "socket_timeout": 30, "health_check_interval": 10}
+    if password:
+        opts.update(username=username, password=password)
+    return redis.Redis.from_url(url, **{**opts, **kw})
 
 
 class Bus:

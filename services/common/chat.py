@@ -14,6 +14,7 @@ the token ids, are the ones the model saw in training.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from services.common.schemas import REQUEST_TEMPLATE_VARIABLES
 
 # tokenizer_config.json keys exposed to the template as variables (HF's special_tokens_map).
 SPECIAL_TOKEN_KEYS = (
@@ -139,20 +142,25 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-        **kwargs: Any,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for `messages` (OpenAI shape: role, content, optional tool_calls ...).
-        `tools` are JSON-schema tool definitions, passed to the template as `tools`; extra
-        keyword arguments (e.g. enable_thinking) become template variables, as in HF."""
+        `tools` are JSON-schema tool definitions, passed to the template as `tools`; `variables`
+        (e.g. enable_thinking) are further template variables, as HF's extra keyword arguments,
+        and may not name the three above."""
+        extra = dict(variables or {})
+        taken = sorted(set(extra) & REQUEST_TEMPLATE_VARIABLES)
+        if taken:
+            raise ChatTemplateError(f"template variables {', '.join(taken)} are set by the request itself")
         name = "tool_use" if tools and "tool_use" in self._compiled else "default"
-        variables = {
+        context = {
             **self.special_tokens,
-            **kwargs,
+            **extra,
             "messages": messages,
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._compiled[name].render(**variables)
+            return self._compiled[name].render(context)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(str(e)) from e

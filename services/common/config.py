@@ -346,6 +346,9 @@ class ServiceSection(Strict):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     replicas: int = Field(1, ge=1)
+    # The largest body the service's data routes take (prompts, commands, files): a larger one is
+    # a 413 before it is read. Control routes (pause, weights, sessions) take at most 64 KiB.
+    max_request_bytes: int = Field(16 << 20, gt=0)
 
 
 class EngineConfig(Strict):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from services.common.schemas import SamplingParams, Wire
+from services.common.schemas import SamplingParams, Wire, WireRequest
 
 
-class PrefillRequest(Wire):
+class PrefillRequest(WireRequest):
     input_ids: list[int] = Field(min_length=1)
     # The request's own sampling parameters: its first token is drawn exactly as decode would
     # (same seed, same per-sample RNG stream); max_tokens is ignored (one token is sampled).
@@ -83,7 +83,7 @@ class KVHandoff(Wire):
         return len(self.slots) - (1 if self.tail_tokens else 0)
 
 
-class HandoffAck(Wire):
+class HandoffAck(WireRequest):
     id: str
 
 

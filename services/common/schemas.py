@@ -1,6 +1,9 @@
 """Wire messages between relay's services. Every HTTP body and every Redis record is one of these.
 
-Request models forbid unknown fields so a misspelt field is a 422 naming it, not a silent default.
+Request models forbid unknown fields so a misspelt field is a 422 naming it, not a silent default,
+and reject NaN and infinities (JSON as Python parses it allows them). The limits of what a request
+may ask for live here once (the `Sampling*` types, `StopStrings`, ...), shared by /v1/generate and
+the OpenAI routes, so a limit the engine relies on cannot be bypassed through another route.
 """
 
 from __future__ import annotations
@@ -8,40 +11,65 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class WireRequest(Wire):
+    """A request body: besides unknown fields, NaN and infinities are a 422 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------- sampling limits (every route)
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SAMPLES = 1024
+MAX_TOP_LOGPROBS = 64
+# The OpenAI routes keep OpenAI's own, smaller limits on these two.
+OPENAI_MAX_SAMPLES = 128
+OPENAI_MAX_TOP_LOGPROBS = 20
+
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False, description="0 means greedy")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+# Drop tokens less likely than min_p times the most likely one (after temperature); 0 disables.
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+# Larger than what is left of the context is allowed: the sequence then ends with "length" there.
+MaxTokens = Annotated[int, Field(gt=0)]
+NumSamples = Annotated[int, Field(ge=1, le=MAX_SAMPLES, description="independent samples of the same prompt")]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+OpenAINumSamples = Annotated[int, Field(ge=1, le=OPENAI_MAX_SAMPLES)]
+OpenAITopLogprobs = Annotated[int, Field(ge=0, le=OPENAI_MAX_TOP_LOGPROBS)]
+StopTokenIds = Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
+
 # ---------------------------------------------------------------- inference
 
 
-class SamplingParams(Wire):
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+class SamplingParams(WireRequest):
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: int = Field(0, ge=0, description="0 disables")
-    # Drop tokens less likely than min_p times the most likely one (after temperature); 0 disables.
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int = Field(16, gt=0)
-    stop_token_ids: list[int] = []
+    min_p: MinP = 0.0
+    max_tokens: MaxTokens = 16
+    stop_token_ids: StopTokenIds = []
     # Stop strings, matched on the detokenised output as it is generated: the sequence ends with
     # finish_reason "stop" at the token that completes one, and `text` ends before it.
-    stop: list[str] = Field([], max_length=16)
+    stop: StopStrings = []
     ignore_eos: bool = False
     seed: int | None = None
-    n: int = Field(1, ge=1, le=1024, description="independent samples of the same prompt")
+    n: NumSamples = 1
     # Also return the n most likely ids and their log-probs at every sampled position.
-    logprobs: int | None = Field(None, ge=0, le=64)
+    logprobs: TopLogprobs | None = None
     # Return the output text (GenerateChoice.text); implied by stop strings.
     detokenize: bool = False
-
-    @model_validator(mode="after")
-    def _stops(self) -> SamplingParams:
-        if any(not s for s in self.stop):
-            raise ValueError("stop: stop strings must not be empty")
-        return self
 
 
 class RoutedExperts(Wire):
@@ -54,7 +82,7 @@ class RoutedExperts(Wire):
     data: str
 
 
-class GenerateRequest(Wire):
+class GenerateRequest(WireRequest):
     """Token-in, token-out generation: what the orchestrator uses for rollouts."""
 
     input_ids: list[int] = Field(min_length=1)
@@ -98,18 +126,25 @@ class StreamOptions(BaseModel):
 
 class OpenAISampling(BaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (vLLM's extensions
-    top_k, min_p, ignore_eos, stop_token_ids included). Extra OpenAI fields are ignored."""
+    top_k, min_p, ignore_eos, stop_token_ids included), with SamplingParams' limits. Extra OpenAI
+    fields are ignored; empty stop strings are dropped (OpenAI clients send them)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: int = Field(0, ge=-1)  # 0 or -1: disabled
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    min_p: MinP = 0.0
+    n: OpenAINumSamples = 1
     seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] = []
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)
+        ]
+        | None
+    ) = None
+    stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -128,14 +163,30 @@ class CompletionRequest(OpenAISampling):
     """OpenAI /v1/completions subset."""
 
     prompt: str | list[int]
-    max_tokens: int = Field(16, gt=0)
-    logprobs: int | None = Field(None, ge=0, le=20)  # top-n log-probs per token
+    max_tokens: MaxTokens = 16
+    logprobs: OpenAITopLogprobs | None = None  # top-n log-probs per token
 
     @model_validator(mode="after")
     def _non_empty(self) -> CompletionRequest:
         if not self.prompt:
             raise ValueError("prompt must not be empty")
         return self
+
+
+# Template variables a chat request sets from its own fields (services/common/chat.py renders them).
+REQUEST_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+def _no_request_variables(v: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(set(v) & REQUEST_TEMPLATE_VARIABLES)
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not a template kwarg")
+    return v
+
+
+# Extra template variables, e.g. {"enable_thinking": false} for Qwen3 (vLLM's extension); the
+# variables the request itself sets (messages, tools, add_generation_prompt) are refused.
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_no_request_variables)]
 
 
 class ChatMessage(BaseModel):
@@ -153,13 +204,12 @@ class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     # None: up to the end of the context window
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: OpenAITopLogprobs | None = None
     add_generation_prompt: bool = True
-    # Extra template variables, e.g. {"enable_thinking": false} for Qwen3 (vLLM's extension).
-    chat_template_kwargs: dict[str, Any] = {}
+    chat_template_kwargs: TemplateKwargs = {}
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; checked
     # against `tools` by services/decode/tool_calls.py (tool_choice_prefix).
     tool_choice: str | dict[str, Any] | None = None
@@ -184,7 +234,7 @@ class ChatCompletionTokensRequest(ChatCompletionRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's POST /tokenize: `prompt` text, or chat `messages` rendered by the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -193,7 +243,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] = {}
+    chat_template_kwargs: TemplateKwargs = {}
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -215,7 +265,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     tokens: list[int]
 
@@ -224,7 +274,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class UpdateWeightsRequest(Wire):
+class UpdateWeightsRequest(WireRequest):
     path: str = Field(min_length=1, description="a weights/step_N directory")
     version: int = Field(ge=0)
 
@@ -238,7 +288,7 @@ class WeightsInfo(Wire):
 # ---------------------------------------------------------------- sandbox
 
 
-class CreateSessionRequest(Wire):
+class CreateSessionRequest(WireRequest):
     env: str = Field(min_length=1)
     seed: int = 0
 
@@ -250,7 +300,7 @@ class CreateSessionResponse(Wire):
     max_turns: int
 
 
-class CreateSessionsRequest(Wire):
+class CreateSessionsRequest(WireRequest):
     """n episodes of the same task (a rollout group) in one call."""
 
     env: str = Field(min_length=1)
@@ -267,7 +317,7 @@ class CreateSessionsResponse(Wire):
 Credit = list[list[Annotated[float, Field(ge=0.0, le=1.0)]]]
 
 
-class StepRequest(Wire):
+class StepRequest(WireRequest):
     action: str = Field(description="the model's turn, decoded, with the EOS token stripped")
     # False when the turn hit max_tokens instead of ending with EOS, so rewards can credit
     # only properly terminated answers.
@@ -478,11 +528,34 @@ class ServiceInfo(Wire):
     pid: int = 0
 
 
-class ExecRequest(Wire):
+# Linux's limit on one argument of a command line (MAX_ARG_STRLEN, 32 pages) less its NUL: the
+# command is one argument of /bin/sh -c.
+MAX_COMMAND_BYTES = 32 * 4096 - 1
+MAX_PATH_CHARS = 4096  # PATH_MAX
+NO_NUL = r"^[^\x00]*$"  # a NUL cannot be part of a C string: an argument, a path
+SandboxPath = Annotated[
+    str, Field(min_length=1, max_length=MAX_PATH_CHARS, pattern=NO_NUL, description="relative to /work")
+]
+
+
+class ExecRequest(WireRequest):
     cmd: str = Field(
-        min_length=1, description="a shell command, run with /bin/sh -c in the session directory"
+        min_length=1,
+        pattern=NO_NUL,
+        description=f"a shell command, run with /bin/sh -c in the session directory; at most "
+        f"{MAX_COMMAND_BYTES} bytes as UTF-8, no NUL",
     )
     timeout_s: float | None = Field(None, gt=0, description="wall clock; default sandbox.exec_timeout_s")
+
+    @field_validator("cmd")
+    @classmethod
+    def _fits_an_argument(cls, v: str) -> str:
+        n = len(v.encode())
+        if n > MAX_COMMAND_BYTES:
+            raise ValueError(
+                f"{n} bytes as UTF-8; one command line argument holds at most {MAX_COMMAND_BYTES}"
+            )
+        return v
 
 
 class ExecResponse(Wire):
@@ -494,8 +567,8 @@ class ExecResponse(Wire):
     duration_s: float
 
 
-class WriteFileRequest(Wire):
-    path: str = Field(min_length=1, description="relative to the session directory")
+class WriteFileRequest(WireRequest):
+    path: SandboxPath
     content: str
 
 
@@ -509,7 +582,7 @@ class FileResponse(Wire):
 # ---------------------------------------------------------------- verifiers environments
 
 
-class VerifiersGroupRequest(Wire):
+class VerifiersGroupRequest(WireRequest):
     """POST /v1/verifiers/{env}/group: run one group of a verifiers environment's rollouts
     (example `seed % len(dataset)`, `n` times) against the decode replica at `decode_url`."""
 

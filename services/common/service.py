@@ -1,18 +1,20 @@
-"""What every relay HTTP service shares: the FastAPI app with /health and /metrics, 4xx errors
-that name the bad field, structured logs, the registry heartbeat, and graceful SIGTERM shutdown
-(uvicorn drains in-flight requests, then the lifespan exit deregisters the service)."""
+"""What every relay HTTP service shares: the FastAPI app with /health and /metrics, the run token
+and body size limits on every route (services/common/gate.py), 4xx errors that name the bad field,
+structured logs, the registry heartbeat, and graceful SIGTERM shutdown (uvicorn drains in-flight
+requests, then the lifespan exit deregisters the service)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,8 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from services.common.auth import AuthError, token_from_env
 from services.common.bus import Bus, Heartbeat, service_id
-from services.common.config import ConfigError, RunConfig, load_resolved
+from services.common.config import ConfigError, EngineConfig, RunConfig, load_resolved
+from services.common.gate import BodyLimit, Gate, document_security
 from services.common.net import bind_socket
 from services.common.schemas import ServiceInfo
 
@@ -66,25 +70,77 @@ def describe_errors(errors: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+# An echoed input longer than this (as JSON) is summarised, not sent back whole.
+ECHO_LIMIT = 2048
+
+
+def jsonable(x: Any) -> Any:
+    """`x` as plain JSON: non-finite floats (a client may send NaN or Infinity) and anything
+    else JSON cannot carry become strings."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if x is None or isinstance(x, str | int | bool):
+        return x
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple | set | frozenset):
+        return [jsonable(v) for v in x]
+    if isinstance(x, bytes):
+        return x.decode("utf-8", errors="replace")
+    return str(x)
+
+
+def _echo(value: Any) -> Any:
+    out = jsonable(value)
+    size = len(json.dumps(out))
+    return out if size <= ECHO_LIMIT else f"<{size} bytes of input, not echoed>"
+
+
 async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
-    return JSONResponse(
-        status_code=422,
-        content={"detail": describe_errors(errors), "errors": json.loads(json.dumps(errors, default=str))},
-    )
+    errors = [jsonable({**e, "input": _echo(e["input"])} if "input" in e else e) for e in exc.errors()]
+    return JSONResponse(status_code=422, content={"detail": describe_errors(errors), "errors": errors})
+
+
+def token_body_limit(engine: EngineConfig, cap: BodyLimit) -> BodyLimit:
+    """The body limit of a route that takes prompt token ids: a context's worth of ids as JSON
+    (at most 12 bytes each) plus 1 MiB for the rest (sampling, stop strings), at most `cap`."""
+    ids = engine.max_seq_len * 12 + (1 << 20)
+    return cap if cap.bytes <= ids else BodyLimit(ids, "12 bytes per token of engine.max_seq_len + 1 MiB")
 
 
 def create_app(
     title: str,
     health: Callable[[], dict[str, Any]],
     lifespan: Callable[[FastAPI], Any] | None = None,
+    *,
+    service: Service | None = None,
+    token: str | None = None,
+    open_routes: Collection[str] = (),
+    body_limits: Mapping[str, BodyLimit] | None = None,
 ) -> FastAPI:
+    """A service's app. Every route needs the run token (`token`, default the service's, else
+    $RELAY_TOKEN) except /health, /metrics, the docs and `open_routes` ("GET /v1/status");
+    bodies are limited by `body_limits["POST /v1/x"]`, else to 64 KiB (gate.py). /health answers
+    {"status": "ok", kind, id, version} (from `service`) updated with what `health()` returns."""
     app = FastAPI(title=title, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    if token is None:
+        token = service.token if service is not None else token_from_env()
+    app.add_middleware(
+        Gate,
+        api=app,
+        token=token,
+        open_routes=open_routes,
+        body_limits=body_limits or {},
+    )
+    document_security(app, open_routes)
 
     @app.get("/health")
     def _health() -> dict[str, Any]:
-        return {"status": "ok", **health()}
+        base: dict[str, Any] = {"status": "ok"}
+        if service is not None:
+            base.update(kind=service.kind, id=service.id, version=service.version)
+        return {**base, **health()}
 
     @app.get("/metrics")
     def _metrics() -> Response:
@@ -115,6 +171,7 @@ class Service:
         self.url = f"http://{advertise}:{self.port}"
         self.id = service_id(kind, self.port)
         self.bus = Bus(redis_url, cfg.redis.prefix)
+        self.token = token_from_env()
         self.started = time.time()
         self.version = -1
         self.log = setup_logging(kind)
@@ -166,6 +223,10 @@ def start_service(kind: str, description: str) -> tuple[argparse.Namespace, Serv
     redis_url = args.redis_url or cfg.redis.url
     if not redis_url:
         sys.exit(f"{kind}: no Redis URL; pass --redis-url or set REDIS_URL")
+    try:
+        token_from_env()
+    except AuthError as e:
+        sys.exit(f"{kind}: {e}")
     sec = getattr(cfg, kind)
     host = args.host or sec.host
     # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.

@@ -81,11 +81,43 @@ def _sampling(req: OpenAISampling, max_tokens: int, logprobs: int | None, detoke
     )
 
 
-def to_generate_request(req: CompletionRequest, tokenizer: Tokenizer | None) -> GenerateRequest:
+# Text is tokenised in pieces of about this many characters until it is known to fit the context.
+PIECE_CHARS = 1 << 16
+# What one cut between pieces may change in the token count (a word or number split in two).
+CUT_SLACK = 4
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, max_seq_len: int, field: str) -> list[int]:
+    """`text`'s token ids, refusing a text far over the context before tokenising all of it: a
+    long text is first counted piece by piece (cut at whitespace), and once the pieces hold more
+    tokens than the context even allowing for every cut, it is a PromptError. Run it off the event
+    loop: the exact encode of a text that fits still costs its length."""
+    if len(text) > PIECE_CHARS:
+        counted, cuts, start = 0, 0, 0
+        while start < len(text):
+            end = min(start + PIECE_CHARS, len(text))
+            if end < len(text):
+                space = max(text.rfind(" ", start, end), text.rfind("\n", start, end))
+                end = space + 1 if space > start else end
+            counted += len(tokenizer.encode(text[start:end], add_special_tokens=False).ids)
+            cuts += end < len(text)
+            if counted - CUT_SLACK * cuts >= max_seq_len:
+                raise PromptError(
+                    field,
+                    f"over {counted - CUT_SLACK * cuts} tokens after {end} of {len(text)} characters; "
+                    f"max_seq_len is {max_seq_len}",
+                )
+            start = end
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def to_generate_request(
+    req: CompletionRequest, tokenizer: Tokenizer | None, max_seq_len: int
+) -> GenerateRequest:
     if isinstance(req.prompt, str):
         if tokenizer is None:
             raise PromptError("prompt", "this model directory has no tokenizer.json; send token ids")
-        ids = tokenizer.encode(req.prompt, add_special_tokens=False).ids
+        ids = encode_prompt(tokenizer, req.prompt, max_seq_len, "prompt")
         if not ids:
             raise PromptError("prompt", "encodes to no tokens")
     else:
@@ -116,7 +148,10 @@ def chat_prompt(req: ChatCompletionRequest, template: ChatTemplate | None) -> st
     messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
     try:
         return template.render(
-            messages, req.tools, add_generation_prompt=req.add_generation_prompt, **req.chat_template_kwargs
+            messages,
+            req.tools,
+            add_generation_prompt=req.add_generation_prompt,
+            variables=req.chat_template_kwargs,
         )
     except ChatTemplateError as e:
         raise PromptError("messages", f"the chat template rejected them: {e}") from None
@@ -166,7 +201,7 @@ def to_chat_generate_request(
     if isinstance(req, ChatCompletionTokensRequest):
         ids = list(req.tokens)
     else:
-        ids = tokenizer.encode(chat_prompt(req, template), add_special_tokens=False).ids
+        ids = encode_prompt(tokenizer, chat_prompt(req, template), max_seq_len, "messages")
         if not ids:
             raise PromptError("messages", "render to no tokens")
     if forced is not None:

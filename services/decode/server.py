@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 from tokenizers import Tokenizer
 
 from services.common.chat import ChatTemplate, ChatTemplateError
+from services.common.gate import BodyLimit
 from services.common.schemas import (
     ChatCompletionRequest,
     ChatCompletionTokensRequest,
@@ -35,7 +36,7 @@ from services.common.schemas import (
     TokenizeResponse,
     UpdateWeightsRequest,
 )
-from services.common.service import Service, create_app, log_event, start_service
+from services.common.service import Service, create_app, log_event, start_service, token_body_limit
 from services.decode.metrics import EngineCollector
 from services.decode.openai import (
     PromptError,
@@ -140,18 +141,36 @@ class Decode:
 
     # ------------------------------------------------------------------ helpers
 
-    def ready(self) -> AsyncEngine:
+    def loaded(self) -> AsyncEngine:
         if self.engine is None:
             raise HTTPException(503, "loading: waiting for the first weights", headers={"Retry-After": "1"})
         return self.engine
+
+    def ready(self) -> AsyncEngine:
+        """The engine, for a new generation: 503 (Retry-After) while loading or paused. Requests
+        already queued when the replica was paused wait for POST /resume."""
+        self.loaded()
+        if self.paused:
+            raise HTTPException(
+                503,
+                "paused: this replica takes no new requests until POST /resume",
+                headers={"Retry-After": "1"},
+            )
+        return self.engine
+
+    def clamp(self, req: GenerateRequest) -> GenerateRequest:
+        """max_tokens past the end of the context means "until the context is full": the
+        sequence then ends there with finish_reason "length"."""
+        assert self.engine is not None
+        room = self.engine.engine.max_seq_len - len(req.input_ids)
+        if 0 < room < req.sampling.max_tokens:
+            req.sampling.max_tokens = room
+        return req
 
     def health(self) -> dict[str, Any]:
         eng = self.engine
         return {
             "status": "ok" if eng is not None else "loading",
-            "kind": self.service.kind,
-            "id": self.service.id,
-            "version": self.service.version,
             "queue": eng.num_waiting if eng else 0,
             "running": eng.num_running if eng else 0,
             "paused": eng.paused if eng else self.paused,
@@ -161,6 +180,7 @@ class Decode:
 
     async def submit(self, req: GenerateRequest) -> GenerateResponse:
         engine = self.ready()
+        self.clamp(req)
         try:
             if self.kv is not None:
                 return await self.kv.generate(engine, req)
@@ -196,7 +216,30 @@ def build_app(service: Service) -> FastAPI:
                     await state.kv.close()
                 log_event(service.log, "engine stopped")
 
-    app = create_app("relay-decode", state.health, lifespan)
+    sec = service.cfg.decode
+    data = BodyLimit(sec.max_request_bytes, "decode.max_request_bytes")
+    app = create_app(
+        "relay-decode",
+        state.health,
+        lifespan,
+        service=service,
+        open_routes={"GET /v1/models", "GET /v1/models/{model_id}"},
+        body_limits={
+            "POST /v1/generate": token_body_limit(sec.engine, data),
+            **{
+                f"POST {route}": data
+                for route in (
+                    "/v1/completions",
+                    "/v1/chat/completions",
+                    "/v1/chat/completions/tokens",
+                    "/tokenize",
+                    "/v1/tokenize",
+                    "/detokenize",
+                    "/v1/detokenize",
+                )
+            },
+        },
+    )
     app.state.decode = state
 
     @app.post("/v1/generate", response_model=GenerateResponse)
@@ -217,7 +260,7 @@ def build_app(service: Service) -> FastAPI:
         greq.request_id = uuid.uuid4().hex
         try:
             # Checked before answering 200, so bad input is a 4xx even when streaming.
-            engine.engine.validate(greq)
+            engine.engine.validate(state.clamp(greq))
             if req.stream:
                 stream = Stream(
                     req, state.tokenizer, service.cfg.run.name, greq.request_id, greq.input_ids, forced
@@ -230,9 +273,12 @@ def build_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest) -> dict[str, Any] | StreamingResponse:
-        state.ready()
+        engine = state.ready()
         try:
-            greq = to_generate_request(req, state.tokenizer)
+            # Off the event loop: a long text takes a while to tokenise (encode_prompt bounds it).
+            greq = await asyncio.to_thread(
+                to_generate_request, req, state.tokenizer, engine.engine.max_seq_len
+            )
         except PromptError as e:
             raise HTTPException(400, str(e)) from None
         out = await openai_call(req, greq, "prompt")
@@ -243,8 +289,8 @@ def build_app(service: Service) -> FastAPI:
     async def chat(req: ChatCompletionRequest, prompt_field: str) -> dict[str, Any] | StreamingResponse:
         engine = state.ready()
         try:
-            greq = to_chat_generate_request(
-                req, state.chat_template, state.tokenizer, engine.engine.max_seq_len
+            greq = await asyncio.to_thread(
+                to_chat_generate_request, req, state.chat_template, state.tokenizer, engine.engine.max_seq_len
             )
             name = forced_call(req)
         except PromptError as e:
@@ -293,7 +339,7 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     def tokenize_route(req: TokenizeRequest) -> TokenizeResponse:
-        engine = state.ready()
+        engine = state.loaded()
         try:
             return tokenize(req, state.tokenizer, state.chat_template, engine.engine.max_seq_len)
         except PromptError as e:
@@ -302,7 +348,7 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
-        engine = state.ready()
+        engine = state.loaded()
         try:
             return detokenize(req, state.tokenizer, engine.engine.model_config.vocab_size)
         except PromptError as e:

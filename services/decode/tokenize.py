@@ -26,7 +26,7 @@ def render_for_tokenize(req: TokenizeRequest, template: ChatTemplate | None) -> 
             messages,
             req.tools,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            **req.chat_template_kwargs,
+            variables=req.chat_template_kwargs,
         )
     except ChatTemplateError as e:
         raise PromptError("messages", f"the chat template rejected them: {e}") from None

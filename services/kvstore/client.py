@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from services.common.auth import bearer, token_from_env
 from services.kvstore.dataplane import (
     OP_GET_PREFIX,
     OP_PUT,
@@ -70,11 +71,15 @@ class KVStoreClient:
         max_call_bytes: int = 64 << 20,
         dataplane: bool = True,
         near: NearCache | None = None,
+        token: str | None = None,
     ):
         self.max_call_bytes = max_call_bytes  # a put body stays under the gateway's max_request_bytes
         self._locate = (lambda: url) if isinstance(url, str) else url
         self.retry_after_s, self.timeout_s = retry_after_s, timeout_s
-        self.http = httpx.Client(timeout=timeout_s, headers={"content-type": MEDIA_TYPE})
+        self.token = token or token_from_env()  # the run's (services/common/auth.py)
+        self.http = httpx.Client(
+            timeout=timeout_s, headers={"content-type": MEDIA_TYPE, **bearer(self.token)}
+        )
         self.use_dataplane = dataplane
         self._planes: dict[str, tuple[str, int] | None] = {}  # gateway URL -> data plane address
         self._idle: dict[tuple[str, int], list[DataPlaneConnection]] = {}
@@ -137,7 +142,7 @@ class KVStoreClient:
                 conn = idle.pop() if idle else None
             try:
                 if conn is None:
-                    conn = DataPlaneConnection(*addr, timeout_s=self.timeout_s)
+                    conn = DataPlaneConnection(*addr, timeout_s=self.timeout_s, token=self.token)
                 t0 = time.perf_counter()
                 body = conn.call(op, parts, alloc)
                 self._tls.call_s = time.perf_counter() - t0

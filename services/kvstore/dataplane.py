@@ -8,7 +8,8 @@ stored bytes (no join, no per-page copy on either side), one round trip per batc
 connections. The HTTP routes stay (same frames, wire.py) for tools and as the client's fallback.
 
 Framing, both directions (little-endian): `b"RKVD" | u16 op-or-status | u16 0 | u64 body length`,
-then the body. Requests: op 1 PUT (body: a pages frame) -> status 200, body a PutReply (JSON);
+then the body. A connection opens with op 3 HELLO (body: the run token, services/common/auth.py)
+-> status 200, or 401 and the connection is closed; nothing else is served before it. Requests: op 1 PUT (body: a pages frame) -> status 200, body a PutReply (JSON);
 op 2 GET_PREFIX (body: a keys frame) -> status 200, body a pages frame of the longest prefix of the
 keys the store holds (stops at the first miss: a hash chain is only usable from its head).
 Errors: status 400 (malformed body or unknown op), 413 (over kvstore.max_request_bytes; the body
@@ -17,6 +18,7 @@ is read and dropped), 500, with a UTF-8 message that starts with the field ("bod
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import struct
@@ -26,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter
 
+from services.common.auth import token_from_env
 from services.kvstore.tiers import TieredStore
 from services.kvstore.wire import (
     _HEAD,
@@ -41,8 +44,9 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"RKVD"
 HEADER = struct.Struct("<4sHHQ")
-OP_PUT, OP_GET_PREFIX = 1, 2
-OK, BAD_REQUEST, TOO_LARGE, SERVER_ERROR = 200, 400, 413, 500
+OP_PUT, OP_GET_PREFIX, OP_HELLO = 1, 2, 3
+OK, BAD_REQUEST, UNAUTHORIZED, TOO_LARGE, SERVER_ERROR = 200, 400, 401, 413, 500
+MAX_HELLO_BYTES = 1024
 # Socket buffers: big enough that a 1.75 MiB page moves in few syscalls.
 SOCK_BUF = 8 << 20
 # A server connection keeps its receive buffer for the next request (page faults of a fresh one
@@ -140,8 +144,15 @@ class DataPlaneServer:
     """Accepts connections on its own port; one thread per connection (a handful of decode and
     prefill replicas per gateway). Socket I/O releases the GIL, so the HTTP side stays responsive."""
 
-    def __init__(self, store: Callable[[], TieredStore | None], host: str, max_request_bytes: int):
+    def __init__(
+        self,
+        store: Callable[[], TieredStore | None],
+        host: str,
+        max_request_bytes: int,
+        token: str | None = None,
+    ):
         self.store, self.max_request_bytes = store, max_request_bytes
+        self.token = token or token_from_env()
         self.sock = socket.create_server((host, 0), backlog=64)
         self.port = self.sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
@@ -173,9 +184,29 @@ class DataPlaneServer:
                 self._threads.add(t)
             t.start()
 
+    def _hello(self, conn: socket.socket) -> bool:
+        """The connection's first message must be HELLO with the run token."""
+        op, length = recv_header(conn)
+        if op != OP_HELLO or length > MAX_HELLO_BYTES:
+            send_parts(conn, UNAUTHORIZED, [b"token: open the connection with HELLO and the run token"])
+            return False
+        got = bytearray(length)
+        recv_exact(conn, got)
+        if not hmac.compare_digest(bytes(got), self.token.encode()):
+            send_parts(conn, UNAUTHORIZED, [b"token: not the run token"])
+            return False
+        send_parts(conn, OK, [])
+        return True
+
     def _serve(self, conn: socket.socket) -> None:
         rx = bytearray()
         try:
+            try:
+                if not self._hello(conn):
+                    DP_REQUESTS.labels("hello", str(UNAUTHORIZED)).inc()
+                    return
+            except (ProtocolError, OSError):
+                return
             while True:
                 try:
                     op, length = recv_header(conn)
@@ -283,7 +314,7 @@ class DataPlaneError(RuntimeError):
 class DataPlaneConnection:
     """One persistent client connection. Not thread-safe: the client keeps a pool of them."""
 
-    def __init__(self, host: str, port: int, timeout_s: float):
+    def __init__(self, host: str, port: int, timeout_s: float, token: str | None = None):
         # Whether any byte of the last call's reply arrived: if none did, the gateway never acted
         # on the request (or a restart dropped it) and the caller may safely send it again.
         self.replied = False
@@ -291,6 +322,11 @@ class DataPlaneConnection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        try:
+            self.call(OP_HELLO, [(token or token_from_env()).encode()])
+        except BaseException:
+            self.sock.close()
+            raise
 
     def call(
         self, op: int, parts: Sequence[bytes | memoryview], alloc: Allocator | None = None

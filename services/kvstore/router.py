@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter
 
+from services.common.auth import auth_headers
 from services.common.config import KVPullSection, RunConfig
 from services.common.prefill_schemas import (
     HandoffAck,
@@ -228,7 +229,7 @@ def ack_handoff(handoff: KVHandoff) -> None:
         r = httpx.post(
             handoff.ack_url,
             content=HandoffAck(id=handoff.id).model_dump_json(),
-            headers=JSON,
+            headers={**JSON, **auth_headers()},
             timeout=ACK_TIMEOUT_S,
         )
         r.raise_for_status()
@@ -430,7 +431,7 @@ class KVRouter:
         )
         # Its own view for premap_segments: its reads never make the routing view's cache older.
         self._premap_view = Registry(lookup, DISCOVERY_TTL_S) if lookup is not None else None
-        self.http = httpx.AsyncClient(timeout=cfg.prefill.timeout_s)
+        self.http = httpx.AsyncClient(timeout=cfg.prefill.timeout_s, headers=auth_headers())
         self.publisher: PagePublisher | None = None
         self.engine: LLMEngine | None = None
         self.policy: PullPolicy | None = None

@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.config import KVStoreSection
+from services.common.gate import BodyLimit
 from services.common.service import Service, create_app, log_event, start_service
 from services.kvstore.dataplane import DataPlaneServer
 from services.kvstore.tiers import DiskTier, MemoryTier, Tier, TieredStore
@@ -117,7 +118,7 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
         st = holder["store"].stats()
         # The bulk data plane binds the HTTP socket's address (all interfaces on Slurm), own port.
         dataplane = DataPlaneServer(
-            lambda: holder.get("store"), service.sock.getsockname()[0], sec.max_request_bytes
+            lambda: holder.get("store"), service.sock.getsockname()[0], sec.max_request_bytes, service.token
         ).start()
         plane["port"] = dataplane.port
         log_event(
@@ -144,24 +145,21 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
     def health() -> dict[str, Any]:
         s = holder.get("store")
         tiers = {t.name: {"pages": t.pages, "used_bytes": t.used_bytes} for t in s.stats().tiers} if s else {}
-        return {"kind": service.kind, "id": service.id, "tiers": tiers}
+        return {"tiers": tiers}
 
-    app = create_app("relay-kvstore", health, lifespan)
-
-    async def body(request: Request) -> bytes:
-        size = request.headers.get("content-length")
-        if size is not None and int(size) > sec.max_request_bytes:
-            raise HTTPException(
-                413, f"body: {size} bytes exceeds kvstore.max_request_bytes={sec.max_request_bytes}"
-            )
-        data = await request.body()
-        if len(data) > sec.max_request_bytes:
-            raise HTTPException(413, f"body: {len(data)} bytes exceeds kvstore.max_request_bytes")
-        return data
+    pages = BodyLimit(sec.max_request_bytes, "kvstore.max_request_bytes")
+    app = create_app(
+        "relay-kvstore",
+        health,
+        lifespan,
+        service=service,
+        open_routes={"GET /v1/stats", "GET /v1/dataplane"},
+        body_limits={"PUT /v1/pages": pages, "POST /v1/pages/get": pages},
+    )
 
     @app.put("/v1/pages", response_model=PutReply)
     async def put_pages(request: Request) -> PutReply:
-        data = await body(request)
+        data = await request.body()
         try:
             pages = decode_pages(data)
         except FrameError as e:
@@ -180,7 +178,7 @@ def build_app(service: Service, run_dir: Path) -> FastAPI:
 
     @app.post("/v1/pages/get")
     async def get_pages(request: Request) -> Response:
-        data = await body(request)
+        data = await request.body()
         try:
             keys = decode_keys(data)
         except FrameError as e:

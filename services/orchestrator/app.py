@@ -36,7 +36,21 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    app = create_app("relay orchestrator", lambda: {"version": orch.version, "paused": orch.paused}, lifespan)
+    app = create_app(
+        "relay orchestrator",
+        lambda: {"paused": orch.paused},
+        lifespan,
+        service=svc,
+        # Read-only: status, the step history and the dashboard's page, scripts and chart spec. The
+        # rollout browser's routes (transcripts: training data) need the token like the rest.
+        open_routes={
+            "GET /v1/status",
+            "GET /v1/metrics",
+            "GET /dashboard",
+            "GET /dashboard/static",
+            "GET /v1/dashboard",
+        },
+    )
 
     dashboard.mount(app, svc.cfg)
     REGISTRY.register(dashboard.DashboardCollector(svc.cfg, orch.bus, lambda: orch.history))

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import redis
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.common.health import health_rows
@@ -370,6 +371,7 @@ class Orchestrator:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.o.request_timeout_s, connect=5.0),
             connector=aiohttp.TCPConnector(limit=256),
+            headers=auth_headers(),  # the run token: decode and sandbox require it
         )
         self.decode = DecodeClient(
             self._http, Router(self.registry, "decode", affinity_slack=self.o.decode_affinity_slack)

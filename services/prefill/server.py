@@ -27,6 +27,7 @@ import redis
 from fastapi import FastAPI, HTTPException
 
 from services.common.config import EngineConfig
+from services.common.gate import BodyLimit
 from services.common.prefill_schemas import (
     FirstToken,
     HandoffAck,
@@ -36,7 +37,7 @@ from services.common.prefill_schemas import (
     PrefillResponse,
 )
 from services.common.schemas import GenerateRequest, UpdateWeightsRequest
-from services.common.service import Service, create_app, log_event, start_service
+from services.common.service import Service, create_app, log_event, start_service, token_body_limit
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
 from services.engine.kv_transfer import chain_hashes, page_nbytes, prompt_tail_key
@@ -225,9 +226,6 @@ class Prefill:
         eng = self.engine
         return {
             "status": "ok" if eng is not None else "loading",
-            "kind": self.service.kind,
-            "id": self.service.id,
-            "version": self.service.version,
             "served": self.served,
             "queue": eng.num_waiting if eng else 0,
             "running": eng.num_running if eng else 0,
@@ -258,7 +256,18 @@ def build_app(service: Service) -> FastAPI:
                 state.close_near()
                 log_event(service.log, "engine stopped")
 
-    app = create_app("relay-prefill", state.health, lifespan)
+    app = create_app(
+        "relay-prefill",
+        state.health,
+        lifespan,
+        service=service,
+        body_limits={
+            "POST /v1/prefill": token_body_limit(
+                state.engine_cfg,
+                BodyLimit(service.cfg.prefill.max_request_bytes, "prefill.max_request_bytes"),
+            )
+        },
+    )
     app.state.prefill = state
 
     @app.post("/v1/prefill", response_model=PrefillResponse)

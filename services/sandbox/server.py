@@ -36,7 +36,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from starlette.requests import Request
 
 from services.common.config import RunConfig
+from services.common.gate import BodyLimit
 from services.common.schemas import (
+    MAX_PATH_CHARS,
+    NO_NUL,
     CreateSessionRequest,
     CreateSessionResponse,
     CreateSessionsRequest,
@@ -176,13 +179,24 @@ def build_app(
 
     def health() -> dict[str, Any]:
         return {
-            "kind": "sandbox",
             **store.stats(),
             "envs": env_names(),
             "disk_quota_mb": sec.disk_quota_mb if workspaces.quota_enforced else 0,
         }
 
-    app = create_app("relay sandbox", health, lifespan)
+    data = BodyLimit(sec.max_request_bytes, "sandbox.max_request_bytes")
+    app = create_app(
+        "relay sandbox",
+        health,
+        lifespan,
+        service=service,
+        open_routes={"GET /v1/envs"},
+        body_limits={
+            "POST /v1/sessions/{session_id}/step": data,
+            "POST /v1/sessions/{session_id}/exec": data,
+            "PUT /v1/sessions/{session_id}/files": data,
+        },
+    )
     app.state.store = store
 
     @app.exception_handler(SessionError)
@@ -294,7 +308,12 @@ def build_app(
         return ExecResponse(**r.as_dict())
 
     @app.get("/v1/sessions/{session_id}/files")
-    def read_file(session_id: str, path: str = Query(..., min_length=1)) -> FileResponse:
+    def read_file(
+        session_id: str,
+        path: str = Query(
+            ..., min_length=1, max_length=MAX_PATH_CHARS, pattern=NO_NUL, description="relative to /work"
+        ),
+    ) -> FileResponse:
         content, truncated = store.read_file(session_id, path)
         return FileResponse(path=path, content=content, truncated=truncated, bytes=len(content.encode()))
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from services.common.auth import token_from_env
 from services.common.config import TaskSpec
 from services.common.schemas import (
     VerifiersGroupRequest,
@@ -138,7 +139,7 @@ class VerifiersHost:
             async def one(i: int) -> Any:
                 oai = AsyncOpenAI(
                     base_url=f"{req.decode_url}/v1",
-                    api_key="relay",
+                    api_key=token_from_env(),  # the run token: decode requires it
                     http_client=http,
                     max_retries=0,
                     default_headers={ROLLOUT_HEADER: str(i)},

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import httpx
 
 from helpers.service_process import start_service
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import EngineConfig, ModelConfig, RunConfig
 from services.common.schemas import WeightsInfo
@@ -108,7 +109,7 @@ def sse_events(url: str, body: dict[str, Any]) -> list[Any]:
     """POST `body` with stream=true to `url`; the parsed `data:` events of the SSE response,
     checking the content type and the single [DONE] terminator (which is not returned)."""
     events: list[Any] = []
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60, headers=auth_headers()) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():

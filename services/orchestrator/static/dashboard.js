@@ -29,8 +29,32 @@ function el(tag, attrs = {}, ...children) {
   return e;
 }
 
-async function getJSON(url) {
-  const r = await fetch(url, { cache: "no-store" });
+// The run's token (the "token" of RUN_DIR/secrets.json): the rollout browser's routes need it;
+// charts and status do not. It comes once per tab, in the address (#token=...; removed from it at
+// once) or, on a 401, from a prompt, and is kept in this tab's sessionStorage.
+const TOKEN_KEY = "relay-token";
+
+function takeTokenFromAddress() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  const t = params.get("token");
+  if (!t) return;
+  sessionStorage.setItem(TOKEN_KEY, t);
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(null, "", rest ? `#${rest}` : location.pathname + location.search);
+}
+
+async function getJSON(url, asked = false) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  const r = await fetch(url, { cache: "no-store", headers });
+  if (r.status === 401 && !asked) {
+    const t = window.prompt('This run\'s token (the "token" of RUN_DIR/secrets.json):');
+    if (t) {
+      sessionStorage.setItem(TOKEN_KEY, t.trim());
+      return getJSON(url, true);
+    }
+  }
   if (!r.ok) {
     let detail = `${r.status} ${r.statusText}`;
     try { detail = (await r.json()).detail || detail; } catch (_) { /* not JSON */ }
@@ -231,6 +255,7 @@ async function openRollout(id) {
 // ------------------------------------------------------------------ start
 
 async function start() {
+  takeTokenFromAddress();
   state.spec = await getJSON("/v1/dashboard");
   $("#run").textContent = state.spec.run;
   document.title = `relay · ${state.spec.run}`;
@@ -240,8 +265,8 @@ async function start() {
   $("#filters").addEventListener("submit", (ev) => { ev.preventDefault(); loadRollouts(false); });
   $("#older").addEventListener("click", () => loadRollouts(true));
   await Promise.all([pollMetrics(), pollStatus(), loadRollouts(false)]);
-  const m = location.hash.match(/^#rollout=(.+)$/);
-  if (m) await openRollout(decodeURIComponent(m[1]));
+  const linked = new URLSearchParams(location.hash.slice(1)).get("rollout");
+  if (linked) await openRollout(linked);
   document.body.dataset.ready = "1";
   setInterval(() => pollMetrics().catch(() => {}), POLL_MS);
   setInterval(pollStatus, POLL_MS);
