@@ -49,6 +49,7 @@ from bench.kv.common import (
     services,
     synchronize_stream,
 )
+from services.common.auth import auth_headers
 from services.common.config import RunConfig
 from services.common.prefill_schemas import PrefillRequest, PrefillResponse
 from services.common.schemas import GenerateRequest, SamplingParams
@@ -133,7 +134,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: Path, svc: Any) -> 
             r = httpx.post(
                 f"{prefill_url}/v1/prefill",
                 content=body.model_dump_json(),
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **auth_headers()},
                 timeout=600,
             )
         r.raise_for_status()

@@ -32,6 +32,7 @@ import httpx
 import torch
 
 from bench.kv.common import services, write_result
+from services.common.auth import auth_headers
 from services.common.config import RunConfig
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import StagingBuffers, import_pages, page_nbytes
@@ -48,7 +49,7 @@ class LegacyClient:
 
     def __init__(self, url: str, max_call_bytes: int = 512 << 20):
         self.url, self.max_call_bytes = url, max_call_bytes
-        self.http = httpx.Client(timeout=120, headers={"content-type": MEDIA_TYPE})
+        self.http = httpx.Client(timeout=120, headers={"content-type": MEDIA_TYPE, **auth_headers()})
 
     def get_prefix(self, keys: list[bytes]) -> tuple[list[bytes], bytes]:
         # The shared HTTP reader, with the bytes copy per page (copy_pages).
