@@ -20,6 +20,7 @@ import pytest
 from helpers.bigram_chat import IM_END, bigram_chat_dir, bigram_model_config
 from helpers.decode_server import Server, decode_server
 
+from services.common.auth import auth_headers, token_from_env
 from services.common.config import CONFIG_DIR, load_config
 from services.common.tokenizer import load_tokenizer
 from trainer.model import build_model, save_weights_dir
@@ -68,7 +69,7 @@ def bigram(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def client(s: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{s.url}/v1", api_key=token_from_env(), max_retries=0)  # the run token
 
 
 # ------------------------------------------------------------------ token ids
@@ -144,13 +145,23 @@ def test_chat_completions_tokens_route(debug: Server) -> None:
         "temperature": 0,
         "return_token_ids": True,
     }
-    by_text = httpx.post(f"{debug.url}/v1/chat/completions", json=body, timeout=60).json()
+    by_text = httpx.post(
+        f"{debug.url}/v1/chat/completions", json=body, timeout=60, headers=auth_headers()
+    ).json()
     by_ids = httpx.post(
-        f"{debug.url}/v1/chat/completions/tokens", json={**body, "tokens": ids}, timeout=60
+        f"{debug.url}/v1/chat/completions/tokens",
+        json={**body, "tokens": ids},
+        timeout=60,
+        headers=auth_headers(),
     ).json()
     assert by_ids["prompt_token_ids"] == ids == by_text["prompt_token_ids"]
     assert by_ids["choices"][0]["token_ids"] == by_text["choices"][0]["token_ids"]
-    bad = httpx.post(f"{debug.url}/v1/chat/completions/tokens", json={**body, "tokens": [10**6]}, timeout=60)
+    bad = httpx.post(
+        f"{debug.url}/v1/chat/completions/tokens",
+        json={**body, "tokens": [10**6]},
+        timeout=60,
+        headers=auth_headers(),
+    )
     assert bad.status_code == 400 and bad.json()["detail"].startswith("tokens:")
 
 
@@ -166,15 +177,19 @@ def test_tokenize_and_detokenize(debug: Server) -> None:
     chat = httpx.post(
         f"{debug.url}/tokenize",
         json={"messages": [{"role": "user", "content": "q"}], "return_token_strs": True},
+        headers=auth_headers(),
     ).json()
     assert chat["tokens"] == tok.encode("<user>q\n<assistant>", add_special_tokens=False).ids
     assert "".join(chat["token_strs"]) == "<user>q\n<assistant>"
     no_gen = httpx.post(
         f"{debug.url}/tokenize",
         json={"messages": [{"role": "user", "content": "q"}], "add_generation_prompt": False},
+        headers=auth_headers(),
     ).json()
     assert no_gen["tokens"] == tok.encode("<user>q\n", add_special_tokens=False).ids
-    back = httpx.post(f"{debug.url}/detokenize", json={"tokens": out["tokens"]}).json()
+    back = httpx.post(
+        f"{debug.url}/detokenize", json={"tokens": out["tokens"]}, headers=auth_headers()
+    ).json()
     assert back == {"prompt": "abc d"}
     for path, body, field in [
         ("/tokenize", {}, "prompt"),
@@ -182,7 +197,7 @@ def test_tokenize_and_detokenize(debug: Server) -> None:
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": ["x"]}, "tokens"),
     ]:
-        bad = httpx.post(f"{debug.url}{path}", json=body)
+        bad = httpx.post(f"{debug.url}{path}", json=body, headers=auth_headers())
         assert bad.status_code in (400, 422), (path, body, bad.text)
         assert field in bad.text
 

@@ -22,6 +22,7 @@ from helpers.bigram_chat import IM_END, IM_START, TEMPLATE, bigram_chat_dir, big
 from helpers.decode_server import Server, decode_server
 from helpers.service_process import start_with_config, wait_registered
 
+from services.common.auth import auth_headers
 from services.common.chat import ChatTemplate
 from services.common.config import RunConfig, TaskSpec
 from services.common.schemas import SamplingParams
@@ -77,7 +78,7 @@ def sandbox_cfg(decode: Server, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 def run_group(cfg: RunConfig, bus_services: object, seed: int) -> object:
     async def go() -> object:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth_headers()) as http:
             registry = Registry(bus_services)  # type: ignore[arg-type]
             dec = DecodeClient(http, Router(registry, "decode"))
             sb = SandboxClient(http, Router(registry, "sandbox"))

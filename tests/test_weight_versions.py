@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
+from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.config import RedisSection, RunConfig
 from services.common.schemas import WeightsInfo
@@ -33,7 +34,7 @@ def test_watcher_rolls_out_only_higher_versions(redis_server: str, tmp_path: Pat
         await asyncio.sleep(0.6)  # the watcher polls every 0.1 s
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth_headers()) as http:
             orch.decode = DecodeClient(http, Router(orch.registry, "decode"))
             publish(3)
             watcher = asyncio.create_task(orch.weights_watcher())
