@@ -307,6 +307,17 @@ def test_models(server: Server) -> None:
             "messages.0.content",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * MAX_LEN}]}, 400, "messages"),
+        # The engine's limits hold on every route (one schema: services/common/schemas.py).
+        ("/v1/completions", {"prompt": "a", "stop": [f"s{i}" for i in range(17)]}, 422, "stop"),
+        ("/v1/chat/completions", chat_body(stop=[f"s{i}" for i in range(17)]), 422, "stop"),
+        ("/v1/completions", {"prompt": "a", "stop": "x" * 1025}, 422, "stop"),
+        ("/v1/generate", {"input_ids": [3], "sampling": {"stop": [f"s{i}" for i in range(17)]}}, 422, "stop"),
+        # The request's own template variables cannot come in again as template kwargs.
+        *(
+            ("/v1/chat/completions", chat_body(chat_template_kwargs={k: 1}), 422, "chat_template_kwargs")
+            for k in ("messages", "tools", "add_generation_prompt")
+        ),
+        ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"messages": []}}, 422, "chat_template_kwargs"),
     ],
 )
 def test_bad_input_is_4xx_naming_the_field(
@@ -315,3 +326,79 @@ def test_bad_input_is_4xx_naming_the_field(
     r = post(server, path, body)
     assert r.status_code == status, r.text
     assert field in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", '{"prompt": "a", "temperature": NaN}', "temperature"),
+        ("/v1/completions", '{"prompt": "a", "top_p": Infinity}', "top_p"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "a"}], "min_p": -Infinity}',
+            "min_p",
+        ),
+        ("/v1/generate", '{"input_ids": [3], "sampling": {"temperature": Infinity}}', "sampling.temperature"),
+        ("/v1/generate", '{"input_ids": [NaN]}', "input_ids.0"),
+    ],
+)
+def test_non_finite_numbers_are_a_422_naming_the_field(
+    server: Server, path: str, body: str, field: str
+) -> None:
+    """Python's JSON parser takes NaN and Infinity; they are refused, and the 422 that echoes them
+    back is itself valid JSON (non-finite numbers as strings)."""
+    r = httpx.post(
+        f"{server.url}{path}",
+        content=body,
+        headers={"content-type": "application/json", **auth_headers()},
+        timeout=30,
+    )
+    assert r.status_code == 422, r.text
+    out = json.loads(r.text)  # strict JSON: no NaN literal in the answer
+    assert field in out["detail"], out
+    assert any(str(e.get("input")) in ("nan", "inf", "-inf") for e in out["errors"]), out
+
+
+def test_max_tokens_past_the_context_ends_with_length(server: Server) -> None:
+    """A max_tokens far past the context is clamped to what the context leaves: the choice ends
+    there with finish_reason "length". (1e30, a float, is no integer: a 422 naming max_tokens.)"""
+    huge = 10**30
+    for path, body in (
+        ("/v1/completions", {"prompt": "abc", "max_tokens": huge, "ignore_eos": True}),
+        ("/v1/chat/completions", chat_body(max_tokens=huge, ignore_eos=True)),
+        ("/v1/chat/completions", chat_body(max_completion_tokens=huge, ignore_eos=True, stream=True)),
+    ):
+        if body.get("stream"):
+            texts, finish = joined(stream(server, path, body), 1, chat=True)
+            assert finish == ["length"]
+            continue
+        r = post(server, path, body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert out["usage"]["total_tokens"] == MAX_LEN
+    gen = post(
+        server, "/v1/generate", {"input_ids": [3, 4], "sampling": {"max_tokens": huge, "ignore_eos": True}}
+    )
+    assert gen.status_code == 200, gen.text
+    ch = gen.json()["choices"][0]
+    assert ch["finish_reason"] == "length" and len(ch["output_ids"]) == MAX_LEN - 2
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content='{"prompt": "a", "max_tokens": 1e30}',
+        headers={"content-type": "application/json", **auth_headers()},
+    )
+    assert r.status_code == 422 and "max_tokens" in r.json()["detail"]
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenised(server: Server) -> None:
+    """A text many times the context is refused after tokenising a few pieces of it, off the event
+    loop: /health answers meanwhile, and the answer comes long before a full tokenisation."""
+    prompt = "ab " * 2_000_000  # 6 MB
+    t0 = time.monotonic()
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    took = time.monotonic() - t0
+    assert r.status_code == 400 and r.json()["detail"].startswith("prompt: over"), r.text[:300]
+    assert took < 10, took
+    big = post(server, "/v1/completions", {"prompt": "a" * (17 << 20), "max_tokens": 1})
+    assert big.status_code == 413 and "decode.max_request_bytes" in big.json()["detail"]

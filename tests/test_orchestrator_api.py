@@ -158,7 +158,7 @@ def test_rollout_browser_lists_filters_and_pages(
     bus.mark_dropped("x1", "failed after 3 attempts")
     bus.log_rollout(RolloutLogEntry(group_id="x1", env="reverse", seed=99))
 
-    page = httpx.get(f"{url}/v1/rollouts").json()
+    page = httpx.get(f"{url}/v1/rollouts", headers=auth_headers()).json()
     rows = page["rollouts"]
     assert [r["id"] for r in rows] == ["x1", *[f"b{i}" for i in range(11, -1, -1)]]
     assert page["next_cursor"] is None
@@ -184,7 +184,9 @@ def test_rollout_browser_lists_filters_and_pages(
     )
 
     # Filters: status, task, version range (a group's version is its oldest weights).
-    got = lambda **p: [r["id"] for r in httpx.get(f"{url}/v1/rollouts", params=p).json()["rollouts"]]  # noqa: E731
+    got = lambda **p: [
+        r["id"] for r in httpx.get(f"{url}/v1/rollouts", params=p, headers=auth_headers()).json()["rollouts"]
+    ]  # noqa: E731
     assert got(status="pending") == ["b11", "b10", "b9"]
     assert got(status="dropped") == ["x1", "b8"]
     assert got(status="trained", version_min=1, version_max=1) == ["b5", "b4", "b3"]
@@ -195,7 +197,7 @@ def test_rollout_browser_lists_filters_and_pages(
     seen, cursor = [], None
     while True:
         params = {"limit": 5, **({"cursor": cursor} if cursor else {})}
-        page = httpx.get(f"{url}/v1/rollouts", params=params).json()
+        page = httpx.get(f"{url}/v1/rollouts", params=params, headers=auth_headers()).json()
         seen += [r["id"] for r in page["rollouts"]]
         cursor = page["next_cursor"]
         if cursor is None:
@@ -212,11 +214,11 @@ def test_rollout_browser_lists_filters_and_pages(
         ({"task": "echo"}, "task"),
         ({"colour": "red"}, "colour"),
     ):
-        r = httpx.get(f"{url}/v1/rollouts", params=params)
+        r = httpx.get(f"{url}/v1/rollouts", params=params, headers=auth_headers())
         assert r.status_code == 422 and name in r.json()["detail"], (params, r.text)
 
     # A listed row opens its transcript: turns with each model token's text and advantage.
-    body = httpx.get(f"{url}/v1/rollouts/b5").json()
+    body = httpx.get(f"{url}/v1/rollouts/b5", headers=auth_headers()).json()
     assert body["fate"] == {"status": "trained", "trainer_version": 2, "reason": ""}
     assert body["reward"] == 5 / 12 and body["min_version"] == 1
     model = [seg for seg in body["samples"][0]["segments"] if seg["role"] == "model"]

@@ -317,3 +317,33 @@ def test_bad_plugin_fails_at_start(redis_server: str, tmp_path: Path) -> None:
     sb = Sandbox(tmp_path, redis_server, plugins=["no_such_plugin_module"])
     assert sb.proc.wait(30) == 2
     assert "cannot import 'no_such_plugin_module'" in sb.log.read_text()
+
+
+def test_hostile_commands_and_paths_are_a_422_naming_the_field(client: httpx.Client) -> None:
+    """What a command line or a C path cannot hold is refused before anything runs: a NUL byte,
+    a command over one argument's limit (MAX_ARG_STRLEN), a NUL in a file path; and a 422 that
+    echoes a NaN back stays valid JSON."""
+    sid = create(client, "echo")["session_id"]
+    cases = [
+        ("post", f"/v1/sessions/{sid}/exec", {"json": {"cmd": "echo a\x00b"}}, "cmd"),
+        ("post", f"/v1/sessions/{sid}/exec", {"json": {"cmd": "x" * (128 << 10)}}, "cmd"),
+        ("put", f"/v1/sessions/{sid}/files", {"json": {"path": "a\x00b", "content": "x"}}, "path"),
+        ("get", f"/v1/sessions/{sid}/files", {"params": {"path": "a\x00b"}}, "path"),
+        ("get", f"/v1/sessions/{sid}/files", {"params": {"path": "a" * 4097}}, "path"),
+        ("post", "/v1/sessions", {"content": b'{"env": "echo", "seed": NaN}'}, "seed"),
+        (
+            "post",
+            f"/v1/sessions/{sid}/exec",
+            {"content": b'{"cmd": "true", "timeout_s": Infinity}'},
+            "timeout_s",
+        ),
+    ]
+    for method, path, kw, field in cases:
+        if "content" in kw:
+            kw = {**kw, "headers": {"content-type": "application/json"}}
+        r = client.request(method.upper(), path, **kw)
+        assert r.status_code == 422, (path, field, r.text[:300])
+        assert field in r.json()["detail"], r.text[:300]
+    # A command over the sandbox's body limit is refused before it is read.
+    r = client.post(f"/v1/sessions/{sid}/exec", json={"cmd": "x" * (17 << 20)})
+    assert r.status_code == 413 and "sandbox.max_request_bytes" in r.json()["detail"]

@@ -65,7 +65,9 @@ def log_event(logger: logging.Logger, msg: str, **fields: Any) -> None:
 def describe_errors(errors: list[dict[str, Any]]) -> str:
     parts = []
     for e in errors:
-        loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path")]
+        loc = [str(p) for p in e.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]  # where the field is, not part of its name (a field may be called "path")
         parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
     return "; ".join(parts)
 

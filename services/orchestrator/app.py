@@ -18,7 +18,7 @@ from services.common.tokenizer import load_tokenizer
 from services.orchestrator import dashboard
 from services.orchestrator.browse import RolloutQuery, list_rollouts
 from services.orchestrator.loop import Orchestrator
-from services.orchestrator.rollout import render_sample
+from services.orchestrator.rollout import parse_rollout_id, render_sample
 
 
 def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
@@ -106,7 +106,10 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
         `segments` splits each sample into its turns: prompt / model / env pieces with their text,
         and for model pieces each token's text, log-prob, weight version and advantage. `fate`: trained
         (at which trainer version), dropped (why) or pending."""
-        group_id, _, idx = rollout_id.partition(".")
+        try:
+            group_id, idx = parse_rollout_id(rollout_id)
+        except ValueError as e:
+            raise HTTPException(422, f"rollout_id: {e}") from None
         raw = await asyncio.to_thread(orch.bus.r.get, orch.k.rollout(group_id))
         if raw is None:
             raise HTTPException(404, f"rollout_id: no finished rollout {rollout_id!r}")
@@ -119,10 +122,10 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
                 raise HTTPException(503, "no weights published yet: the tokenizer is not known")
             tok = await asyncio.to_thread(load_tokenizer, latest.path)
         samples = group.samples
-        if idx:
-            if not idx.isdigit() or int(idx) >= len(samples):
-                raise HTTPException(404, f"rollout_id: group {group_id} has no sample {idx!r}")
-            samples = [samples[int(idx)]]
+        if idx is not None:
+            if idx >= len(samples):
+                raise HTTPException(404, f"rollout_id: group {group_id} has no sample {idx}")
+            samples = [samples[idx]]
         (fate,) = await asyncio.to_thread(orch.bus.fates, [group.group_id])
         return {
             "group_id": group.group_id,

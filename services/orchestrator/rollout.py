@@ -74,6 +74,24 @@ class GroupSpec:
     seed: int
 
 
+def sample_id(group_id: str, index: int) -> str:
+    """A sample's rollout id: `<group_id>.<index>`."""
+    return f"{group_id}.{index}"
+
+
+def parse_rollout_id(rollout_id: str) -> tuple[str, int | None]:
+    """(group id, sample index or None) of a group id or a sample's id; ValueError if it is
+    neither (the index must be ASCII digits: str.isdigit() also accepts '²', which int() does not)."""
+    group_id, dot, index = rollout_id.partition(".")
+    if not group_id or "/" in group_id:
+        raise ValueError(f"{rollout_id!r} is not a group id or <group_id>.<sample index>")
+    if not dot:
+        return group_id, None
+    if not (index.isascii() and index.isdigit()) or len(index) > 9:
+        raise ValueError(f"{rollout_id!r}: the sample index {index!r} is not a number")
+    return group_id, int(index)
+
+
 class RoutingTrace:
     """MoE: a sample's routed expert ids (Router Replay), one row per token, built over turns.
 
@@ -461,7 +479,7 @@ class RolloutRunner:
             )
         samples = [
             Sample(
-                rollout_id=f"{spec.group_id}.{i}",
+                rollout_id=sample_id(spec.group_id, i),
                 tokens=t.tokens,
                 loss_mask=t.mask,
                 logprobs=t.logprobs,

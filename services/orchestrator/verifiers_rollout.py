@@ -25,7 +25,7 @@ from services.common.schemas import (
     VerifiersRollout,
 )
 from services.orchestrator.clients import DecodeClient, SandboxClient
-from services.orchestrator.rollout import GroupSpec, Trajectory, group_advantages
+from services.orchestrator.rollout import GroupSpec, Trajectory, group_advantages, sample_id
 
 
 def stitch(rollout: VerifiersRollout) -> Trajectory | None:
@@ -91,7 +91,7 @@ async def run_verifiers_group(
             continue
         samples.append(
             Sample(
-                rollout_id=f"{spec.group_id}.{i}",
+                rollout_id=sample_id(spec.group_id, i),
                 tokens=t.tokens,
                 loss_mask=t.mask,
                 logprobs=t.logprobs,
