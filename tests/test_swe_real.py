@@ -20,6 +20,7 @@ import httpx
 import pytest
 from test_sandbox_service import Sandbox
 
+from services.common.auth import auth_headers
 from services.sandbox.isolation import WorkspaceManager
 from services.sandbox.swe_real.base import ensure_base
 from services.sandbox.swe_real.projects import BY_NAME
@@ -150,7 +151,7 @@ def test_scripted_agent_fixes_wrong_fix_and_breaking_fix(sb: tuple[Sandbox, list
     p = BY_NAME[t.project]
     src = (ensure_base(p) / "src" / t.mutation["path"]).read_text()
     edit = fix_edit(t, src)
-    with httpx.Client(base_url=s.url, timeout=300) as c:
+    with httpx.Client(base_url=s.url, timeout=300, headers=auth_headers()) as c:
         # the real fix: look, edit, run the failing tests, answer
         good = episode(
             c,
