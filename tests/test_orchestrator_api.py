@@ -184,9 +184,10 @@ def test_rollout_browser_lists_filters_and_pages(
     )
 
     # Filters: status, task, version range (a group's version is its oldest weights).
-    got = lambda **p: [
-        r["id"] for r in httpx.get(f"{url}/v1/rollouts", params=p, headers=auth_headers()).json()["rollouts"]
-    ]  # noqa: E731
+    def got(**p: object) -> list[str]:
+        page = httpx.get(f"{url}/v1/rollouts", params=p, headers=auth_headers()).json()
+        return [r["id"] for r in page["rollouts"]]
+
     assert got(status="pending") == ["b11", "b10", "b9"]
     assert got(status="dropped") == ["x1", "b8"]
     assert got(status="trained", version_min=1, version_max=1) == ["b5", "b4", "b3"]
