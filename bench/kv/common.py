@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from services.common.auth import REDIS_PASSWORD_ENV, TOKEN_ENV, new_token
+from services.common.auth import standalone_secrets
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, EngineConfig, ModelConfig, RunConfig
 from services.common.modeldir import hf_config, write_model_dir
@@ -175,11 +175,8 @@ class Services:
 def services(workdir: Path, cfg: RunConfig, weights: Path | None = None) -> Any:
     """Redis, then the gateway; the caller starts prefill services with `start` if it needs them."""
     workdir.mkdir(parents=True, exist_ok=True)
-    # A run token and Redis password of the benchmark's own, in this process's environment: the
-    # services it starts and the clients it makes (KVStoreClient, Bus) read them there.
-    token = os.environ.setdefault(TOKEN_ENV, new_token())
-    os.environ[REDIS_PASSWORD_ENV] = token
-    redis = RedisServer(workdir / "redis", password=token).start()
+    standalone_secrets()  # the services it starts and its clients (KVStoreClient, Bus) read them
+    redis = RedisServer(workdir / "redis").start()
     cfg = cfg.model_copy(deep=True)
     cfg.redis.prefix = f"bench-kv-{uuid.uuid4().hex[:8]}"
     cfg.redis.url = redis.url

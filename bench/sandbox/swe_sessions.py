@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench.machine import machine
+from services.common.auth import auth_headers, standalone_secrets
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, RunConfig
 from services.common.redis_server import RedisServer
@@ -55,6 +56,7 @@ def main() -> None:
             t0 = time.perf_counter()
             shutil.copytree(base, work / f"copy{i}", symlinks=True)
             copies.append(time.perf_counter() - t0)
+        standalone_secrets()  # the sandbox it starts and the clients below use them
         with RedisServer(work / "redis") as redis:
             cfg = RunConfig()
             cfg.redis.url, cfg.redis.prefix = redis.url, "bench-swe"
@@ -81,7 +83,7 @@ def main() -> None:
                 time.sleep(0.5)
 
                 def session(i: int) -> dict[str, object]:
-                    with httpx.Client(base_url=url, timeout=600) as c:
+                    with httpx.Client(base_url=url, timeout=600, headers=auth_headers()) as c:
                         t0 = time.perf_counter()
                         r = c.post("/v1/sessions", json={"env": "swe-real", "seed": i})
                         start = time.perf_counter() - t0
@@ -97,7 +99,7 @@ def main() -> None:
                                 "error": None if ok else (obs[-300:] + score.text[:300])}  # fmt: skip
 
                 alone = []  # one session at a time: the start itself, without 63 others' contention
-                with httpx.Client(base_url=url, timeout=60) as c:
+                with httpx.Client(base_url=url, timeout=60, headers=auth_headers()) as c:
                     for i in range(8):
                         t0 = time.perf_counter()
                         r = c.post("/v1/sessions", json={"env": "swe-real", "seed": i})

@@ -133,6 +133,15 @@ def with_credentials(url: str, run: RunSecrets) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def standalone_secrets() -> str:
+    """For a process that starts services itself, outside a launcher (a benchmark): a token, also
+    the password of any Redis it starts, put in its own environment so that what it starts and
+    the clients it makes inherit them. Returns the token."""
+    token = os.environ.setdefault(TOKEN_ENV, new_token())
+    os.environ.setdefault(REDIS_PASSWORD_ENV, token)
+    return token
+
+
 def token_from_env() -> str:
     """This process's run token; services refuse to start without one."""
     token = os.environ.get(TOKEN_ENV, "")
