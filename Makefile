@@ -14,7 +14,7 @@ NODES ?=
 RUN ?=
 RUN_ENV := $(if $(RUN),RELAY_RUN_DIR=$(RUN))
 
-.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast tasks lint format clean chromium
+.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast bench-check tasks lint format clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,6 +69,11 @@ test-full: $(STAMP) chromium
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# The benchmark scripts' own checks on CPU (bench/tests/: their parsers, grids and smoke runs);
+# not part of `make test`, which tests the product.
+bench-check: $(STAMP)
+	$(PY) -m pytest -q -ra -n 2 --dist loadfile bench/tests
 
 # Real-repository SWE tasks (docs/environments.md, "swe-real"): >= 500 verified tasks from the 12
 # projects, reproducible from SEED; cached and resumable (.cache/swe-real). Needs root + bubblewrap.

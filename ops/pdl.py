@@ -37,8 +37,8 @@ from contextvars import ContextVar
 import torch
 
 # Whether launches on this thread (the engine's stepping thread) use PDL: a context variable, so
-# two engines in one process (bench/engine/profile_batch1.py builds one with and one without) and
-# the eager launches of each keep their own setting.
+# two engines in one process (one with PDL and one without) and the eager launches of each keep
+# their own setting.
 _ACTIVE: ContextVar[bool] = ContextVar("relay_pdl_active", default=False)
 _CAPABLE: dict[int | None, bool] = {}  # device index -> capability >= 9 and GDC available
 

@@ -37,7 +37,7 @@ from services.engine.moe import ExpertWeights, Router
 from trainer.model import build_model
 from trainer.replay import moe_routers
 
-# bench/ is not an installed package: load the harness by path (as tests/test_bench_r3.py does).
+# bench/ is not an installed package: load the harness by path (as bench/tests/test_r3.py does).
 _spec = importlib.util.spec_from_file_location(
     "bench_r3_numerics", Path(__file__).resolve().parents[1] / "bench" / "r3" / "numerics.py"
 )

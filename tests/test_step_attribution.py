@@ -1,11 +1,10 @@
-"""Step attribution for the interference bench (bench/kv/interference.py): the engine's per-phase
-step times, the GC trace, the background-event timeline, and the host tuning the services apply."""
+"""Step attribution: the engine's per-phase step times (services/engine/stats.py), and the host tuning
+the services apply (services/engine/host_tuning.py)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
-import importlib.util
 import subprocess
 import sys
 import time
@@ -13,32 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.host_tuning import collect_frozen, tune_after_startup
 from services.engine.stats import PHASES
 
-# bench/ is not a package on the tests' path: load its helpers from the file (as test_bench_r3.py).
-_spec = importlib.util.spec_from_file_location("kv_common", Path(__file__).parents[1] / "bench/kv/common.py")
-assert _spec is not None and _spec.loader is not None
-common = sys.modules["kv_common"] = importlib.util.module_from_spec(_spec)  # dataclasses need it
-_spec.loader.exec_module(common)
-GcTrace, Timeline, engine_config, make_model_dir = (
-    common.GcTrace,
-    common.Timeline,
-    common.engine_config,
-    common.make_model_dir,
-)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model_dir("tiny", tmp_path_factory.mktemp("m") / "model")
-
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_step_records_its_phases(model_dir: Path, overlap: bool) -> None:
-    cfg = engine_config("cpu", "float32", 256, block_size=16, num_kv_blocks=64, max_batch_size=4)
+    cfg = EngineConfig(
+        device="cpu", dtype="float32", max_seq_len=256, block_size=16, num_kv_blocks=64, max_batch_size=4
+    )
     cfg.overlap_schedule = overlap
     eng = LLMEngine(model_dir, cfg, version=0)
     eng.add_request(
@@ -53,29 +38,6 @@ def test_every_step_records_its_phases(model_dir: Path, overlap: bool) -> None:
     # The phases partition the step: their sum is the step's wall time, less the few calls between.
     assert 0.5 * wall <= sum(ph.values()) <= wall
     assert ph["forward"] > 0  # a 39-token prefill forward on CPU is not free
-
-
-def test_gc_trace_times_collections_and_attributes_them_to_a_window() -> None:
-    with GcTrace() as trace:
-        t0 = time.perf_counter()
-        gc.collect()
-        t1 = time.perf_counter()
-    assert [g for _, _, g in trace.collections] == [2]
-    assert trace.summary()["gen2"]["n"] == 1
-    assert 0 < trace.ms_within(t0, t1) <= (t1 - t0) * 1000
-    assert trace.ms_within(t1, t1 + 1) == 0.0
-    assert gc.callbacks.count(trace._cb) == 0  # removed on exit
-
-
-def test_timeline_reports_overlapping_events() -> None:
-    tl = Timeline()
-    with tl.span("pull", id="long-0") as d:
-        d["pages"] = 3
-    a, b = tl.events[0][1], tl.events[0][2]
-    tl.add("stage_first", b + 1.0, b + 2.0, id="long-0")
-    assert tl.overlapping(a, b + 0.5) == ["pull id=long-0 pages=3"]
-    assert tl.overlapping(b + 1.5, b + 1.6) == ["stage_first id=long-0"]
-    assert [e[0] for e in tl.compact(a)] == ["pull", "stage_first"]
 
 
 def test_tune_after_startup_freezes_and_shortens_the_switch_interval() -> None:
@@ -116,26 +78,3 @@ def test_frozen_startup_objects_are_freed_at_exit() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
-
-
-def _blocked_in_the_driver() -> None:
-    time.sleep(0.04)  # stands for a CUDA call that releases the GIL and blocks
-
-
-def test_stall_sampler_names_where_a_slow_step_waited() -> None:
-    s = common.StallSampler(after_ms=5.0, period_ms=0.5)
-    try:
-        s.step_begin(1.0)
-        s.step_end()  # a fast step: nothing recorded
-        s.step_begin(2.0)
-        _blocked_in_the_driver()
-        s.step_end()
-    finally:
-        s.close()
-    assert list(s.steps) == [2.0]  # under the caller's key, as interference.py looks it up
-    rec = s.steps[2.0]
-    assert rec["samples"], rec
-    first = rec["samples"][0]
-    assert first["in_step_ms"] >= 5.0
-    assert any("_blocked_in_the_driver" in f for f in first["threads"]["LOOP"])
-    assert "stall-sampler" not in first["threads"]  # its own frames are left out

@@ -18,7 +18,7 @@ So grad_h = g * (q @ W) and grad_W = q^T @ (g * h): the per-token upstream gradi
 [chunk x D] operand or result, and no pass over the [chunk x V] q is needed between the GEMMs.
 Both GEMMs run on the tensor cores with a float32 output (`_mm_float32`); q is in the GEMM dtype.
 
-Speed (bench/trainer/profile_step.py): with `fused` (set on CUDA by trainer.parallel) the
+Speed: with `fused` (set on CUDA by trainer.parallel) the
 softmax math is two Triton kernels (trainer/head_kernel.py): the statistics in one pass over the
 logits, and q. On CPU the same math in plain torch.
 

@@ -1,6 +1,6 @@
 """The entropy bonus's coefficient: fixed, or steered towards a target entropy.
 
-A fixed bonus is a compromise that fails both ways on the debug tasks (bench/calibration): too
+A fixed bonus is a compromise that fails both ways on the debug tasks: too
 small and the policy turns deterministic on a wrong answer before the task is solved (entropy
 collapse: a wrong fixed answer then gets zero advantage forever); large enough to stop that and it
 pushes probability onto the whole vocabulary at positions the policy has not learnt yet, so

@@ -5,7 +5,7 @@ the input 1x128, then the same block-scaled GEMM as the engine runs (services/en
 `quantize_activation` + `fp8_gemm_dispatch`), so for the same weights and inputs the trainer's
 log-probs are the engine's bit for bit. That is the point: an FP8 engine sampling for a
 high-precision trainer has a systematic train/inference mismatch; training through the same
-quantised forward removes it (bench/fp8/mismatch.py measures both).
+quantised forward removes it (docs/fp8.md measures both).
 
 Backward (straight-through: the quantisers count as identity):
   grad_x = grad_out @ dequant(W_q)   in grad_out's dtype, or with `fp8_dgrad` the block-scaled GEMM
@@ -71,7 +71,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 # selective activation checkpointing (a dispatch mode) sees one op. In plain eager execution the
 # autograd function calls the ops' bodies directly: torch.library's wrapper cost 70-340 us of
 # host time per op on the H100 machines, and the host is what limits an eager FP8 linear at
-# most widths (bench/fp8/train_profile.py, docs/fp8.md).
+# most widths (docs/fp8.md).
 def _through_op() -> bool:
     """Whether the FP8 linear must go through its custom ops: compiling, or a dispatch mode
     (selective AC's, fake tensors) is active."""

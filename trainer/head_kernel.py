@@ -13,7 +13,7 @@ Per chunk of c tokens the head has [c x V] float32 logits x (V ~ 152k). What it 
 
 torch.compile's version of the same math reads x three times for the statistics and
 writes p as float32: 2.8 ms per 4,096-row chunk for the stats plus 1.8 ms in the backward turning p
-into the gradient, on the H200 (bench/trainer/profile_step.py).
+into the gradient, on the H200.
 
 Under TRITON_INTERPRET=1 (set before this module is imported) they run on CPU: tests/test_head_kernel.py.
 """

@@ -206,8 +206,8 @@ class RelayAttention(Attention):
     services/engine/model.py norm_rope) computes them; cos/sin hold compute-dtype values, as in HF
     and the engine. torchtitan rounds to bf16 after the norm and after each RoPE op (with FSDP's
     bf16 parameters; CUDA autocast instead runs rms_norm and RoPE in float32 with float32 cos/sin):
-    on bench/r3/numerics.py that one difference alone puts the engine and the FSDP trainer as far
-    apart as all the others together. Installed by build_model on every Qwen3 / Llama block
+    that one difference alone puts the engine and the FSDP trainer as far apart as all the others
+    together (docs/replay.md). Installed by build_model on every Qwen3 / Llama block
     (`__class__` swap: same parameters, names and inner_attention, which trainer/attention.py
     replaces); attention types other than sdpa (the trainer's) run torchtitan's forward."""
 
@@ -253,8 +253,8 @@ class RelayRMSNorm(torch.nn.RMSNorm):
     engine (bf16 weights) and the FSDP trainer (bf16 parameters) multiply by. Autocast runs
     rms_norm in float32 with the float32 master weight, and every other weight reaches its op
     cast to bf16 (the same rounding as the engine's), so after training (weights no longer bf16
-    values) the norms were the one place the autocast trainer differed: 1.9e-3 mean |dlogp| on
-    bench/r3/numerics.py --perturb-norms. Output float32, rounded by the next op as before.
+    values) the norms were the one place the autocast trainer differed: 1.9e-3 mean |dlogp| with
+    perturbed norm weights. Output float32, rounded by the next op as before.
     Installed by build_model on Qwen3 / Llama blocks and the final norm (`__class__` swap)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,7 +312,7 @@ def residual_stream_like_engine(model: torch.nn.Module, fp32: bool) -> None:
     bf16: under autocast (float32 weights) the embedding output, every MoE output and every block's
     output are rounded to bf16, as the engine, HF's bf16 model and the FSDP2 bf16 trainer keep
     the stream; without it autocast carries a float32 stream and the engine a bf16 one, a
-    rounding difference in every layer that Router Replay cannot remove (bench/r3/numerics.py).
+    rounding difference in every layer that Router Replay cannot remove.
     A no-op outside autocast."""
     # Read by trainer/parallel.py apply_fsdp (FSDP2's input cast).
     model.fp32_residual = fp32  # type: ignore[assignment]

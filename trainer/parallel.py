@@ -19,7 +19,7 @@ FSDP needs a process group and, with trainer.fsdp = "auto" (the default), more t
 copy (all-gather copy-in/out of every parameter, reduce-scatter copies of every gradient, casts:
 ~355 device copies, ~9 ms of a 0.6B step on an H200). Without FSDP `bfloat16` means float32
 parameters under torch.autocast, torchtitan's single-device choice (`autocast_context`);
-trainer.fsdp = "always" keeps FSDP on a 1-rank group (what bench/trainer/step.py measured first).
+trainer.fsdp = "always" keeps FSDP on a 1-rank group.
 trainer.fsdp = "master" is "auto" with, at world 1 and bfloat16, bf16 parameters and float32
 master weights instead of autocast (trainer/master_weights.py): neither FSDP's copies nor
 autocast's per-forward casts of every weight.
@@ -158,8 +158,8 @@ def _sac_ignores_profiler_ranges() -> None:
 # torchtitan's own MoE models (llama4, deepseek_v3) do, so the recompute inside backward does not
 # run the EP token dispatch/combine (and their split-count exchange) a second time. _grouped_mm:
 # the expert GEMMs are most of an MoE layer's FLOPs; keeping their outputs (~3 x [tokens * top_k,
-# moe_hidden or dim] per layer) skips recomputing them. A module-level set so the benchmark can
-# compare without it (bench/trainer/step.py).
+# moe_hidden or dim] per layer) skips recomputing them. A module-level set so a benchmark can
+# compare without it.
 MOE_SAC_SAVE_OPS: set[Any] = {
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten._grouped_mm.default,

@@ -54,7 +54,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
 
     Outside `routing(...)` it computes what TokenChoiceTopKRouter computes: exactly in float32;
     in bf16 with float32 router logits and bf16-valued routing weights, as the engine computes
-    them (gate_logits, forward; bench/r3/numerics.py)."""
+    them (gate_logits, forward)."""
 
     replay_ids: torch.Tensor | None = None  # [N, top_k] int64, UNRECORDED rows = own top-k
     replay: bool = False
@@ -110,7 +110,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
         them (services/engine/moe.py Router: float32 GEMM of the bf16 activations and the gate's
         bf16 values). torchtitan's bf16 gate GEMM rounds the logits to bf16 (~4e-3 at |logit|
         ~1), moving the routing weights of the replayed experts by ~1e-4 against the engine's: a
-        bf16 bias Router Replay cannot remove (bench/r3/numerics.py). Both operands hold bf16
+        bf16 bias Router Replay cannot remove. Both operands hold bf16
         values, so a TF32 GEMM would be exact too. float32 training: the gate as it was."""
         dt = _compute_dtype(x)
         w, b = self.gate.weight, self.gate.bias

@@ -295,7 +295,7 @@ class Trainer:
         )
         # --- end perf path
         # Fused on CUDA (one kernel per parameter group instead of foreach's several passes;
-        # measured faster on the H200 by bench/trainer/step.py's bf16+fused_adam), torch's default elsewhere.
+        # measured faster on the H200), torch's default elsewhere.
         self.opt = torch.optim.AdamW(
             optimizer_params(self.model),  # trainer.fsdp = "master": the float32 masters
             lr=tc.lr,

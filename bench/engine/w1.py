@@ -176,8 +176,7 @@ def engine_config(
 ) -> Any:
     from services.common.config import EngineConfig
 
-    # FlexAttention's kernels want KV blocks of at least their tile (128 by default): bigger pages.
-    block = args.flex_block_size if backend == "flex" else args.block_size
+    block = args.block_size
     max_seq = args.max_prompt + args.new_tokens
     pages = -(-max_seq // block)
     return EngineConfig(
@@ -755,9 +754,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model and workload (CPU check of the script)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="soft budget; hard exit at +45 s")
     ap.add_argument("--variant-cap-s", type=float, default=60.0, help="cap on one variant's W1 run")
-    ap.add_argument("--flex-block-size", type=int, default=128, help="KV page size of the flex variant")
     ap.add_argument("--hf-cap-s", type=float, default=100.0, help="cap on each HF baseline")
-    ap.add_argument("--variants", default="triton+graphs,triton+graphs+fused,triton,torch,flex")
+    ap.add_argument("--variants", default="triton+graphs,triton+graphs+fused,triton,torch")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true", help="skip the kernels and sampler phases")
     ap.add_argument("--block-size", type=int, default=16)

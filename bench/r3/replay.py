@@ -4,7 +4,7 @@ with and without replaying the engine's expert choices in the trainer.
     # on the H200 (repo on PYTHONPATH; torchtitan/pydantic wheels in .whl/ are installed into
     # /tmp/site when missing), ~2-4 minutes:
     python3 bench/r3/replay.py --out $OUT/r3.json
-    # CPU smoke run of the whole script on tiny shapes (what tests/test_bench_r3.py runs):
+    # CPU smoke run of the whole script on tiny shapes (what bench/tests/test_r3.py runs):
     .venv/bin/python bench/r3/replay.py --device cpu --smoke --out /tmp/r3.json
 
 Per initialisation (`--inits`, default both):

@@ -35,7 +35,7 @@ from ops.fp8.cuda import fp8_wgmma
 Backend = Literal["auto", "reference", "torch", "triton", "cuda"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "torch", "triton", "cuda")
 # For (N, K) outside the measured table: M at or below which "auto" picks the Triton kernel on
-# CUDA. H200 run 1: Triton (pick_config) beat cuBLAS block-wise at every measured M <= 256 and
+# CUDA. On the H200 Triton (pick_config) beat cuBLAS block-wise at every measured M <= 256 and
 # lost at 10 of 12 (M, N, K) with 512 <= M <= 2048.
 TRITON_MAX_M = 256
 # Triton configs that failed to compile/launch here (name -> error); "auto" then uses torch.

@@ -235,7 +235,7 @@ def _scaled_mm_blockwise(
     scale_a (M, K/128) column-major (strides (1, M)); scale_b
     (KB4, N/128) with strides (1, KB4), i.e. the transpose of a contiguous (N/128, KB4) tensor,
     where KB4 = ceil(K/128) rounded up to a multiple of 4: cuBLAS wants the weight's K-block
-    count padded to 4 (H200 run 1: "scale_b must have shape 12 x 8 ... got [11, 8]" at K = 1300).
+    count padded to 4 (otherwise "scale_b must have shape 12 x 8 ... got [11, 8]" at K = 1300).
     K and N are zero-padded to multiples of 128 and M to a multiple of 4 (the activation scales
     are read in groups of 4 rows); every pad is skipped (no copy) on aligned shapes."""
     m = a.shape[0]
@@ -289,8 +289,8 @@ def fp8_gemm(
     """Block-scaled FP8 GEMM: (a (M, K) fp8, a_scale 1x128) @ (w (N, K) fp8, w_scale 128x128)^T.
 
     backend: "reference" (float32 block accumulation, any device; what CI tests), "torch"
-    (torch.nn.functional.scaled_mm block-wise, CUDA only; checked by bench/fp8/gemm.py's
-    self-check on the H200), or "auto" (torch
+    (torch.nn.functional.scaled_mm block-wise, CUDA only; checked against the reference on the
+    H200), or "auto" (torch
     on CUDA when available, else reference)."""
     _check_gemm_shapes(a, a_scale, w, w_scale)
     if _use_gpu(backend, a):
@@ -317,7 +317,7 @@ def grouped_fp8_gemm(
     [offs[e-1], offs[e]) (offs: cumulative end offsets, len E, offs[-1] == T) and multiplies them
     by w[e] (w: (E, N, K) fp8, w_scale: (E, ceil(N/128), ceil(K/128))). Returns (T, N).
     Empty groups are allowed. The reference path is one fp8_gemm per expert (a Triton grouped
-    kernel is the GPU path; "torch" here loops scaled_mm per expert: H200 run 1 failed with
+    kernel is the GPU path; "torch" here loops scaled_mm per expert: cuBLAS fails with
     CUBLAS_STATUS_NOT_SUPPORTED on groups of 1-42 rows, hence the M padding to 4 above)."""
     if w.dim() != 3 or w_scale.dim() != 3 or w.shape[0] != w_scale.shape[0]:
         raise ValueError(

@@ -27,8 +27,8 @@ Ragged M/N/K are masked (zero fill), which is exactly the reference's ragged-tra
 ("tma" needs K and N multiples of 16 for its descriptors; `supports` says which shapes a config
 can run).
 
-Dispatch table: fp8_configs.json next to this file (or $RELAY_FP8_CONFIGS), written by
-bench/fp8/tune.py from CUDA-graph timings on the H200: per (M bucket, N, K) the fastest verified
+Dispatch table: fp8_configs.json next to this file (or $RELAY_FP8_CONFIGS), measured from
+CUDA-graph timings on the H200 and H100 (docs/fp8.md, "The table"): per (M bucket, N, K) the fastest verified
 option among our Triton configs, cuBLAS block-wise ("torch") and, on Hopper at large M, our
 warp-specialised CUDA kernel ("cuda": ops/fp8/cuda/fp8_wgmma.cu), and whether the whole linear is faster
 with the fused quantiser; per grouped (rows per expert, N, K) the grouped kernel's tiles.
@@ -38,15 +38,15 @@ for shapes it does not list (ops/fp8/dispatch.py's "auto").
 CPU: runs under TRITON_INTERPRET=1 (tests/test_fp8_linear.py, tests/test_fp8_tuning.py). Known
 interpreter defect (triton 3.9): its fp32 -> float8e4nv conversion sometimes loses a round-up
 (e.g. -125.48 -> -64 instead of -128), in ~3% of elements, so the quantiser's bits are checked
-exactly only on the GPU (bench/fp8/gemm.py self-check); its scales match exactly on CPU. The
+exactly only on the GPU; its scales match exactly on CPU. The
 interpreter's fp32 -> bf16 conversion truncates (the GPU rounds to nearest), so CPU tests compare
 float32 outputs.
 
-Accuracy on the GPU (H200 run 1): BLOCK_M >= 64 lowers tl.dot to Hopper wgmma, whose fp8
+Accuracy on the GPU (H200): BLOCK_M >= 64 lowers tl.dot to Hopper wgmma, whose fp8
 accumulation keeps ~14 bits within an instruction chain, so each 128-wide block product errs by
 ~2^-13 relative (1.27e-4 Frobenius vs the exact fp32 reference); BLOCK_M 16/32 (mma.sync)
 accumulate in full fp32 (1e-7). Promoting to fp32 every 128 K, as here, is what bounds it
-(DeepSeek-V3's recipe); bench/fp8/gemm.py's self-check and tune.py assert those bounds.
+(DeepSeek-V3's recipe); the GPU self-checks and the table's tuning assert those bounds.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ KERNELS: tuple[str, ...] = ("tiled", "tma")
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """One launch configuration. BLOCK_K is fixed at 128 = the scale block (one scale per K step).
-    Field order is positional-compatible with run 1's table: (block_m, block_n, split_k, group_m,
+    Field order is positional: (block_m, block_n, split_k, group_m,
     num_warps, num_stages)."""
 
     block_m: int = 64
@@ -161,7 +161,7 @@ def supports(cfg: GemmConfig, m: int, n: int, k: int) -> bool:
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
-    """Heuristic for shapes outside the tuned table, shaped by H200 runs 1-2 (bench/fp8/results):
+    """Heuristic for shapes outside the tuned table, shaped by H200 measurements:
     at M <= 256 one 64-row wgmma warpgroup (the GEMM streams the weight once, so idle rows cost
     nothing), 4 warps; BLOCK_N 128 when that still gives >= a quarter of the SMs tiles, else 64;
     split-K 2 only when even that leaves most SMs idle over a long K, summed in-kernel
@@ -173,8 +173,8 @@ def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmC
     tiles_m = _cdiv(m, 64)
     block_n = 128 if tiles_m * _cdiv(n, 128) >= num_sms // 4 else 64
     tiles = tiles_m * _cdiv(n, block_n)
-    # Run 1 (two-kernel reduction, eager): split 4 at 64 x 2048 x 7168 lost to unsplit, so only
-    # a long K over very few tiles splits; the table (tune.py) decides for measured shapes.
+    # Split 4 at 64 x 2048 x 7168 (two-kernel reduction, eager) lost to unsplit, so only a long K
+    # over very few tiles splits; the table decides for measured shapes.
     split = 2 if tiles < num_sms // 4 and kb >= 16 else 1
     return GemmConfig(
         block_m=64,
@@ -188,8 +188,8 @@ def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmC
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> list[GemmConfig]:
-    """A small sweep around the heuristic for bench/fp8/gemm.py (--sweep-budget-s); the full grid
-    is bench/fp8/tune.py's, which writes the table."""
+    """A small sweep around the heuristic (for sweeping a shape the table does not list; the table
+    itself comes from a full grid)."""
     base = pick_config(m, n, k, num_sms)
     out = [base]
     kb = _cdiv(k, BLOCK)
@@ -856,8 +856,8 @@ if HAS_TRITON:
     ):
         """ROWS rows x one 128-wide block per program: scale = amax / 448 per row (or its
         power-of-two ceiling), q = x / scale, correctly rounded (_div_exact) so the bits equal
-        ops/fp8/recipe.quantize_act. A (ROWS, 128) tile per program, not one row: run 1 had
-        one 128-element program per (row, block) and the quantiser cost more than the GEMM
+        ops/fp8/recipe.quantize_act. A (ROWS, 128) tile per program, not one row: with
+        one 128-element program per (row, block) the quantiser cost more than the GEMM
         (e.g. M = 4096, K = 2048: whole linear 0.39x bf16 against 1.34x for the GEMM alone)."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         kb = tl.program_id(1)
@@ -1109,7 +1109,7 @@ def pick_grouped_block_m(t: int, e: int) -> int:
     """Rows per tile for the grouped kernel when the table has no entry: about the mean rows per
     expert, 16..64."""
     per = max(1, t // max(1, e))
-    # H200 run 1: 16 was best at decode (8 rows per expert); at prefill (512 per expert) 64 beat
+    # On the H200 16 was best at decode (8 rows per expert); at prefill (512 per expert) 64 beat
     # 128 by 15-17% (1.78 vs 2.09 ms, 0.96 vs 1.12 ms), so 64 is the ceiling.
     return 16 if per <= 16 else 32 if per <= 32 else 64
 

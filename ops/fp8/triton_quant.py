@@ -221,8 +221,7 @@ def triton_quantize_act_both(
     launch: fp8_gemm.triton_quantize_act's outputs and `triton_quantize_act_t`'s, with the same bits.
     Both scale tensors are views of column-major buffers (stride(0) == 1): the layout cuBLAS's
     block-wise scaled_mm reads (the token GEMM's operands), so they reach it without a copy.
-    num_warps 4: 1.27-1.29x the two passes on the H100; 8 and 16 were slower than the two passes
-    (bench/fp8/quant_warps_probe.py)."""
+    num_warps 4: 1.27-1.29x the two passes on the H100; 8 and 16 were slower than the two passes."""
     if x.dim() != 2:
         raise ValueError(f"triton_quantize_act_both wants (M, C), got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()

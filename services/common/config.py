@@ -369,9 +369,8 @@ class EngineConfig(Strict):
     # Requests still unfinished this long after arrival end with finish_reason "abort".
     request_timeout_s: float | None = Field(None, gt=0)
     # Attention: "torch" gathers pages and runs SDPA (the CPU path); "triton" runs the paged
-    # kernels (services/engine/kernels/) on the page pool; "flex" is FlexAttention over the pool
-    # (for comparison); "auto" is triton on CUDA, else torch.
-    attention_backend: Literal["auto", "torch", "triton", "flex"] = "auto"
+    # kernels (services/engine/kernels/) on the page pool; "auto" is triton on CUDA, else torch.
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # With the triton backend on CUDA: capture decode-only steps as CUDA graphs for batch sizes up
     # to min(max_batch_size, cuda_graph_max_batch_size) (services/engine/cuda_graphs.py).
     cuda_graphs: bool = True
@@ -393,8 +392,8 @@ class EngineConfig(Strict):
     pdl: bool = True
     # CUDA only: fused residual-add + RMSNorm and SiLU-mul kernels, q/k/v and gate/up as one GEMM
     # each, and the one-pass sampler (services/engine/kernels/{fused_norm,sampling}.py). On by
-    # default: `bench/engine/gpu_fused_check.py` passes on an H200, and on the H200 W1 reaches 56%
-    # of the memory roofline with it against 46% without. No effect on CPU. The fused
+    # default: the fused kernels equal the unfused path on an H200, and there W1 reaches 56% of the
+    # memory roofline with them against 46% without. No effect on CPU. The fused
     # sampler draws a different random stream than the CPU path.
     fused_kernels: bool = True
     # CUDA (Hopper) with fused_kernels: a batch-1 decode step runs every layer in one persistent
@@ -760,7 +759,7 @@ class TrainerSection(Strict):
     attention: Literal["sdpa", "flex", "varlen"] = "sdpa"
     # Which SDPA kernel causal SDPA tries first (one-sample packs, padded rows, the dense mask):
     # "auto" = torchtitan's order (cuDNN, flash, math); the others put that backend first, the
-    # rest after it as fallbacks. bench/trainer/attn.py measures them (docs/trainer.md).
+    # rest after it as fallbacks (their speed: docs/trainer.md).
     sdpa_backend: Literal["auto", "cudnn", "flash", "efficient"] = "auto"
     # Repeat the kv heads to the q heads before SDPA (GQA models): for a backend that has no GQA
     # support and would otherwise be skipped for the next one; costs a copy and its backward.
@@ -941,8 +940,7 @@ class RunConfig(Strict):
         # With prefill services, decode prefills only short prompts itself, and a burst of them
         # filling an 8,192-token step stretches every stream's step. Unless set, decode then feeds
         # at most DISAGG_DECODE_STEP_TOKENS a step (never fewer than a full batch of decodes):
-        # interference p99 1.26-1.61x the baseline at 512 (runs 16-20), 1.75-2.16x at 2,048
-        # (bench/kv/README.md, "Interference").
+        # interference p99 1.26-1.61x the baseline at 512, 1.75-2.16x at 2,048 (docs/kv.md).
         engine = self.decode.engine
         if (self.prefill.replicas > 0 or self.slurm.prefill.nodes > 0) and (
             "max_num_batched_tokens" not in engine.model_fields_set

@@ -156,7 +156,7 @@ class DecodeWork:
     cdiv(c, partition) items, consecutive from row_first[row]; a row with one item writes its
     output directly, the others write partials that the merge kernel combines. So a 16k-token row
     beside 63 short ones is cut into many items while the short rows keep one each; a uniform
-    split count gave every short row the long row's (empty) splits too (bench/kv/step_costs.py).
+    split count gave every short row the long row's (empty) splits too.
     Every value is computed on the host (plan_decode), so a program's loads before its PDL wait
     do not depend on each other."""
 
@@ -199,13 +199,12 @@ class PrefillMeta:
 class PagedMeta:
     decode: DecodeMeta | None
     prefill: PrefillMeta | None
-    flex: object | None = None  # kernels.flex_attention.FlexMeta: backend "flex" instead of both
     padded: bool = False  # token rows past the real ones (a CUDA graph's fixed size): see attend
 
 
 # Keys one program may walk before a batch that already fills the GPU is split: past this a
-# long row makes every step wait for its few programs (interference run 9: a 16k row next to 63
-# short ones took ~13 ms a step with one program per row).
+# long row makes every step wait for its few programs (a 16k row next to 63 short ones took ~13 ms
+# a step with one program per row).
 LONG_PARTITION_KEYS = 2048
 
 

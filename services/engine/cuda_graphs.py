@@ -476,8 +476,7 @@ class MixedBuffers:
 class MixedGraphs:
     """CUDA graphs for steps that carry prefill tokens, one per size of token_ladder: eagerly such
     a step is launch-bound (~320 kernel launches from Python for a 28-layer model, ~9 ms on an
-    idle H200 host, ~14.5 ms on a busy one (bench/engine/profile_mixed.py), 25-46 ms inside the
-    interference bench, for ~2 ms of GPU work).
+    idle H200 host, ~14.5 ms on a busy one, 25-46 ms beside KV imports, for ~2 ms of GPU work).
     Captured after the decode graphs, in their memory pool (one graph runs at a time)."""
 
     def __init__(

@@ -34,7 +34,6 @@ from services.engine.batch import (
     BlockTables,
     ForwardBatch,
     HostBatch,
-    PagedMeta,
     Span,
     host_to_device,
     num_sms,
@@ -177,15 +176,9 @@ class LLMEngine:
         plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
         if want == "auto":
             want = "triton" if self.device.type == "cuda" and plain else "torch"
-        if want in ("triton", "flex") and not plain:
+        if want == "triton" and not plain:
             raise ValueError(
                 f"attention_backend: {want!r} needs standard attention with a power-of-two head_dim >= 16"
-            )
-        if want == "flex" and self.device.type == "cuda" and self.cfg.block_size < 16:
-            # Compiled FlexAttention tiles the KV by page (flex_attention.kernel_options); tl.dot
-            # needs >= 16 rows (torch 2.11 fails to compile 4-token pages; 16 passes on the H200).
-            raise ValueError(
-                f"block_size: attention_backend 'flex' on CUDA needs pages of >= 16 tokens, got {self.cfg.block_size}"
             )
         return want
 
@@ -280,11 +273,6 @@ class LLMEngine:
             return self.mixed_graphs.run(hb, feed)
         batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
         feed_pending(batch.input_ids, feed)
-        if self.attention_backend == "flex":
-            from services.engine.kernels.flex_attention import build_flex_meta
-
-            flex = build_flex_meta(hb, self.device, self.kv.num_blocks, self.kv.block_size)
-            batch.paged = PagedMeta(None, None, flex)
         return self.model(batch, self.kv), batch.last_index
 
     def _num_kv_blocks(self) -> int:

@@ -16,7 +16,7 @@ freed and a leak they report is a real one.
 GIL: a thread that wants the GIL waits up to the switch interval (CPython default 5 ms) for the
 holder to drop it, every time; a step loop drops it at each device sync or copy, so one busy
 Python thread beside it (HTTP, JSON, hashing, staging loops) adds ~10 ms per release: a 1.3 ms
-step took 43 ms. At 0.5 ms the same step took 6 ms (measured: bench/kv/README.md).
+step took 43 ms. At 0.5 ms the same step took 6 ms (measured on the H200).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import sys
 import time
 
 # Gen-0 threshold after start-up (CPython's default is 700). At 10k the decode loop still met
-# exactly one young collection per interference window on the H200, 14.6-28.2 ms inside a step
-# (runs 5-14: the pulls' Python work crosses the threshold); at 100k none came in the window
-# (run 15, bench/kv/README.md). Young garbage with cycles waits longer to be freed: a few MB.
+# exactly one young collection per KV-import window on the H200, 14.6-28.2 ms inside a step
+# (the pulls' Python work crosses the threshold); at 100k none came in the window. Young garbage with cycles waits longer to be freed: a few MB.
 GEN0_THRESHOLD = 100_000
 # Seconds a thread holds the GIL before it must let a waiting one (the step loop) take it.
 SWITCH_INTERVAL_S = 0.0005

@@ -77,7 +77,7 @@ def chain_hashes(
     router's pull, a prefill request): it lets the GIL go every BREATHE_PAGES pages. A 16k-token
     prompt's chain is ~1-2 ms of Python; held in switch-interval slices it made the engine loop
     wait 0.5 ms at each of its GIL releases, and the decode steps overlapping a pull took 6-9 ms
-    instead of 2.5 (interference runs 19-21, stall samples)."""
+    instead of 2.5 (stall samples)."""
     n = len(tokens) // block_size if limit is None else min(limit, len(tokens) // block_size)
     prev = root_hash(version, layout)
     buf = memoryview(array("q", tokens[: n * block_size]).tobytes())
@@ -223,7 +223,7 @@ H2D_CHUNK_BYTES = 32 << 20
 
 # A staged batch already on the device (a handoff's pages) is launched into the pool this many
 # bytes per step (PageExchange.drain): one 1.8 GB scatter of a 16k-token prompt ran beside a decode
-# step and held its SMs and memory bandwidth (~7 ms steps at each import, interference run 12),
+# step and held its SMs and memory bandwidth (~7 ms steps at each import),
 # and claiming 1,024 pages took 2 ms of the loop thread. A few pieces cost the request a few steps.
 IMPORT_BYTES_PER_STEP = 256 << 20
 
@@ -233,8 +233,8 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int = H2D_
     before the next is queued: blocks the calling thread, so for worker threads (a handoff's pull).
     One large copy held the GPU's copy engine for its whole length (a 16k-token prompt's 1.8 GB:
     ~36 ms over PCIe) and the decode loop's own small input uploads waited behind it, one 35 ms
-    decode step per handoff on the H200; pieces queued all at once did the same (interference
-    run 7), paced pieces let the loop's uploads through between them (run 8)."""
+    decode step per handoff on the H200; pieces queued all at once did the same, paced pieces let
+    the loop's uploads through between them."""
     rows = dst.shape[0]
     row_bytes = dst[0].numel() * dst.element_size() if rows else 1
     per = max(1, chunk_bytes // max(1, row_bytes))

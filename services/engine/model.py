@@ -176,7 +176,7 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
             v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
         if batch.paged is not None:
-            # GPU path (attention_backend "triton"/"flex", services/engine/kernels/): one kernel
+            # GPU path (attention_backend "triton", services/engine/kernels/): one kernel
             # normalises and rotates q/k and stores k/v in the page pool, then attention reads the
             # pool directly (no gathered copy). Imported here so the CPU path never loads Triton.
             from services.engine.kernels.paged_attention import attend

@@ -187,8 +187,7 @@ class ExpertWeights(nn.Module):
         runs in float32 with one rounding at the end, as the trainer's torchtitan MoE computes it
         (a bmm of the scores with the float32 outputs; trainer/replay.py rounds its scores the
         same way). Weighting and summing in bf16 (k + 1 roundings, HF's index_add order) was a
-        rounding difference from the trainer that Router Replay cannot remove
-        (bench/r3/numerics.py)."""
+        rounding difference from the trainer that Router Replay cannot remove."""
         w = weights.to(y.dtype).float()
         return torch.bmm(w[:, None, :], y.float()).squeeze(1).to(y.dtype)
 

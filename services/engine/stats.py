@@ -42,7 +42,7 @@ class EngineStats:
     prefill_step_seconds_total: float = 0.0
     _computed_at_last_step: int = field(default=0, repr=False)
     # Seconds in each phase of the last step (PHASES; overwritten every step, a few perf_counter
-    # calls): what a slow step spent its time on (bench/kv/interference.py reads it per step).
+    # calls): what a slow step spent its time on.
     last_step_phases: dict[str, float] = field(default_factory=dict)
 
     @property

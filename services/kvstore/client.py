@@ -353,8 +353,7 @@ def http_get_prefix(
     """The longest prefix of `keys` the gateway at `url` has, over its HTTP routes
     (`pages_per_call` pages a call): (its keys, their bytes concatenated). `lengths`, if given,
     gets each page's length appended. `copy_pages` copies each page into bytes of its own before
-    the join, as the client did before the transport work (bench/kv/transport.py's legacy baseline
-    measures that cost)."""
+    the join (a baseline that measures what the copies cost)."""
     got_keys: list[bytes] = []
     chunks: list[bytes | memoryview] = []
     for start in range(0, len(keys), pages_per_call):

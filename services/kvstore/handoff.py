@@ -309,8 +309,8 @@ class HandoffReader:
         """A device buffer of at least nbytes, reused across pulls. A fresh [1024 x page] tensor
         per long pull went through the caching allocator, and, once the engine's own allocations
         had split its cached block, through cudaMalloc (or cudaFree under memory pressure, which
-        synchronises the device): the decode steps overlapping a pull's start took 7-12 ms
-        (interference run 10). Grown to the largest pull seen, then kept."""
+        synchronises the device): the decode steps overlapping a pull's start took 7-12 ms.
+        Grown to the largest pull seen, then kept."""
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.device == device and b.numel() >= nbytes]
             if fits:  # by index: list.remove would compare tensors elementwise

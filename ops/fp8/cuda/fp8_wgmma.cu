@@ -875,8 +875,8 @@ int grid_for(int M, int N, int max_ctas, int groups) {
   int clusters = max_ctas / CLUSTER;
   if (CLUSTER > 1) {
     // The device's resident-cluster limit for this kernel, asked once per device: the query costs
-    // host time on every GEMM otherwise (an eager FP8 training step is host-bound,
-    // bench/fp8/train_profile.py). Racing first callers store the same value.
+    // host time on every GEMM otherwise (an eager FP8 training step is host-bound). Racing first
+    // callers store the same value.
     static int active_by_device[kMaxDevices] = {};
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return -1;

@@ -1,10 +1,10 @@
 """The warp-specialised Hopper FP8 GEMM (`fp8_wgmma.cu`): built with nvcc on first use, loaded
 through ctypes, launched on torch's current stream. The engine's and trainer's "cuda" FP8 backend
-(services/engine/fp8_linear.py), which "auto" picks where bench/fp8/tune.py measured it fastest:
-at M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.00-1.10x cuBLAS block-wise
-and 0.96-0.99x DeepGEMM (one H100, its K loops unrolled 4x; bench/fp8/README.md). Its grouped
-variants (`fp8_grouped_gemm`) are the MoE experts' GEMM from 32 rows per expert. The other
-variants are the measured alternatives bench/fp8/wgmma.py and deepgemm.py time against it.
+(ops/fp8/dispatch.py), which "auto" picks where the dispatch table measured it fastest: at
+M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.00-1.10x cuBLAS block-wise and
+0.96-0.99x DeepGEMM (one H100, its K loops unrolled 4x; docs/fp8.md). Its grouped variants
+(`fp8_grouped_gemm`) are the MoE experts' GEMM from 32 rows per expert. The other variants are
+the measured alternatives the FP8 benchmarks time against it.
 
 Built and cached by nvcc.py (one nvcc call of ~10 s, no torch headers; the library is keyed by the
 source's hash, so a changed kernel rebuilds; nvcc's output is kept beside it, and `serialised` reads
@@ -129,7 +129,7 @@ class WgmmaUnsupported(WgmmaError):
 
 
 # fp8_wgmma.cu's K_UNROLL: how many times its K loops are unrolled. `unroll` below builds another
-# (bench/fp8/deepgemm.py --unrolls measures them against each other).
+# (for timing them against each other).
 K_UNROLL = 4
 # ptxas's warnings that a kernel's wgmmas run one at a time: register shortage (C7511), an
 # accumulator used while in flight (C7515), divergent code around them (C7518).
@@ -287,7 +287,7 @@ def _launch(
     """Call `entry` of `lib` (default: the product's library) with `args`, then the SM count, the
     variant and the current stream (the arguments both entry points end with)."""
     # The raw handle: torch.cuda.current_stream() builds a Stream object (~5 us of host time,
-    # against ~0.2 us; bench/fp8/train_profile.py), and an eager FP8 training step is host-bound.
+    # against ~0.2 us), and an eager FP8 training step is host-bound.
     stream = torch._C._cuda_getCurrentRawStream(device_index(device))
     rc = getattr(lib or library(), entry)(*args, num_sms(device), variant, stream)
     if rc != 0:

@@ -1,5 +1,5 @@
 // Hopper (sm_90) synchronisation helpers shared by the CUDA kernels
-// (fp8_wgmma.cu here, bench/engine/dataflow_kernel.cu): shared-memory mbarriers, which
+// (fp8_wgmma.cu here, and the benchmarks'): shared-memory mbarriers, which
 // the bulk copy engine completes by byte count, and named CTA barriers for a subset of warps.
 #pragma once
 #include <stdint.h>

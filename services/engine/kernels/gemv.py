@@ -1,8 +1,7 @@
 """Decode-sized GEMMs (M <= 8 rows) as a Triton GEMV, where it beats cuBLAS.
 
 At batch 1 the decode step is a chain of small GEMMs whose weights are read once each. cuBLAS
-picks poor kernels for some of these shapes on the H200 (bench/engine/profile_batch1.py:
-Qwen3-0.6B's o_proj, N=1024 x K=2048, runs in 12.4 us as 16 CTAs of 8x64 tiles, 12.6x the time
+picks poor kernels for some of these shapes on the H200 (Qwen3-0.6B's o_proj, N=1024 x K=2048, runs in 12.4 us as 16 CTAs of 8x64 tiles, 12.6x the time
 to read its 4 MB; the fused qkv / gate_up GEMMs take 2-4x their read time). This kernel tiles the
 weight over N only (each program owns BLOCK_N output columns for all M rows and walks the whole
 K), so even N = 1024 fills the GPU with 128-256 programs, and every weight byte is read once, in
@@ -183,8 +182,8 @@ def choices() -> dict[str, str]:
 
 def pin(n: int, k: int, bucket: int, dtype: torch.dtype, config: tuple[int, int, int] | None) -> None:
     """Fix the choice for (N, K, M bucket, dtype) instead of timing it at warm-up: for a benchmark
-    that already knows it (bench/engine/profile_batch1.py --pin-gemv: ~30 Triton configurations
-    fewer to compile and time in a short GPU call). None: F.linear."""
+    that already knows it (~30 Triton configurations fewer to compile and time in a short GPU
+    call). None: F.linear."""
     _CHOICE[(n, k, bucket, dtype)] = config
 
 

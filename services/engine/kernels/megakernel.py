@@ -4,8 +4,7 @@ At batch 1 the forward of a small dense model is a chain of ~10 dependent kernel
 each a few microseconds of DRAM latency, ramp-up and tail: Qwen3-0.6B's 28 layers took 0.75 ms
 against a 0.21 ms read of their weights. Folding kernels together did not shorten it, and
 neither did streaming the next weights into L2 from a side stream: with every weight already in
-L2 the chain still took 15 us a layer (bench/engine/README.md, bench/engine/l2_prefetch.py). The
-time is in the kernel boundaries themselves.
+L2 the chain still took 15 us a layer. The time is in the kernel boundaries themselves.
 
 So here one launch runs every layer. Its P programs (one per SM) stay resident and meet at a
 grid-wide barrier between the six phases of a layer:
@@ -66,7 +65,7 @@ def _globaltimer():
 
 @triton.jit
 def _trace(trace_ptr, i, TRACE: tl.constexpr):
-    """TRACE (bench/engine/megakernel_probe.py): program 0 records the time at mark i."""
+    """TRACE (a per-phase timing breakdown): program 0 records the time at mark i."""
     if TRACE:
         if tl.program_id(0) == 0:
             tl.store(trace_ptr + i, _globaltimer())
@@ -510,7 +509,7 @@ def _decode_layers(
     TRACE: program 0's clock at every barrier and inside the phases; TRACE_ALL (not with TRACE):
     every program's clock at each arrival (bit 0) and each barrier's passing (bit 1), for NB
     barriers; WORK off (the barriers only)
-    is for bench/engine/megakernel_probe.py's breakdown. MAX_POLLS: _grid_wait's watchdog (tests
+    is for a per-phase timing breakdown. MAX_POLLS: _grid_wait's watchdog (tests
     lower it). (L2 prefetch of weights or KV, and the
     merge folded into the attention phase behind a per-head counter, were measured slower, so the
     kernel does not have them.)"""

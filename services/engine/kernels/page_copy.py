@@ -7,8 +7,7 @@ Qwen3-0.6B's k or v at 16-token pages) but the chunks of one page are strided in
 
 Why a kernel: torch moved these chunks as an indexed write of token rows plus a strided copy,
 ~1.1 ms per 256 MiB on an H200 (~0.45 TB/s), on the import side stream, where it also took SMs
-from the decode step running beside it (bench/kv/step_costs.py: a step importing 256 MiB, 3.5 ms
-against 2.1). Here each program copies one block of one chunk as 8-byte words: a plain streaming
+from the decode step running beside it (a step importing 256 MiB took 3.5 ms against 2.1). Here each program copies one block of one chunk as 8-byte words: a plain streaming
 copy. The CPU path (and any layout the kernel does not fit) stays with torch (kv_transfer).
 """
 

@@ -35,8 +35,8 @@ import triton.language as tl
 from ops import pdl
 from services.engine.batch import DECODE_BLOCK_N, DecodeMeta, PagedMeta, PrefillMeta
 
-# Launch settings: reasonable first choices, not tuned on the H200 yet (bench/engine/w1.py's
-# "kernels" phase times alternatives; keys: tile sizes, warps, software-pipelining stages).
+# Launch settings: reasonable first choices, not tuned on the H200 (keys: tile sizes, warps,
+# software-pipelining stages).
 DECODE_TUNING: dict[str, int] = {"block_n": DECODE_BLOCK_N, "num_warps": 4, "num_stages": 3}
 PREFILL_TUNING: dict[str, int] = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
@@ -491,11 +491,6 @@ def attend(
     page_size: int,
 ) -> torch.Tensor:
     """Every query over its sequence's pages (this step's K/V already stored): [T, H, D]."""
-    if meta.flex is not None:  # attention_backend "flex": the comparison path
-        from services.engine.kernels.flex_attention import FlexMeta, flex_paged_attention
-
-        assert isinstance(meta.flex, FlexMeta)
-        return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
     # A fixed-shape (CUDA graph) batch has padding token rows that no span attends for; zeros
     # keep them finite through the layers after (an MoE router must not see NaN garbage).
     out = torch.zeros_like(q) if meta.padded else torch.empty_like(q)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPLAY = Path(__file__).resolve().parents[1] / "bench" / "r3" / "replay.py"
+REPLAY = Path(__file__).resolve().parents[2] / "bench" / "r3" / "replay.py"
 _spec = importlib.util.spec_from_file_location("bench_r3_replay_residual", REPLAY)
 assert _spec is not None and _spec.loader is not None
 r3 = importlib.util.module_from_spec(_spec)

@@ -13,7 +13,7 @@ import pytest
 
 # bench/ is not an installed package: load the script by path.
 _spec = importlib.util.spec_from_file_location(
-    "bench_r3_replay", Path(__file__).resolve().parents[1] / "bench" / "r3" / "replay.py"
+    "bench_r3_replay", Path(__file__).resolve().parents[2] / "bench" / "r3" / "replay.py"
 )
 assert _spec is not None and _spec.loader is not None
 r3 = importlib.util.module_from_spec(_spec)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "trainer"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "trainer"
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from ops.fp8.cuda import fp8_wgmma
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):

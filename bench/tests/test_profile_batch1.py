@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_refuses_what_is_not_a_boolean_engine_switch(tmp_path: Path) -> None:
@@ -35,7 +35,7 @@ def test_compare_refuses_what_is_not_a_boolean_engine_switch(tmp_path: Path) -> 
 
 
 def test_tolerance_reads_rows_up_to_the_first_differing_token() -> None:
-    sys.path.insert(0, str(ROOT))  # imported here: the script imports triton (see test_bench_l2_prefetch)
+    sys.path.insert(0, str(ROOT))  # imported here: the script imports triton (see test_l2_prefetch.py)
     from bench.engine.profile_batch1 import rows_before_divergence
 
     a = torch.tensor([[0.0, 1.0], [2.0, 1.0], [0.0, 3.0], [5.0, 0.0]])
