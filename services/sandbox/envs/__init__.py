@@ -1,7 +1,14 @@
 """Environments: the interface and registry (base) plus the built-in toy tasks, which register
 themselves on import."""
 
-from services.sandbox.envs import echo, guess, reverse, swe_lite, swe_real  # noqa: F401 - imported to register
+from services.sandbox.envs import (  # noqa: F401 - imported to register
+    echo,
+    guess,
+    reverse,
+    reverse_tools,
+    swe_lite,
+    swe_real,
+)
 from services.sandbox.envs.base import (
     EnvError,
     Environment,
