@@ -19,10 +19,11 @@ from helpers.moe import (
     small_moe,
     tokens,
 )
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from services.common import routing as wire
-from services.common.config import CONFIG_DIR, ModelConfig
+from services.common.config import CONFIG_DIR, ModelConfig, TrainerSection
 from services.common.schemas import GenerateChoice, Sample
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
@@ -34,6 +35,7 @@ from trainer.replay import (
     enable_router_replay,
     micro_batch_routes,
     moe_routers,
+    replay_at,
     routing,
 )
 
@@ -250,6 +252,16 @@ def test_routing_agreement_counts_with_replay_off() -> None:
     assert rec.replayed.tolist() == [0.0, 0.0]
 
 
+def test_replay_off_steps_segment() -> None:
+    tc = TrainerSection(router_replay=True, router_replay_off_steps=(3, 5))
+    assert [replay_at(tc, s) for s in range(1, 8)] == [True, True, False, False, False, True, True]
+    assert not any(replay_at(TrainerSection(router_replay=False), s) for s in range(1, 8))
+    assert all(replay_at(TrainerSection(), s) for s in range(1, 8))
+    for bad in ((0, 2), (5, 4)):
+        with pytest.raises(ValidationError, match="router_replay_off_steps"):
+            TrainerSection(router_replay_off_steps=bad)
+
+
 def test_routing_rejects_wrong_layer_count() -> None:
     m = small_moe()
     model = moe_model(m)
@@ -418,6 +430,7 @@ def _debug_moe_run(tmp_path: Path, learn: bool) -> None:
             sys.executable, "-m", "sbatch.launch", "run", "debug-moe",
             f"--run.dir={run_dir}", f"--redis.url={redis.url}", f"--run.max_steps={max_steps}",
             "--run.timeout_s=1350", f"--run.stop_on_targets={str(learn).lower()}", f"--orchestrator.tasks={tasks}",
+            *([] if learn else ["--trainer.router_replay_off_steps=[4, 5]"]),
         ]  # fmt: skip
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1400)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -437,7 +450,9 @@ def _debug_moe_run(tmp_path: Path, learn: bool) -> None:
 
         on_policy = []
         for h in hist:  # every step replayed every recorded token and reported the mismatch
-            assert h["routing_replayed_frac"] == 1.0
+            # ... but steps 4-5 of the short run, which route on their own (router_replay_off_steps)
+            off = not learn and h["step"] in (4, 5)
+            assert h["routing_replayed_frac"] == (0.0 if off else 1.0), h["step"]
             assert len(h["routing_agreement"]) == 2
             assert all(a is not None and 0.0 <= a <= 1.0 for a in h["routing_agreement"])
             assert h["mismatch_kl_k3"] >= 0.0 and 0.0 <= h["mismatch_ratio_out_frac"] <= 1.0

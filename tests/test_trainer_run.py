@@ -233,6 +233,30 @@ def test_full_run_publishes_acks_and_learns(redis_server: str, tmp_path: Path) -
     assert after > before + 0.1, (before, after)
 
 
+def test_keep_weights_no_stop_checkpoint_and_step_shape_metrics(redis_server: str, tmp_path: Path) -> None:
+    """trainer.keep_weights prunes all but the newest published versions, checkpoint_on_stop =
+    false writes no checkpoint at the run's end, and each step reports its groups by staleness,
+    its loss tokens and its longest sample."""
+    run_dir = tmp_path / "run"
+    # 3: the feeder samples its stale groups from the version two before the latest
+    cfg = make_cfg(run_dir, keep_weights=3, checkpoint_on_stop=False, checkpoint_every=1000)
+    cfg.run.max_steps = 4
+    (run_dir / "config.json").write_text(cfg.dump())
+    feeder = run_with_feeder(cfg, run_dir, redis_server)
+    assert feeder.error is None
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["step_2", "step_3", "step_4"]
+    assert Bus(redis_server, cfg.redis.prefix).latest_weights().version == 4  # type: ignore[union-attr]
+    assert not (run_dir / "checkpoints").exists()
+    ms = metrics(Bus(redis_server, cfg.redis.prefix))
+    assert [m["step"] for m in ms] == [1, 2, 3, 4]
+    for m in ms:
+        hist = m["staleness_groups"]
+        assert sum(hist) == m["groups"] and len(hist) == m["staleness_max"] + 1  # type: ignore[arg-type]
+        # the feeder's samples: a 3-token prompt and 4 sampled tokens, each sampled token in the loss
+        assert m["loss_tokens"] == m["samples"] * 4 and m["sample_tokens_max"] == 7
+    assert [m["staleness_groups"] for m in ms][1:] == [[3, 1]] * 3  # one staleness-1 group a step
+
+
 def _events(log: Path, msg: str) -> list[dict[str, object]]:
     out = []
     for line in log.read_text().splitlines():

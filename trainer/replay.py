@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
 from services.common import routing as wire
-from services.common.config import ModelConfig
+from services.common.config import ModelConfig, TrainerSection
 from services.common.schemas import Sample
 from trainer.batch import plan_micro_batches
 from trainer.moe_routing import count_per_expert
@@ -164,6 +164,13 @@ class RoutingRecord:
     agree: torch.Tensor  # [layers] float64: recorded tokens whose own top-k set == recorded set
     total: torch.Tensor  # [layers] float64: recorded tokens
     replayed: torch.Tensor  # [layers] float64: tokens routed by recorded ids (0 with replay off)
+
+
+def replay_at(tc: TrainerSection, step: int) -> bool:
+    """Whether step `step` (the version it produces) routes by the recorded ids: trainer.router_replay,
+    except inside trainer.router_replay_off_steps."""
+    off = tc.router_replay_off_steps
+    return tc.router_replay and not (off is not None and off[0] <= step <= off[1])
 
 
 @contextmanager

@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from services.common.bus import Bus
 from services.common.config import RunConfig, load_resolved
-from services.common.modeldir import newest_version, step_dir
+from services.common.gpu_memory import cap_process_memory, memory_held
+from services.common.modeldir import newest_version, prune_versions, step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
 from trainer.attention import micro_batch_attention, packed_logprobs  # perf path
@@ -77,7 +78,7 @@ from trainer.parallel import (
     parallelize,
 )
 from trainer.publish import Publisher  # perf path
-from trainer.replay import enable_router_replay, micro_batch_routes, routing
+from trainer.replay import enable_router_replay, micro_batch_routes, replay_at, routing
 from trainer.step_stats import StepStats
 
 CONSUMER = "trainer"
@@ -262,6 +263,8 @@ class Trainer:
     def setup(self) -> None:
         tc = self.cfg.trainer
         torch.set_num_threads(tc.torch_threads)
+        # Before the model reaches the device: a trainer sharing its GPU with decode stays in its budget.
+        memory_cap = cap_process_memory(self.d.device, tc.cuda_memory_gib)
         model = build_model(self.cfg.model, seed=self.cfg.run.seed, init_std=tc.init_std)
         ckpt = latest_checkpoint(self.run_dir)
         state: dict[str, Any] | None = None
@@ -356,6 +359,7 @@ class Trainer:
             rank=self.d.rank,
             world=self.d.world,
             backlog=len(self.backlog),
+            **memory_cap,
         )
 
     def _recover_pending(self) -> None:
@@ -386,8 +390,11 @@ class Trainer:
 
     def _announce(self, dest: Path) -> None:
         """perf path: called by the publisher's writer thread once `dest` is renamed into place."""
+        version = int(dest.name.split("_")[1])
         if self.bus is not None:
-            self.bus.publish_weights(WeightsInfo(version=int(dest.name.split("_")[1]), path=str(dest)))
+            self.bus.publish_weights(WeightsInfo(version=version, path=str(dest)))
+        # Only after weights:latest names the new version: no decode is sent to a removed one.
+        prune_versions(self.run_dir, self.cfg.trainer.keep_weights, version)
 
     def _checkpoint(self) -> None:
         """All ranks gather; rank 0 writes one full checkpoint (model, optimizer keyed by
@@ -545,7 +552,7 @@ class Trainer:
                     routing(
                         self.model,
                         to_device(route, self.d.device) if route is not None else None,
-                        tc.router_replay,
+                        replay_at(tc, self.version + 1),
                     ) as rec,
                     micro_batch_attention(self.model, mb),
                     indexer_loss(self.model, indexer_scale) as attns,
@@ -638,7 +645,8 @@ class Trainer:
             )
             if self.d.is_main and (p := self.publisher.last) is not None:  # newest finished write
                 log_event(self.log, "weights written", **vars(p))
-            if self.version % self.cfg.trainer.checkpoint_every == 0 or self.version >= max_steps:
+            tc = self.cfg.trainer
+            if self.version % tc.checkpoint_every == 0 or (self.version >= max_steps and tc.checkpoint_on_stop):
                 self._checkpoint()
             if self.bus is not None:
                 # Commit, then ack: a crash in between re-delivers entries the ledger already has.
@@ -649,16 +657,27 @@ class Trainer:
                 self.bus.push_metrics(m)
                 log_event(self.log, "step", **m.model_dump())
         self.publisher.wait()  # perf path: the last version is on disk and published before exit
-        if self.version > self.last_checkpoint and self.version > 0:
+        if self.cfg.trainer.checkpoint_on_stop and self.version > self.last_checkpoint and self.version > 0:
             # Graceful stop: a checkpoint of what is published means a restart loses nothing.
             self._checkpoint()
         self._record_state(status)
-        log_event(self.log, "trainer exit", status=status, version=self.version, rank=self.d.rank)
+        log_event(
+            self.log,
+            "trainer exit",
+            status=status,
+            version=self.version,
+            rank=self.d.rank,
+            **memory_held(self.d.device),
+        )
         return 0
 
     def _metrics(self, v: int, batch: Batch, res: StepResult, publish_s: float) -> TrainerStepMetrics:
         samples = flatten(batch.groups)
         stale = [v - g.min_version for g in batch.groups]
+        # (never negative: every version a group carries was published by this trainer's lineage)
+        by_staleness = [0] * (max(stale, default=-1) + 1)
+        for x in stale:
+            by_staleness[max(x, 0)] += 1
         by_env: dict[str, list[float]] = {}
         for g in batch.groups:
             by_env.setdefault(g.env, []).extend(s.reward for s in g.samples)
@@ -675,12 +694,15 @@ class Trainer:
             reward_by_env={k: sum(r) / len(r) for k, r in by_env.items()},
             staleness_mean=sum(stale) / max(1, len(stale)),
             staleness_max=max(stale, default=0),
+            staleness_groups=by_staleness,
             masked_ratio_frac=res.masked_ratio_frac,
             dropped_stale=batch.dropped_stale,
             wait_data_s=batch.wait_s,
             step_s=res.compute_s,
             publish_s=publish_s,
             tokens_per_s=res.tokens / max(res.compute_s, 1e-9),
+            loss_tokens=res.loss_tokens,
+            sample_tokens_max=max((len(s.tokens) for s in samples), default=0),
             entropy_coef=res.entropy_coef,
             dsa_indexer_kl=res.dsa_indexer_kl,
             **res.mismatch,

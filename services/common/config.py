@@ -416,6 +416,10 @@ class EngineConfig(Strict):
     # LM-head logits as the bf16 GEMM's float32 output, not rounded to bf16 (services/common/
     # lm_head.py): the trainer's head does the same (trainer.logits_fp32); docs/replay.md "bf16 numerics".
     logits_fp32: bool = True
+    # CUDA: the most this process's caching allocator may hold (weights, KV pool, CUDA graph pools,
+    # activations), for decode sharing its GPU with the trainer (trainer.cuda_memory_gib); past it
+    # an allocation fails as out of memory. None: the whole device (services/common/gpu_memory.py).
+    cuda_memory_gib: float | None = Field(None, gt=0)
 
 
 class ParallelConfig(Strict):
@@ -701,6 +705,16 @@ class TrainerSection(Strict):
     entropy_coef_lr: float = Field(0.01, gt=0)
     entropy_coef_max: float = Field(0.05, ge=0)
     checkpoint_every: int = Field(20, gt=0)
+    # Checkpoint when the run ends (run.max_steps) or stops gracefully (time budget, targets,
+    # `make stop`), so a restart loses nothing. false: only every checkpoint_every steps (benchmark
+    # runs whose trained state is thrown away, where a large model's optimizer state takes long).
+    checkpoint_on_stop: bool = True
+    # > 0: keep only the newest keep_weights published versions in RUN_DIR/weights (the older
+    # directories are removed after each publish); 0 keeps every version.
+    keep_weights: int = Field(0, ge=0)
+    # CUDA: the most this trainer process's caching allocator may hold, for a trainer sharing its
+    # GPU with decode (decode.engine.cuda_memory_gib). None: the whole device.
+    cuda_memory_gib: float | None = Field(None, gt=0)
     init_std: float = Field(0.02, gt=0)
     torch_threads: int = Field(1, ge=1)
     # Padded tokens (rows x longest row) per forward/backward; a step is split into micro-batches.
@@ -725,6 +739,10 @@ class TrainerSection(Strict):
     # the step's loss tokens). No effect on other architectures.
     dsa_indexer: Literal["frozen", "kl"] = "frozen"
     dsa_indexer_loss_coef: float = Field(1.0, gt=0)
+    # [first, last]: the steps first..last (inclusive) train with the trainer's own routing even
+    # with router_replay on, a segment that shows in the step metrics what replay removes from the
+    # mismatch (trainer.replay.replay_at).
+    router_replay_off_steps: tuple[int, int] | None = None
     # FP8 linears with the engine's recipe (1x128 activations, 128x128 weights) in the forward;
     # master weights, gradients and optimizer state stay in high precision (trainer/fp8.py).
     fp8: bool = False
@@ -789,6 +807,11 @@ class TrainerSection(Strict):
             raise ValueError(f"trainer.attention {self.attention!r} needs CUDA (trainer.device cpu)")
         if self.cp > 1 and self.attention != "sdpa":
             raise ValueError("trainer.cp > 1 needs trainer.attention 'sdpa' (torchtitan's CP)")
+        off = self.router_replay_off_steps
+        if off is not None and not 1 <= off[0] <= off[1]:
+            raise ValueError(
+                f"trainer.router_replay_off_steps must be [first, last] with 1 <= first <= last, got {list(off)}"
+            )
         if self.entropy_target > 0 and self.entropy_coef_max <= 0:
             raise ValueError("trainer.entropy_target > 0 needs trainer.entropy_coef_max > 0")
         if (self.entropy_coef > 0 or self.entropy_target > 0) and self.logprob_chunk_tokens:

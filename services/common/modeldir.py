@@ -39,6 +39,21 @@ def newest_version(run_dir: str | Path) -> int:
     return max(found, default=-1)
 
 
+def prune_versions(run_dir: str | Path, keep: int, newest: int) -> list[int]:
+    """Remove the complete `weights/step_N` with N <= newest - keep (the `keep` newest versions up
+    to `newest` stay; directories still being written have temporary names and are never touched).
+    A decode asked to load a removed version answers 400 and the orchestrator brings it to the
+    latest one (services/orchestrator/loop.py). Returns the versions removed."""
+    if keep <= 0:
+        return []
+    root = Path(run_dir) / "weights"
+    found = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
+    gone = sorted(v for v in found if v <= newest - keep)
+    for v in gone:
+        shutil.rmtree(step_dir(run_dir, v), ignore_errors=True)
+    return gone
+
+
 def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[str, Any]:
     llama = m.arch == "llama3"
     extra: dict[str, Any] = {}

@@ -462,12 +462,16 @@ class TrainerStepMetrics(Wire):
     reward_by_env: dict[str, float]
     staleness_mean: float
     staleness_max: int
+    # groups of the step by staleness: staleness_groups[s] groups had trainer version - min_version = s
+    staleness_groups: list[int] = []
     masked_ratio_frac: float
     dropped_stale: int
     wait_data_s: float
     step_s: float
     publish_s: float
     tokens_per_s: float
+    loss_tokens: int = 0  # the tokens the loss covers (model-sampled; prompt and env tokens are not)
+    sample_tokens_max: int = 0  # the step's longest sample (tokens / samples is the mean)
     entropy_coef: float = 0.0  # the entropy bonus's coefficient in this step (trainer/entropy.py)
     # Trainer/inference mismatch over the step's trained tokens (trainer/mismatch.py, docs/replay.md):
     # k3 KL(pi_infer || pi_train), max/mean |p_train - p_infer|, share of ratios outside [0.5, 2].

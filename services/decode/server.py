@@ -10,6 +10,7 @@ swaps them at a step boundary while requests keep running.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 
 from services.common.chat import ChatTemplate, ChatTemplateError
 from services.common.gate import BodyLimit
+from services.common.gpu_memory import memory_held
 from services.common.schemas import (
     ChatCompletionRequest,
     ChatCompletionTokensRequest,
@@ -109,11 +111,22 @@ class Decode:
                     dtype=self.cfg.decode.engine.dtype,
                     max_batch_size=self.cfg.decode.engine.max_batch_size,
                     max_seq_len=engine.max_seq_len,
+                    kv_blocks=engine.kv.num_blocks,
+                    **engine.memory_cap,
+                    **memory_held(engine.device),  # weights, KV pool, CUDA graph pools
                 )
             else:
                 old = self.engine.version
+                t0 = time.monotonic()
                 await self.engine.load_weights(path, version)
-                log_event(self.log, "weights updated", path=path, version=version, previous=old)
+                log_event(
+                    self.log,
+                    "weights updated",
+                    path=path,
+                    version=version,
+                    previous=old,
+                    s=round(time.monotonic() - t0, 4),  # read + swap at a step boundary
+                )
             self.service.version = version
             return version
 

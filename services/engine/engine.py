@@ -28,6 +28,7 @@ from ops import pdl
 from ops.fp8.checkpoint import dequantize_state
 from services.common import routing
 from services.common.config import EngineConfig
+from services.common.gpu_memory import cap_process_memory
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine import fp8_linear
 from services.engine.batch import (
@@ -79,6 +80,8 @@ class LLMEngine:
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        # Before any allocation: a decode sharing its GPU with the trainer stays in its budget.
+        self.memory_cap = cap_process_memory(self.device, cfg.cuda_memory_gib)
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         ckpt = read_checkpoint(model_dir)
         self.model_config = m = ckpt.config
