@@ -142,6 +142,13 @@ def test_models(decode: Decode) -> None:
     assert data[0]["id"] == "relay-test" and data[0]["object"] == "model" and data[0]["max_model_len"] == 64
 
 
+def _weight_updates(d: Decode) -> float:
+    text = httpx.get(f"{d.url}/metrics").text
+    return float(
+        next(x.split()[1] for x in text.splitlines() if x.startswith("relay_decode_weight_updates_total"))
+    )
+
+
 def test_update_weights(decode: Decode) -> None:
     missing = str(decode.weights[0].parent / "step_9")
     r = post(decode, "/update_weights", {"path": missing, "version": 9})
@@ -152,6 +159,11 @@ def test_update_weights(decode: Decode) -> None:
     r = post(decode, "/update_weights", {"path": str(decode.weights[1]), "version": 1})
     assert r.status_code == 200 and r.json()["version"] == 1
     assert httpx.get(f"{decode.url}/health").json()["version"] == 1
+    # The version already live, asked again (as the orchestrator does while the registry lags):
+    # answered without reading or swapping the weights again.
+    updates = _weight_updates(decode)
+    r = post(decode, "/update_weights", {"path": str(decode.weights[1]), "version": 1})
+    assert r.status_code == 200 and r.json()["version"] == 1 and _weight_updates(decode) == updates
     out = post(decode, "/v1/generate", {"input_ids": [5], "sampling": {"max_tokens": 3, "ignore_eos": True}})
     assert out.json()["choices"][0]["versions"] == [1, 1, 1]
     wait_for(lambda: decode.bus.services("decode")[0].version == 1, what="registry version 1")

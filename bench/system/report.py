@@ -98,6 +98,7 @@ def throughput(steps: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
         "steps_per_hour": len(steps) / window_s * HOUR_S,
         "sample_tokens_mean": tokens / samples if samples else None,
         "sample_tokens_max": max((m.get("sample_tokens_max", 0) for m in steps), default=0),
+        "groups_dropped_stale": sum(m["dropped_stale"] for m in steps),
     }
 
 
@@ -347,8 +348,11 @@ def table(runs: dict[str, dict[str, Any]], comparison: dict[str, Any]) -> str:
     row("staleness mean / max", lambda r: f"{_fmt(r['staleness']['mean'], '.2f')} / {r['staleness']['max']}")
     row("mismatch KL replay on", lambda r: r["mismatch"]["replay_on"]["kl_k3_mean"])
     row("mismatch KL replay off", lambda r: r["mismatch"]["replay_off"]["kl_k3_mean"])
+    row("  on-policy samples, on", lambda r: r["mismatch"]["replay_on"]["kl_k3_on_policy_mean"])
+    row("  on-policy samples, off", lambda r: r["mismatch"]["replay_off"]["kl_k3_on_policy_mean"])
     row("publish s (median)", lambda r: (r["weights"]["publish_s"] or {}).get("median"))
     row("apply s (median)", lambda r: (r["weights"]["apply_s"] or {}).get("median"))
+    row("groups dropped stale (window)", lambda r: r["throughput"]["groups_dropped_stale"])
     row(
         "rollouts start/train/drop/lost",
         lambda r: "/".join(_fmt(r["rollouts"][k]) for k in ("started", "trained", "dropped", "lost")),

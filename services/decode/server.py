@@ -117,6 +117,11 @@ class Decode:
                 )
             else:
                 old = self.engine.version
+                if version == old and Path(path) == Path(self.engine.engine.model_dir):
+                    # Already live. The orchestrator re-sends the latest version while a replica's
+                    # registry entry (refreshed each heartbeat) still shows the one before; a
+                    # version names one set of weights for the whole run, so nothing is re-read.
+                    return version
                 t0 = time.monotonic()
                 await self.engine.load_weights(path, version)
                 log_event(
