@@ -1,7 +1,7 @@
 """relay as one system: the whole pipeline, asynchronous and then synchronous, for the same window.
 
-    python3 bench/system/run.py --runs-dir /dev/shm/relay-system --out $OUT/system.json   # one GPU
-    python bench/system/run.py --smoke --out /tmp/system_smoke.json                     # CPU, tiny
+    bash bench/system/run_gpu.sh                        # one GPU (device tool): about 8-9 minutes
+    python bench/system/run.py --smoke --out /tmp/s.json  # CPU, tiny model: checks the script
 
 Each run is started by the launcher `make launch` uses (`python -m sbatch.launch run CONFIG`, the
 local executor: Redis, sandbox, decode, trainer and orchestrator as supervised processes), with
@@ -39,19 +39,18 @@ sys.path.insert(0, str(REPO))
 
 from bench.system.report import compare, log_events, run_report, table  # noqa: E402
 from services.common.bus import Bus  # noqa: E402
-from services.common.config import load_config, load_resolved  # noqa: E402
+from services.common.config import ConfigError, RunConfig, load_config, load_resolved  # noqa: E402
 
 MODES = ("async", "sync")
 
 
 def mode_overrides(mode: str, config: str, sets: list[str]) -> list[str]:
     """The dotted overrides of one mode: the user's, then what makes the run synchronous."""
-    if mode == "async":
-        cfg = load_config(config, sets)
-        if cfg.orchestrator.max_off_policy_steps < 1:
-            raise SystemExit(f"{config}: the asynchronous run needs orchestrator.max_off_policy_steps >= 1")
-        return sets
     cfg = load_config(config, sets)
+    if mode == "async":
+        if cfg.orchestrator.max_off_policy_steps < 1:
+            raise ValueError(f"{config}: the asynchronous run needs orchestrator.max_off_policy_steps >= 1")
+        return sets
     # max_inflight_groups = batch_size: what the staleness bound allows at 0 anyway, said outright.
     return [
         *sets,
@@ -71,6 +70,14 @@ def scrape_all(bus: Bus) -> dict[str, str]:
     if orch:
         out["orchestrator"] = scrape(orch[0].url)
     return out
+
+
+def _resolved(path: Path) -> RunConfig | None:
+    """The run's resolved config once the launcher has written it whole."""
+    try:
+        return load_resolved(path)
+    except (FileNotFoundError, ConfigError):
+        return None
 
 
 def _wait_for(what: str, check: Any, launcher: subprocess.Popen[bytes], deadline: float) -> Any:
@@ -113,8 +120,7 @@ def run_mode(
         )
     try:
         deadline = launched + startup_s
-        _wait_for("config.json", lambda: (run_dir / "config.json").exists(), launcher, deadline)
-        cfg = load_resolved(run_dir / "config.json")
+        cfg = _wait_for("config.json", lambda: _resolved(run_dir / "config.json"), launcher, deadline)
         bus = Bus(cfg.redis.url, cfg.redis.prefix)
         started = _wait_for(
             "rollouts (orchestrator running)",
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="CPU, tiny model, a minute per run: checks the script"
     )
     p.add_argument(
-        "--window-s", type=float, default=None, help="measured seconds per run (default 150; smoke 60)"
+        "--window-s", type=float, default=None, help="measured seconds per run (default 100; smoke 60)"
     )
     p.add_argument(
         "--startup-s", type=float, default=None, help="start-up limit per run (default 240; smoke 120)"
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="report JSON (default RUNS_DIR/report.json)")
     args = p.parse_args(argv)
     config = args.config or ("system-moe-smoke" if args.smoke else "system-moe")
-    window_s = args.window_s or (60.0 if args.smoke else 150.0)
+    window_s = args.window_s or (60.0 if args.smoke else 100.0)
     startup_s = args.startup_s or (120.0 if args.smoke else 240.0)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
@@ -205,8 +211,30 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = Path(args.runs_dir or REPO / "runs" / f"system-{stamp}").resolve()
     out = Path(args.out or runs_dir / "report.json")
 
+    from bench.machine import machine
+
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["run.py", *argv]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine(),
+        "config": config,
+        "sets": sets,
+        "window_s": window_s,
+        "method": (
+            "trained tokens per hour = tokens of the trainer steps committed inside the window / window; "
+            "busy shares: trainer (step_s + publish_s) / window, decode engine-step seconds / scrape "
+            "interval; the synchronous run (max_off_policy_steps = 0) is the baseline, measured on the "
+            "same machine after the asynchronous one"
+        ),
+    }
     runs: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
+    # A mode measured by an earlier call into the same --runs-dir (a split across two calls on one
+    # machine) joins the comparison; the modes asked for now are measured again.
+    for mode in MODES:
+        if mode not in modes and (runs_dir / mode / "bench_window.json").exists():
+            runs[mode] = run_report(runs_dir / mode)
+            result.setdefault("earlier_call", []).append(mode)
     for mode in modes:
         try:
             run_dir = run_mode(mode, config, sets, runs_dir, window_s, startup_s)
@@ -217,30 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if not args.keep_weights:
                 shutil.rmtree(runs_dir / mode / "weights", ignore_errors=True)
-
-    from bench.machine import machine
-
-    comparison = compare(runs)
-    result = {
-        "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["run.py", *argv]),
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": machine(),
-        "config": config,
-        "sets": sets,
-        "window_s": window_s,
-        "method": (
-            "trained tokens per hour = tokens of the trainer steps committed inside the window / window; "
-            "busy shares: trainer (step_s + publish_s) / window, decode engine-step seconds / scrape interval; "
-            "the synchronous run (max_off_policy_steps = 0) is the baseline, measured in the same call"
-        ),
-        "runs": runs,
-        "comparison": comparison,
-        "errors": errors,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+        # Written after every run: a call cut short keeps what it measured.
+        comparison = compare(runs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps({**result, "runs": runs, "comparison": comparison, "errors": errors}, indent=1)
+        )
     if runs:
-        print(table(runs, comparison))
+        print(table({m: runs[m] for m in MODES if m in runs}, compare(runs)))
     print(f"report: {out}")
     return 1 if errors else 0
 
