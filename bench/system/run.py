@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.system.report import compare, log_events, run_report, table  # noqa: E402
+from sbatch.launch import run_redis_url  # noqa: E402
 from services.common.bus import Bus  # noqa: E402
 from services.common.config import ConfigError, RunConfig, load_config, load_resolved  # noqa: E402
 
@@ -121,7 +122,7 @@ def run_mode(
     try:
         deadline = launched + startup_s
         cfg = _wait_for("config.json", lambda: _resolved(run_dir / "config.json"), launcher, deadline)
-        bus = Bus(cfg.redis.url, cfg.redis.prefix)
+        bus = Bus(run_redis_url(run_dir, cfg), cfg.redis.prefix)  # with RUN_DIR/secrets.json's password
         started = _wait_for(
             "rollouts (orchestrator running)",
             lambda: log_events(run_dir / "logs" / "orchestrator.log", "orchestrator running"),
