@@ -646,7 +646,9 @@ class Trainer:
             if self.d.is_main and (p := self.publisher.last) is not None:  # newest finished write
                 log_event(self.log, "weights written", **vars(p))
             tc = self.cfg.trainer
-            if self.version % tc.checkpoint_every == 0 or (self.version >= max_steps and tc.checkpoint_on_stop):
+            if self.version % tc.checkpoint_every == 0 or (
+                self.version >= max_steps and tc.checkpoint_on_stop
+            ):
                 self._checkpoint()
             if self.bus is not None:
                 # Commit, then ack: a crash in between re-delivers entries the ledger already has.
