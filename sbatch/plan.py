@@ -364,10 +364,25 @@ def _mfu(cfg: RunConfig, rates: Rates) -> Rate:
     return rates.train_mfu_moe if cfg.model.is_moe else rates.train_mfu_dense
 
 
+def gpu_counts(cfg: RunConfig, split: Split) -> tuple[int, int, int]:
+    """GPUs of the trainer, decode and prefill: the split's nodes under Slurm; the processes the
+    local launcher starts (trainer.nproc, replicas x engine ranks), one GPU each, otherwise."""
+    if cfg.slurm.launcher == "slurm":
+        s = cfg.slurm
+        return (
+            split.trainer_nodes * s.trainer.gpus_per_node,
+            split.decode_nodes * s.decode.gpus_per_node,
+            split.prefill_nodes * s.prefill.gpus_per_node,
+        )
+    pre_par = cfg.prefill.parallel or cfg.decode.parallel
+    pre = cfg.prefill.replicas * pre_par.ranks
+    return cfg.trainer.nproc, cfg.decode.replicas * cfg.decode.parallel.ranks, pre
+
+
 def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
     m = cfg.model
     p = m.param_counts()
-    tgpus = max(1, split.trainer_nodes * cfg.slurm.trainer.gpus_per_node)
+    tgpus = max(1, gpu_counts(cfg, split)[0])
     state = p["total"] * 16 / tgpus
     # Saved layer inputs under per-layer activation checkpointing (bf16), one micro-batch per
     # GPU, context parallel splitting its tokens; plus one layer's recompute (about 34 x dim bytes
@@ -403,7 +418,10 @@ def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> S
     generated = rollouts * w.generated_tokens
     new_prompt = rollouts * (w.rollout_tokens - w.generated_tokens) * w.prefill_miss
     par = cfg.decode.parallel
-    engines = max(1, split.decode_nodes * cfg.slurm.decode.gpus_per_node // par.ranks)
+    tgpus, dgpus, pre_gpus = gpu_counts(cfg, split)
+    if tgpus < 1 or dgpus < 1:
+        raise ValueError("the plan needs at least one trainer and one decode GPU")
+    engines = max(1, dgpus // par.ranks)
     batch = cfg.decode.engine.max_batch_size
     ctx = w.rollout_tokens / 2
     # The ranks of an engine step together: a step takes as long as one rank's reads.
@@ -412,16 +430,14 @@ def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> S
     decode_s = generated / (engines * batch) * t_step
     tail_s = tail_generated(cfg) * t_step
     pre_flops = new_prompt * (2 * p["active"] + attention_flops_per_token(m, ctx / 2))
-    pre_gpus = split.prefill_nodes * cfg.slurm.prefill.gpus_per_node
     colocated = pre_gpus == 0
     if colocated:
-        pre_gpus = split.decode_nodes * cfg.slurm.decode.gpus_per_node
+        pre_gpus = dgpus
     prefill_s = pre_flops / (rates.prefill_mfu.value * dev.bf16_flops * pre_gpus)
     rollout_s = decode_s + prefill_s if colocated else max(decode_s, prefill_s)
     tokens = rollouts * w.rollout_tokens
     recompute = 4 / 3 if cfg.trainer.activation_checkpoint != "none" else 1.0
     train_flops = tokens * (6 * p["active"] * recompute + 3 * attention_flops_per_token(m, ctx))
-    tgpus = split.trainer_nodes * cfg.slurm.trainer.gpus_per_node
     train_s = train_flops / (_mfu(cfg, rates).value * dev.bf16_flops * tgpus)
     wbytes = _weight_bytes(cfg)
     publish_s = p["total"] * wbytes / tgpus / rates.publish_bytes_per_s.value
@@ -532,7 +548,11 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
             "tail_factor": f"the longest rollout generates {w.tail_factor:g}x the mean (plan.tail_factor)",
             "prefill_miss": f"{w.prefill_miss:g} of prompt tokens are prefilled (the rest hit the prefix cache; plan.prefill_miss)",
         }
-        balanced, balanced_times = balance_split(cfg, rates, dev, split) if balance else (None, None)
+        # Only a Slurm cluster has nodes to move between the sides.
+        slurm = cfg.slurm.launcher == "slurm"
+        balanced, balanced_times = (
+            balance_split(cfg, rates, dev, split) if balance and slurm else (None, None)
+        )
     return Plan(
         model=cfg.run.name,
         device=device,
@@ -545,7 +565,7 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
         balanced=balanced,
         balanced_times=balanced_times,
         off_policy_steps=cfg.orchestrator.max_off_policy_steps,
-        searched=balance and not on_cpu,
+        searched=balance and not on_cpu and cfg.slurm.launcher == "slurm",
         rates_used=used,
         assumptions=assumptions,
     )

@@ -233,3 +233,16 @@ def test_make_plan_nodes_and_json() -> None:
     s = d["split"]
     assert s["trainer_nodes"] + s["decode_nodes"] + s["prefill_nodes"] == 14
     assert math.isfinite(d["times"]["step_async_s"])
+
+
+def test_local_gpu_config_counts_the_processes(rates: P.Rates) -> None:
+    """A local launcher on GPUs has no Slurm nodes: one GPU per trainer process and per engine rank."""
+    cfg = load_config(
+        "debug",
+        ["--decode.engine.device=cuda", "--trainer.nproc=2", "--decode.replicas=3", "--prefill.replicas=1"],
+    )
+    split = P.Split(trainer_nodes=1, decode_nodes=1, prefill_nodes=0)
+    assert P.gpu_counts(cfg, split) == (2, 3, 1)
+    plan = P.build_plan(cfg, rates)
+    assert plan.balanced is None and not plan.searched
+    assert plan.times.train_s > 0 and plan.times.decode_s > 0
