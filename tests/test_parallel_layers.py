@@ -18,7 +18,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from services.common.config import ModelConfig, ParallelConfig
-from services.common.net import free_port
 from services.common.schemas import SamplingParams
 from services.engine.moe import MoE
 from services.engine.parallel.experts import ExpertParallelMoE, TensorParallelMoE, split_even
@@ -79,7 +78,7 @@ def sampling_rows() -> list[SamplingParams]:
     ]
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
+def worker(rank: int, world: int, init: str, out_dir: str, case: str) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     par = {
@@ -87,7 +86,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
         "ep_dp": ParallelConfig(dp_attention=world, ep=world),
         "ep_tp_dp": ParallelConfig(tp=2, dp_attention=world // 2, ep=world),
     }[case]
-    groups = init_engine_groups(par, rank, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=30)
+    groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
     res: dict[str, object] = {}
     if case == "tp":
         res |= check_linears(groups) | check_vocab(groups) | check_tp_moe(groups)
@@ -247,22 +246,26 @@ def check_dead_peer(groups: EngineGroups) -> dict[str, object]:
 
 def run(world: int, case: str, tmp_path: Path) -> list[dict[str, object]]:
     mp.start_processes(
-        _entry, args=(world, free_port(), str(tmp_path), case), nprocs=world, start_method="spawn"
+        # A file rendezvous: no port to race other processes of the machine for.
+        _entry,
+        args=(world, f"file://{tmp_path / 'rdzv'}", str(tmp_path), case),
+        nprocs=world,
+        start_method="spawn",
     )
     return [json.loads((tmp_path / f"{case}-{r}.json").read_text()) for r in range(world)]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
+def _entry(rank: int, world: int, init: str, out_dir: str, case: str) -> None:
     if case == "tp" and world == 2 and rank == 1:
         # The dead-peer check: join the barrier rank 0 waits in, then leave without a word.
         torch.set_num_threads(1)
         par = ParallelConfig(tp=world)
-        groups = init_engine_groups(par, rank, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=30)
+        groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
         res = check_linears(groups) | check_vocab(groups) | check_tp_moe(groups)
         Path(out_dir, f"{case}-{rank}.json").write_text(json.dumps(res))
         groups.world.barrier()
         return
-    worker(rank, world, port, out_dir, case)
+    worker(rank, world, init, out_dir, case)
 
 
 def assert_tp(results: list[dict[str, object]]) -> None:
