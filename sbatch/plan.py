@@ -142,6 +142,22 @@ class StepTimes(BaseModel):
     bound_by: Literal["decode", "prefill", "train", "apply"]
 
 
+class WeightsTraffic(BaseModel):
+    """What one step's weights cost the shared filesystem: the trainer ranks write a version
+    (each its share, in parallel), then every inference engine reads it (each GPU its slice)."""
+
+    version_gb: float  # one published version, in what the engines serve
+    trainer_rank_gb: float  # written by each trainer GPU
+    inference_rank_gb: float  # read by each inference GPU
+    engines: int  # decode and prefill engines: each reads a whole version
+    write_gb: float  # to the filesystem per step
+    read_gb: float  # from it per step
+    budget_s: float  # the share of the step publish + apply may take
+    fs_gb_per_s: float  # the aggregate bandwidth that fits write, then read, in budget_s
+    trainer_node_gb_per_s: float  # one trainer node's writes at that bandwidth
+    inference_node_gb_per_s: float  # one inference node's reads at that bandwidth
+
+
 class Split(BaseModel):
     trainer_nodes: int
     decode_nodes: int
@@ -157,6 +173,7 @@ class Plan(BaseModel):
     generated_per_step: float
     memory: Memory
     times: StepTimes
+    weights: WeightsTraffic | None = None
     balanced: Split | None = None
     balanced_times: StepTimes | None = None
     off_policy_steps: int = 1
@@ -411,6 +428,60 @@ def _weight_bytes(cfg: RunConfig) -> float:
     return 1.0 if cfg.decode.engine.quantization == "fp8" else 2.0
 
 
+def version_bytes(m: ModelConfig, quantization: str) -> float:
+    """Bytes of one published weights version in what the engines serve: bf16, 2 bytes a
+    parameter; FP8 (ops/fp8/checkpoint.is_fp8_weight), 1 byte for every attention,
+    MLP and expert weight plus a float32 scale per 128x128 tile, 2 bytes for what an FP8 engine
+    keeps in bf16 (embedding, LM head, MoE routers, MLA's kv_b_proj, norms)."""
+    total = m.param_counts()["total"]
+    if quantization != "fp8":
+        return 2.0 * total
+    high = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim * (2 * m.n_layers + 1)
+    if m.is_moe:
+        high += (m.n_layers - m.first_k_dense) * m.n_routed_experts * m.dim
+    if m.is_mla:
+        high += m.n_layers * m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    low = total - high
+    return low * (1 + 4 / 128**2) + 2 * high
+
+
+def rank_version_bytes(cfg: RunConfig, par: ParallelConfig) -> float:
+    """Bytes of a version one engine rank reads: its parameters (engine_params_per_rank) at the
+    version's mean bytes a parameter."""
+    m = cfg.model
+    per_param = version_bytes(m, cfg.decode.engine.quantization) / m.param_counts()["total"]
+    return engine_params_per_rank(m, par) * per_param
+
+
+def weights_traffic(cfg: RunConfig, split: Split, share: float = 0.1) -> WeightsTraffic:
+    """One step's weights through the shared filesystem: written once (every trainer GPU its
+    share), read once per inference engine (every rank of it its slice; what ranks of a node read
+    twice comes from its page cache), one after the other; the aggregate bandwidth that keeps both
+    inside `share` of plan.step_target_s (300 s if unset)."""
+    v = version_bytes(cfg.model, cfg.decode.engine.quantization)
+    tgpus, dgpus, pgpus = gpu_counts(cfg, split)
+    dec, pre = cfg.decode.parallel, cfg.prefill_parallel
+    engines = dgpus // dec.ranks + pgpus // pre.ranks
+    tgpus = max(1, tgpus)
+    budget = share * (cfg.plan.step_target_s or 300.0)
+    write, read = v, v * engines
+    bw = (write + read) / budget
+    t_write, t_read = write / bw, read / bw
+    return WeightsTraffic(
+        version_gb=v / 1e9,
+        trainer_rank_gb=v / tgpus / 1e9,
+        inference_rank_gb=rank_version_bytes(cfg, dec) / 1e9,
+        engines=engines,
+        write_gb=write / 1e9,
+        read_gb=read / 1e9,
+        budget_s=budget,
+        fs_gb_per_s=bw / 1e9,
+        trainer_node_gb_per_s=v / max(1, split.trainer_nodes) / t_write / 1e9,  # Slurm nodes
+        # the engines read at once, each a version (a node's ranks share its page cache)
+        inference_node_gb_per_s=v / t_read / 1e9 if engines else 0.0,
+    )
+
+
 def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> StepTimes:
     m, w = cfg.model, cfg.plan
     p = m.param_counts()
@@ -439,11 +510,11 @@ def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> S
     recompute = 4 / 3 if cfg.trainer.activation_checkpoint != "none" else 1.0
     train_flops = tokens * (6 * p["active"] * recompute + 3 * attention_flops_per_token(m, ctx))
     train_s = train_flops / (_mfu(cfg, rates).value * dev.bf16_flops * tgpus)
-    wbytes = _weight_bytes(cfg)
-    publish_s = p["total"] * wbytes / tgpus / rates.publish_bytes_per_s.value
+    version = version_bytes(m, cfg.decode.engine.quantization)
+    publish_s = version / tgpus / rates.publish_bytes_per_s.value
     apply = rates.apply_bytes_per_s
     # Each rank reads and applies its own slice, all ranks at once.
-    apply_s = engine_params_per_rank(m, par) * wbytes / apply.value if apply else 0.0
+    apply_s = rank_version_bytes(cfg, cfg.decode.parallel) / apply.value if apply else 0.0
     return _combine(cfg, decode_s, prefill_s, rollout_s, train_s, publish_s, apply_s, tail_s)
 
 
@@ -553,6 +624,7 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
         balanced, balanced_times = (
             balance_split(cfg, rates, dev, split) if balance and slurm else (None, None)
         )
+    weights = None if on_cpu else weights_traffic(cfg, split)
     return Plan(
         model=cfg.run.name,
         device=device,
@@ -562,6 +634,7 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
         generated_per_step=rollouts * w.generated_tokens,
         memory=mem,
         times=times,
+        weights=weights,
         balanced=balanced,
         balanced_times=balanced_times,
         off_policy_steps=cfg.orchestrator.max_off_policy_steps,
@@ -614,6 +687,15 @@ def render(plan: Plan, budget_s: float | None = None) -> str:
         f"{t.trainer_wait_s:.1f} s, inference waits {t.inference_wait_s:.1f} s",
         f"  synchronous step {t.step_sync_s:.1f} s",
     ]
+    if (wt := plan.weights) is not None:
+        lines += [
+            "weights per step (shared filesystem):",
+            f"  a version {wt.version_gb:,.1f} GB: {wt.trainer_rank_gb:.2f} GB written by each trainer GPU, "
+            f"{wt.inference_rank_gb:.2f} GB read by each inference GPU ({wt.engines} engines read it)",
+            f"  {wt.write_gb:,.0f} GB written + {wt.read_gb:,.0f} GB read in {wt.budget_s:.0f} s needs "
+            f"{wt.fs_gb_per_s:,.0f} GB/s in all ({wt.trainer_node_gb_per_s:.1f} GB/s a trainer node writing, "
+            f"{wt.inference_node_gb_per_s:.1f} GB/s an inference node reading)",
+        ]
     if budget_s is not None:
         verdict = "under" if t.step_async_s <= budget_s else "OVER"
         lines.append(f"  target {budget_s:.0f} s: the asynchronous step is {verdict} it")

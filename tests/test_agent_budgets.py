@@ -39,6 +39,7 @@ from services.common.schemas import (
     ScoreResponse,
     ServiceInfo,
     StepResponse,
+    WeightsInfo,
 )
 from services.common.tokenizer import build_char_tokenizer, eos_id
 from services.orchestrator.clients import DecodeClient, Router, SandboxClient
@@ -105,7 +106,9 @@ async def say_policy(req: GenerateRequest) -> list[list[int]]:
     return [[*TOK.encode(wants[i % len(wants)]).ids, EOS] for i in range(req.sampling.n)]
 
 
-def scripted_decode_app(seen: list[GenerateRequest], policy: Policy) -> web.Application:
+def scripted_decode_app(seen: list[GenerateRequest], policy: Policy, version: int = 0) -> web.Application:
+    """A decode stand-in answering with `policy`'s tokens, tagged weight `version`."""
+
     async def generate(request: web.Request) -> web.Response:
         req = GenerateRequest.model_validate(await request.json())
         seen.append(req)
@@ -113,7 +116,7 @@ def scripted_decode_app(seen: list[GenerateRequest], policy: Policy) -> web.Appl
             GenerateChoice(
                 output_ids=ids[: req.sampling.max_tokens],
                 logprobs=[-0.1] * len(ids[: req.sampling.max_tokens]),
-                versions=[0] * len(ids[: req.sampling.max_tokens]),
+                versions=[version] * len(ids[: req.sampling.max_tokens]),
                 finish_reason="stop",
             )
             for ids in await policy(req)
@@ -158,11 +161,14 @@ async def run_groups(
     eos: int = EOS,
     chat: Any = None,
     credit: bool = False,
+    version: int = 0,
 ) -> tuple[list[GroupSpec], list[GenerateRequest], float]:
     """Run one group per seed through the orchestrator's own _run_group (commit or drop into the
-    Redis ledger), against the scripted decode over HTTP and the real sandbox process."""
+    Redis ledger), against the scripted decode (serving weight `version`) over HTTP and the real
+    sandbox process. Version 0 is announced, as the trainer does before anything is served."""
+    bus.publish_weights(WeightsInfo(version=0, path=str(tmp / "weights" / "step_0")))
     seen: list[GenerateRequest] = []
-    runner = web.AppRunner(scripted_decode_app(seen, policy))
+    runner = web.AppRunner(scripted_decode_app(seen, policy, version))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

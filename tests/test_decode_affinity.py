@@ -21,7 +21,7 @@ from test_agent_budgets import ENV, EOS, TOK, Policy, budget_cfg, budget_sandbox
 from services.common.auth import auth_headers
 from services.common.bus import Bus
 from services.common.registry import Registry
-from services.common.schemas import GenerateRequest, ServiceInfo
+from services.common.schemas import GenerateRequest, ServiceInfo, WeightsInfo
 from services.orchestrator.clients import DecodeClient, Router, SandboxClient
 from services.orchestrator.loop import Orchestrator
 from services.orchestrator.rollout import GroupSpec, RolloutRunner
@@ -119,6 +119,7 @@ def run_two_replicas(
             bus.register(ServiceInfo(kind="decode", id=sid, url=f"http://127.0.0.1:{port}"), ttl_s=600)
             runners.append(runner)
             ids.append(sid)
+        bus.publish_weights(WeightsInfo(version=0, path=str(tmp_path / "weights" / "step_0")))
         orch = Orchestrator(cfg, bus, tmp_path)
         http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=60, connect=5), headers=auth_headers()

@@ -34,7 +34,7 @@ class Decode:
 def decode(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Decode]:
     tmp = tmp_path_factory.mktemp("decode")
     m = load_config(CONFIG_DIR / "debug.toml").model
-    weights = spread_debug_versions(tmp)
+    weights = spread_debug_versions(tmp / "weights")  # the run's weights root: next to config.json
     with decode_server(
         redis_url,
         weights[0],
@@ -147,30 +147,55 @@ def test_models(decode: Decode) -> None:
 
 
 def _weight_updates(d: Decode) -> float:
-    text = httpx.get(f"{d.url}/metrics").text
-    return float(
-        next(x.split()[1] for x in text.splitlines() if x.startswith("relay_decode_weight_updates_total"))
-    )
+    for line in httpx.get(f"{d.url}/metrics").text.splitlines():
+        if line.startswith("relay_decode_weight_updates_total "):
+            return float(line.split()[1])
+    raise AssertionError("no relay_decode_weight_updates_total")
 
 
-def test_update_weights(decode: Decode) -> None:
-    missing = str(decode.weights[0].parent / "step_9")
-    r = post(decode, "/update_weights", {"path": missing, "version": 9})
-    assert r.status_code == 400 and missing in r.json()["detail"]
-    r = post(decode, "/update_weights", {"path": str(decode.weights[0])})
+def test_update_weights(decode: Decode, tmp_path: Path) -> None:
+    v0, v1 = (str(p) for p in decode.weights)
+    r = post(decode, "/update_weights", {"path": v0})
     assert r.status_code == 422 and "version" in r.json()["detail"]
-
-    r = post(decode, "/update_weights", {"path": str(decode.weights[1]), "version": 1})
+    # Only what the trainer announced: step_1 is on disk but not announced yet.
+    r = post(decode, "/update_weights", {"path": v1, "version": 1})
+    assert (
+        r.status_code == 400
+        and r.json()["detail"] == "version: 1 has not been announced by the trainer (the newest is 0)"
+    )
+    decode.bus.publish_weights(WeightsInfo(version=1, path=v1))
+    before = _weight_updates(decode)
+    r = post(decode, "/update_weights", {"path": v1, "version": 1})
     assert r.status_code == 200 and r.json()["version"] == 1
     assert httpx.get(f"{decode.url}/health").json()["version"] == 1
-    # The version already live, asked again (as the orchestrator does while the registry lags):
-    # answered without reading or swapping the weights again.
-    updates = _weight_updates(decode)
-    r = post(decode, "/update_weights", {"path": str(decode.weights[1]), "version": 1})
-    assert r.status_code == 200 and r.json()["version"] == 1 and _weight_updates(decode) == updates
     out = post(decode, "/v1/generate", {"input_ids": [5], "sampling": {"max_tokens": 3, "ignore_eos": True}})
     assert out.json()["choices"][0]["versions"] == [1, 1, 1]
     wait_for(lambda: decode.bus.services("decode")[0].version == 1, what="registry version 1")
+    # The version already live, asked again (as the orchestrator does while the registry lags):
+    # answered without reading or swapping the weights again.
+    r = post(decode, "/update_weights", {"path": v1, "version": 1})
+    assert r.status_code == 200 and r.json()["version"] == 1 and _weight_updates(decode) == before + 1
+
+    bad = [
+        # a version from the future, a directory that does not exist under that version's number
+        ({"path": str(Path(v0).parent / "step_9"), "version": 9}, "version: 9 has not been announced"),
+        # an announced version under another directory of the run, and one outside the run
+        ({"path": v1, "version": 0}, f"path: version 0 is {v0}, not {v1}"),
+        ({"path": str(tmp_path), "version": 0}, f"path: {tmp_path} is not under the run's weights directory"),
+        (
+            {"path": f"{Path(v0).parent}/../x", "version": 1},
+            f"path: {Path(v0).parent}/../x is not under the run's",
+        ),
+    ]
+    for body, detail in bad:
+        r = post(decode, "/update_weights", body)
+        assert r.status_code == 400 and r.json()["detail"].startswith(detail), (body, r.text)
+    # A version announced earlier is still loadable (an older, announced policy).
+    r = post(decode, "/update_weights", {"path": v0, "version": 0})
+    assert r.status_code == 200 and httpx.get(f"{decode.url}/health").json()["version"] == 0
+    assert post(decode, "/update_weights", {"path": v1, "version": 1}).status_code == 200
+    assert _weight_updates(decode) == before + 3
+    assert "weights update refused" in decode.log.read_text()
 
 
 def test_pause_resume(decode: Decode) -> None:
@@ -195,8 +220,23 @@ def test_metrics(decode: Decode) -> None:
         "relay_decode_prefix_cache_hit_rate",
         "relay_decode_preemptions_total",
         "relay_decode_kv_blocks_used",
+        "relay_decode_weight_apply_last_seconds",
+        "relay_decode_weight_read_last_seconds",
     ):
         assert name in text, name
+    # Every update's bytes and seconds (three updates of the debug model so far, test_update_weights).
+    values = {
+        ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")
+    }
+    assert values["relay_decode_weight_bytes_read_total"] == 3 * sum(
+        (p.stat().st_size for p in decode.weights[1].glob("*.safetensors")), 0
+    ) - 3 * _header_bytes(decode.weights[1])
+    assert values["relay_decode_weight_apply_seconds_total"] > 0
+
+
+def _header_bytes(d: Path) -> int:
+    """Bytes of a weights directory's files that are not tensor data (the safetensors headers)."""
+    return sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in d.glob("*.safetensors"))
 
 
 def test_sigterm_exits_cleanly(decode: Decode) -> None:

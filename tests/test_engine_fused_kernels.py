@@ -33,8 +33,9 @@ def test_fused_kernel_tests_in_child_process() -> None:
 
 from ops import fused_norm  # noqa: E402
 from services.common.config import EngineConfig, load_config  # noqa: E402
-from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
+from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
+from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.kernels import gemv, sampling  # noqa: E402
 from services.engine.model import CausalLM  # noqa: E402

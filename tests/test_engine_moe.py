@@ -106,7 +106,7 @@ def test_fused_expert_layout_loads_the_same(pair) -> None:
 
 def test_incomplete_per_expert_state_is_rejected(pair) -> None:
     _, _, d = pair
-    from services.common.modeldir import read_model_dir
+    from services.common.weights_dir import read_model_dir
 
     eng = hr.engine(d)
     _, state = read_model_dir(d)

@@ -19,7 +19,7 @@ from helpers.moe import small_ds, small_moe
 from ops.fp8.checkpoint import dequantize_state, fp8_pairs, parse_quantization_config
 from ops.fp8.recipe import FP8_DTYPE, default_skip, dequantize_weight, quantize_weight
 from services.common.config import EngineConfig, ModelConfig
-from services.common.modeldir import read_model_dir, write_model_dir
+from services.common.weights_dir import read_model_dir, write_model_dir
 from services.engine import LLMEngine
 from services.engine import fp8_linear as engine_fp8
 from services.engine.fp8_linear import Fp8Experts

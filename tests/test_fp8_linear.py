@@ -30,6 +30,7 @@ from ops.fp8.recipe import (
     quantize_weight,
 )
 from services.common.config import EngineConfig, ModelConfig, TrainerSection
+from services.common.weights_dir import read_model_dir
 from services.engine import LLMEngine
 from services.engine.batch import ForwardBatch, Span
 from services.engine.fp8_linear import Fp8Experts, Fp8Linear, convert_model, engine_skip
@@ -796,7 +797,6 @@ def test_trainer_run_with_fp8_learns(
 ) -> None:
     """`trainer.fp8 = true` through the real trainer (Redis, publish, checkpoint): it trains, the
     published weights are the float32 master weights, and the favoured tokens still gain mass."""
-    from safetensors.torch import load_file
     from test_trainer_run import Feeder, favoured_mass, make_cfg
 
     import trainer.fp8
@@ -831,7 +831,7 @@ def test_trainer_run_with_fp8_learns(
     assert backward == [(True, True)]  # trainer.fp8_backward (default): both backward GEMMs in FP8
     assert min_weights == [1]
     n = cfg.run.max_steps
-    tensors = load_file(str(run_dir / "weights" / f"step_{n}" / "model.safetensors"))
+    tensors = read_model_dir(run_dir / "weights" / f"step_{n}")[1]
     assert all(t.dtype == torch.float32 for t in tensors.values())
     before, after = (
         favoured_mass(run_dir / "weights" / "step_0"),

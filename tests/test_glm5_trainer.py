@@ -24,8 +24,8 @@ from helpers.moe import (
 )
 
 from services.common.config import EngineConfig, ModelConfig, RunConfig
-from services.common.modeldir import step_dir
 from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams, TrainerStepMetrics
+from services.common.weights_dir import read_model_dir, step_dir
 from trainer.batch import micro_batches
 from trainer.glm5 import GlmAttention, glm_attentions, indexer_kl, indexer_loss, set_indexer_mode
 from trainer.loss import token_logprobs
@@ -424,9 +424,8 @@ def test_trainer_step_on_engine_samples_glm5(redis_server: str, tmp_path: Path, 
     mt, w1 = train_glm_step(m, run_dir, d0, redis_server, dsa_indexer=mode)
     assert mt.routing_replayed_frac == 1.0 and mt.routing_agreement_mean == 1.0
     assert abs(mt.mismatch_kl_k3) < 1e-6
-    from safetensors.torch import load_file
 
-    w0 = load_file(str(d0 / "model.safetensors"))
+    w0 = read_model_dir(d0)[1]
     assert (
         w1["model.layers.1.self_attn.q_b_proj.weight"] - w0["model.layers.1.self_attn.q_b_proj.weight"]
     ).abs().max() > 0

@@ -30,8 +30,9 @@ def test_graph_sampling_tests_in_child_process() -> None:
 
 
 from services.common.config import EngineConfig, load_config  # noqa: E402
-from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
+from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
+from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from services.engine.kernels.feed import feed_tokens  # noqa: E402

@@ -42,7 +42,7 @@ from services.common.config import (
     RopeScaling,
     load_config,
 )
-from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
+from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.registry import Registry
 from services.common.schemas import (
     GenerateRequest,
@@ -52,6 +52,7 @@ from services.common.schemas import (
 )
 from services.common.tokenizer import end_of_turn_id, eos_id, load_tokenizer, model_eos_ids
 from services.common.tools import ToolResult, ToolSpec, render_tool_results, render_tools_prompt
+from services.common.weights_dir import read_model_dir, write_model_dir
 from services.decode.tool_calls import ParsedTurn, openai_tool_calls, safe_content_prefix, split_tool_calls
 from services.decode.tool_calls import finish_reason as tool_finish_reason
 from services.engine import LLMEngine, WeightsError

@@ -28,8 +28,9 @@ def test_megakernel_tests_in_child_process() -> None:
 
 
 from services.common.config import EngineConfig, ModelConfig, load_config  # noqa: E402
-from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
+from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
+from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, Span  # noqa: E402
 from services.engine.kernels import megakernel  # noqa: E402

@@ -23,8 +23,9 @@ from helpers.moe import (
 
 from ops.mamba2 import causal_conv1d, conv1d_step, conv_state_after, ssd_chunked, ssd_naive, ssd_step
 from services.common.config import ModelConfig, RunConfig
-from services.common.modeldir import hf_config, model_config_from_hf, step_dir
+from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import RolloutGroup, TrainerStepMetrics
+from services.common.weights_dir import read_model_dir, step_dir
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
 from trainer.model import adapter, build_model, from_hf_state, load_weights_dir, save_weights_dir, to_hf_state
@@ -341,7 +342,6 @@ def train_nemotron_step(
 def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Path) -> None:
     """trainer.train.run on a nemotron_h model (packed, full activation checkpointing, grouped
     expert GEMMs): one step learns (every kind of layer moves) and step_1 loads in transformers."""
-    from safetensors.torch import load_file
 
     m = small_nemotron()
     mt, w1, d0 = train_nemotron_step(
@@ -354,7 +354,7 @@ def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Pa
         moe_grouped_mm="on",
     )
     assert mt.routing_replayed_frac == 1.0 and mt.loss != 0.0 and abs(mt.mismatch_kl_k3) < 1e-6
-    w0 = load_file(str(d0 / "model.safetensors"))
+    w0 = read_model_dir(d0)[1]
     for k in (
         "backbone.layers.0.mixer.A_log",
         "backbone.layers.0.mixer.in_proj.weight",

@@ -50,8 +50,9 @@ from pydantic import ValidationError  # noqa: E402
 
 from ops import fused_norm, pdl  # noqa: E402
 from services.common.config import ConfigError, EngineConfig, load_config  # noqa: E402
-from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
+from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
+from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import HostBatch, Span  # noqa: E402
 from services.engine.kernels import gemv, paged_attention, qk_rope, sampling  # noqa: E402

@@ -246,3 +246,44 @@ def test_local_gpu_config_counts_the_processes(rates: P.Rates) -> None:
     plan = P.build_plan(cfg, rates)
     assert plan.balanced is None and not plan.searched
     assert plan.times.train_s > 0 and plan.times.decode_s > 0
+
+
+def test_weights_traffic_by_hand() -> None:
+    """One version through the shared filesystem: written once, read by every engine. bf16: 2
+    bytes a parameter; FP8: 1 byte a linear weight + a float32 scale per 128x128 tile, 2 bytes for
+    the embedding, LM head and norms (the dense model of _small_gpu_cfg: 500,500 parameters, of
+    which 2 x 100,000 embedding/head and 2 x 2 x 100 + 100 norms)."""
+    cfg = _small_gpu_cfg(**{"plan.step_target_s": "200"})
+    m = cfg.model
+    assert P.version_bytes(m, "none") == 500_500 * 2
+    high = 200_000 + 500
+    assert P.version_bytes(m, "fp8") == pytest.approx((500_500 - high) * (1 + 4 / 16384) + 2 * high)
+    split = P.Split(trainer_nodes=2, decode_nodes=1, prefill_nodes=1)
+    w = P.weights_traffic(cfg, split)
+    v = 500_500 * 2
+    assert w.version_gb == pytest.approx(v / 1e9) and w.engines == 2  # one decode + one prefill engine
+    assert w.trainer_rank_gb == pytest.approx(v / 2 / 1e9) and w.inference_rank_gb == pytest.approx(v / 1e9)
+    assert w.write_gb == pytest.approx(v / 1e9) and w.read_gb == pytest.approx(2 * v / 1e9)
+    # 10% of 200 s = 20 s for 3 x v bytes; then the write takes v / bw, each engine reads v in 2 v / bw.
+    assert w.budget_s == 20 and w.fs_gb_per_s == pytest.approx(3 * v / 20 / 1e9)
+    bw = 3 * v / 20
+    assert w.trainer_node_gb_per_s == pytest.approx(v / 2 / (v / bw) / 1e9)
+    assert w.inference_node_gb_per_s == pytest.approx(v / (2 * v / bw) / 1e9)
+
+
+def test_glm5_weights_traffic() -> None:
+    """configs/glm5.toml: an FP8 version of ~747 GB (the bf16 embedding, head, routers and MLA's
+    kv_b_proj ~6 GB of it), 128 trainer GPUs writing ~5.8 GB each, 8-GPU engines reading ~93 GB
+    a GPU, 12 engines: ~9 TB through the filesystem a step, ~324 GB/s to fit 30 s."""
+    cfg = load_config("glm5")
+    split = P.Split(trainer_nodes=16, decode_nodes=8, prefill_nodes=4)
+    w = P.weights_traffic(cfg, split)
+    total = cfg.model.param_counts()["total"]
+    assert total < w.version_gb * 1e9 < total * 1.01
+    assert w.trainer_rank_gb == pytest.approx(w.version_gb / 128) and w.engines == 12
+    assert w.inference_rank_gb == pytest.approx(w.version_gb / 8)
+    assert w.read_gb == pytest.approx(12 * w.version_gb) and w.budget_s == 30
+    assert 300 < w.fs_gb_per_s < 350
+    plan = P.build_plan(cfg, P.load_rates(), split, balance=False)
+    assert plan.weights == w
+    assert "weights per step (shared filesystem)" in P.render(plan)

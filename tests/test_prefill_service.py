@@ -228,6 +228,9 @@ def test_weight_update_never_uses_stale_pages(cluster: Cluster) -> None:
     neither is used: everything is computed with the new weights."""
     c = cluster
     url = c.url("decode", "decode2")
+    # Announced as the trainer does, but not made the latest: the prefill service stays on 0.
+    info = WeightsInfo(version=1, path=str(c.weights_v1))
+    c.bus.r.hset(c.bus.k.weights_announced, "1", info.model_dump_json())
     r = httpx.post(
         f"{url}/update_weights",
         json={"path": str(c.weights_v1), "version": 1},

@@ -322,7 +322,7 @@ def train_one_step(
     import uuid
 
     from services.common.config import RunConfig
-    from services.common.modeldir import step_dir
+    from services.common.weights_dir import step_dir
 
     shutil.copytree(step0, step_dir(run_dir, 0))
     tree = RunConfig().model_dump()
@@ -341,10 +341,8 @@ def test_trainer_step_replays_engine_routing_and_publishes_deepseek(
     engine from step_0 with routing capture, one replayed step, published step_1 the engine loads.
     The engine's log-probs are the trainer's own (mismatch ~0, agreement 1), the gate learns and
     the correction bias (no gradient, nothing updates it) is published unchanged."""
-    from safetensors.torch import load_file
-
     from services.common.config import EngineConfig
-    from services.common.modeldir import step_dir
+    from services.common.weights_dir import read_model_dir, step_dir
     from services.engine import LLMEngine
 
     m = small_ds(max_seq_len=128)
@@ -353,7 +351,7 @@ def test_trainer_step_replays_engine_routing_and_publishes_deepseek(
     mt, w1 = train_one_step(m, run_dir, d0, engine_groups(d0), redis_server, nproc=1)
     assert mt.routing_replayed_frac == 1.0 and mt.routing_agreement_mean == 1.0
     assert abs(mt.mismatch_kl_k3) < 1e-6
-    w0 = load_file(str(d0 / "model.safetensors"))
+    w0 = read_model_dir(d0)[1]
     assert w0.keys() == w1.keys()
     for layer in moe_layer_ids(m):
         pre = f"model.layers.{layer}.mlp.gate."

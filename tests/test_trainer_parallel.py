@@ -20,11 +20,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from pydantic import ValidationError
-from safetensors.torch import load_file
 
 from services.common.config import ModelConfig, RunConfig, TrainerSection
-from services.common.modeldir import WEIGHTS_FILE
 from services.common.schemas import RolloutGroup, Sample
+from services.common.weights_dir import read_model_dir
 from trainer.attention import micro_batch_attention, packed_logprobs
 from trainer.batch import loss_token_count
 from trainer.chunked import enable_chunked_output
@@ -148,7 +147,14 @@ def test_single_sample_pack_runs_causal_without_a_mask() -> None:
 
 
 def _load(d: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(d / WEIGHTS_FILE))
+    return read_model_dir(d)[1]
+
+
+def _write_single(t: Any, version: int) -> None:
+    """Collective: the full state dict written by rank 0 alone (the single-writer reference)."""
+    sd = t._full_state()
+    if t.d.is_main:
+        save_weights_dir(t.cfg.model, sd, t.run_dir / "weights" / f"step_{version}", {"version": version})
 
 
 def _assert_same_dirs(a: Path, b: Path) -> None:
@@ -171,7 +177,7 @@ def test_publisher_writes_what_save_weights_dir_writes(tmp_path: Path) -> None:
         {"version": 5, "step": 5},
     )
     announced: list[Path] = []
-    pub = Publisher(M, is_main=True)
+    pub = Publisher(M)
     blocked = pub.publish(model, 5, tmp_path / "weights" / "step_5", on_done=announced.append)
     # The write is in flight or done; training may change the weights meanwhile: the published
     # copy must be the one taken at gather time.
@@ -188,9 +194,9 @@ def test_publisher_writes_what_save_weights_dir_writes(tmp_path: Path) -> None:
 def test_publisher_casts_to_the_engines_dtype(tmp_path: Path) -> None:
     """A bf16 fleet gets bf16 weights: the masters' values rounded once, half the bytes."""
     model = enable_chunked_output(build_model(M, seed=3))
-    full = Publisher(M, is_main=True)
+    full = Publisher(M)
     full.publish(model, 1, tmp_path / "f32", background=False)
-    half = Publisher(M, is_main=True, dtype=torch.bfloat16)
+    half = Publisher(M, dtype=torch.bfloat16)
     half.publish(model, 1, tmp_path / "bf16", background=False)
     a, b = _load(tmp_path / "f32"), _load(tmp_path / "bf16")
     assert a.keys() == b.keys() and a
@@ -245,7 +251,7 @@ def _worker(rank: int, port: int, redis_url: str, root: str, out: dict[str, Any]
             # Publishing from FSDP2 shards, per parameter, vs the full-state-dict publish.
             t.publisher.publish(t.model, 99, run_dir / "weights" / "step_99")
             t.publisher.wait()
-            t._write_weights(98)
+            _write_single(t, 98)
             first = next(iter(t.model.parameters()))
             if rank == 0:
                 out[dtype] = {
@@ -396,7 +402,7 @@ def _ep_worker(
             res = [t.train_step(_groups(s)) for s in range(3)]
             t.publisher.publish(t.model, 99, run_dir / "weights" / "step_99")
             t.publisher.wait()
-            t._write_weights(98)
+            _write_single(t, 98)
             w1 = t.model.layers["0"].moe.experts.w1
             assert isinstance(w1, DTensor)
             if rank == 0:

@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import torch
 from helpers.trainer_process import assert_first_adam_step_close, run_trainer_steps, start_trainer
-from safetensors.torch import load_file
 
 from services.common.bus import TRAINER_GROUP, Bus
 from services.common.config import RunConfig
-from services.common.modeldir import step_dir
 from services.common.schemas import RolloutGroup, Sample, WeightsInfo
+from services.common.weights_dir import read_model_dir, step_dir, versions
 from trainer.model import build_model, load_weights_dir
 from trainer.train import Trainer, latest_checkpoint
 from trainer.train import run as run_trainer
@@ -206,7 +205,9 @@ def test_full_run_publishes_acks_and_learns(redis_server: str, tmp_path: Path) -
     assert feeder.error is None
     bus = Bus(redis_server, cfg.redis.prefix)
     n = cfg.run.max_steps
-    for v in range(n + 1):
+    # run.keep_weights (default: the newest 3 and every 100th, step_0 included) deleted the rest.
+    assert versions(run_dir) == [0, n - 2, n - 1, n]
+    for v in versions(run_dir):
         assert (step_dir(run_dir, v) / "model.safetensors").is_file()
         assert json.loads((step_dir(run_dir, v) / "relay.json").read_text())["version"] == v
     latest = bus.latest_weights()
@@ -412,7 +413,7 @@ def _one_step(
     run_trainer_steps(cfg, run_dir, redis_url, timeout_s=120)
     assert bus.ledger()["trained"] == {g.group_id: 1 for g in groups}
     (mt,) = metrics(bus)
-    return mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))
+    return mt, read_model_dir(step_dir(run_dir, 1))[1]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
@@ -466,12 +467,12 @@ def test_two_processes_match_one(redis_server: str, tmp_path: Path, fast: bool) 
         assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
     assert m1["tokens"] == m2["tokens"]
     assert w1.keys() == w2.keys()
-    w0 = load_file(str(step_dir(tmp_path / "run1", 0) / "model.safetensors"))
+    w0 = read_model_dir(step_dir(tmp_path / "run1", 0))[1]
     for k in w1:
         assert (w1[k] - w0[k]).abs().max() > 0 or k.endswith("norm.weight"), k
         dd = (w2[k] - w1[k]).abs()
         i = int(dd.argmax())
-        w0_ = load_file(str(step_dir(tmp_path / "run1", 0) / "model.safetensors"))[k]
+        w0_ = read_model_dir(step_dir(tmp_path / "run1", 0))[1][k]
         print(
             "DIFF",
             k,
@@ -513,7 +514,7 @@ def test_checkpoint_resumes_on_other_world_size(redis_server: str, tmp_path: Pat
     run_trainer_steps(cfg, ref_dir, redis_server, timeout_s=180)
     ref = metrics(ref_bus)
     assert [m["step"] for m in ref] == [1, 2] and ref[1]["masked_ratio_frac"] < 0.05
-    ref_w = load_file(str(step_dir(ref_dir, 2) / "model.safetensors"))
+    ref_w = read_model_dir(step_dir(ref_dir, 2))[1]
 
     for first, second in ((2, 1), (1, 2)):
         cfg, run_dir, bus = prepare(f"w{first}to{second}")
@@ -534,7 +535,7 @@ def test_checkpoint_resumes_on_other_world_size(redis_server: str, tmp_path: Pat
         for k in ("loss", "entropy", "grad_norm", "masked_ratio_frac"):
             for a, b in zip(ms, ref, strict=True):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (first, second, k)
-        w = load_file(str(step_dir(run_dir, 2) / "model.safetensors"))
+        w = read_model_dir(step_dir(run_dir, 2))[1]
         assert w.keys() == ref_w.keys()
         for k in w:
             torch.testing.assert_close(

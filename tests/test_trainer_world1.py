@@ -25,11 +25,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from pydantic import ValidationError
-from safetensors.torch import load_file
 
 from services.common.config import ModelConfig, RunConfig, TrainerSection
-from services.common.modeldir import WEIGHTS_FILE
 from services.common.schemas import RolloutGroup, Sample
+from services.common.weights_dir import read_model_dir
+from trainer.model import save_weights_dir
 from trainer.parallel import use_fsdp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,7 +229,9 @@ def _phase_worker(
         # Publishing both ways (per-parameter publisher, full-state write) in either wrapper.
         t.publisher.publish(t.model, 99, Path(run_dir) / "weights" / "step_99")
         t.publisher.wait()
-        t._write_weights(98)
+        # The single-writer reference: the full state written by rank 0 alone.
+        if rank == 0:
+            save_weights_dir(cfg.model, state, Path(run_dir) / "weights" / "step_98", {"version": 98})
         if rank == 0:
             first = next(iter(t.model.parameters()))
             torch.save(
@@ -262,7 +264,7 @@ def _phase(
     out = torch.load(result, weights_only=False)
     assert out["fsdp"] == (world > 1) and out["param"] == ("DTensor" if world > 1 else "Parameter")
     w = run_dir / "weights"
-    a, b = load_file(str(w / "step_99" / WEIGHTS_FILE)), load_file(str(w / "step_98" / WEIGHTS_FILE))
+    a, b = read_model_dir(w / "step_99")[1], read_model_dir(w / "step_98")[1]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return out  # type: ignore[no-any-return]
 

@@ -23,8 +23,9 @@ from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapt
 
 from ops.fp8.checkpoint import check_checkpoint, dequantize_state
 from services.common.config import ModelConfig, RopeScaling
-from services.common.modeldir import hf_config, model_config_from_hf, read_model_dir, write_model_dir
+from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.tokenizer import build_char_tokenizer, eos_id, save_tokenizer
+from services.common.weights_dir import read_model_dir, write_model_dir
 from trainer.glm5 import GlmMoeDsaAdapter, build_glm5
 from trainer.moe_routing import (
     DeepSeekV3Adapter,

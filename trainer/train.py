@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import redis
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,9 +49,10 @@ from torch.distributed.checkpoint.state_dict import (
 from services.common.bus import Bus
 from services.common.config import RunConfig, load_resolved
 from services.common.gpu_memory import cap_process_memory, memory_held
-from services.common.modeldir import newest_version, prune_versions, step_dir
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
+from services.common.weights_dir import newest_version, read_meta, retain, step_dir
+from services.common.weights_gate import AnnouncedVersions
 from trainer.attention import micro_batch_attention, packed_logprobs  # perf path
 from trainer.batch import (
     MicroBatch,
@@ -67,7 +69,7 @@ from trainer.glm5 import glm_attentions, indexer_loss, set_indexer_mode
 from trainer.loss import ratio_loss
 from trainer.master_weights import masters_of, optimizer_params, sync_params
 from trainer.mismatch import micro_batch_versions
-from trainer.model import build_model, load_weights_dir, moe_layer_ids, save_weights_dir
+from trainer.model import build_model, load_weights_dir, moe_layer_ids
 from trainer.packing import PackedMicroBatch, packed_micro_batches
 from trainer.parallel import (
     Degrees,
@@ -243,6 +245,7 @@ class Trainer:
         self.d = d or Dist(cfg.trainer.device)
         self.log = log or logging.getLogger("trainer")
         self.bus = Bus(redis_url, cfg.redis.prefix) if self.d.is_main else None
+        self.announced = AnnouncedVersions(self.bus) if self.bus is not None else None
         self.stop_requested = threading.Event()
         self.version = 0
         self.last_checkpoint = -1
@@ -252,7 +255,15 @@ class Trainer:
         # perf path: set by setup()
         self.degrees: Degrees
         self.meshes: dict[str, Any] = {}
-        self.publisher = Publisher(cfg.model, self.d.is_main, getattr(torch, cfg.decode.engine.dtype))
+        # Every rank writes its share of each version, in what the engines serve (trainer/publish.py).
+        self.publisher = Publisher(
+            cfg.model,
+            self.d.rank,
+            self.d.world,
+            getattr(torch, cfg.decode.engine.dtype),
+            cfg.decode.engine.quantization,
+            token=str(self.d.broadcast(os.getpid())),
+        )
         tc = cfg.trainer
         self.entropy = EntropyControl(
             tc.entropy_coef, tc.entropy_target, tc.entropy_coef_lr, tc.entropy_coef_max
@@ -273,11 +284,17 @@ class Trainer:
             state = torch.load(ckpt[1] / CKPT_FILE, map_location="cpu", weights_only=True)
             model.load_state_dict(state["model"])
             self.version = self.last_checkpoint = int(state["step"])
-        elif step_dir(self.run_dir, 0).exists():
+        elif (
+            step_dir(self.run_dir, 0).exists()
+            and read_meta(step_dir(self.run_dir, 0)).get("init") != self._init
+        ):
+            # Weights placed there to start from (not this run's own seeded init, which the model
+            # already is, exactly: the published copy is in the engines' precision).
             _, sd = load_weights_dir(step_dir(self.run_dir, 0))
             model.load_state_dict(sd)
             self.version = 0
-        # else: fresh run; every rank built the same seeded init, rank 0 writes it as step_0 below.
+        # else: fresh run (or restarted before its first checkpoint); every rank built the same
+        # seeded init, which is written as step_0 below unless it is there.
         # Both swaps keep parameters and names; they only act when packing / chunking is used.
         # float32 logits as the engine's (docs/replay.md); head_cache_gib: no logits GEMM in the
         # head's backward when its probabilities fit (docs/trainer.md)
@@ -339,7 +356,7 @@ class Trainer:
             self._recorded_version(),
             newest_version(self.run_dir) if self.d.is_main else -1,
         )
-        if ckpt is not None and reached > self.version:
+        if reached > self.version:  # also without a checkpoint: the seeded init, numbered on
             self.version = reached + 1
         self.version = int(self.d.broadcast(self.version))
         if self.d.broadcast(not step_dir(self.run_dir, self.version).exists()):
@@ -381,29 +398,49 @@ class Trainer:
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
+    @property
+    def _init(self) -> dict[str, Any]:
+        """What a fresh run's weights are (relay.json of its step_0): build_model's seeded init."""
+        return {"seed": self.cfg.run.seed, "init_std": self.cfg.trainer.init_std}
+
     def _write_weights(self, version: int) -> Path:
-        sd = self._full_state()
+        """Collective: write `version` now (every rank its share), e.g. the seeded init as step_0."""
         dest = step_dir(self.run_dir, version)
-        if self.d.is_main:
-            save_weights_dir(self.cfg.model, sd, dest, {"version": version, "step": version})
+        meta = {"init": self._init} if version == 0 and self.last_checkpoint < 0 else {}
+        self.publisher.publish(self.model, version, dest, background=False, meta=meta)
         return dest
 
     def _announce(self, dest: Path) -> None:
-        """perf path: called by the publisher's writer thread once `dest` is renamed into place."""
-        version = int(dest.name.split("_")[1])
+        """Called by rank 0's publishing thread once `dest` is renamed into place: the version is
+        announced (the only versions services load and samples may carry), then old ones go."""
         if self.bus is not None:
-            self.bus.publish_weights(WeightsInfo(version=version, path=str(dest)))
-        # Only after weights:latest names the new version: no decode is sent to a removed one.
-        prune_versions(self.run_dir, self.cfg.trainer.keep_weights, version)
+            self.bus.publish_weights(WeightsInfo(version=int(dest.name.split("_")[1]), path=str(dest)))
+            self._retain()
+
+    def _retain(self) -> None:
+        """run.keep_weights: keep the newest versions, every M-th, what a live service serves and
+        what a restart needs (the latest checkpoint's step; step_0 until there is a checkpoint)."""
+        assert self.bus is not None
+        kw = self.cfg.run.keep_weights
+        try:
+            served = {s.version for s in self.bus.services() if s.version >= 0}
+        except redis.RedisError as e:  # unknown who serves what: delete nothing this time
+            log_event(self.log, "weights retention skipped", error=str(e))
+            return
+        ckpt = latest_checkpoint(self.run_dir)
+        needed = {ckpt[0]} if ckpt is not None else {0}
+        gone = retain(self.run_dir, kw.last, kw.every, served | needed)
+        if gone:
+            log_event(self.log, "weights deleted", versions=gone, served=sorted(served))
 
     def _checkpoint(self) -> None:
         """All ranks gather; rank 0 writes one full checkpoint (model, optimizer keyed by
         parameter name, per-rank RNG), so it reloads under any world size."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        if (mw := masters_of(self.model)) is not None:  # one rank: the float32 masters, by name
-            model_sd, optim_sd = mw.full_state_dict(self.model), mw.optimizer_state_dict(self.opt)
+        model_sd = self._full_state()
+        if (mw := masters_of(self.model)) is not None:  # one rank: the optimizer state by name
+            optim_sd = mw.optimizer_state_dict(self.opt)
         else:
-            model_sd = get_model_state_dict(self.model, options=opts)
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             optim_sd = get_optimizer_state_dict(self.model, self.opt, options=opts)
         rng = self.d.all_gather(torch.get_rng_state())
         if self.d.is_main:
@@ -478,6 +515,12 @@ class Trainer:
                 if g.min_version < 0:
                     self.bus.ack([eid])
                     self.bus.mark_dropped(g.group_id, "empty: no loss tokens")
+                    continue
+                assert self.announced is not None
+                bad = self.announced.unannounced(v for s in g.samples for v in s.versions)
+                if bad:  # generated by weights this run's trainer never published
+                    self.bus.ack([eid])
+                    self.bus.mark_dropped(g.group_id, f"unannounced: weight versions {bad}")
                     continue
                 staleness = self.version - g.min_version
                 if staleness > oc.max_off_policy_steps:

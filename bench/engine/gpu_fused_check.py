@@ -84,8 +84,9 @@ def check_norms() -> dict[str, Any]:
 
 def check_engine(tmp: Path) -> dict[str, Any]:
     from services.common.config import EngineConfig, load_config
-    from services.common.modeldir import hf_config, write_model_dir
+    from services.common.modeldir import hf_config
     from services.common.schemas import GenerateRequest, SamplingParams
+    from services.common.weights_dir import write_model_dir
     from services.engine import LLMEngine
     from services.engine.model import CausalLM
     from services.engine.sampler import Sampler

@@ -33,8 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from services.common.config import EngineConfig, load_config  # noqa: E402
-from services.common.modeldir import hf_config, write_model_dir  # noqa: E402
+from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
+from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine.batch import HostBatch  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
 from services.engine.model import CausalLM  # noqa: E402

@@ -28,9 +28,10 @@ import torch
 from services.common.auth import standalone_secrets
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, EngineConfig, ModelConfig, RunConfig
-from services.common.modeldir import hf_config, write_model_dir
+from services.common.modeldir import hf_config
 from services.common.redis_server import RedisServer
 from services.common.schemas import WeightsInfo
+from services.common.weights_dir import write_model_dir
 from services.engine.model import CausalLM
 
 # "tiny": a CPU-sized Qwen3-style model with a long context. "qwen3-0.6b-shape": Qwen3-0.6B's shapes

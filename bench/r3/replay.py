@@ -241,7 +241,7 @@ def build_trainer_model(m: ModelConfig, init: str, seed: int, device: torch.devi
 def publish(model: torch.nn.Module, m: ModelConfig, dest: Path) -> dict[str, Any]:
     """Write the model as version 0 with the trainer's own publisher (float32 HF directory)."""
     t0 = time.perf_counter()
-    pub = Publisher(m, is_main=True)
+    pub = Publisher(m)
     pub.publish(model, 0, dest, background=False)
     out = {"publish_s": round(time.perf_counter() - t0, 2), "bytes": pub.last.bytes if pub.last else None}
     del pub  # drops the pinned host buffers

@@ -713,7 +713,8 @@ def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) ->
     """Publish twice (the first allocates the pinned buffers): blocked seconds, background write
     seconds, and one training step run while the write is in flight."""
     root = Path(tempfile.mkdtemp(prefix="relay-publish-", dir=os.environ.get("PUBLISH_DIR", "/tmp")))
-    pub = Publisher(m, ctx.main, torch.bfloat16)  # what a bf16 engine fleet loads
+    # what a bf16 engine fleet loads; every rank its share, in one temporary directory per version
+    pub = Publisher(m, ctx.rank, ctx.world, torch.bfloat16, token="bench")
     out: dict[str, Any] = {"dir": str(root)}
     try:
         for i in (1, 2):
@@ -731,6 +732,7 @@ def publish_time(model: torch.nn.Module, m: ModelConfig, ctx: Ctx, step: Any) ->
                 "wait_s": last.wait_s if last else None,
                 "gather_s": last.gather_s if last else None,
                 "write_s": last.write_s if last else None,
+                "done_s": last.done_s if last else None,
                 "bytes": last.bytes if last else None,
             }
             if i == 1:  # keep one copy on disk (4B float32 is 16 GB)

@@ -24,14 +24,34 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from ops.fp8.recipe import BLOCK, FP8_DTYPE, _cdiv, dequantize_weight
+from ops.fp8.recipe import BLOCK, FP8_DTYPE, _cdiv, default_skip, dequantize_weight
+from services.common.weights_dir import SCALE_SUFFIX  # X.weight -> X.weight_scale_inv
 
-SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [BLOCK, BLOCK],
+}
 FLOAT8_DTYPES = tuple(
     getattr(torch, n)
     for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, n)
 )
+
+
+def kept_high_precision(module: str) -> bool:
+    """Linears an FP8 engine keeps in high precision: ops/fp8/recipe.default_skip (lm_head,
+    routers, embeddings, norms) plus MLA's kv_b_proj, whose weight the absorbed decode path reads
+    directly (services/engine/mla.py) rather than calling the module."""
+    return default_skip(module) or module.split(".")[-1] == "kv_b_proj"
+
+
+def is_fp8_weight(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether an FP8 engine holds the HF tensor `name` as E4M3 with 128x128 scales: the 2-D weight
+    of every attention/MLP linear and routed expert it does not keep in high precision. A weights
+    directory published for such an engine stores exactly these as (X.weight, X.weight_scale_inv)."""
+    return name.endswith(".weight") and len(shape) == 2 and not kept_high_precision(name[: -len(".weight")])
 
 
 class QuantizationConfig(BaseModel):

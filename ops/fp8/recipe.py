@@ -98,6 +98,18 @@ def quantize_weight(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
     return q.contiguous(), scale
 
 
+def quantize_weights(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight of each (N, K) matrix of a stacked (E, N, K) weight (MoE experts): returns
+    (fp8 (E, N, K), scales (E, ceil(N/128), ceil(K/128))). With N a multiple of 128 no tile spans two
+    experts, so it is one call over the (E*N, K) matrix."""
+    e, n, k = w.shape
+    if n % BLOCK == 0:
+        q, s = quantize_weight(w.reshape(e * n, k), pow2)
+        return q.view(e, n, k), s.view(e, n // BLOCK, s.shape[-1])
+    pairs = [quantize_weight(we, pow2) for we in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
 def quantize_act_t(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 quantisation of x^T for x (M, C): scales over 128 consecutive rows (tokens) of each
     column. Returns (q^T (C, M_pad) fp8, scale (C, M_pad / 128)), M_pad = M rounded up to 128 with

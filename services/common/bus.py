@@ -48,6 +48,12 @@ class Keys:
         return f"{self.prefix}:weights:latest"
 
     @property
+    def weights_announced(self) -> str:
+        """Hash: version -> WeightsInfo of every version the trainer announced (the only
+        versions services load and samples may carry)."""
+        return f"{self.prefix}:weights:announced"
+
+    @property
     def metrics(self) -> str:
         return f"{self.prefix}:metrics"
 
@@ -221,11 +227,23 @@ class Bus:
     # ---------------------------------------------------------- weights
 
     def publish_weights(self, info: WeightsInfo) -> None:
-        self.r.set(self.k.weights_latest, info.model_dump_json())
+        """Announce a version: it joins the announced ones and becomes the latest, atomically."""
+        raw = info.model_dump_json()
+        pipe = self.r.pipeline()
+        pipe.hset(self.k.weights_announced, str(info.version), raw)
+        pipe.set(self.k.weights_latest, raw)
+        pipe.execute()
 
     def latest_weights(self) -> WeightsInfo | None:
         raw = self.r.get(self.k.weights_latest)
         return WeightsInfo.model_validate_json(raw) if raw else None
+
+    def announced_weights(self, version: int) -> WeightsInfo | None:
+        raw = self.r.hget(self.k.weights_announced, str(version))
+        return WeightsInfo.model_validate_json(raw) if raw else None
+
+    def announced_versions(self) -> set[int]:
+        return {int(v) for v in self.r.hkeys(self.k.weights_announced)}
 
     # ---------------------------------------------------------- ledger
 

@@ -320,6 +320,15 @@ class ModelConfig(Strict):
         return {"total": total, "active": active, "embedding": emb}
 
 
+class KeepWeights(Strict):
+    """Which weights/step_N directories a run keeps (the trainer deletes the rest after each
+    publish): the newest `last`, every `every`-th step (0: none; step_0 is one), and always the
+    versions a live service serves and what a restart needs (services/common/weights_dir.retain)."""
+
+    last: int = Field(3, ge=1)
+    every: int = Field(100, ge=0)
+
+
 class RunSection(Strict):
     name: str = "debug"
     # Empty: runs/<name>-<timestamp>, with runs/latest pointing at it.
@@ -332,6 +341,7 @@ class RunSection(Strict):
     # the run ends with its summary and exit 0). timeout_s is the hard limit (exit 124).
     time_budget_s: float | None = Field(None, gt=0)
     timeout_s: float = Field(900.0, gt=0)
+    keep_weights: KeepWeights = KeepWeights()
 
 
 class RedisSection(Strict):

@@ -1,42 +1,13 @@
-"""The weights contract: RUN_DIR/weights/step_<N>/ is an HF-style model directory.
-
-    config.json            HF Qwen3 config (model_type "qwen3")
-    model.safetensors      HF parameter names (model.layers.0.self_attn.q_proj.weight, ...)
-    tokenizer.json         HF tokenizers file
-    tokenizer_config.json
-    relay.json             {"version": N, "step": N, "created": ...}
-
-Directories are written under a temporary name and renamed when complete, so a reader never
-sees a half-written version; any HF-compatible engine can load one.
-"""
+"""HF config.json <-> ModelConfig: what a model directory's config.json says for each architecture
+(dense Qwen3 / Llama-3, Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GLM-5, Nemotron-H). The directory itself (files,
+index, atomic writes, reading, retention) is services/common/weights_dir.py."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import time
-from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from services.common.config import ModelConfig, RopeScaling, YarnScaling
-
-WEIGHTS_FILE = "model.safetensors"
-
-
-def step_dir(run_dir: str | Path, version: int) -> Path:
-    return Path(run_dir) / "weights" / f"step_{version}"
-
-
-def newest_version(run_dir: str | Path) -> int:
-    """The highest N of a complete `weights/step_N` (renamed into place only once whole), -1 if none."""
-    root = Path(run_dir) / "weights"
-    found = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
-    return max(found, default=-1)
 
 
 def prune_versions(run_dir: str | Path, keep: int, newest: int) -> list[int]:
@@ -446,52 +417,3 @@ def _nemotron_h_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         # HF's NemotronH router always has the correction bias (a float32 buffer, zeros by default)
         expert_bias=moe,
     )
-
-
-def write_model_dir(
-    dest: Path,
-    hf_state: dict[str, torch.Tensor],
-    config: dict[str, Any],
-    tokenizer_src: Path | None,
-    meta: dict[str, Any],
-) -> Path:
-    """Write a complete model directory atomically (tmp name + rename)."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if tokenizer_src is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (tokenizer_src / name).exists():
-                shutil.copy2(tokenizer_src / name, tmp / name)
-    (tmp / "relay.json").write_text(json.dumps({**meta, "created": time.time()}, indent=2))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.rename(tmp, dest)
-    return dest
-
-
-def read_model_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return (config.json, HF state dict). Reads every *.safetensors shard in the directory."""
-    path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    state: dict[str, torch.Tensor] = {}
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{path} holds no *.safetensors")
-    for shard in shards:
-        state.update(load_file(str(shard)))
-    return config, state
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    p = Path(path) / "relay.json"
-    return json.loads(p.read_text()) if p.exists() else {}

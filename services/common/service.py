@@ -6,6 +6,7 @@ requests, then the lifespan exit deregisters the service)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -16,10 +17,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import redis
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -29,7 +32,8 @@ from services.common.bus import Bus, Heartbeat, service_id
 from services.common.config import ConfigError, EngineConfig, RunConfig, load_resolved
 from services.common.gate import BodyLimit, Gate, document_security
 from services.common.net import bind_socket
-from services.common.schemas import ServiceInfo
+from services.common.schemas import ServiceInfo, UpdateWeightsRequest
+from services.common.weights_gate import UpdateRefused, check_update
 
 
 class JsonFormatter(logging.Formatter):
@@ -164,9 +168,10 @@ def service_args(description: str) -> argparse.Namespace:
 class Service:
     """Runs one FastAPI app on a pre-bound socket and keeps it registered while it serves."""
 
-    def __init__(self, kind: str, cfg: RunConfig, redis_url: str, host: str, port: int):
+    def __init__(self, kind: str, cfg: RunConfig, redis_url: str, host: str, port: int, run_dir: Path):
         self.kind = kind
         self.cfg = cfg
+        self.run_dir = run_dir  # where the launcher put config.json: RUN_DIR (weights/ is under it)
         self.sock = bind_socket(host, port)
         self.port = self.sock.getsockname()[1]
         advertise = host if host not in ("0.0.0.0", "") else socket.gethostname()
@@ -210,6 +215,21 @@ class Service:
         uvicorn.Server(config).run(sockets=[self.sock])
 
 
+async def authorize_update(service: Service, req: UpdateWeightsRequest) -> None:
+    """POST /update_weights: 400 naming the field unless `req` is a version the trainer announced,
+    its directory under this run's weights root (services/common/weights_gate.py); 503 while
+    Redis cannot say."""
+    try:
+        await asyncio.to_thread(check_update, service.bus, service.run_dir, req.path, req.version)
+    except UpdateRefused as e:
+        log_event(service.log, "weights update refused", path=req.path, version=req.version, reason=str(e))
+        raise HTTPException(400, str(e)) from None
+    except redis.RedisError as e:
+        raise HTTPException(
+            503, f"cannot check the announced weights: {e}", headers={"Retry-After": "1"}
+        ) from None
+
+
 def load_service_config(args: argparse.Namespace) -> RunConfig:
     return load_resolved(args.config)
 
@@ -233,4 +253,4 @@ def start_service(kind: str, description: str) -> tuple[argparse.Namespace, Serv
     host = args.host or sec.host
     # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
     port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
-    return args, Service(kind, cfg, redis_url, host, port)
+    return args, Service(kind, cfg, redis_url, host, port, Path(args.config).resolve().parent)

@@ -33,6 +33,16 @@ class EngineCollector(Collector):
             ("relay_decode_idle_seconds", "Seconds with no work while not paused", s.idle_seconds_total),
             ("relay_decode_weight_updates", "Weight updates applied", s.weight_updates_total),
             (
+                "relay_decode_weight_apply_seconds",
+                "Seconds the engine loop spent applying weight updates",
+                s.weight_apply_seconds_total,
+            ),
+            (
+                "relay_decode_weight_bytes_read",
+                "Bytes of weights read for updates",
+                s.weight_bytes_read_total,
+            ),
+            (
                 "relay_decode_prefix_cache_queried_tokens",
                 "Tokens of admitted sequences looked up in the prefix cache",
                 s.prefix_cache_queried_tokens,
@@ -52,6 +62,16 @@ class EngineCollector(Collector):
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("relay_decode_weight_version", "Loaded weight version", value=eng.version)
+        yield GaugeMetricFamily(
+            "relay_decode_weight_apply_last_seconds",
+            "Seconds the last weight update held the engine loop (copies into the parameters)",
+            value=s.weight_apply_seconds_last,
+        )
+        yield GaugeMetricFamily(
+            "relay_decode_weight_read_last_seconds",
+            "Seconds the last weight update spent reading its files, before the loop applied it",
+            value=s.weight_read_seconds_last,
+        )
         yield GaugeMetricFamily(
             "relay_decode_queue_length", "Sequences waiting for a slot", value=eng.num_waiting
         )

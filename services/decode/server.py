@@ -38,7 +38,14 @@ from services.common.schemas import (
     TokenizeResponse,
     UpdateWeightsRequest,
 )
-from services.common.service import Service, create_app, log_event, start_service, token_body_limit
+from services.common.service import (
+    Service,
+    authorize_update,
+    create_app,
+    log_event,
+    start_service,
+    token_body_limit,
+)
 from services.decode.metrics import EngineCollector
 from services.decode.openai import (
     PromptError,
@@ -85,7 +92,9 @@ class Decode:
         initial=True (the Redis poller) does nothing once an engine exists: a POST /update_weights
         that won the race may already have loaded a newer version."""
         async with self._load_lock:
-            if initial and self.engine is not None:
+            if self.engine is not None and (initial or version == self.engine.version):
+                # The version it serves is not applied again: a version names one set of weights
+                # for the whole run (and /update_weights takes only its announced directory).
                 return self.engine.version
             if self.engine is None:
                 engine = await asyncio.to_thread(LLMEngine, path, self.cfg.decode.engine, version)
@@ -117,11 +126,6 @@ class Decode:
                 )
             else:
                 old = self.engine.version
-                if version == old and Path(path) == Path(self.engine.engine.model_dir):
-                    # Already live. The orchestrator re-sends the latest version while a replica's
-                    # registry entry (refreshed each heartbeat) still shows the one before; a
-                    # version names one set of weights for the whole run, so nothing is re-read.
-                    return version
                 t0 = time.monotonic()
                 await self.engine.load_weights(path, version)
                 log_event(
@@ -374,6 +378,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        await authorize_update(service, req)
         try:
             version = await state.load(req.path, req.version)
         except WeightsError as e:

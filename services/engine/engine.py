@@ -684,6 +684,7 @@ class LLMEngine:
     def apply_weights(self, ckpt: Checkpoint, version: int) -> None:
         """Swap weights in place. Call between steps only. Running sequences keep their KV (computed
         by the old weights) and continue; tokens sampled from now on are tagged `version`."""
+        t0 = time.monotonic()
         if self.cfg.quantization == "fp8":
             # Re-quantises high-precision weights into the fp8 buffers; copies an fp8 checkpoint's.
             fp8_linear.load_hf_state(self.model, ckpt.state)
@@ -692,7 +693,9 @@ class LLMEngine:
         # New admissions hash under the new version: pages computed by the old weights never match.
         self.version = self.scheduler.version = version
         self.model_dir = ckpt.path
-        self.stats.weight_updates_total += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies are done: the apply's true time
+        self.stats.observe_weights(time.monotonic() - t0, ckpt.read_s, ckpt.nbytes)
 
     def _high_precision(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         """The checkpoint's state with any fp8 pairs dequantised to the engine dtype."""

@@ -22,6 +22,7 @@ from ops.fp8.dispatch import (
     quantize_weight_fast,
 )
 from services.engine.moe import PER_EXPERT, ExpertWeights
+from services.engine.weight_copy import copy_weight
 
 
 class Fp8Linear(ref.Fp8Linear):
@@ -135,8 +136,8 @@ class Fp8Experts(nn.Module):
         """Copy one expert's already quantised weight (an fp8 checkpoint's bits and 128x128
         scales) into the buffers in place, without re-quantising."""
         dst = "gate_up" if proj == "gate_up_proj" else "down"
-        getattr(self, f"{dst}_fp8")[index].copy_(q)
-        getattr(self, f"{dst}_scale")[index].copy_(scale)
+        copy_weight(getattr(self, f"{dst}_fp8")[index], q)
+        copy_weight(getattr(self, f"{dst}_scale")[index], scale)
 
     def expected_scale_shape(self, proj: str) -> tuple[int, int]:
         _, n, k = self.expected_shape(proj)
@@ -176,10 +177,9 @@ class Fp8Experts(nn.Module):
 
 
 def engine_skip(name: str) -> bool:
-    """Linears kept in high precision: ops/fp8/recipe.default_skip (lm_head, routers,
-    embeddings, norms) plus MLA's kv_b_proj, whose weight the absorbed decode path reads directly
-    (services/engine/mla.py) rather than calling the module."""
-    return ref.default_skip(name) or name.split(".")[-1] == "kv_b_proj"
+    """Linears kept in high precision (fp8_checkpoint.kept_high_precision: the rule a published
+    FP8 weights directory follows too)."""
+    return fp8_checkpoint.kept_high_precision(name)
 
 
 def convert_model(
@@ -251,8 +251,8 @@ def load_hf_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     for name, w in weights.items():
         mods[name].load_weight(w)
     for name, (q, scale) in exact.items():
-        mods[name].weight_fp8.copy_(q)
-        mods[name].weight_scale.copy_(scale)
+        copy_weight(mods[name].weight_fp8, q)
+        copy_weight(mods[name].weight_scale, scale)
     for mod, e, proj, w, scale in expert_loads:
         if scale is None:
             mod.load_expert(e, proj, w)

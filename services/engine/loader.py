@@ -1,8 +1,11 @@
-"""Read and check an HF model directory (the weights contract in services/common/modeldir.py)."""
+"""Read and check an HF model directory (the format: services/common/weights_dir.py): its config,
+and its tensors as memory-mapped views (a rank's slice of each, services/common/weights_slice.py),
+read once into the page cache here so that applying them later is a copy at memory speed."""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,8 +14,10 @@ import torch
 
 from ops.fp8.checkpoint import check_checkpoint
 from services.common.config import ModelConfig
-from services.common.modeldir import model_config_from_hf, read_meta, read_model_dir
+from services.common.modeldir import model_config_from_hf
 from services.common.tokenizer import model_eos_ids
+from services.common.weights_dir import WeightsReader, read_meta
+from services.common.weights_slice import SliceSpec, read_slices
 
 # Biases of the attention input projections: Qwen2-style q/k/v, MLA's q_a / kv_a (HF attention_bias).
 ATTENTION_BIAS_KEYS = (
@@ -38,6 +43,8 @@ class Checkpoint:
     # HF "fp8" quantization_config: quantised linears are (X.weight E4M3, X.weight_scale_inv) pairs
     # (ops/fp8/checkpoint.py); consumers dequantise them or copy them into fp8 buffers.
     fp8: bool = False
+    nbytes: int = 0  # the bytes of `state` (this rank's slices): what applying it reads
+    read_s: float = 0.0  # opening the directory and reading those bytes into the page cache
 
     def same_architecture(self, other: ModelConfig) -> bool:
         # max_seq_len only bounds positions; a checkpoint may advertise a different one.
@@ -47,15 +54,20 @@ class Checkpoint:
         return arch(self.config) == arch(other)
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path, spec: SliceSpec | None = None) -> Checkpoint:
+    """The directory's config and the tensors (or slices, `spec`) a rank applies."""
+    t0 = time.monotonic()
     p = Path(path)
     if not p.is_dir():
         raise WeightsError(f"{p}: not a directory")
     if not (p / "config.json").is_file():
         raise WeightsError(f"{p}: no config.json")
     try:
-        hf, state = read_model_dir(p)
+        hf = json.loads((p / "config.json").read_text())
         config = model_config_from_hf(hf)
+        reader = WeightsReader.open(p)
+        state = read_slices(reader, spec or SliceSpec(), config.n_routed_experts)
+        reader.prefetch()
         meta = read_meta(p)
         fp8 = check_checkpoint(hf, state)
     except (OSError, ValueError, KeyError, TypeError) as e:  # incl. JSON and safetensors errors
@@ -95,4 +107,6 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         eos_token_ids=eos_ids,
         attention_bias=any(k.endswith(ATTENTION_BIAS_KEYS) for k in state),
         fp8=fp8,
+        nbytes=reader.bytes_mapped,
+        read_s=time.monotonic() - t0,
     )

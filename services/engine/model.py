@@ -31,6 +31,7 @@ from services.engine.batch import ForwardBatch
 from services.engine.kv_cache import KVCache
 from services.engine.mla import MLAttention
 from services.engine.moe import PER_EXPERT, ExpertWeights, MoE, Router
+from services.engine.weight_copy import copy_weight
 
 if TYPE_CHECKING:
     from services.engine.kernels.megakernel import DecodeMegakernel
@@ -419,7 +420,7 @@ class CausalLM(nn.Module):
                 continue  # fused experts given per expert: filled below
             if src.shape != p.shape:
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != expected {tuple(p.shape)}")
-            p.copy_(src.to(dtype=p.dtype, device=p.device))
+            copy_weight(p, src)
         for experts, index, proj, w in per_expert:
             experts.load_expert(index, proj, w)
         for mod in self.modules():

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
+from services.engine.weight_copy import copy_weight
 
 Kernel = Literal["grouped", "gather", "loop"]
 
@@ -129,7 +130,7 @@ class ExpertWeights(nn.Module):
             dst = self.gate_up_proj[index, :i] if proj == "gate_proj" else self.gate_up_proj[index, i:]
         if w.shape != dst.shape:
             raise ValueError(f"expert {index} {proj}: shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
-        dst.copy_(w.to(dtype=dst.dtype, device=dst.device))
+        copy_weight(dst, w)
 
     def kernel_for(self, x: torch.Tensor) -> Kernel:
         if not x.is_cuda:

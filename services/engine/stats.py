@@ -22,6 +22,12 @@ class EngineStats:
     steps_total: int = 0
     step_seconds_total: float = 0.0
     weight_updates_total: int = 0
+    # Weight updates: seconds the step loop was held applying them (copies into the parameters),
+    # seconds reading them beforehand (off the loop), and the bytes read (this engine's slices).
+    weight_apply_seconds_total: float = 0.0
+    weight_apply_seconds_last: float = 0.0
+    weight_read_seconds_last: float = 0.0
+    weight_bytes_read_total: int = 0
     # Seconds the step loop had nothing to do while not paused: rollout starvation shows here.
     idle_seconds_total: float = 0.0
     # Sequences per step: counts per bucket of BATCH_BUCKETS (upper bounds), then +Inf.
@@ -44,6 +50,13 @@ class EngineStats:
     # Seconds in each phase of the last step (PHASES; overwritten every step, a few perf_counter
     # calls): what a slow step spent its time on.
     last_step_phases: dict[str, float] = field(default_factory=dict)
+
+    def observe_weights(self, apply_s: float, read_s: float, nbytes: int) -> None:
+        self.weight_updates_total += 1
+        self.weight_apply_seconds_total += apply_s
+        self.weight_apply_seconds_last = apply_s
+        self.weight_read_seconds_last = read_s
+        self.weight_bytes_read_total += nbytes
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -29,6 +29,7 @@ from services.common.registry import Registry
 from services.common.schemas import RolloutGroup, RolloutLogEntry, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event
 from services.common.versions import version_ranges
+from services.common.weights_gate import AnnouncedVersions
 from services.orchestrator import metrics as prom
 from services.orchestrator.clients import DecodeClient, Router, SandboxClient, ServiceUnavailable
 from services.orchestrator.rollout import GroupSpec, GroupTimedOut, RolloutRunner
@@ -55,6 +56,10 @@ class Orchestrator:
         self.version = -1  # the version every live decode has been asked to serve
         self.rolled_out: WeightsInfo | None = None
         self._refused = -1  # the last lower version weights:latest showed (logged once)
+        # decode id -> the version it answered /update_weights for: the registry shows a new
+        # version only at the decode's next heartbeat, and must not trigger a second update.
+        self.loaded: dict[str, int] = {}
+        self.announced = AnnouncedVersions(bus)
         # Called with each version rolled out (the service shows it in its registry entry).
         self.on_version: Callable[[int], None] = lambda _v: None
         # The pause lives in Redis (a restarted orchestrator stays paused); this is its mirror.
@@ -108,6 +113,8 @@ class Orchestrator:
         for d, r in zip(decodes, results, strict=True):
             if isinstance(r, Exception):
                 log_event(log, "weight update failed", url=d.url, version=info.version, error=str(r))
+            else:
+                self.loaded[d.id] = info.version
         self.version = info.version
         self.rolled_out = info
         self.on_version(info.version)
@@ -138,10 +145,15 @@ class Orchestrator:
                         log, "weights rolled out", version=info.version, s=round(time.monotonic() - t0, 3)
                     )
                 else:
-                    # A decode that restarted may come back on another version: bring it in line.
+                    # A decode that restarted (a new id) may come back on another version:
+                    # bring it in line, once.
                     for d in await self.registry.live("decode"):
-                        if info is not None and d.version >= 0 and d.version != info.version:
-                            await self.decode.update_weights(d.url, info.path, info.version)
+                        if info is None or d.version < 0 or d.version == info.version:
+                            continue
+                        if self.loaded.get(d.id) == info.version:
+                            continue  # done; its registry entry is a heartbeat behind
+                        await self.decode.update_weights(d.url, info.path, info.version)
+                        self.loaded[d.id] = info.version
             except (redis.RedisError, ServiceUnavailable, ValueError) as e:
                 log_event(log, "weights watcher error", error=str(e))
             await asyncio.sleep(0.1)
@@ -218,6 +230,11 @@ class Orchestrator:
                         )
                     else:
                         group = await self.runner.run(spec)
+                    versions = {v for s in group.samples for v in s.versions}
+                    bad = await asyncio.to_thread(self.announced.unannounced, versions)
+                    if bad:  # weights the trainer never published: not a rollout of this run's policy
+                        await asyncio.to_thread(self._drop, spec, f"unannounced: weight versions {bad}")
+                        return
                     await asyncio.to_thread(self._commit_group, group)
                     return
                 except ServiceUnavailable as e:

@@ -37,7 +37,14 @@ from services.common.prefill_schemas import (
     PrefillResponse,
 )
 from services.common.schemas import GenerateRequest, UpdateWeightsRequest
-from services.common.service import Service, create_app, log_event, start_service, token_body_limit
+from services.common.service import (
+    Service,
+    authorize_update,
+    create_app,
+    log_event,
+    start_service,
+    token_body_limit,
+)
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
 from services.engine.kv_transfer import chain_hashes, page_nbytes, prompt_tail_key
@@ -287,6 +294,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.post("/update_weights")
     async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        await authorize_update(service, req)
         try:
             version = await state.load(req.path, req.version)
         except WeightsError as e:

@@ -17,7 +17,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from services.common.config import ModelConfig
-from services.common.modeldir import hf_config, write_model_dir
+from services.common.modeldir import hf_config
+from services.common.weights_dir import write_model_dir
 from trainer.model import build_model, to_hf_state
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

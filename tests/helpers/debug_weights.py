@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from services.common.config import ModelConfig, load_config
-from services.common.modeldir import hf_config, write_model_dir
+from services.common.modeldir import hf_config
+from services.common.weights_dir import write_model_dir
 from services.engine.model import CausalLM
 from trainer.model import build_model, save_weights_dir
 

@@ -11,13 +11,11 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from helpers.trainer_process import run_trainer_steps
 from services.common import routing as wire
 from services.common.bus import Bus
 from services.common.config import EngineConfig, ModelConfig, RunConfig
-from services.common.modeldir import step_dir
 from services.common.schemas import (
     GenerateChoice,
     GenerateRequest,
@@ -26,6 +24,7 @@ from services.common.schemas import (
     SamplingParams,
     TrainerStepMetrics,
 )
+from services.common.weights_dir import read_model_dir, step_dir
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
 from trainer.model import moe_layer_ids
@@ -275,4 +274,4 @@ def run_one_step(
         bus.push_group(g)
     run_trainer_steps(cfg, run_dir, redis_url, timeout_s)
     ((_, mt),) = bus.read_metrics()
-    return mt, load_file(str(step_dir(run_dir, 1) / "model.safetensors"))
+    return mt, read_model_dir(step_dir(run_dir, 1))[1]

@@ -1,0 +1,116 @@
+"""Which part of each weight one inference rank holds, and reading only that part.
+
+A `SliceSpec` names the rank's place: tensor parallel (`tp_rank` of `tp_size`, Megatron's split:
+column-parallel projections and the vocabulary split along their output rows, row-parallel ones
+along their input columns, the rest replicated) and expert parallel (`ep_rank` of `ep_size`: a
+contiguous range of routed experts, each whole). `read_slices` looks every tensor up in the
+directory's index and maps only the rows/columns the rank needs (services/common/weights_dir.py).
+FP8 block scales (`X.weight_scale_inv`, one per `block` x `block` tile: the checkpoint's
+weight_block_size) follow their weight's slice, so a split must fall on a tile boundary.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from services.common.weights_dir import SCALE_SUFFIX, WeightsReader
+
+# Module names (the last component before .weight / .bias) split along the output (dim 0) ...
+COLUMN = frozenset(
+    {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "embed_tokens", "lm_head"}
+)
+# ... and along the input (dim 1, the weight only: a bias is added after the all-reduce).
+ROW = frozenset({"o_proj", "down_proj"})
+PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.ep_rank, self.ep_size, "ep")):
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{what}_rank {rank} of {what}_size {size}")
+
+    @property
+    def full(self) -> bool:
+        return self.tp_size == 1 and self.ep_size == 1
+
+    def experts(self, n_experts: int) -> range:
+        """This rank's routed experts: a contiguous range (the last ranks get one fewer when
+        n_experts does not divide)."""
+        base, extra = divmod(n_experts, self.ep_size)
+        start = self.ep_rank * base + min(self.ep_rank, extra)
+        return range(start, start + base + (self.ep_rank < extra))
+
+    def part(self, n: int) -> tuple[int, int]:
+        """This rank's [start, stop) of a dimension of size n split over tp_size ranks."""
+        if n % self.tp_size:
+            raise ValueError(f"a dimension of {n} does not split over tp_size {self.tp_size}")
+        step = n // self.tp_size
+        return self.tp_rank * step, (self.tp_rank + 1) * step
+
+
+Slice = tuple[int, int, int] | None  # (dim, start, stop), or None for the whole tensor
+
+
+def _module(name: str) -> tuple[str, str]:
+    """('q_proj', 'weight') of 'model.layers.0.self_attn.q_proj.weight'."""
+    parts = name.split(".")
+    return (parts[-2] if len(parts) > 1 else ""), parts[-1]
+
+
+def tensor_slice(name: str, shape: tuple[int, ...], spec: SliceSpec, n_experts: int) -> Slice | bool:
+    """The part of `name` (of `shape`) this rank holds: a Slice, or False when it holds none of it
+    (another rank's expert). Scales are given their weight's slice in tiles by `read_slices`."""
+    hit = PER_EXPERT.search(name)
+    if hit is not None and spec.ep_size > 1:
+        return int(hit[1]) in spec.experts(n_experts)  # EP: an expert lives whole on one rank
+    fused = FUSED_EXPERTS.search(name)
+    if fused is not None and spec.ep_size > 1:
+        r = spec.experts(n_experts)
+        return (0, r.start, r.stop)
+    if spec.tp_size == 1:
+        return None
+    module, kind = _module(name)
+    if fused is not None:  # [E, N, K]: gate_up split along N, down along K
+        dim = 1 if fused[1] == "gate_up_proj" else 2
+        return (dim, *spec.part(shape[dim]))
+    if module in COLUMN:
+        return (0, *spec.part(shape[0]))
+    if module in ROW and kind == "weight" and len(shape) == 2:
+        return (1, *spec.part(shape[1]))
+    return None
+
+
+def read_slices(
+    reader: WeightsReader, spec: SliceSpec, n_experts: int = 0, block: int = 128
+) -> dict[str, torch.Tensor]:
+    """Every tensor this rank needs, as memory-mapped views of its slice (nothing else is read)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, e in reader.entries.items():
+        owner = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        w = reader.entries.get(owner, e)
+        sl = tensor_slice(owner, w.shape, spec, n_experts)
+        if sl is False:
+            continue
+        if sl is None or sl is True:
+            out[name] = reader.tensor(name)
+            continue
+        dim, start, stop = sl
+        if owner != name:  # a block scale: the weight's slice in tiles
+            if start % block or (stop % block and stop != w.shape[dim]):
+                raise ValueError(
+                    f"{owner}: slice {start}:{stop} of dim {dim} is not on a {block}-wide tile boundary"
+                )
+            start, stop = start // block, -(-stop // block)
+        out[name] = reader.tensor(name, (start, stop), dim)
+    return out
