@@ -226,12 +226,14 @@ def _phase_worker(
             stats.append((r.loss, r.grad_norm))
         t._checkpoint()
         state = t._full_state()  # collective: every rank
-        # Publishing both ways (per-parameter publisher, full-state write) in either wrapper.
-        t.publisher.publish(t.model, 99, Path(run_dir) / "weights" / "step_99")
+        # Publishing both ways (per-parameter publisher, full-state write) in either wrapper, outside
+        # the run's weights/ (a version there would be one the next phase numbers on after).
+        out = _published(Path(run_dir))
+        t.publisher.publish(t.model, 99, out / "step_99")
         t.publisher.wait()
         # The single-writer reference: the full state written by rank 0 alone.
         if rank == 0:
-            save_weights_dir(cfg.model, state, Path(run_dir) / "weights" / "step_98", {"version": 98})
+            save_weights_dir(cfg.model, state, out / "step_98", {"version": 98})
         if rank == 0:
             first = next(iter(t.model.parameters()))
             torch.save(
@@ -250,6 +252,10 @@ def _phase_worker(
         d.close()
 
 
+def _published(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}-published"
+
+
 def _phase(
     redis_url: str,
     run_dir: Path,
@@ -263,7 +269,7 @@ def _phase(
     _spawn(_phase_worker, world, redis_url, str(run_dir), prefix, steps, str(result), dtype, fsdp)
     out = torch.load(result, weights_only=False)
     assert out["fsdp"] == (world > 1) and out["param"] == ("DTensor" if world > 1 else "Parameter")
-    w = run_dir / "weights"
+    w = _published(run_dir)
     a, b = read_model_dir(w / "step_99")[1], read_model_dir(w / "step_98")[1]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return out  # type: ignore[no-any-return]
