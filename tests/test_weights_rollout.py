@@ -4,28 +4,18 @@ and retention (run.keep_weights) leaves the newest versions, step_0 and nothing 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_trainer_run import _events
 
 from services.common.config import REPO_ROOT
 from services.common.redis_server import RedisServer
 from services.common.weights_dir import versions, weights_root
 
 pytestmark = pytest.mark.slow  # ~60 s on 2 cores, mostly the services' start and stop
-
-
-def _events(log: Path, msg: str) -> list[dict[str, object]]:
-    out = []
-    for line in log.read_text().splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            if rec.get("msg") == msg:
-                out.append(rec)
-    return out
 
 
 def test_decode_applies_each_rolled_out_version_once(tmp_path: Path) -> None:
@@ -51,8 +41,12 @@ def test_decode_applies_each_rolled_out_version_once(tmp_path: Path) -> None:
     assert set(applied) == rolled and len(applied) == len(rolled), (applied, sorted(rolled))
     assert max(applied) == steps
     assert not _events(logs / "decode.0.log", "weights update refused")
-    # Retention: the newest 2 and step_0 (every 100th); no temporary directory left behind.
-    assert versions(run_dir) == [0, steps - 1, steps]
+    # Retention after every publish: the newest 2, step_0 (every 100th) and what a service served
+    # then (a decode a version or two behind); no temporary directory left behind.
+    passes = _events(logs / "trainer.log", "weights retained")
+    assert len(passes) == steps  # versions 1..steps (step_0 is written before any service is up)
+    last = passes[-1]
+    assert versions(run_dir) == sorted({0, steps - 1, steps} | set(last["served"]))  # type: ignore[call-overload]
+    deleted = [v for p in passes for v in p["deleted"]]  # type: ignore[attr-defined]
+    assert sorted(deleted) == sorted(set(range(steps + 1)) - set(versions(run_dir)))
     assert [p.name for p in weights_root(run_dir).iterdir() if p.name.startswith(".")] == []
-    deleted = [v for e in _events(logs / "trainer.log", "weights deleted") for v in e["versions"]]  # type: ignore[attr-defined]
-    assert sorted(deleted) == list(range(1, steps - 1))

@@ -430,8 +430,7 @@ class Trainer:
         ckpt = latest_checkpoint(self.run_dir)
         needed = {ckpt[0]} if ckpt is not None else {0}
         gone = retain(self.run_dir, kw.last, kw.every, served | needed)
-        if gone:
-            log_event(self.log, "weights deleted", versions=gone, served=sorted(served))
+        log_event(self.log, "weights retained", deleted=gone, served=sorted(served), needed=sorted(needed))
 
     def _checkpoint(self) -> None:
         """All ranks gather; rank 0 writes one full checkpoint (model, optimizer keyed by

@@ -17,8 +17,9 @@ For each shape and precision (bf16, fp8 = E4M3 with 128x128 scales, what an FP8 
   memory with safetensors.load_file, then each parameter copied from pageable memory);
   fp8, the bf16 directory applied to the same FP8 engine (quantised at load).
 
-Shapes: Qwen3-4B; Qwen3-30B-A3B's layer shapes with 12 of its 48 layers (per-layer costs scale;
-the full model's bytes are 4x the layers'); tiny dense / MoE shapes for a CPU check. The trainer's
+Shapes (bench/shapes.py): Qwen3-4B; Qwen3-30B-A3B's layer shapes with 12 of its 48 layers
+(per-layer costs scale; the full model's layers are 4x these); tiny dense / MoE shapes for a CPU
+check. The trainer's
 weights are random (their values do not change the bytes moved). Every rank of a multi-rank
 trainer writes its share of each version in parallel: per-rank bytes/s here is one rank's.
 """
@@ -42,53 +43,18 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.machine import machine  # noqa: E402
+from bench.shapes import SHAPES, VOCAB  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.common.weights_dir import read_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from trainer.publish import Publisher  # noqa: E402
 
-VOCAB = 151936
-SHAPES: dict[str, dict[str, Any]] = {
-    # Qwen3-4B (HF config.json of the released model)
-    "4b": dict(
-        dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=9728, tie_embeddings=True
-    ),
-    # Qwen3-30B-A3B's shapes, 12 of its 48 layers
-    "30b-a3b": dict(
-        arch="qwen3_moe",
-        dim=2048,
-        n_layers=12,
-        n_heads=32,
-        n_kv_heads=4,
-        head_dim=128,
-        hidden_dim=6144,
-        n_routed_experts=128,
-        n_experts_per_tok=8,
-        moe_hidden_dim=768,
-        tie_embeddings=False,
-    ),
-    "tiny": dict(
-        dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=512, tie_embeddings=True
-    ),
-    "tiny-moe": dict(
-        arch="qwen3_moe",
-        dim=256,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=64,
-        hidden_dim=512,
-        n_routed_experts=8,
-        n_experts_per_tok=2,
-        moe_hidden_dim=128,
-        tie_embeddings=False,
-    ),
-}
-
 
 def model_config(shape: str) -> ModelConfig:
-    vocab = 1024 if shape.startswith("tiny") else VOCAB
-    return ModelConfig(vocab_size=vocab, max_seq_len=4096, rope_theta=1e6, **SHAPES[shape])
+    """bench/shapes.py's shape (tied embeddings unless it says otherwise, as bench/trainer/step.py)."""
+    vocab = 512 if shape.startswith("tiny") else VOCAB
+    kw = {"tie_embeddings": True, **SHAPES[shape]}
+    return ModelConfig(vocab_size=vocab, max_seq_len=4096, rope_theta=1e6, **kw)
 
 
 # ------------------------------------------------------------------ the trainer's weights
