@@ -23,7 +23,7 @@ import torch
 from helpers.trainer_process import assert_first_adam_step_close, run_trainer_steps, start_trainer
 
 from services.common.bus import TRAINER_GROUP, Bus
-from services.common.config import RunConfig
+from services.common.config import KeepWeights, RunConfig
 from services.common.schemas import RolloutGroup, Sample, WeightsInfo
 from services.common.weights_dir import read_model_dir, step_dir, versions
 from trainer.model import build_model, load_weights_dir
@@ -235,12 +235,14 @@ def test_full_run_publishes_acks_and_learns(redis_server: str, tmp_path: Path) -
 
 
 def test_keep_weights_no_stop_checkpoint_and_step_shape_metrics(redis_server: str, tmp_path: Path) -> None:
-    """trainer.keep_weights prunes all but the newest published versions, checkpoint_on_stop =
-    false writes no checkpoint at the run's end, and each step reports its groups by staleness,
-    its loss tokens and its longest sample."""
+    """run.keep_weights = {last = 3, every = 0} deletes all but the newest published versions
+    (no service serves an older one, and step_0, the seeded init, is not needed by a restart),
+    checkpoint_on_stop = false writes no checkpoint at the run's end, and each step reports its
+    groups by staleness, its loss tokens and its longest sample."""
     run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir, checkpoint_on_stop=False, checkpoint_every=1000)
     # 3: the feeder samples its stale groups from the version two before the latest
-    cfg = make_cfg(run_dir, keep_weights=3, checkpoint_on_stop=False, checkpoint_every=1000)
+    cfg.run.keep_weights = KeepWeights(last=3, every=0)
     cfg.run.max_steps = 4
     (run_dir / "config.json").write_text(cfg.dump())
     feeder = run_with_feeder(cfg, run_dir, redis_server)

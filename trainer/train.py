@@ -419,7 +419,8 @@ class Trainer:
 
     def _retain(self) -> None:
         """run.keep_weights: keep the newest versions, every M-th, what a live service serves and
-        what a restart needs (the latest checkpoint's step; step_0 until there is a checkpoint)."""
+        what a restart needs (the latest checkpoint's step; without one, a step_0 that is not this
+        run's seeded init, which a restart loads)."""
         assert self.bus is not None
         kw = self.cfg.run.keep_weights
         try:
@@ -428,7 +429,10 @@ class Trainer:
             log_event(self.log, "weights retention skipped", error=str(e))
             return
         ckpt = latest_checkpoint(self.run_dir)
-        needed = {ckpt[0]} if ckpt is not None else {0}
+        if ckpt is not None:
+            needed = {ckpt[0]}
+        else:
+            needed = {0} if read_meta(step_dir(self.run_dir, 0)).get("init") != self._init else set()
         gone = retain(self.run_dir, kw.last, kw.every, served | needed)
         log_event(self.log, "weights retained", deleted=gone, served=sorted(served), needed=sorted(needed))
 

@@ -719,9 +719,6 @@ class TrainerSection(Strict):
     # `make stop`), so a restart loses nothing. false: only every checkpoint_every steps (benchmark
     # runs whose trained state is thrown away, where a large model's optimizer state takes long).
     checkpoint_on_stop: bool = True
-    # > 0: keep only the newest keep_weights published versions in RUN_DIR/weights (the older
-    # directories are removed after each publish); 0 keeps every version.
-    keep_weights: int = Field(0, ge=0)
     # CUDA: the most this trainer process's caching allocator may hold, for a trainer sharing its
     # GPU with decode (decode.engine.cuda_memory_gib). None: the whole device.
     cuda_memory_gib: float | None = Field(None, gt=0)

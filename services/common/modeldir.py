@@ -1,6 +1,6 @@
 """HF config.json <-> ModelConfig: what a model directory's config.json says for each architecture
-(dense Qwen3 / Llama-3, Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GLM-5, Nemotron-H). The directory itself (files,
-index, atomic writes, reading, retention) is services/common/weights_dir.py."""
+(dense Qwen3 / Llama-3, Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GLM-5, Nemotron-H). The directory
+itself (files, index, atomic writes, reading, retention) is services/common/weights_dir.py."""
 
 from __future__ import annotations
 
@@ -8,21 +8,6 @@ import math
 from typing import Any
 
 from services.common.config import ModelConfig, RopeScaling, YarnScaling
-
-
-def prune_versions(run_dir: str | Path, keep: int, newest: int) -> list[int]:
-    """Remove the complete `weights/step_N` with N <= newest - keep (the `keep` newest versions up
-    to `newest` stay; directories still being written have temporary names and are never touched).
-    A decode asked to load a removed version answers 400 and the orchestrator brings it to the
-    latest one (services/orchestrator/loop.py). Returns the versions removed."""
-    if keep <= 0:
-        return []
-    root = Path(run_dir) / "weights"
-    found = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
-    gone = sorted(v for v in found if v <= newest - keep)
-    for v in gone:
-        shutil.rmtree(step_dir(run_dir, v), ignore_errors=True)
-    return gone
 
 
 def hf_config(m: ModelConfig, eos_token_id: int, pad_token_id: int = 0) -> dict[str, Any]:
