@@ -253,7 +253,7 @@ def test_weights_traffic_by_hand() -> None:
     bytes a parameter; FP8: 1 byte a linear weight + a float32 scale per 128x128 tile, 2 bytes for
     the embedding, LM head and norms (the dense model of _small_gpu_cfg: 500,500 parameters, of
     which 2 x 100,000 embedding/head and 2 x 2 x 100 + 100 norms)."""
-    cfg = _small_gpu_cfg(**{"plan.step_target_s": "200"})
+    cfg = _small_gpu_cfg(**{"plan.step_target_s": "200", "slurm.prefill.gpus_per_node": "1"})
     m = cfg.model
     assert P.version_bytes(m, "none") == 500_500 * 2
     high = 200_000 + 500
@@ -273,15 +273,21 @@ def test_weights_traffic_by_hand() -> None:
 
 def test_glm5_weights_traffic() -> None:
     """configs/glm5.toml: an FP8 version of ~747 GB (the bf16 embedding, head, routers and MLA's
-    kv_b_proj ~6 GB of it), 128 trainer GPUs writing ~5.8 GB each, 8-GPU engines reading ~93 GB
-    a GPU, 12 engines: ~9 TB through the filesystem a step, ~324 GB/s to fit 30 s."""
+    kv_b_proj ~6 GB of it), 128 trainer GPUs writing ~5.8 GB each; 8-GPU engines (EP 8, attention
+    data-parallel) whose GPUs read 1/8 of the experts and every dense weight, ~110 GB each; 12
+    engines: ~9 TB through the filesystem a step, ~324 GB/s to fit 30 s."""
     cfg = load_config("glm5")
     split = P.Split(trainer_nodes=16, decode_nodes=8, prefill_nodes=4)
     w = P.weights_traffic(cfg, split)
     total = cfg.model.param_counts()["total"]
     assert total < w.version_gb * 1e9 < total * 1.01
     assert w.trainer_rank_gb == pytest.approx(w.version_gb / 128) and w.engines == 12
-    assert w.inference_rank_gb == pytest.approx(w.version_gb / 8)
+    par = cfg.decode.parallel
+    assert (par.ep, par.tp) == (8, 1)
+    routed = P.routed_expert_params(cfg.model)
+    per_param = w.version_gb * 1e9 / total
+    assert w.inference_rank_gb == pytest.approx((total - routed + routed / 8) * per_param / 1e9)
+    assert 100 < w.inference_rank_gb < 120
     assert w.read_gb == pytest.approx(12 * w.version_gb) and w.budget_s == 30
     assert 300 < w.fs_gb_per_s < 350
     plan = P.build_plan(cfg, P.load_rates(), split, balance=False)

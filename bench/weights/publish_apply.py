@@ -117,6 +117,17 @@ def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def free(device: torch.device) -> None:
+    """Give back the device memory and the pinned host buffers a phase cached."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):  # by torch version
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                break
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -155,9 +166,7 @@ def publish(
             }
         )
     del pub, masters
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
     return {"params": params, "runs": runs}
 
 
@@ -283,9 +292,7 @@ def run_shape(
                 rec["baseline_apply_bf16_dir_quantised_at_load"] = timed_apply(eng, bf16_dir, 5, cold=True)
             shutil.rmtree(d2)
         del eng
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free(device)
         rec["wall_s"] = round(time.perf_counter() - t0, 1)
         out[tag] = rec
         print(json.dumps({shape: {tag: rec}}), flush=True)
