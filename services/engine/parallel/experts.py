@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
-from services.engine.moe import ExpertWeights, Router
+from services.engine.moe import ExpertWeights, MoE, Router
 from services.engine.parallel.group import EngineGroups, RankGroup
 from services.engine.parallel.linear import (
     ColumnParallelLinear,
@@ -82,27 +82,33 @@ class SharedExpertsTP(nn.Module):
         self.down_proj.load_full(state["down_proj.weight"], self.cols)
 
 
-class ExpertParallelMoE(nn.Module):
-    """An MoE layer whose routed experts are split over `groups.ep` (n_routed_experts / ep each)."""
+def local_experts(m: ModelConfig, n_experts: int, width: int) -> ExpertWeights:
+    """moe.ExpertWeights holding `n_experts` experts of `width` (HF names and per-expert loads
+    unchanged, indices local to the rank)."""
+    return ExpertWeights(m.model_copy(update={"n_routed_experts": n_experts, "moe_hidden_dim": width}))
+
+
+class ExpertParallelMoE(MoE):
+    """An MoE layer whose routed experts are split over `groups.ep` (n_routed_experts / ep each):
+    `experts` holds this rank's, indices local. A moe.MoE (the decoder layer records its ids) with
+    HF names (`gate`, `experts`, `shared_experts`), built without moe.MoE's full set of experts."""
 
     def __init__(self, m: ModelConfig, moe_index: int, groups: EngineGroups) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.moe_index, self.groups = moe_index, groups
         ep = groups.ep
         self.first, last = split_range(m.n_routed_experts, ep.size, ep.rank)
         self.n_local = last - self.first
         self.gate = Router(m)
-        d, i = m.dim, m.moe_hidden_dim
-        self.gate_up_proj = nn.Parameter(torch.zeros(self.n_local, 2 * i, d))
-        self.down_proj = nn.Parameter(torch.zeros(self.n_local, d, i))
-        self.shared_experts = SharedExpertsTP(m, groups.tp) if m.n_shared_experts else None
+        self.experts = local_experts(m, self.n_local, m.moe_hidden_dim)
+        self.shared_experts = SharedExpertsTP(m, groups.tp) if m.n_shared_experts else None  # type: ignore[assignment]
 
     @torch.no_grad()
     def load_full(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """The full fused [E, 2I, D] / [E, D, I] expert tensors: copy this rank's experts."""
         sl = slice(self.first, self.first + self.n_local)
-        self.gate_up_proj.copy_(gate_up[sl].to(self.gate_up_proj))
-        self.down_proj.copy_(down[sl].to(self.down_proj))
+        self.experts.gate_up_proj.copy_(gate_up[sl].to(self.experts.gate_up_proj))
+        self.experts.down_proj.copy_(down[sl].to(self.experts.down_proj))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] (the same T tokens on every rank of a tp group) -> (out [T, D], ids [T, k])."""
@@ -130,38 +136,38 @@ class ExpertParallelMoE(nn.Module):
         send_l, recv_l = send.tolist(), recv.tolist()
         rows = ep.all_to_all(x[order // k], send_l, recv_l)
         local = ep.all_to_all((flat - dest * self.n_local)[order], send_l, recv_l)
-        out = expert_outputs(self.gate_up_proj, self.down_proj, rows, local)
+        out = expert_outputs(self.experts.gate_up_proj, self.experts.down_proj, rows, local)
         back = ep.all_to_all(out, recv_l, send_l)
         return torch.empty_like(back).index_copy_(0, order, back).view(t, k, x.shape[1])
 
 
-class TensorParallelMoE(nn.Module):
+class TensorParallelMoE(MoE):
     """An MoE layer whose every expert's width is split over the tp group (ep = 1): each rank runs
     all experts on its slice of the width; the weighted partial outputs are summed in float32 over
-    the group and rounded once, as the single-rank combine rounds its float32 sum."""
+    the group and rounded once, as the single-rank combine rounds its float32 sum. A moe.MoE with
+    HF names, as ExpertParallelMoE."""
 
     def __init__(self, m: ModelConfig, moe_index: int, tp: RankGroup) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.moe_index, self.tp = moe_index, tp
         self.cols = shard_indices(m.moe_hidden_dim, tp.size, tp.rank)
-        i_local, e, d = len(self.cols), m.n_routed_experts, m.dim
-        self.gate = Router(m)
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i_local, d))
-        self.down_proj = nn.Parameter(torch.zeros(e, d, i_local))
         self.inter = m.moe_hidden_dim
-        self.shared_experts = SharedExpertsTP(m, tp) if m.n_shared_experts else None
+        self.gate = Router(m)
+        self.experts = local_experts(m, m.n_routed_experts, len(self.cols))
+        self.shared_experts = SharedExpertsTP(m, tp) if m.n_shared_experts else None  # type: ignore[assignment]
 
     @torch.no_grad()
     def load_full(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         rows = torch.cat([self.cols, self.cols + self.inter])  # gate rows, then up rows
-        self.gate_up_proj.copy_(gate_up[:, rows].to(self.gate_up_proj))
-        self.down_proj.copy_(down[:, :, self.cols].to(self.down_proj))
+        self.experts.gate_up_proj.copy_(gate_up[:, rows].to(self.experts.gate_up_proj))
+        self.experts.down_proj.copy_(down[:, :, self.cols].to(self.experts.down_proj))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = self.gate(x)
         t, k = ids.shape
         rows = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, -1)
-        y = expert_outputs(self.gate_up_proj, self.down_proj, rows, ids.reshape(-1)).view(t, k, x.shape[1])
+        y = expert_outputs(self.experts.gate_up_proj, self.experts.down_proj, rows, ids.reshape(-1))
+        y = y.view(t, k, x.shape[1])
         w = weights.to(y.dtype).float()
         out = self.tp.all_reduce(torch.bmm(w[:, None, :], y.float()).squeeze(1)).to(x.dtype)
         if self.shared_experts is not None:

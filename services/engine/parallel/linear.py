@@ -79,9 +79,9 @@ class RowParallelLinear(nn.Module):
 
 def head_indices(blocks: list[tuple[int, int]], head_dim: int) -> torch.Tensor:
     """Feature indices of the heads in `blocks` ((start, end) head ranges), head_dim each."""
-    return torch.cat([torch.arange(s * head_dim, e * head_dim) for s, e in blocks])
+    return torch.cat([torch.arange(s * head_dim, e * head_dim, device="cpu") for s, e in blocks])
 
 
 def shard_indices(n: int, parts: int, index: int) -> torch.Tensor:
     s, e = split_range(n, parts, index)
-    return torch.arange(s, e)
+    return torch.arange(s, e, device="cpu")  # host indices, also under a meta-device build
