@@ -23,7 +23,13 @@ from services.engine.kv_cache import KVCache
 from services.engine.loader import read_checkpoint
 from services.engine.model import CausalLM
 from services.engine.parallel.group import init_engine_groups
-from services.engine.parallel.model import build_parallel_model, local_config, shard_state, sharded_logits
+from services.engine.parallel.model import (
+    build_parallel_model,
+    local_config,
+    local_state,
+    sharded_logits,
+    slice_spec,
+)
 from services.engine.parallel.vocab import ShardedSampler
 from services.engine.sampler import Sampler
 
@@ -65,7 +71,8 @@ def worker(rank: int, name: str, model_dir: str, init: str, out_dir: str) -> Non
     ref = CausalLM(m, m.max_seq_len).to(cpu, f32).eval()
     ref.load_hf_state(ckpt.state)
     model = build_parallel_model(m, par, groups, m.max_seq_len, False, cpu, f32).eval()
-    model.load_hf_state(shard_state(ckpt.state, m, par, groups))
+    mine = read_checkpoint(model_dir, slice_spec(m, par, groups))  # only this rank's slices
+    model.load_hf_state(local_state(mine.state, m, groups))
     blocks = 2 * BLOCKS_PER_SEQ
     kv_ref = KVCache.for_model(m, blocks, BLOCK, m.max_seq_len, f32, cpu)
     kv = KVCache.for_model(local_config(m, par), blocks, BLOCK, m.max_seq_len, f32, cpu)

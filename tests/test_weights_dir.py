@@ -182,6 +182,27 @@ def test_two_slices_are_the_halves_of_the_full_tensors(tmp_path: Path) -> None:
     assert SliceSpec(ep_rank=2, ep_size=3).experts(8) == range(6, 8)  # 3, 3, 2
 
 
+def test_kv_heads_replicated_and_fused_gate_up_split_by_halves(tmp_path: Path) -> None:
+    """2 KV heads of 4 rows over tp 4: ranks 0-1 read head 0, ranks 2-3 head 1 (kv_heads known);
+    a fused [E, gate + up, D] expert tensor over tp 2: each rank's part of the gate rows and of the
+    up rows."""
+    k = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    gate_up = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    state = {"l.self_attn.k_proj.weight": k, "l.mlp.experts.gate_up_proj": gate_up}
+    d = write_model_dir(tmp_path / "w", state, CONFIG, None, {})
+    for r in range(4):
+        part = read_slices(WeightsReader.open(d), SliceSpec(tp_rank=r, tp_size=4, kv_heads=2))
+        head = r // 2
+        assert torch.equal(part["l.self_attn.k_proj.weight"], k[head * 4 : head * 4 + 4])
+    for r in range(2):
+        part = read_slices(WeightsReader.open(d), SliceSpec(tp_rank=r, tp_size=2), n_experts=2)
+        rows = [2 * r, 2 * r + 1, 4 + 2 * r, 5 + 2 * r]
+        assert torch.equal(part["l.mlp.experts.gate_up_proj"], gate_up[:, rows])
+    # Without the KV heads given, k/v split like any column-parallel projection.
+    part = read_slices(WeightsReader.open(d), SliceSpec(tp_rank=1, tp_size=4))
+    assert torch.equal(part["l.self_attn.k_proj.weight"], k[2:4])
+
+
 def test_slices_refuse_what_does_not_split(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tp_rank 2 of tp_size 2"):
         SliceSpec(tp_rank=2, tp_size=2)

@@ -34,6 +34,10 @@ class SliceSpec:
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
+    # The model's KV heads (k_proj / v_proj rows are kv_heads x head_dim). Fewer than tp_size:
+    # each KV head lives whole on tp_size / kv_heads consecutive ranks (replicated) instead of
+    # being cut. 0: k/v split like any column-parallel projection.
+    kv_heads: int = 0
 
     def __post_init__(self) -> None:
         for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.ep_rank, self.ep_size, "ep")):
@@ -50,6 +54,15 @@ class SliceSpec:
         base, extra = divmod(n_experts, self.ep_size)
         start = self.ep_rank * base + min(self.ep_rank, extra)
         return range(start, start + base + (self.ep_rank < extra))
+
+    def kv_rows(self, n: int) -> tuple[int, int]:
+        """This rank's [start, stop) of a k_proj / v_proj's n rows."""
+        if not self.kv_heads or self.kv_heads >= self.tp_size:
+            return self.part(n)
+        if self.tp_size % self.kv_heads:
+            raise ValueError(f"tp_size {self.tp_size} is not a multiple of {self.kv_heads} KV heads")
+        head, per = self.tp_rank // (self.tp_size // self.kv_heads), n // self.kv_heads
+        return head * per, (head + 1) * per
 
     def part(self, n: int) -> tuple[int, int]:
         """This rank's [start, stop) of a dimension of size n split over tp_size ranks."""
@@ -81,9 +94,10 @@ def tensor_slice(name: str, shape: tuple[int, ...], spec: SliceSpec, n_experts: 
     if spec.tp_size == 1:
         return None
     module, kind = _module(name)
-    if fused is not None:  # [E, N, K]: gate_up split along N, down along K
-        dim = 1 if fused[1] == "gate_up_proj" else 2
-        return (dim, *spec.part(shape[dim]))
+    if fused is not None:  # [E, N, K]: gate_up split along N (read_slices: in halves), down along K
+        return (1, *spec.part(shape[1] // 2)) if fused[1] == "gate_up_proj" else (2, *spec.part(shape[2]))
+    if module in ("k_proj", "v_proj"):
+        return (0, *spec.kv_rows(shape[0]))
     if module in COLUMN:
         return (0, *spec.part(shape[0]))
     if module in ROW and kind == "weight" and len(shape) == 2:
@@ -106,6 +120,14 @@ def read_slices(
             out[name] = reader.tensor(name)
             continue
         dim, start, stop = sl
+        if dim == 1 and owner.endswith(".mlp.experts.gate_up_proj"):
+            # Gate rows then up rows: the rank's part of each half (one copy of just those rows).
+            half = w.shape[1] // 2
+            if owner != name:
+                raise ValueError(f"{owner}: block-scaled fused gate_up_proj does not split over tp ranks")
+            parts = [reader.tensor(name, (start + h, stop + h), 1) for h in (0, half)]
+            out[name] = torch.cat(parts, dim=1)
+            continue
         if owner != name:  # a block scale: the weight's slice in tiles
             if start % block or (stop % block and stop != w.shape[dim]):
                 raise ValueError(

@@ -5,7 +5,8 @@ attention heads and KV heads, its slice of the FFN width) with the modules that 
 the vocabulary-parallel embedding, row-parallel o_proj and down_proj (one all-reduce each), and the
 MoE layers' expert-parallel (ep > 1) or tensor-parallel (ep = 1) versions. Module names and HF
 parameter names are the single-rank ones, so `load_hf_state` loads the rank's slice of a
-checkpoint (`shard_state`) with the same checks, and the attention code, the KV cache
+checkpoint (read through `slice_spec`, per-expert names made local by `local_state`) with the same
+checks, and the attention code, the KV cache
 (`KVCache.for_model(local_config(...))`: the rank's KV heads) and the routing store are unchanged.
 
 Tensor parallel covers the GQA families (qwen3, llama3, qwen3_moe); MLA models (deepseek_v3,
@@ -14,25 +15,19 @@ glm_moe_dsa) are not split yet.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from services.common.config import ModelConfig, ParallelConfig
+from services.common.weights_slice import SliceSpec
 from services.engine.model import CausalLM
-from services.engine.moe import MoE
+from services.engine.moe import PER_EXPERT, MoE
 from services.engine.parallel.experts import ExpertParallelMoE, TensorParallelMoE
 from services.engine.parallel.group import EngineGroups
-from services.engine.parallel.linear import RowParallelLinear, kv_head_range, split_range
+from services.engine.parallel.linear import RowParallelLinear, split_range
 from services.engine.parallel.vocab import ShardedLogits, VocabParallelEmbedding
 
 SPLIT_ARCHS = ("qwen3", "llama3", "qwen3_moe")
-
-_ATTN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
-_MLP = re.compile(r"\.mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def check_supported(m: ModelConfig, par: ParallelConfig) -> None:
@@ -94,67 +89,25 @@ def build_parallel_model(
     return model
 
 
-def shard_state(
-    state: dict[str, torch.Tensor], m: ModelConfig, par: ParallelConfig, groups: EngineGroups
+def slice_spec(m: ModelConfig, par: ParallelConfig, groups: EngineGroups) -> SliceSpec:
+    """Which part of each checkpoint tensor this rank reads (services/common/weights_slice.py)."""
+    ep = groups.ep
+    return SliceSpec(groups.tp.rank, groups.tp.size, ep.rank, ep.size, kv_heads=m.n_kv_heads)
+
+
+def local_state(
+    state: dict[str, torch.Tensor], m: ModelConfig, groups: EngineGroups
 ) -> dict[str, torch.Tensor]:
-    """The rank's slice of a full HF state dict, under the single-rank names (per-expert tensors
-    of other ranks' experts dropped, this rank's renumbered from 0). Slices are views where they
-    are contiguous; load_hf_state copies them into the rank's parameters."""
-    tp, ep = groups.tp, groups.ep
-    first, last = split_range(m.n_routed_experts, ep.size, ep.rank) if m.is_moe else (0, 0)
-    out: dict[str, torch.Tensor] = {}
+    """A rank's slices (read with `slice_spec`) under the names its model loads: per-expert
+    tensors renumbered from the rank's first expert (the model's experts are indexed locally)."""
+    if groups.ep.size == 1 or not m.is_moe:
+        return state
+    first, _ = split_range(m.n_routed_experts, groups.ep.size, groups.ep.rank)
+    out = {}
     for name, t in state.items():
-        hit = _EXPERT.match(name)
-        if hit is not None and par.ep > 1:
-            e = int(hit[2])
-            if first <= e < last:
-                out[f"{hit[1]}.{e - first}.{hit[3]}.weight"] = t
-            continue
-        out[name] = _slice(name, t, m, tp.size, tp.rank, par.ep > 1, (first, last))
+        hit = PER_EXPERT.match(name)
+        out[name if hit is None else f"{hit[1]}.{int(hit[2]) - first}.{hit[3]}.weight"] = t
     return out
-
-
-def _slice(
-    name: str, t: torch.Tensor, m: ModelConfig, tp: int, rank: int, ep: bool, experts: tuple[int, int]
-) -> torch.Tensor:
-    fused = _FUSED.search(name)
-    if fused is not None and ep:
-        return t[experts[0] : experts[1]]
-    if tp == 1:
-        return t
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return t.narrow(0, *_span(split_range(m.vocab_size, tp, rank)))
-    attn = _ATTN.search(name)
-    if attn is not None:
-        proj, hd = attn[1], m.head_dim
-        if proj in ("k_proj", "v_proj"):
-            heads = kv_head_range(m.n_kv_heads, tp, rank)
-        else:
-            heads = split_range(m.n_heads, tp, rank)
-        rows = (heads[0] * hd, heads[1] * hd)
-        if proj == "o_proj":
-            return t.narrow(1, *_span(rows)) if attn[2] == "weight" else t
-        return t.narrow(0, *_span(rows))
-    mlp = _MLP.search(name)
-    if mlp is not None:
-        width = m.shared_width if mlp[1] else m.hidden_dim
-        part = _span(split_range(width, tp, rank))
-        return t.narrow(1, *part) if mlp[2] == "down_proj" else t.narrow(0, *part)
-    hit = _EXPERT.match(name)
-    if hit is not None:  # tensor-parallel experts: each expert's width split
-        part = _span(split_range(m.moe_hidden_dim, tp, rank))
-        return t.narrow(1, *part) if hit[3] == "down_proj" else t.narrow(0, *part)
-    if fused is not None:
-        s, e = split_range(m.moe_hidden_dim, tp, rank)
-        if fused[1] == "down_proj":
-            return t[:, :, s:e]
-        return torch.cat([t[:, s:e], t[:, m.moe_hidden_dim + s : m.moe_hidden_dim + e]], dim=1)
-    return t  # norms, the router, q/k norms: on every rank
-
-
-def _span(r: tuple[int, int]) -> tuple[int, int]:
-    """(start, end) -> (start, length), narrow's arguments."""
-    return r[0], r[1] - r[0]
 
 
 def sharded_logits(model: CausalLM, hidden: torch.Tensor, groups: EngineGroups, vocab: int) -> ShardedLogits:
