@@ -1,0 +1,167 @@
+"""What every rank of a multi-rank engine runs: its shard of the model and of the KV cache, driven
+by orders from rank 0.
+
+Rank 0 runs the scheduler (services/engine/parallel/engine.py). For every step it broadcasts a
+`StepOrder`: the step's spans (each sequence's new tokens, positions and page table), which rows
+sample with which parameters and the draws its RNGs made for them, and the page copies its
+scheduler did since the last order. Every rank then runs the same forward on its shard (the
+collectives inside the layers keep them in step) and samples with `ShardedSampler`, which returns
+the same tokens and log-probs on every rank: rank 0 keeps them, the others drop them. Weight
+updates are orders too, in sequence with the steps: each rank reads and applies its own slices.
+
+A rank whose peer died fails its next collective (the groups' timeout bounds the wait) and the
+error ends `serve_orders`: the process exits non-zero and its supervisor restarts the group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.common.config import EngineConfig, ModelConfig, ParallelConfig
+from services.common.modeldir import model_config_from_hf
+from services.common.schemas import SamplingParams
+from services.engine.batch import ForwardBatch, Span
+from services.engine.kv_cache import KVCache
+from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
+from services.engine.parallel.group import EngineGroups
+from services.engine.parallel.model import (
+    build_parallel_model,
+    local_config,
+    local_state,
+    sharded_logits,
+    slice_spec,
+)
+from services.engine.parallel.vocab import ShardedSampler
+from services.engine.sampler import SampleOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOrder:
+    """One step for every rank (pickled by the broadcast: host data only)."""
+
+    spans: list[Span] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # the span whose last token each sample reads
+    params: list[SamplingParams] = field(default_factory=list)
+    draws: list[float] = field(default_factory=list)  # ShardedSampler.draws, made on rank 0
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages, before the forward
+
+
+@dataclass
+class WeightsOrder:
+    path: str
+    version: int
+
+
+@dataclass
+class StopOrder:
+    pass
+
+
+Order = StepOrder | WeightsOrder | StopOrder
+
+
+class RecordingKVCache(KVCache):
+    """Rank 0's KV cache: the page copies its scheduler makes (a forked sample's private copy of
+    its parent's last prompt page) are done here and recorded for the other ranks' caches."""
+
+    copies: list[tuple[int, int]]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        super().copy_block(src, dst)
+        if not hasattr(self, "copies"):
+            self.copies = []
+        self.copies.append((src, dst))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self.copies = getattr(self, "copies", []), []
+        return out
+
+
+class RankRunner:
+    """One rank's model shard, KV cache shard and sampler."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: EngineConfig,
+        par: ParallelConfig,
+        groups: EngineGroups,
+        device: torch.device,
+        num_blocks: int,
+        max_seq_len: int,
+        kv_cls: type[KVCache] = KVCache,
+    ) -> None:
+        self.cfg, self.par, self.groups, self.device = cfg, par, groups, device
+        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        ckpt = self.read(model_dir)
+        self.model_config = m = ckpt.config
+        self.max_seq_len = max_seq_len
+        self.model = build_parallel_model(
+            m, par, groups, max_seq_len, ckpt.attention_bias, device, self.dtype
+        ).eval()
+        self.model.logits_fp32 = cfg.logits_fp32
+        self.load(ckpt)
+        self.kv = kv_cls.for_model(
+            local_config(m, par), num_blocks, cfg.block_size, max_seq_len, self.dtype, device
+        )
+        self.sampler = ShardedSampler()
+        self.checkpoint = ckpt  # the one read at start: rank 0's engine takes its metadata
+
+    def read(self, path: str | Path) -> Checkpoint:
+        """This rank's slices of a weights directory (memory-mapped; services/common/weights_slice.py)."""
+        m = getattr(self, "model_config", None) or config_of(path)
+        return read_checkpoint(path, slice_spec(m, self.par, self.groups))
+
+    @torch.no_grad()
+    def load(self, ckpt: Checkpoint) -> None:
+        if ckpt.fp8:
+            raise ValueError(f"{ckpt.path}: FP8 checkpoints are not served by a multi-rank engine yet")
+        self.model.load_hf_state(local_state(ckpt.state, ckpt.config, self.groups))
+
+    @torch.inference_mode()
+    def step(self, order: StepOrder) -> SampleOutput | None:
+        for src, dst in order.copies:
+            self.kv.copy_block(src, dst)
+        if not order.spans:
+            return None
+        batch = ForwardBatch.build(order.spans, self.device, self.max_seq_len, self.kv.block_size)
+        hidden = self.model(batch, self.kv)
+        if not order.rows:
+            return None
+        index = batch.last_index[torch.tensor(order.rows, device=batch.last_index.device)]
+        logits = sharded_logits(self.model, hidden[index], self.groups, self.model_config.vocab_size)
+        return self.sampler.sample(logits, order.params, order.draws)
+
+    def run(self, order: Order) -> SampleOutput | None:
+        if isinstance(order, StepOrder):
+            return self.step(order)
+        if isinstance(order, WeightsOrder):
+            self.load(self.read(order.path))
+        return None
+
+
+def config_of(path: str | Path) -> ModelConfig:
+    """The model a weights directory holds, from its config.json (enough to plan the slices)."""
+    try:
+        return model_config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: {e}") from e
+
+
+def serve_orders(runner: RankRunner) -> None:
+    """A worker rank's loop: run rank 0's orders until it says stop. A failed collective (a dead
+    peer) raises out of here."""
+    world = runner.groups.world
+    while True:
+        order = world.broadcast_object(None, src=0)
+        if isinstance(order, StopOrder):
+            log.info("rank %d: stop", world.rank)
+            return
+        runner.run(order)
