@@ -116,10 +116,11 @@ def worker(rank: int, name: str, model_dir: str, init: str, out_dir: str) -> Non
 @pytest.mark.parametrize(
     "name",
     [
-        "qwen3-tp2",
-        "moe-ep2",
-        # The same paths with KV-head replication and tensor-parallel experts: make test-full.
-        pytest.param("qwen3-tp2-kv1", marks=pytest.mark.full),
+        # TP 2 and EP 2 also run inside the engine test (tests/test_parallel_engine.py): these
+        # compare hidden states directly, and add KV-head replication and tensor-parallel experts.
+        pytest.param("qwen3-tp2", marks=pytest.mark.full),
+        pytest.param("moe-ep2", marks=pytest.mark.full),
+        "qwen3-tp2-kv1",
         pytest.param("moe-tp2", marks=pytest.mark.full),
     ],
 )
