@@ -24,7 +24,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from services.common.auth import AuthError, token_from_env
@@ -107,6 +107,51 @@ async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONR
     return JSONResponse(status_code=422, content={"detail": describe_errors(errors), "errors": errors})
 
 
+# What a 422 from `_validation_error` looks like, for the OpenAPI documents.
+VALIDATION_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "detail": {"type": "string", "description": "every bad field: `field.path: message; ...`"},
+        "errors": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+                    "msg": {"type": "string"},
+                    "type": {"type": "string"},
+                },
+                "required": ["loc", "msg", "type"],
+            },
+        },
+    },
+    # `errors` comes with body, query and path validation; a handler's own 422 has `detail` only
+    "required": ["detail"],
+}
+
+
+def document_validation_errors(app: FastAPI) -> None:
+    """The OpenAPI documents describe the 422s this module sends, not FastAPI's default shape."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schema.setdefault("components", {}).setdefault("schemas", {})["RelayValidationError"] = (
+            VALIDATION_ERROR_SCHEMA
+        )
+        ref = {"$ref": "#/components/schemas/RelayValidationError"}
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                if "422" in op.get("responses", {}):
+                    op["responses"]["422"]["content"] = {"application/json": {"schema": ref}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def token_body_limit(engine: EngineConfig, cap: BodyLimit) -> BodyLimit:
     """The body limit of a route that takes prompt token ids: a context's worth of ids as JSON
     (at most 12 bytes each) plus 1 MiB for the rest (sampling, stop strings), at most `cap`."""
@@ -140,6 +185,7 @@ def create_app(
         body_limits=body_limits or {},
     )
     document_security(app, open_routes)
+    document_validation_errors(app)
 
     @app.get("/health")
     def _health() -> dict[str, Any]:
@@ -148,7 +194,7 @@ def create_app(
             base.update(kind=service.kind, id=service.id, version=service.version)
         return {**base, **health()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def _metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
