@@ -106,7 +106,7 @@ def test_concurrent_exec_limit_429(client: httpx.Client, sb: Sandbox) -> None:
 def test_expiry_removes_directory(client: httpx.Client, workroot: Path) -> None:
     sid = session(client)
     client.post(f"/v1/sessions/{sid}/exec", json={"cmd": "echo x > f"})
-    assert len(sessions_on_disk(workroot)) == 2  # the directory and its private twin
+    assert len(sessions_on_disk(workroot)) == 3  # the directory, its private twin and its quota image
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and sessions_on_disk(workroot):
         time.sleep(0.2)

@@ -606,6 +606,14 @@ class SandboxSection(ServiceSection):
     # Each session runs as its own host uid from [uid_base, uid_base + max_sessions * replicas).
     uid_base: int = Field(200_000, ge=1000)
     max_concurrent_execs: int = Field(16, gt=0)  # past this, exec/file calls get 429
+    # ... and past this many in one session: one session cannot take every slot.
+    max_execs_per_session: int = Field(4, gt=0)
+    # Per session, all its commands together (cgroups v2 or v1, services/sandbox/cgroups.py;
+    # "off" or no usable cgroups: only the per-process exec_* rlimits). 0 turns one off.
+    cgroups: Literal["auto", "off"] = "auto"
+    session_memory_mb: int = Field(4096, ge=0)
+    session_max_pids: int = Field(256, ge=0)
+    session_cpus: float = Field(2.0, ge=0)
     exec_timeout_s: float = Field(30.0, gt=0)  # default wall clock per command
     exec_max_timeout_s: float = Field(600.0, gt=0)  # cap on a request's timeout_s
     exec_cpu_s: int = Field(60, gt=0)
@@ -616,10 +624,12 @@ class SandboxSection(ServiceSection):
     exec_output_bytes: int = Field(65536, gt=0)  # per stream; the rest is dropped with a marker
     exec_tmp_mb: int = Field(64, gt=0)
     file_max_bytes: int = Field(1 << 20, gt=0)  # file read/write endpoints
-    # Per-session disk quota: each session directory is its own size-capped tmpfs (needs root;
-    # isolation.py). Bytes and files written into /work in total; 0 turns the quota off.
+    # Per-session disk quota: each session directory is a filesystem of its own of that size
+    # (needs root; services/sandbox/mounts.py): "disk", an ext4 image under workdir_root,
+    # loop-mounted; "tmpfs", in memory. Bytes and files written into /work in total; 0: no quota.
     disk_quota_mb: int = Field(1024, ge=0)
     disk_quota_inodes: int = Field(32768, gt=0)
+    disk_quota_backend: Literal["disk", "tmpfs"] = "disk"
 
 
 class TaskSpec(Strict):

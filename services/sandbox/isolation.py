@@ -22,19 +22,26 @@ as the session's own host uid (when the sandbox runs as root), with:
   every descendant down with it (a background grandchild included).
 - **output:** stdout and stderr are each kept up to a byte budget and drained (discarded) past
   it, with a marker saying how much was dropped, so 1 GB of output costs time, not memory.
-- **disk quota:** with `disk_quota_mb` the session directory is its own tmpfs mount of that
-  size (and `disk_quota_inodes` files), mounted by the host (root) before any command runs. The
-  kernel enforces it at write time: a write past it fails with ENOSPC inside the command (which
-  keeps running and sees an ordinary "No space left on device"), nothing else on the host fills,
-  and deleting files frees the space at once. A command that leaves /work full gets a note on
-  its stderr saying so; `write_file` checks the free space first and writes through a temporary
-  file, so a write that does not fit fails with `QuotaExceeded` and leaves the old file intact.
-  Tradeoff: tmpfs pages are memory (and swap), not disk, so `max_sessions * disk_quota_mb`
-  bounds the memory files can take; a loop-mounted disk image per session would put them on disk
-  but costs an image, a mkfs and a loop device per session. RLIMIT_FSIZE plus a `du` after each
-  command was the other option, but it bounds single files, not the total, and cannot stop a
-  command mid-way. Without root nothing can be mounted: the quota is then not enforced
-  (`WorkspaceManager.quota_enforced` is false and the service says so at start).
+- **per-session limits:** with cgroups (services/sandbox/cgroups.py, v2 or v1) every command of
+  a session runs in that session's cgroup: memory (`session_memory_mb`), processes and threads
+  (`session_max_pids`) and CPU time per second (`session_cpus`) for the whole session, whatever
+  it forks; the rlimits above still bound each process. Without cgroups (not root, none
+  writable) only the rlimits and the per-uid process count hold; the service says so at start.
+- **concurrency:** at most `max_concurrent_execs` commands at once in the sandbox and
+  `max_execs_per_session` in one session (past either, an HTTP exec is a 429), so one session's
+  sleeping commands cannot take every slot.
+- **disk quota:** with `disk_quota_mb` the session directory is a filesystem of its own of that
+  size (and `disk_quota_inodes` files), mounted by the host (root) before any command runs: by
+  default an ext4 image on the disk under the sandbox root, loop-mounted, or a tmpfs
+  (`disk_quota_backend`; services/sandbox/mounts.py). The kernel enforces it at write time: a
+  write past it fails with ENOSPC inside the command (which keeps running and sees an ordinary
+  "No space left on device"), nothing else on the host fills, and deleting files frees the space
+  at once. A command that leaves /work full gets a note on its stderr saying so; `write_file`
+  checks the free space first and writes through a temporary file, so a write that does not fit
+  fails with `QuotaExceeded` and leaves the old file intact. RLIMIT_FSIZE plus a `du` after each
+  command would bound single files, not the total, and could not stop a command mid-way. Without
+  root nothing can be mounted: the quota is then not enforced (`WorkspaceManager.quota_enforced`
+  is false and the service says so at start).
 
 Host-side code never follows paths inside a session directory after untrusted code has run
 there (symlinks could point anywhere on the host): file reads and writes run inside the sandbox
@@ -45,10 +52,7 @@ not follow symlinks.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
-import re
 import selectors
 import shutil
 import signal
@@ -60,6 +64,18 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.sandbox.cgroups import CgroupTree, SessionCgroup, SessionLimits, detect, join_argv
+from services.sandbox.mounts import (
+    MS_NODEV,
+    MS_NOSUID,
+    MountError,
+    QuotaBackend,
+    mount_call,
+    mount_quota,
+    mounts_under,
+    unmount,
+)
 
 WORKDIR = "/work"  # the session directory's path inside the sandbox
 HIDDEN = "/hidden"  # a workspace's private directory, mounted read-only only when asked for
@@ -79,43 +95,6 @@ class QuotaExceeded(OSError):
     """A file write does not fit in what is left of the session's disk quota."""
 
 
-_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def mount_tmpfs(path: Path, size_bytes: int, inodes: int, uid: int) -> None:
-    """Mount a fresh tmpfs of `size_bytes` (and `inodes` files) at `path`, owned by `uid`, mode
-    0700. nosuid/nodev: nothing inside can gain privileges; exec stays allowed (scripts, tests)."""
-    opts = f"size={size_bytes},nr_inodes={inodes},mode=0700,uid={uid},gid={uid}"
-    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
-        e = ctypes.get_errno()
-        raise IsolationError(
-            f"cannot mount the session's tmpfs for sandbox.disk_quota_mb at {path}: {os.strerror(e)} "
-            "(needs root with CAP_SYS_ADMIN); set sandbox.disk_quota_mb = 0 to run without a disk quota"
-        )
-
-
-def unmount(path: Path) -> None:
-    """Detach a mount (lazily: processes still inside keep their view until they exit)."""
-    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0:
-        e = ctypes.get_errno()
-        if e not in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more), or gone
-            raise OSError(e, f"umount {path}: {os.strerror(e)}")
-
-
-def mounts_under(root: Path) -> list[Path]:
-    """Mount points strictly under `root` (from /proc/self/mountinfo), deepest first."""
-    prefix = str(root.resolve()).rstrip("/") + "/"
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            # field 5 is the mount point, with space, tab, newline and backslash octal-escaped
-            mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
-            if mp.startswith(prefix):
-                out.append(Path(mp))
-    return sorted(out, key=lambda p: len(p.parts), reverse=True)
-
-
 @dataclass(frozen=True)
 class DiskUsage:
     used_bytes: int
@@ -131,6 +110,13 @@ class DiskUsage:
     def full(self) -> bool:
         # Less than one page left, or no inode: the next write of anything fails.
         return self.free_bytes < 4096 or self.used_inodes >= self.quota_inodes
+
+    @property
+    def nearly_full(self) -> bool:
+        """Within 1/16 of the quota: a filesystem may refuse a write before its last block is
+        used (ext4 holds blocks back for writes in flight), so a command that saw ENOSPC there
+        did hit the quota."""
+        return self.full or self.free_bytes < self.quota_bytes // 16 + 4096
 
     def describe(self) -> str:
         return (
@@ -304,8 +290,11 @@ class Workspace:
         # Host-only directory for an environment's private files (hidden tests); never writable
         # from the sandbox, visible read-only at /hidden only to runs that ask for it.
         self.private = manager.root / f"{name}.private"
+        self.image = manager.root / f"{name}.img"  # the quota's disk image (backend "disk")
         self.closed = False
-        self.quota = False  # the directory is a size-capped tmpfs of its own
+        self.quota = False  # the directory is a size-capped filesystem of its own
+        self.cgroup: SessionCgroup | None = None
+        self.slots = threading.BoundedSemaphore(manager.max_session_execs)
         self._procs: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
 
@@ -314,53 +303,54 @@ class Workspace:
     def _setup(self) -> None:
         self.path.mkdir(mode=0o700)
         self.private.mkdir(mode=0o700)
-        if self.base is not None and self.uid is not None:
-            self._setup_overlay()
-            return
-        if self.base is not None:  # no root: nothing can be mounted, so a private copy
-            shutil.copytree(self.base, self.path, symlinks=True, dirs_exist_ok=True)
-        if self.uid is not None and self.manager.disk_quota_mb:
-            try:
-                mount_tmpfs(
-                    self.path, self.manager.disk_quota_mb << 20, self.manager.disk_quota_inodes, self.uid
-                )
-            except IsolationError:
-                shutil.rmtree(self.path, ignore_errors=True)
-                shutil.rmtree(self.private, ignore_errors=True)
-                raise
-            self.quota = True
-        if self.uid is not None:
-            os.chown(self.path, self.uid, self.uid)
-
-    def _setup_overlay(self) -> None:
-        """Session directory = overlayfs(lower: base, upper: <name>.upper/u in the quota tmpfs)."""
-        assert self.base is not None and self.uid is not None
-        self.upper.mkdir(mode=0o700)
         try:
-            if self.manager.disk_quota_mb:
-                mount_tmpfs(
-                    self.upper, self.manager.disk_quota_mb << 20, self.manager.disk_quota_inodes, self.uid
-                )
-                self.quota = True
-            (self.upper / "u").mkdir()
-            (self.upper / "w").mkdir()
-            os.chown(self.upper / "u", self.uid, self.uid)
-            os.chmod(self.upper / "u", 0o700)
-            opts = f"lowerdir={self.base},upperdir={self.upper / 'u'},workdir={self.upper / 'w'}"
-            if _libc.mount(
-                b"overlay", os.fsencode(self.path), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()
-            ):
-                e = ctypes.get_errno()
-                raise IsolationError(f"cannot mount the session's overlay over {self.base}: {os.strerror(e)}")
-            self.overlay = True
-        except BaseException:
-            self._teardown_mounts()
-            shutil.rmtree(self.path, ignore_errors=True)
-            shutil.rmtree(self.private, ignore_errors=True)
-            shutil.rmtree(self.upper, ignore_errors=True)
+            if self.uid is not None and self.manager.cgroups is not None:
+                self.cgroup = self.manager.cgroups.create(self.name, self.manager.session_limits)
+            if self.base is not None and self.uid is not None:
+                self._setup_overlay()
+                return
+            if self.base is not None:  # no root: nothing can be mounted, so a private copy
+                shutil.copytree(self.base, self.path, symlinks=True, dirs_exist_ok=True)
+            if self.uid is not None and self.manager.disk_quota_mb:
+                self._mount_quota(self.path)
+            if self.uid is not None:
+                os.chown(self.path, self.uid, self.uid)
+        except BaseException as e:
+            self._teardown()
+            if isinstance(e, OSError | MountError):
+                raise IsolationError(str(e)) from e
             raise
 
-    def _teardown_mounts(self) -> None:
+    def _mount_quota(self, path: Path) -> None:
+        assert self.uid is not None
+        m = self.manager
+        mount_quota(m.disk_quota_backend, path, self.image, m.disk_quota_mb << 20, m.disk_quota_inodes, self.uid)
+        self.quota = True
+
+    def _setup_overlay(self) -> None:
+        """Session directory = overlayfs(lower: base, upper: <name>.upper/u in the quota mount)."""
+        assert self.base is not None and self.uid is not None
+        self.upper.mkdir(mode=0o700)
+        if self.manager.disk_quota_mb:
+            self._mount_quota(self.upper)
+        os.chmod(self.upper, 0o700)
+        (self.upper / "u").mkdir()
+        (self.upper / "w").mkdir()
+        os.chown(self.upper / "u", self.uid, self.uid)
+        os.chmod(self.upper / "u", 0o700)
+        opts = f"lowerdir={self.base},upperdir={self.upper / 'u'},workdir={self.upper / 'w'}"
+        try:
+            mount_call("overlay", self.path, "overlay", MS_NOSUID | MS_NODEV, opts)
+        except OSError as e:
+            raise IsolationError(f"cannot mount the session's overlay over {self.base}: {e.strerror}") from e
+        self.overlay = True
+
+    def _teardown(self) -> None:
+        """Undo what _setup did: the session's processes and cgroup, its mounts (a disk image is
+        deleted), its directories (symlink-safe)."""
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         for mounted, path in (
             (self.overlay, self.path),
             (self.quota, self.upper if self.base else self.path),
@@ -368,6 +358,10 @@ class Workspace:
             if mounted:
                 with contextlib.suppress(OSError):
                     unmount(path)
+        self.overlay = self.quota = False
+        self.image.unlink(missing_ok=True)  # the loop device lets go of it with the unmount
+        for d in (self.path, self.private, self.upper):
+            shutil.rmtree(d, ignore_errors=True)
 
     def disk_usage(self) -> DiskUsage | None:
         """What the session has written into /work, against its quota (None: no quota).
@@ -378,16 +372,17 @@ class Workspace:
             st = os.statvfs(self.path)
         except OSError:
             return None
+        # f_bavail: ext4 keeps a few blocks back even without reserved blocks (delayed allocation)
         return DiskUsage(
-            used_bytes=(st.f_blocks - st.f_bfree) * st.f_frsize,
+            used_bytes=(st.f_blocks - st.f_bavail) * st.f_frsize,
             quota_bytes=st.f_blocks * st.f_frsize,
             used_inodes=st.f_files - st.f_ffree,
             quota_inodes=st.f_files,
         )
 
-    def _quota_note(self) -> str:
+    def _quota_note(self, output: str = "") -> str:
         u = self.disk_usage()
-        if u is None or not u.full:
+        if u is None or not (u.full or (u.nearly_full and "No space left on device" in output)):
             return ""
         return (
             f"\n[sandbox: /work is full: {u.describe()} (the session's disk quota, "
@@ -480,20 +475,28 @@ class Workspace:
         wait: bool = True,
     ) -> ExecResult:
         """Run `cmd` (a shell string for /bin/sh -c, or an argv) in the sandbox, in /work.
-        Takes one of the manager's concurrency slots: waits for it, or with wait=False raises
-        ExecBusy when none is free."""
+        Takes one of the session's and one of the manager's concurrency slots: waits for them, or
+        with wait=False raises ExecBusy when either has none free."""
         if self.closed:
             raise IsolationError(f"workspace {self.name} is closed")
-        if not self.manager.slots.acquire(blocking=wait):
+        if not self.slots.acquire(blocking=wait):
             raise ExecBusy(
-                f"all {self.manager.max_concurrent} exec slots are busy (sandbox.max_concurrent_execs); retry"
+                f"this session already runs {self.manager.max_session_execs} commands "
+                "(sandbox.max_execs_per_session); retry when one ends"
             )
         try:
-            r = self._run(cmd, timeout_s, stdin, limits, hidden)
+            if not self.manager.slots.acquire(blocking=wait):
+                raise ExecBusy(
+                    f"all {self.manager.max_concurrent} exec slots are busy (sandbox.max_concurrent_execs); retry"
+                )
+            try:
+                r = self._run(cmd, timeout_s, stdin, limits, hidden)
+            finally:
+                self.manager.slots.release()
         finally:
-            self.manager.slots.release()
+            self.slots.release()
         # The command itself saw ENOSPC; this tells the reader (often a model) why and what to do.
-        note = self._quota_note()
+        note = self._quota_note(r.stderr + r.stdout)
         r.stderr += note
         r.disk_full = bool(note)
         return r
@@ -511,12 +514,15 @@ class Workspace:
         argv_cmd = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         bwrap = find_bwrap()
         t0 = time.monotonic()
+        argv = self._argv(bwrap, limits, argv_cmd, hidden)
         kw: dict[str, Any] = {}
-        if self.uid is not None:
+        if self.uid is not None and self.cgroup is not None:
+            argv = join_argv(self.cgroup, self.uid, argv)  # joins as root, then becomes the uid
+        elif self.uid is not None:
             kw = {"user": self.uid, "group": self.uid, "extra_groups": []}
         with _ACTIVE_LOCK:  # registered before any reaper can see it exit
             proc = subprocess.Popen(
-                self._argv(bwrap, limits, argv_cmd, hidden),
+                argv,
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -644,16 +650,14 @@ class Workspace:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
-        """Kill anything still running, unmount the quota tmpfs (frees its pages at once), delete
-        the directories (symlink-safe)."""
+        """Kill anything still running, unmount the quota (a tmpfs frees its pages at once, a disk
+        image is deleted), delete the directories (symlink-safe)."""
         self.closed = True
         with self._lock:
             procs = list(self._procs)
         for p in procs:
             _kill_group(p)
-        self._teardown_mounts()
-        for d in (self.path, self.private, self.upper):
-            shutil.rmtree(d, ignore_errors=True)
+        self._teardown()
 
 
 @dataclass
@@ -666,8 +670,13 @@ class WorkspaceManager:
     uid_base: int = 200_000
     uid_count: int = 65536
     max_concurrent: int = 16
+    max_session_execs: int = 4
     disk_quota_mb: int = 0  # 0: no quota (session directories are plain directories)
     disk_quota_inodes: int = 32768
+    disk_quota_backend: QuotaBackend = "disk"
+    # Memory, processes and CPU of each session together (cgroups.py); all 0: none.
+    session_limits: SessionLimits = field(default_factory=lambda: SessionLimits(0, 0, 0.0))
+    use_cgroups: bool = True
     _free: list[int] = field(default_factory=list, repr=False)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -699,8 +708,12 @@ class WorkspaceManager:
             "uid_base": sec.uid_base + replica * sec.max_sessions,
             "uid_count": sec.max_sessions,
             "max_concurrent": sec.max_concurrent_execs,
+            "max_session_execs": sec.max_execs_per_session,
             "disk_quota_mb": sec.disk_quota_mb,
             "disk_quota_inodes": sec.disk_quota_inodes,
+            "disk_quota_backend": sec.disk_quota_backend,
+            "session_limits": SessionLimits(sec.session_memory_mb << 20, sec.session_max_pids, sec.session_cpus),
+            "use_cgroups": sec.cgroups == "auto",
         }
         if sec.workdir_root:
             m = cls(root=Path(sec.workdir_root) / f"replica-{replica}", **kw)
@@ -713,11 +726,29 @@ class WorkspaceManager:
         self.root = Path(self.root)
         self.as_root = os.geteuid() == 0
         self._root_ready = False
+        self.cgroups: CgroupTree | None = None
+        self.cgroups_note = "not set up yet"
+        self._cgroups_ready = False
 
     @property
     def quota_enforced(self) -> bool:
-        """Whether session directories get their size-capped tmpfs (needs root to mount)."""
+        """Whether session directories get their size-capped filesystem (needs root to mount)."""
         return bool(self.disk_quota_mb) and self.as_root
+
+    def setup_cgroups(self) -> str:
+        """Find (and make) the cgroup the sessions' cgroups go under, once; a line saying what
+        holds the per-session limits."""
+        with self._lock:
+            if not self._cgroups_ready:
+                self._cgroups_ready = True
+                if not self.use_cgroups:
+                    self.cgroups_note = 'sandbox.cgroups = "off": per-process rlimits only'
+                elif self.session_limits == SessionLimits(0, 0, 0.0):
+                    self.cgroups_note = "no per-session limits configured"
+                else:
+                    name = f"relay-sandbox-{os.getpid()}-{self.root.name}"
+                    self.cgroups, self.cgroups_note = detect(name)
+            return self.cgroups_note
 
     def _ensure_root(self) -> None:
         """Create the root on first use, so a service that never runs a command leaves nothing."""
@@ -731,8 +762,10 @@ class WorkspaceManager:
                 self.root.parent.chmod(0o711)
             self.root.mkdir(parents=True, exist_ok=True)
             # A previous process on this root that died without closing its sessions left their
-            # tmpfs mounts (memory) behind: detach them before anything else uses the root.
+            # mounts (tmpfs memory, disk images) behind: detach them before anything else uses it.
             self._unmount_all()
+            for image in self.root.glob("*.img"):
+                image.unlink(missing_ok=True)
             # Traversable, not listable: bwrap, running as a session's uid, must reach its own
             # directory by path; each session directory is 0700 and owned by that session's uid.
             self.root.chmod(0o711)
@@ -757,8 +790,16 @@ class WorkspaceManager:
 
     def create(self, base: Path | None = None, binds: dict[Path, str] | None = None) -> Workspace:
         self._ensure_root()
-        ws = Workspace(self, uuid.uuid4().hex, self._alloc_uid(), base, binds)
-        ws._setup()
+        self.setup_cgroups()
+        uid = self._alloc_uid()
+        ws = Workspace(self, uuid.uuid4().hex, uid, base, binds)
+        try:
+            ws._setup()
+        except BaseException:
+            if uid is not None:
+                with self._lock:
+                    self._free.append(uid)
+            raise
         return ws
 
     def release(self, ws: Workspace) -> None:
@@ -777,6 +818,8 @@ class WorkspaceManager:
                 unmount(mp)
 
     def shutdown(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.cleanup()
         if self._owned_root and self._root_ready:
             # rmtree would empty a still-mounted tmpfs, fail on its mount point and leak it.
             self._unmount_all()

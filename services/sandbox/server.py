@@ -156,17 +156,22 @@ def build_app(
         async with contextlib.AsyncExitStack() as stack:
             if service is not None:
                 await stack.enter_async_context(service.registered())
+                limits = await asyncio.to_thread(workspaces.setup_cgroups)
                 log_event(
                     service.log,
                     "workspaces",
                     disk_quota_mb=sec.disk_quota_mb,
+                    disk_quota_backend=sec.disk_quota_backend,
                     disk_quota_enforced=workspaces.quota_enforced,
+                    session_limits=limits,
                 )
                 if sec.disk_quota_mb and not workspaces.quota_enforced:
                     service.log.warning(
                         "sandbox.disk_quota_mb is set but not enforced: mounting the per-session "
-                        "tmpfs needs root; session directories are plain directories"
+                        "filesystem needs root; session directories are plain directories"
                     )
+                if workspaces.cgroups is None:
+                    service.log.warning(f"per-session memory/process/CPU limits are off: {limits}")
             task = asyncio.create_task(sweeper(), name="session-sweeper")
             try:
                 yield
@@ -182,6 +187,8 @@ def build_app(
             **store.stats(),
             "envs": env_names(),
             "disk_quota_mb": sec.disk_quota_mb if workspaces.quota_enforced else 0,
+            "disk_quota_backend": sec.disk_quota_backend,
+            "session_limits": workspaces.cgroups.kind if workspaces.cgroups is not None else "rlimits only",
         }
 
     data = BodyLimit(sec.max_request_bytes, "sandbox.max_request_bytes")
@@ -248,9 +255,20 @@ def build_app(
 
     @app.post("/v1/sessions/batch")
     def create_sessions(req: CreateSessionsRequest) -> CreateSessionsResponse:
-        """n episodes of one task (a rollout group): one round trip instead of n."""
+        """n episodes of one task (a rollout group): one round trip instead of n. All or none:
+        a 429 (no room for all n) or a failed start keeps none of them."""
+        try:
+            made = store.create_many(req.env, req.seed, req.n)
+        except SandboxFull:
+            SESSIONS_REJECTED.inc()
+            raise
+        SESSIONS_CREATED.labels(req.env).inc(len(made))
+        SESSIONS_OPEN.set(len(store))
         return CreateSessionsResponse(
-            sessions=[create_session(CreateSessionRequest(env=req.env, seed=req.seed)) for _ in range(req.n)]
+            sessions=[
+                CreateSessionResponse(session_id=s.id, env=s.env_name, prompt=p, max_turns=s.max_turns)
+                for s, p in made
+            ]
         )
 
     @app.get("/v1/sessions/{session_id}")

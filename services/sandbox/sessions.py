@@ -174,6 +174,7 @@ class SessionStore:
         self.clock = clock
         self.counts = Counts()
         self._sessions: dict[str, Session] = {}
+        self._reserved = 0  # sessions being built by create_many: room held for them
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -182,9 +183,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _full_message(self) -> str:
+    def _full_message(self, n: int = 1) -> str:
+        wanted = f"no room for {n} more: " if n > 1 else ""
         return (
-            f"sandbox is full: {len(self._sessions)} of sandbox.max_sessions={self.max_sessions} sessions are "
+            f"sandbox is full: {wanted}{len(self._sessions)} of sandbox.max_sessions={self.max_sessions} sessions are "
             f"open; score or DELETE finished sessions (idle ones expire after {self.ttl_s:g} s), "
             "or raise sandbox.max_sessions"
         )
@@ -227,15 +229,40 @@ class SessionStore:
     # ------------------------------------------------------------------ episode
 
     def create(self, env_name: str, seed: int) -> tuple[Session, str]:
+        ((s, prompt),) = self.create_many(env_name, seed, 1)
+        return s, prompt
+
+    def create_many(self, env_name: str, seed: int, n: int) -> list[tuple[Session, str]]:
+        """n sessions of one task (a rollout group), all or none: when the sandbox has no room
+        for all n (SandboxFull) or one fails to start, none is kept and their workspaces go."""
         try:
             cls = get_env_class(env_name)
         except KeyError as e:
             raise UnknownEnv(f"env: {e.args[0]}") from None
-        # Cheap early reject, before building the env; re-checked under the lock below.
-        if len(self._sessions) >= self.max_sessions:
-            with self._lock:
+        with self._lock:  # room for all n is held while they are built
+            if len(self._sessions) + self._reserved + n > self.max_sessions:
                 self.counts.rejected_full += 1
-            raise SandboxFull(self._full_message())
+                raise SandboxFull(self._full_message(n))
+            self._reserved += n
+        built: list[tuple[Session, str]] = []
+        try:
+            for _ in range(n):
+                built.append(self._build(cls, env_name, seed))
+        except BaseException:
+            for s, _prompt in built:
+                self._drop_workspace(s.workspace)
+            raise
+        finally:
+            with self._lock:
+                self._reserved -= n
+                if len(built) == n:
+                    for s, _prompt in built:
+                        self._sessions[s.id] = s
+                    self.counts.created += n
+        return built
+
+    def _build(self, cls: type[Environment], env_name: str, seed: int) -> tuple[Session, str]:
+        """One started episode, not yet in the store."""
         ws = None
         if cls.needs_workspace:
             ws = self._new_workspace(env_name, *cls.workspace_base(seed))
@@ -257,19 +284,7 @@ class SessionStore:
                 env_name, f"env {env_name!r}: reset({seed}) raised {type(e).__name__}: {e}"
             ) from e
         now = self.clock()
-        s = Session(uuid.uuid4().hex, env_name, env, max(1, max_turns), now, now, workspace=ws)
-        with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                self.counts.rejected_full += 1
-                full = True
-            else:
-                full = False
-                self._sessions[s.id] = s
-                self.counts.created += 1
-        if full:
-            self._drop_workspace(ws)
-            raise SandboxFull(self._full_message())
-        return s, prompt
+        return Session(uuid.uuid4().hex, env_name, env, max(1, max_turns), now, now, workspace=ws), prompt
 
     def _new_workspace(
         self, what: str, base: Path | None = None, binds: dict[Path, str] | None = None
