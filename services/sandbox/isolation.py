@@ -324,7 +324,9 @@ class Workspace:
     def _mount_quota(self, path: Path) -> None:
         assert self.uid is not None
         m = self.manager
-        mount_quota(m.disk_quota_backend, path, self.image, m.disk_quota_mb << 20, m.disk_quota_inodes, self.uid)
+        mount_quota(
+            m.disk_quota_backend, path, self.image, m.disk_quota_mb << 20, m.disk_quota_inodes, self.uid
+        )
         self.quota = True
 
     def _setup_overlay(self) -> None:
@@ -712,7 +714,9 @@ class WorkspaceManager:
             "disk_quota_mb": sec.disk_quota_mb,
             "disk_quota_inodes": sec.disk_quota_inodes,
             "disk_quota_backend": sec.disk_quota_backend,
-            "session_limits": SessionLimits(sec.session_memory_mb << 20, sec.session_max_pids, sec.session_cpus),
+            "session_limits": SessionLimits(
+                sec.session_memory_mb << 20, sec.session_max_pids, sec.session_cpus
+            ),
             "use_cgroups": sec.cgroups == "auto",
         }
         if sec.workdir_root:

@@ -91,7 +91,9 @@ def mount_disk_image(path: Path, image: Path, size_bytes: int, inodes: int, uid:
     os.chmod(path, 0o700)
 
 
-def mount_quota(backend: QuotaBackend, path: Path, image: Path, size_bytes: int, inodes: int, uid: int) -> None:
+def mount_quota(
+    backend: QuotaBackend, path: Path, image: Path, size_bytes: int, inodes: int, uid: int
+) -> None:
     if backend == "disk":
         mount_disk_image(path, image, size_bytes, inodes, uid)
     else:
