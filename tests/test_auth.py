@@ -53,8 +53,8 @@ OPEN = {
 }
 
 
-def _service(kind: str, cfg: RunConfig, redis_url: str) -> Service:
-    return Service(kind, cfg, redis_url, "127.0.0.1", 0)
+def _service(kind: str, cfg: RunConfig, redis_url: str, run_dir: Path) -> Service:
+    return Service(kind, cfg, redis_url, "127.0.0.1", 0, run_dir)
 
 
 def build(kind: str, redis_url: str, tmp: Path) -> FastAPI:
@@ -66,23 +66,23 @@ def build(kind: str, redis_url: str, tmp: Path) -> FastAPI:
     if kind == "decode":
         from services.decode.server import build_app
 
-        return build_app(_service(kind, cfg, redis_url))
+        return build_app(_service(kind, cfg, redis_url, tmp))
     if kind == "prefill":
         from services.prefill.server import build_app as build_prefill
 
-        return build_prefill(_service(kind, cfg, redis_url))
+        return build_prefill(_service(kind, cfg, redis_url, tmp))
     if kind == "kvstore":
         from services.kvstore.server import build_app as build_kv
 
-        return build_kv(_service(kind, cfg, redis_url), tmp)
+        return build_kv(_service(kind, cfg, redis_url, tmp), tmp)
     if kind == "sandbox":
         from services.sandbox.server import build_app as build_sandbox
 
-        return build_sandbox(cfg, _service(kind, cfg, redis_url))
+        return build_sandbox(cfg, _service(kind, cfg, redis_url, tmp))
     from services.orchestrator.app import build_app as build_orch
     from services.orchestrator.loop import Orchestrator
 
-    svc = _service(kind, cfg, redis_url)
+    svc = _service(kind, cfg, redis_url, tmp)
     return build_orch(svc, Orchestrator(cfg, svc.bus, tmp))
 
 
