@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.sandbox import session, session_root
+from helpers.sandbox import root_session_root, session
 from test_sandbox_service import Sandbox
 
 from services.common.auth import auth_headers
@@ -32,9 +32,7 @@ CPUS = 0.1
 
 @pytest.fixture(scope="module")
 def workroot(bwrap: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("per-session cgroups and uids need root")
-    with session_root("relay-limits-test-") as root:
+    with root_session_root("relay-limits-test-", "per-session cgroups and uids") as root:
         yield root
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.sandbox import session, session_root
+from helpers.sandbox import root_session_root, session
 from test_sandbox_service import Sandbox
 
 from services.common.auth import auth_headers
@@ -28,9 +28,7 @@ INODES = 200
 
 @pytest.fixture(scope="module")
 def workroot(bwrap: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("the disk quota mounts a filesystem per session: needs root")
-    with session_root("relay-quota-test-") as root:
+    with root_session_root("relay-quota-test-", "the disk quota mounts a filesystem per session") as root:
         yield root
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import uvicorn
@@ -34,6 +34,8 @@ from services.common.gate import BodyLimit, Gate, document_security
 from services.common.net import bind_socket
 from services.common.schemas import ServiceInfo, UpdateWeightsRequest
 from services.common.weights_gate import UpdateRefused, check_update
+
+T = TypeVar("T")
 
 
 class JsonFormatter(logging.Formatter):
@@ -259,6 +261,14 @@ class Service:
         # into exit 0.
         signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
         uvicorn.Server(config).run(sockets=[self.sock])
+
+
+def loaded(engine: T | None) -> T:
+    """A service's engine, or the 503 (Retry-After) of a service still waiting for its first
+    weights (decode, prefill)."""
+    if engine is None:
+        raise HTTPException(503, "loading: waiting for the first weights", headers={"Retry-After": "1"})
+    return engine
 
 
 async def authorize_update(service: Service, req: UpdateWeightsRequest) -> None:

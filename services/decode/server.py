@@ -42,6 +42,7 @@ from services.common.service import (
     Service,
     authorize_update,
     create_app,
+    loaded,
     log_event,
     start_service,
     token_body_limit,
@@ -164,9 +165,7 @@ class Decode:
     # ------------------------------------------------------------------ helpers
 
     def loaded(self) -> AsyncEngine:
-        if self.engine is None:
-            raise HTTPException(503, "loading: waiting for the first weights", headers={"Retry-After": "1"})
-        return self.engine
+        return loaded(self.engine)
 
     def ready(self) -> AsyncEngine:
         """The engine, for a new generation: 503 (Retry-After) while loading or paused. Requests

@@ -41,6 +41,7 @@ from services.common.service import (
     Service,
     authorize_update,
     create_app,
+    loaded,
     log_event,
     start_service,
     token_body_limit,
@@ -126,9 +127,7 @@ class Prefill:
             await asyncio.sleep(WEIGHTS_POLL_S)
 
     def ready(self) -> AsyncEngine:
-        if self.engine is None:
-            raise HTTPException(503, "loading: waiting for the first weights", headers={"Retry-After": "1"})
-        return self.engine
+        return loaded(self.engine)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         aengine = self.ready()

@@ -3,6 +3,7 @@ share: a session root directory the per-session uids can traverse, and opening a
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -22,6 +23,18 @@ def session_root(prefix: str) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def root_session_root(prefix: str, why: str) -> Iterator[Path]:
+    """`session_root` for tests of what only a root sandbox does (mounts, cgroups, uids): skips
+    the test, saying `why`, when not root."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip(f"{why}: needs root")
+    with session_root(prefix) as root:
+        yield root
 
 
 def session(c: httpx.Client) -> str:
