@@ -19,8 +19,9 @@ from helpers.debug_weights import random_model_dir
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.parallel.engine import ParallelEngine, run_worker
+from services.engine.parallel.engine import ParallelEngine
 from services.engine.parallel.group import init_engine_groups
+from services.engine.parallel.runner import build_runner, run_worker
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 
@@ -97,12 +98,11 @@ def worker(rank: int, name: str, dirs: list[str], init: str, out_dir: str, die: 
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
     if rank != 0:
         if die:  # build the shard, take one order, then leave without a word
-            from services.engine.parallel.engine import _runner
-
-            runner = _runner(dirs[0], CFG, par, groups)
+            start = groups.world.broadcast_object(None)
+            runner = build_runner(start.path, CFG, par, groups)
             runner.run(groups.world.broadcast_object(None))
             return
-        run_worker(dirs[0], CFG, par, groups)
+        run_worker(CFG, par, groups)
         return
     eng = ParallelEngine(dirs[0], CFG, par, groups)
     if die:

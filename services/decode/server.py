@@ -10,6 +10,7 @@ swaps them at a step boundary while requests keep running.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -63,6 +64,7 @@ from services.decode.streaming import sse_events
 from services.decode.tokenize import detokenize, tokenize
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
+from services.engine.parallel.ranks import EngineRanks
 from services.kvstore.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
@@ -85,6 +87,13 @@ class Decode:
             KVRouter(self.cfg, service.bus.services) if self.cfg.kvstore.enabled else None
         )
         self._load_lock = asyncio.Lock()
+        # decode.parallel over several ranks: this process is rank 0 and starts the others with
+        # the engine (services/engine/parallel/ranks.py).
+        self.ranks: EngineRanks | None = None
+        if self.cfg.decode.parallel.ranks > 1 and self.kv is not None:
+            raise SystemExit(
+                "decode.parallel: a multi-rank engine does not move KV pages yet; set kvstore.enabled = false"
+            )
 
     # ------------------------------------------------------------------ weights
 
@@ -98,7 +107,10 @@ class Decode:
                 # for the whole run (and /update_weights takes only its announced directory).
                 return self.engine.version
             if self.engine is None:
-                engine = await asyncio.to_thread(LLMEngine, path, self.cfg.decode.engine, version)
+                if self.cfg.decode.parallel.ranks > 1:
+                    engine = await asyncio.to_thread(self._start_ranks, path, version)
+                else:
+                    engine = await asyncio.to_thread(LLMEngine, path, self.cfg.decode.engine, version)
                 tok_file = Path(path) / "tokenizer.json"
                 self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.exists() else None
                 try:
@@ -139,6 +151,19 @@ class Decode:
                 )
             self.service.version = version
             return version
+
+    def _start_ranks(self, path: str, version: int) -> LLMEngine:
+        self.ranks = EngineRanks(self.cfg, "decode", self._ranks_failed)
+        self.ranks.start()
+        par = self.cfg.decode.parallel
+        log_event(self.log, "engine ranks joined", ranks=par.ranks, tp=par.tp, ep=par.ep)
+        return self.ranks.engine(path, version)
+
+    def _ranks_failed(self, why: str) -> None:
+        """A rank died or a step broke the group: this replica cannot go on. Exit non-zero now
+        (requests in flight fail with the connection); the supervisor restarts every rank."""
+        log_event(self.log, "engine ranks failed", reason=why)
+        os._exit(1)
 
     async def wait_for_weights(self) -> None:
         """Poll Redis for the latest published weights until an engine is up (or another path,
@@ -233,6 +258,9 @@ def build_app(service: Service) -> FastAPI:
                 loader.cancel()
                 if state.engine is not None:
                     await asyncio.to_thread(state.engine.stop)
+                if state.ranks is not None:
+                    engine = state.engine.engine if state.engine is not None else None
+                    await asyncio.to_thread(state.ranks.stop, engine)  # type: ignore[arg-type]
                 if state.kv is not None:
                     await state.kv.close()
                 log_event(service.log, "engine stopped")

@@ -18,7 +18,7 @@ import httpx
 from helpers.service_process import start_service
 from services.common.auth import auth_headers
 from services.common.bus import Bus
-from services.common.config import EngineConfig, ModelConfig, RunConfig
+from services.common.config import EngineConfig, ModelConfig, ParallelConfig, RunConfig
 from services.common.schemas import WeightsInfo
 
 T = TypeVar("T")
@@ -60,16 +60,20 @@ def decode_server(
     max_batch_size: int = 8,
     run_name: str | None = None,
     publish: bool = True,
+    parallel: ParallelConfig | None = None,
 ) -> Iterator[Server]:
     """Publish `model_dir` as weights version 0 under a fresh `<prefix>-<hex>` Redis prefix, start
     a decode process on it, wait until it is registered and has loaded the weights, and yield it;
-    the process is terminated on exit (killed if it does not stop within 20 s). With
+    the process is terminated on exit (killed if it does not stop within 20 s). `parallel`: the
+    engine's decode.parallel (its rank 0 in the process, the other ranks its children). With
     `publish=False` nothing is published and it is yielded once registered, still waiting for
     its first weights (the caller publishes them)."""
     cfg = RunConfig(model=model)
     cfg.redis.prefix = f"{prefix}-{uuid.uuid4().hex[:8]}"
     cfg.redis.heartbeat_s = 0.2
     cfg.decode.engine = EngineConfig(device="cpu", max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    if parallel is not None:  # an engine over several ranks (worker processes of the service)
+        cfg.decode.parallel = parallel
     if run_name is not None:
         cfg.run.name = run_name
     (tmp / "config.json").write_text(cfg.dump())

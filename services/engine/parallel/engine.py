@@ -16,35 +16,34 @@ are split by KV heads across ranks).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from services.common.config import EngineConfig, ModelConfig, ParallelConfig
+from services.common.config import EngineConfig, ParallelConfig
 from services.common.gpu_memory import cap_process_memory
 from services.engine.batch import BlockTables, Span, num_sms
-from services.engine.engine import LLMEngine, resolve_device
-from services.engine.kv_cache import KVCache
+from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.loader import Checkpoint, WeightsError
 from services.engine.overlap import Feed
 from services.engine.parallel.group import EngineGroups
-from services.engine.parallel.model import check_supported, local_config
 from services.engine.parallel.runner import (
-    RankRunner,
     RecordingKVCache,
+    StartOrder,
     StepOrder,
     StopOrder,
     WeightsOrder,
-    config_of,
-    serve_orders,
+    build_runner,
+    rank_device,
 )
 from services.engine.parallel.vocab import ShardedSampler
 from services.engine.sampler import SampleOutput, Sampler
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence
+from services.engine.sequence import RequestState, Sequence
 from services.engine.stats import EngineStats
 
 
@@ -58,45 +57,6 @@ class Sampled:
         return self.out
 
 
-def check_engine(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig) -> None:
-    check_supported(m, par)
-    if par.ranks > 1 and cfg.quantization != "none":
-        raise ValueError("quantization: a multi-rank engine serves bf16/float32 weights only")
-
-
-def kv_blocks(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig, max_seq_len: int) -> int:
-    """Pages in every rank's pool (the same number on all: rank 0's page tables index them all);
-    a byte budget counts the rank's own KV heads."""
-    if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks
-    if cfg.kv_cache_bytes is not None:
-        per_block = KVCache.bytes_per_block_for(
-            local_config(m, par), cfg.block_size, getattr(torch, cfg.dtype)
-        )
-        return max(1, cfg.kv_cache_bytes // per_block)
-    return cfg.max_batch_size * -(-max_seq_len // cfg.block_size)
-
-
-def _runner(
-    model_dir: str | Path, cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups
-) -> RankRunner:
-    torch.set_num_threads(cfg.torch_threads)
-    m = config_of(model_dir)
-    check_engine(cfg, m, par)
-    device = resolve_device(cfg.device)
-    max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
-    blocks = kv_blocks(cfg, m, par, max_seq_len)
-    kv_cls = RecordingKVCache if groups.world.rank == 0 else KVCache
-    return RankRunner(model_dir, cfg, par, groups, device, blocks, max_seq_len, kv_cls)
-
-
-def run_worker(model_dir: str | Path, cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups) -> None:
-    """Ranks 1..: build the shard and run rank 0's orders until it stops (a dead peer raises)."""
-    if groups.world.rank == 0:
-        raise ValueError("rank 0 runs ParallelEngine")
-    serve_orders(_runner(model_dir, cfg, par, groups))
-
-
 class ParallelEngine(LLMEngine):
     """Rank 0 of a multi-rank engine: LLMEngine's API (generate, step, add_request, weights)."""
 
@@ -107,15 +67,22 @@ class ParallelEngine(LLMEngine):
         par: ParallelConfig,
         groups: EngineGroups,
         version: int | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """on_failure: called when a step or a weight update fails. The ranks are then out of step
+        (a peer may have died, or missed an order), so the group cannot go on: a service exits
+        there and its supervisor restarts every rank. Without it the error is raised as is."""
         if groups.world.rank != 0:
-            raise ValueError("ranks other than 0 run run_worker")
+            raise ValueError("ranks other than 0 run runner.run_worker")
         self.par, self.groups = par, groups
+        self.on_failure = on_failure
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.device = rank_device(cfg, groups.world.rank)
         self.memory_cap = cap_process_memory(self.device, cfg.cuda_memory_gib)
         self.dtype = getattr(torch, cfg.dtype)
-        self.runner = _runner(model_dir, cfg, par, groups)
+        # The workers build their shards of the same directory meanwhile.
+        groups.world.broadcast_object(StartOrder(str(model_dir)))
+        self.runner = build_runner(model_dir, cfg, par, groups)
         ckpt = self.runner.checkpoint
         self.model_config = m = ckpt.config
         self.max_seq_len = self.runner.max_seq_len
@@ -149,6 +116,17 @@ class ParallelEngine(LLMEngine):
         self.graphs = None
         self.mixed_graphs = None
 
+    def step(self) -> list[RequestState]:
+        try:
+            return super().step()
+        except BaseException as e:
+            self._failed(e)
+            raise
+
+    def _failed(self, e: BaseException) -> None:
+        if self.on_failure is not None:
+            self.on_failure(e)
+
     def _launch(
         self, spans: list[Span], seqs: list[Sequence], rows: list[int], feed: Feed | None = None
     ) -> Sampled | None:
@@ -174,8 +152,12 @@ class ParallelEngine(LLMEngine):
     def apply_weights(self, ckpt: Checkpoint, version: int) -> None:
         """Every rank loads its slices of `ckpt`'s directory, between steps."""
         t0 = time.monotonic()
-        self.groups.world.broadcast_object(WeightsOrder(str(ckpt.path), version))
-        self.runner.load(ckpt)
+        try:
+            self.groups.world.broadcast_object(WeightsOrder(str(ckpt.path), version))
+            self.runner.load(ckpt)
+        except BaseException as e:
+            self._failed(e)
+            raise
         self.version = self.scheduler.version = version
         self.model_dir = ckpt.path
         self.stats.observe_weights(time.monotonic() - t0, ckpt.read_s, ckpt.nbytes)

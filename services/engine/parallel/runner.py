@@ -31,6 +31,7 @@ from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import (
     build_parallel_model,
+    check_supported,
     local_config,
     local_state,
     sharded_logits,
@@ -54,6 +55,13 @@ class StepOrder:
 
 
 @dataclass
+class StartOrder:
+    """Build the shard of this weights directory (a worker's first order)."""
+
+    path: str
+
+
+@dataclass
 class WeightsOrder:
     path: str
     version: int
@@ -64,7 +72,7 @@ class StopOrder:
     pass
 
 
-Order = StepOrder | WeightsOrder | StopOrder
+Order = StartOrder | StepOrder | WeightsOrder | StopOrder
 
 
 class RecordingKVCache(KVCache):
@@ -155,10 +163,60 @@ def config_of(path: str | Path) -> ModelConfig:
         raise WeightsError(f"{path}: {e}") from e
 
 
-def serve_orders(runner: RankRunner) -> None:
-    """A worker rank's loop: run rank 0's orders until it says stop. A failed collective (a dead
-    peer) raises out of here."""
-    world = runner.groups.world
+def check_engine(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig) -> None:
+    check_supported(m, par)
+    if par.ranks > 1 and cfg.quantization != "none":
+        raise ValueError("quantization: a multi-rank engine serves bf16/float32 weights only")
+
+
+def kv_blocks(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig, max_seq_len: int) -> int:
+    """Pages in every rank's pool (the same number on all: rank 0's page tables index them all);
+    a byte budget counts the rank's own KV heads."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if cfg.kv_cache_bytes is not None:
+        per_block = KVCache.bytes_per_block_for(
+            local_config(m, par), cfg.block_size, getattr(torch, cfg.dtype)
+        )
+        return max(1, cfg.kv_cache_bytes // per_block)
+    return cfg.max_batch_size * -(-max_seq_len // cfg.block_size)
+
+
+def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
+    """The rank's device: with CUDA, the rank-th visible GPU (a replica sees exactly its GPUs)."""
+    want = cfg.device
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def build_runner(
+    model_dir: str | Path, cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups
+) -> RankRunner:
+    torch.set_num_threads(cfg.torch_threads)
+    m = config_of(model_dir)
+    check_engine(cfg, m, par)
+    max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
+    blocks = kv_blocks(cfg, m, par, max_seq_len)
+    kv_cls = RecordingKVCache if groups.world.rank == 0 else KVCache
+    device = rank_device(cfg, groups.world.rank)
+    return RankRunner(model_dir, cfg, par, groups, device, blocks, max_seq_len, kv_cls)
+
+
+def run_worker(cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups) -> None:
+    """Ranks 1..: wait for rank 0's StartOrder, build the shard, run its orders until it says stop.
+    A failed collective (a dead peer) raises out of here."""
+    world = groups.world
+    if world.rank == 0:
+        raise ValueError("rank 0 runs ParallelEngine")
+    start = world.broadcast_object(None, src=0)
+    if isinstance(start, StopOrder):
+        return
+    if not isinstance(start, StartOrder):
+        raise RuntimeError(f"rank {world.rank}: expected a StartOrder first, got {type(start).__name__}")
+    runner = build_runner(start.path, cfg, par, groups)
     while True:
         order = world.broadcast_object(None, src=0)
         if isinstance(order, StopOrder):
