@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from services.sandbox.cgroups import SessionLimits
 from services.sandbox.isolation import Limits, Workspace, WorkspaceManager
 
 FAST = Limits(timeout_s=10, cpu_s=5, memory_mb=512, max_procs=32, max_file_mb=4, output_bytes=4096)
@@ -28,8 +29,13 @@ FAST = Limits(timeout_s=10, cpu_s=5, memory_mb=512, max_procs=32, max_file_mb=4,
 @pytest.fixture(scope="module")
 def manager(bwrap: str) -> Iterator[WorkspaceManager]:
     # A uid range of its own: other sandboxes on this host (other test runs) use the default one.
+    # Session limits on, as the service's defaults have them: where cgroups are usable every
+    # command here joins its session's cgroup as root and drops to the session's uid itself.
     m = WorkspaceManager.temporary(
-        limits=FAST, max_concurrent=8, uid_base=random.randrange(1_000_000, 50_000_000, 1000)
+        limits=FAST,
+        max_concurrent=8,
+        uid_base=random.randrange(1_000_000, 50_000_000, 1000),
+        session_limits=SessionLimits(1 << 30, 128, 1.0),
     )
     yield m
     m.shutdown()
@@ -92,6 +98,25 @@ def test_runs_in_session_dir_as_session_uid(ws: Workspace) -> None:
     if ws.uid is not None:
         assert int(lines[1]) == ws.uid != 0
     assert (ws.path / "f").read_text() == "hi\n"
+
+
+def test_commands_run_in_the_session_cgroup_as_the_session_uid(manager: WorkspaceManager) -> None:
+    """Every process of a command is in its session's cgroup, none of them root; the cgroup goes
+    with the session."""
+    if manager.setup_cgroups() and manager.cgroups is None:
+        pytest.skip(f"no cgroups here: {manager.cgroups_note}")
+    ws = manager.create()
+    assert ws.cgroup is not None and ws.uid is not None
+    t = threading.Thread(target=lambda: ws.run("sleep 2 & sleep 2; wait"))
+    t.start()
+    assert wait_gone(lambda: len(ws.cgroup.pids()) < 3), ws.cgroup.pids()  # type: ignore[union-attr]
+    pids = ws.cgroup.pids()
+    uids = {int((Path("/proc") / str(p) / "status").read_text().split("Uid:")[1].split()[0]) for p in pids}
+    assert uids == {ws.uid}, (pids, uids)
+    t.join(10)
+    dirs = ws.cgroup.dirs
+    manager.release(ws)
+    assert not any(d.exists() for d in dirs)
 
 
 # ------------------------------------------------------------------ network
