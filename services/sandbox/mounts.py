@@ -22,6 +22,7 @@ import ctypes
 import errno
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Literal
@@ -54,6 +55,11 @@ def mount_tmpfs(path: Path, size_bytes: int, inodes: int, uid: int) -> None:
         ) from e
 
 
+def _tool(name: str) -> str:
+    """A system tool's path; sbin too, which a non-login PATH may lack."""
+    return shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") or name
+
+
 def image_bytes(size_bytes: int, inodes: int) -> int:
     """The image that holds `size_bytes` of files: ext4's own tables (256 bytes an inode, ~3% for
     bitmaps, descriptors and blocks held back for delayed allocation) come on top."""
@@ -71,10 +77,11 @@ def mount_disk_image(path: Path, image: Path, size_bytes: int, inodes: int, uid:
     finally:
         os.close(fd)
     mkfs = [
-        "mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes), "-O", "^has_journal,^resize_inode",
+        _tool("mkfs.ext4"), "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes),
+        "-O", "^has_journal,^resize_inode",
         "-E", f"root_owner={uid}:{uid},lazy_itable_init=1,nodiscard", str(image),
     ]  # fmt: skip
-    mount = ["mount", "-t", "ext4", "-o", "loop,nosuid,nodev", str(image), str(path)]
+    mount = [_tool("mount"), "-t", "ext4", "-o", "loop,nosuid,nodev", str(image), str(path)]
     for argv in (mkfs, mount):
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
@@ -83,7 +90,7 @@ def mount_disk_image(path: Path, image: Path, size_bytes: int, inodes: int, uid:
         if out.returncode != 0:
             image.unlink(missing_ok=True)
             raise MountError(
-                f"cannot {argv[0]} the session's disk image {image} for sandbox.disk_quota_mb: "
+                f"cannot {Path(argv[0]).name} the session's disk image {image} for sandbox.disk_quota_mb: "
                 f"{(out.stderr or out.stdout).strip()[:300]} (needs root, e2fsprogs and loop devices); "
                 'set sandbox.disk_quota_backend = "tmpfs" (the quota in memory) or sandbox.disk_quota_mb = 0'
             )
