@@ -22,6 +22,7 @@ def _step_kernel(
     c_ptr,
     d_ptr,
     y_ptr,
+    slot_stride,
     heads_per_group,
     P: tl.constexpr,
     N: tl.constexpr,
@@ -45,7 +46,7 @@ def _step_kernel(
     x = tl.load(x_ptr + (seq * H + h) * P + rows, mask=rmask, other=0.0).to(tl.float32)
     bv = tl.load(b_ptr + (seq * G + g) * N + cols, mask=cmask, other=0.0).to(tl.float32)
     cv = tl.load(c_ptr + (seq * G + g) * N + cols, mask=cmask, other=0.0).to(tl.float32)
-    offs = ((slot * H + h) * P + rows[:, None]) * N + cols[None, :]
+    offs = slot * slot_stride + (h * P + rows[:, None]) * N + cols[None, :]
     m2 = rmask[:, None] & cmask[None, :]
     s = tl.load(state_ptr + offs, mask=m2, other=0.0)
     s = s * decay + (dt * x)[:, None] * bv[None, :]
@@ -66,8 +67,12 @@ def ssd_step_pool(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> torch.Tensor:
-    """state [S, H, P, N] float32 (updated in place at rows `slots` [b]), x [b, H, P], dt [b, H]
-    (after softplus and clamping), A [H], B/C [b, G, N], D [H] -> y [b, H, P] float32."""
+    """state [S, H, P, N] float32 (updated in place at rows `slots` [b]; each slot's [H, P, N]
+    contiguous, the slots any stride apart: one layer's view of a [S, layers, ...] pool), x
+    [b, H, P], dt [b, H] (after softplus and clamping), A [H], B/C [b, G, N], D [H] -> y [b, H, P]
+    float32."""
+    if state[0].stride() != (state.shape[2] * state.shape[3], state.shape[3], 1):
+        raise ValueError("ssd_step_pool: each slot's state must be contiguous")
     b, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
     y = torch.empty(b, h, p, dtype=torch.float32, device=x.device)
@@ -83,6 +88,7 @@ def ssd_step_pool(
         C.contiguous(),
         D.float().contiguous(),
         y,
+        state.stride(0),
         h // g,
         P=p,
         N=n,

@@ -43,3 +43,11 @@ def test_step_kernel_equals_the_torch_step(p: int, n: int, groups: int) -> None:
     torch.testing.assert_close(pool[slots], want_s, rtol=1e-5, atol=1e-5)
     others = [i for i in range(slots_total) if i not in slots.tolist()]
     assert torch.equal(pool[others], state[others])
+    # One layer's view of a [slots, layers, H, P, N] pool: the slots a layer-stride apart.
+    layered = torch.stack([state, -state, state * 2], dim=1)
+    view = layered[:, 1]
+    y2 = ssd_step_pool(view, slots, x, dt, a, bm, cm, d)
+    want_y2, want_s2 = ssd_step(-state[slots], x, dt, a, bm, cm, d)
+    torch.testing.assert_close(y2, want_y2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layered[slots, 1], want_s2, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layered[:, 0], state) and torch.equal(layered[:, 2], state * 2)
