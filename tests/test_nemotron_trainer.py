@@ -168,6 +168,12 @@ def test_config_round_trips_and_counts_parameters() -> None:
         small_nemotron(n_layers=5)
     with pytest.raises(ValueError, match="untied"):
         small_nemotron(tie_embeddings=True)
+    # A Mamba-2 state is not in the KV pages: no KV store, no prefill services.
+    from services.common.config import ConfigError, load_config
+
+    for bad in ("--kvstore.enabled=true", "--prefill.replicas=1"):
+        with pytest.raises(ConfigError, match="Mamba-2"):
+            load_config("debug-nemotron", [bad])
 
 
 def test_logits_match_hf_nemotron_h(tmp_path: Path) -> None:

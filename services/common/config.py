@@ -989,6 +989,20 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _recurrent_state(self) -> RunConfig:
+        # A Mamba-2 layer keeps a per-sequence state, not pages: KV pages alone cannot carry a
+        # prompt from one engine to another (services/engine/state_cache.py).
+        m = self.model
+        if m.is_hybrid and "M" in m.hybrid_pattern:
+            if self.kvstore.enabled:
+                raise ValueError(
+                    "kvstore.enabled: a model with Mamba-2 layers cannot move prompts as KV pages"
+                )
+            if self.prefill.replicas > 0 or self.slurm.prefill.nodes > 0:
+                raise ValueError("prefill: a model with Mamba-2 layers prefills on its decode engines")
+        return self
+
+    @model_validator(mode="after")
     def _engine_layouts(self) -> RunConfig:
         self.decode.parallel.check(self.model, "decode.parallel")
         self._check_gpus(self.decode.parallel, "decode", self.decode.replicas)
