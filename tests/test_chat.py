@@ -176,7 +176,7 @@ def test_extra_template_variables(tmp_path: Path) -> None:
     assert tpl is not None
     msgs = [{"role": "user", "content": "a"}]
     assert tpl.render(msgs) == "think"
-    assert tpl.render(msgs, enable_thinking=False) == "no"
+    assert tpl.render(msgs, variables={"enable_thinking": False}) == "no"
 
 
 def test_generation_tag_renders_its_body_like_transformers(tmp_path: Path) -> None:
