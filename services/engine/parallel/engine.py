@@ -84,6 +84,7 @@ class ParallelEngine(LLMEngine):
         groups.world.broadcast_object(StartOrder(str(model_dir)))
         self.runner = build_runner(model_dir, cfg, par, groups)
         ckpt = self.runner.checkpoint
+        assert ckpt is not None
         self.model_config = m = ckpt.config
         self.max_seq_len = self.runner.max_seq_len
         self.model, self.kv = self.runner.model, self.runner.kv

@@ -93,11 +93,12 @@ class RecordingKVCache(KVCache):
 
 
 class RankRunner:
-    """One rank's model shard, KV cache shard and sampler."""
+    """One rank's model shard, KV cache shard and sampler. `ckpt`: this rank's slices of the
+    weights to load (`read`); None leaves the weights unset (whoever builds it fills them)."""
 
     def __init__(
         self,
-        model_dir: str | Path,
+        m: ModelConfig,
         cfg: EngineConfig,
         par: ParallelConfig,
         groups: EngineGroups,
@@ -105,17 +106,17 @@ class RankRunner:
         num_blocks: int,
         max_seq_len: int,
         kv_cls: type[KVCache] = KVCache,
+        ckpt: Checkpoint | None = None,
     ) -> None:
         self.cfg, self.par, self.groups, self.device = cfg, par, groups, device
         self.dtype: torch.dtype = getattr(torch, cfg.dtype)
-        ckpt = self.read(model_dir)
-        self.model_config = m = ckpt.config
+        self.model_config = m
         self.max_seq_len = max_seq_len
-        self.model = build_parallel_model(
-            m, par, groups, max_seq_len, ckpt.attention_bias, device, self.dtype
-        ).eval()
+        bias = ckpt.attention_bias if ckpt is not None else False
+        self.model = build_parallel_model(m, par, groups, max_seq_len, bias, device, self.dtype).eval()
         self.model.logits_fp32 = cfg.logits_fp32
-        self.load(ckpt)
+        if ckpt is not None:
+            self.load(ckpt)
         self.kv = kv_cls.for_model(
             local_config(m, par), num_blocks, cfg.block_size, max_seq_len, self.dtype, device
         )
@@ -124,8 +125,7 @@ class RankRunner:
 
     def read(self, path: str | Path) -> Checkpoint:
         """This rank's slices of a weights directory (memory-mapped; services/common/weights_slice.py)."""
-        m = getattr(self, "model_config", None) or config_of(path)
-        return read_checkpoint(path, slice_spec(m, self.par, self.groups))
+        return read_checkpoint(path, slice_spec(self.model_config, self.par, self.groups))
 
     @torch.no_grad()
     def load(self, ckpt: Checkpoint) -> None:
@@ -195,14 +195,16 @@ def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 def build_runner(
     model_dir: str | Path, cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups
 ) -> RankRunner:
+    """The rank's runner on the weights of `model_dir` (its slices only)."""
     torch.set_num_threads(cfg.torch_threads)
-    m = config_of(model_dir)
+    ckpt = read_checkpoint(model_dir, slice_spec(config_of(model_dir), par, groups))
+    m = ckpt.config
     check_engine(cfg, m, par)
     max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
     blocks = kv_blocks(cfg, m, par, max_seq_len)
     kv_cls = RecordingKVCache if groups.world.rank == 0 else KVCache
     device = rank_device(cfg, groups.world.rank)
-    return RankRunner(model_dir, cfg, par, groups, device, blocks, max_seq_len, kv_cls)
+    return RankRunner(m, cfg, par, groups, device, blocks, max_seq_len, kv_cls, ckpt)
 
 
 def run_worker(cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups) -> None:
