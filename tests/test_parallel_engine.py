@@ -2,8 +2,8 @@
 single-rank LLMEngine, float32 CPU: the same requests through the same steps give the same greedy
 and seeded tokens, log-probs and top-n (1e-5) and routed expert ids, with forked samples (n = 2),
 truncated sampling, preemption (a small KV pool), prefix-cache hits, and a weight update in the
-middle of generation. Qwen3 at TP 2 and Qwen3-MoE at EP 2; and a worker that dies makes rank 0's
-next step fail instead of hanging."""
+middle of generation. Qwen3 at TP 2, Qwen3-MoE, GLM-5 and DeepSeek-V3 at EP 2 (attention heads
+over the same 2 ranks); and a worker that dies makes rank 0's next step fail instead of hanging."""
 
 from __future__ import annotations
 
@@ -43,6 +43,36 @@ MODELS = {
         ParallelConfig(tp=2, ep=2),
     ),
 }
+# DeepSeek-V3 (MLA with low-rank q, sigmoid routing in 2 groups with the selection bias, a shared
+# expert) and GLM-5 (the same plus the DSA indexer: each query's 8 best keys once a context is
+# longer, which these prompts and outputs are): heads split over tp 2, latents on both ranks.
+MLA = dict(
+    BASE,
+    head_dim=24,
+    n_kv_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_hidden_dim=16,
+    first_k_dense=1,
+    router_score="sigmoid",
+    n_group=2,
+    topk_group=1,
+    expert_bias=True,
+    routed_scaling_factor=2.5,
+    qk_norm=False,
+    tie_embeddings=False,
+)
+MODELS["deepseek-ep2"] = (ModelConfig(**MLA, arch="deepseek_v3"), ParallelConfig(tp=2, ep=2))
+MODELS["glm5-ep2"] = (
+    ModelConfig(**MLA, arch="glm_moe_dsa", index_topk=8, index_n_heads=4, index_head_dim=16),
+    ParallelConfig(tp=2, ep=2),
+)
 # 12 pages of 4 tokens: the first round's four sequences (two prompts, one forked in two) need
 # more than that by their end, so the scheduler preempts and recomputes.
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4, num_kv_blocks=12)
@@ -134,7 +164,10 @@ def run(name: str, tmp_path: Path, die: bool = False) -> None:
     )
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3-tp2", "moe-ep2", "glm5-ep2", pytest.param("deepseek-ep2", marks=pytest.mark.full)],
+)
 def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Path) -> None:
     run(name, tmp_path)
     r = json.loads((tmp_path / f"{name}.json").read_text())

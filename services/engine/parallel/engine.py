@@ -8,7 +8,7 @@ the sampled tokens, identical on every rank. Weight updates go to every rank in 
 rank reading its own slices.
 
 What the multi-rank engine does not do yet: data-parallel attention (one scheduler per attention
-group), MLA models, FP8, the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
+group), FP8, the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
 scheduling: it runs the torch attention path on any device) and KV page export/import (pages
 are split by KV heads across ranks).
 """

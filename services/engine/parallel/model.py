@@ -9,8 +9,10 @@ checkpoint (read through `slice_spec`, per-expert names made local by `local_sta
 checks, and the attention code, the KV cache
 (`KVCache.for_model(local_config(...))`: the rank's KV heads) and the routing store are unchanged.
 
-Tensor parallel covers the GQA families (qwen3, llama3, qwen3_moe); MLA models (deepseek_v3,
-glm_moe_dsa) are not split yet.
+MLA models (deepseek_v3, glm_moe_dsa) split their heads the same way (q_b_proj / q_proj and
+kv_b_proj by heads, o_proj by its input): the low-rank down-projections, the cached latent and
+GLM-5's DSA indexer are every head's, so every rank of a tp group keeps them whole. nemotron_h
+(Mamba-2 layers) is not split.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import RowParallelLinear, split_range
 from services.engine.parallel.vocab import ShardedLogits, VocabParallelEmbedding
 
-SPLIT_ARCHS = ("qwen3", "llama3", "qwen3_moe")
+SPLIT_ARCHS = ("qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
 
 
 def check_supported(m: ModelConfig, par: ParallelConfig) -> None:
@@ -75,7 +77,8 @@ def build_parallel_model(
             model.lm_head = nn.Linear(m.dim, m.vocab_size // tp.size, bias=False)
         for layer in model.model.layers:
             attn = layer.self_attn
-            attn.o_proj = RowParallelLinear(local.n_heads * m.head_dim, m.dim, tp)
+            o = attn.o_proj  # (MLA's reads heads x v_head_dim)
+            attn.o_proj = RowParallelLinear(o.in_features, m.dim, tp, bias=o.bias is not None)
             mlp = layer.mlp
             if isinstance(mlp, MoE):
                 index = mlp.moe_index
