@@ -14,7 +14,7 @@ NODES ?=
 RUN ?=
 RUN_ENV := $(if $(RUN),RELAY_RUN_DIR=$(RUN))
 
-.PHONY: install launch plan stop status restart logs cluster cluster-stop test test-fast bench-check tasks lint format clean chromium
+.PHONY: install launch plan resume stop status restart logs cluster cluster-stop test test-fast bench-check tasks lint format clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ launch: $(STAMP)
 # from the config and the rates measured in bench/ (bench/plan/rates.toml, docs/capacity.md).
 plan: $(STAMP)
 	$(PY) -m sbatch.plan $(MODEL) $(if $(NODES),--nodes $(NODES)) $(ARGS)
+
+# make resume RUN=runs/<dir> [ARGS="--run.max_steps=800"]: continue a stopped run in its directory
+# (its Redis data, ledger, checkpoints; step lines go on after the last one printed).
+resume: $(STAMP)
+	$(RUN_ENV) $(PY) -m sbatch.launch resume $(ARGS)
 
 stop: $(STAMP)
 	$(RUN_ENV) $(PY) -m sbatch.launch stop

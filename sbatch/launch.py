@@ -7,6 +7,7 @@ python -m sbatch.launch status
 python -m sbatch.launch stop
 python -m sbatch.launch restart decode               # every decode replica; decode.1 for one
 python -m sbatch.launch logs decode.0
+RELAY_RUN_DIR=runs/<dir> python -m sbatch.launch resume [--run.max_steps=800 ...]
 """
 
 from __future__ import annotations
@@ -49,6 +50,46 @@ def cmd_run(model: str, overrides: list[str], dry_run: bool = False) -> int:
     from sbatch.local import run
 
     return run(cfg)
+
+
+def cmd_resume(overrides: list[str]) -> int:
+    """Continue a stopped run in its directory (`make resume RUN=<dir>`): its resolved config
+    (with `overrides` on top), its Redis data (the launcher's Redis restarts on RUN_DIR/redis), its
+    key prefix, ledger, checkpoints and weights. The trainer resumes from its newest checkpoint, the
+    orchestrator re-issues the groups that were in flight and continues its task order, and step
+    lines go on after the last printed one."""
+    run_dir = _latest()
+    if run_dir is None or not (run_dir / "config.json").exists():
+        console.print(f"[red]no run to resume ({run_dir or 'runs/latest'}): make resume RUN=runs/<dir>[/]")
+        return 2
+    pids_file = run_dir / "pids.json"
+    running = _run_processes(pids_file) if pids_file.exists() else {}
+    if running:
+        names = ", ".join(f"{n} {p}" for n, p in running.items())
+        console.print(f"[red]run {run_dir.name} is still running ({names}): `make stop` it first[/]")
+        return 2
+    try:
+        cfg = load_resolved(run_dir / "config.json", overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]")
+        return 2
+    # The resolved config holds the namespaced prefix and the URL of a Redis that is gone; the
+    # launcher derives both again (the same prefix, and its own Redis on the run's data).
+    redis = cfg.redis.model_copy(update={"prefix": cfg.redis.prefix.removesuffix(f":{run_dir.name}")})
+    if cfg.slurm.launcher == "slurm":
+        plan = json.loads((run_dir / "slurm" / "plan.json").read_text())
+        redis.url = plan["redis_url"]
+    elif (run_dir / "redis").is_dir():
+        redis.url = ""
+    cfg = cfg.model_copy(update={"redis": redis, "run": cfg.run.model_copy(update={"dir": str(run_dir)})})
+    if cfg.slurm.launcher == "slurm":
+        from sbatch import slurm
+
+        slurm.suppress_submitit_warnings()
+        return slurm.submit(cfg, console, resume=True)
+    from sbatch.local import run
+
+    return run(cfg, resume=True)
 
 
 def local_dry_run(cfg: RunConfig) -> int:
@@ -274,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("status")
     sub.add_parser("stop")
+    sub.add_parser(
+        "resume", help="continue a stopped run (RELAY_RUN_DIR or runs/latest) [--section.key=value ...]"
+    )
     rs = sub.add_parser("restart", help="restart one service: decode, decode.1, orchestrator, trainer ...")
     rs.add_argument("service", nargs="?", default="")
     lg = sub.add_parser("logs", help="tail a service's log")
@@ -283,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     if args.cmd == "run":
         return cmd_run(args.model, rest, args.dry_run)
+    if args.cmd == "resume":
+        return cmd_resume(rest)
     if rest:
         p.error(f"unexpected arguments {rest}")
     if args.cmd == "restart":

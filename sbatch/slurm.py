@@ -43,8 +43,8 @@ from typing import Any
 import redis
 from rich.console import Console
 
-from sbatch.local import RUNS_DIR, make_run_dir, read_metrics_after, service_argv
-from sbatch.summary import StepLine, print_summary, summarize
+from sbatch.local import RUNS_DIR, make_run_dir, service_argv, write_atomic
+from sbatch.summary import StepLine, print_summary, read_metrics_after, summarize
 from sbatch.supervisor import FINAL_STATES, RestartPolicy, read_states, supervisor_argv
 from services.common.auth import AuthError, RunSecrets, ensure_run_secrets, load_run_secrets, with_credentials
 from services.common.bus import Bus, Keys, connect, run_prefix, wait_for_redis
@@ -201,9 +201,7 @@ def build_plan(cfg: RunConfig, run_dir: Path) -> JobPlan:
         redis_port=s.redis_port,
         rdzv_port=s.rdzv_port,
         components=tuple(components),
-        policy=RestartPolicy(
-            sp.max_restarts, sp.backoff_s, sp.backoff_max_s, sp.reset_after_s, sp.stop_timeout_s
-        ),
+        policy=RestartPolicy.of(sp),
     )
 
 
@@ -241,28 +239,12 @@ def multinode_trainer_argv(argv: list[str], nnodes: int, endpoint: str, rdzv_id:
 
 
 def redis_argv(run_dir: Path, port: int | str) -> list[str]:
-    from services.common.redis_server import CONF_FILE, server_binary
+    from services.common.redis_server import server_argv
 
-    # AOF on: a Redis restarted by its supervisor (or a requeued job) comes back with the run's
-    # state (ledger, stream, step counters); everything else assumes Redis keeps what it was told.
-    # Bound on all interfaces (other nodes connect); the password and protected mode are in the
-    # head's RUN_DIR/redis/redis-auth.conf (mode 0600), not on this command line.
-    return [
-        server_binary(),
-        str(run_dir / "redis" / CONF_FILE),
-        "--port",
-        str(port),
-        "--bind",
-        "0.0.0.0",
-        "--dir",
-        str(run_dir / "redis"),
-        "--save",
-        "",
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "everysec",
-    ]
+    # On every interface: the other components reach it from their nodes. The password and
+    # protected mode are in the head's RUN_DIR/redis/redis-auth.conf (mode 0600, secure_conf),
+    # not on this command line.
+    return server_argv(port, run_dir / "redis", bind="0.0.0.0")
 
 
 def service_command(
@@ -484,12 +466,6 @@ def het_position(env: dict[str, str] | os._Environ[str]) -> tuple[int, int]:
     raise RuntimeError(f"SLURM_PROCID {procid} is beyond the het groups' {sum(counts)} tasks")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _say(msg: str, **fields: Any) -> None:
     print(json.dumps({"ts": round(time.time(), 3), "logger": "component", "msg": msg, **fields}), flush=True)
 
@@ -507,6 +483,8 @@ class ComponentTask:
         self.job_id = os.environ.get("SLURM_JOB_ID", "local")
         self.host = socket.gethostname()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.started: dict[str, tuple[ServiceSpec, list[str], str]] = {}  # what _start ran, by name
+        self.revived: dict[str, int] = {}
         self.codes: dict[str, int] = {}
         self.stop_reason = ""
         self.r: redis.Redis | None = None
@@ -521,6 +499,7 @@ class ComponentTask:
         self.stop_reason = self.stop_reason or f"signal {signal.Signals(signum).name}"
 
     def _start(self, spec: ServiceSpec, argv: list[str], redis_url: str) -> None:
+        self.started[spec.name] = (spec, argv, redis_url)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -530,12 +509,25 @@ class ComponentTask:
         # tools would misread them (e.g. as a distributed launch), so services do not inherit them.
         for k in [k for k in env if k.startswith(("SLURM_", "SUBMITIT_"))]:
             del env[k]
-        log = open(self.run_dir / "logs" / f"{spec.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        sup = supervisor_argv(spec.name, argv, self.plan.policy, redis_url, self.plan.prefix)
-        self.procs[spec.name] = subprocess.Popen(
-            sup, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True
+        sup = supervisor_argv(
+            spec.name,
+            argv,
+            self.plan.policy,
+            redis_url,
+            self.plan.prefix,
+            probe={"redis": "redis", "trainer": "none"}.get(spec.kind, "http"),
+            # Per host: a pid is only meaningful where the process runs.
+            pid_file=self.run_dir / "pids" / f"{spec.name}.{self.host}.pid",
+            log=self.run_dir / "logs" / f"{spec.name}.log",
         )
-        log.close()
+        self.procs[spec.name] = subprocess.Popen(
+            sup,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
         _say("started", service=spec.name, pid=self.procs[spec.name].pid, host=self.host)
 
     def _wait_head(self, timeout_s: float = 900.0) -> str:
@@ -565,9 +557,12 @@ class ComponentTask:
             spec = next(s for s in self.specs if s.kind == "redis")
             self._start(spec, redis_argv(self.run_dir, port), url)
         wait_for_redis(url, 60)
+        # A resumed (or requeued) run's Redis holds the request that stopped its last job.
+        keys = Keys(self.plan.prefix)
+        connect(url).delete(keys.control_shutdown, keys.control_stop)
         # Services read RUN_DIR/config.json: give it the live URL before anything else starts.
-        _write_atomic(Path(self.plan.config_path), resolved_config(cfg, self.plan, url).dump())
-        _write_atomic(
+        write_atomic(Path(self.plan.config_path), resolved_config(cfg, self.plan, url).dump())
+        write_atomic(
             self.run_dir / "slurm" / HEAD_FILE,
             json.dumps({"job_id": self.job_id, "redis_url": url, "host": self.host, "time": time.time()}),
         )
@@ -596,6 +591,7 @@ class ComponentTask:
         signal.signal(signal.SIGINT, self._on_term)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "pids").mkdir(parents=True, exist_ok=True)
         _say(
             "task",
             role=self.comp.role,
@@ -651,9 +647,16 @@ class ComponentTask:
         assert self.r is not None
         code = 0
         while True:
-            for name, p in self.procs.items():
+            for name, p in list(self.procs.items()):
                 rc = p.poll()
                 if rc is None or name in self.codes:
+                    continue
+                if rc < 0 and not self.stop_reason:
+                    # Killed from outside (not finished, not given up): the watchdog starts it again;
+                    # the new supervisor first waits for the child the old one left behind.
+                    self.revived[name] = self.revived.get(name, 0) + 1
+                    _say("supervisor killed: starting it again", service=name, signal=-rc)
+                    self._start(*self.started[name])
                     continue
                 self.codes[name] = rc
                 _say("supervisor exited", service=name, code=rc)
@@ -723,7 +726,7 @@ class ComponentTask:
             summary = summarize(self.cfg, self.run_dir, bus, time.time() - self.t0, code)
             summary["stop_reason"] = self.stop_reason
             summary["slurm_job_id"] = self.job_id
-            _write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             _say("summary written", status=summary["status"])
         except Exception as e:  # noqa: BLE001 - a failed summary must not keep Redis and the job alive
             _say("summary failed", error=repr(e))
@@ -793,7 +796,9 @@ def dry_run(cfg: RunConfig, console: Console) -> int:
     return 0
 
 
-def submit(cfg: RunConfig, console: Console) -> int:
+def submit(cfg: RunConfig, console: Console, resume: bool = False) -> int:
+    """Submit the run's het job; `resume`: the run directory exists, the job continues it (the
+    head restarts Redis on RUN_DIR/redis, step lines go on after the last one printed)."""
     ensure_slurm_conf()
     if shutil.which("sbatch") is None:
         console.print(
@@ -851,14 +856,15 @@ def submit(cfg: RunConfig, console: Console) -> int:
             "not following (slurm.follow=false): `make status`, `make logs SERVICE=...`, `make stop`"
         )
         return 0
-    return follow(cfg, run_dir, job.job_id, console, t0)
+    seen = len(read_metrics_after(run_dir / "metrics.jsonl", 0)) if resume else 0
+    return follow(cfg, run_dir, job.job_id, console, t0, seen)
 
 
-def follow(cfg: RunConfig, run_dir: Path, job_id: str, console: Console, t0: float) -> int:
+def follow(cfg: RunConfig, run_dir: Path, job_id: str, console: Console, t0: float, seen: int = 0) -> int:
     """Print step lines from RUN_DIR/metrics.jsonl until the job leaves the queue."""
     line = StepLine(cfg)
     path = run_dir / "metrics.jsonl"
-    printed, size, started, last_check = 0, -1, False, 0.0
+    printed, size, started, last_check = seen, -1, False, 0.0
     deadline = time.monotonic() + cfg.run.timeout_s
     console.print(line.header())
     try:

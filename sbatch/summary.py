@@ -61,6 +61,22 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
     console.print(f"metrics: {s['run_dir']}/metrics.jsonl  summary: {s['run_dir']}/summary.json")
 
 
+def write_summary(run_dir: Path, summary: dict[str, Any], console: Console | None = None) -> bool:
+    """RUN_DIR/summary.json, atomically: a reader (or a full disk) never finds it empty or cut
+    short. If it cannot be written, the summary goes to the console instead."""
+    from sbatch.local import write_atomic
+
+    text = json.dumps(summary, indent=2)
+    try:
+        write_atomic(run_dir / "summary.json", text)
+        return True
+    except OSError as e:
+        if console is not None:
+            console.print(f"[red]could not write {run_dir}/summary.json ({e}); the summary:[/]")
+            console.print(text, soft_wrap=True)
+        return False
+
+
 def _window_means(vals: list[float], w: int = 10) -> list[float]:
     return [
         sum(vals[max(0, i - w + 1) : i + 1]) / len(vals[max(0, i - w + 1) : i + 1]) for i in range(len(vals))
@@ -102,9 +118,26 @@ def versions_served(bus: Bus) -> list[int]:
     return sorted(versions)
 
 
+def read_metrics_after(path: Path, seen: int) -> list[dict[str, Any]]:
+    """Records of metrics.jsonl after its first `seen` lines. Re-read whole and counted in lines:
+    a restarted orchestrator rewrites the file (lines may change length), so a byte offset kept
+    across that would land mid-line. A line still being written ends the read."""
+    try:
+        lines = path.read_text().split("\n")[:-1]  # the last element is "" or a partial line
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in lines[seen:]:
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
 def summarize(cfg: RunConfig, run_dir: Path, bus: Bus, wall_s: float, code: int) -> dict[str, Any]:
     path = run_dir / "metrics.jsonl"
-    hist = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    hist = read_metrics_after(path, 0)
     tasks: dict[str, Any] = {}
     for t in cfg.orchestrator.tasks:
         series = [h["reward_by_env"][t.env] for h in hist if t.env in h.get("reward_by_env", {})]

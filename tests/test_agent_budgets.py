@@ -187,7 +187,7 @@ async def run_groups(
     t0 = time.monotonic()
     try:
         for spec in specs:
-            orch._record_start(spec)
+            orch._record_start(spec, 0)
         await asyncio.gather(*(orch._run_group(spec) for spec in specs))
         took = time.monotonic() - t0
     finally:

@@ -130,7 +130,7 @@ def run_two_replicas(
         try:
             specs = [GroupSpec(group_id=uuid.uuid4().hex[:12], env=ENV, seed=0) for _ in range(4)]
             for spec in specs:
-                orch._record_start(spec)
+                orch._record_start(spec, 0)
             await asyncio.gather(*(orch._run_group(spec) for spec in specs))
         finally:
             await http.close()

@@ -151,8 +151,8 @@ def test_rollout_browser_lists_filters_and_pages(
         bus.log_rollout(RolloutLogEntry.of_group(g))
         groups.append(g)
     # The trainer trained b0-b7 (b0-b3 at version 1, b4-b7 at 2), dropped b8 as stale; b9-b11 pend.
-    bus.mark_trained([f"b{i}" for i in range(4)], version=1)
-    bus.mark_trained([f"b{i}" for i in range(4, 8)], version=2)
+    bus.mark_trained([f"b{i}" for i in range(4)], step=2, version=1)
+    bus.mark_trained([f"b{i}" for i in range(4, 8)], step=3, version=2)
     bus.mark_dropped("b8", "stale: trainer v4 - min_version 2 = 2 > max_off_policy_steps 1", version=4)
     # A group the orchestrator dropped before it finished: no transcript, no reward.
     bus.mark_dropped("x1", "failed after 3 attempts")

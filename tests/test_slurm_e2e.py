@@ -180,6 +180,46 @@ def test_kill9_decode_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> No
     assert ready[1]["version"] >= killed_at - 1 >= 1, "the restarted decode must load the current weights"
 
 
+def test_redis_and_a_supervisor_killed_then_resumed_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
+    """On the head: Redis's server is SIGKILLed (its supervisor restarts it on its AOF and every
+    client reconnects), then the sandbox's supervisor (the component task starts it again). The
+    run finishes with its ledger whole; `make resume` with more steps then continues it as a new
+    job on the same Redis data, step lines going on after the last."""
+    run_dir = tmp_path / "run"
+    steps = 12
+    proc = launch(run_dir, steps, *SLURM)
+    wait_steps(run_dir, 2, proc)
+    r, prefix = run_redis(run_dir)
+    redis_pid = supervisor_state(r, prefix, "redis")["child_pid"]
+    os.kill(redis_pid, signal.SIGKILL)
+    wait_steps(run_dir, 3, proc)
+    sandbox_sup = supervisor_state(r, prefix, "sandbox.0")["pid"]
+    os.kill(sandbox_sup, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while supervisor_state(r, prefix, "sandbox.0")["pid"] == sandbox_sup:
+        assert time.monotonic() < deadline, "the sandbox's supervisor was not started again"
+        time.sleep(0.5)
+    finish(proc, run_dir)
+    first = check_ledger(run_dir, steps)
+    redis_log = (run_dir / "logs" / "redis.log").read_text()
+    assert redis_log.count('"msg": "child failed: restarting"') == 1, "Redis was not restarted once"
+    slurm_log = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_log.out"))
+    assert "supervisor killed: starting it again" in slurm_log
+
+    env = {**os.environ, "RELAY_RUN_DIR": str(run_dir)}
+    with open(tmp_path / "resume.out", "w") as log:
+        resumed = subprocess.run(
+            [sys.executable, "-m", "sbatch.launch", "resume", f"--run.max_steps={steps + 3}"],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=580,
+        )  # fmt: skip
+    out = (tmp_path / "resume.out").read_text()
+    assert resumed.returncode == 0, out[-5000:]
+    summary = check_ledger(run_dir, steps + 3)
+    assert summary["ledger"]["started"] > first["ledger"]["started"]
+    printed = [int(x.split()[0]) for x in out.splitlines() if x.strip() and x.split()[0].isdigit()]
+    assert printed == [steps + 1, steps + 2, steps + 3], out
+
+
 def test_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
     """`make restart SERVICE=orchestrator` (the CLI behind it) mid-run: it resumes from Redis state."""
     run_dir = tmp_path / "run"

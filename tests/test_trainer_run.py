@@ -369,6 +369,27 @@ def test_resume_when_published_weights_are_newer_than_checkpoint(
     assert bus.latest_weights().version == 5  # type: ignore[union-attr]
 
 
+def test_resume_without_a_checkpoint_numbers_on(redis_server: str, tmp_path: Path) -> None:
+    """Killed (or out of disk) before its first checkpoint after reaching version 3: the trainer
+    starts again from weights/step_0 (no optimizer state to resume) and publishes it as version 4,
+    never as 0 again: a version number is never reused for other weights."""
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir)
+    cfg.run.max_steps = 3
+    run_with_feeder(cfg, run_dir, redis_server)
+    shutil.rmtree(run_dir / "checkpoints")
+    trainer = Trainer(cfg.model_copy(deep=True), run_dir, redis_server)
+    try:
+        trainer.setup()
+    finally:
+        trainer.d.close()
+    assert trainer.version == 4 and trainer.last_checkpoint == -1
+    _, sd0 = load_weights_dir(step_dir(run_dir, 0))
+    _, sd4 = load_weights_dir(step_dir(run_dir, 4))
+    assert all(torch.equal(sd0[k], sd4[k]) for k in sd0)
+    assert Bus(redis_server, cfg.redis.prefix).latest_weights().version == 4  # type: ignore[union-attr]
+
+
 def test_stop_key_and_sigterm_exit_cleanly(redis_server: str, tmp_path: Path) -> None:
     """No data arrives; the control:stop key stops an in-process trainer, SIGTERM a subprocess.
     Both exit 0 with nothing acked."""

@@ -21,6 +21,7 @@ Step protocol (trainer holds version v):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import torch
@@ -46,8 +47,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from services.common.bus import Bus
+from services.common.bus import Bus, until_done
 from services.common.config import RunConfig, load_resolved
+from services.common.disk import FATAL_EXIT, disk_full, fallback_log_dir, move_stdio
 from services.common.gpu_memory import cap_process_memory, memory_held
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
@@ -91,6 +93,7 @@ READ_BLOCK_MS = 500
 # Non-zero ranks sit in a broadcast while rank 0 waits for rollouts, which can take long
 # (slow orchestrator, paused run). If rank 0 dies, torchrun tears the others down anyway.
 DIST_TIMEOUT = timedelta(hours=24)
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ distributed helpers
@@ -177,6 +180,20 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
             if m and (p / CKPT_FILE).is_file() and (best is None or int(m.group(1)) > best[0]):
                 best = (int(m.group(1)), p)
     return best
+
+
+def remove_partial_writes(run_dir: Path) -> list[str]:
+    """The temporary directories of weights and checkpoint writes that never completed
+    (`.step_N.tmp-<pid>`, left by a failed write or a killed process): only the trainer writes
+    them, and a finished write has renamed its directory, so any found at start or after a
+    failed write are garbage."""
+    removed = []
+    for sub in ("weights", "checkpoints"):
+        root = run_dir / sub
+        for p in root.glob(".step_*.tmp-*") if root.is_dir() else []:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(str(p))
+    return removed
 
 
 def write_checkpoint(run_dir: Path, step: int, payload: dict[str, Any]) -> Path:
@@ -277,6 +294,8 @@ class Trainer:
         # Before the model reaches the device: a trainer sharing its GPU with decode stays in its budget.
         memory_cap = cap_process_memory(self.d.device, tc.cuda_memory_gib)
         model = build_model(self.cfg.model, seed=self.cfg.run.seed, init_std=tc.init_std)
+        if self.d.is_main:
+            remove_partial_writes(self.run_dir)
         ckpt = latest_checkpoint(self.run_dir)
         state: dict[str, Any] | None = None
         if ckpt is not None:
@@ -350,7 +369,7 @@ class Trainer:
         # weights and never lower than one already served, and no weights directory is rewritten
         # (docs/loss.md). Rank 0 decides (another rank could see a directory appear mid-write and
         # skip the collective inside _write_weights).
-        latest = self.bus.latest_weights() if self.bus is not None else None
+        latest = self._redis("resume", self.bus.latest_weights) if self.bus is not None else None
         reached = max(
             latest.version if latest is not None else -1,
             self._recorded_version(),
@@ -362,10 +381,10 @@ class Trainer:
         if self.d.broadcast(not step_dir(self.run_dir, self.version).exists()):
             self._write_weights(self.version)
         if self.bus is not None:
-            self.bus.ensure_trainer_group()
-            self.bus.publish_weights(
-                WeightsInfo(version=self.version, path=str(step_dir(self.run_dir, self.version)))
-            )
+            bus = self.bus
+            info = WeightsInfo(version=self.version, path=str(step_dir(self.run_dir, self.version)))
+            self._redis("setup", bus.ensure_trainer_group)
+            self._redis("publish", bus.publish_weights, info)
             self._recover_pending()
             self._record_state("running")
         log_event(
@@ -379,14 +398,46 @@ class Trainer:
             **memory_cap,
         )
 
+    def on_disk_full(self, e: BaseException) -> None:
+        """Rank 0: remove what the failed write left, and say so where it can be read (Redis, and
+        the log: the launcher prints "disk full" from the trainer state)."""
+        if not self.d.is_main:
+            return
+        removed = remove_partial_writes(self.run_dir)
+        free = shutil.disk_usage(self.run_dir).free
+        # Our log is on the full disk too: what follows goes where it can be written.
+        moved = fallback_log_dir(self.cfg.redis.prefix) / "trainer.log"
+        log_event(
+            self.log,
+            "disk full",
+            error=repr(e),
+            free_bytes=free,
+            removed=removed,
+            version=self.version,
+            log=str(moved) if move_stdio(moved) else "",
+        )
+        if (bus := self.bus) is not None:
+            with contextlib.suppress(redis.RedisError):
+                state = {**self._state("disk full"), "error": f"{e!r}: {e.__cause__!r}"}
+                bus.r.hset(bus.k.trainer_state, mapping=state)
+
+    def _redis(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Rank 0's Redis calls: retried however long Redis is away (a restart under the run),
+        never a crash; a stop request ends the wait."""
+        return until_done(lambda: fn(*args, **kwargs), what, stop=self.stop_requested.is_set)
+
     def _recover_pending(self) -> None:
-        """Entries delivered to this consumer but never acked (the previous process died before
-        committing, or committed but died before acking). Trained ones are acked and skipped."""
-        assert self.bus is not None
-        pending = self.bus.read_groups(CONSUMER, count=1_000_000, block_ms=0, pending=True)
-        done = {eid for eid, g in pending if self.bus.is_trained(g.group_id)}
-        self.bus.ack(sorted(done))
-        self.backlog = [(eid, g) for eid, g in pending if eid not in done]
+        """Entries delivered to this consumer but never acked, not yet in the backlog: the previous
+        process died before committing, or a read's reply was lost while Redis restarted (the
+        entries were delivered but never reached us). Trained ones are acked and skipped."""
+        bus = self.bus
+        assert bus is not None
+        pending = self._redis("recover", bus.read_groups, CONSUMER, count=1_000_000, block_ms=0, pending=True)
+        known = {eid for eid, _ in self.backlog}
+        new = [(eid, g) for eid, g in pending if eid not in known]
+        done = {eid for eid, g in new if self._redis("recover", bus.is_trained, g.group_id)}
+        self._redis("recover", bus.ack, sorted(done))
+        self.backlog += [(eid, g) for eid, g in new if eid not in done]
 
     # -------------------------------------------------------------- weights / state
 
@@ -414,7 +465,8 @@ class Trainer:
         """Called by rank 0's publishing thread once `dest` is renamed into place: the version is
         announced (the only versions services load and samples may carry), then old ones go."""
         if self.bus is not None:
-            self.bus.publish_weights(WeightsInfo(version=int(dest.name.split("_")[1]), path=str(dest)))
+            bus, info = self.bus, WeightsInfo(version=int(dest.name.split("_")[1]), path=str(dest))
+            self._redis("publish", bus.publish_weights, info)
             self._retain()
 
     def _retain(self) -> None:
@@ -465,40 +517,48 @@ class Trainer:
 
     def _recorded_version(self) -> int:
         """The version in the trainer state a previous process of this run recorded (-1: none)."""
-        if self.bus is None:
+        bus = self.bus
+        if bus is None:
             return -1
-        raw = self.bus.r.hget(self.bus.k.trainer_state, "version")
+        raw = self._redis("resume", bus.r.hget, bus.k.trainer_state, "version")
         return int(raw) if raw is not None else -1
 
+    def _state(self, status: str) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "step": self.version,
+            "last_checkpoint": self.last_checkpoint,
+            "status": status,
+            "world": self.d.world,
+            "pid": os.getpid(),
+            "updated": time.time(),
+        }
+
     def _record_state(self, status: str) -> None:
-        if self.bus is None:
-            return
-        self.bus.r.hset(
-            self.bus.k.trainer_state,
-            mapping={
-                "version": self.version,
-                "step": self.version,
-                "last_checkpoint": self.last_checkpoint,
-                "status": status,
-                "world": self.d.world,
-                "pid": os.getpid(),
-                "updated": time.time(),
-            },
-        )
+        bus = self.bus
+        if bus is not None:
+            self._redis("state", bus.r.hset, bus.k.trainer_state, mapping=self._state(status))
 
     # -------------------------------------------------------------- data
 
     def _should_stop(self) -> bool:
         if self.stop_requested.is_set():
             return True
-        assert self.bus is not None
-        return bool(self.bus.r.exists(self.bus.k.control_stop))
+        bus = self.bus
+        assert bus is not None
+        try:
+            return bool(self._redis("stop key", bus.r.exists, bus.k.control_stop))
+        except redis.RedisError:
+            return self.stop_requested.is_set()  # a stop request ended the wait
 
     def _collect(self) -> tuple[Batch, list[str]]:
         """Rank 0: gather exactly batch_size eligible groups. Returns the batch and the stream
         entry ids to ack once it is committed. On stop the partial batch stays unacked."""
-        assert self.bus is not None
+        bus = self.bus
+        assert bus is not None
         oc = self.cfg.orchestrator
+        if self._redis("collect", bus.pending_count, CONSUMER) > len(self.backlog):
+            self._recover_pending()
         picked: list[tuple[str, RolloutGroup]] = []
         seen: set[str] = set()
         dropped = 0
@@ -510,14 +570,15 @@ class Trainer:
             if self.backlog:
                 entries, self.backlog = self.backlog[:need], self.backlog[need:]
             else:
-                entries = self.bus.read_groups(CONSUMER, count=need, block_ms=READ_BLOCK_MS)
+                entries = self._redis(
+                    "collect", bus.read_groups, CONSUMER, count=need, block_ms=READ_BLOCK_MS
+                )
             for eid, g in entries:
-                if g.group_id in seen or self.bus.is_trained(g.group_id):
-                    self.bus.ack([eid])  # duplicate delivery: already trained once
+                if g.group_id in seen or self._redis("collect", bus.is_trained, g.group_id):
+                    self._redis("collect", bus.ack, [eid])  # delivered again: already trained
                     continue
                 if g.min_version < 0:
-                    self.bus.ack([eid])
-                    self.bus.mark_dropped(g.group_id, "empty: no loss tokens")
+                    self._drop(eid, g, "empty: no loss tokens")
                     continue
                 assert self.announced is not None
                 bad = self.announced.unannounced(v for s in g.samples for v in s.versions)
@@ -527,12 +588,11 @@ class Trainer:
                     continue
                 staleness = self.version - g.min_version
                 if staleness > oc.max_off_policy_steps:
-                    self.bus.ack([eid])
-                    self.bus.mark_dropped(
-                        g.group_id,
+                    self._drop(
+                        eid,
+                        g,
                         f"stale: trainer v{self.version} - min_version {g.min_version} = {staleness}"
                         f" > max_off_policy_steps {oc.max_off_policy_steps}",
-                        version=self.version,
                     )
                     dropped += 1
                     continue
@@ -542,6 +602,11 @@ class Trainer:
             stop=False, groups=[g for _, g in picked], dropped_stale=dropped, wait_s=time.monotonic() - t0
         )
         return batch, [eid for eid, _ in picked]
+
+    def _drop(self, eid: str, g: RolloutGroup, reason: str) -> None:
+        bus = self.bus
+        assert bus is not None
+        self._redis("drop", bus.drop_entry, eid, g.group_id, reason, self.version)
 
     # -------------------------------------------------------------- compute
 
@@ -696,13 +761,13 @@ class Trainer:
                 self.version >= max_steps and tc.checkpoint_on_stop
             ):
                 self._checkpoint()
-            if self.bus is not None:
-                # Commit, then ack: a crash in between re-delivers entries the ledger already has.
-                self.bus.mark_trained([g.group_id for g in batch.groups], version=v)
-                self._record_state("running")
-                self.bus.ack(entry_ids)
+            if (bus := self.bus) is not None:
+                # The ledger, the trainer state and the acks in one transaction (a crash before it
+                # re-delivers the entries; the ledger then skips none twice).
+                ids, state = [g.group_id for g in batch.groups], self._state("running")
+                self._redis("commit", bus.commit_step, ids, self.version, entry_ids, state, v)
                 m = self._metrics(v, batch, res, publish_s)
-                self.bus.push_metrics(m)
+                self._redis("metrics", bus.push_metrics, m)
                 log_event(self.log, "step", **m.model_dump())
         self.publisher.wait()  # perf path: the last version is on disk and published before exit
         if self.cfg.trainer.checkpoint_on_stop and self.version > self.last_checkpoint and self.version > 0:
@@ -783,7 +848,15 @@ def run(cfg: RunConfig, run_dir: str | Path, redis_url: str, log: logging.Logger
     trainer = Trainer(cfg, Path(run_dir), redis_url, d, log)
     restore = _install_signals(trainer)
     try:
-        code = trainer.run()
+        try:
+            code = trainer.run()
+        except Exception as e:
+            if not disk_full(e):
+                raise
+            # Restarting would fail at the same write: give up (FATAL_EXIT: the supervisor does
+            # not restart it) and leave no partial directory behind. Resumable once space is freed.
+            trainer.on_disk_full(e)
+            return FATAL_EXIT
         # Leave together: a rank that tears its gloo group down while a peer is still finishing
         # (rank 0 logging, publishing) can abort in the group's destructor ("terminate called
         # without an active exception"). Only on the normal path: after a crash a peer may be gone.

@@ -4,20 +4,30 @@ Services never share memory; this is the contract.
 
 Synchronous redis-py throughout; asyncio callers wrap calls in `asyncio.to_thread`, so there is
 one implementation of each operation.
+
+Redis may restart under a run (its supervisor brings it back with its data: AOF, fsync every
+second). Every client made here reconnects: a command that meets a dropped connection is retried
+with exponential back-off for up to `RECONNECT_S`, and only then raises. A retried command may
+have run once already, so every write here is idempotent: sets, HSETs to a value, the trained
+ledger through `MARK_TRAINED` (which tells a retry of the same step from a second training). A
+long-running loop that must outlive a longer outage wraps its calls in `until_done`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from services.common.auth import redis_credentials
 from services.common.schemas import (
@@ -33,6 +43,11 @@ from services.common.schemas import (
 TRAINER_GROUP = "trainer"
 # The rollout log keeps about this many newest entries (a few MB; transcripts expire on their own).
 ROLLOUT_LOG_MAX = 100_000
+# How long one command keeps reconnecting before it raises: a supervised Redis is back in ~1-2 s.
+RECONNECT_S = 30.0
+BACKOFF_BASE_S, BACKOFF_CAP_S = 0.05, 2.0
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,7 +97,14 @@ class Keys:
         return f"{self.prefix}:rollouts:log"
 
     @property
+    def retrained(self) -> str:
+        """group id -> how many more steps trained it after the first (0 in a correct run)."""
+        return f"{self.prefix}:ledger:retrained"
+
+    @property
     def orchestrator_state(self) -> str:
+        """Hash: `cursor`, how many groups the orchestrator has started (its position in the
+        task order, which continues from there after a restart)."""
         return f"{self.prefix}:orchestrator"
 
     @property
@@ -100,6 +122,7 @@ class Keys:
 
     @property
     def trainer_state(self) -> str:
+        """Hash: `version` (the committed step), `status`, `last_checkpoint`, `pid`, ..."""
         return f"{self.prefix}:trainer"
 
     @property
@@ -148,14 +171,68 @@ def supervisor_states(r: redis.Redis, k: Keys) -> list[dict[str, Any]]:
     return sorted((json.loads(v) for v in vals if v), key=lambda s: s["name"])
 
 
-def connect(url: str, **kw: Any) -> redis.Redis:
+def _retries(total_s: float) -> int:
+    """How many back-off steps (base doubling up to the cap) add up to `total_s`."""
+    n, waited = 0, 0.0
+    while waited < total_s:
+        n += 1
+        waited += min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**n)
+    return n
+
+
+def connect(url: str, reconnect_s: float = RECONNECT_S, **kw: Any) -> redis.Redis:
     """A client of the run's Redis, authenticated with the URL's credentials or the run's
-    (services/common/auth.py). `kw` overrides redis-py options (timeouts)."""
+    (services/common/auth.py), that rides out a Redis restart of up to `reconnect_s` (see the
+    module's docstring; 0: no retries). `kw` overrides redis-py options (timeouts)."""
     username, password = redis_credentials(url)
-    opts: dict[str, Any] = {"decode_responses": True, "socket_timeout": 30, "health_check_interval": 10}
+    opts: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": 30,
+        "socket_connect_timeout": 5,
+        "health_check_interval": 10,
+        "retry": Retry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S), _retries(reconnect_s)),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError],
+    }
     if password:
         opts.update(username=username, password=password)
     return redis.Redis.from_url(url, **{**opts, **kw})
+
+
+def until_done(
+    fn: Callable[[], T],
+    what: str,
+    stop: Callable[[], bool] = lambda: False,
+    max_delay_s: float = 5.0,
+) -> T:
+    """fn() until it does not raise a Redis error, however long Redis is away (each attempt already
+    reconnects for RECONNECT_S), logging each failure; for loops that cannot go on without Redis
+    and must not die of its outage (the trainer's commit). Raises the last error when `stop()`."""
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+            if stop():
+                raise
+            log.warning("redis unavailable during %s (%s): retrying in %.1fs", what, e, delay)
+            time.sleep(delay)
+            delay = min(max_delay_s, delay * 2)
+
+
+# Mark groups trained at one step: a group's first training records its step; a later call for
+# the same step is a retry of that commit (no effect); another step training it counts in
+# `retrained`. KEYS: trained, retrained. ARGV: step, group ids.
+MARK_TRAINED = """
+for i = 2, #ARGV do
+  local cur = redis.call('HGET', KEYS[1], ARGV[i])
+  if not cur then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[1])
+  elseif cur ~= ARGV[1] then
+    redis.call('HINCRBY', KEYS[2], ARGV[i], 1)
+  end
+end
+return #ARGV - 1
+"""
 
 
 class Bus:
@@ -165,6 +242,7 @@ class Bus:
         self.url = url
         self.r = connect(url)
         self.k = Keys(prefix)
+        self._mark_trained = self.r.register_script(MARK_TRAINED)
 
     # ---------------------------------------------------------- rollouts stream
 
@@ -184,13 +262,20 @@ class Bus:
         """Read up to `count` groups. pending=True re-reads this consumer's unacked entries
         (what a restarted trainer must finish first: at-least-once delivery)."""
         start = "0" if pending else ">"
-        resp = self.r.xreadgroup(
-            TRAINER_GROUP,
-            consumer,
-            {self.k.rollouts: start},
-            count=count,
-            block=None if pending else block_ms,
-        )
+        try:
+            resp = self.r.xreadgroup(
+                TRAINER_GROUP,
+                consumer,
+                {self.k.rollouts: start},
+                count=count,
+                block=None if pending else block_ms,
+            )
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # Redis came back without the stream (it had none on disk): start reading anew.
+            self.ensure_trainer_group()
+            return []
         out: list[tuple[str, RolloutGroup]] = []
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
@@ -202,6 +287,25 @@ class Bus:
     def ack(self, entry_ids: list[str]) -> None:
         if entry_ids:
             self.r.xack(self.k.rollouts, TRAINER_GROUP, *entry_ids)
+
+    def drop_entry(self, entry_id: str, group_id: str, reason: str, version: int) -> None:
+        """The trainer at `version` drops a delivered group: recorded in the ledger and acked,
+        atomically."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.k.dropped, group_id, reason)
+        pipe.hset(self.k.consumed_at, group_id, version)
+        pipe.xack(self.k.rollouts, TRAINER_GROUP, entry_id)
+        pipe.execute()
+
+    def pending_count(self, consumer: str) -> int:
+        """Entries delivered to `consumer` and not yet acked."""
+        try:
+            for c in self.r.xinfo_consumers(self.k.rollouts, TRAINER_GROUP):
+                if c["name"] == consumer:
+                    return int(c["pending"])
+        except redis.ResponseError:  # no stream or group yet
+            pass
+        return 0
 
     def queue_depth(self) -> int:
         """Groups on the stream not yet delivered to the trainer."""
@@ -247,15 +351,49 @@ class Bus:
 
     # ---------------------------------------------------------- ledger
 
-    def mark_trained(self, group_ids: list[str], version: int | None = None) -> None:
-        """`version`: the trainer's version that trained them (recorded for their staleness)."""
+    def mark_trained(self, group_ids: list[str], step: int, version: int | None = None) -> None:
+        """Groups trained by step `step`; `version`: the trainer's version that trained them (the
+        step's starting version, recorded for their staleness)."""
         if group_ids:
-            pipe = self.r.pipeline()
-            for g in group_ids:
-                pipe.hincrby(self.k.trained, g, 1)
-                if version is not None:
-                    pipe.hset(self.k.consumed_at, g, version)
+            pipe = self.r.pipeline(transaction=True)
+            self._marks(pipe, group_ids, step, version)
             pipe.execute()
+
+    def _marks(self, pipe: Any, group_ids: list[str], step: int, version: int | None) -> None:
+        self._mark_trained(keys=[self.k.trained, self.k.retrained], args=[step, *group_ids], client=pipe)
+        if version is not None:
+            pipe.hset(self.k.consumed_at, mapping=dict.fromkeys(group_ids, version))
+
+    def commit_step(
+        self,
+        group_ids: list[str],
+        step: int,
+        entry_ids: list[str],
+        state: dict[str, Any],
+        version: int | None = None,
+    ) -> None:
+        """The trainer's commit of one step, atomically (so a reader never sees the ledger and
+        the trainer's version disagree): mark the groups trained at `step` (by `version`), record
+        the trainer state, then ack their stream entries. Idempotent, so a retry after a lost
+        reply is safe."""
+        pipe = self.r.pipeline(transaction=True)
+        if group_ids:
+            self._marks(pipe, group_ids, step, version)
+        pipe.hset(self.k.trainer_state, mapping=state)
+        if entry_ids:
+            pipe.xack(self.k.rollouts, TRAINER_GROUP, *entry_ids)
+        pipe.execute()
+
+    def progress(self) -> tuple[int, int, int, int | None]:
+        """(groups started, trained, dropped, the trainer's committed version or None), read
+        atomically: what admission is derived from."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.scard(self.k.started)
+        pipe.hlen(self.k.trained)
+        pipe.hlen(self.k.dropped)
+        pipe.hget(self.k.trainer_state, "version")
+        started, trained, dropped, version = pipe.execute()
+        return int(started), int(trained), int(dropped), None if version is None else int(version)
 
     def mark_dropped(self, group_id: str, reason: str, version: int | None = None) -> None:
         """`version`: the trainer's version when the trainer dropped it (None: the orchestrator)."""
@@ -269,8 +407,10 @@ class Bus:
         return bool(self.r.hexists(self.k.trained, group_id))
 
     def ledger(self) -> dict[str, object]:
+        """started (set of ids), trained (id -> times trained), dropped (id -> reason)."""
         started = self.r.smembers(self.k.started)
-        trained = {k: int(v) for k, v in self.r.hgetall(self.k.trained).items()}
+        again = {k: int(v) for k, v in self.r.hgetall(self.k.retrained).items()}
+        trained = {k: 1 + again.get(k, 0) for k in self.r.hkeys(self.k.trained)}
         dropped = self.r.hgetall(self.k.dropped)
         return {"started": started, "trained": trained, "dropped": dropped}
 
@@ -318,7 +458,17 @@ class Bus:
     # ---------------------------------------------------------- metrics
 
     def push_metrics(self, m: TrainerStepMetrics) -> None:
-        self.r.xadd(self.k.metrics, {"m": m.model_dump_json()})
+        """One entry per step, its id the step number: a retried push (a reply lost while Redis
+        restarted) is refused as a duplicate instead of appearing twice."""
+        entry = f"{m.step}-1"
+        try:
+            self.r.xadd(self.k.metrics, {"m": m.model_dump_json()}, id=entry)
+        except redis.ResponseError as e:
+            if "equal or smaller" not in str(e):
+                raise
+            last = self.r.xrevrange(self.k.metrics, count=1)
+            if not last or last[0][0] != entry:  # not a retry: a step number went back
+                raise ValueError(f"metrics of step {m.step} after step {last[0][0] if last else '?'}") from e
 
     def read_metrics(
         self, after: str = "0", block_ms: int | None = None

@@ -688,6 +688,11 @@ class OrchestratorSection(ServiceSection):
     # credit at the same (turn, token index), so the right and wrong parts of one answer are
     # told apart; groups without credit fall back to "sequence" (docs/loss.md, "Token credit").
     advantage: Literal["sequence", "token"] = "sequence"
+    # A group whose decode or sandbox is unavailable (connection refused, 5xx, no live replica) is
+    # re-run with back-off (0.5 s doubling up to service_retry_max_delay_s) for up to
+    # service_retry_s before it is dropped: a service restarting under its supervisor loses none.
+    service_retry_s: float = Field(60.0, ge=0)
+    service_retry_max_delay_s: float = Field(5.0, gt=0)
     tasks: list[TaskSpec] = [TaskSpec(env="reverse")]
     sampling: SamplingConfig = SamplingConfig()
 
@@ -871,6 +876,11 @@ class SupervisorSection(Strict):
     reset_after_s: float = Field(300.0, gt=0)
     # SIGTERM grace before SIGKILL when stopping or restarting a service.
     stop_timeout_s: float = Field(15.0, gt=0)
+    # Liveness: every probe_interval_s (0: never) an HTTP service's /health (Redis: PING) must answer
+    # within probe_timeout_s; probe_failures misses in a row and it is killed and restarted.
+    probe_interval_s: float = Field(2.0, ge=0)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    probe_failures: int = Field(3, gt=0)
 
 
 class SlurmComponent(Strict):
@@ -1128,9 +1138,15 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunCon
         raise ConfigError(_format_validation(e, str(path))) from None
 
 
-def load_resolved(path: str | Path) -> RunConfig:
-    """Services read the launcher's resolved JSON config (RUN_DIR/config.json)."""
+def load_resolved(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Services read the launcher's resolved JSON config (RUN_DIR/config.json); a resumed run
+    reads it too, with its dotted overrides on top."""
     try:
-        return RunConfig.model_validate_json(Path(path).read_text())
+        if not overrides:
+            return RunConfig.model_validate_json(Path(path).read_text())
+        tree = _merge(json.loads(Path(path).read_text()), parse_overrides(overrides))
+        return RunConfig.model_validate(tree)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: not a run directory") from None
     except ValidationError as e:
         raise ConfigError(_format_validation(e, str(path))) from None

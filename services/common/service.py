@@ -1,7 +1,11 @@
 """What every relay HTTP service shares: the FastAPI app with /health and /metrics, the run token
 and body size limits on every route (services/common/gate.py), 4xx errors that name the bad field,
 structured logs, the registry heartbeat, and graceful SIGTERM shutdown (uvicorn drains in-flight
-requests, then the lifespan exit deregisters the service)."""
+requests, then the lifespan exit deregisters the service).
+
+/health is what the supervisor's liveness probe reads: 200 while the service works, 503 (with
+the reason) once a background task it cannot work without has died (`Service.watch`), so a
+service never goes on answering "ok" around a dead loop."""
 
 from __future__ import annotations
 
@@ -170,11 +174,16 @@ def create_app(
     token: str | None = None,
     open_routes: Collection[str] = (),
     body_limits: Mapping[str, BodyLimit] | None = None,
+    failure: Callable[[], str] | None = None,
 ) -> FastAPI:
     """A service's app. Every route needs the run token (`token`, default the service's, else
     $RELAY_TOKEN) except /health, /metrics, the docs and `open_routes` ("GET /v1/status");
     bodies are limited by `body_limits["POST /v1/x"]`, else to 64 KiB (gate.py). /health answers
-    {"status": "ok", kind, id, version} (from `service`) updated with what `health()` returns."""
+    {"status": "ok", kind, id, version} (from `service`) updated with what `health()` returns,
+    or a 503 {"status": "failed", "reason"} while `failure()` (default `service.failure`) says
+    why the service no longer works."""
+    if failure is None:
+        failure = service.failure if service is not None else lambda: ""
     app = FastAPI(title=title, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     if token is None:
@@ -189,8 +198,11 @@ def create_app(
     document_security(app, open_routes)
     document_validation_errors(app)
 
-    @app.get("/health")
-    def _health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    def _health() -> dict[str, Any] | JSONResponse:
+        reason = failure()
+        if reason:
+            return JSONResponse(status_code=503, content={"status": "failed", "reason": reason})
         base: dict[str, Any] = {"status": "ok"}
         if service is not None:
             base.update(kind=service.kind, id=service.id, version=service.version)
@@ -230,6 +242,29 @@ class Service:
         self.started = time.time()
         self.version = -1
         self.log = setup_logging(kind)
+        self.failed = ""  # why the service no longer works (a watched task died): /health says so
+
+    def failure(self) -> str:
+        return self.failed
+
+    def watch(
+        self, task: asyncio.Task[Any], what: str, ended_ok: Callable[[], bool] = lambda: False
+    ) -> asyncio.Task[Any]:
+        """`task` is one the service cannot work without: if it raises, or returns while
+        `ended_ok()` is false, /health turns 503 naming it (the supervisor's probe then restarts
+        the process). Cancelling it (shutdown) is not a failure."""
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if t.cancelled():
+                return
+            err = t.exception()
+            if err is None and ended_ok():
+                return
+            self.failed = f"{what} died: {type(err).__name__}: {err}" if err else f"{what} ended"
+            self.log.error(self.failed, exc_info=err)
+
+        task.add_done_callback(done)
+        return task
 
     def info(self) -> ServiceInfo:
         return ServiceInfo(

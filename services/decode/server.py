@@ -213,6 +213,12 @@ class Decode:
             req.sampling.max_tokens = room
         return req
 
+    def failure(self) -> str:
+        """A dead engine loop thread answers no request again: /health must say so."""
+        if self.engine is not None and not self.engine.alive:
+            return "engine loop thread died"
+        return self.service.failure()
+
     def health(self) -> dict[str, Any]:
         eng = self.engine
         return {
@@ -251,7 +257,10 @@ def build_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async with service.registered():
-            loader = asyncio.create_task(state.wait_for_weights())
+            # No weights ever loaded is no decode: a loader that dies fails /health.
+            loader = service.watch(
+                asyncio.create_task(state.wait_for_weights()), "weights loader", lambda: True
+            )
             try:
                 yield
             finally:
@@ -272,6 +281,7 @@ def build_app(service: Service) -> FastAPI:
         state.health,
         lifespan,
         service=service,
+        failure=state.failure,
         open_routes={"GET /v1/models", "GET /v1/models/{model_id}"},
         body_limits={
             "POST /v1/generate": token_body_limit(sec.engine, data),

@@ -94,6 +94,11 @@ class AsyncEngine:
         return self._paused
 
     @property
+    def alive(self) -> bool:
+        """The loop thread runs (or was asked to stop): false means no request is served again."""
+        return self._stopping or self._thread.is_alive()
+
+    @property
     def version(self) -> int:
         return self.engine.version
 

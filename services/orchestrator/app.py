@@ -27,7 +27,9 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async with svc.registered():
-            task = asyncio.create_task(orch.run(), name="orchestrator")
+            task = svc.watch(
+                asyncio.create_task(orch.run(), name="orchestrator"), "rollout loop", lambda: orch.stopping
+            )
             try:
                 yield
             finally:

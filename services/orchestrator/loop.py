@@ -1,22 +1,31 @@
 """The rollout loop: keeps groups in flight, bounds staleness, streams finished groups to the
 trainer and rolls new weights out to every live decode service.
 
-State that must survive an orchestrator restart lives in Redis: the number of groups started,
-the groups in flight (re-issued on restart with the same id and seed), the ledger.
+State that must survive an orchestrator restart lives in Redis: its cursor in the task order
+(group n's task and seed are drawn from (run.seed, n), so a restart continues the order instead
+of replaying it), the groups in flight (re-issued on restart with the same id and seed), the
+ledger (what admission is derived from).
+
+Redis restarting under the run stalls the loop but never ends it: every loop retries its Redis
+calls with back-off, a finished group's commit waits for Redis, and a loop that dies of anything
+else fails the service's /health, so its supervisor restarts the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import random
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import redis
@@ -35,10 +44,26 @@ from services.orchestrator.clients import DecodeClient, Router, SandboxClient, S
 from services.orchestrator.rollout import GroupSpec, GroupTimedOut, RolloutRunner
 from services.orchestrator.verifiers_rollout import run_verifiers_group
 
-GROUP_ATTEMPTS = 3
 ROLLOUT_TTL_S = 7 * 24 * 3600
+T = TypeVar("T")
 
 log = logging.getLogger("orchestrator")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What admission reads from Redis in one go."""
+
+    started: int  # groups ever started (the ledger's started set)
+    trained: int
+    dropped: int
+    trainer_version: int | None  # the trainer's committed version (None: not started yet)
+    unconsumed: int  # groups on the stream the trainer has not finished with
+
+    @property
+    def pending(self) -> int:
+        """Started, neither trained nor dropped yet: in flight, on the stream, or being trained."""
+        return max(0, self.started - self.trained - self.dropped)
 
 
 class Orchestrator:
@@ -66,7 +91,7 @@ class Orchestrator:
         self.paused = bus.pause_state().paused
         self.stopping = False
         self.inflight: dict[str, asyncio.Task[None]] = {}
-        self.rng = random.Random(cfg.run.seed)
+        self.cursor = 0  # groups started so far: the position in the task order (from Redis at run())
         self.history: list[dict[str, Any]] = []
         self.recent_rewards: dict[str, deque[float]] = {t.env: deque(maxlen=64) for t in self.o.tasks}
         self.decode_idle_prev: dict[str, float] = {}
@@ -79,25 +104,35 @@ class Orchestrator:
 
     # ------------------------------------------------------------ redis-backed counters
 
-    def _state(self) -> dict[str, str]:
-        return self.bus.r.hgetall(self.k.orchestrator_state)
-
     def _counts(self) -> tuple[int, int]:
-        pipe = self.bus.r.pipeline()
-        pipe.hget(self.k.orchestrator_state, "started")
-        pipe.hlen(self.k.dropped)
-        started, dropped = pipe.execute()
-        return int(started or 0), int(dropped or 0)
+        """(groups started, dropped) from the ledger."""
+        started, _trained, dropped, _version = self.bus.progress()
+        return started, dropped
 
-    def _admission(self) -> tuple[int, int, int]:
-        started, dropped = self._counts()
-        return started, dropped, self.bus.unconsumed()
+    def _progress(self) -> Progress:
+        started, trained, dropped, version = self.bus.progress()
+        return Progress(started, trained, dropped, version, self.bus.unconsumed())
+
+    async def _durably(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) off the loop, retried with back-off for as long as Redis is away (each try
+        already reconnects for a while): a finished group waits for Redis rather than being lost.
+        Gives up only when the orchestrator stops."""
+        delay = 0.5
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+                if self.stopping:
+                    raise
+                log_event(log, "redis unavailable", during=what, error=str(e), retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
 
     # ------------------------------------------------------------ weights
 
     async def _wait_initial_weights(self) -> WeightsInfo:
         while True:
-            info = await asyncio.to_thread(self.bus.latest_weights)
+            info = await self._durably("weights", self.bus.latest_weights)
             if info is not None:
                 return info
             await asyncio.sleep(0.2)
@@ -144,11 +179,11 @@ class Orchestrator:
                     log_event(
                         log, "weights rolled out", version=info.version, s=round(time.monotonic() - t0, 3)
                     )
-                else:
+                elif info is not None:
                     # A decode that restarted (a new id) may come back on another version:
                     # bring it in line, once.
                     for d in await self.registry.live("decode"):
-                        if info is None or d.version < 0 or d.version == info.version:
+                        if d.version < 0 or d.version == info.version:
                             continue
                         if self.loaded.get(d.id) == info.version:
                             continue  # done; its registry entry is a heartbeat behind
@@ -160,22 +195,33 @@ class Orchestrator:
 
     # ------------------------------------------------------------ producing groups
 
-    def _allowance(self, started: int, dropped: int, unconsumed: int) -> int:
-        """How many more groups may start now.
+    def _allowance(self, p: Progress) -> int:
+        """How many more groups may start now, derived from what the ledger says (never from the
+        version number alone: a resumed trainer numbers on past steps whose groups it trained,
+        and a resumed run starts with groups pending from before).
 
-        Staleness (AReaL-style admission): a group started while version v is live is trained no
-        later than step v + max_off_policy_steps. Budget: no more groups than the trainer still
-        needs for its remaining steps, counting those on the stream and in flight. Counting what
-        is still needed, rather than what was started, keeps production going when the trainer
-        retrains steps after resuming from an older checkpoint, or drops stale groups."""
+        Staleness (AReaL-style admission): the trainer at version t trains the pending groups
+        (started, neither trained nor dropped) roughly in order, B per step, so a group started
+        now, behind `pending` others, is trained by weights t + pending // B while decode serves
+        v <= t. Its staleness t + pending // B - v stays within max_off_policy_steps while
+        pending < (max_off_policy_steps + 1 - (t - v)) * B. Budget: no more groups than the
+        trainer still needs for its remaining steps, counting those on the stream and in flight."""
         b = self.o.batch_size
-        by_staleness = (self.version + self.o.max_off_policy_steps + 1) * b + dropped - started
-        by_budget = (self.cfg.run.max_steps - self.version) * b - unconsumed - len(self.inflight)
+        t = self.version if p.trainer_version is None else max(p.trainer_version, self.version)
+        by_staleness = (self.o.max_off_policy_steps + 1 - (t - self.version)) * b - p.pending
+        by_budget = (self.cfg.run.max_steps - t) * b - p.unconsumed - len(self.inflight)
         return min(by_staleness, by_budget)
 
-    def _pick_task(self) -> str:
-        weights = [t.weight for t in self.o.tasks]
-        return self.rng.choices([t.env for t in self.o.tasks], weights=weights)[0]
+    async def load_cursor(self) -> None:
+        """Where the task order stands: groups started by every orchestrator of this run so far."""
+        raw = await self._durably("cursor", self.bus.r.hget, self.k.orchestrator_state, "cursor")
+        self.cursor = int(raw or 0)
+
+    def spec(self, n: int, group_id: str | None = None) -> GroupSpec:
+        """The n-th group of the run's task order: its task and seed depend on (run.seed, n) only."""
+        rng = random.Random(f"{self.cfg.run.seed}:{n}")
+        env = rng.choices([t.env for t in self.o.tasks], weights=[t.weight for t in self.o.tasks])[0]
+        return GroupSpec(group_id=group_id or uuid.uuid4().hex[:16], env=env, seed=rng.randrange(1 << 31))
 
     async def producer(self) -> None:
         while not self.stopping:
@@ -183,18 +229,15 @@ class Orchestrator:
             if self.paused or len(self.inflight) >= self.o.max_inflight_groups:
                 await self._sleep_until_woken(0.5)
                 continue
-            started, dropped, unconsumed = await asyncio.to_thread(self._admission)
-            room = min(
-                self._allowance(started, dropped, unconsumed), self.o.max_inflight_groups - len(self.inflight)
-            )
+            progress = await self._durably("admission", self._progress)
+            room = min(self._allowance(progress), self.o.max_inflight_groups - len(self.inflight))
             if room <= 0:
                 await self._sleep_until_woken(0.2)
                 continue
             for _ in range(room):
-                spec = GroupSpec(
-                    group_id=uuid.uuid4().hex[:16], env=self._pick_task(), seed=self.rng.randrange(1 << 31)
-                )
-                await asyncio.to_thread(self._record_start, spec)
+                spec = self.spec(self.cursor)
+                await self._durably("start", self._record_start, spec, self.cursor + 1)
+                self.cursor += 1
                 if self.stopping:
                     # Shutdown began meanwhile and closed the HTTP session: a group launched now
                     # would fail and be dropped; left in flight, a restart re-issues it.
@@ -207,9 +250,9 @@ class Orchestrator:
         except TimeoutError:
             pass
 
-    def _record_start(self, spec: GroupSpec) -> None:
-        pipe = self.bus.r.pipeline()
-        pipe.hincrby(self.k.orchestrator_state, "started", 1)
+    def _record_start(self, spec: GroupSpec, cursor: int) -> None:
+        pipe = self.bus.r.pipeline(transaction=True)
+        pipe.hset(self.k.orchestrator_state, "cursor", cursor)
         pipe.sadd(self.k.started, spec.group_id)
         pipe.hset(self.k.inflight, spec.group_id, json.dumps({"env": spec.env, "seed": spec.seed}))
         pipe.execute()
@@ -221,8 +264,10 @@ class Orchestrator:
 
     async def _run_group(self, spec: GroupSpec) -> None:
         assert self.runner is not None
+        give_up = time.monotonic() + self.o.service_retry_s
+        delay, attempt = 0.5, 0
         try:
-            for attempt in range(GROUP_ATTEMPTS):
+            while True:
                 try:
                     if spec.env in self.verifiers_envs:
                         group = await run_verifiers_group(
@@ -230,28 +275,35 @@ class Orchestrator:
                         )
                     else:
                         group = await self.runner.run(spec)
-                    versions = {v for s in group.samples for v in s.versions}
-                    bad = await asyncio.to_thread(self.announced.unannounced, versions)
-                    if bad:  # weights the trainer never published: not a rollout of this run's policy
-                        await asyncio.to_thread(self._drop, spec, f"unannounced: weight versions {bad}")
-                        return
-                    await asyncio.to_thread(self._commit_group, group)
-                    return
                 except ServiceUnavailable as e:
+                    # decode or sandbox restarting (or none live): the whole group again, later.
+                    attempt += 1
+                    if time.monotonic() + delay > give_up:
+                        reason = f"failed after {attempt} attempts in {self.o.service_retry_s:.0f}s: {e}"
+                        await self._durably("drop", self._drop, spec, reason)
+                        return
                     log_event(log, "group retry", group=spec.group_id, attempt=attempt, error=str(e))
-                    await asyncio.sleep(0.5 * 2**attempt)
+                    await asyncio.sleep(delay)
+                    delay = min(self.o.service_retry_max_delay_s, delay * 2)
+                    continue
                 except ValueError as e:
-                    await asyncio.to_thread(self._drop, spec, f"error: {e}")
+                    await self._durably("drop", self._drop, spec, f"error: {e}")
                     return
                 except GroupTimedOut as e:  # no sample got a turn in time: nothing to train on
-                    await asyncio.to_thread(self._drop, spec, str(e))
+                    await self._durably("drop", self._drop, spec, str(e))
                     return
-            await asyncio.to_thread(self._drop, spec, f"failed after {GROUP_ATTEMPTS} attempts")
+                versions = {v for s in group.samples for v in s.versions}
+                bad = await self._durably("versions", self.announced.unannounced, versions)
+                if bad:  # weights the trainer never published: not a rollout of this run's policy
+                    await self._durably("drop", self._drop, spec, f"unannounced: weight versions {bad}")
+                    return
+                await self._durably("commit", self._commit_group, group)
+                return
         except asyncio.CancelledError:
             raise  # shutting down: the group stays in the in-flight hash and is re-issued on restart
         except Exception as e:  # noqa: BLE001 - any bug in one group must not kill the loop
             log.exception("group crashed")
-            await asyncio.to_thread(self._drop, spec, f"crash: {type(e).__name__}: {e}")
+            await self._durably("drop", self._drop, spec, f"crash: {type(e).__name__}: {e}")
         finally:
             self.inflight.pop(spec.group_id, None)
             prom.INFLIGHT.set(len(self.inflight))
@@ -281,7 +333,7 @@ class Orchestrator:
 
     async def resume_inflight(self) -> int:
         """Re-issue groups a previous orchestrator process started but never pushed."""
-        pending = await asyncio.to_thread(self.bus.r.hgetall, self.k.inflight)
+        pending = await self._durably("resume", self.bus.r.hgetall, self.k.inflight)
         for gid, raw in pending.items():
             d = json.loads(raw)
             self._launch(GroupSpec(group_id=gid, env=d["env"], seed=int(d["seed"])))
@@ -294,13 +346,14 @@ class Orchestrator:
         path = self.run_dir / "metrics.jsonl"
         last = "0"
         # On restart, rebuild history from the stream and rewrite the file so nothing is doubled.
-        seen = await asyncio.to_thread(self.bus.read_metrics, "0", None)
+        seen = await self._durably("metrics", self.bus.read_metrics, "0", None)
         for eid, m in seen:
             self.history.append(m.model_dump())
             last = eid
-        if seen:
-            path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        rewrite = bool(seen)
         while not self.stopping:
+            if rewrite:
+                rewrite = not self._write_history(path)
             try:
                 new = await asyncio.to_thread(self.bus.read_metrics, last, 1000)
             except redis.RedisError:
@@ -308,10 +361,30 @@ class Orchestrator:
                 continue
             for eid, m in new:
                 last = eid
-                rec = await asyncio.to_thread(self._merge, m)  # Redis reads: off the event loop
+                rec = await self._durably("metrics", self._merge, m)  # Redis reads: off the event loop
                 self.history.append(rec)
-                with path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                if not rewrite:
+                    size = path.stat().st_size if path.exists() else 0
+                    try:
+                        with path.open("a") as f:
+                            f.write(json.dumps(rec) + "\n")
+                    except OSError as e:  # a full disk: the history stays here, written when it can be
+                        log_event(log, "metrics.jsonl not writable", error=str(e))
+                        with contextlib.suppress(OSError):
+                            os.truncate(path, size)  # no line cut short left behind
+                        rewrite = True
+
+    def _write_history(self, path: Path) -> bool:
+        """metrics.jsonl from the history, replaced atomically; False if it cannot be written now."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+            tmp.replace(path)
+            return True
+        except OSError as e:
+            log_event(log, "metrics.jsonl not writable", error=str(e))
+            tmp.unlink(missing_ok=True)
+            return False
 
     def _merge(self, m: TrainerStepMetrics) -> dict[str, Any]:
         rec = m.model_dump()
@@ -401,10 +474,15 @@ class Orchestrator:
         self.runner = RolloutRunner.for_model_dir(self.cfg, self.decode, self.sandbox, info.path)
         await self._roll_out(info)
         resumed = await self.resume_inflight()
-        log_event(log, "orchestrator running", version=self.version, resumed_groups=resumed)
-        await asyncio.gather(
-            self.producer(), self.weights_watcher(), self.metrics_tailer(), self.decode_poller()
+        await self.load_cursor()
+        log_event(
+            log, "orchestrator running", version=self.version, resumed_groups=resumed, cursor=self.cursor
         )
+        # A TaskGroup, not gather: one loop dying cancels the others and ends run() with its error
+        # (the service's /health then fails and its supervisor restarts it); none may die silently.
+        async with asyncio.TaskGroup() as tg:
+            for loop in (self.producer, self.weights_watcher, self.metrics_tailer, self.decode_poller):
+                tg.create_task(loop(), name=loop.__name__)
 
     async def shutdown(self) -> None:
         self.stopping = True

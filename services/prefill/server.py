@@ -248,8 +248,8 @@ def build_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async with service.registered():
-            follower = asyncio.create_task(state.follow_weights())
-            sweeper = asyncio.create_task(state.expire_leases())
+            follower = service.watch(asyncio.create_task(state.follow_weights()), "weights follower")
+            sweeper = service.watch(asyncio.create_task(state.expire_leases()), "lease sweeper")
             try:
                 yield
             finally:

@@ -173,6 +173,8 @@ def build_app(
                 if workspaces.cgroups is None:
                     service.log.warning(f"per-session memory/process/CPU limits are off: {limits}")
             task = asyncio.create_task(sweeper(), name="session-sweeper")
+            if service is not None:
+                service.watch(task, "session sweeper")
             try:
                 yield
             finally:
