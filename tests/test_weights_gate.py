@@ -75,6 +75,8 @@ def test_orchestrator_drops_samples_of_unannounced_weights(
 
 
 def test_trainer_drops_samples_of_unannounced_weights(redis_server: str, tmp_path: Path) -> None:
+    """A group carrying a version the trainer never announced is dropped with the reason, the rest
+    trained; a temporary weights directory a dead trainer left is removed at start."""
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir)
     cfg.run.max_steps = 1
@@ -85,11 +87,14 @@ def test_trainer_drops_samples_of_unannounced_weights(redis_server: str, tmp_pat
     good = [sample_group(model, 0, 4, 3, seed=10 + i) for i in range(cfg.orchestrator.batch_size)]
     for g in good:
         bus.push_group(g)
+    left = run_dir / "weights" / ".step_5.tmp-999"  # a dead trainer's unfinished write
+    left.mkdir(parents=True)
     t = Trainer(cfg, run_dir, redis_server)
     try:
         assert t.run() == 0
     finally:
         t.d.close()
+    assert not left.exists()  # removed at start
     ledger = bus.ledger()
     assert ledger["dropped"] == {"forged": "unannounced: weight versions [999999]"}
     assert set(ledger["trained"]) == {g.group_id for g in good}  # type: ignore[arg-type]

@@ -53,7 +53,7 @@ from services.common.disk import FATAL_EXIT, disk_full, fallback_log_dir, move_s
 from services.common.gpu_memory import cap_process_memory, memory_held
 from services.common.schemas import RolloutGroup, TrainerStepMetrics, WeightsInfo
 from services.common.service import log_event, setup_logging
-from services.common.weights_dir import newest_version, read_meta, retain, step_dir
+from services.common.weights_dir import newest_version, read_meta, remove_temp_dirs, retain, step_dir
 from services.common.weights_gate import AnnouncedVersions
 from trainer.attention import micro_batch_attention, packed_logprobs  # perf path
 from trainer.batch import (
@@ -187,12 +187,11 @@ def remove_partial_writes(run_dir: Path) -> list[str]:
     (`.step_N.tmp-<pid>`, left by a failed write or a killed process): only the trainer writes
     them, and a finished write has renamed its directory, so any found at start or after a
     failed write are garbage."""
-    removed = []
-    for sub in ("weights", "checkpoints"):
-        root = run_dir / sub
-        for p in root.glob(".step_*.tmp-*") if root.is_dir() else []:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(str(p))
+    removed = [str(p) for p in remove_temp_dirs(run_dir)]  # weights: their format's own names
+    root = run_dir / "checkpoints"
+    for p in root.glob(".step_*.tmp-*") if root.is_dir() else []:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(str(p))
     return removed
 
 
