@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 from helpers.debug_weights import random_model_dir
+from helpers.parallel import TINY, run_ranks, tiny_moe
 
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
@@ -26,22 +26,10 @@ from services.engine.parallel.runner import build_runner, run_worker
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 
 TOL = 1e-5
-BASE = dict(vocab_size=48, dim=32, n_layers=2, n_heads=4, head_dim=8, hidden_dim=64, max_seq_len=64)
+BASE = dict(TINY, max_seq_len=64)
 MODELS = {
     "qwen3-tp2": (ModelConfig(**BASE, n_kv_heads=2), ParallelConfig(tp=2)),
-    "moe-ep2": (
-        ModelConfig(
-            **BASE,
-            arch="qwen3_moe",
-            n_kv_heads=2,
-            n_routed_experts=8,
-            n_experts_per_tok=2,
-            moe_hidden_dim=16,
-            first_k_dense=1,
-            tie_embeddings=False,
-        ),
-        ParallelConfig(tp=2, ep=2),
-    ),
+    "moe-ep2": (tiny_moe(64), ParallelConfig(tp=2, ep=2)),
 }
 # DeepSeek-V3 (MLA with low-rank q, sigmoid routing in 2 groups with the selection bias, a shared
 # expert) and GLM-5 (the same plus the DSA indexer: each query's 8 best keys once a context is
@@ -123,7 +111,7 @@ def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
     return out
 
 
-def worker(rank: int, name: str, dirs: list[str], init: str, out_dir: str, die: bool) -> None:
+def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: bool) -> None:
     m, par = MODELS[name]
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
     if rank != 0:
@@ -156,12 +144,7 @@ def worker(rank: int, name: str, dirs: list[str], init: str, out_dir: str, die: 
 def run(name: str, tmp_path: Path, die: bool = False) -> None:
     m, par = MODELS[name]
     dirs = [str(random_model_dir(m, tmp_path / f"step_{v}", seed=3 + v, version=v, std=0.2)) for v in (0, 1)]
-    mp.start_processes(
-        worker,
-        args=(name, dirs, f"file://{tmp_path / 'rdzv'}", str(tmp_path), die),
-        nprocs=par.ranks,
-        start_method="spawn",
-    )
+    run_ranks(worker, par.ranks, tmp_path, name, dirs, str(tmp_path), die)
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers.parallel import run_ranks
 
 from services.common.config import ModelConfig, ParallelConfig
 from services.common.schemas import SamplingParams
@@ -245,17 +245,11 @@ def check_dead_peer(groups: EngineGroups) -> dict[str, object]:
 
 
 def run(world: int, case: str, tmp_path: Path) -> list[dict[str, object]]:
-    mp.start_processes(
-        # A file rendezvous: no port to race other processes of the machine for.
-        _entry,
-        args=(world, f"file://{tmp_path / 'rdzv'}", str(tmp_path), case),
-        nprocs=world,
-        start_method="spawn",
-    )
+    run_ranks(_entry, world, tmp_path, world, str(tmp_path), case)
     return [json.loads((tmp_path / f"{case}-{r}.json").read_text()) for r in range(world)]
 
 
-def _entry(rank: int, world: int, init: str, out_dir: str, case: str) -> None:
+def _entry(rank: int, init: str, world: int, out_dir: str, case: str) -> None:
     if case == "tp" and world == 2 and rank == 1:
         # The dead-peer check: join the barrier rank 0 waits in, then leave without a word.
         torch.set_num_threads(1)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers.debug_weights import random_model_dir
+from helpers.parallel import TINY, run_ranks, tiny_moe
 
 from services.common.config import ModelConfig, ParallelConfig
 from services.common.schemas import SamplingParams
@@ -38,31 +38,19 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process gr
 TOL = 1e-5
 BLOCK, BLOCKS_PER_SEQ = 4, 8
 
-BASE = dict(vocab_size=48, dim=32, n_layers=2, n_heads=4, head_dim=8, hidden_dim=64, max_seq_len=32)
+BASE = dict(TINY, max_seq_len=32)
 MODELS = {
     "qwen3-tp2": (ModelConfig(**BASE, n_kv_heads=2), ParallelConfig(tp=2)),
     "qwen3-tp2-kv1": (
         ModelConfig(**BASE, n_kv_heads=1, qk_norm=False, arch="llama3", tie_embeddings=False),
         ParallelConfig(tp=2),
     ),
-    "moe-ep2": (
-        ModelConfig(
-            **BASE,
-            arch="qwen3_moe",
-            n_kv_heads=2,
-            n_routed_experts=8,
-            n_experts_per_tok=2,
-            moe_hidden_dim=16,
-            first_k_dense=1,
-            tie_embeddings=False,
-        ),
-        ParallelConfig(tp=2, ep=2),
-    ),
+    "moe-ep2": (tiny_moe(32), ParallelConfig(tp=2, ep=2)),
 }
 MODELS["moe-tp2"] = (MODELS["moe-ep2"][0], ParallelConfig(tp=2))
 
 
-def worker(rank: int, name: str, model_dir: str, init: str, out_dir: str) -> None:
+def worker(rank: int, init: str, name: str, model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     m, par = MODELS[name]
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=60)
@@ -127,12 +115,7 @@ def worker(rank: int, name: str, model_dir: str, init: str, out_dir: str) -> Non
 def test_rank_shards_compute_the_single_rank_model(name: str, tmp_path: Path) -> None:
     m, par = MODELS[name]
     d = random_model_dir(m, tmp_path / "w", seed=3, std=0.2)
-    mp.start_processes(
-        worker,
-        args=(name, str(d), f"file://{tmp_path / 'rdzv'}", str(tmp_path)),
-        nprocs=par.ranks,
-        start_method="spawn",
-    )
+    run_ranks(worker, par.ranks, tmp_path, name, str(d), str(tmp_path))
     for rank in range(par.ranks):
         r = json.loads((tmp_path / f"{name}-{rank}.json").read_text())
         assert max(r["hidden"]) <= TOL and max(r["logprob"]) <= TOL, r

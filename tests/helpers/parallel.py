@@ -1,0 +1,36 @@
+"""What the multi-rank engine tests share: tiny model shapes, and running a function on N gloo
+ranks (spawned processes meeting at a file rendezvous: no port to race other processes for)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from services.common.config import ModelConfig
+
+# vocab 48 and 4 heads: split over 2 ranks; 2 layers, the first dense where an MoE has one.
+TINY: dict[str, Any] = dict(vocab_size=48, dim=32, n_layers=2, n_heads=4, head_dim=8, hidden_dim=64)
+
+
+def tiny_moe(max_seq_len: int) -> ModelConfig:
+    """Qwen3-MoE: 8 experts top-2 after one dense layer, untied head."""
+    return ModelConfig(
+        **TINY,
+        max_seq_len=max_seq_len,
+        arch="qwen3_moe",
+        n_kv_heads=2,
+        n_routed_experts=8,
+        n_experts_per_tok=2,
+        moe_hidden_dim=16,
+        first_k_dense=1,
+        tie_embeddings=False,
+    )
+
+
+def run_ranks(fn: Callable[..., None], nprocs: int, tmp: Path, *args: Any) -> None:
+    """fn(rank, init_method, *args) on `nprocs` spawned processes; a rank's exception fails the
+    call (torch.multiprocessing re-raises it here)."""
+    mp.start_processes(fn, args=(f"file://{tmp / 'rdzv'}", *args), nprocs=nprocs, start_method="spawn")
