@@ -1,4 +1,4 @@
-"""Llama-3.1 RoPE frequency scaling (HF `rope_type: "llama3"`), kept out of model.py so the
+"""Llama-3.1 RoPE frequency scaling (HF `rope_type: "llama3"`), kept out of the model so the
 decoder stays one function of its config.
 
 Long-wavelength (low-frequency) components are slowed by `factor` so positions past the original

@@ -12,7 +12,7 @@ import torch
 from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
-from services.engine.sampler import truncate
+from services.engine.layers.sampler import truncate
 from trainer.model import build_model, load_weights_dir, save_weights_dir
 
 CPU = EngineConfig(device="cpu", max_batch_size=16, max_seq_len=64)

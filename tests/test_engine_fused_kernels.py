@@ -38,8 +38,8 @@ from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E40
 from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.kernels import gemv, sampling  # noqa: E402
-from services.engine.model import CausalLM  # noqa: E402
-from services.engine.sampler import Sampler  # noqa: E402
+from services.engine.layers.sampler import Sampler  # noqa: E402
+from services.engine.models.causal_lm import CausalLM  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 

@@ -116,7 +116,7 @@ def test_greedy_64_tokens_match_hf_generate(pair: HFPair, eng: LLMEngine) -> Non
 def test_rope_scaling_changes_the_function() -> None:
     """The scaled config really differs from plain RoPE at the tested positions, with all three
     frequency bands present, so the llama31 parity tests check the scaling itself."""
-    from services.engine.model import rope_cache
+    from services.engine.layers.rope import rope_cache
 
     theta, head_dim = 10000.0, COMMON["head_dim"]
     scaling = RopeScaling(**{k: v for k, v in LLAMA31.items() if k != "rope_type"})

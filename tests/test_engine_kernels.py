@@ -216,7 +216,8 @@ def test_mixed_step_decode_and_prefill() -> None:
 def test_fused_qk_norm_rope_store_matches_torch(qk_norm: bool) -> None:
     """One kernel = the torch path's q/k RMSNorm (Qwen3; absent for Llama), RoPE and cache writes."""
     from services.engine.kernels.qk_rope import qk_rope_store
-    from services.engine.model import RMSNorm, apply_rope, rope_cache
+    from services.engine.layers.norm import RMSNorm
+    from services.engine.layers.rope import apply_rope, rope_cache
 
     torch.manual_seed(0)
     t, h, h_kv, d = 5, 4, 2, 16

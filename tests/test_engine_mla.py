@@ -1,4 +1,4 @@
-"""MLA + DeepSeek-V3 MoE (+ GLM-5's DSA) in the engine (services/engine/mla.py, moe.py), against HF.
+"""MLA + DeepSeek-V3 MoE (+ GLM-5's DSA) in the engine (services/engine/layers/mla.py, layers/moe.py), against HF.
 
 Random-weight `DeepseekV3ForCausalLM` models (low-rank q or plain q_proj; sigmoid routing with a
 random e_score_correction_bias, group-limited top-k, shared experts, leading dense layers,
@@ -33,7 +33,7 @@ from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine, WeightsError
 from services.engine.kv_cache import KVCache
-from services.engine.mla import MLAttention
+from services.engine.layers.mla import MLAttention
 
 TOL = 1e-4
 VOCAB = hr.VOCAB
@@ -215,7 +215,7 @@ def test_rejects_yarn_and_shared_indexers(tmp_path: Path) -> None:
 
 
 def test_dsa_needs_the_low_rank_query() -> None:
-    from services.engine.model import CausalLM
+    from services.engine.models.causal_lm import CausalLM
 
     m = ModelConfig(
         arch="glm_moe_dsa",

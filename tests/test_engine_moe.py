@@ -1,4 +1,4 @@
-"""MoE in the engine (services/engine/moe.py) and routed-expert capture, against HF Qwen3-MoE.
+"""MoE in the engine (services/engine/layers/moe.py) and routed-expert capture, against HF Qwen3-MoE.
 
 Random-weight `Qwen3MoeForCausalLM` models are saved with `save_pretrained` (per-expert tensor
 names) and served by LLMEngine from that directory. float32 logits must agree with HF's, greedy
@@ -25,7 +25,7 @@ from services.common.config import CONFIG_DIR, ModelConfig
 from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine.kv_cache import KVCache
-from services.engine.moe import ExpertWeights, route
+from services.engine.layers.moe import ExpertWeights, route
 
 TOL = 1e-4
 VOCAB = hr.VOCAB

@@ -438,7 +438,7 @@ def test_prefill_steps_are_timed_when_they_land(
     assert tokens[True] == tokens[False] == sum(map(len, prompts))
     # Make the landing slow, as the wait for a GPU's tokens is: the prefill step's time must
     # include the wait for its own tokens (the old call-time measure gave it only its launch).
-    from services.engine.sampler import PendingSample
+    from services.engine.layers.sampler import PendingSample
 
     resolve = PendingSample.resolve
 

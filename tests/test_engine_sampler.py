@@ -8,7 +8,7 @@ import random
 import torch
 
 from services.common.schemas import SamplingParams
-from services.engine.sampler import Sampler
+from services.engine.layers.sampler import Sampler
 
 
 def gens(n: int, seed: int = 0) -> list[random.Random]:

@@ -15,7 +15,7 @@ from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import InvalidRequest, LLMEngine
 from services.engine.detokenizer import IncrementalDetokenizer, OutputText
-from services.engine.sampler import Sampler
+from services.engine.layers.sampler import Sampler
 from trainer.model import build_model, save_weights_dir
 
 # ------------------------------------------------------------------ sampler

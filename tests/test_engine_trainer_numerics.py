@@ -9,10 +9,10 @@ Measured with that harness (4-layer MoE, dim 256, 64 experts top-8, 4 x 64 token
 bf16 parameters (bitwise equal hidden states and log-probs). Without the alignments below the
 two sides are 1.3-1.75e-3 mean / 5.9-7.8e-3 max apart in |dlogp| (KL 1.6-2.9e-6). The alignments:
 router logits in float32 from the compute dtype's input and gate values (trainer/replay.py,
-services/engine/moe.py Router.round_weight_), routing weights rounded to the model dtype and the
+services/engine/layers/moe.py Router.round_weight_), routing weights rounded to the model dtype and the
 expert sum in float32 with one rounding (ExpertWeights.combine, ReplayRouter), q/k-norm + RoPE in
 float32 with one rounding and compute-dtype cos/sin (trainer/model.py RelayAttention,
-services/engine/model.py norm_rope), the residual stream rounded where the engine rounds it
+services/engine/layers/rope.py norm_rope), the residual stream rounded where the engine rounds it
 (residual_stream_like_engine: float32 with model.fp32_residual, the default, else bf16) and the RMSNorms multiplying by bf16 weight values (RelayRMSNorm:
 with norm weights that are not bf16 values, as after training, `--perturb-norms`, autocast is
 1.9e-3 mean / 8.0e-3 max apart without it). The bounds below leave room for a stray bf16 ulp from
@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.moe import ExpertWeights, Router
+from services.engine.layers.moe import ExpertWeights, Router
 from trainer.model import build_model
 from trainer.replay import moe_routers
 

@@ -31,7 +31,7 @@ from ops.fp8.recipe import (
 from services.common.config import ModelConfig
 from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache
-from services.engine.model import CausalLM
+from services.engine.models.causal_lm import CausalLM
 
 SLACK = 1 + 1e-6  # float32 rounding of x / s (exact for power-of-two scales)
 

@@ -21,8 +21,8 @@ from ops.fp8.recipe import FP8_DTYPE, default_skip, dequantize_weight, quantize_
 from services.common.config import EngineConfig, ModelConfig
 from services.common.weights_dir import read_model_dir, write_model_dir
 from services.engine import LLMEngine
-from services.engine import fp8_linear as engine_fp8
-from services.engine.fp8_linear import Fp8Experts
+from services.engine.layers import fp8 as engine_fp8
+from services.engine.layers.fp8 import Fp8Experts
 from services.engine.loader import WeightsError, read_checkpoint
 from trainer.model import load_weights_dir
 
@@ -401,9 +401,9 @@ def test_fp8_engine_never_allocates_high_precision_linears(
     the plain way (high-precision model, load, convert) on the same high-precision weights."""
     from torch import nn
 
-    from services.engine import moe
-    from services.engine.fp8_linear import convert_model, load_hf_state
-    from services.engine.model import CausalLM
+    from services.engine.layers import moe
+    from services.engine.layers.fp8 import convert_model, load_hf_state
+    from services.engine.models.causal_lm import CausalLM
 
     created: list[str] = []
     for cls in (nn.Linear, moe.ExpertWeights):

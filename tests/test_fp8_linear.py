@@ -33,9 +33,9 @@ from services.common.config import EngineConfig, ModelConfig, TrainerSection
 from services.common.weights_dir import read_model_dir
 from services.engine import LLMEngine
 from services.engine.batch import ForwardBatch, Span
-from services.engine.fp8_linear import Fp8Experts, Fp8Linear, convert_model, engine_skip
 from services.engine.kv_cache import KVCache
-from services.engine.model import CausalLM
+from services.engine.layers.fp8 import Fp8Experts, Fp8Linear, convert_model, engine_skip
+from services.engine.models.causal_lm import CausalLM
 from trainer.fp8 import CONVERTER_NAME, Fp8BlockwiseConverter, Fp8TrainLinear, convert, fp8_linear
 from trainer.model import build_model, save_weights_dir
 
@@ -298,7 +298,7 @@ def test_engine_fp8_weight_update_requantises(weight_dirs: tuple[Path, Path]) ->
     state = dict(eng.read_weights(weight_dirs[0]).state)
     state["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="down_proj.weight"):
-        from services.engine.fp8_linear import load_hf_state
+        from services.engine.layers.fp8 import load_hf_state
 
         load_hf_state(eng.model, state)
     assert torch.equal(buf.view(torch.uint8), before.view(torch.uint8))
@@ -332,7 +332,7 @@ def test_engine_fp8_fused_projections_equal_separate(weight_dirs: tuple[Path, Pa
 
 
 def test_fp8_rows_that_straddle_a_scale_block_are_not_fused() -> None:
-    from services.engine.fp8_linear import fuse_fp8_rows
+    from services.engine.layers.fp8 import fuse_fp8_rows
 
     torch.manual_seed(0)
     parts = [Fp8Linear.from_linear(nn.Linear(256, n, bias=False)) for n in (192, 128)]
@@ -526,7 +526,7 @@ def per_expert_state(model: CausalLM) -> dict[str, torch.Tensor]:
 
 
 def test_engine_fp8_moe_experts_grouped_reference() -> None:
-    from services.engine.moe import ExpertWeights, Router
+    from services.engine.layers.moe import ExpertWeights, Router
 
     ref_model = random_moe_engine_model(20)
     fp8_model = copy.deepcopy(ref_model)
@@ -574,7 +574,7 @@ def test_engine_fp8_moe_experts_grouped_reference() -> None:
 
     # Weight update from per-expert HF names (what the trainer writes) and from fused names: the
     # same fp8 bits as converting the model that holds those weights.
-    from services.engine.fp8_linear import load_hf_state
+    from services.engine.layers.fp8 import load_hf_state
 
     other = random_moe_engine_model(25)
     want_model = copy.deepcopy(other)

@@ -31,7 +31,9 @@ from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.model import CausalLM, DecoderLayer, RMSNorm  # noqa: E402
+from services.engine.layers.norm import RMSNorm  # noqa: E402
+from services.engine.models.causal_lm import CausalLM  # noqa: E402
+from services.engine.models.decoder import DecoderLayer  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 BF16_ULP = 2**-7  # relative: bf16 keeps 8 significant bits

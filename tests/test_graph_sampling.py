@@ -36,8 +36,8 @@ from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from services.engine.kernels.feed import feed_tokens  # noqa: E402
-from services.engine.model import CausalLM  # noqa: E402
-from services.engine.sampler import Sampler  # noqa: E402
+from services.engine.layers.sampler import Sampler  # noqa: E402
+from services.engine.models.causal_lm import CausalLM  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 

@@ -560,7 +560,7 @@ def test_trainer_rope_cache_survives_init_weights() -> None:
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     torch.testing.assert_close(model.rope_cache, before, atol=0, rtol=0)
-    from services.engine.model import rope_cache
+    from services.engine.layers.rope import rope_cache
 
     cos, sin = rope_cache(m.head_dim, m.max_seq_len, m.rope_theta, m.rope_scaling)
     torch.testing.assert_close(model.rope_cache, torch.cat([cos, sin], dim=-1), atol=0, rtol=0)

@@ -35,7 +35,7 @@ from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, Span  # noqa: E402
 from services.engine.kernels import megakernel  # noqa: E402
 from services.engine.kv_cache import KVCache  # noqa: E402
-from services.engine.model import CausalLM  # noqa: E402
+from services.engine.models.causal_lm import CausalLM  # noqa: E402
 
 CPU = torch.device("cpu")
 PAGE = 4

@@ -19,7 +19,8 @@ from helpers.parallel import run_ranks
 
 from services.common.config import ModelConfig, ParallelConfig
 from services.common.schemas import SamplingParams
-from services.engine.moe import MoE
+from services.engine.layers.moe import MoE
+from services.engine.layers.sampler import Sampler
 from services.engine.parallel.experts import ExpertParallelMoE, TensorParallelMoE, split_even
 from services.engine.parallel.group import EngineGroups, init_engine_groups
 from services.engine.parallel.linear import (
@@ -29,7 +30,6 @@ from services.engine.parallel.linear import (
     shard_indices,
 )
 from services.engine.parallel.vocab import ShardedSampler, VocabParallelEmbedding, VocabParallelHead
-from services.engine.sampler import Sampler
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 

@@ -20,8 +20,9 @@ from services.common.config import ModelConfig, ParallelConfig
 from services.common.schemas import SamplingParams
 from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache
+from services.engine.layers.sampler import Sampler
 from services.engine.loader import read_checkpoint
-from services.engine.model import CausalLM
+from services.engine.models.causal_lm import CausalLM
 from services.engine.parallel.group import init_engine_groups
 from services.engine.parallel.model import (
     build_parallel_model,
@@ -31,7 +32,6 @@ from services.engine.parallel.model import (
     slice_spec,
 )
 from services.engine.parallel.vocab import ShardedSampler
-from services.engine.sampler import Sampler
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 

@@ -56,8 +56,9 @@ from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import HostBatch, Span  # noqa: E402
 from services.engine.kernels import gemv, paged_attention, qk_rope, sampling  # noqa: E402
-from services.engine.model import CausalLM, apply_rope, rope_cache  # noqa: E402
-from services.engine.sampler import Sampler  # noqa: E402
+from services.engine.layers.rope import apply_rope, rope_cache  # noqa: E402
+from services.engine.layers.sampler import Sampler  # noqa: E402
+from services.engine.models.causal_lm import CausalLM  # noqa: E402
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -384,7 +385,7 @@ def test_every_engine_kernel_follows_the_pdl_hazard_rule() -> None:
                 if isinstance(node, ast.Return):
                     assert any(w < node.lineno for w in waits), f"{where}: a return before any wait"
             checked.add(name)
-    # The decode step's kernels (model.py / cuda_graphs.py) and the sampler's are all covered.
+    # The decode step's kernels (models/, layers/, cuda_graphs.py) and the sampler's are all covered.
     assert {
         "_gemv_kernel", "_add_rms_norm", "_silu_mul", "_qk_rope_store_kernel", "_decode_kernel",
         "_merge_kernel", "_prefill_kernel", "_store_kv_kernel", "_sample_chunk", "_sample_combine",

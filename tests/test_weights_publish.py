@@ -27,8 +27,8 @@ from ops.fp8.checkpoint import is_fp8_weight
 from ops.fp8.recipe import FP8_DTYPE
 from services.common.config import ModelConfig, TrainerSection
 from services.common.weights_dir import INDEX_FILE, SCALE_SUFFIX, WeightsReader, read_model_dir, shard_name
-from services.engine import fp8_linear as engine_fp8
-from services.engine.fp8_linear import Fp8Experts
+from services.engine.layers import fp8 as engine_fp8
+from services.engine.layers.fp8 import Fp8Experts
 from trainer.model import build_model, save_weights_dir
 from trainer.parallel import parallelize
 from trainer.publish import Publisher, owners

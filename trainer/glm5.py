@@ -2,7 +2,7 @@
 
 GLM-5 is DeepSeek-V3's layout (MLA, leading dense layers, sigmoid-routed MoE with a correction
 bias and shared experts: trainer/moe_routing.py) whose attention adds a DSA indexer per layer
-(HF `self_attn.indexer.*`, GlmMoeDsaIndexer; the engine's services/engine/mla.py Indexer):
+(HF `self_attn.indexer.*`, GlmMoeDsaIndexer; the engine's services/engine/layers/mla.py Indexer):
 
     q_I  = wq_b(q_resid)                 per indexer head, q_resid = q_norm(wq_a(x)) (MLA's own)
     k_I  = k_norm(wk(x))                 one key per token (LayerNorm, eps 1e-6)
@@ -95,7 +95,7 @@ class DSAIndexer(nn.Module):
         w = self.weights_proj(x.float()).float() * self.n_heads**-0.5
         kt = k.float().transpose(1, 2)
         out = x.new_zeros(b, t, t, dtype=torch.float32)
-        # A head at a time, in the engine's order (services/engine/mla.py Indexer.select): the same
+        # A head at a time, in the engine's order (services/engine/layers/mla.py Indexer.select): the same
         # float32 sums, hence the same top-k; [B, T, T] live instead of [B, T, H, T].
         for h in range(self.n_heads):
             out = out + w[..., h, None] * F.relu(torch.matmul(q[:, :, h].float(), kt) * self.scale)

@@ -101,7 +101,7 @@ class RelayQwen3ModelArgs(Qwen3ModelArgs):
 def scaled_rope_cache(head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     """torchtitan's precompute_rope_cache layout ([max_seq_len, 2 * head_dim]: cos then sin of
     the duplicated angles) with the engine's llama3 frequency scaling applied first: the same
-    float32 arithmetic as services/engine/model.py's rope_cache."""
+    float32 arithmetic as services/engine/models/causal_lm.py's rope_cache."""
     # Imported here: the engine package is only needed by rope-scaled models.
     from ops.rope import llama3_scale_freqs
 
@@ -204,7 +204,7 @@ def build_model(
 class RelayAttention(Attention):
     """torchtitan's Qwen3 attention with the per-head q/k RMSNorm and RoPE computed in float32 and
     rounded once to the compute dtype, as the engine's fused GPU kernel (and its CPU path,
-    services/engine/model.py norm_rope) computes them; cos/sin hold compute-dtype values, as in HF
+    services/engine/layers/rope.py norm_rope) computes them; cos/sin hold compute-dtype values, as in HF
     and the engine. torchtitan rounds to bf16 after the norm and after each RoPE op (with FSDP's
     bf16 parameters; CUDA autocast instead runs rms_norm and RoPE in float32 with float32 cos/sin):
     that one difference alone puts the engine and the FSDP trainer as far apart as all the others
@@ -297,7 +297,7 @@ def _embedding_fp32(_mod: torch.nn.Module, _inp: Any, out: torch.Tensor) -> torc
 
 
 def residual_stream_like_engine(model: torch.nn.Module, fp32: bool) -> None:
-    """Make the residual stream round where the engine's does (services/engine/model.py), as
+    """Make the residual stream round where the engine's does (services/engine/models/causal_lm.py), as
     ModelConfig.fp32_residual says. Forward hooks, so torchtitan's blocks, activation checkpointing
     and compile are untouched.
 

@@ -107,7 +107,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
 
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 router logits of the compute dtype's input and weight, as the engine computes
-        them (services/engine/moe.py Router: float32 GEMM of the bf16 activations and the gate's
+        them (services/engine/layers/moe.py Router: float32 GEMM of the bf16 activations and the gate's
         bf16 values). torchtitan's bf16 gate GEMM rounds the logits to bf16 (~4e-3 at |logit|
         ~1), moving the routing weights of the replayed experts by ~1e-4 against the engine's: a
         bf16 bias Router Replay cannot remove. Both operands hold bf16

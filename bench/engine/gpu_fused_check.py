@@ -88,8 +88,8 @@ def check_engine(tmp: Path) -> dict[str, Any]:
     from services.common.schemas import GenerateRequest, SamplingParams
     from services.common.weights_dir import write_model_dir
     from services.engine import LLMEngine
-    from services.engine.model import CausalLM
-    from services.engine.sampler import Sampler
+    from services.engine.layers.sampler import Sampler
+    from services.engine.models.causal_lm import CausalLM
 
     m = load_config("debug").model.model_copy(update={"max_seq_len": 512})
     torch.manual_seed(0)

@@ -38,9 +38,9 @@ from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E40
 from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine.batch import HostBatch  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
-from services.engine.model import CausalLM  # noqa: E402
+from services.engine.layers.sampler import Sampler  # noqa: E402
+from services.engine.models.causal_lm import CausalLM  # noqa: E402
 from services.engine.overlap import InFlight  # noqa: E402
-from services.engine.sampler import Sampler  # noqa: E402
 
 
 def build_engine(

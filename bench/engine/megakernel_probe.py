@@ -65,7 +65,7 @@ def build(
     from services.common.config import ModelConfig
     from services.engine.kernels.megakernel import DecodeMegakernel
     from services.engine.kv_cache import KVCache
-    from services.engine.model import CausalLM
+    from services.engine.models.causal_lm import CausalLM
 
     m = ModelConfig(dim=1024, n_layers=layers, n_heads=16, n_kv_heads=8, head_dim=128, hidden_dim=3072,
                     vocab_size=1024, max_seq_len=4096)  # fmt: skip

@@ -457,7 +457,7 @@ def sampler_bench(vocab: int) -> dict[str, Any]:
     import random as _random
 
     from services.common.schemas import SamplingParams
-    from services.engine.sampler import Sampler
+    from services.engine.layers.sampler import Sampler
 
     if not torch.cuda.is_available():
         return {"skipped": "needs CUDA (the interpreter is too slow at this vocabulary)"}
@@ -575,7 +575,7 @@ def kernel_bench(args: argparse.Namespace, prompts: list[list[int]], model_kw: d
         ok = [r for r in runs if "us" in r]
         if ok:
             res["best"] = min(ok, key=lambda r: r["us"])
-        # The torch path on the same batch: gather the pages (bucketed like model.py) + SDPA.
+        # The torch path on the same batch: gather the pages (bucketed like layers/attention.py) + SDPA.
         tb = ForwardBatch.build(spans, dev, max(ctxs) + page, page)
         g = tb.groups[0]
 

@@ -1,4 +1,4 @@
-"""FP8 q/k/v and gate/up as one linear (services/engine/fp8_linear.fuse_fp8_rows) on the GPU:
+"""FP8 q/k/v and gate/up as one linear (services/engine/layers/fp8.fuse_fp8_rows) on the GPU:
 bit-equality with the separate linears, and the time of both as CUDA-graph replays, at Qwen3-0.6B's
 widths (dim 1024: q 2048 + k 1024 + v 1024, gate 3072 + up 3072) and the engine's decode and
 prefill M. bf16 F.linear of the fused weight is timed alongside as the baseline.
@@ -19,7 +19,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.engine.fp8_linear import Fp8Linear, fuse_fp8_rows  # noqa: E402
+from services.engine.layers.fp8 import Fp8Linear, fuse_fp8_rows  # noqa: E402
 
 GROUPS = {"qkv": (1024, (2048, 1024, 1024)), "gate_up": (1024, (3072, 3072))}
 MS = (1, 8, 64, 256, 4096)

@@ -15,7 +15,7 @@ first, then this with --sweep-budget-s 0); each row records the entry it used (`
    check is recorded (`self_check.ok`, `self_check.failed`) and the timing still runs.
 2. Dense: M in {64, ..., 8192} x (N, K) in {(7168, 2048), (4096, 7168), (2048, 7168),
    (18432, 7168)}. First pass, every shape: bf16 (torch.matmul), torch block-wise, auto (what
-   the engine runs: services/engine/fp8_linear's measured table), the activation quantiser
+   the engine runs: ops/fp8/dispatch.py's measured table), the activation quantiser
    alone, the whole linear from a bf16 input (fp8: quantiser + auto) vs bf16 F.linear, and for
    M <= 256 the same two linears as CUDA-graph replays (the engine's decode step is captured, so
    that is its real cost). Then Triton config sweeps (decode M first) while SWEEP_BUDGET_S lasts,
@@ -316,7 +316,7 @@ def check_grouped(name: str, e: int, t: int, n: int, k: int, dev: torch.device) 
     rows.append(
         {"case": name, "block_m": "torch loop"} | accuracy(None, o16, want, absref, "wgmma") | {"error": e16}
     )
-    # What the engine runs: services/engine/fp8_linear's dispatch (the CUDA kernel from
+    # What the engine runs: ops/fp8/dispatch.py (the CUDA kernel from
     # GROUPED_CUDA_MIN_ROWS rows per expert on Hopper, Triton below).
     o16, e16 = attempt(partial(fl.grouped_fp8_gemm_dispatch, *ops, torch.bfloat16))
     rows.append(

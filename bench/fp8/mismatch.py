@@ -51,7 +51,7 @@ from ops.fp8 import dispatch as fl
 from services.common.config import EngineConfig, ModelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
-from services.engine.fp8_linear import Fp8Linear
+from services.engine.layers.fp8 import Fp8Linear
 from trainer import fp8 as tfp8
 from trainer.model import build_model, save_weights_dir
 

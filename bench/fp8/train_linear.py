@@ -170,9 +170,9 @@ def moe_fp8_backward(dev: torch.device, g: torch.Generator) -> dict[str, Any]:
 
 
 def moe_trainer_equals_engine(dev: torch.device, g: torch.Generator) -> bool:
-    """trainer/fp8.Fp8RoutedExperts against services/engine/fp8_linear.Fp8Experts on the same
+    """trainer/fp8.Fp8RoutedExperts against services/engine/layers/fp8.Fp8Experts on the same
     weights, tokens and (top-1) routing: the same bits."""
-    from services.engine.fp8_linear import Fp8Experts
+    from services.engine.layers.fp8 import Fp8Experts
     from trainer.fp8 import convert
     from trainer.moe_routing import RoutedExperts
 

@@ -32,7 +32,7 @@ from services.common.modeldir import hf_config
 from services.common.redis_server import RedisServer
 from services.common.schemas import WeightsInfo
 from services.common.weights_dir import write_model_dir
-from services.engine.model import CausalLM
+from services.engine.models.causal_lm import CausalLM
 
 # "tiny": a CPU-sized Qwen3-style model with a long context. "qwen3-0.6b-shape": Qwen3-0.6B's shapes
 # (28 layers, 16 q / 8 kv heads of 128, KV 112 KiB per token in bf16), random weights.

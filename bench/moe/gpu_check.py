@@ -44,7 +44,7 @@ from services.common import routing  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.moe import ExpertWeights  # noqa: E402
+from services.engine.layers.moe import ExpertWeights  # noqa: E402
 
 
 def timed(fn: Any, device: torch.device, iters: int) -> float:

@@ -83,7 +83,7 @@ from bench.machine import machine  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, Span  # noqa: E402
-from services.engine.moe import MoE as EngineMoE  # noqa: E402
+from services.engine.layers.moe import MoE as EngineMoE  # noqa: E402
 from trainer.chunked import enable_chunked_output  # noqa: E402
 from trainer.model import build_model, save_weights_dir  # noqa: E402
 from trainer.replay import moe_routers, routing  # noqa: E402

@@ -217,8 +217,8 @@ def baseline_apply(eng: LLMEngine, d: Path) -> dict[str, Any]:
     copied from that pageable memory (`p.copy_(src.to(device))`, as load_hf_state did)."""
     from safetensors.torch import load_file
 
-    from services.engine import model as engine_model
-    from services.engine import moe as engine_moe
+    from services.engine.layers import moe as engine_moe
+    from services.engine.models import causal_lm as engine_model
 
     evict(d)
     t0 = time.perf_counter()

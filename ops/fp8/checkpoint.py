@@ -12,7 +12,7 @@ is exactly ops/fp8/recipe.py's decoding-scale convention (dequantize_weight), so
 used as they are. Everything else (embeddings, norms, lm_head, MoE routers) is high precision.
 
 This module only parses/validates that config, finds the pairs and dequantises them; the engine
-(services/engine/fp8_linear.load_hf_state) copies the pairs' bits into its FP8 buffers, the
+(services/engine/layers/fp8.load_hf_state) copies the pairs' bits into its FP8 buffers, the
 trainer (trainer/model.load_weights_dir) dequantises them into its float32 master weights.
 """
 
@@ -43,7 +43,7 @@ FLOAT8_DTYPES = tuple(
 def kept_high_precision(module: str) -> bool:
     """Linears an FP8 engine keeps in high precision: ops/fp8/recipe.default_skip (lm_head,
     routers, embeddings, norms) plus MLA's kv_b_proj, whose weight the absorbed decode path reads
-    directly (services/engine/mla.py) rather than calling the module."""
+    directly (services/engine/layers/mla.py) rather than calling the module."""
     return default_skip(module) or module.split(".")[-1] == "kv_b_proj"
 
 

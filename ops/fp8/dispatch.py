@@ -1,5 +1,5 @@
 """The FP8 (DeepSeek-V3 block-scaled) quantisers and GEMM dispatch of the engine's layers and the
-trainer's (services/engine/fp8_linear.py, trainer/fp8.py): both call `quantize_activation` and
+trainer's (services/engine/layers/fp8.py, trainer/fp8.py): both call `quantize_activation` and
 `fp8_gemm_dispatch`, so they compute the same bits for the same weights and inputs.
 
 Weights are quantised 128x128 at load / weight-update time (ops/fp8/recipe.quantize_weight);

@@ -448,7 +448,7 @@ def convert_to_fp8(
     an Fp8Linear quantised from its current weight. Returns the converted names. By default
     lm_head, routers (`...gate`, `...router`), embeddings and norms stay in high precision;
     `gate_proj` (an MLP projection) is converted. `linear_cls`: the Fp8Linear (sub)class to build
-    (the engine's services.engine.fp8_linear.Fp8Linear adds the GPU kernel dispatch). `empty`:
+    (the engine's services.engine.layers.fp8.Fp8Linear adds the GPU kernel dispatch). `empty`:
     build the Fp8Linears without quantising anything (their buffers hold no weight yet)."""
     targets = [
         (name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and not skip(name)

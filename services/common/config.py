@@ -415,7 +415,7 @@ class EngineConfig(Strict):
     megakernel: bool = True
     # "fp8": attention/MLP linears hold E4M3 weights with 128x128 scales, quantised from the
     # bf16/fp32 checkpoint at load and at every weight update; activations 1x128 per call.
-    # lm_head, router and norms stay in `dtype` (services/engine/fp8_linear.py, docs/fp8.md).
+    # lm_head, router and norms stay in `dtype` (services/engine/layers/fp8.py, docs/fp8.md).
     quantization: Literal["none", "fp8"] = "none"
     # Overlap scheduling (docs/engine.md): step N+1 is scheduled and launched before step N's
     # sampled tokens reach the host (they feed N+1 on the device); N's bookkeeping runs while N+1

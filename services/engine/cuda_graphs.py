@@ -49,9 +49,9 @@ from services.engine.batch import (
     plan_decode,
 )
 from services.engine.kv_cache import KVCache
-from services.engine.model import CausalLM
+from services.engine.layers.sampler import PendingSample
+from services.engine.models.causal_lm import CausalLM
 from services.engine.overlap import Feed, feed_pending
-from services.engine.sampler import PendingSample
 
 
 def ladder(max_batch: int) -> list[int]:

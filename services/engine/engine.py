@@ -30,7 +30,6 @@ from services.common import routing
 from services.common.config import EngineConfig
 from services.common.gpu_memory import cap_process_memory
 from services.common.schemas import GenerateRequest, GenerateResponse
-from services.engine import fp8_linear
 from services.engine.batch import (
     BlockTables,
     ForwardBatch,
@@ -42,10 +41,11 @@ from services.engine.batch import (
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
+from services.engine.layers import fp8 as fp8_linear
+from services.engine.layers.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
-from services.engine.model import CausalLM, build_fp8_model
+from services.engine.models.causal_lm import CausalLM, build_fp8_model
 from services.engine.overlap import Feed, InFlight, feed_pending
-from services.engine.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
@@ -91,7 +91,7 @@ class LLMEngine:
             # Attention/MLP linears and experts are FP8 from the start (their high-precision
             # weights are never allocated); lm_head, norms, embeddings, routers stay in dtype. The
             # load quantises high-precision tensors 128x128 and copies an FP8 checkpoint's own bits
-            # and scales (fp8_linear.load_hf_state; docs/fp8.md).
+            # and scales (layers/fp8.load_hf_state; docs/fp8.md).
             self.model = build_fp8_model(m, self.max_seq_len, ckpt.attention_bias, self.device, self.dtype)
             fp8_linear.load_hf_state(self.model, ckpt.state)
         else:
@@ -174,7 +174,7 @@ class LLMEngine:
     def _attention_backend(self) -> str:
         want = self.cfg.attention_backend
         # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
-        # shapes) of at least 16 (tl.dot); MLA keeps its torch path (mla.py).
+        # shapes) of at least 16 (tl.dot); MLA keeps its torch path (layers/mla.py).
         d = self.model_config.head_dim
         plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
         if want == "auto":

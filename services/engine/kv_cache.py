@@ -15,7 +15,7 @@ free list of never-cached pages is empty.
 The attention side only sees `store(layer, slot_mapping, k, v)` and `load(layer, block_tables)`;
 a Triton/FlexAttention paged kernel can replace `load` + SDPA without touching the scheduler.
 
-Layouts (`KVCache.for_model`): GQA keeps K and V per KV head. MLA (mla.py) keeps one latent "head"
+Layouts (`KVCache.for_model`): GQA keeps K and V per KV head. MLA (layers/mla.py) keeps one latent "head"
 of kv_lora_rank + qk_rope_head_dim values per token in the K pool and has a V pool of width 0.
 MoE models add a routing store next to the pages: the expert ids each MoE layer chose for the
 token in that slot, [moe_layers, slots, top_k] (uint8, or int16 read back as uint16, past 254

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.sampler import PendingSample
+from services.engine.layers.sampler import PendingSample
 from services.engine.sequence import Sequence
 
 

@@ -10,7 +10,7 @@ import torch
 from services.common.config import ModelConfig, load_config
 from services.common.modeldir import hf_config
 from services.common.weights_dir import write_model_dir
-from services.engine.model import CausalLM
+from services.engine.models.causal_lm import CausalLM
 from trainer.model import build_model, save_weights_dir
 
 

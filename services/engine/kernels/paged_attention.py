@@ -1,6 +1,6 @@
 """Paged attention in Triton: every kernel reads K/V straight from the page pool through block tables.
 
-The torch path (model.py) gathers each sequence's pages into a dense [B, ctx, heads, D] copy per
+The torch path (layers/attention.py) gathers each sequence's pages into a dense [B, ctx, heads, D] copy per
 layer and step and runs SDPA over it; at a batch of 256 that copy is as large as the KV itself, so
 on a GPU it doubles the memory traffic of a memory-bound decode. These kernels never copy:
 

@@ -19,7 +19,7 @@ build. It is a different random stream from the torch path's inverse CDF: the sa
 different (equally distributed) tokens on this path than on CPU. U_j = (r_j >> 8 + 0.5) / 2^24
 lies strictly inside (0, 1), so no E_j is 0 or infinite.
 
-sanitize (sampler.py): NaN -> -inf, +inf -> the largest float32; a row with nothing finite is
+sanitize (layers/sampler.py): NaN -> -inf, +inf -> the largest float32; a row with nothing finite is
 uniform, which the kernel handles by running a second race on all-zero logits in the same loop and
 using it (and log-prob -log V) when the row's maximum stays -inf.
 """

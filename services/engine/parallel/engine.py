@@ -28,6 +28,7 @@ from services.common.gpu_memory import cap_process_memory
 from services.engine.batch import BlockTables, Span, num_sms
 from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import PageExchange, layout_id
+from services.engine.layers.sampler import SampleOutput, Sampler
 from services.engine.loader import Checkpoint, WeightsError
 from services.engine.overlap import Feed
 from services.engine.parallel.group import EngineGroups
@@ -41,7 +42,6 @@ from services.engine.parallel.runner import (
     rank_device,
 )
 from services.engine.parallel.vocab import ShardedSampler
-from services.engine.sampler import SampleOutput, Sampler
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import RequestState, Sequence
 from services.engine.stats import EngineStats

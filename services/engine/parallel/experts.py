@@ -2,7 +2,7 @@
 their experts' ranks and back with `all_to_all_single`) and tensor-parallel experts (every expert's
 width split over a tp group).
 
-Both compute services/engine/moe.py's function, and both return every token's routed expert ids
+Both compute services/engine/layers/moe.py's function, and both return every token's routed expert ids
 (the router runs on each token before any communication), which the engine records for Router
 Replay exactly as the single-rank MoE does.
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
-from services.engine.moe import ExpertWeights, MoE, Router
+from services.engine.layers.moe import ExpertWeights, MoE, Router
 from services.engine.parallel.group import EngineGroups, RankGroup
 from services.engine.parallel.linear import (
     ColumnParallelLinear,

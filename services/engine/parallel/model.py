@@ -22,8 +22,8 @@ from torch import nn
 
 from services.common.config import ModelConfig, ParallelConfig
 from services.common.weights_slice import SliceSpec
-from services.engine.model import CausalLM
-from services.engine.moe import PER_EXPERT, MoE
+from services.engine.layers.moe import PER_EXPERT, MoE
+from services.engine.models.causal_lm import CausalLM
 from services.engine.parallel.experts import ExpertParallelMoE, TensorParallelMoE
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import RowParallelLinear, split_range

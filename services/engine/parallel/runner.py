@@ -27,6 +27,7 @@ from services.common.modeldir import model_config_from_hf
 from services.common.schemas import SamplingParams
 from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache
+from services.engine.layers.sampler import SampleOutput
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import (
@@ -38,7 +39,6 @@ from services.engine.parallel.model import (
     slice_spec,
 )
 from services.engine.parallel.vocab import ShardedSampler
-from services.engine.sampler import SampleOutput
 
 log = logging.getLogger(__name__)
 

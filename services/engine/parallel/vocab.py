@@ -11,7 +11,7 @@ logits stay split; from them, with a few [rows]-sized collectives:
 - top-n: each rank's own top-n, an all-gather of n x ranks candidates, the top-n of those;
 - the sampled token (`ShardedSampler`): greedy is the largest logit (each rank's argmax, gathered;
   the lowest index wins ties, as argmax over the whole row); a draw is the inverse CDF of the
-  single-rank sampler (services/engine/sampler.py): each rank's probability mass is gathered, the
+  single-rank sampler (services/engine/layers/sampler.py): each rank's probability mass is gathered, the
   rank whose cumulative range holds u x total finds the token in its own CDF. Same u, same token
   (up to the rounding of float64 partial sums).
 
@@ -30,9 +30,9 @@ from torch import nn
 
 from ops.lm_head import float32_logits
 from services.common.schemas import SamplingParams
+from services.engine.layers.sampler import SampleOutput, Sampler, TopLaunch, plain
 from services.engine.parallel.group import RankGroup
 from services.engine.parallel.linear import split_range
-from services.engine.sampler import SampleOutput, Sampler, TopLaunch, plain
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -21,7 +21,7 @@ from ops.fp8.dispatch import (
     quantize_activation,
     quantize_weight_fast,
 )
-from services.engine.moe import PER_EXPERT, ExpertWeights
+from services.engine.layers.moe import PER_EXPERT, ExpertWeights
 from services.engine.weight_copy import copy_weight
 
 
