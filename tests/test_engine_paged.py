@@ -16,7 +16,7 @@ from helpers.debug_weights import spread_debug_versions
 from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams
 from services.engine import InvalidRequest, LLMEngine
-from services.engine.kv_cache import BlockManager, block_hash, root_hash
+from services.engine.block_manager import BlockManager, block_hash, root_hash
 from trainer.model import build_model, load_weights_dir
 
 BASE = dict(device="cpu", max_batch_size=16, max_seq_len=64)

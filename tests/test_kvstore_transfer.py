@@ -293,7 +293,7 @@ def test_background_hashing_lets_the_gil_go_and_keys_stay_the_same(monkeypatch: 
     every BREATHE_PAGES pages (interference runs 19-21: without it, decode steps overlapping a pull
     took 6-9 ms), and the keys must be the block_hash chain the scheduler computes."""
     from services.engine import kv_transfer
-    from services.engine.kv_cache import block_hash, root_hash
+    from services.engine.block_manager import block_hash, root_hash
 
     prompt = [(i * 7919) % 50_000 for i in range(4 * kv_transfer.BREATHE_PAGES * 4 + 3)]
     pauses: list[float] = []

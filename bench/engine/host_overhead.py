@@ -37,8 +37,8 @@ from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
 from services.common.weights_dir import write_model_dir  # noqa: E402
 from services.engine.batch import HostBatch  # noqa: E402
-from services.engine.engine import LLMEngine  # noqa: E402
 from services.engine.layers.sampler import Sampler  # noqa: E402
+from services.engine.llm_engine import LLMEngine  # noqa: E402
 from services.engine.models.causal_lm import CausalLM  # noqa: E402
 from services.engine.overlap import InFlight  # noqa: E402
 
@@ -74,7 +74,7 @@ def timed_steps(engine: LLMEngine, steps: int) -> dict[str, list[float]]:
         HostBatch.build(spans, engine.kv.block_size, engine.block_tables)  # what the GPU path builds
         c3 = time.perf_counter()
         seqs, rows = engine._sampling_rows(plan)
-        launched = engine._launch(spans, seqs, rows)
+        launched = engine.runner.launch(spans, seqs, rows)
         c4 = time.perf_counter()
         engine.advance(plan)
         c5 = time.perf_counter()
@@ -101,7 +101,7 @@ def timed_steps_overlapped(engine: LLMEngine, steps: int) -> dict[str, list[floa
         c3 = time.perf_counter()
         seqs, rows = engine._sampling_rows(plan)
         c4 = time.perf_counter()
-        launched = engine._launch(spans, seqs, rows, feed)
+        launched = engine.runner.launch(spans, seqs, rows, feed)
         for j, s in enumerate(seqs):
             s.pending += 1
             s.pending_row = j

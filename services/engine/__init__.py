@@ -6,7 +6,7 @@ AsyncEngine(engine).start()          background step loop: await submit(), await
 """
 
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import InvalidRequest, LLMEngine
+from services.engine.llm_engine import InvalidRequest, LLMEngine
 from services.engine.loader import WeightsError
 
 __all__ = ["AsyncEngine", "InvalidRequest", "LLMEngine", "WeightsError"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.common.schemas import GenerateRequest, GenerateResponse
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.loader import Checkpoint
 from services.engine.sequence import RequestState
 

@@ -3,7 +3,7 @@
 A page's bytes are, for each pool tensor of the cache in order (K then V for the GQA layout), the
 rows of that page across all layers ([n_layers, block_size, ...] contiguous, native dtype), so a
 page is `page_nbytes(kv)` raw bytes with no header. What a page *means* is carried by its key:
-the prefix-cache hash chain (kv_cache.block_hash) rooted at root_hash(weight version, layout_id),
+the prefix-cache hash chain (block_manager.block_hash) rooted at root_hash(weight version, layout_id),
 and layout_id names everything that decides the bytes' interpretation (model shape, KV dtype,
 page size). Two engines exchange pages only when their layout ids, and so their keys, agree; a
 page of another model, dtype, page size or weight version can never be looked up by mistake.
@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from services.engine.kv_cache import KVCache, page_hash, root_hash
+from services.engine.block_manager import page_hash, root_hash
+from services.engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
@@ -73,7 +74,7 @@ def chain_hashes(
     breathe: bool = False,
 ) -> list[bytes]:
     """Keys of the full pages of `tokens` (at most `limit`), as the scheduler computes them
-    (kv_cache.block_hash, over one buffer of the tokens). `breathe`: the caller is a background thread (a
+    (block_manager.block_hash, over one buffer of the tokens). `breathe`: the caller is a background thread (a
     router's pull, a prefill request): it lets the GIL go every BREATHE_PAGES pages. A 16k-token
     prompt's chain is ~1-2 ms of Python; held in switch-interval slices it made the engine loop
     wait 0.5 ms at each of its GIL releases, and the decode steps overlapping a pull took 6-9 ms

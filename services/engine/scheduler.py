@@ -12,7 +12,7 @@ up; its full pages usually stay in the prefix cache, so the recompute is mostly 
 oldest sequence therefore always progresses, and any request that fits the pool on its own (which
 validation guarantees) completes.
 
-On admission the sequence's full pages are looked up in the prefix cache (kv_cache.py); only the
+On admission the sequence's full pages are looked up in the prefix cache (block_manager.py); only the
 tokens after the longest cached prefix are computed. The n samples of one request share their
 prompt: the first prefills it and the others *fork* from it in the step its prefill completes
 (they share its full prompt pages, copy the partly filled last one, and sample from its logits).
@@ -29,7 +29,8 @@ from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from services.engine.kv_cache import KVCache, block_hash, root_hash
+from services.engine.block_manager import block_hash, root_hash
+from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PromptTail
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats

@@ -39,7 +39,7 @@ from services.kvstore.shared_segment import SharedSegment, shm_room, sweep_dead
 
 if TYPE_CHECKING:
     from services.common.config import KVNearSection
-    from services.engine.engine import LLMEngine
+    from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,6 @@ from services.common.prefill_schemas import (
 from services.common.registry import Lookup, Registry
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import LLMEngine
 from services.engine.kv_transfer import (
     PromptTail,
     chain_hashes,
@@ -54,6 +53,7 @@ from services.engine.kv_transfer import (
     prompt_tail_key,
     reusable_pages,
 )
+from services.engine.llm_engine import LLMEngine
 from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.handoff import HandoffReader
 from services.kvstore.near_cache import NearCache, near_for_engine

@@ -8,7 +8,7 @@ then the pages' bytes concatenated (all integers little-endian):
     keys frame:   b"RKVK" | u32 count | count x 16-byte key
 
 PUT /v1/pages takes a pages frame; POST /v1/pages/get takes a keys frame and answers a pages frame
-holding the pages it found, in request order. Keys are kv_cache.block_hash digests (16 bytes).
+holding the pages it found, in request order. Keys are block_manager.block_hash digests (16 bytes).
 """
 
 from __future__ import annotations

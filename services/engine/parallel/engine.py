@@ -25,10 +25,10 @@ from tokenizers import Tokenizer
 
 from services.common.config import EngineConfig, ParallelConfig
 from services.common.gpu_memory import cap_process_memory
-from services.engine.batch import BlockTables, Span, num_sms
-from services.engine.engine import LLMEngine
+from services.engine.batch import Span
 from services.engine.kv_transfer import PageExchange, layout_id
-from services.engine.layers.sampler import SampleOutput, Sampler
+from services.engine.layers.sampler import SampleOutput
+from services.engine.llm_engine import LLMEngine
 from services.engine.loader import Checkpoint, WeightsError
 from services.engine.overlap import Feed
 from services.engine.parallel.group import EngineGroups
@@ -92,8 +92,7 @@ class ParallelEngine(LLMEngine):
         self.scheduler = Scheduler(
             self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
         )
-        self.pdl = self.model.pdl = False
-        self.sampler = Sampler()  # the interface LLMEngine keeps; the draws go to ShardedSampler
+        self.model.pdl = False
         self.eos_token_ids = set(ckpt.eos_token_ids)
         tok_file = ckpt.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
@@ -109,13 +108,8 @@ class ParallelEngine(LLMEngine):
         self._prefill_lag = None
         self.overlap = False
         self.background = False
-        self.attention_backend = "torch"
         self.model.fused_elementwise = False
-        self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
-        self.num_sms = num_sms(self.device)
         self.model.megakernel = None
-        self.graphs = None
-        self.mixed_graphs = None
 
     def step(self) -> list[RequestState]:
         try:

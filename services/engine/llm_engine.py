@@ -19,39 +19,23 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
 
-from ops import pdl
-from ops.fp8.checkpoint import dequantize_state
 from services.common import routing
 from services.common.config import EngineConfig
-from services.common.gpu_memory import cap_process_memory
 from services.common.schemas import GenerateRequest, GenerateResponse
-from services.engine.batch import (
-    BlockTables,
-    ForwardBatch,
-    HostBatch,
-    Span,
-    host_to_device,
-    num_sms,
-)
+from services.engine.batch import BlockTables, Span
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
-from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
-from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
-from services.engine.models.causal_lm import CausalLM, build_fp8_model
-from services.engine.overlap import Feed, InFlight, feed_pending
+from services.engine.model_runner import ModelRunner
+from services.engine.overlap import Feed, InFlight
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
-
-if TYPE_CHECKING:
-    from services.engine.kernels.megakernel import DecodeMegakernel
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +48,6 @@ class InvalidRequest(ValueError):
         self.field, self.reason = field, reason
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -79,39 +57,16 @@ class LLMEngine:
     ):
         torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        # Before any allocation: a decode sharing its GPU with the trainer stays in its budget.
-        self.memory_cap = cap_process_memory(self.device, cfg.cuda_memory_gib)
-        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
         ckpt = read_checkpoint(model_dir)
-        self.model_config = m = ckpt.config
-        # Positions past the model's own limit were never trained (and the trainer cannot score them).
-        self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
-        if cfg.quantization == "fp8":
-            # Attention/MLP linears and experts are FP8 from the start (their high-precision
-            # weights are never allocated); lm_head, norms, embeddings, routers stay in dtype. The
-            # load quantises high-precision tensors 128x128 and copies an FP8 checkpoint's own bits
-            # and scales (layers/fp8.load_hf_state; docs/fp8.md).
-            self.model = build_fp8_model(m, self.max_seq_len, ckpt.attention_bias, self.device, self.dtype)
-            fp8_linear.load_hf_state(self.model, ckpt.state)
-        else:
-            self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype)
-            self.model.load_hf_state(self._high_precision(ckpt))
-        self.model.eval()
-        self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/replay.md)
-        # GQA or MLA-latent layout, plus the routed-expert store of an MoE model (kv_cache.py).
-        self.kv = KVCache.for_model(
-            m, self._num_kv_blocks(), cfg.block_size, self.max_seq_len, self.dtype, self.device
-        )
+        # The model, its KV cache and everything that runs them (model_runner.py).
+        self.runner = runner = ModelRunner(ckpt, cfg)
+        self.model, self.kv, self.model_config = runner.model, runner.kv, runner.model_config
+        self.device, self.dtype, self.max_seq_len = runner.device, runner.dtype, runner.max_seq_len
+        self.memory_cap = runner.memory_cap
         self.stats = EngineStats()
         self.scheduler = Scheduler(
             self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
         )
-        # On CUDA, plain batches sample in one fused kernel (kernels/sampling.py: its own stream).
-        # Programmatic Dependent Launch of the Triton kernels (forward and fused sampler): on where
-        # EngineConfig.pdl asks and the device can (ops/pdl.py); set before graph capture.
-        self.pdl = self.model.pdl = pdl.resolve(cfg.pdl, self.device)
-        self.sampler = Sampler(fused=self.device.type == "cuda" and cfg.fused_kernels, pdl=self.pdl)
         self.eos_token_ids = set(ckpt.eos_token_ids)
         # Stop strings and output text (sequence.py) need it; None when the directory has none.
         tok_file = ckpt.path / "tokenizer.json"
@@ -123,7 +78,7 @@ class LLMEngine:
         self.version = self.scheduler.version = version if version is not None else (ckpt.version or 0)
         # Pages travel between engines (prefill -> KV store -> decode) keyed by hash chains rooted
         # at (weight version, layout): kv_transfer.py.
-        self.layout = self.scheduler.layout = layout_id(m.arch, self.kv)
+        self.layout = self.scheduler.layout = layout_id(self.model_config.arch, self.kv)
         self.pages = PageExchange(self.kv, layout=self.layout)
         self.scheduler.landing = self.pages.landing_keys
         self._born_finished: list[RequestState] = []  # every sample ended on its prefilled token
@@ -138,154 +93,52 @@ class LLMEngine:
         self.overlap = ov is True or (ov == "auto" and self.device.type == "cuda")
         # Set by AsyncEngine: then only its thread may call step().
         self.background = False
-        # GPU fast path (docs/architecture.md "GPU path"): paged kernels, CUDA-graph decode steps.
-        self.attention_backend = self._attention_backend()
-        # Before graph capture: fused residual-add + RMSNorm and SiLU-mul kernels on CUDA.
-        self.model.fused_elementwise = (
-            self.device.type == "cuda" and self.attention_backend != "torch" and self.cfg.fused_kernels
-        )
-        if self.model.fused_elementwise:
-            self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (bf16 or fp8)
-        self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
-        self.num_sms = num_sms(self.device)
-        self.model.megakernel = self._megakernel()  # before graph capture
-        self.graphs = self._capture_graphs()
-        self.mixed_graphs = self._capture_mixed_graphs()
-
-    def _megakernel(self) -> DecodeMegakernel | None:
-        """The batch-1 decode kernel (EngineConfig.megakernel), where the model and device allow."""
-        if not (self.cfg.megakernel and self.model.fused_elementwise and self.attention_backend == "triton"):
-            return None
-        if torch.cuda.get_device_capability(self.device)[0] < 9:
-            log.info("megakernel off: written and measured for Hopper (sm_90) only")
-            return None
-        from services.engine.kernels import megakernel  # Triton: the CUDA path only
-        from services.engine.kernels.megakernel import DecodeMegakernel
-
-        why = megakernel.unsupported(self.model) or megakernel.residency_risk()
-        if why is None:
-            try:
-                return DecodeMegakernel(self.model, self.kv.k, self.kv.v, self.cfg.block_size, self.num_sms)
-            except ValueError as e:
-                why = str(e)
-        log.info("megakernel off: %s", why)
-        return None
-
-    def _attention_backend(self) -> str:
-        want = self.cfg.attention_backend
-        # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
-        # shapes) of at least 16 (tl.dot); MLA keeps its torch path (layers/mla.py).
-        d = self.model_config.head_dim
-        plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
-        if want == "auto":
-            want = "triton" if self.device.type == "cuda" and plain else "torch"
-        if want == "triton" and not plain:
-            raise ValueError(
-                f"attention_backend: {want!r} needs standard attention with a power-of-two head_dim >= 16"
-            )
-        return want
-
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        if not (self.cfg.cuda_graphs and self.attention_backend == "triton" and self.device.type == "cuda"):
-            return None
-        size = min(self.cfg.max_batch_size, self.cfg.cuda_graph_max_batch_size)
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv,
-            size,
-            self.num_sms,
-            self.device,
-            sample_in_graph=self.cfg.graph_sampling and self.sampler.fused,
-            pdl=self.pdl,
-        )
-        try:
-            graphs.capture()
-        except RuntimeError:
-            # E.g. a model whose forward syncs with the host; decode then runs eagerly (slower).
-            log.exception("CUDA graph capture failed; decode steps run eagerly")
-            return None
-        return graphs
-
-    def _capture_mixed_graphs(self) -> MixedGraphs | None:
-        if self.graphs is None or not self.cfg.cuda_graph_mixed:
-            return None
-        graphs = MixedGraphs(
-            self.model,
-            self.kv,
-            self.cfg.max_num_batched_tokens,
-            self.graphs.sizes[-1],
-            self.cfg.cuda_graph_max_prefill_spans,
-            self.num_sms,
-            self.device,
-        )
-        try:
-            graphs.capture(self.graphs.pool)
-        except RuntimeError:
-            log.exception("CUDA graph capture of mixed steps failed; they run eagerly")
-            return None
-        return graphs
+        # The GPU fast path (paged kernels, CUDA graphs), last: graph capture runs the model.
+        runner.prepare()
 
     def _launch(
         self, spans: list[Span], seqs: list[Sequence], rows: list[int], feed: Feed | None = None
     ) -> PendingSample | None:
-        """Queue the step's forward and the sampling of `seqs` (from logit rows `rows`: the row of
-        each one's last token, by span); None if nothing samples. `feed`: rows whose token is still
-        on the device (overlap scheduling), written in before the forward."""
-        if self.attention_backend == "torch":
-            batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
-            feed_pending(batch.input_ids, feed)
-            hidden, last_index = self.model(batch, self.kv), batch.last_index
-        else:
-            hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
-            if self.graphs is not None and self.graphs.can_run(hb):
-                return self._launch_graph(hb, seqs, rows, feed)
-            hidden, last_index = self._forward(hb, feed)
-        return self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
+        """Queue a step's forward and the sampling of `seqs` (model_runner.py; a multi-rank engine,
+        parallel/engine.py, sends it to its ranks instead)."""
+        return self.runner.launch(spans, seqs, rows, feed)
 
-    def _launch_graph(
-        self, hb: HostBatch, seqs: list[Sequence], rows: list[int], feed: Feed | None
-    ) -> PendingSample | None:
-        """A decode step on its captured graph. With graph sampling (cuda_graphs.DecodeGraphs)
-        the graph samples every row itself when all rows sample in order and plainly; otherwise
-        the graph's logits go to the sampler."""
-        graphs = self.graphs
-        assert graphs is not None
-        n = len(hb.ids)
-        params = [s.params for s in seqs]
-        in_order = len(rows) == n and rows == list(range(n))  # (no forks, every row samples)
-        inside = (
-            graphs.sample_in_graph
-            and in_order
-            and self.sampler.fuses(params, self.model_config.vocab_size, top_n=False)
-        )
-        draws = self.sampler.fused_draws(params, [s.rng for s in seqs]) if inside else None
-        logits = graphs.run(hb, feed, draws)
-        if not seqs:
-            return None
-        if inside:
-            return graphs.pending(n)
-        if not in_order:
-            logits = logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
-        return self.sampler.launch(logits, params, [s.rng for s in seqs])
+    # The runner's parts a caller may read (tests and benchmarks swap the sampler or the graphs).
+    @property
+    def sampler(self) -> Sampler:
+        return self.runner.sampler
 
-    def _forward(self, hb: HostBatch, feed: Feed | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states of a paged batch the decode graphs do not take (a mixed-step graph
-        or eager) and the row of each span's last token. `feed`: rows whose token is still on
-        the device (overlap scheduling), written in before the forward."""
-        if self.mixed_graphs is not None and self.mixed_graphs.can_run(hb):
-            return self.mixed_graphs.run(hb, feed)
-        batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
-        feed_pending(batch.input_ids, feed)
-        return self.model(batch, self.kv), batch.last_index
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        self.runner.sampler = sampler
 
-    def _num_kv_blocks(self) -> int:
-        cfg, m = self.cfg, self.model_config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_bytes is not None:
-            per_block = KVCache.bytes_per_block_for(m, cfg.block_size, self.dtype)
-            return max(1, cfg.kv_cache_bytes // per_block)
-        return cfg.max_batch_size * -(-self.max_seq_len // cfg.block_size)
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self.runner.graphs = graphs
+
+    @property
+    def mixed_graphs(self) -> MixedGraphs | None:
+        return self.runner.mixed_graphs
+
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.attention_backend
+
+    @property
+    def pdl(self) -> bool:
+        return self.runner.pdl
+
+    @property
+    def num_sms(self) -> int:
+        return self.runner.num_sms
+
+    @property
+    def block_tables(self) -> BlockTables:
+        return self.runner.block_tables
 
     # ------------------------------------------------------------------ requests
 
@@ -447,19 +300,6 @@ class LLMEngine:
                 register(s)
         if plan.forks:
             self.scheduler.finish_forks(plan)
-
-    def launch_sample(
-        self, hidden: torch.Tensor, last_index: torch.Tensor, seqs: list[Sequence], rows: list[int]
-    ) -> PendingSample:
-        """Queue logits + sampling of the given rows; the tokens stay on the device until resolved."""
-        # Decode steps sample every row in order: index with the device tensor as it is. Otherwise
-        # the rows go over pinned and non-blocking: a Python list index is a blocking copy, which
-        # waits for the forward (and, with overlap scheduling, for the step before it).
-        every = len(rows) == len(last_index) and rows == list(range(len(rows)))
-        if not every:
-            last_index = last_index.index_select(0, host_to_device(torch.tensor(rows), last_index.device))
-        logits = self.model.logits(hidden[last_index])
-        return self.sampler.launch(logits, [s.params for s in seqs], [s.rng for s in seqs])
 
     def commit(
         self, seqs: list[Sequence], out: SampleOutput, version: int | None = None
@@ -685,21 +525,13 @@ class LLMEngine:
         """Swap weights in place. Call between steps only. Running sequences keep their KV (computed
         by the old weights) and continue; tokens sampled from now on are tagged `version`."""
         t0 = time.monotonic()
-        if self.cfg.quantization == "fp8":
-            # Re-quantises high-precision weights into the fp8 buffers; copies an fp8 checkpoint's.
-            fp8_linear.load_hf_state(self.model, ckpt.state)
-        else:
-            self.model.load_hf_state(self._high_precision(ckpt))
+        self.runner.load_state(ckpt)
         # New admissions hash under the new version: pages computed by the old weights never match.
         self.version = self.scheduler.version = version
         self.model_dir = ckpt.path
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copies are done: the apply's true time
         self.stats.observe_weights(time.monotonic() - t0, ckpt.read_s, ckpt.nbytes)
-
-    def _high_precision(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-        """The checkpoint's state with any fp8 pairs dequantised to the engine dtype."""
-        return dequantize_state(ckpt.state, self.dtype) if ckpt.fp8 else ckpt.state
 
     def load_weights(self, path: str | Path, version: int) -> None:
         self.apply_weights(self.read_weights(path), version)
