@@ -1,4 +1,4 @@
-"""Triton quantisers the FP8 trainer needs besides the 1x128 activation one (fp8_gemm.py):
+"""Triton quantisers the FP8 trainer needs besides the 1x128 activation one (triton_gemm.py):
 
 - `triton_quantize_weight`: 128x128 tiles of a (N, K) weight in one pass (the torch reference
   in ops/fp8/recipe.quantize_weight makes ~6 passes over a float32 copy), optionally also
@@ -11,14 +11,14 @@
   (grad_out^T and x^T) are quantised this way (DeepSeek-V3's 128x1 backward quantisation).
 
 - `triton_quantize_act_both`: both of the above activation quantisations of one x (M, C) in one
-  pass: x 1x128 along C (what fp8_gemm.triton_quantize_act writes) and x^T 1x128 along M (what
+  pass: x 1x128 along C (what triton_gemm.triton_quantize_act writes) and x^T 1x128 along M (what
   `triton_quantize_act_t` writes). The FP8 trainer needs both of its input (forward GEMM, weight
   gradient) and of grad_out (dgrad, weight gradient); one pass reads x once and is one launch.
 
 All round like the references (IEEE division `div_rn` for the scale; every element's quotient
 correctly rounded too, by Markstein's exact correction of a reciprocal, fp8_gemm._div_exact;
 round-to-nearest-even fp8), so their bits equal ops/fp8/recipe.py's on the GPU. The CPU
-interpreter's fp8 conversion is faulty (fp8_gemm.py's docstring), so CPU callers use the torch
+interpreter's fp8 conversion is faulty (triton_gemm.py's docstring), so CPU callers use the torch
 references (ops/fp8/dispatch.py dispatches).
 """
 
@@ -218,7 +218,7 @@ def triton_quantize_act_both(
     x: torch.Tensor, pow2: bool = False, num_warps: int = 4
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """x (M, C) -> ((q (M, C), scales (M, CB)), (q^T (C, M_pad), scales (C, M_pad / 128))) in one
-    launch: fp8_gemm.triton_quantize_act's outputs and `triton_quantize_act_t`'s, with the same bits.
+    launch: triton_gemm.triton_quantize_act's outputs and `triton_quantize_act_t`'s, with the same bits.
     Both scale tensors are views of column-major buffers (stride(0) == 1): the layout cuBLAS's
     block-wise scaled_mm reads (the token GEMM's operands), so they reach it without a copy.
     num_warps 4: 1.27-1.29x the two passes on the H100; 8 and 16 were slower than the two passes."""

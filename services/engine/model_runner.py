@@ -74,7 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(fused=self.device.type == "cuda" and cfg.fused_kernels, pdl=self.pdl)
 
     def prepare(self) -> None:
-        """The GPU fast path (docs/architecture.md "GPU path"): paged kernels, fused projections and
+        """The GPU fast path (docs/kernels.md): paged kernels, fused projections and
         elementwise kernels, the batch-1 kernel and the CUDA graphs. Call once the engine around the
         runner is built: graph capture runs the model."""
         cfg = self.cfg

@@ -14,10 +14,10 @@ from __future__ import annotations
 import shutil
 import socket
 import sys
-from collections import OrderedDict
 from pathlib import Path
 
 from services.common.config import MooncakeSection
+from services.kvstore.tiers import IndexedTier
 
 
 class MooncakeUnavailable(RuntimeError):
@@ -59,11 +59,10 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class MooncakeTier:
+class MooncakeTier(IndexedTier):
     """LRU over the pages this gateway put, under `budget_bytes`; lookups also find pages other
     gateways put (the pool is shared), and a page read is copied up, never removed from the pool."""
 
-    name = "mooncake"
     exclusive = False
 
     def __init__(self, sec: MooncakeSection, local_host: str = "127.0.0.1"):
@@ -77,8 +76,7 @@ class MooncakeTier:
             raise MooncakeUnavailable(
                 "kvstore.mooncake.rpc_port/metadata_port are not set (the launcher sets them)"
             )
-        self.budget_bytes, self.used_bytes = sec.budget_bytes, 0
-        self._index: OrderedDict[bytes, int] = OrderedDict()
+        super().__init__("mooncake", sec.budget_bytes)
         self.store = MooncakeDistributedStore()
         # With the HTTP metadata server every client needs its own host:port (its TCP endpoint).
         rc = self.store.setup(
@@ -99,12 +97,6 @@ class MooncakeTier:
     def _key(key: bytes) -> str:
         return "relay-kv-" + key.hex()
 
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._index
-
     def get(self, key: bytes) -> bytes | None:
         data = self.store.get(self._key(key))
         if not data:
@@ -122,14 +114,8 @@ class MooncakeTier:
         if rc != 0:
             # Another gateway may have put the same page first: then it is there all the same.
             return bool(self.store.is_exist(self._key(key)) == 1)
-        self._index[key] = len(data)
-        self.used_bytes += len(data)
+        self._remember(key, len(data))
         return True
-
-    def _forget(self, key: bytes) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
 
     def discard(self, key: bytes) -> None:
         if key in self._index:

@@ -76,7 +76,31 @@ class MemoryTier:
         self.used_bytes = 0
 
 
-class DiskTier:
+class IndexedTier:
+    """A tier whose page bytes live outside the process (files, a shared pool): an LRU index of the
+    pages it holds (key -> size) and their byte count."""
+
+    def __init__(self, name: str, budget_bytes: int):
+        self.name, self.budget_bytes, self.used_bytes = name, budget_bytes, 0
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    def _remember(self, key: bytes, size: int) -> None:
+        self._index[key] = size
+        self.used_bytes += size
+
+    def _forget(self, key: bytes) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+
+
+class DiskTier(IndexedTier):
     """One file per page under `root` (written to a temporary name, then renamed, so a crash never
     leaves a torn page under a valid key). Pages already on disk are indexed at start, oldest
     first, so a restarted gateway keeps serving them."""
@@ -84,10 +108,9 @@ class DiskTier:
     exclusive = True
 
     def __init__(self, root: str | Path, budget_bytes: int, name: str = "disk"):
-        self.name, self.budget_bytes, self.used_bytes = name, budget_bytes, 0
+        super().__init__(name, budget_bytes)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._index: OrderedDict[bytes, int] = OrderedDict()
         found = []
         for p in self.root.glob("*/*.page"):
             try:
@@ -95,20 +118,13 @@ class DiskTier:
             except (ValueError, OSError):
                 continue
         for _mtime, key, size in sorted(found):
-            self._index[key] = size
-            self.used_bytes += size
+            self._remember(key, size)
         for p in self.root.glob("*/*.tmp"):
             p.unlink(missing_ok=True)
 
     def _path(self, key: bytes) -> Path:
         h = key.hex()
         return self.root / h[:2] / f"{h}.page"
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._index
 
     def get(self, key: bytes) -> bytes | None:
         if key not in self._index:
@@ -128,14 +144,8 @@ class DiskTier:
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_bytes(data)
         tmp.rename(path)
-        self._index[key] = len(data)
-        self.used_bytes += len(data)
+        self._remember(key, len(data))
         return True
-
-    def _forget(self, key: bytes) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
 
     def discard(self, key: bytes) -> None:
         if key in self._index:

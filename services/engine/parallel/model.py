@@ -1,4 +1,4 @@
-"""One rank's shard of the engine's decoder (services/engine/model.CausalLM).
+"""One rank's shard of the engine's decoder (services/engine/models/causal_lm.CausalLM).
 
 A rank's model is the single-rank CausalLM built for the rank's own shapes (`local_config`: its
 attention heads and KV heads, its slice of the FFN width) with the modules that communicate put in:
