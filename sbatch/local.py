@@ -29,6 +29,7 @@ import redis
 from rich.console import Console
 
 from sbatch.budget import RunClock
+from sbatch.files import write_atomic
 from sbatch.summary import StepLine, print_summary, read_metrics_after, summarize, write_summary
 from sbatch.supervisor import RestartPolicy, supervisor_argv
 from services.common.auth import child_env, ensure_run_secrets, with_credentials
@@ -380,13 +381,3 @@ def run(cfg: RunConfig, resume: bool = False) -> int:
     finally:
         lr.stop()
     return code
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a part: written aside, then renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)

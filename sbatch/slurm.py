@@ -43,7 +43,8 @@ from typing import Any
 import redis
 from rich.console import Console
 
-from sbatch.local import RUNS_DIR, make_run_dir, service_argv, write_atomic
+from sbatch.files import write_atomic
+from sbatch.local import RUNS_DIR, make_run_dir, service_argv
 from sbatch.summary import StepLine, print_summary, read_metrics_after, summarize
 from sbatch.supervisor import FINAL_STATES, RestartPolicy, read_states, supervisor_argv
 from services.common.auth import AuthError, RunSecrets, ensure_run_secrets, load_run_secrets, with_credentials

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sbatch.files import write_atomic
 from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.common.schemas import RolloutGroup
@@ -64,8 +65,6 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
 def write_summary(run_dir: Path, summary: dict[str, Any], console: Console | None = None) -> bool:
     """RUN_DIR/summary.json, atomically: a reader (or a full disk) never finds it empty or cut
     short. If it cannot be written, the summary goes to the console instead."""
-    from sbatch.local import write_atomic
-
     text = json.dumps(summary, indent=2)
     try:
         write_atomic(run_dir / "summary.json", text)
