@@ -3,6 +3,7 @@ config, its URL discovered through the registry exactly as the orchestrator does
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -264,6 +265,43 @@ def test_step_errors(client: httpx.Client) -> None:
     assert r.status_code == 404 and "deleted" in r.json()["detail"]
 
 
+def test_steps_of_many_sessions_in_one_call(client: httpx.Client) -> None:
+    """POST /v1/sessions/steps: each item as its own /step call would answer (scored and closed
+    with score=true, credit with credit=true), errors per item, the rest unharmed."""
+    group = client.post("/v1/sessions/batch", json={"env": "reverse", "seed": 4, "n": 3}).json()["sessions"]
+    right = solve(group[0]["prompt"], "reverse")
+    done = create(client, "reverse", seed=1)["session_id"]
+    assert client.post(f"/v1/sessions/{done}/step", json={"action": "abc"}).status_code == 200
+    steps = [
+        {"session_id": group[0]["session_id"], "action": right},
+        {"session_id": group[1]["session_id"], "action": right, "eos": False},
+        {"session_id": "nope", "action": right},
+        {"session_id": done, "action": "abc"},
+        {"session_id": group[2]["session_id"], "action": "xyz"},
+    ]
+    r = client.post("/v1/sessions/steps", params={"score": "true", "credit": "true"}, json={"steps": steps})
+    assert r.status_code == 200, r.text
+    # One JSON line per step, in the order the steps finished, each naming its step's index.
+    res = sorted((json.loads(line) for line in r.text.splitlines()), key=lambda x: x["i"])
+    assert [x["i"] for x in res] == [0, 1, 2, 3, 4]
+    assert [x["status"] for x in res] == [200, 200, 404, 409, 200]
+    assert res[0]["response"]["reward"] == 1.0 and res[0]["response"]["credit"] == [[1.0, 1.0, 1.0, 1.0]]
+    assert res[1]["response"]["reward"] == 0.75 and res[1]["response"]["credit"] == [[1.0, 1.0, 1.0, 0.0]]
+    assert "unknown session 'nope'" in res[2]["detail"] and res[2]["response"] is None
+    assert "done" in res[3]["detail"]
+    assert res[4]["response"]["reward"] == 0.25  # three wrong letters, ended right after three
+    # score=true closed every scored session
+    for s in group:
+        assert client.get(f"/v1/sessions/{s['session_id']}").status_code == 404
+    for body, field in [
+        ({"steps": []}, "steps"),
+        ({"steps": [{"action": "a"}]}, "session_id"),
+        ({}, "steps"),
+    ]:
+        r = client.post("/v1/sessions/steps", json=body)
+        assert r.status_code == 422 and field in r.json()["detail"], r.text
+
+
 def test_health_and_metrics(client: httpx.Client) -> None:
     sid = create(client, "reverse", 3)["session_id"]
     health = client.get("/health").json()
@@ -347,3 +385,54 @@ def test_hostile_commands_and_paths_are_a_422_naming_the_field(client: httpx.Cli
     # A command over the sandbox's body limit is refused before it is read.
     r = client.post(f"/v1/sessions/{sid}/exec", json={"cmd": "x" * (17 << 20)})
     assert r.status_code == 413 and "sandbox.max_request_bytes" in r.json()["detail"]
+
+
+def test_orchestrator_client_sends_a_groups_steps_in_one_request(sandbox: Sandbox) -> None:
+    """The orchestrator's SandboxClient: the steps a group's samples send together travel as one
+    POST /v1/sessions/steps (counted on the wire), each caller gets its own answer, a failing
+    session fails only its own caller, and a caller that gave up does not disturb the others."""
+    import asyncio
+
+    import aiohttp
+
+    from services.common.auth import auth_headers
+    from services.common.registry import Registry
+    from services.orchestrator.clients import Router, SandboxClient
+
+    async def main() -> None:
+        sent: list[str] = []
+
+        async def on_start(_s: object, _ctx: object, params: aiohttp.TraceRequestStartParams) -> None:
+            sent.append(f"{params.method} {params.url.path}")
+
+        trace = aiohttp.TraceConfig()
+        trace.on_request_start.append(on_start)
+        async with aiohttp.ClientSession(headers=auth_headers(), trace_configs=[trace]) as http:
+            client = SandboxClient(http, Router(Registry(sandbox.bus.services), "sandbox"), credit=True)
+            group = await client.open_group("reverse", 7, 16)
+            right = solve(group[0].prompt, "reverse")
+            sent.clear()
+            out = await asyncio.gather(
+                *(s.step(right if i % 2 else "xyz", eos=True) for i, s in enumerate(group))
+            )
+            assert sent == ["POST /v1/sessions/steps"]
+            assert [o.reward for o in out] == [0.25 if i % 2 == 0 else 1.0 for i in range(16)]
+            assert all(s.closed for s in group) and out[1].credit == [[1.0, 1.0, 1.0, 1.0]]
+
+            # Stepping a closed session fails that caller alone (a 4xx: ValueError).
+            more = await client.open_group("reverse-turns", 3, 2)
+            sent.clear()
+            res = await asyncio.gather(
+                group[0].step("abc", True), more[0].step("abc", True), return_exceptions=True
+            )
+            assert sent == ["POST /v1/sessions/steps"]
+            assert isinstance(res[0], ValueError) and "404" in str(res[0])
+            assert not isinstance(res[1], BaseException) and res[1].done is False
+            # A caller that stops waiting (its turn timed out) leaves the batch to the others.
+            slow = asyncio.ensure_future(more[1].step("abc", True))
+            await asyncio.sleep(0)
+            slow.cancel()
+            again = await more[0].step("cba", True)
+            assert again.done is False and len(sent) == 2
+
+    asyncio.run(main())

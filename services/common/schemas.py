@@ -333,6 +333,29 @@ class StepResponse(Wire):
     credit: Credit | None = None
 
 
+class SessionStep(WireRequest):
+    session_id: str = Field(min_length=1, max_length=128)
+    action: str = Field(description="the model's turn, decoded, with the EOS token stripped")
+    eos: bool = True
+
+
+class StepsRequest(WireRequest):
+    """Several sessions' steps in one call (POST /v1/sessions/steps): a rollout group's turn."""
+
+    steps: list[SessionStep] = Field(min_length=1, max_length=1024)
+
+
+class StepResult(Wire):
+    """One step of a batch, a line of its streamed answer: the index of the step in the request,
+    its response, or the status and detail its own call would have answered with (one failing
+    session does not fail the others)."""
+
+    i: int
+    response: StepResponse | None = None
+    status: int = 200
+    detail: str = ""
+
+
 class ScoreResponse(Wire):
     reward: float = Field(ge=0.0, le=1.0)
     info: dict[str, float | int | str | bool] = {}

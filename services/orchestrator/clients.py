@@ -11,6 +11,7 @@ crashed decode or sandbox loses no rollout.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import defaultdict
 
@@ -24,8 +25,10 @@ from services.common.schemas import (
     GenerateRequest,
     GenerateResponse,
     ScoreResponse,
-    StepRequest,
+    SessionStep,
     StepResponse,
+    StepResult,
+    StepsRequest,
     UpdateWeightsRequest,
     VerifiersGroupRequest,
     VerifiersGroupResponse,
@@ -130,13 +133,92 @@ class DecodeClient:
             return {}
 
 
+class StepBatcher:
+    """Sends the steps that sessions of one sandbox replica issue together as one request
+    (POST /v1/sessions/steps). A group's samples get their turns back from decode at the same
+    moment (the first turn is one request for all of them; later turns finish in the same engine
+    step) and step at once: one HTTP round trip per group turn instead of one per sample, which
+    on a small machine was the sandbox's and the orchestrator's largest CPU cost per rollout.
+    Steps wait at most `window_s` for company; each caller gets its own result or exception."""
+
+    MAX_ITEMS = 256
+
+    def __init__(self, client: aiohttp.ClientSession, url: str, query: str, window_s: float = 0.002):
+        self.client, self.url, self.query, self.window_s = client, url, query, window_s
+        self.pending: list[tuple[SessionStep, asyncio.Future[StepResponse]]] = []
+        self.flushing: asyncio.TimerHandle | None = None
+        self.sending: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+
+    async def step(self, session_id: str, action: str, eos: bool) -> StepResponse:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[StepResponse] = loop.create_future()
+        self.pending.append((SessionStep(session_id=session_id, action=action, eos=eos), fut))
+        if len(self.pending) >= self.MAX_ITEMS:
+            self._flush()
+        elif self.flushing is None:
+            self.flushing = loop.call_later(self.window_s, self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        if self.flushing is not None:
+            self.flushing.cancel()
+            self.flushing = None
+        batch, self.pending = self.pending, []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
+
+    async def _send(self, batch: list[tuple[SessionStep, asyncio.Future[StepResponse]]]) -> None:
+        """One request; the sandbox streams each step's result (a JSON line) as it completes, and
+        each caller is answered then, so a slow step holds back no other."""
+        url = f"{self.url}/v1/sessions/steps?score=true{self.query}"
+        body = StepsRequest(steps=[item for item, _ in batch]).model_dump_json()
+        try:
+            async with self.client.post(url, data=body, headers=JSON_HEADERS) as resp:
+                if resp.status >= 400:
+                    content = await resp.read()
+                    error_cls = ServiceUnavailable if resp.status >= 500 else ValueError
+                    raise error_cls(f"{url}: HTTP {resp.status}: {content[:500]!r}")
+                async for line in resp.content:
+                    if line.strip():
+                        self._answer(batch, StepResult.model_validate_json(line))
+        except TRANSPORT_ERRORS as e:
+            self._fail(batch, ServiceUnavailable(f"{url}: {type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 - every caller still waiting sees the failure
+            self._fail(batch, e)
+        else:
+            self._fail(batch, ServiceUnavailable(f"{url}: the answer ended before every step's result"))
+
+    def _answer(self, batch: list[tuple[SessionStep, asyncio.Future[StepResponse]]], r: StepResult) -> None:
+        item, fut = batch[r.i]
+        if fut.done():  # its caller gave up (turn timeout): the step still happened
+            return
+        if r.response is not None:
+            fut.set_result(r.response)
+        else:
+            error_cls = ServiceUnavailable if r.status >= 500 else ValueError
+            fut.set_exception(error_cls(f"{self.url} session {item.session_id}: HTTP {r.status}: {r.detail}"))
+
+    @staticmethod
+    def _fail(batch: list[tuple[SessionStep, asyncio.Future[StepResponse]]], e: Exception) -> None:
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_exception(e)
+
+
 class SandboxSession:
     """One environment episode, pinned to the sandbox replica that holds its state."""
 
     def __init__(
-        self, client: aiohttp.ClientSession, url: str, created: CreateSessionResponse, credit: bool = False
+        self,
+        client: aiohttp.ClientSession,
+        url: str,
+        created: CreateSessionResponse,
+        credit: bool,
+        steps: StepBatcher,
     ):
-        self.client, self.url, self.created = client, url, created
+        self.client, self.url, self.created, self.steps = client, url, created, steps
         # ask for the env's per-character credit with the reward (orchestrator.advantage = "token")
         self.credit_query = "&credit=true" if credit else ""
         self.closed = False
@@ -147,12 +229,7 @@ class SandboxSession:
 
     async def step(self, action: str, eos: bool) -> StepResponse:
         """Step; if that ends the episode the sandbox scores and closes it in the same call."""
-        sid = self.created.session_id
-        body = StepRequest(action=action, eos=eos).model_dump()
-        resp = await _post(
-            self.client, f"{self.url}/v1/sessions/{sid}/step?score=true{self.credit_query}", body
-        )
-        out = StepResponse.model_validate_json(resp)
+        out = await self.steps.step(self.created.session_id, action, eos)
         self.closed = out.reward is not None
         return out
 
@@ -177,6 +254,7 @@ class SandboxClient:
     def __init__(self, client: aiohttp.ClientSession, router: Router, credit: bool = False):
         self.client, self.router = client, router
         self.credit = credit  # sessions ask for the env's per-character credit (token credit)
+        self.batchers: dict[str, StepBatcher] = {}  # one per replica: its sessions' steps
 
     async def open_group(self, env: str, seed: int, n: int) -> list[SandboxSession]:
         """n episodes of one task on one replica, in one round trip."""
@@ -188,7 +266,10 @@ class SandboxClient:
             self.router.registry.forget(url)
             raise
         created = CreateSessionsResponse.model_validate_json(resp).sessions
-        return [SandboxSession(self.client, url, c, self.credit) for c in created]
+        steps = self.batchers.get(url)
+        if steps is None:
+            steps = self.batchers[url] = StepBatcher(self.client, url, "&credit=true" if self.credit else "")
+        return [SandboxSession(self.client, url, c, self.credit, steps) for c in created]
 
     async def verifiers_group(
         self, env: str, req: VerifiersGroupRequest, timeout_s: float

@@ -31,8 +31,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Query
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter, Gauge, Histogram
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from services.common.config import RunConfig
@@ -48,8 +49,11 @@ from services.common.schemas import (
     ExecResponse,
     FileResponse,
     ScoreResponse,
+    SessionStep,
     StepRequest,
     StepResponse,
+    StepResult,
+    StepsRequest,
     VerifiersGroupRequest,
     VerifiersGroupResponse,
     WriteFileRequest,
@@ -202,19 +206,23 @@ def build_app(
         open_routes={"GET /v1/envs"},
         body_limits={
             "POST /v1/sessions/{session_id}/step": data,
+            "POST /v1/sessions/steps": data,
             "POST /v1/sessions/{session_id}/exec": data,
             "PUT /v1/sessions/{session_id}/files": data,
         },
     )
     app.state.store = store
 
-    @app.exception_handler(SessionError)
-    async def _session_error(_req: Request, exc: SessionError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if isinstance(exc, SandboxFull | ExecsFull) else None
+    def count_failure(exc: SessionError) -> None:
         if isinstance(exc, EnvFailed):
             ERRORS.labels(exc.env).inc()
             if service is not None:
                 service.log.error(exc.message)
+
+    @app.exception_handler(SessionError)
+    async def _session_error(_req: Request, exc: SessionError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if isinstance(exc, SandboxFull | ExecsFull) else None
+        count_failure(exc)
         content: dict[str, Any] = {"detail": exc.message}
         field = getattr(exc, "field", None)
         if field:  # same shape as the 422s FastAPI produces for invalid bodies
@@ -292,6 +300,33 @@ def build_app(
                 observation=observation, done=done, reward=scored.reward, credit=scored.credit
             )
         return StepResponse(observation=observation, done=done)
+
+    @app.post("/v1/sessions/steps")
+    async def step_many(
+        req: StepsRequest,
+        score: bool = Query(False, description="score and close each session its step ends"),
+        credit: bool = Query(False, description="with score: include the env's per-character credit"),
+    ) -> StreamingResponse:
+        """Several sessions' steps in one round trip (a group's turn: the orchestrator batches
+        the steps its samples send together). The steps run concurrently, as separate calls would,
+        and each result is streamed as soon as its step is done (one JSON line, a StepResult with
+        its index `i`), so a slow step does not hold the others back. A result is the step's
+        response, or the status and detail its own call would have got."""
+
+        def one(i: int, item: SessionStep) -> StepResult:
+            try:
+                out = step(item.session_id, StepRequest(action=item.action, eos=item.eos), score, credit)
+            except SessionError as e:
+                count_failure(e)
+                return StepResult(i=i, status=e.status, detail=e.message)
+            return StepResult(i=i, response=out)
+
+        async def results() -> AsyncIterator[bytes]:
+            pending = [asyncio.ensure_future(run_in_threadpool(one, i, x)) for i, x in enumerate(req.steps)]
+            for done in asyncio.as_completed(pending):
+                yield (await done).model_dump_json().encode() + b"\n"
+
+        return StreamingResponse(results(), media_type="application/x-ndjson")
 
     @app.post("/v1/sessions/{session_id}/score")
     def score_session(
