@@ -34,7 +34,7 @@ from sbatch.summary import StepLine, print_summary, read_metrics_after, summariz
 from sbatch.supervisor import RestartPolicy, supervisor_argv
 from services.common.auth import child_env, ensure_run_secrets, with_credentials
 from services.common.bus import Bus, run_prefix, wait_for_redis
-from services.common.config import REPO_ROOT, RunConfig
+from services.common.config import REPO_ROOT, RunConfig, TaskSpec
 from services.common.disk import FATAL_EXIT
 from services.common.net import free_port
 from services.common.redis_server import secure_conf, server_argv
@@ -74,6 +74,19 @@ def make_run_dir(cfg: RunConfig) -> Path:
             latest.unlink()
         latest.symlink_to(run_dir)
     return run_dir
+
+
+def targets_met(history: list[dict[str, Any]], tasks: list[TaskSpec]) -> bool:
+    """Whether every task's mean reward over the last 10 steps has reached its target (the
+    steps that carried the task): the rule `run.stop_on_targets` stops the run on."""
+    if len(history) < 10:
+        return False
+    for t in tasks:
+        vals = [h["reward_by_env"].get(t.env) for h in history[-10:]]
+        vals = [v for v in vals if v is not None]
+        if not vals or sum(vals) / len(vals) < t.target:
+            return False
+    return True
 
 
 def service_argv(module: str, config_path: Path, redis_url: str, index: int = 0) -> list[str]:
@@ -247,16 +260,6 @@ class LocalRun:
                     yield rec
             yield None
 
-    def _targets_met(self, history: list[dict[str, Any]]) -> bool:
-        if len(history) < 10:
-            return False
-        for t in self.cfg.orchestrator.tasks:
-            vals = [h["reward_by_env"].get(t.env) for h in history[-10:]]
-            vals = [v for v in vals if v is not None]
-            if not vals or sum(vals) / len(vals) < t.target:
-                return False
-        return True
-
     def _print_dashboard(self, wait_s: float = 60.0) -> None:
         """The dashboard's URL, once the orchestrator has registered (it picks its port)."""
         deadline = time.monotonic() + wait_s
@@ -301,7 +304,7 @@ class LocalRun:
             if rec is not None:
                 history.append(rec)
                 self.console.print(line.format(rec))
-                if self.cfg.run.stop_on_targets and self._targets_met(history):
+                if self.cfg.run.stop_on_targets and targets_met(history, self.cfg.orchestrator.tasks):
                     self.console.print("[green]all task targets met: stopping the trainer[/]")
                     self._redis("stop", lambda: self.bus.r.set(self.bus.k.control_stop, "targets met"))
                 continue
