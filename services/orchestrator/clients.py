@@ -94,12 +94,15 @@ async def _post(client: aiohttp.ClientSession, url: str, body: object | None = N
             status = resp.status
     except TRANSPORT_ERRORS as e:
         raise ServiceUnavailable(f"{url}: {type(e).__name__}: {e}") from e
-    if status >= 500:
-        raise ServiceUnavailable(f"{url}: HTTP {status}: {content[:200]!r}")
     if status >= 400:
-        # A 4xx is our own bug (bad request), not a vanished service: never retry it blindly.
-        raise ValueError(f"{url}: HTTP {status}: {content[:500]!r}")
+        raise http_error(status, f"{url}: HTTP {status}: {content[:500]!r}")
     return content
+
+
+def http_error(status: int, message: str) -> Exception:
+    """A 5xx: the replica could not serve it (retry elsewhere). A 4xx is our own bug (a bad
+    request), not a vanished service: never retried blindly."""
+    return ServiceUnavailable(message) if status >= 500 else ValueError(message)
 
 
 class DecodeClient:
@@ -178,8 +181,7 @@ class StepBatcher:
             async with self.client.post(url, data=body, headers=JSON_HEADERS) as resp:
                 if resp.status >= 400:
                     content = await resp.read()
-                    error_cls = ServiceUnavailable if resp.status >= 500 else ValueError
-                    raise error_cls(f"{url}: HTTP {resp.status}: {content[:500]!r}")
+                    raise http_error(resp.status, f"{url}: HTTP {resp.status}: {content[:500]!r}")
                 async for line in resp.content:
                     if line.strip():
                         self._answer(batch, StepResult.model_validate_json(line))
@@ -197,8 +199,9 @@ class StepBatcher:
         if r.response is not None:
             fut.set_result(r.response)
         else:
-            error_cls = ServiceUnavailable if r.status >= 500 else ValueError
-            fut.set_exception(error_cls(f"{self.url} session {item.session_id}: HTTP {r.status}: {r.detail}"))
+            fut.set_exception(
+                http_error(r.status, f"{self.url} session {item.session_id}: HTTP {r.status}: {r.detail}")
+            )
 
     @staticmethod
     def _fail(batch: list[tuple[SessionStep, asyncio.Future[StepResponse]]], e: Exception) -> None:
@@ -289,8 +292,6 @@ class SandboxClient:
         except TRANSPORT_ERRORS as e:
             self.router.registry.forget(url)
             raise ServiceUnavailable(f"{url}: {type(e).__name__}: {e}") from e
-        if status >= 500:
-            raise ServiceUnavailable(f"{url}: HTTP {status}: {content[:500]!r}")
         if status >= 400:
-            raise ValueError(f"{url}: HTTP {status}: {content[:500]!r}")
+            raise http_error(status, f"{url}: HTTP {status}: {content[:500]!r}")
         return VerifiersGroupResponse.model_validate_json(content)
