@@ -419,3 +419,18 @@ def test_nemotron3_configs_size() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "sizing: 31.6B params (3.6B active)" in out.stdout
     assert "KV 6.0 KiB/token, 0.81 GB per max-length sequence + 49 MB of recurrent state" in out.stdout
+
+
+def test_fresh_untied_head_starts_near_uniform() -> None:
+    """trainer.init_std redraws the untied output matrix (nemotron_h never ties it), so a fresh
+    run's policy starts near uniform, as the tied debug models do."""
+    import math
+
+    m = small_nemotron()
+    x = tokens(m, b=4, t=12)
+    entropy = {}
+    for std in (None, 0.02):
+        with torch.no_grad():
+            lp = build_model(m, seed=0, init_std=std)(x).log_softmax(-1)
+        entropy[std] = float(-(lp.exp() * lp).sum(-1).mean())
+    assert entropy[0.02] > math.log(m.vocab_size) - 0.02 > entropy[None]

@@ -160,7 +160,8 @@ def build_model(
     device: str | torch.device = "cpu",
     init_std: float | None = None,
 ) -> Qwen3Model | RelayDeepSeekV3Model | NemotronHModel:
-    """torchtitan's init; with `init_std`, tied embeddings are re-drawn with that std (see below).
+    """torchtitan's init; with `init_std`, tied embeddings (untied: the output matrix) are re-drawn
+    with that std (see below).
 
     Why: torchtitan gives the tied embedding/output matrix std dim**-0.5. At init the residual
     stream is dominated by the input token's own embedding, so after the final RMSNorm the logit
@@ -194,10 +195,11 @@ def build_model(
         model.init_weights(buffer_device=torch.device(device))
         if m.arch in OWN_ARCHS and m.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight  # torchtitan's DeepSeek never ties
-        if init_std is not None and m.tie_embeddings:
-            torch.nn.init.trunc_normal_(
-                model.tok_embeddings.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std
-            )
+        if init_std is not None:
+            # Untied: the output matrix alone sets the initial logits; the same small std starts
+            # the policy near uniform (nemotron_h has no tied head).
+            head = model.tok_embeddings if m.tie_embeddings else model.output
+            torch.nn.init.trunc_normal_(head.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
     return model
 
 
