@@ -194,14 +194,14 @@ def test_launcher_starts_kv_processes_only_when_configured() -> None:
     from services.kvstore.launch import kv_plan, resolve_ports
 
     plain = [name for name, _ in LocalRun.describe(load_config("debug"))]
-    assert plain == ["sandbox.0", "decode.0", "trainer", "orchestrator"]  # the debug run is unchanged
+    assert plain == ["redis", "sandbox.0", "decode.0", "trainer", "orchestrator"]  # the debug run is unchanged
     cfg = load_config(
         "debug", ["--kvstore.enabled=true", "--prefill.replicas=2", "--kvstore.mooncake.enabled=true"]
     )
     plan = LocalRun.describe(cfg)
     names = [name for name, _ in plan]
     # Master before the gateway before prefill before decode: each finds the previous one running.
-    assert names[1:5] == ["mooncake_master", "kvstore", "prefill.0", "prefill.1"] and names[5] == "decode.0"
+    assert names[2:6] == ["mooncake_master", "kvstore", "prefill.0", "prefill.1"] and names[6] == "decode.0"
     argv = dict(plan)["prefill.1"]
     assert argv[1:3] == ["-m", "services.prefill"] and argv[-2:] == ["--index", "1"]
     ports = resolve_ports(cfg).kvstore.mooncake

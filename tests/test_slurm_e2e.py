@@ -255,7 +255,9 @@ def test_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Pat
         text=True,
         timeout=60,
     )
-    assert "orchestrator" in status.stdout and "restarts 1" in status.stdout, status.stdout
+    # the services table: name, state, restarts ("1 (last exit 0)"), ...
+    rows = [line.split() for line in status.stdout.splitlines() if line.split()[:1] == ["orchestrator"]]
+    assert len(rows) == 1 and rows[0][2] == "1", status.stdout
     finish(proc, run_dir)
     check_ledger(run_dir, steps)
 
