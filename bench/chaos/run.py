@@ -38,7 +38,7 @@ from bench.machine import machine
 from services.common.auth import AuthError, load_run_secrets, with_credentials
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, load_resolved
-from services.common.modeldir import read_model_dir
+from services.common.weights_dir import read_model_dir
 
 SERVICES = ["decode.0", "sandbox.0", "orchestrator", "trainer", "redis"]
 KV_SERVICES = ["kvstore", "prefill.0"]

@@ -19,6 +19,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,16 +80,16 @@ class RecordingKVCache(KVCache):
     """Rank 0's KV cache: the page copies its scheduler makes (a forked sample's private copy of
     its parent's last prompt page) are done here and recorded for the other ranks' caches."""
 
-    copies: list[tuple[int, int]]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.copies: list[tuple[int, int]] = []
 
     def copy_block(self, src: int, dst: int) -> None:
         super().copy_block(src, dst)
-        if not hasattr(self, "copies"):
-            self.copies = []
         self.copies.append((src, dst))
 
     def take_copies(self) -> list[tuple[int, int]]:
-        out, self.copies = getattr(self, "copies", []), []
+        out, self.copies = self.copies, []
         return out
 
 
