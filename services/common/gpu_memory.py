@@ -21,6 +21,8 @@ def cap_process_memory(device: torch.device, gib: float | None) -> dict[str, Any
     Returns what was set, for the service's start-up log."""
     if gib is None or device.type != "cuda":
         return {}
+    if device.index is None:  # torch's fraction setter wants an index: "cuda" means the current one
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, gib * GIB / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
