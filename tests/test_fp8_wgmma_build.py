@@ -1,5 +1,5 @@
 """The CUDA FP8 GEMM (ops/fp8/cuda/fp8_wgmma.cu) still builds, and its variant table
-agrees with the Python side. Its numerics and speed are checked on the GPU by bench/fp8/wgmma.py; here
+is what the Python side expects. Its numerics and speed are checked on the GPU by bench/fp8/wgmma.py; here
 there is no GPU, so this covers what can rot without one: the nvcc build (sm_90a wgmma, TMA,
 setmaxnreg), the exported symbols, the shared-memory budget of every variant, and argument checks."""
 
@@ -23,28 +23,37 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return fp8_wgmma.load(path)
 
 
+def test_the_table_holds_the_dense_and_the_grouped_gemm(built: ctypes.CDLL) -> None:
+    table = fp8_wgmma.describe(built)
+    assert len(table) == 2
+    assert not table[fp8_wgmma.DENSE].grouped and table[fp8_wgmma.GROUPED].grouped
+    assert table[fp8_wgmma.DENSE].name == "n256s4_tma_ovl_c2"
+    assert table[fp8_wgmma.GROUPED].name == "n256s4_tma_ovl_grouped_c1"  # no clusters across experts
+    out = (ctypes.c_int * 4)()
+    assert built.relay_fp8_gemm_describe(len(table), out) == -10
+
+
 def test_every_variant_fits_hopper_shared_memory(built: ctypes.CDLL) -> None:
-    built.relay_fp8_gemm_smem_bytes.restype = ctypes.c_int
-    for i, (bn, stages, _mode, _cluster) in enumerate(fp8_wgmma.VARIANTS):
+    table = fp8_wgmma.describe(built)
+    bm = fp8_wgmma.BLOCK
+    for i, v in enumerate(table):
         got = built.relay_fp8_gemm_smem_bytes(i)
-        bm = fp8_wgmma.tile_rows(i)
         # The stages of A (bm rows), B, the A and B scales, their barriers, the alignment slack.
         # Grouped variants: the per-expert tile and row tables too, and 4 more activation scales
         # per stage (rounded up to a 128-byte TMA destination).
-        grouped = fp8_wgmma.is_grouped(i)
-        tables = 2 * (fp8_wgmma.MAX_GROUPS + 1) * 4 if grouped else 0
-        sa = -(-(bm + 4) * 4 // 128) * 128 if grouped else bm * 4
-        want = 1024 + stages * (bm * 128 + bn * 128 + sa + 128) + 2 * stages * 8 + tables
+        tables = 2 * (fp8_wgmma.MAX_GROUPS + 1) * 4 if v.grouped else 0
+        sa = -(-(bm + 4) * 4 // 128) * 128 if v.grouped else bm * 4
+        want = 1024 + v.stages * (bm * 128 + v.bn * 128 + sa + 128) + 2 * v.stages * 8 + tables
         assert got == want, (i, got, want)
         assert got <= H100_MAX_DYNAMIC_SMEM
-    assert built.relay_fp8_gemm_smem_bytes(len(fp8_wgmma.VARIANTS)) == -1
+    assert built.relay_fp8_gemm_smem_bytes(len(table)) == -1
 
 
 def test_unknown_variant_is_refused_before_any_cuda_call(built: ctypes.CDLL) -> None:
     fn = built.relay_fp8_gemm
     fn.restype = ctypes.c_int
     args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
-    assert fn(*args, len(fp8_wgmma.VARIANTS), None) == -10
+    assert fn(*args, len(fp8_wgmma.describe(built)), None) == -10
     assert fn(*args, -1, None) == -10
 
 
@@ -78,12 +87,11 @@ def test_dense_and_grouped_entry_points_refuse_each_others_variants(built: ctype
     dense.restype = ctypes.c_int
     grouped = built.relay_fp8_grouped_gemm
     grouped.restype = ctypes.c_int
-    g = fp8_wgmma.DEFAULT_GROUPED_VARIANT
-    assert fp8_wgmma.is_grouped(g) and not fp8_wgmma.is_grouped(fp8_wgmma.DEFAULT_VARIANT)
+    g = fp8_wgmma.GROUPED
     args = [None, None, 4, None, None, 4, None, 4, 128, 128, 128, 132]
     assert dense(*args, g, None) == -10  # a grouped variant through the dense entry
     gargs = [None, None, 4, None, None, 4, None, None, 1, 4, 128, 128, 128, 132]
-    assert grouped(*gargs, fp8_wgmma.DEFAULT_VARIANT, None) == -10
+    assert grouped(*gargs, fp8_wgmma.DENSE, None) == -10
     assert grouped(*gargs, g, None) == -11  # no offsets: refused before any CUDA call
 
 
@@ -169,14 +177,3 @@ def test_serialised_reads_ptxas_performance_warnings(tmp_path: pytest.TempPathFa
             warn.format(code=code, what="wgmma.mma_async instructions are serialized")
         )
         assert fp8_wgmma.serialised(lib), code
-
-
-def test_unrolled_builds_are_cache_entries_of_their_own() -> None:
-    import re
-
-    default = re.search(r"constexpr int K_UNROLL = (\d+);", fp8_wgmma.SOURCE.read_text())
-    assert default and int(default.group(1)) == fp8_wgmma.K_UNROLL  # the .cu's default, named once in Python
-    assert fp8_wgmma.library_path() == fp8_wgmma.library_path(fp8_wgmma.K_UNROLL)
-    assert len({fp8_wgmma.library_path(), fp8_wgmma.library_path(1), fp8_wgmma.library_path(8)}) == 3
-    assert "-DRELAY_K_UNROLL=1" in fp8_wgmma._flags(1)
-    assert not any("RELAY_K_UNROLL" in f for f in fp8_wgmma._flags(None))

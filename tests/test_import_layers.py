@@ -60,7 +60,7 @@ def test_lint_imports_passes() -> None:
 
 def test_every_package_is_in_a_contract() -> None:
     """A new top-level package would be outside every contract: it must be added to them."""
-    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"bench", "tests"}
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
     assert packages == set(CONFIG["root_packages"])
 
 
@@ -83,6 +83,8 @@ def test_every_package_is_in_a_contract() -> None:
         ("services.engine.kv_cache", "services.engine.scheduler", {"acyclic"}),
         ("trainer.batch", "trainer.train", {"acyclic"}),
         ("services.common.schemas", "services.common.bus", {"acyclic"}),
+        # product code reaching for a benchmark's kernel build
+        ("ops.fp8.dispatch", "bench.kernels.fp8_wgmma_variants", {"product"}),
     ],
 )
 def test_a_crossing_import_breaks_its_contract(importer: str, imported: str, contracts: set[Any]) -> None:

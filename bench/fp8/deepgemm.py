@@ -44,17 +44,17 @@ from wgmma import (  # noqa: E402
     bench_rounds,
     parse_nk,
     quantised,
-    weight_scales,
 )
 
+from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 from ops.fp8.cuda.nvcc import nvcc_path  # noqa: E402
 
 CHECK_SHAPES = [(128, 4096, 7168), (1000, 2048, 7168), (4096, 7168, 2048)]
-# Which of our variants to time (--variants); each also from the library built with each of
-# --unrolls (fp8_wgmma.library(unroll): its K loops unrolled that many times).
-OURS = [fp8_wgmma.DEFAULT_VARIANT]
+# Which of our variants (bench/kernels/fp8_wgmma_variants.cu) to time (--variants); each also from
+# the library built with each of --unrolls (its K loops unrolled that many times).
+OURS = [variants.DEFAULT]
 UNROLLS: list[int] = []
 
 
@@ -65,7 +65,7 @@ def unrolled_key(variant: int, unroll: int | None) -> str:
 
 def ours_key(variant: int) -> str:
     """The row's name for one of our variants: "relay_wgmma" for the default (as before --variants)."""
-    return "relay_wgmma" if variant == fp8_wgmma.DEFAULT_VARIANT else f"relay_wgmma_v{variant}"
+    return "relay_wgmma" if variant == variants.DEFAULT else f"relay_wgmma_v{variant}"
 
 
 def cuda_home() -> str:
@@ -131,11 +131,10 @@ def run_deepgemm(dg: Any, d: dict[str, torch.Tensor], out: torch.Tensor) -> None
 
 
 def run_ours(d: dict[str, torch.Tensor], out: torch.Tensor, variant: int, unroll: int | None = None) -> None:
-    """Our variant from the product's library, or from the one unrolled `unroll` times."""
+    """Our variant from the variants library, or from the one unrolled `unroll` times."""
     fp8_wgmma.fp8_gemm(
-        d["aq"], d["as_col"], d["wq"], weight_scales(d, variant), out=out, variant=variant,
-        lib=fp8_wgmma.library(unroll),
-    )  # fmt: skip
+        d["aq"], d["as_col"], d["wq"], d["ws_col"], out=out, variant=variant, lib=variants.library(unroll)
+    )
 
 
 def self_check(dg: Any, dev: torch.device) -> list[dict[str, Any]]:
@@ -218,14 +217,14 @@ def main() -> None:
         "--unrolls",
         default="",
         help=f"also our variants from libraries whose K loops are unrolled these many times (the product's: "
-        f"{fp8_wgmma.K_UNROLL}); e.g. 1,8",
+        f"{variants.K_UNROLL}); e.g. 1,8",
     )
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--rounds", type=int, default=ROUNDS[0], help="timing rounds (wgmma.bench_rounds)")
     ap.add_argument(
         "--variants",
         default="",
-        help="comma-separated indices into fp8_wgmma.VARIANTS of ours to time (default: DEFAULT_VARIANT)",
+        help="comma-separated indices into fp8_wgmma_variants.cu's table (default: the product's, 0)",
     )
     ap.add_argument(
         "--quick",
@@ -254,9 +253,9 @@ def main() -> None:
     # A segfault before anything prints (the libstdc++ facet mismatch import_deepgemm's link
     # flags avoid) still says where it happened.
     faulthandler.enable()
-    fp8_wgmma.build()
+    variants.build()
     for u in UNROLLS:
-        fp8_wgmma.build(unroll=u)
+        variants.build(unroll=u)
     print("building DeepGEMM's C++ module", flush=True)
     t0 = time.perf_counter()
     dg = import_deepgemm(src, Path(args.build_dir))
@@ -266,14 +265,14 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(),
         "machine": torch.cuda.get_device_name(),
         "baseline": "bf16 cuBLAS (F.linear), torch block-wise scaled_mm (cuBLAS) and relay's CUDA kernel "
-        "(relay_wgmma: fp8_wgmma.DEFAULT_VARIANT; relay_wgmma_v<i>: variant i), same process, taking "
+        "(relay_wgmma: the product's configuration; relay_wgmma_v<i>: fp8_wgmma_variants.cu's i), same process, taking "
         "turns with DeepGEMM and ours (wgmma.bench_rounds: median of --rounds)",
-        "default_variant": fp8_wgmma.DEFAULT_VARIANT,
-        "variants": {v: list(fp8_wgmma.VARIANTS[v]) for v in OURS},
-        "k_unroll": fp8_wgmma.K_UNROLL,
+        "default_variant": variants.DEFAULT,
+        "variants": {v: variants.VARIANTS[v].name for v in OURS},
+        "k_unroll": variants.K_UNROLL,
         "unrolls": UNROLLS,
         "serialised_by_ptxas": {
-            u: fp8_wgmma.serialised(fp8_wgmma.library_path(u)) for u in [fp8_wgmma.K_UNROLL, *UNROLLS]
+            u: fp8_wgmma.serialised(variants.library_path(u)) for u in [variants.K_UNROLL, *UNROLLS]
         },
         "deepgemm_version": getattr(dg, "__version__", "unknown"),
         "deepgemm_source": (src / "SOURCE").read_text().strip() if (src / "SOURCE").exists() else "unknown",

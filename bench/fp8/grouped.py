@@ -1,5 +1,5 @@
 """The MoE grouped FP8 GEMM on one Hopper GPU: our CUDA kernel's grouped variants
-(ops/fp8/cuda/fp8_wgmma.fp8_grouped_gemm) checked against the recipe's reference,
+(ops/fp8/cuda/fp8_wgmma.fp8_grouped_gemm, bench/kernels/fp8_wgmma_variants.cu's grouped ones) checked against the recipe's reference,
 then timed against bf16 `torch._grouped_mm` and the Triton grouped kernel (what "auto" ran before)
 in the same process, at DeepSeek-V3's expert shapes over a range of rows per expert.
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm as bench  # noqa: E402
 from wgmma import MAX_REL_ERR, ROUNDS, add_tflops, bench_rounds  # noqa: E402
 
+from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8 import triton_gemm as kern  # noqa: E402
 from ops.fp8.cuda import fp8_wgmma  # noqa: E402
@@ -53,7 +54,7 @@ TIME_NK = [(4096, 7168), (7168, 2048)]
 
 
 def grouped_variants() -> list[int]:
-    return [v for v in range(len(fp8_wgmma.VARIANTS)) if fp8_wgmma.is_grouped(v)]
+    return variants.grouped()
 
 
 def check_one(d: dict[str, Any], n: int, k: int) -> list[dict[str, Any]]:
@@ -62,7 +63,9 @@ def check_one(d: dict[str, Any], n: int, k: int) -> list[dict[str, Any]]:
     rows = []
     for variant in grouped_variants():
         out = torch.full((aq.shape[0], n), float("nan"), device=aq.device, dtype=torch.bfloat16)
-        fp8_wgmma.fp8_grouped_gemm(aq, a_s, d["wq"], d["ws"], d["offs"], out=out, variant=variant)
+        fp8_wgmma.fp8_grouped_gemm(
+            aq, a_s, d["wq"], d["ws"], d["offs"], out=out, variant=variant, lib=variants.library()
+        )
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(out).all())
         # Per expert, so that one small expert's wrong rows cannot hide in the whole output's norm.
@@ -104,7 +107,9 @@ def time_row(e: int, t: int, n: int, k: int, dev: torch.device) -> dict[str, Any
         "triton_grouped": partial(kern.triton_grouped_fp8_gemm, aq, a_s, wq, ws, offs, torch.bfloat16),
     }
     for v in grouped_variants():
-        fns[f"cuda_v{v}"] = partial(fp8_wgmma.fp8_grouped_gemm, aq, a_s, wq, ws, offs, variant=v)
+        fns[f"cuda_v{v}"] = partial(
+            fp8_wgmma.fp8_grouped_gemm, aq, a_s, wq, ws, offs, variant=v, lib=variants.library()
+        )
     bench_rounds(fns, row)
     add_tflops(row, 2.0 * t * n * k)
     base = row["bf16_grouped_mm_us"]
@@ -141,8 +146,8 @@ def main() -> None:
         "machine": bench.machine(),
         "baseline": "bf16 torch._grouped_mm (cuBLAS) and relay's Triton grouped FP8 kernel, same process, "
         "taking turns with ours (wgmma.bench_rounds: median of --rounds)",
-        "variants": {v: list(fp8_wgmma.VARIANTS[v]) for v in grouped_variants()},
-        "default_variant": fp8_wgmma.DEFAULT_GROUPED_VARIANT,
+        "variants": {v: variants.VARIANTS[v].name for v in grouped_variants()},
+        "default_variant": variants.DEFAULT_GROUPED,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

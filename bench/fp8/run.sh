@@ -5,7 +5,7 @@
 #   bash bench/fp8/run.sh gemm        -> $OUT/fp8_gemm.json (+ .txt)
 #   bash bench/fp8/run.sh mismatch    -> $OUT/fp8_mismatch.json (+ .txt)
 #   bash bench/fp8/run.sh wgmma       -> $OUT/fp8_wgmma.json (+ .txt): the CUDA kernel probe
-#   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu    (NCU_VARIANT=1 ... ncu-source): Nsight Compute
+#   NCU_VARIANTS=0,2,4 bash bench/fp8/run.sh ncu    (NCU_VARIANT=0 ... ncu-source): Nsight Compute
 #      (every ncu mode profiles M, N, K = NCU_SHAPE, default 4096,4096,7168)
 #   bash bench/fp8/run.sh clocks      -> $OUT/fp8_clocks.json: SM clock and power under bf16 vs FP8 GEMMs
 #   bash bench/fp8/run.sh deepgemm    -> $OUT/fp8_deepgemm.json: DeepGEMM as a baseline (deepgemm.py),
@@ -39,10 +39,10 @@ for what in "${@:-gemm}"; do
   case "$what" in
     gemm) python3 bench/fp8/gemm.py --out "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" ;;
     wgmma) python3 bench/fp8/wgmma.py --out "$OUT/fp8_wgmma.json" 2>&1 | tee "$OUT/fp8_wgmma.txt" ;;
-    ncu) NCU_PROGRAM="${NCU_PROGRAM_OURS:-python3 bench/fp8/wgmma_profile.py --variants ${NCU_VARIANTS:-1} --m $NCU_M --n $NCU_N --k $NCU_K}" \
+    ncu) NCU_PROGRAM="${NCU_PROGRAM_OURS:-python3 bench/fp8/wgmma_profile.py --variants ${NCU_VARIANTS:-0} --m $NCU_M --n $NCU_N --k $NCU_K}" \
       bash bench/fp8/wgmma_ncu.sh ;;
-    ncu-source) NCU_PROGRAM="${NCU_PROGRAM_OURS:-python3 bench/fp8/wgmma_profile.py --variants ${NCU_VARIANT:-1} --m $NCU_M --n $NCU_N --k $NCU_K}" \
-      bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-1}" ;;
+    ncu-source) NCU_PROGRAM="${NCU_PROGRAM_OURS:-python3 bench/fp8/wgmma_profile.py --variants ${NCU_VARIANT:-0} --m $NCU_M --n $NCU_N --k $NCU_K}" \
+      bash bench/fp8/wgmma_ncu_source.sh "${NCU_VARIANT:-0}" ;;
     mismatch) python3 bench/fp8/mismatch.py --out "$OUT/fp8_mismatch.json" 2>&1 | tee "$OUT/fp8_mismatch.txt" ;;
     clocks) python3 bench/fp8/clocks.py --out "$OUT/fp8_clocks.json" 2>&1 | tee "$OUT/fp8_clocks.txt" ;;
     deepgemm)  # needs the tarball of bench/fp8/deepgemm_bundle.sh carried (.deepgemm, ignored by git)
@@ -54,7 +54,7 @@ for what in "${@:-gemm}"; do
         NCU_PROGRAM="python3 bench/fp8/deepgemm.py --src /tmp/deepgemm --quick --ms $NCU_M --nk ${NCU_N}x$NCU_K --skip-timing --out /tmp/deepgemm_ncu.json" \
         bash bench/fp8/wgmma_ncu.sh ;;
     product)
-      python3 bench/fp8/wgmma.py --variants "${WGMMA_VARIANTS:-18}" --skip-timing --out "$OUT/fp8_wgmma_check.json" 2>&1 | tail -2
+      python3 bench/fp8/wgmma.py --variants "${WGMMA_VARIANTS:-0}" --skip-timing --out "$OUT/fp8_wgmma_check.json" 2>&1 | tail -2
       python3 -c "import json, sys; sys.exit(not json.load(open('$OUT/fp8_wgmma_check.json'))['check_ok'])" ||
         { echo "the CUDA kernel failed its self-check: not tuned"; exit 1; }
       cp ops/fp8/fp8_configs.json "$OUT/fp8_configs.json"

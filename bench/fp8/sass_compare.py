@@ -1,4 +1,5 @@
-"""Static instruction counts of the FP8 GEMM kernels' K loops, ours (`fp8_wgmma.cu`) against
+"""Static instruction counts of the FP8 GEMM kernels' K loops, ours (`fp8_wgmma.cuh` in the
+configurations of bench/kernels/fp8_wgmma_variants.cu) against
 DeepGEMM's, read from their SASS on this machine: nvcc and cuobjdump, no GPU.
 
 Why: device time is scarce, and the largest measured gain of the kernel came from reading the two
@@ -8,9 +9,10 @@ kernel change can be judged by its SASS before it spends a device call.
 
 What it reports per kernel: the innermost loop that issues wgmmas (QGMMA; the K loop), its
 instructions per wgmma, those that are not FFMA per wgmma, and an opcode histogram of the loop.
-DeepGEMM unrolls its K loop 8x and ours 4x (fp8_wgmma.K_UNROLL), so per-wgmma figures are the comparable ones.
+DeepGEMM unrolls its K loop 8x and ours 4x (the header's K_UNROLL), so per-wgmma figures are the
+comparable ones.
 
-    python3 bench/fp8/sass_compare.py --variants 17,18 --deepgemm .deepgemm/src.tar.gz
+    python3 bench/fp8/sass_compare.py --variants 0,2 --deepgemm .deepgemm/src.tar.gz
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ncu_summary import opcode  # noqa: E402
 
-from ops.fp8.cuda import fp8_wgmma, nvcc  # noqa: E402
+from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
+from ops.fp8.cuda import nvcc  # noqa: E402
 
 # DeepGEMM's SM90 1D2D kernel as its heuristic configures it for M, N, K = 4096, 4096, 7168 on 132
 # SMs (its DG_PRINT_CONFIGS output): 256 x 128 tiles, 3 stages, 2-CTA clusters sharing A. The
@@ -82,8 +85,8 @@ class LoopStats:
 
 def kernel_symbol_part(variant: int) -> str:
     """The mangled template arguments that name a variant's kernel in the cubin."""
-    bn, stages, mode, cluster = fp8_wgmma.VARIANTS[variant]
-    return f"fp8_gemm_kernelILi{bn}ELi{stages}ELi{fp8_wgmma.mode_value(mode)}ELi{cluster}EE"
+    v = variants.VARIANTS[variant]
+    return f"fp8_gemm_kernelILi{v.bn}ELi{v.stages}ELi{v.mode}ELi{v.cluster}EE"
 
 
 def cuobjdump_path() -> str:
@@ -147,11 +150,12 @@ def k_loop(instrs: list[Instr]) -> LoopStats:
     return LoopStats(len(best), ops["QGMMA"], ops["FFMA"], dict(ops.most_common()))
 
 
-def ours(variants: list[int], work: Path) -> dict[str, LoopStats]:
-    cubin = compile_cubin(fp8_wgmma.SOURCE, work / "ours.cubin", OURS_FLAGS)
+def ours(indices: list[int], work: Path) -> dict[str, LoopStats]:
+    # The kernel's headers sit beside nvcc.py (ops/fp8/cuda), as nvcc.build includes them.
+    cubin = compile_cubin(variants.SOURCE, work / "ours.cubin", OURS_FLAGS, (Path(nvcc.__file__).parent,))
     functions = sass_functions(dump_sass(cubin))
     stats = {}
-    for v in variants:
+    for v in indices:
         part = kernel_symbol_part(v)
         names = [n for n in functions if part in n]
         if len(names) != 1:
@@ -205,7 +209,9 @@ def report(stats: dict[str, LoopStats], top: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--variants", default=str(fp8_wgmma.DEFAULT_VARIANT), help="indices into fp8_wgmma.VARIANTS"
+        "--variants",
+        default=str(variants.DEFAULT),
+        help="indices into bench/kernels/fp8_wgmma_variants.cu's table",
     )
     ap.add_argument("--deepgemm", type=Path, help="the tarball of deepgemm_bundle.sh (.deepgemm/src.tar.gz)")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")

@@ -1,4 +1,5 @@
-"""The warp-specialised CUDA FP8 GEMM (ops/fp8/cuda/fp8_wgmma.cu) against bf16 cuBLAS
+"""The warp-specialised CUDA FP8 GEMM (ops/fp8/cuda/fp8_wgmma.cuh) in the configurations of
+bench/kernels/fp8_wgmma_variants.cu (the product's first) against bf16 cuBLAS
 and torch's block-wise scaled_mm (cuBLAS) in the same process, at DeepSeek-V3's large-M shapes.
 
 First a self-check: build the library, then at ragged and full shapes (M tails, N not a multiple
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gemm as bench  # noqa: E402
 
+from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 
@@ -47,9 +49,7 @@ CHECK_SHAPES = [
 ]
 TIME_MS = [4096, 8192]
 TIME_NK = [(7168, 2048), (4096, 7168), (2048, 7168), (18432, 7168)]
-VARIANT_IDS = [
-    v for v in range(len(fp8_wgmma.VARIANTS)) if not fp8_wgmma.is_grouped(v)
-]  # grouped.py checks the rest
+VARIANT_IDS: list[int] = []  # the dense ones by default (main); grouped.py checks the rest
 MAX_REL_ERR = 5e-3  # bf16 output rounding (~2^-9 per element) over the float32 reference
 
 
@@ -59,25 +59,19 @@ def parse_nk(text: str) -> list[tuple[int, int]]:
 
 
 def quantised(m: int, n: int, k: int, dev: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """gemm.py's inputs plus the activation scales K-block-major (what the Triton quantiser writes)
-    and the weight scales K-block-major (what the `_sbs` variants read without a copy)."""
+    """gemm.py's inputs plus the activation and weight scales K-block-major (what the Triton
+    quantiser writes, and what the kernel reads without a copy)."""
     d = bench.quantised(m, n, k, dev, seed)
     return {**d, "as_col": ref._outer_major(d["as"]), "ws_col": ref._outer_major(d["ws"])}
 
 
-def weight_scales(d: dict[str, torch.Tensor], variant: int) -> torch.Tensor:
-    """The weight scales in the layout the variant reads (a weight's scales are static: an engine
-    would store them that way once)."""
-    return d["ws_col"] if fp8_wgmma.uses_smem_scales(variant) else d["ws"]
-
-
 def vname(variant: int) -> str:
-    bn, stages, mode, cluster = fp8_wgmma.VARIANTS[variant]
-    return f"n{bn}s{stages}{mode}c{cluster}"
+    return variants.VARIANTS[variant].name
 
 
-def is_probe(variant: int) -> bool:
-    return fp8_wgmma.mode_parts(fp8_wgmma.VARIANTS[variant][2])[0] == "unscaled"
+def gemm(*args: Any, **kw: Any) -> torch.Tensor:
+    """fp8_wgmma.fp8_gemm on the variants library."""
+    return fp8_wgmma.fp8_gemm(*args, lib=variants.library(), **kw)
 
 
 def self_check(dev: torch.device) -> list[dict[str, Any]]:
@@ -85,13 +79,13 @@ def self_check(dev: torch.device) -> list[dict[str, Any]]:
     for i, (m, n, k) in enumerate(CHECK_SHAPES):
         d = quantised(m, n, k, dev, seed=100 + i)
         want = ref.fp8_gemm_reference(d["aq"], d["as"], d["wq"], d["ws"], torch.float32)
-        for variant in [v for v in VARIANT_IDS if not is_probe(v)]:
+        for variant in VARIANT_IDS:
             # "col": both scale tensors K-block-major; "row": both row-major (copied as needed).
             for layout in ("col", "row"):
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 scales = d["as_col"] if layout == "col" else d["as"]
                 w_scales = d["ws_col"] if layout == "col" else d["ws"]
-                fp8_wgmma.fp8_gemm(d["aq"], scales, d["wq"], w_scales, out=out, variant=variant)
+                gemm(d["aq"], scales, d["wq"], w_scales, out=out, variant=variant)
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out).all())
                 err = bench.rel(out, want)
@@ -151,14 +145,14 @@ def time_rows(dev: torch.device) -> list[dict[str, Any]]:
                 ),
             }
             for v in VARIANT_IDS:
-                fns[f"wgmma_{vname(v)}"] = lambda d=d, v=v, o=out: fp8_wgmma.fp8_gemm(
-                    d["aq"], d["as_col"], d["wq"], weight_scales(d, v), out=o, variant=v
+                fns[f"wgmma_{vname(v)}"] = lambda d=d, v=v, o=out: gemm(
+                    d["aq"], d["as_col"], d["wq"], d["ws_col"], out=o, variant=v
                 )
             bench_rounds(fns, row)
             add_tflops(row, flops)
             for v in VARIANT_IDS:
-                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, dev)
-            best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS if not is_probe(v))
+                row[f"wgmma_{vname(v)}_grid"] = fp8_wgmma.launch_grid(v, m, n, dev, lib=variants.library())
+            best = min(row[f"wgmma_{vname(v)}_us"] for v in VARIANT_IDS)
             row["wgmma_best_vs_bf16"] = row["bf16_us"] / best
             row["wgmma_best_vs_torch_blockwise"] = row["torch_blockwise_us"] / best
             row["torch_blockwise_vs_bf16"] = row["bf16_us"] / row["torch_blockwise_us"]
@@ -172,7 +166,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument(
-        "--variants", default="", help="comma-separated indices into fp8_wgmma.VARIANTS (default all)"
+        "--variants",
+        default="",
+        help="comma-separated indices into fp8_wgmma_variants.cu's table (default: every dense one)",
     )
     ap.add_argument("--ms", default="", help="comma-separated M values to time (default 4096,8192)")
     ap.add_argument(
@@ -185,11 +181,10 @@ def main() -> None:
         TIME_MS[:] = [int(m) for m in args.ms.split(",")]
     if args.nk:
         TIME_NK[:] = parse_nk(args.nk)
-    if args.variants:
-        VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")]
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    lib = fp8_wgmma.build()
+    lib = variants.build()
+    VARIANT_IDS[:] = [int(v) for v in args.variants.split(",")] if args.variants else variants.dense()
     result: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.now(UTC).isoformat(),

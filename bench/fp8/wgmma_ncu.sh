@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute over the FP8 GEMMs of bench/fp8/wgmma_profile.py (our CUDA variants, cuBLAS
+# Nsight Compute over the FP8 GEMMs of bench/fp8/wgmma_profile.py (our CUDA configurations, bench/kernels/fp8_wgmma_variants.cu; cuBLAS
 # block-wise, bf16 cuBLAS) on the lent H200 (Firecracker machines only: ncu reads no counters on
 # gVisor). Clocks left as they are (--clock-control none). Writes $OUT/wgmma_ncu.csv and .txt.
-#   NCU_VARIANTS=1,3,5 bash bench/fp8/run.sh ncu   (run.sh installs the carried wheels first)
+#   NCU_VARIANTS=0,2,4 bash bench/fp8/run.sh ncu   (run.sh installs the carried wheels first)
 # Another program's kernels (run.sh's deepgemm-ncu: DeepGEMM's, at the same shape): NCU_PROGRAM
 # (the command), NCU_KERNELS (ncu's --kernel-name) and NCU_TAG (the output files' prefix).
 set -uo pipefail
@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
 KERNELS=${NCU_KERNELS:-regex:fp8_gemm_kernel|gemm|xmma|nvjet|sm90}
 TAG=${NCU_TAG:-wgmma_ncu}
-read -r -a PROGRAM <<< "${NCU_PROGRAM:-python3 bench/fp8/wgmma_profile.py --variants ${1:-1}}"
+read -r -a PROGRAM <<< "${NCU_PROGRAM:-python3 bench/fp8/wgmma_profile.py --variants ${1:-0}}"
 "$NCU" --clock-control none --kernel-name "$KERNELS" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \

@@ -23,7 +23,9 @@ def test_chaos_harness_counts_faults_and_the_ledger(tmp_path: Path) -> None:
     )  # fmt: skip
     res = json.loads(out.read_text())
     chaos = res["chaos"]
-    assert chaos["faults_injected"] >= 2 and sum(chaos["faults_by_service"].values()) == chaos["faults_injected"]
+    assert (
+        chaos["faults_injected"] >= 2 and sum(chaos["faults_by_service"].values()) == chaos["faults_injected"]
+    )
     assert chaos["status"] == "completed" and chaos["steps"] == 12, chaos
     assert chaos["rollouts_lost"] == 0 and chaos["trained_twice"] == 0
     assert chaos["versions_out_of_order"] == 0 and chaos["checkpoints_unreadable"] == 0

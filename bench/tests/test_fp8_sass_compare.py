@@ -1,5 +1,5 @@
-"""bench/fp8/sass_compare.py: the SASS parser and K-loop finder on a synthetic dump, the variant
-names' MODE values, and (where nvcc is installed) the real kernel's K loops."""
+"""bench/fp8/sass_compare.py: the SASS parser and K-loop finder on a synthetic dump, the variants'
+kernel names, and (where nvcc is installed) the real kernel's K loops."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.fp8.cuda import fp8_wgmma
+from bench.kernels import fp8_wgmma_variants as variants
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,12 +73,10 @@ def test_k_loop_refuses_a_function_without_wgmma() -> None:
         sass_compare.k_loop(sass_compare.sass_functions(DUMP)["kernel_b"])
 
 
-def test_every_variant_name_maps_to_a_mode_value() -> None:
-    assert fp8_wgmma.mode_value("plain") == 0
-    assert fp8_wgmma.mode_value("plain_tma_sbs") == 12
-    assert fp8_wgmma.mode_value("tall_tma_sbs_ovl") == 60
-    values = {sass_compare.kernel_symbol_part(v) for v in range(len(fp8_wgmma.VARIANTS))}
-    assert len(values) == len(fp8_wgmma.VARIANTS)  # no two variants share a kernel
+def test_every_variant_names_its_own_kernel() -> None:
+    assert sass_compare.kernel_symbol_part(variants.DEFAULT) == "fp8_gemm_kernelILi256ELi4ELi20ELi2EE"
+    values = {sass_compare.kernel_symbol_part(v) for v in range(len(variants.VARIANTS))}
+    assert len(values) == len(variants.VARIANTS)  # no two variants share a kernel
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +92,7 @@ def loops() -> dict[str, object]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        return sass_compare.ours(list(range(len(fp8_wgmma.VARIANTS))), Path(tmp))
+        return sass_compare.ours(list(range(len(variants.VARIANTS))), Path(tmp))
 
 
 def test_every_variant_has_a_k_loop_in_the_real_kernel(loops: dict[str, object]) -> None:
@@ -110,6 +108,6 @@ def test_default_variant_keeps_its_wgmma_descriptors_in_uniform_registers(loops:
     # compiler could not prove uniform cost 14.8 non-FFMA instructions per wgmma (vector 64-bit
     # arithmetic and R2UR moves before every wgmma); uniform, the default issues 11.5. A change
     # that sends them back to vector registers lands above 13.
-    loop = loops[f"ours v{fp8_wgmma.DEFAULT_VARIANT}"]
+    loop = loops[f"ours v{variants.DEFAULT}"]
     assert loop.wgmmas == 8
     assert loop.non_ffma_per_wgmma < 13

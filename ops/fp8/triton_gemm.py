@@ -216,7 +216,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) ->
 # ------------------------------------------------------------------ the tuned table (JSON)
 
 TORCH = "torch"
-CUDA = "cuda"  # ops/fp8/cuda/fp8_wgmma.py's default variant (sm_90, nvcc-built at first use)
+CUDA = "cuda"  # ops/fp8/cuda/fp8_wgmma.py's dense GEMM (sm_90, nvcc-built at first use)
 TABLE_PATH = Path(__file__).with_name("fp8_configs.json")
 TABLE_ENV = "RELAY_FP8_CONFIGS"  # another table file (tune.py's fresh output, tests)
 

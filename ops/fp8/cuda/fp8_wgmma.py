@@ -1,21 +1,25 @@
-"""The warp-specialised Hopper FP8 GEMM (`fp8_wgmma.cu`): built with nvcc on first use, loaded
-through ctypes, launched on torch's current stream. The engine's and trainer's "cuda" FP8 backend
-(ops/fp8/dispatch.py), which "auto" picks where the dispatch table measured it fastest: at
-M >= 4096 on the DeepSeek-V3 shapes its default variant measured 1.00-1.10x cuBLAS block-wise and
-0.96-0.99x DeepGEMM (one H100, its K loops unrolled 4x; docs/fp8.md). Its grouped variants
-(`fp8_grouped_gemm`) are the MoE experts' GEMM from 32 rows per expert. The other variants are
-the measured alternatives the FP8 benchmarks time against it.
+"""The warp-specialised Hopper FP8 GEMM (`fp8_wgmma.cuh`, exported by `fp8_wgmma.cu`): built with
+nvcc on first use, loaded through ctypes, launched on torch's current stream. The engine's and
+trainer's "cuda" FP8 backend (ops/fp8/dispatch.py), which "auto" picks where the dispatch table
+measured it fastest: at M >= 4096 on the DeepSeek-V3 shapes it measured 1.00-1.10x cuBLAS
+block-wise and 0.96-0.99x DeepGEMM (one H100; docs/fp8.md). Its grouped GEMM (`fp8_grouped_gemm`)
+is the MoE experts' GEMM from 32 rows per expert.
 
 Built and cached by nvcc.py (one nvcc call of ~10 s, no torch headers; the library is keyed by the
-source's hash, so a changed kernel rebuilds; nvcc's output is kept beside it, and `serialised` reads
-ptxas's warnings there). The library links no libcuda (it looks the
+source's and the headers' hash, so a changed kernel rebuilds; nvcc's output is kept beside it, and
+`serialised` reads ptxas's warnings there). The library links no libcuda (it looks the
 tensor-map encoder up through the CUDA runtime), so it also builds where there is no driver.
 
 Operands follow ops/fp8/recipe.py: a (M, K) e4m3 with a_scale (M, K/128) float32, w (N, K)
 e4m3 with w_scale (ceil(N/128), K/128) float32; the output is bf16. What the kernel needs
 (`unsupported_reason` says which one a call misses): Hopper (sm_90), K % 128 == 0, even N,
-row-major contiguous a and w, 16-byte aligned pointers. The activation scales are read K-block
-major (stride(0) == 1, what the Triton quantiser writes); other layouts are copied.
+row-major contiguous a and w, 16-byte aligned pointers. The scales are read K-block major
+(stride(0) == 1, what the Triton quantiser writes); other layouts are copied.
+
+A library exports a table of kernel configurations ("variants", fp8_wgmma.cuh's `Variant`); the
+product's has two, `DENSE` and `GROUPED`. `fp8_gemm` and `fp8_grouped_gemm` take another library
+and index (`lib`, `variant`: a measurement's build of the same header) and ask that library what
+each index is (`describe`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,89 +40,35 @@ SOURCE = Path(__file__).with_name("fp8_wgmma.cu")
 NVCC_FLAGS = nvcc.SM90A_FLAGS
 BLOCK = 128
 CAPABILITY = (9, 0)  # sm_90a: wgmma, setmaxnreg, TMA multicast
-# The kernel variants the library exports, in its VARIANTS order: (BN, pipeline stages, mode,
-# cluster size); fp8_wgmma.cu describes the modes. "unscaled" is a probe (no scales: not the
-# recipe), for measuring what the promotion costs. Tiles are 128 rows (two math warpgroups), or
-# 256 for a "tall" mode ("plain" with each warpgroup holding two 64-row blocks that share the
-# B tile, and clusters sharing the A tile between CTAs with neighbouring columns: `tile_rows`).
-# A "_tma" mode stores the output tile through shared memory (a ring slot lent by the producer)
-# and TMA stores that overlap the next tile's wgmmas; at ldc % 8 != 0 it falls back to the direct
-# epilogue of the same mode. A "_sbs" mode reads the weight scales from shared memory, loaded by
-# TMA with each stage (as cuBLAS's kernel does), instead of a global load per K block; it takes
-# them K-block-major like the activation scales (`uses_smem_scales`). An "_ovl" mode issues the next
-# tile's first K block before storing the current tile, so the epilogue overlaps tensor-core work.
-VARIANTS: tuple[tuple[int, int, str, int], ...] = (
-    (128, 5, "plain", 1),
-    (256, 4, "plain", 1),
-    (128, 5, "pipelined", 1),
-    (256, 4, "plain", 2),
-    (128, 6, "pipelined", 2),
-    (256, 4, "unscaled", 1),
-    (128, 6, "plain", 2),
-    (256, 4, "unscaled", 2),
-    (256, 4, "plain_tma", 1),
-    (256, 4, "plain_tma", 2),
-    (128, 6, "pipelined_tma", 2),
-    (256, 4, "unscaled_tma", 1),
-    (256, 4, "plain_sbs", 1),
-    (256, 4, "plain_tma_sbs", 1),
-    (256, 4, "plain_sbs", 2),
-    (128, 6, "plain_tma_sbs", 2),
-    (128, 6, "plain_tma", 2),
-    (256, 4, "plain_tma_sbs", 2),
-    (256, 4, "plain_tma_sbs_ovl", 2),
-    (256, 4, "plain_tma_sbs_ovl", 1),
-    (128, 4, "tall_tma_sbs", 2),
-    (128, 4, "tall_tma_sbs", 1),
-    (128, 4, "tall_tma_sbs_ovl", 2),
-    (256, 4, "plain_tma_sbs_ovl_grouped", 1),
-    (256, 4, "plain_tma_sbs_grouped", 1),
-)
-# BN 256, plain + TMA store + scales in shared memory + OVERLAP, 2-CTA clusters: the fastest in
-# interleaved timings on one H100, by 0-7% over variant 17.
-DEFAULT_VARIANT = 18
-# "_grouped" modes are the MoE grouped GEMM (`fp8_grouped_gemm`): variant 19's schedule over each
-# expert's rows (no clusters: a cluster's two row tiles could belong to two experts).
-DEFAULT_GROUPED_VARIANT = 23
-MAX_GROUPS = 1024  # fp8_wgmma.cu's: the group tables live in shared memory
+DENSE = 0  # fp8_wgmma.cu's table: the dense GEMM
+GROUPED = 1  # and the MoE grouped GEMM
+MAX_GROUPS = 1024  # fp8_wgmma.cuh's: the group tables live in shared memory
+# fp8_wgmma.cuh's MODE flags.
+MODE_FLAGS = {"tma": 4, "ovl": 16, "grouped": 64}
 
 
-# fp8_wgmma.cu's MODE values (enum Mode and its flag constants) for the parts of a mode string.
-BASE_MODES = {"plain": 0, "pipelined": 1, "unscaled": 2, "tall": 32}  # tall: PLAIN | TALL
-MODE_FLAGS = {"tma": 4, "sbs": 8, "ovl": 16, "grouped": 64}
+@dataclass(frozen=True)
+class Variant:
+    """One entry of a library's table: the kernel's template arguments."""
 
+    bn: int
+    stages: int
+    mode: int
+    cluster: int
 
-def mode_parts(mode: str) -> tuple[str, frozenset[str]]:
-    """A mode string's base and its flags: "plain_tma_sbs" -> ("plain", {"tma", "sbs"})."""
-    base, *flags = mode.split("_")
-    return base, frozenset(flags)
+    @property
+    def flags(self) -> frozenset[str]:
+        return frozenset(name for name, bit in MODE_FLAGS.items() if self.mode & bit)
 
+    @property
+    def grouped(self) -> bool:
+        return bool(self.mode & MODE_FLAGS["grouped"])
 
-def mode_value(mode: str) -> int:
-    """fp8_wgmma.cu's MODE template argument for a mode string ("plain_tma_sbs_ovl" -> 28)."""
-    base, flags = mode_parts(mode)
-    value = BASE_MODES[base]
-    for flag in flags:
-        value |= MODE_FLAGS[flag]
-    return value
-
-
-# Each variant's mode parsed once: fp8_gemm asks two of these per call, and parsing the string
-# each time cost ~0.5 us a question on the host-bound eager path.
-_MODES = tuple(mode_parts(mode) for _, _, mode, _ in VARIANTS)
-
-
-def tile_rows(variant: int) -> int:
-    return 2 * BLOCK if _MODES[variant][0] == "tall" else BLOCK
-
-
-def is_grouped(variant: int) -> bool:
-    return "grouped" in _MODES[variant][1]
-
-
-def uses_smem_scales(variant: int) -> bool:
-    """Whether the variant reads the weight scales K-block-major (no copy for that layout)."""
-    return "sbs" in _MODES[variant][1]
+    @property
+    def name(self) -> str:
+        """e.g. "n256s4_tma_ovl_c2"."""
+        flags = "".join(f"_{f}" for f in MODE_FLAGS if f in self.flags)
+        return f"n{self.bn}s{self.stages}{flags}_c{self.cluster}"
 
 
 class WgmmaError(RuntimeError):
@@ -128,28 +79,19 @@ class WgmmaUnsupported(WgmmaError):
     """The kernel does not take this call (`unsupported_reason` says why); nothing failed."""
 
 
-# fp8_wgmma.cu's K_UNROLL: how many times its K loops are unrolled. `unroll` below builds another
-# (for timing them against each other).
-K_UNROLL = 4
 # ptxas's warnings that a kernel's wgmmas run one at a time: register shortage (C7511), an
 # accumulator used while in flight (C7515), divergent code around them (C7518).
 _SERIALISED = re.compile(r"\(C75(11|15|18)\)")
 
 
-def _flags(unroll: int | None) -> tuple[str, ...]:
-    return NVCC_FLAGS if unroll in (None, K_UNROLL) else (*NVCC_FLAGS, f"-DRELAY_K_UNROLL={unroll}")
+def library_path() -> Path:
+    return nvcc.library_path(SOURCE, "fp8_wgmma", NVCC_FLAGS)
 
 
-def library_path(unroll: int | None = None) -> Path:
-    stem = "fp8_wgmma" if unroll in (None, K_UNROLL) else f"fp8_wgmma_u{unroll}"
-    return nvcc.library_path(SOURCE, stem, _flags(unroll))
-
-
-def build(out: Path | None = None, unroll: int | None = None) -> Path:
-    """Compile the library (its K loops unrolled `unroll` times, default K_UNROLL) to `out`
-    (default: the cache path); returns it."""
+def build(out: Path | None = None) -> Path:
+    """Compile the library to `out` (default: the cache path); returns it."""
     try:
-        return nvcc.build(SOURCE, out or library_path(unroll), _flags(unroll))
+        return nvcc.build(SOURCE, out or library_path(), NVCC_FLAGS)
     except nvcc.BuildError as e:
         raise WgmmaError(str(e)) from e
 
@@ -162,18 +104,16 @@ def serialised(library_file: Path) -> bool:
 
 
 @functools.cache
-def library(unroll: int | None = None) -> ctypes.CDLL:
-    """The library, built first when the cache has none (WgmmaError when it cannot be); `unroll`:
-    the one built with its K loops unrolled that many times (a measurement's, not the product's)."""
-    path = library_path(unroll)
+def library() -> ctypes.CDLL:
+    """The library, built first when the cache has none (WgmmaError when it cannot be)."""
+    path = library_path()
     if not path.exists():
-        build(path, unroll)
+        build(path)
     return load(path)
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """A built library, its entry points declared (a measurement's build, e.g. with other defines,
-    goes through here too)."""
+    """A built library (this one, or another build of fp8_wgmma.cuh), its entry points declared."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -187,12 +127,38 @@ def load(path: Path) -> ctypes.CDLL:
     lib.relay_fp8_gemm_grid.restype = i
     lib.relay_fp8_gemm_smem_bytes.argtypes = [i]
     lib.relay_fp8_gemm_smem_bytes.restype = i
+    lib.relay_fp8_gemm_count.argtypes = []
+    lib.relay_fp8_gemm_count.restype = i
+    lib.relay_fp8_gemm_describe.argtypes = [i, ctypes.POINTER(ctypes.c_int)]
+    lib.relay_fp8_gemm_describe.restype = i
     return lib
 
 
-def launch_grid(variant: int, m: int, n: int, device: torch.device | None = None) -> int:
+_TABLES: dict[int, tuple[Variant, ...]] = {}
+
+
+def describe(lib: ctypes.CDLL | None = None) -> tuple[Variant, ...]:
+    """The variant table of `lib` (default: the product's library), read from it once: fp8_gemm
+    asks on every call, and a ctypes call per question would cost host time on the eager path."""
+    lib = lib or library()
+    key = lib._handle
+    table = _TABLES.get(key)
+    if table is None:
+        out = (ctypes.c_int * 4)()
+        rows = []
+        for v in range(lib.relay_fp8_gemm_count()):
+            if lib.relay_fp8_gemm_describe(v, out) != 0:
+                raise WgmmaError(f"relay_fp8_gemm_describe({v}) failed")
+            rows.append(Variant(*out))
+        table = _TABLES[key] = tuple(rows)
+    return table
+
+
+def launch_grid(
+    variant: int, m: int, n: int, device: torch.device | None = None, lib: ctypes.CDLL | None = None
+) -> int:
     """The CTAs `fp8_gemm` launches for an (M, N) output with this variant."""
-    return int(library().relay_fp8_gemm_grid(variant, m, n, num_sms(device or torch.device("cuda"))))
+    return int((lib or library()).relay_fp8_gemm_grid(variant, m, n, num_sms(device or torch.device("cuda"))))
 
 
 def is_hopper(device: torch.device) -> bool:
@@ -243,18 +209,18 @@ def fp8_gemm(
     w: torch.Tensor,
     w_scale: torch.Tensor,
     out: torch.Tensor | None = None,
-    variant: int = DEFAULT_VARIANT,
+    variant: int = DENSE,
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """(a, a_scale 1x128) @ (w, w_scale 128x128)^T in bf16 on the current stream; CUDA-graph safe
     (no synchronisation, no allocation when `out` is given and the scales are K-block-major).
-    lib: run another build of the kernel (`library(unroll)`, `load`: a measurement's) instead of
-    the product's."""
+    lib, variant: another build of the kernel (`load`) and an index into its table."""
     reason = unsupported_reason(a, w)
     if reason is not None:
         raise WgmmaUnsupported(reason)
-    if not 0 <= variant < len(VARIANTS) or is_grouped(variant):
-        raise ValueError(f"variant must be a dense one in [0, {len(VARIANTS)}), got {variant}")
+    table = describe(lib)
+    if not 0 <= variant < len(table) or table[variant].grouped:
+        raise ValueError(f"variant must be a dense one in [0, {len(table)}), got {variant}")
     m, k = a.shape
     n = w.shape[0]
     kb = k // BLOCK
@@ -269,10 +235,7 @@ def fp8_gemm(
     if m == 0:
         return out
     sa, pitch = _k_block_major(a_scale)
-    if uses_smem_scales(variant):
-        sb, sb_pitch = _k_block_major(w_scale)
-    else:
-        sb, sb_pitch = w_scale.float().contiguous(), 0
+    sb, sb_pitch = _k_block_major(w_scale)
     _launch(
         "relay_fp8_gemm", a.device, variant,
         a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
@@ -332,7 +295,8 @@ def fp8_grouped_gemm(
     w_scale: torch.Tensor,
     offs: torch.Tensor,
     out: torch.Tensor | None = None,
-    variant: int = DEFAULT_GROUPED_VARIANT,
+    variant: int = GROUPED,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """MoE grouped GEMM in bf16 (ops/fp8/recipe.grouped_fp8_gemm's function): a (T, K) rows
     sorted by expert, expert e owning rows [offs[e-1], offs[e]) (offs: (E,) cumulative ends, on the
@@ -341,7 +305,8 @@ def fp8_grouped_gemm(
     reason = grouped_unsupported_reason(a, w, offs)
     if reason is not None:
         raise WgmmaUnsupported(reason)
-    if not 0 <= variant < len(VARIANTS) or not is_grouped(variant):
+    table = describe(lib)
+    if not 0 <= variant < len(table) or not table[variant].grouped:
         raise ValueError(f"variant {variant} is not a grouped one")
     t, k = a.shape
     e, n, _ = w.shape
@@ -362,6 +327,6 @@ def fp8_grouped_gemm(
     _launch(
         "relay_fp8_grouped_gemm", a.device, variant,
         a.data_ptr(), sa.data_ptr(), pitch, w.data_ptr(), sb.data_ptr(), sb_pitch, out.data_ptr(),
-        ends.data_ptr(), e, t, n, k, out.stride(0),
+        ends.data_ptr(), e, t, n, k, out.stride(0), lib=lib,
     )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """Build a CUDA C++ source into a shared library with nvcc, cached by content.
 
-The CUDA kernels (the FP8 GEMM fp8_wgmma.cu, and the benchmarks' own) need no torch headers, so one nvcc call of a few seconds builds each (a torch extension build takes a
+The CUDA kernels (the FP8 GEMM fp8_wgmma.cu, and benchmark kernels built on its headers) need no torch headers, so one nvcc call of a few seconds builds each (a torch extension build takes a
 minute), and they are loaded through ctypes. Sources include this directory's headers by name (it is
 on the include path). Libraries are cached under $RELAY_KERNEL_CACHE (default
 ~/.cache/relay/kernels), keyed by the hash of the source, these headers and the flags.

@@ -1,5 +1,5 @@
 // Hopper (sm_90) synchronisation helpers shared by the CUDA kernels
-// (fp8_wgmma.cu here, and the benchmarks'): shared-memory mbarriers, which
+// (fp8_wgmma.cuh here, and kernels of bench/): shared-memory mbarriers, which
 // the bulk copy engine completes by byte count, and named CTA barriers for a subset of warps.
 #pragma once
 #include <stdint.h>

@@ -92,7 +92,7 @@ def _mark(trace_ptr, i, dep, TRACE: tl.constexpr):
 @triton.jit
 def _grid_arrive(bar_ptr, trace_ptr, nb, NB: tl.constexpr, TRACE_ALL: tl.constexpr):
     """This program's arrival at the grid barrier, after its stores (release). TRACE_ALL: every
-    program records the time of each arrival (megakernel_probe.py's `arrivals`)."""
+    program records the time of each arrival (for a timing breakdown; off in the product)."""
     tl.debug_barrier()
     if TRACE_ALL & 1:
         tl.store(trace_ptr + (tl.program_id(0) * NB + nb) * 2, _globaltimer())
@@ -797,8 +797,8 @@ class DecodeMegakernel:
         self.attn = torch.zeros(nq, dtype=dt, device=dev)
         self.gate_up = torch.zeros(2 * s.inter, dtype=dt, device=dev)
         self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # zeroed before every launch
-        # Program 0's time after each barrier, then two inner marks a phase (TRACE:
-        # megakernel_probe.py's per-phase breakdown).
+        # Program 0's time after each barrier, then two inner marks a phase (TRACE: a per-phase
+        # timing breakdown; off in the product).
         # TRACE_ALL: (arrival, passing) of every program at every barrier.
         marks = max(3 * s.n_layers * int(N_PHASES) + 1, 2 * p * s.n_layers * int(N_PHASES))
         self.trace = torch.zeros(marks, dtype=torch.int64, device=dev)
@@ -815,7 +815,8 @@ class DecodeMegakernel:
             **{f"RC_{name}": t[0] for name, t in tiling.items() if t is not None},
             **{f"KC_{name}": t[1] for name, t in tiling.items() if t is not None},
         }  # fmt: skip
-        # Launch overrides (the _decode_layers switches, num_warps): megakernel_probe.py.
+        # Launch overrides of _decode_layers' switches and num_warps, for measuring them (none in
+        # the product).
         self.tuning: dict[str, int | bool] = {}
         self.compiled: object = None
 
@@ -848,7 +849,7 @@ class DecodeMegakernel:
         # The persistent launch; interpreted only with one program, whose barriers pass at once
         # (how tests run this launch's look-ahead loads and barrier bookkeeping on CPU).
         launch = {"PHASES": (1 << int(N_PHASES)) - 1, "num_warps": int(NUM_WARPS), **self.tuning}
-        # (the compiled kernel: its n_regs and n_spills for megakernel_probe.py)
+        # (the compiled kernel: its n_regs and n_spills say whether it fits the registers)
         self.compiled = _decode_layers[(self.programs,)](
             *args, 0, n, **self.meta, PERSISTENT=True, UPCAST=interpreted, **launch
         )

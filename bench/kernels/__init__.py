@@ -1,0 +1,1 @@
+"""Kernel builds that only benchmarks run: measured alternatives to the product's kernels."""
