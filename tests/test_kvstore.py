@@ -194,7 +194,13 @@ def test_launcher_starts_kv_processes_only_when_configured() -> None:
     from services.kvstore.launch import kv_plan, resolve_ports
 
     plain = [name for name, _ in LocalRun.describe(load_config("debug"))]
-    assert plain == ["redis", "sandbox.0", "decode.0", "trainer", "orchestrator"]  # the debug run is unchanged
+    assert plain == [
+        "redis",
+        "sandbox.0",
+        "decode.0",
+        "trainer",
+        "orchestrator",
+    ]  # the debug run is unchanged
     cfg = load_config(
         "debug", ["--kvstore.enabled=true", "--prefill.replicas=2", "--kvstore.mooncake.enabled=true"]
     )
