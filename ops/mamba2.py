@@ -12,7 +12,8 @@ same outputs chunk by chunk (state space duality, the Mamba-2 paper's SSD algori
 decays between l and s, between chunks the states carried by an exclusive scan over chunk ends.
 Autograd through it is the backward (the tests check gradients against `ssd_naive` in float32 and
 float64). Everything runs in float32 whatever the inputs' dtype. `ssd_step` advances a state by
-one token (decode); `causal_conv1d` / `conv1d_step` are the depthwise convolution in both forms.
+one token (decode); `causal_conv1d` / `conv1d_step` are the depthwise convolution in both forms;
+`gated_rms_norm` is the mixer's output norm.
 
 No dependencies beyond torch: the inference engine computes prefill with `ssd_chunked` and decode
 with `ssd_step` from the same definitions.
@@ -172,3 +173,35 @@ def conv1d_step(
     if bias is not None:
         out = out + bias
     return out, window[..., 1:]
+
+
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> torch.Tensor:
+    """HF NemotronHRMSNormGated: RMSNorm of y * silu(z) over groups of `group` channels in
+    float32, multiplied by the weight after the cast back to y's dtype (HF's
+    `weight * hs.to(input_dtype)`)."""
+    dtype = y.dtype
+    h = y.float() * F.silu(z.float())
+    g = h.view(*h.shape[:-1], -1, group)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view_as(h).to(dtype)
+
+
+def time_step(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float | None) -> torch.Tensor:
+    """The mixer's raw dt [..., H] -> softplus(dt + dt_bias) clamped to [dt_min, dt_max] (HF's
+    order; dt_max None: no upper bound)."""
+    return F.softplus(dt + dt_bias.to(dt.dtype)).clamp(min=dt_min, max=dt_max)
+
+
+def split_xbc(
+    xbc: torch.Tensor, n_heads: int, head_dim: int, groups: int, state: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolved xBC [..., H * P + 2 * G * N] -> x [..., H, P], B and C [..., G, N]."""
+    xs, b, c = xbc.split([n_heads * head_dim, groups * state, groups * state], dim=-1)
+    lead = xbc.shape[:-1]
+    return (
+        xs.reshape(*lead, n_heads, head_dim),
+        b.reshape(*lead, groups, state),
+        c.reshape(*lead, groups, state),
+    )

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers.moe import (
     RouterTap,
+    nemotron_model,
     own_choice,
     random_routes,
     routed_sample,
@@ -29,7 +30,7 @@ from services.common.weights_dir import read_model_dir, step_dir
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
 from trainer.model import adapter, build_model, from_hf_state, load_weights_dir, save_weights_dir, to_hf_state
-from trainer.replay import UNRECORDED, micro_batch_routes, moe_routers, routing
+from trainer.replay import UNRECORDED, micro_batch_routes, routing
 
 # ------------------------------------------------------------------ the scan
 
@@ -131,23 +132,6 @@ def test_step_and_convolution_forms_equal_the_sequence_forms() -> None:
 
 
 # ------------------------------------------------------------------ the model against HF
-
-
-def nemotron_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
-    """Random weights where every part matters: weights and norms perturbed, dt_bias and D moved,
-    decisive routing (gate std 1) and a correction bias that changes the selection."""
-    model = build_model(m, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 or "norm" in name or name.endswith(("dt_bias", ".D")):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-        for r in moe_routers(model):
-            r.gate.weight.copy_(torch.randn(r.gate.weight.shape, generator=g))
-        for block in model.layers.values():
-            if block.moe_enabled:
-                block.moe.expert_bias.copy_(0.5 * torch.rand(m.n_routed_experts, generator=g))
-    return model
 
 
 def hf_model(path: Path) -> torch.nn.Module:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from torchtitan.models.moe import MoE
 
-from ops.mamba2 import causal_conv1d, ssd_chunked
+from ops.mamba2 import causal_conv1d, gated_rms_norm, split_xbc, ssd_chunked, time_step
 from services.common.config import ModelConfig
 from trainer.moe_routing import add_expert_bias, deepseek_moe_args
 
@@ -56,11 +56,7 @@ class GatedRMSNorm(nn.Module):
         self.group, self.eps = group, eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = y.dtype
-        h = y.float() * F.silu(z.float())
-        g = h.view(*h.shape[:-1], -1, self.group)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view_as(h).to(dtype)
+        return gated_rms_norm(y, z, self.weight, self.group, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -110,18 +106,11 @@ class Mamba2Mixer(nn.Module):
 
     def split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved xBC [..., conv_dim] -> x [..., H, P], B and C [..., G, N]."""
-        xs, b, c = xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
-        lead = xbc.shape[:-1]
-        return (
-            xs.reshape(*lead, self.n_heads, self.head_dim),
-            b.reshape(*lead, self.groups, self.state),
-            c.reshape(*lead, self.groups, self.state),
-        )
+        return split_xbc(xbc, self.n_heads, self.head_dim, self.groups, self.state)
 
     def time_step(self, dt: torch.Tensor) -> torch.Tensor:
         """Raw dt [..., H] -> softplus(dt + dt_bias) clamped to the config's limits (HF's order)."""
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
-        return dt.clamp(min=self.dt_min, max=self.dt_max if self.dt_max is not None else None)
+        return time_step(dt, self.dt_bias, self.dt_min, self.dt_max)
 
     def _mix(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

@@ -46,6 +46,43 @@ class Span:
     block_table: list[int]
     start: int
     tokens: list[int]
+    state_slot: int = -1  # the sequence's Mamba-2 state slot (state_cache.py); -1: none
+
+
+@dataclass
+class StateMeta:
+    """What a hybrid model's Mamba-2 layers need of a step (state_cache.py): each span's state
+    slot, the slots to zero first (spans starting at position 0), the one-token spans advanced
+    together by the recurrent step, and the longer ones scanned one by one."""
+
+    fresh: torch.Tensor  # [F] slots of spans whose first token is position 0
+    decode_rows: torch.Tensor  # [D] flat row of each one-token span
+    decode_slots: torch.Tensor  # [D] its slot
+    prefill: list[tuple[int, int, int]]  # (first flat row, tokens, slot) of each longer span
+
+    @staticmethod
+    def build(spans: list[Span], device: torch.device) -> StateMeta:
+        fresh: list[int] = []
+        rows: list[int] = []
+        slots: list[int] = []
+        prefill: list[tuple[int, int, int]] = []
+        row = 0
+        for s in spans:
+            if s.state_slot < 0:
+                raise ValueError("a hybrid model's span needs its sequence's state slot")
+            if s.start == 0:
+                fresh.append(s.state_slot)
+            if len(s.tokens) == 1:
+                rows.append(row)
+                slots.append(s.state_slot)
+            else:
+                prefill.append((row, len(s.tokens), s.state_slot))
+            row += len(s.tokens)
+
+        def t(x: list[int]) -> torch.Tensor:
+            return host_to_device(torch.tensor(x, dtype=torch.long), device)
+
+        return StateMeta(t(fresh), t(rows), t(slots), prefill)
 
 
 @dataclass
@@ -66,6 +103,7 @@ class ForwardBatch:
     groups: list[AttnGroup]
     last_index: torch.Tensor  # [S] flat index of each span's last token: its next-token logits
     paged: PagedMeta | None = None  # set: attention runs the paged kernels instead of groups
+    state: StateMeta | None = None  # set for a hybrid model: its Mamba-2 layers' spans
 
     @staticmethod
     def build(spans: list[Span], device: torch.device, max_ctx: int, block_size: int) -> ForwardBatch:

@@ -12,6 +12,9 @@ MoE models add a routing store next to the pages: the expert ids each MoE layer 
 token in that slot, [moe_layers, slots, top_k] (uint8, or int16 read back as uint16, past 254
 experts; unwritten slots hold the "unrecorded" sentinel). A prefix-cache hit skips the forward,
 so the ids must live with the page for a request to get ids for every prompt token.
+
+A hybrid model (nemotron_h) has KV pools for its attention layers only, and `states`, the
+per-sequence recurrent state of its Mamba-2 layers (state_cache.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from services.common.config import ModelConfig
 from services.common.routing import routing_dtype, unrecorded
 from services.engine.block_manager import BlockManager
+from services.engine.state_cache import StateCache
 
 
 class KVCache:
@@ -54,6 +58,8 @@ class KVCache:
         self.index_k: torch.Tensor | None = None
         if index_head_dim:
             self.index_k = torch.zeros((n_layers, shape[1], index_head_dim), dtype=dtype, device=device)
+        # A hybrid model's per-sequence Mamba-2 states (state_cache.py; set by for_model).
+        self.states: StateCache | None = None
         self.routing: torch.Tensor | None = None
         self.routing_dtype = np.dtype(np.uint8)
         if moe_layers:
@@ -77,16 +83,22 @@ class KVCache:
         max_seq_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_seqs: int = 1,
     ) -> KVCache:
-        """The cache layout model `m` needs (GQA or MLA latent, plus routing for MoE)."""
-        return cls(m.n_layers, num_blocks, block_size, max_seq_len, dtype=dtype, device=device, **_layout(m))
+        """The cache layout model `m` needs (GQA or MLA latent, plus routing for MoE; a hybrid
+        model's attention layers only, and its Mamba-2 layers' state cache with `max_seqs`
+        slots)."""
+        kv = cls(kv_layers(m), num_blocks, block_size, max_seq_len, dtype=dtype, device=device, **_layout(m))
+        kv.states = StateCache.for_model(m, max_seqs, dtype, device)
+        return kv
 
     @staticmethod
     def bytes_per_block_for(m: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         lay = _layout(m)
         v_dim = lay["v_head_dim"] if lay["v_head_dim"] is not None else lay["head_dim"]
-        kv = m.n_layers * block_size * lay["n_kv_heads"] * (lay["head_dim"] + v_dim) * dtype.itemsize
-        kv += m.n_layers * block_size * lay["index_head_dim"] * dtype.itemsize
+        layers = kv_layers(m)
+        kv = layers * block_size * lay["n_kv_heads"] * (lay["head_dim"] + v_dim) * dtype.itemsize
+        kv += layers * block_size * lay["index_head_dim"] * dtype.itemsize
         ids = lay["moe_layers"] * block_size * lay["top_k"] * routing_dtype(lay["n_experts"]).itemsize
         return kv + ids
 
@@ -169,9 +181,15 @@ class KVCache:
         return out
 
 
+def kv_layers(m: ModelConfig) -> int:
+    """Layers with a KV pool: every layer, or a hybrid model's attention layers (in order: the
+    pool index of the i-th "*" of its hybrid_pattern is i)."""
+    return m.hybrid_pattern.count("*") if m.is_hybrid else m.n_layers
+
+
 def _layout(m: ModelConfig) -> dict[str, int | None]:
     """KVCache constructor arguments (past n_layers) for model m."""
-    moe_layers = m.n_layers - m.first_k_dense if m.is_moe else 0
+    moe_layers = len(m.moe_layers())
     routing = {"moe_layers": moe_layers, "top_k": m.n_experts_per_tok, "n_experts": m.n_routed_experts}
     routing["index_head_dim"] = m.index_head_dim if m.index_topk else 0
     if m.is_mla:

@@ -285,7 +285,7 @@ class LLMEngine:
                 toks = [out[-1] if out else s.prompt[-1]]  # decode: no list slicing
             else:
                 toks = s.uncached_tokens()[:n]
-            spans.append(Span(s.block_table, start, toks))
+            spans.append(Span(s.block_table, start, toks, s.state_slot))
         self.stats.computed_tokens_total += fed
         return spans
 
@@ -422,7 +422,7 @@ class LLMEngine:
                 toks = [s.output[-1] if s.output else s.prompt[-1]]
             else:
                 toks = s.uncached_tokens()[:n]
-            spans.append(Span(s.block_table, start, toks))
+            spans.append(Span(s.block_table, start, toks, s.state_slot))
             row += n
         self.stats.computed_tokens_total += row
         if not dst:

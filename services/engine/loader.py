@@ -82,7 +82,7 @@ def read_checkpoint(path: str | Path, spec: SliceSpec | None = None) -> Checkpoi
     }
     if config.is_moe:
         # DeepSeek-V3's config names the selection bias only through topk_method; the tensor decides.
-        update["expert_bias"] = any(k.endswith("mlp.gate.e_score_correction_bias") for k in state)
+        update["expert_bias"] = any(k.endswith(".gate.e_score_correction_bias") for k in state)
     try:
         # Validated again: e.g. a "llama" directory holding q_norm tensors contradicts its arch.
         config = ModelConfig.model_validate({**config.model_dump(), **update})

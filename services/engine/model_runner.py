@@ -19,13 +19,22 @@ from ops import pdl
 from ops.fp8.checkpoint import dequantize_state
 from services.common.config import EngineConfig
 from services.common.gpu_memory import cap_process_memory
-from services.engine.batch import BlockTables, ForwardBatch, HostBatch, Span, host_to_device, num_sms
+from services.engine.batch import (
+    BlockTables,
+    ForwardBatch,
+    HostBatch,
+    Span,
+    StateMeta,
+    host_to_device,
+    num_sms,
+)
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from services.engine.kv_cache import KVCache
 from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import PendingSample, Sampler
 from services.engine.loader import Checkpoint
-from services.engine.models.causal_lm import CausalLM, build_fp8_model
+from services.engine.models.causal_lm import build_fp8_model
+from services.engine.models.registry import engine_model
 from services.engine.overlap import Feed, feed_pending
 from services.engine.sequence import Sequence
 
@@ -51,6 +60,8 @@ class ModelRunner:
         self.model_config = m = ckpt.config
         # Positions past the model's own limit were never trained (and the trainer cannot score them).
         self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
+        if m.is_hybrid and cfg.quantization == "fp8":
+            raise ValueError("decode.engine.quantization: fp8 does not cover nemotron_h (its Mamba-2 layers)")
         if cfg.quantization == "fp8":
             # Attention/MLP linears and experts are FP8 from the start (their high-precision
             # weights are never allocated); lm_head, norms, embeddings, routers stay in dtype. The
@@ -59,13 +70,20 @@ class ModelRunner:
             self.model = build_fp8_model(m, self.max_seq_len, ckpt.attention_bias, self.device, self.dtype)
             fp8_linear.load_hf_state(self.model, ckpt.state)
         else:
-            self.model = CausalLM(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype)
+            self.model = engine_model(m, self.max_seq_len, ckpt.attention_bias).to(self.device, self.dtype)
             self.model.load_hf_state(self._high_precision(ckpt))
         self.model.eval()
         self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/replay.md)
-        # GQA or MLA-latent layout, plus the routed-expert store of an MoE model (kv_cache.py).
+        # GQA or MLA-latent layout, plus the routed-expert store of an MoE model and the Mamba-2
+        # state slots of a hybrid one, one per sequence that may run (kv_cache.py).
         self.kv = KVCache.for_model(
-            m, self._num_kv_blocks(), cfg.block_size, self.max_seq_len, self.dtype, self.device
+            m,
+            self._num_kv_blocks(),
+            cfg.block_size,
+            self.max_seq_len,
+            self.dtype,
+            self.device,
+            cfg.max_batch_size,
         )
         # On CUDA, plain batches sample in one fused kernel (kernels/sampling.py: its own stream).
         # Programmatic Dependent Launch of the Triton kernels (forward and fused sampler): on where
@@ -115,6 +133,11 @@ class ModelRunner:
         # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
         # shapes) of at least 16 (tl.dot); MLA keeps its torch path (layers/mla.py).
         d = self.model_config.head_dim
+        if self.model_config.is_hybrid:
+            # The paged kernels and CUDA graphs do not carry the Mamba-2 state (models/nemotron_h.py).
+            if want not in ("auto", "torch"):
+                raise ValueError(f"attention_backend: {want!r}: nemotron_h runs the torch path")
+            return "torch"
         plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
         if want == "auto":
             want = "triton" if self.device.type == "cuda" and plain else "torch"
@@ -172,6 +195,8 @@ class ModelRunner:
         on the device (overlap scheduling), written in before the forward."""
         if self.attention_backend == "torch":
             batch = ForwardBatch.build(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
+            if self.kv.states is not None:
+                batch.state = StateMeta.build(spans, self.device)
             feed_pending(batch.input_ids, feed)
             hidden, last_index = self.model(batch, self.kv), batch.last_index
         else:

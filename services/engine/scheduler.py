@@ -21,6 +21,9 @@ With overlap scheduling (docs/engine.md) a running sequence may hold one *pendin
 by the step still in flight: it is fed from the device, counts as one of the sequence's tokens, a
 sequence whose pending token ends it by length is not scheduled again, and a sequence with a
 pending token is never preempted.
+
+A hybrid model's running sequences each hold a Mamba-2 state slot (state_cache.py), taken at
+admission or fork and given back with the pages; its prefix caching is off.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ class Scheduler:
         self.blocks = kv.blocks
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefix_caching = prefix_caching
+        # A hybrid model's Mamba-2 states (state_cache.py): a slot per running sequence, and no
+        # prefix caching (a cached page would skip tokens the state never saw).
+        self.states = kv.states
+        self.prefix_caching = prefix_caching and self.states is None
         self.stats = stats if stats is not None else EngineStats()
         self.version = 0  # salts the prefix-cache hashes of sequences admitted from now on
         # Keys of pages being copied in (PageExchange.landing_keys): a prefix that continues with
@@ -207,8 +213,10 @@ class Scheduler:
         n = min(seq.num_tokens - cached, budget)
         # Cached pages nobody uses sit in the evictable pool: taking them costs free pages too.
         cost = sum(self.blocks.ref[b] == 0 for b in hits) + self.kv.blocks_for(cached + n) - len(hits)
-        if cost > self.kv.num_free:
+        if cost > self.kv.num_free or (self.states is not None and not self.states.num_free):
             return 0
+        if self.states is not None:
+            seq.state_slot = self.states.allocate()  # zeroed when its first span runs
         self.tails.pop(seq, None)  # one chance: after a preemption the tail is recomputed
         self.known_keys.pop(seq, None)
         for b in hits:
@@ -241,6 +249,10 @@ class Scheduler:
         partial = len(parent.prompt) % self.kv.block_size != 0
         if partial and self.kv.num_free < 1:
             return False
+        if self.states is not None:
+            if not self.states.num_free:
+                return False
+            child.state_slot = self.states.allocate()  # the parent's state, copied after the forward
         child.block_table = [self.blocks.allocate()] if partial else []
         return True
 
@@ -254,6 +266,8 @@ class Scheduler:
                 self.blocks.acquire(b)
             if child.block_table:
                 self.kv.copy_block(parent.block_table[full], child.block_table[0])
+            if self.states is not None:
+                self.states.copy(parent.state_slot, child.state_slot)
             child.block_table = shared + child.block_table
             child.block_hashes = parent.block_hashes[:full]
             child.salt = parent.salt
@@ -282,6 +296,10 @@ class Scheduler:
         for b in reversed(seq.block_table):
             self.blocks.release(b)
         seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0
+        if seq.state_slot >= 0:
+            assert self.states is not None
+            self.states.release(seq.state_slot)  # a preempted sequence recomputes from zero
+            seq.state_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         self._free_pages(seq)

@@ -65,6 +65,8 @@ class Sequence:
         # rooted at `salt`: the weight version when the sequence was (re)admitted.
         self.block_hashes: list[bytes] = []
         self.salt = 0
+        # Its slot in the Mamba-2 state cache (state_cache.py) while running; -1 without one.
+        self.state_slot = -1
         # Tokens whose K/V are in the cache; the rest (the prompt, fed in chunks, then the last
         # sampled token) are fed in later steps. 0 again after a preemption: recomputed.
         self.num_cached = 0

@@ -27,7 +27,7 @@ from services.common.schemas import (
 from services.common.weights_dir import read_model_dir, step_dir
 from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
-from trainer.model import moe_layer_ids
+from trainer.model import build_model, moe_layer_ids
 from trainer.replay import RoutingRecord, micro_batch_routes, moe_routers, routing
 
 
@@ -275,3 +275,20 @@ def run_one_step(
     run_trainer_steps(cfg, run_dir, redis_url, timeout_s)
     ((_, mt),) = bus.read_metrics()
     return mt, read_model_dir(step_dir(run_dir, 1))[1]
+
+
+def nemotron_model(m: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """Random weights where every part matters: weights and norms perturbed, dt_bias and D moved,
+    decisive routing (gate std 1) and a correction bias that changes the selection."""
+    model = build_model(m, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or "norm" in name or name.endswith(("dt_bias", ".D")):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+        for r in moe_routers(model):
+            r.gate.weight.copy_(torch.randn(r.gate.weight.shape, generator=g))
+        for block in model.layers.values():
+            if block.moe_enabled:
+                block.moe.expert_bias.copy_(0.5 * torch.rand(m.n_routed_experts, generator=g))
+    return model

@@ -1,6 +1,7 @@
 """Mixture-of-Experts feed-forward for the engine: router, grouped expert GEMMs, shared experts.
 
-One module covers the routing variants of Qwen3-MoE, GLM-4.5/GLM-5, DeepSeek-V3 and Kimi-K2:
+One module covers the routing variants of Qwen3-MoE, GLM-4.5/GLM-5, DeepSeek-V3, Kimi-K2 and
+Nemotron-H (whose routed and shared experts are squared-ReLU MLPs: Relu2ExpertWeights, relu2_mlp.py):
 
     scores  = softmax(logits) | sigmoid(logits)           (router_score)
     choice  = scores + e_score_correction_bias            (expert_bias; selection only)
@@ -38,12 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
+from services.engine.layers.relu2_mlp import Relu2MLP
 from services.engine.weight_copy import copy_weight
 
 Kernel = Literal["grouped", "gather", "loop"]
 
-# Per-expert HF names: model.layers.<L>.mlp.experts.<E>.<proj>.weight
-PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Per-expert HF names: model.layers.<L>.mlp.experts.<E>.<proj>.weight (nemotron_h: backbone.layers.
+# <L>.mixer.experts.<E>.<proj>.weight)
+PER_EXPERT = re.compile(r"^(.*\.(?:mlp|mixer)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def route(
@@ -113,6 +116,10 @@ class Router(nn.Module):
 class ExpertWeights(nn.Module):
     """HF `mlp.experts`, fused: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
 
+    # The per-expert projections of a checkpoint, and the fused parameters they fill.
+    PROJS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    FUSED: tuple[str, ...] = ("gate_up_proj", "down_proj")
+
     def __init__(self, m: ModelConfig):
         super().__init__()
         e, d, i = m.n_routed_experts, m.dim, m.moe_hidden_dim
@@ -132,6 +139,17 @@ class ExpertWeights(nn.Module):
             raise ValueError(f"expert {index} {proj}: shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
         copy_weight(dst, w)
 
+    @property
+    def w_in(self) -> torch.Tensor:
+        """The first GEMM's weights [E, rows, D] (its output goes to `activate`)."""
+        return self.gate_up_proj
+
+    @staticmethod
+    def activate(h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: silu(gate) * up of the first GEMM's [..., 2I] output."""
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def kernel_for(self, x: torch.Tensor) -> Kernel:
         if not x.is_cuda:
             return "loop"
@@ -150,8 +168,8 @@ class ExpertWeights(nn.Module):
         if kernel == "gather":
             xk = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])
             flat = ids.reshape(-1)
-            gate, up = torch.bmm(xk, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, dim=-1)
-            y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2)).view(t, k, -1)
+            h = self.activate(torch.bmm(xk, self.w_in[flat].transpose(1, 2)))
+            y = torch.bmm(h, self.down_proj[flat].transpose(1, 2)).view(t, k, -1)
             return self.combine(y, weights)
         flat = ids.reshape(-1)
         # Sort the T*k (token, expert) assignments by expert: each expert's rows are contiguous.
@@ -165,16 +183,15 @@ class ExpertWeights(nn.Module):
         )
         if kernel == "grouped":
             offs = counts.cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs)
-            gate, up = h.chunk(2, dim=-1)
-            ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+            h = self.activate(torch._grouped_mm(xs, self.w_in.transpose(-2, -1), offs=offs))
+            ys = torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=offs)
         else:
             ys = torch.empty_like(xs)
             start = 0
             for e, n in enumerate(counts.tolist()):  # a host sync: CPU only
                 if n:
-                    gate, up = F.linear(xs[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                    ys[start : start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                    h = self.activate(F.linear(xs[start : start + n], self.w_in[e]))
+                    ys[start : start + n] = F.linear(h, self.down_proj[e])
                     start += n
         # Back to (token, slot) order for the weighted sum below.
         return self.combine(torch.empty_like(ys).index_copy_(0, order, ys).view(t, k, -1), weights)
@@ -191,6 +208,36 @@ class ExpertWeights(nn.Module):
         rounding difference from the trainer that Router Replay cannot remove."""
         w = weights.to(y.dtype).float()
         return torch.bmm(w[:, None, :], y.float()).squeeze(1).to(y.dtype)
+
+
+class Relu2ExpertWeights(ExpertWeights):
+    """HF NemotronH `mixer.experts`: squared-ReLU experts down(relu(up(x))^2), fused as transformers
+    holds them: up_proj [E, I, D], down_proj [E, D, I]."""
+
+    PROJS = ("up_proj", "down_proj")
+    FUSED = ("up_proj", "down_proj")
+
+    def __init__(self, m: ModelConfig):
+        nn.Module.__init__(self)
+        e, d, i = m.n_routed_experts, m.dim, m.moe_hidden_dim
+        self.n_experts, self.inter = e, i
+        self.up_proj = nn.Parameter(torch.zeros(e, i, d))
+        self.down_proj = nn.Parameter(torch.zeros(e, d, i))
+
+    @property
+    def w_in(self) -> torch.Tensor:
+        return self.up_proj
+
+    @staticmethod
+    def activate(h: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(h))
+
+    @torch.no_grad()
+    def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
+        dst = self.up_proj[index] if proj == "up_proj" else self.down_proj[index]
+        if w.shape != dst.shape:
+            raise ValueError(f"expert {index} {proj}: shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
+        copy_weight(dst, w)
 
 
 class SharedExperts(nn.Module):
@@ -215,8 +262,10 @@ class MoE(nn.Module):
         super().__init__()
         self.moe_index = moe_index
         self.gate = Router(m)
-        self.experts = ExpertWeights(m)
-        self.shared_experts = SharedExperts(m) if m.n_shared_experts else None
+        self.experts = Relu2ExpertWeights(m) if m.is_hybrid else ExpertWeights(m)
+        self.shared_experts: nn.Module | None = None
+        if m.n_shared_experts:
+            self.shared_experts = Relu2MLP(m.dim, m.shared_width) if m.is_hybrid else SharedExperts(m)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (output [T, D], expert ids [T, k])."""
@@ -229,4 +278,4 @@ class MoE(nn.Module):
 
 def moe_layer_ids(m: ModelConfig) -> list[int]:
     """Indices of the MoE layers, in the order of the routing arrays' layer axis."""
-    return list(range(m.first_k_dense, m.n_layers)) if m.is_moe else []
+    return m.moe_layers()

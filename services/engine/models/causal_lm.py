@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
     def __init__(self, m: ModelConfig, max_seq_len: int, attention_bias: bool = False):
         super().__init__()
         self.config = m
-        self.model = DecoderStack(m, attention_bias)
+        self.build_stack(m, attention_bias)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
         self.max_seq_len = max_seq_len
         cos, sin = self._rope()
@@ -100,6 +100,10 @@ class CausalLM(nn.Module):
         # Set by the engine (EngineConfig.megakernel): kernels.megakernel.DecodeMegakernel, which
         # runs every layer of a one-token decode batch in one launch.
         self.megakernel: DecodeMegakernel | None = None
+
+    def build_stack(self, m: ModelConfig, attention_bias: bool) -> None:
+        """The decoder under its HF prefix (`model.`); a family with another layout overrides it."""
+        self.model = DecoderStack(m, attention_bias)
 
     def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.config
@@ -241,11 +245,11 @@ def _split_experts(
         experts = modules[prefix]
         assert isinstance(experts, ExpertWeights)
         have = {(e, proj) for e, proj, _ in items}
-        want = {(e, proj) for e in range(experts.n_experts) for proj in ("gate_proj", "up_proj", "down_proj")}
+        want = {(e, proj) for e in range(experts.n_experts) for proj in experts.PROJS}
         if have != want:
             missing = sorted(want - have)[:3]
             raise ValueError(f"{prefix}: per-expert tensors incomplete (missing {missing}, of {len(want)})")
-        for name in ("gate_up_proj", "down_proj"):
+        for name in experts.FUSED:
             if f"{prefix}.{name}" in rest:
                 raise ValueError(f"{prefix}: both fused and per-expert tensors given")
             # Stand-ins of the right shape: the fused parameters are filled slice by slice after.

@@ -1,0 +1,94 @@
+"""The recurrent state cache of a hybrid model's Mamba-2 layers (arch nemotron_h), beside the paged
+KV cache: one *slot* per running sequence, holding every Mamba-2 layer's convolution state (the
+last conv_kernel - 1 inputs of its depthwise convolution, model dtype) and SSM state ([heads,
+head_dim, state] float32, what ops/mamba2.py's scan and step carry).
+
+Unlike KV pages a state summarises the whole prefix, so it is neither shared nor reusable at a page
+boundary: a sequence takes a slot at admission and gives it back when it finishes, is aborted or
+is preempted (its recompute starts from a zeroed state); a forked sample copies its parent's slot
+after the prefill that both share. Prefix caching is off for these models (the scheduler's
+`prefix_caching` is False whenever a state cache exists): a cached page would skip tokens whose
+effect on the state was never computed. The slots number the engine's max_batch_size, the most
+sequences that run at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.config import ModelConfig
+
+
+class StateCache:
+    def __init__(
+        self,
+        n_layers: int,
+        slots: int,
+        conv_dim: int,
+        conv_kernel: int,
+        n_heads: int,
+        head_dim: int,
+        state_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.slots = slots
+        # [layer, slot, ...]: one layer's view [slot, ...] has each slot contiguous, the layout
+        # ops/mamba2_triton.ssd_step_pool updates in place.
+        self.conv = torch.zeros(n_layers, slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+        self.ssm = torch.zeros(
+            n_layers, slots, n_heads, head_dim, state_size, dtype=torch.float32, device=device
+        )
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @classmethod
+    def for_model(
+        cls, m: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device
+    ) -> StateCache | None:
+        """The cache of model `m`'s Mamba-2 layers; None for a model without any."""
+        n = m.hybrid_pattern.count("M") if m.is_hybrid else 0
+        if not n:
+            return None
+        conv_dim = m.mamba_n_heads * m.mamba_head_dim + 2 * m.mamba_n_groups * m.ssm_state_size
+        return cls(
+            n,
+            slots,
+            conv_dim,
+            m.mamba_conv_kernel,
+            m.mamba_n_heads,
+            m.mamba_head_dim,
+            m.ssm_state_size,
+            dtype,
+            device,
+        )
+
+    @staticmethod
+    def bytes_per_slot(m: ModelConfig, dtype: torch.dtype) -> int:
+        n = m.hybrid_pattern.count("M") if m.is_hybrid else 0
+        conv_dim = m.mamba_n_heads * m.mamba_head_dim + 2 * m.mamba_n_groups * m.ssm_state_size
+        conv = conv_dim * (m.mamba_conv_kernel - 1) * dtype.itemsize
+        ssm = m.mamba_n_heads * m.mamba_head_dim * m.ssm_state_size * 4
+        return n * (conv + ssm)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("state cache full: the scheduler admits at most `slots` sequences")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        assert 0 <= slot < self.slots and slot not in self._free, f"state slot {slot} released twice"
+        self._free.append(slot)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero every layer's state of `slots` [n] (sequences whose first token is fed now)."""
+        self.conv[:, slots] = 0
+        self.ssm[:, slots] = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """A forked sample starts from its parent's state (all layers)."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
