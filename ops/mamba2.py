@@ -167,12 +167,14 @@ def conv_state_after(x: torch.Tensor, k: int, state: torch.Tensor | None = None)
 def conv1d_step(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: x [b, C], state [b, C, K - 1] -> (output [b, C] before the activation, new state)."""
+    """One token: x [b, C], state [b, C, K - 1] -> (output [b, C] before the activation, new state).
+    Summed in float32 at least and rounded once to x's dtype, as a bf16 conv1d accumulates."""
     window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [b, C, K]
-    out = (window * weight).sum(dim=-1)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = (window.to(acc) * weight.to(acc)).sum(dim=-1)
     if bias is not None:
-        out = out + bias
-    return out, window[..., 1:]
+        out = out + bias.to(acc)
+    return out.to(x.dtype), window[..., 1:]
 
 
 def gated_rms_norm(

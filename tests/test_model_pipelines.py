@@ -22,7 +22,15 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-@pytest.mark.parametrize("config", ["debug-kimi"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "debug-kimi",
+        # ~1 min on the loaded 2-core CI machine, as debug-kimi: `make test-full` only; the engine
+        # side is covered in `make test` by tests/test_nemotron_engine.py
+        pytest.param("debug-nemotron", marks=pytest.mark.full),
+    ],
+)
 def test_short_run_engine_equals_trainer_on_policy(tmp_path: Path, config: str) -> None:
     run_dir = tmp_path / "run"
     with RedisServer(tmp_path / "redis") as redis:

@@ -62,14 +62,6 @@ class StateCache:
             device,
         )
 
-    @staticmethod
-    def bytes_per_slot(m: ModelConfig, dtype: torch.dtype) -> int:
-        n = m.hybrid_pattern.count("M") if m.is_hybrid else 0
-        conv_dim = m.mamba_n_heads * m.mamba_head_dim + 2 * m.mamba_n_groups * m.ssm_state_size
-        conv = conv_dim * (m.mamba_conv_kernel - 1) * dtype.itemsize
-        ssm = m.mamba_n_heads * m.mamba_head_dim * m.ssm_state_size * 4
-        return n * (conv + ssm)
-
     @property
     def num_free(self) -> int:
         return len(self._free)
