@@ -61,7 +61,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def flatten(groups: list[RolloutGroup]) -> list[Sample]:
-    return [s for g in groups for s in g.samples]
+    """The training sequences of `groups`: each sample's parts (a trimmed episode's earlier
+    segments, then its last part)."""
+    return [p for g in groups for s in g.samples for p in s.parts()]
 
 
 def truncate(sample: Sample, max_len: int) -> Sample:

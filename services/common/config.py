@@ -606,6 +606,11 @@ class SandboxSection(ServiceSection):
     # Each session runs as its own host uid from [uid_base, uid_base + max_sessions * replicas).
     uid_base: int = Field(200_000, ge=1000)
     max_concurrent_execs: int = Field(16, gt=0)  # past this, exec/file calls get 429
+    # Session starts (POST /v1/sessions, /v1/sessions/batch: a copy-on-write view and the env's
+    # reset, milliseconds) run on threads of their own, this many at once, so they never queue
+    # behind steps that hold the request threadpool (Starlette's 40 threads) for a whole test
+    # suite. 0: starts share that threadpool.
+    session_start_threads: int = Field(8, ge=0)
     # ... and past this many in one session: one session cannot take every slot.
     max_execs_per_session: int = Field(4, gt=0)
     # Per session, all its commands together (cgroups v2 or v1, services/sandbox/cgroups.py;
@@ -678,8 +683,18 @@ class OrchestratorSection(ServiceSection):
     rollout_timeout_s: float | None = Field(None, gt=0)
     # An observation that does not fit the context with a full next turn: "stop" ends the sample
     # (finish_reason "context"); "truncate_observation" cuts it to fit with a "[truncated N tokens]"
-    # marker and ends the sample ("context_truncated") only when not even the marker fits.
-    context_overflow: Literal["stop", "truncate_observation"] = "stop"
+    # marker and ends the sample ("context_truncated") only when not even the marker fits;
+    # "trim_history" closes the episode's current part (a segment of the sample, trained as it was
+    # generated) and goes on from a trimmed context: the prompt, the earlier model turns with their
+    # observations replaced by "[trimmed N tokens]" (the oldest turns dropped while the context is
+    # over context_trim_target of the budget), the last context_keep_turns observations verbatim,
+    # then the new observation (truncated if it alone is too long). The sample ends ("context")
+    # only when even that does not fit (docs/environments.md, "Agent loop budgets").
+    context_overflow: Literal["stop", "truncate_observation", "trim_history"] = "stop"
+    context_keep_turns: int = Field(2, ge=1)
+    # The share of the context budget a trimmed context aims at: room for many turns before the
+    # next trim, so an episode has few parts (each costs the trainer a sequence).
+    context_trim_target: float = Field(0.5, gt=0.0, le=1.0)
     # Group advantage: reward - group mean, divided by the group's reward std when true (GRPO);
     # false is Dr. GRPO's unbiased form. A group with identical rewards gets advantage 0 either way.
     advantage_std_norm: bool = False
@@ -695,6 +710,16 @@ class OrchestratorSection(ServiceSection):
     service_retry_max_delay_s: float = Field(5.0, gt=0)
     tasks: list[TaskSpec] = [TaskSpec(env="reverse")]
     sampling: SamplingConfig = SamplingConfig()
+
+    @model_validator(mode="after")
+    def _trim_needs_sequence_advantage(self) -> OrchestratorSection:
+        if self.context_overflow == "trim_history" and self.advantage == "token":
+            # Token credit indexes each action in one token stream; a trimmed episode has several.
+            raise ValueError(
+                "context_overflow: 'trim_history' is not combinable with advantage = 'token'; "
+                "use advantage = 'sequence' or another overflow policy"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_advantage_scale(self) -> OrchestratorSection:

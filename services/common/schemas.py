@@ -365,8 +365,36 @@ class ScoreResponse(Wire):
 # ---------------------------------------------------------------- rollouts
 
 
+class SampleSegment(Wire):
+    """An earlier part of a sample's episode, closed when its history was trimmed
+    (orchestrator.context_overflow = "trim_history"): the context the model generated those turns
+    from, token-aligned like a Sample. The next part starts from the trimmed context."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    # model turns generated (and trained) in this part, and the episode's turn after which the
+    # history was trimmed
+    turns: int
+    trimmed_after_turn: int
+    reason: Literal["context_trim"] = "context_trim"
+    routed_experts: RoutedExperts | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> SampleSegment:
+        n = len(self.tokens)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("segments: tokens, loss_mask, logprobs and versions must have the same length")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != n:
+            raise ValueError("segments: routed_experts must have one row per token")
+        return self
+
+
 class Sample(Wire):
-    """One finished rollout, token-aligned. tokens = prompt + (completion/observation turns)."""
+    """One finished rollout, token-aligned. tokens = prompt + (completion/observation turns).
+    An episode whose history was trimmed has its earlier parts in `segments`; `tokens` is then
+    its last part (the trimmed context and the turns after it)."""
 
     rollout_id: str
     tokens: list[int]
@@ -385,6 +413,9 @@ class Sample(Wire):
     finish_reason: str = "stop"
     # MoE + Router Replay: the inference engine's expert ids for every token (one row per token)
     routed_experts: RoutedExperts | None = None
+    # Earlier parts of the episode, oldest first (context_overflow = "trim_history"); each is
+    # trained as its own sequence with this sample's advantage (`parts`).
+    segments: list[SampleSegment] = []
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
@@ -395,7 +426,35 @@ class Sample(Wire):
             raise ValueError("token_advantages must have one value per token")
         if self.routed_experts is not None and self.routed_experts.shape[0] != n:
             raise ValueError("routed_experts must have one row per token")
+        if self.segments and self.token_advantages is not None:
+            raise ValueError("token_advantages: not combinable with segments (a trimmed history)")
         return self
+
+    def parts(self) -> list[Sample]:
+        """The sequences the trainer trains: each earlier segment (with this sample's reward and
+        advantage), then this sample's own tokens. Every model token is in exactly one part, in
+        the context it was generated from."""
+        if not self.segments:
+            return [self]
+        earlier = [
+            Sample.model_construct(
+                rollout_id=f"{self.rollout_id}#{i}",
+                tokens=seg.tokens,
+                loss_mask=seg.loss_mask,
+                logprobs=seg.logprobs,
+                versions=seg.versions,
+                reward=self.reward,
+                advantage=self.advantage,
+                token_advantages=None,
+                turns=seg.turns,
+                finish_reason=seg.reason,
+                routed_experts=seg.routed_experts,
+                segments=[],
+            )
+            for i, seg in enumerate(self.segments)
+        ]
+        rest = self.turns - sum(seg.turns for seg in self.segments)
+        return [*earlier, self.model_copy(update={"segments": [], "turns": rest})]
 
     def advantages_per_token(self) -> list[float]:
         """The advantage of every token: token_advantages, or the sample's one advantage."""
@@ -405,8 +464,12 @@ class Sample(Wire):
 
     @property
     def min_version(self) -> int:
-        vs = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        vs = [v for p in (self, *self.segments) for v, m in zip(p.versions, p.loss_mask, strict=True) if m]
         return min(vs) if vs else -1
+
+    def all_versions(self) -> set[int]:
+        """Every weight version any of the episode's tokens carries (all parts)."""
+        return {v for p in (self, *self.segments) for v in p.versions}
 
 
 class RolloutGroup(Wire):

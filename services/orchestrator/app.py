@@ -137,7 +137,21 @@ def build_app(svc: Service, orch: Orchestrator) -> FastAPI:
             "min_version": group.min_version,
             "fate": fate.model_dump(),
             "samples": [
-                {**s.model_dump(), "segments": render_sample(s, tok), "min_version": s.min_version}
+                {
+                    **s.model_dump(exclude={"segments"}),
+                    "segments": render_sample(s, tok),
+                    "min_version": s.min_version,
+                    # a trimmed episode's earlier parts (context_overflow = "trim_history")
+                    "earlier_parts": [
+                        {
+                            "turns": seg.turns,
+                            "trimmed_after_turn": seg.trimmed_after_turn,
+                            "reason": seg.reason,
+                            "segments": render_sample(part, tok),
+                        }
+                        for seg, part in zip(s.segments, s.parts(), strict=False)
+                    ],
+                }
                 for s in samples
             ],
         }

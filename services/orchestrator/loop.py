@@ -292,7 +292,7 @@ class Orchestrator:
                 except GroupTimedOut as e:  # no sample got a turn in time: nothing to train on
                     await self._durably("drop", self._drop, spec, str(e))
                     return
-                versions = {v for s in group.samples for v in s.versions}
+                versions = {v for s in group.samples for v in s.all_versions()}
                 bad = await self._durably("versions", self.announced.unannounced, versions)
                 if bad:  # weights the trainer never published: not a rollout of this run's policy
                     await self._durably("drop", self._drop, spec, f"unannounced: weight versions {bad}")
@@ -318,7 +318,7 @@ class Orchestrator:
         self.bus.log_rollout(RolloutLogEntry.of_group(group), done=group.group_id)
         self.recent_rewards.setdefault(group.env, deque(maxlen=64)).extend(s.reward for s in group.samples)
         for s in group.samples:
-            self.versions_served.update(v for v in s.versions if v >= 0)
+            self.versions_served.update(v for v in s.all_versions() if v >= 0)
             prom.SAMPLES.labels(env=group.env, finish_reason=s.finish_reason).inc()
         prom.GROUPS.labels(env=group.env).inc()
         prom.REWARD.labels(env=group.env).observe(group.mean_reward)

@@ -6,8 +6,10 @@ output is never re-tokenised, so what the trainer scores is exactly what the eng
 
 Budgets (docs/environments.md, "Agent loop budgets"): `max_turns`; the context (`max_len`: an
 observation that does not fit with a full next turn stops the sample, or is truncated with a
-marker under `context_overflow = "truncate_observation"`); `turn_timeout_s` (one generation + one
-env step of one sample) and `rollout_timeout_s` (the whole group). A sample that hits a budget
+marker under `context_overflow = "truncate_observation"`, or, under "trim_history", closes the
+sample's current part and the episode goes on from a trimmed context: see `_trim_history`);
+`turn_timeout_s` (one generation + one env step of one sample) and `rollout_timeout_s` (the
+whole group). A sample that hits a budget
 ends with a finish reason naming it and is scored on what it did; a group in which no sample got
 a model turn before its deadline has nothing to train on and is dropped (`GroupTimedOut`).
 
@@ -22,7 +24,7 @@ import logging
 import time
 import zlib
 from collections.abc import Collection, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -39,14 +41,16 @@ from services.common.schemas import (
     RolloutGroup,
     RoutedExperts,
     Sample,
+    SampleSegment,
     SamplingParams,
 )
 from services.common.tokenizer import end_of_turn_id, load_tokenizer, model_eos_ids
-from services.common.tools import dialect_of, kimi_to_hermes
+from services.common.tools import ToolResult, dialect_of, kimi_to_hermes, render_tool_results
 from services.orchestrator.chat_turns import (
     ChatConversation,
     TemplateMismatch,
     observation_messages,
+    parse_tool_observation,
     parse_tools_prompt,
 )
 from services.orchestrator.clients import DecodeClient, SandboxClient, SandboxSession, ServiceUnavailable
@@ -56,6 +60,8 @@ log = logging.getLogger("orchestrator")
 
 # Appended to an observation cut by context_overflow = "truncate_observation".
 TRUNCATION_MARKER = "[truncated {n} tokens]"
+# Stands for an old tool output in a context rebuilt by context_overflow = "trim_history".
+TRIM_MARKER = "[trimmed {n} tokens]"
 
 TimeoutReason = Literal["turn_timeout", "rollout_timeout"]
 T = TypeVar("T")
@@ -131,6 +137,34 @@ class RoutingTrace:
 
 
 @dataclass
+class TurnRecord:
+    """One model turn as a trimmed context is rebuilt from it: the engine's ids (verbatim) and
+    what the environment answered. Plain path: the observation text and the ids appended for it;
+    chat path: the turn's text as the template's message, and the env messages committed."""
+
+    output_ids: list[int]
+    observation: str = ""
+    obs_ids: list[int] = field(default_factory=list)
+    model_text: str = ""
+    closed: bool = False
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    stubbed: bool = False  # its observation already stands as a trim marker
+
+
+@dataclass
+class _Part:
+    """A closed part of a trimmed episode (becomes a SampleSegment)."""
+
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routing: RoutingTrace
+    turns: int
+    trimmed_after_turn: int
+
+
+@dataclass
 class Trajectory:
     tokens: list[int]
     mask: list[int]
@@ -143,11 +177,19 @@ class Trajectory:
     routing: RoutingTrace = field(default_factory=RoutingTrace)
     # where each model turn's action lies in `tokens` (token credit, services/orchestrator/credit.py)
     actions: list[ActionSpan] = field(default_factory=list)
+    # context_overflow = "trim_history": the prompt, the turns of the current context, the closed
+    # parts, and the model turns generated in the current part
+    prompt: list[int] = field(default_factory=list)
+    turn_log: list[TurnRecord] = field(default_factory=list)
+    parts: list[_Part] = field(default_factory=list)
+    part_turns: int = 0
 
     @classmethod
     def start(cls, prompt_ids: list[int], decode_url: str | None = None) -> Trajectory:
         n = len(prompt_ids)
-        return cls(list(prompt_ids), [0] * n, [0.0] * n, [-1] * n, decode_url=decode_url)
+        return cls(
+            list(prompt_ids), [0] * n, [0.0] * n, [-1] * n, decode_url=decode_url, prompt=list(prompt_ids)
+        )
 
     def add_model(self, choice: GenerateChoice) -> None:
         self.tokens += choice.output_ids
@@ -156,6 +198,45 @@ class Trajectory:
         self.versions += choice.versions
         self.routing.add(choice)
         self.turns += 1
+        self.part_turns += 1
+
+    def start_part(self, context: list[int]) -> None:
+        """Close the current part (it ends on the model turn just taken) and go on from
+        `context`, all of it context (mask 0): its model turns were trained in earlier parts."""
+        self.parts.append(
+            _Part(
+                self.tokens,
+                self.mask,
+                self.logprobs,
+                self.versions,
+                self.routing,
+                self.part_turns,
+                self.turns,
+            )
+        )
+        n = len(context)
+        self.tokens, self.mask, self.logprobs, self.versions = list(context), [0] * n, [0.0] * n, [-1] * n
+        self.routing, self.part_turns, self.actions = RoutingTrace(), 0, []
+
+    def segments(self) -> list[SampleSegment]:
+        """The closed parts as the sample's segments. A last part with no model token (its first
+        generation timed out) trains nothing: the part before it becomes the sample's tokens."""
+        if self.parts and not any(self.mask):
+            p = self.parts.pop()
+            self.tokens, self.mask, self.logprobs, self.versions = p.tokens, p.mask, p.logprobs, p.versions
+            self.routing, self.part_turns = p.routing, p.turns
+        return [
+            SampleSegment(
+                tokens=p.tokens,
+                loss_mask=p.mask,
+                logprobs=p.logprobs,
+                versions=p.versions,
+                turns=p.turns,
+                trimmed_after_turn=p.trimmed_after_turn,
+                routed_experts=p.routing.finish(len(p.tokens)),
+            )
+            for p in self.parts
+        ]
 
     def add_env(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -221,7 +302,10 @@ class RolloutRunner:
             max_tokens=o.sampling.max_tokens,
         )
         self.max_len = min(cfg.model.max_seq_len, cfg.decode.engine.max_seq_len)
+        self.overflow = o.context_overflow
+        # trim_history cuts an observation only when it alone does not fit the trimmed context
         self.truncate = o.context_overflow == "truncate_observation"
+        self.trim = o.context_overflow == "trim_history"
 
     @classmethod
     def for_model_dir(
@@ -280,10 +364,12 @@ class RolloutRunner:
     def _fit_observation(self, traj: Trajectory, obs_ids: list[int]) -> list[int] | None:
         """The observation ids to append so that a full next turn still fits, or None when the
         sample must stop for context. Truncation keeps the head and appends the marker."""
-        room = self._budget_left(traj) - self.sampling.max_tokens
+        return self._fit_ids(obs_ids, self._budget_left(traj) - self.sampling.max_tokens, self.truncate)
+
+    def _fit_ids(self, obs_ids: list[int], room: int, truncate: bool) -> list[int] | None:
         if len(obs_ids) <= room:
             return obs_ids
-        if not self.truncate:
+        if not truncate:
             return None
         # The marker's length depends on the count it reports: iterate to the fixed point
         # (it moves by at most a digit or two, so this ends in a few rounds).
@@ -300,20 +386,21 @@ class RolloutRunner:
 
     def _fit_chat_observation(
         self,
-        traj: Trajectory,
+        room: int,
         conv: ChatConversation,
         text_ids: list[int],
         ended_eos: bool,
         observation: str,
-        call_ids: list[str] | None = None,
+        call_ids: list[str] | None,
+        truncate: bool,
     ) -> list[int] | None:
         """Like _fit_observation, through the chat template: the observation is the template's
         continuation after the model's turn; truncation cuts the last message's content (never
-        the template's own turn markers) and re-renders. Commits the turn to `conv` when it fits."""
+        the template's own turn markers) and re-renders. Commits the turn to `conv` when it fits.
+        `room`: the tokens the observation may take (the budget left minus a full next turn)."""
         model_text = self.tok.decode(text_ids, skip_special_tokens=False)
         messages = observation_messages(observation, call_ids)
         original = messages[-1]
-        room = self._budget_left(traj) - self.sampling.max_tokens
         content_ids: list[int] = []
         cut = -1  # tokens of the last message's content kept; -1: not cut yet
         for _ in range(8):  # a cut rarely needs a second round (re-encoding may shift a token)
@@ -322,7 +409,7 @@ class RolloutRunner:
             if len(ids) <= room:
                 conv.commit(model_text, ended_eos, messages, text)
                 return ids
-            if not self.truncate or cut == 0:
+            if not truncate or cut == 0:
                 return None  # stop mode, or only the marker is left and it still does not fit
             over = len(ids) - room
             if cut < 0:
@@ -333,6 +420,113 @@ class RolloutRunner:
             content = self.tok.decode(content_ids[:cut], skip_special_tokens=False)
             marked = content + TRUNCATION_MARKER.format(n=len(content_ids) - cut)
             messages = [*messages[:-1], {**original, "content": marked}]
+        return None
+
+    def _stub_ids(self, rec: TurnRecord) -> list[int]:
+        """A plain observation as it stands in a trimmed context: each tool output (or the whole
+        text) replaced by the trim marker; kept as it was when that is no shorter."""
+        if rec.stubbed:
+            return rec.obs_ids
+        contents = parse_tool_observation(rec.observation)
+        if contents is not None:
+            marks = [ToolResult("", TRIM_MARKER.format(n=len(self.tok.encode(c).ids))) for c in contents]
+            text = render_tool_results(marks, "plain")
+        else:
+            text = TRIM_MARKER.format(n=len(rec.obs_ids))
+        ids = self.tok.encode(text).ids
+        return ids if len(ids) < len(rec.obs_ids) else rec.obs_ids
+
+    def _stub_messages(self, rec: TurnRecord) -> list[dict[str, Any]]:
+        """The chat-path counterpart of _stub_ids: each env message's content as the marker."""
+        if rec.stubbed:
+            return rec.messages
+        out = []
+        for m in rec.messages:
+            n = len(self.tok.encode(m["content"], add_special_tokens=False).ids)
+            marker = TRIM_MARKER.format(n=n)
+            short = len(self.tok.encode(marker, add_special_tokens=False).ids) < n
+            out.append({**m, "content": marker} if short else m)
+        return out
+
+    def _rebuild(
+        self, traj: Trajectory, conv: ChatConversation | None, start: int, verbatim_from: int
+    ) -> tuple[list[int], list[int], list[TurnRecord], ChatConversation | None]:
+        """A trimmed context: the prompt, then turns start.. of the turn log but the last (the
+        current one, whose observation is pending) with their model ids verbatim and their
+        observations stubbed before `verbatim_from`; then the current turn's ids. Returns the
+        ids, each rebuilt turn's length, the rebuilt turns' records and (chat path) the
+        conversation the template renders for it (TemplateMismatch if it renders otherwise)."""
+        past, cur = traj.turn_log[:-1], traj.turn_log[-1]
+        ids = list(traj.prompt)
+        lens: list[int] = []
+        recs: list[TurnRecord] = []
+        new: ChatConversation | None = None
+        if conv is not None:
+            new = ChatConversation(conv.template, conv.tools, conv.messages[0]["content"], conv.eos_text)
+        for i in range(start, len(past)):
+            rec = past[i]
+            stub = i < verbatim_from
+            if new is None:
+                obs = self._stub_ids(rec) if stub else rec.obs_ids
+                rec = replace(rec, obs_ids=obs, stubbed=rec.stubbed or obs is not rec.obs_ids)
+            else:
+                msgs = self._stub_messages(rec) if stub else rec.messages
+                text = new.continuation(rec.model_text, rec.closed, msgs)
+                new.commit(rec.model_text, rec.closed, msgs, text)
+                obs = self.tok.encode(text, add_special_tokens=False).ids
+                rec = replace(rec, messages=msgs, obs_ids=obs, stubbed=rec.stubbed or stub)
+            ids += rec.output_ids
+            ids += obs
+            lens.append(len(rec.output_ids) + len(obs))
+            recs.append(rec)
+        return [*ids, *cur.output_ids], lens, recs, new
+
+    def _trim_history(
+        self,
+        traj: Trajectory,
+        conv: ChatConversation | None,
+        turn_ids: list[int],
+        closed: bool,
+        observation: str,
+        call_ids: list[str],
+    ) -> list[int] | None:
+        """context_overflow = "trim_history": the current observation does not fit. Close the
+        sample's current part and continue from a trimmed context (prompt, old observations as
+        trim markers, the oldest turns dropped while it exceeds context_trim_target of the budget,
+        the last context_keep_turns observations verbatim, the current turn), then the
+        observation (truncated if needed). More turns are dropped if it still does not fit.
+        Returns the observation ids to append to the new part, or None (nothing changed) when
+        not even the prompt and the current turn leave it room. Model ids are never
+        re-tokenised: the new part's context holds the engine's ids of every kept turn."""
+        o = self.cfg.orchestrator
+        past = len(traj.turn_log) - 1
+        verbatim_from = max(0, past - o.context_keep_turns)
+        ids, lens, _, _ = self._rebuild(traj, conv, 0, verbatim_from)
+        plain_obs = self.tok.encode(observation).ids if conv is None else []
+        estimate = len(plain_obs) if conv is None else len(self.tok.encode(observation).ids)
+        total = len(ids) + estimate + self.sampling.max_tokens
+        start = 0
+        while total > self.max_len * o.context_trim_target and start < verbatim_from:
+            total -= lens[start]
+            start += 1
+        for first in range(start, past + 1):
+            ids, _, recs, new = self._rebuild(traj, conv, first, verbatim_from)
+            room = self.max_len - len(ids) - self.sampling.max_tokens
+            if new is None:
+                obs = self._fit_ids(plain_obs, room, truncate=True)
+            else:
+                obs = self._fit_chat_observation(room, new, turn_ids, closed, observation, call_ids, True)
+            if obs is None:
+                continue
+            traj.start_part(ids)
+            traj.turn_log = [*recs, traj.turn_log[-1]]
+            if conv is not None and new is not None:
+                conv.messages, conv.text = new.messages, new.text
+            log.info(
+                "history trimmed after turn %d: %d turns dropped, %d stubbed, context %d tokens",
+                traj.turns, first, max(0, verbatim_from - first), len(ids) + len(obs),
+            )  # fmt: skip
+            return obs
         return None
 
     async def _finish_sample(
@@ -350,6 +544,8 @@ class RolloutRunner:
         turn_timeout_s = self.cfg.orchestrator.turn_timeout_s
         while True:
             traj.add_model(choice)
+            if self.trim:
+                traj.turn_log.append(TurnRecord(choice.output_ids))
             last = choice.output_ids[-1] if choice.output_ids else None
             ended_eos = last in self.eos_ids
             # The action is the turn's text without its EOS token, whichever EOS id it was.
@@ -374,27 +570,40 @@ class RolloutRunner:
             if traj.turns >= self.cfg.orchestrator.max_turns:
                 traj.finish_reason = "max_turns"
                 break
-            if conv is None:
-                obs_ids = self._fit_observation(traj, self.tok.encode(step.observation).ids)
-            else:
-                # Only the end-of-turn id is the template's own close of the turn. Another EOS id
-                # (e.g. <|endoftext|>) stays in the turn's text as the model wrote it, and the
-                # template's close (<|im_end|>) is environment text after it: the tokens stay
-                # exactly the template's rendering of the conversation.
-                closed = last == self.eos
-                turn_ids = text_ids if closed else choice.output_ids
-                try:
+            # Only the end-of-turn id is the template's own close of the turn. Another EOS id
+            # (e.g. <|endoftext|>) stays in the turn's text as the model wrote it, and the
+            # template's close (<|im_end|>) is environment text after it: the tokens stay
+            # exactly the template's rendering of the conversation.
+            closed = last == self.eos
+            turn_ids = text_ids if closed else choice.output_ids
+            try:
+                if conv is None:
+                    obs_ids = self._fit_observation(traj, self.tok.encode(step.observation).ids)
+                else:
+                    room = self._budget_left(traj) - self.sampling.max_tokens
                     obs_ids = self._fit_chat_observation(
-                        traj, conv, turn_ids, closed, step.observation, call_ids
+                        room, conv, turn_ids, closed, step.observation, call_ids, self.truncate
                     )
-                except TemplateMismatch as e:
-                    # Continuing would feed the model a history its template never renders.
-                    log.warning("chat template mismatch, sample ends: %s", e)
-                    traj.finish_reason = "template_mismatch"
-                    break
-            if obs_ids is None:
-                traj.finish_reason = "context_truncated" if self.truncate else "context"
+                if obs_ids is None and self.trim:
+                    obs_ids = self._trim_history(traj, conv, turn_ids, closed, step.observation, call_ids)
+            except TemplateMismatch as e:
+                # Continuing would feed the model a history its template never renders.
+                log.warning("chat template mismatch, sample ends: %s", e)
+                traj.finish_reason = "template_mismatch"
                 break
+            if obs_ids is None:
+                traj.finish_reason = (
+                    "context_truncated" if self.overflow == "truncate_observation" else "context"
+                )
+                break
+            if self.trim:
+                rec = traj.turn_log[-1]
+                rec.observation, rec.obs_ids = step.observation, obs_ids
+                if conv is not None:
+                    # the turn just committed: the last assistant message, then the env's
+                    at = max(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+                    rec.model_text, rec.closed = conv.messages[at]["content"], closed
+                    rec.messages = conv.messages[at + 1 :]
             turn = _Deadline(turn_timeout_s, rollout_at)
             traj.add_env(obs_ids)
             try:
@@ -466,6 +675,7 @@ class RolloutRunner:
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
         rewards = [r for r, _ in scored]
+        segments = [t.segments() for t in trajs]  # before reading the trajectories' last parts
         advantages = group_advantages(rewards, self.cfg.orchestrator.advantage_std_norm)
         per_token = None
         if self.cfg.orchestrator.advantage == "token":
@@ -489,9 +699,10 @@ class RolloutRunner:
                 token_advantages=None if per_token is None else per_token[i],
                 turns=t.turns,
                 finish_reason=t.finish_reason,
+                segments=segs,
                 routed_experts=t.routing.finish(len(t.tokens)),
             )
-            for i, (t, r, a) in enumerate(zip(trajs, rewards, advantages, strict=True))
+            for i, (t, r, a, segs) in enumerate(zip(trajs, rewards, advantages, segments, strict=True))
         ]
         return RolloutGroup(group_id=spec.group_id, env=spec.env, seed=spec.seed, samples=samples)
 
