@@ -1,7 +1,8 @@
 """A decode service whose engine spans 2 ranks (decode.parallel.tp = 2: the service is rank 0, rank
-1 its worker process) answers /v1/generate and /v1/chat/completions as the 1-rank service does
-(tokens equal, log-probs to 1e-5), and exits non-zero when its worker dies, for its supervisor
-to restart the group."""
+1 its worker process) answers /v1/generate, /v1/completions and /v1/chat/completions as the 1-rank
+service does (tokens equal, log-probs to 1e-5), applies a weight update on both ranks, and when its
+worker is killed answers the requests it held and /health with a 503 naming the rank, then exits 1
+for its supervisor to restart the group."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers.decode_server import Server, decode_server
+from helpers.debug_weights import spread_debug_versions
+from helpers.decode_server import Server, decode_server, wait_for
 
 from services.common.auth import auth_headers
 from services.common.config import CONFIG_DIR, ParallelConfig, load_config
+from services.common.schemas import WeightsInfo
 from trainer.model import build_model, save_weights_dir
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups and /proc: Linux")
@@ -27,21 +32,33 @@ TOL = 1e-5
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 
 
+def run_weights(run_dir: Path) -> tuple[Path, Path]:
+    """Versions 0 and 1 of the debug model under run_dir/weights (where POST /update_weights
+    accepts them), with a chat template."""
+    dirs = spread_debug_versions(run_dir / "weights")
+    for d in dirs:
+        tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": TEMPLATE}))
+    return dirs
+
+
 @pytest.fixture(scope="module")
 def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     tmp = tmp_path_factory.mktemp("par-decode")
     m = load_config(CONFIG_DIR / "debug.toml").model  # 4 heads, 2 KV heads, vocabulary 64
-    state = build_model(m, seed=4).state_dict()
-    state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions: draws differ
-    d = save_weights_dir(m, state, tmp / "step_0", {"version": 0})
-    tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": TEMPLATE}))
     (tmp / "one").mkdir()
     (tmp / "two").mkdir()
+    v0_one, v0_two = run_weights(tmp / "one")[0], run_weights(tmp / "two")[0]
     with (
-        decode_server(redis_url, d, m, tmp / "one", prefix="test-par1", max_seq_len=64) as one,
+        decode_server(redis_url, v0_one, m, tmp / "one", prefix="test-par1", max_seq_len=256) as one,
         decode_server(
-            redis_url, d, m, tmp / "two", prefix="test-par2", max_seq_len=64, parallel=ParallelConfig(tp=2)
+            redis_url,
+            v0_two,
+            m,
+            tmp / "two",
+            prefix="test-par2",
+            max_seq_len=256,
+            parallel=ParallelConfig(tp=2),
         ) as two,
     ):
         yield one, two
@@ -94,6 +111,45 @@ def test_chat_equals_one_rank(pair: tuple[Server, Server]) -> None:
     assert a["usage"] == b["usage"]
 
 
+def metric(s: Server, name: str) -> float:
+    for line in httpx.get(f"{s.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in {s.url}/metrics")
+
+
+def test_completions_health_and_metrics(pair: tuple[Server, Server]) -> None:
+    one, two = pair
+    body = {"model": "m", "prompt": "abc", "max_tokens": 8, "seed": 11, "n": 2, "logprobs": 2}
+    a, b = post(one, "/v1/completions", body), post(two, "/v1/completions", body)
+    for x, y in zip(a["choices"], b["choices"], strict=True):
+        assert x["text"] == y["text"] and x["finish_reason"] == y["finish_reason"]
+        lx, ly = x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"]
+        assert max(abs(p - q) for p, q in zip(lx, ly, strict=True)) <= TOL
+    assert a["usage"] == b["usage"]
+    health = httpx.get(f"{two.url}/health").json()
+    assert health["status"] == "ok" and health["kind"] == "decode" and health["version"] == 0
+    assert metric(two, "relay_decode_generated_tokens_total") >= 16
+    assert metric(two, "relay_decode_weight_version") == 0
+
+
+def test_a_weight_update_reaches_every_rank(pair: tuple[Server, Server]) -> None:
+    """After POST /update_weights both engines generate with version 1: had rank 1 kept its
+    version-0 slices, the 2-rank logits would mix the versions and differ from the 1-rank ones."""
+    body = {"input_ids": [5, 6, 7, 8], "sampling": {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}}
+    before = post(pair[1], "/v1/generate", body)["choices"][0]
+    for s in pair:
+        v1 = s.model_dir.parent / "step_1"
+        s.bus.publish_weights(WeightsInfo(version=1, path=str(v1)))
+        assert post(s, "/update_weights", {"path": str(v1), "version": 1})["version"] == 1
+    a, b = (post(s, "/v1/generate", body)["choices"][0] for s in pair)
+    assert a["versions"] == b["versions"] == [1] * 10
+    assert a["output_ids"] == b["output_ids"]
+    assert max(abs(p - q) for p, q in zip(a["logprobs"], b["logprobs"], strict=True)) <= TOL
+    assert max(abs(p - q) for p, q in zip(b["logprobs"], before["logprobs"], strict=True)) > 1e-3
+    assert metric(pair[1], "relay_decode_weight_version") == 1
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -108,12 +164,41 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_a_dead_rank_takes_the_service_down(pair: tuple[Server, Server]) -> None:
-    """Last in this module: it ends the 2-rank service."""
+def test_a_dead_rank_fails_requests_and_health_then_exits(pair: tuple[Server, Server]) -> None:
+    """Last in this module: it ends the 2-rank service. Requests in flight when the worker is
+    killed get a 503 naming the rank (the orchestrator retries their rollouts), /health turns 503
+    naming it, and the service exits 1 within seconds (no hang on the dead peer)."""
     _one, two = pair
     [worker] = _children(two.proc.pid)
+    answers: list[httpx.Response] = []
+    long = {"input_ids": [5, 6, 7], "sampling": {"max_tokens": 240, "ignore_eos": True, "n": 4, "seed": 1}}
+
+    def ask() -> None:
+        answers.append(httpx.post(f"{two.url}/v1/generate", json=long, timeout=60, headers=auth_headers()))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_for(lambda: httpx.get(f"{two.url}/health").json().get("running", 0) > 0, what="running request")
+    t0 = time.monotonic()
     os.kill(worker, signal.SIGKILL)
-    assert two.proc.wait(timeout=60) == 1
+    health: dict[str, Any] = {}
+    while not health and two.proc.poll() is None:
+        try:
+            r = httpx.get(f"{two.url}/health", timeout=5)
+        except httpx.HTTPError:
+            break  # exited meanwhile
+        if r.status_code == 503:
+            health = r.json()
+            late = httpx.post(f"{two.url}/v1/generate", json=long, timeout=10, headers=auth_headers())
+            assert late.status_code == 503 and "rank 1 exited" in late.json()["detail"], late.text
+        time.sleep(0.02)
+    asker.join(30)
+    assert health["status"] == "failed" and "rank 1 exited with -9" in health["reason"], health
+    [answer] = answers
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["detail"] == "engine ranks failed: rank 1 exited with -9"
+    assert two.proc.wait(timeout=30) == 1
+    assert time.monotonic() - t0 < 15
     assert "engine ranks failed" in two.log.read_text()
 
 

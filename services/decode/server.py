@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -68,6 +69,9 @@ from services.engine.parallel.ranks import EngineRanks
 from services.kvstore.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
+# A broken rank group exits this long after /health turned 503 and the requests it held were
+# answered: their 503s reach the clients first, and the supervisor restarts the group promptly.
+RANKS_FAILED_EXIT_S = 2.0
 
 
 class Decode:
@@ -160,10 +164,21 @@ class Decode:
         return self.ranks.engine(path, version)
 
     def _ranks_failed(self, why: str) -> None:
-        """A rank died or a step broke the group: this replica cannot go on. Exit non-zero now
-        (requests in flight fail with the connection); the supervisor restarts every rank."""
+        """A rank died or a step broke the group: this replica cannot go on. /health turns 503
+        naming the rank, every request waiting or in flight is answered 503 with the reason (the
+        orchestrator retries its rollout elsewhere), the other workers are killed, and the process
+        exits 1 after RANKS_FAILED_EXIT_S, for its supervisor to restart the whole group. Called
+        from the ranks' watcher or the engine loop thread: nothing here waits on the engine."""
+        reason = f"engine ranks failed: {why}"
+        self.service.failed = reason
         log_event(self.log, "engine ranks failed", reason=why)
-        os._exit(1)
+        if self.engine is not None:
+            self.engine.fail(reason)
+        if self.ranks is not None:
+            self.ranks.kill()
+        exit_timer = threading.Timer(RANKS_FAILED_EXIT_S, os._exit, (1,))
+        exit_timer.daemon = True
+        exit_timer.start()
 
     async def wait_for_weights(self) -> None:
         """Poll Redis for the latest published weights until an engine is up (or another path,
@@ -196,6 +211,8 @@ class Decode:
         """The engine, for a new generation: 503 (Retry-After) while loading or paused. Requests
         already queued when the replica was paused wait for POST /resume."""
         self.loaded()
+        if self.service.failed:  # a broken rank group: it exits in a moment, retry elsewhere
+            raise HTTPException(503, self.service.failed)
         if self.paused:
             raise HTTPException(
                 503,

@@ -63,6 +63,20 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def fail(self, reason: str) -> None:
+        """The engine cannot run another step (e.g. a rank of a multi-rank engine died): every
+        request waiting or in flight fails now with `reason` and new ones are refused, without
+        waiting for the loop thread, which may be blocked in a collective with a dead peer."""
+        error = RuntimeError(reason)
+        with self._cv:
+            self._stopping = True
+            inbox, self._inbox = self._inbox, []
+            weights, self._weights = self._weights, []
+            self._cv.notify_all()
+        # The loop thread owns _waiters; a snapshot is enough: a future answered twice is ignored.
+        for fut in [*(f for _r, f in inbox), *(f for _c, _v, f in weights), *list(self._waiters.values())]:
+            _resolve(fut, error=error)
+
     def pause(self) -> None:
         """No steps run once this returns; requests queue. Weight updates still apply."""
         with self._cv:

@@ -54,10 +54,12 @@ class EngineRanks:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.groups: EngineGroups | None = None
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._failed = ""  # why the group broke (the first report)
 
     def start(self) -> EngineGroups:
-        """Start ranks 1.., join the group as rank 0 (blocks until every rank has joined) and
-        watch the workers from a thread."""
+        """Start ranks 1.., watch them from a thread and join the group as rank 0 (blocks until
+        every rank has joined)."""
         for rank in range(1, self.par.ranks):
             argv = [
                 sys.executable, "-m", "services.engine.parallel.worker",
@@ -65,9 +67,11 @@ class EngineRanks:
                 "--rank", str(rank), "--init", self.init, "--timeout-s", str(self.timeout_s),
             ]  # fmt: skip
             self.procs.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[3]))
+        # Watched from the start: a worker that dies before joining fails the group at once
+        # instead of leaving rank 0 in the rendezvous until its timeout.
+        threading.Thread(target=self._watch, name=f"{self.role}-ranks", daemon=True).start()
         backend = "nccl" if rank_device(self.engine_cfg, 0).type == "cuda" else "gloo"
         self.groups = init_engine_groups(self.par, 0, self.init, backend, self.timeout_s)
-        threading.Thread(target=self._watch, name=f"{self.role}-ranks", daemon=True).start()
         return self.groups
 
     def engine(self, model_dir: str | Path, version: int | None) -> ParallelEngine:
@@ -79,22 +83,44 @@ class EngineRanks:
             self.par,
             self.groups,
             version,
-            on_failure=lambda e: self._fail(f"engine step failed: {e!r}"),
+            on_failure=lambda e: self._fail(self._dead_rank(wait_s=1.0) or f"engine step failed: {e!r}"),
         )
 
-    def _watch(self) -> None:
-        while not self._stopping.wait(self.poll_s):
+    def _dead_rank(self, wait_s: float = 0.0) -> str:
+        """'rank r exited with c' for the first worker found dead within wait_s, else ''. A step
+        that failed on a dead peer raises as soon as its socket closes, a moment before the
+        worker is reaped: waiting a little names the rank instead of the collective's error."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for rank, p in enumerate(self.procs, start=1):
                 code = p.poll()
                 if code is not None:
-                    self._fail(f"rank {rank} exited with {code}")
-                    return
+                    return f"rank {rank} exited with {code}"
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            dead = self._dead_rank()
+            if dead:
+                self._fail(dead)
+                return
 
     def _fail(self, why: str) -> None:
-        if self._stopping.is_set():
-            return
+        with self._lock:  # the watcher and a failed step may both report the same breakage
+            if self._stopping.is_set() or self._failed:
+                return
+            self._failed = why
         log.error("%s engine rank group broken: %s", self.role, why)
         self.on_failure(why)
+
+    def kill(self) -> None:
+        """SIGKILL every worker still alive: the group is broken, none can serve again."""
+        self._stopping.set()
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
     def stop(self, engine: ParallelEngine | None) -> None:
         """Release the workers (StopOrder) and reap them; SIGTERM, then SIGKILL, for any left."""
