@@ -357,11 +357,17 @@ def render_layout(m: EngineLayout, gpus_per_node: int) -> list[str]:
     """The layout as the dry run prints it (sbatch/slurm.py describe)."""
     p = m.par
     per_node = round(1 / m.nodes_per_engine) if m.nodes_per_engine else 0
-    where = (
-        f"{per_node} engine(s) per node, ranks 0-{p.ranks - 1} of each on its own GPUs"
-        if gpus_per_node
-        else f"ranks 0-{p.ranks - 1} as local processes"
-    )
+    if m.nodes_per_engine > 1:  # an engine over several nodes (sbatch/slurm.py: engine_ranks)
+        span = round(m.nodes_per_engine)
+        where = (
+            f"each over {span} nodes, {p.ranks // span} rank(s) per node"
+            + (" on its GPUs" if gpus_per_node else " as processes")
+            + " (rank 0 on the first; a rendezvous in Redis)"
+        )
+    elif gpus_per_node:
+        where = f"{per_node} engine(s) per node, ranks 0-{p.ranks - 1} of each on its own GPUs"
+    else:
+        where = f"ranks 0-{p.ranks - 1} as local processes"
     return [
         f"  {m.role}: {m.engines} engine(s) x {p.ranks} rank(s) (tp {p.tp}, dp_attention {p.dp_attention},"
         f" ep {p.ep}); {where}",

@@ -71,6 +71,7 @@ class ServiceSpec:
     kind: str  # redis | sandbox | orchestrator | kvstore | decode | prefill | trainer
     index: int = 0
     gpus: str = ""  # CUDA_VISIBLE_DEVICES for this service when a node hosts several replicas
+    node: int = 0  # engine_ranks: which node of its replica's engine (1..; rank 0's is the service's)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,21 @@ class JobPlan:
 
 
 def _spread(kind: str, total: int, nodes: int, gpus_per_node: int) -> tuple[tuple[ServiceSpec, ...], ...]:
-    """`total` replicas of `kind` over `nodes` nodes; each gets an equal slice of its node's GPUs."""
+    """`total` replicas of `kind` over `nodes` nodes; each gets an equal slice of its node's GPUs.
+    Fewer decode replicas than nodes: each replica's engine spans nodes / total nodes, the service
+    (rank 0) on the first and a node host of its ranks (engine_ranks) on each other one."""
+    if kind == "decode" and total < nodes:
+        if nodes % total:
+            raise ConfigError(f"{kind}: {total} replicas cannot span {nodes} nodes evenly")
+        span = nodes // total
+        return tuple(
+            (ServiceSpec(f"{kind}.{n // span}", kind, n // span),)
+            if n % span == 0
+            else (
+                ServiceSpec(f"{kind}.{n // span}.node{n % span}", "engine_ranks", n // span, node=n % span),
+            )
+            for n in range(nodes)
+        )
     if total % nodes:
         raise ConfigError(f"{kind}: {total} replicas do not divide evenly over {nodes} nodes")
     per = total // nodes
@@ -267,12 +282,25 @@ def service_command(
         assert trainer is not None
         argv = trainer_command(cfg, run_dir, redis_url)
         return multinode_trainer_argv(argv, trainer.nodes, trainer_endpoint, rdzv_id)
+    if spec.kind == "engine_ranks":
+        return engine_ranks_argv(Path(plan.config_path), redis_url, spec.index, spec.node)
     return service_argv(f"services.{spec.kind}", Path(plan.config_path), redis_url, spec.index)
+
+
+def engine_ranks_argv(config_path: Path, redis_url: str, index: int, node: int) -> list[str]:
+    """Node `node` of decode replica `index`'s engine: its ranks, at the rendezvous rank 0 publishes."""
+    return [
+        sys.executable, "-m", "services.engine.parallel.node", "--config", str(config_path),
+        "--redis-url", redis_url, "--role", "decode", "--index", str(index), "--node", str(node),
+    ]  # fmt: skip
+
+
+MODULES = {"trainer": "trainer", "engine_ranks": "services.engine.parallel.node"}
 
 
 def missing_modules(plan: JobPlan) -> list[str]:
     kinds = {s.kind for c in plan.components for node in c.services for s in node} - {"redis"}
-    mods = {k: "trainer" if k == "trainer" else f"services.{k}" for k in kinds}
+    mods = {k: MODULES.get(k, f"services.{k}") for k in kinds}
     return sorted(f"{m} ({k})" for k, m in mods.items() if importlib.util.find_spec(m) is None)
 
 
@@ -405,7 +433,9 @@ def describe(cfg: RunConfig, plan: JobPlan) -> str:
     url = plan.redis_url or f"redis://<head>:{plan.redis_port or '<port>'}/0"
     trainer = plan.component("trainer")
     for c in plan.components:
-        for node in c.services[:1]:
+        # The first node of each component; a decode engine spanning nodes: all of its first replica's.
+        span = [n for n in c.services if all(s.index == 0 for s in n)] if c.role == "decode" else []
+        for node in span if len(span) > 1 else c.services[:1]:
             for spec in node:
                 argv = service_command(
                     spec,
@@ -419,6 +449,14 @@ def describe(cfg: RunConfig, plan: JobPlan) -> str:
                 lines.append(f"  {spec.name}: {shlex.join(argv)}")
     if trainer and trainer.nodes > 1:
         lines.append(f"  (trainer.1 .. trainer.{trainer.nodes - 1}: same command on their nodes)")
+    span = cfg.engine_nodes("decode")
+    if span > 1:
+        per = cfg.decode.parallel.ranks // span
+        lines.append(
+            f"  (each decode engine spans {span} nodes, {per} rank(s) on each: decode.i, on the first, is"
+            f" rank 0 and starts its node's other ranks; decode.i.nodeN starts the {per} rank(s) of"
+            f" node N, from rank N x {per}, at the rendezvous rank 0 publishes in Redis)"
+        )
     sz = sizing(cfg)
     lines.append(
         "sizing: {params_total_b:.1f}B params ({params_active_b:.1f}B active); weights {weights_bf16_gb:.0f} GB bf16 / "
@@ -516,7 +554,7 @@ class ComponentTask:
             self.plan.policy,
             redis_url,
             self.plan.prefix,
-            probe={"redis": "redis", "trainer": "none"}.get(spec.kind, "http"),
+            probe={"redis": "redis", "trainer": "none", "engine_ranks": "none"}.get(spec.kind, "http"),
             # Per host: a pid is only meaningful where the process runs.
             pid_file=self.run_dir / "pids" / f"{spec.name}.{self.host}.pid",
             log=self.run_dir / "logs" / f"{spec.name}.log",

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from services.common.auth import load_run_secrets, with_credentials
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, load_resolved
 from services.common.redis_server import RedisServer
@@ -303,3 +305,67 @@ def supervisor_events_text(run_dir: Path, fallback: Path, name: str) -> list[dic
                 except json.JSONDecodeError:
                     continue
     return out
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The engine worker ranks (services.engine.parallel.worker) a decode process started."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if ppid == parent and b"services.engine.parallel.worker" in cmd:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.full
+def test_a_killed_decode_rank_restarts_the_group_and_loses_no_rollout(tmp_path: Path) -> None:
+    """Decode at TP 2 (its rank 1 a child process): rank 1 is SIGKILLed mid-run. The service
+    answers what it held with 503s and exits 1, its supervisor starts the whole group again, the
+    orchestrator retries the lost groups, and the run finishes with nothing lost or trained twice."""
+    run_dir = tmp_path / "run"
+    steps_total = 6
+    proc = launch(run_dir, f"--run.max_steps={steps_total}", "--decode.parallel.tp=2")
+    try:
+        wait_step(run_dir, 2, proc)
+        decode = child_pid(run_dir, "decode.0")
+        [worker] = worker_pids(decode)
+        wait_running(run_dir)
+        os.kill(worker, signal.SIGKILL)
+        out = finish(proc, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-5000:]
+    summary = check_ledger(run_dir)
+    assert summary["status"] == "completed" and summary["steps"] == steps_total
+    log = (run_dir / "logs" / "decode.0.log").read_text()
+    assert "engine ranks failed" in log and "rank 1 exited with -9" in log
+    # It exits 1 by itself, or its supervisor's probe kills it first on the 503 /health.
+    first = supervisor_events(run_dir, "decode.0", "child exited")[0]
+    assert first["exit"] == 1 or "rank 1 exited with -9" in first["reason"], first
+    assert len(supervisor_events(run_dir, "decode.0", "started")) == 2
+    assert log.count("engine ranks joined") == 2  # a fresh group after the restart
+    # The turns it held were answered 503 and asked again of the restarted group: no group was
+    # dropped for the failure (only, at most, as stale).
+    assert set(summary["ledger"]["drop_reasons"]) <= {"stale"}, summary["ledger"]
+
+
+def wait_running(run_dir: Path, timeout: float = 60) -> None:
+    """Until decode.0 is generating (its /health counts running sequences)."""
+    cfg = load_resolved(run_dir / "config.json")
+    bus = Bus(with_credentials(cfg.redis.url, load_run_secrets(run_dir)), cfg.redis.prefix)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for info in bus.services("decode"):
+            try:
+                if httpx.get(f"{info.url}/health", timeout=5).json().get("running", 0) > 0:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.02)
+    raise AssertionError(f"decode generated nothing for {timeout:.0f}s")

@@ -234,6 +234,63 @@ def test_several_decode_replicas_per_node_split_the_gpus(tmp_path: Path) -> None
     ]
 
 
+def test_a_decode_engine_over_two_nodes_runs_a_node_host_on_the_second(tmp_path: Path) -> None:
+    """One decode replica on 2 nodes with tp 2 (CPU: 1 rank per node): the service (rank 0) on the
+    first node, a node host of rank 1 on the second, meeting at rank 0's rendezvous in Redis."""
+    cfg = load_config("debug", [*SMALL, "--slurm.decode.nodes=2", "--decode.parallel.tp=2"])
+    assert cfg.engine_nodes("decode") == 2 and cfg.engine_nodes("prefill") == 1
+    plan = slurm.build_plan(cfg, tmp_path)
+    decode = plan.component("decode")
+    assert decode is not None and decode.nodes == 2
+    assert decode.services == (
+        (slurm.ServiceSpec("decode.0", "decode", 0),),
+        (slurm.ServiceSpec("decode.0.node1", "engine_ranks", 0, node=1),),
+    )
+    url = "redis://h:1/0"
+    argv = slurm.service_command(decode.services[1][0], cfg, plan, url)
+    assert argv[1:] == [
+        "-m", "services.engine.parallel.node", "--config", plan.config_path, "--redis-url", url,
+        "--role", "decode", "--index", "0", "--node", "1",
+    ]  # fmt: skip
+    assert slurm.service_command(decode.services[0][0], cfg, plan, url)[1:3] == ["-m", "services.decode"]
+    text = slurm.describe(cfg, plan)
+    assert "node 1: decode.0.node1" in text and "decode.0.node1: " in text
+    assert "each over 2 nodes, 1 rank(s) per node as processes" in text
+    assert slurm.missing_modules(plan) == []
+    script = slurm.render_script(cfg, plan)
+    decode_block = het_blocks(script)[1]  # one task per node: its supervisors (sbatch/slurm.py)
+    assert opt(decode_block, "nodes") == "2" and opt(decode_block, "ntasks-per-node") == "1"
+    assert [line for line in script.splitlines() if line.startswith("srun ")][0].count("--het-group=0,1,2")
+
+
+def test_glm5_decode_engines_over_four_nodes_each(tmp_path: Path) -> None:
+    """GLM-5's 8 decode nodes as 2 engines of EP 32 (8 GPUs a node): a node host on 3 of each
+    engine's 4 nodes, every node's GPUs visible to its task."""
+    over = ["--decode.replicas=2", "--decode.parallel.dp_attention=32", "--decode.parallel.ep=32"]
+    cfg = load_config("glm5", [*over, "--prefill.parallel={tp = 1, dp_attention = 8, ep = 8}"])
+    decode = slurm.build_plan(cfg, tmp_path).component("decode")
+    assert decode is not None
+    assert [[(s.name, s.kind, s.node, s.gpus) for s in n] for n in decode.services] == [
+        [(f"decode.{i}", "decode", 0, "")] if j == 0 else [(f"decode.{i}.node{j}", "engine_ranks", j, "")]
+        for i in range(2)
+        for j in range(4)
+    ]
+    with pytest.raises(ConfigError, match=r"decode.parallel: tp x dp_attention = 16 .* gets 32 GPU"):
+        load_config(
+            "glm5", ["--decode.replicas=2", "--decode.parallel.dp_attention=16", "--decode.parallel.ep=16"]
+        )
+
+
+def test_an_engine_whose_ranks_do_not_split_over_its_nodes_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"decode.parallel: .* 2 rank\(s\) per engine cannot split evenly"):
+        load_config("debug", ["--slurm.launcher=slurm", "--slurm.decode.nodes=4", "--decode.parallel.tp=2"])
+    with pytest.raises(ConfigError, match="2 replicas cannot span 3 nodes"):
+        slurm.build_plan(
+            load_config("debug", ["--slurm.launcher=slurm", "--decode.replicas=2", "--slurm.decode.nodes=3"]),
+            Path("/nonexistent"),
+        )
+
+
 def test_het_position_from_srun_environment() -> None:
     env = {"SLURM_NTASKS_HET_GROUP_0": "1", "SLURM_NTASKS_HET_GROUP_1": "2", "SLURM_NTASKS_HET_GROUP_2": "3"}
     got = [slurm.het_position({**env, "SLURM_PROCID": str(p)}) for p in range(6)]

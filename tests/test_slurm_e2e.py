@@ -139,6 +139,27 @@ def test_debug_run_on_slurm_learns(slurm_cluster: str, tmp_path: Path) -> None:
     assert first < 0.06 and best > 4 * first, f"no learning on Slurm: first {first:.3f} best10 {best:.3f}"
 
 
+@pytest.mark.full  # a het job of 4 nodes with two engine starts: the layout's rendering is in test_slurm.py
+def test_decode_engine_across_two_nodes_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
+    """The debug run with one decode engine of TP 2 over two (virtual) nodes: decode.0 (rank 0)
+    on the first, the node host decode.0.node1 (rank 1) on the second, meeting at the rendezvous
+    rank 0 publishes in Redis; the run completes."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, 4, *SLURM, "--slurm.decode.nodes=2", "--decode.parallel.tp=2")
+    finish(proc, run_dir)
+    check_ledger(run_dir, 4)
+    joined = [
+        json.loads(x)
+        for x in (run_dir / "logs" / "decode.0.log").read_text().splitlines()
+        if '"engine ranks joined"' in x
+    ]
+    assert [(j["ranks"], j["nodes"]) for j in joined] == [(2, 2)]
+    assert "joining decode.0 group" in (run_dir / "logs" / "decode.0.node1.log").read_text()
+    plan = json.loads((run_dir / "slurm" / "plan.json").read_text())
+    decode = next(c for c in plan["components"] if c["role"] == "decode")
+    assert [[s["name"] for s in node] for node in decode["services"]] == [["decode.0"], ["decode.0.node1"]]
+
+
 def run_redis_after(run_dir: Path) -> tuple[redis.Redis | None, str]:
     try:
         r, prefix = run_redis(run_dir)

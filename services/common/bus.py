@@ -156,6 +156,17 @@ class Keys:
         """host:port of trainer node 0's c10d rendezvous for one Slurm job."""
         return f"{self.prefix}:slurm:{job_id}:rdzv"
 
+    def engine_rendezvous(self, service: str) -> str:
+        """JSON {"init": "tcp://host:port", "group": id} of the rank group that the service
+        `service` (decode.3), rank 0 of an engine spanning nodes, is forming; it sets the key with
+        a TTL and refreshes it while the group lives (services/engine/parallel/ranks.py)."""
+        return f"{self.prefix}:engine:{service}:rendezvous"
+
+    def engine_node(self, service: str, node: int) -> str:
+        """The group id that node `node` of `service`'s engine joined, with a TTL its host
+        (services/engine/parallel/node.py) refreshes while all of its ranks run."""
+        return f"{self.prefix}:engine:{service}:node:{node}"
+
 
 def run_prefix(base: str, run_name: str) -> str:
     """The key prefix of one run (`redis.prefix` + the run directory's name): several runs, or a

@@ -1052,13 +1052,23 @@ class RunConfig(Strict):
         """Under Slurm, an engine's ranks are exactly the GPUs its replica is given."""
         key = key or f"{role}.parallel"
         comp: SlurmComponent = getattr(self.slurm, role)
-        if self.slurm.launcher != "slurm" or not comp.gpus_per_node or not replicas:
+        if self.slurm.launcher != "slurm" or not replicas:
             return
+        if role == "decode" and replicas < comp.nodes:  # an engine over several nodes
+            if comp.nodes % replicas:
+                return  # sbatch/slurm.py's layout names that error
+            span = comp.nodes // replicas
+            if par.ranks % span:
+                raise ValueError(
+                    f"{key}: tp x dp_attention = {par.ranks} rank(s) per engine cannot split evenly"
+                    f" over the {span} nodes of each decode replica (slurm.decode.nodes {comp.nodes}"
+                    f" / decode.replicas {replicas})"
+                )
         gpus = comp.gpus_per_node * comp.nodes
         if gpus % replicas:
             return  # sbatch/slurm.py's layout names that error
         per = gpus // replicas
-        if par.ranks != per:
+        if comp.gpus_per_node and par.ranks != per:
             raise ValueError(
                 f"{key}: tp x dp_attention = {par.ranks} rank(s) per engine, but each {role} replica"
                 f" gets {per} GPU(s) (slurm.{role}.gpus_per_node {comp.gpus_per_node} x nodes"
@@ -1068,6 +1078,15 @@ class RunConfig(Strict):
     @property
     def prefill_parallel(self) -> ParallelConfig:
         return self.prefill.parallel or self.decode.parallel
+
+    def engine_nodes(self, role: str) -> int:
+        """How many nodes one engine of `role` spans: under the Slurm launcher with fewer decode
+        replicas than decode nodes, slurm.decode.nodes / decode.replicas (each replica's ranks
+        split evenly over its nodes); 1 otherwise (a prefill service is one per node)."""
+        nodes, replicas = self.slurm.decode.nodes, self.decode.replicas
+        if role != "decode" or self.slurm.launcher != "slurm" or replicas >= nodes:
+            return 1
+        return nodes // replicas
 
     def dump(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -228,8 +228,11 @@ def service_args(description: str) -> argparse.Namespace:
 class Service:
     """Runs one FastAPI app on a pre-bound socket and keeps it registered while it serves."""
 
-    def __init__(self, kind: str, cfg: RunConfig, redis_url: str, host: str, port: int, run_dir: Path):
+    def __init__(
+        self, kind: str, cfg: RunConfig, redis_url: str, host: str, port: int, run_dir: Path, index: int = 0
+    ):
         self.kind = kind
+        self.index = index  # the replica's index: its launcher name is <kind>.<index>
         self.cfg = cfg
         self.run_dir = run_dir  # where the launcher put config.json: RUN_DIR (weights/ is under it)
         self.sock = bind_socket(host, port)
@@ -344,4 +347,4 @@ def start_service(kind: str, description: str) -> tuple[argparse.Namespace, Serv
     host = args.host or sec.host
     # Replicas on a fixed port get consecutive ports; port 0 lets each pick a free one.
     port = args.port if args.port is not None else (sec.port + args.index if sec.port else 0)
-    return args, Service(kind, cfg, redis_url, host, port, Path(args.config).resolve().parent)
+    return args, Service(kind, cfg, redis_url, host, port, Path(args.config).resolve().parent, args.index)

@@ -157,10 +157,13 @@ class Decode:
             return version
 
     def _start_ranks(self, path: str, version: int) -> LLMEngine:
-        self.ranks = EngineRanks(self.cfg, "decode", self._ranks_failed)
+        name = f"decode.{self.service.index}"
+        self.ranks = EngineRanks(self.cfg, "decode", self._ranks_failed, bus=self.service.bus, name=name)
         self.ranks.start()
         par = self.cfg.decode.parallel
-        log_event(self.log, "engine ranks joined", ranks=par.ranks, tp=par.tp, ep=par.ep)
+        log_event(
+            self.log, "engine ranks joined", ranks=par.ranks, tp=par.tp, ep=par.ep, nodes=self.ranks.nodes
+        )
         return self.ranks.engine(path, version)
 
     def _ranks_failed(self, why: str) -> None:

@@ -61,13 +61,14 @@ def decode_server(
     run_name: str | None = None,
     publish: bool = True,
     parallel: ParallelConfig | None = None,
+    configure: Callable[[RunConfig], None] | None = None,
 ) -> Iterator[Server]:
     """Publish `model_dir` as weights version 0 under a fresh `<prefix>-<hex>` Redis prefix, start
     a decode process on it, wait until it is registered and has loaded the weights, and yield it;
     the process is terminated on exit (killed if it does not stop within 20 s). `parallel`: the
     engine's decode.parallel (its rank 0 in the process, the other ranks its children). With
     `publish=False` nothing is published and it is yielded once registered, still waiting for
-    its first weights (the caller publishes them)."""
+    its first weights (the caller publishes them). `configure` edits the run config last."""
     cfg = RunConfig(model=model)
     cfg.redis.prefix = f"{prefix}-{uuid.uuid4().hex[:8]}"
     cfg.redis.heartbeat_s = 0.2
@@ -76,6 +77,8 @@ def decode_server(
         cfg.decode.parallel = parallel
     if run_name is not None:
         cfg.run.name = run_name
+    if configure is not None:
+        configure(cfg)
     (tmp / "config.json").write_text(cfg.dump())
     bus = Bus(redis_url, cfg.redis.prefix)
     if publish:

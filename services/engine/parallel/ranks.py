@@ -1,34 +1,57 @@
-"""A service's engine over several ranks on its host: the service's process is rank 0, and it
-starts ranks 1.. as worker processes (services/engine/parallel/worker.py) that meet it at a TCP
-rendezvous on 127.0.0.1.
+"""A service's engine over several ranks: the service's process is rank 0, and it starts the
+other ranks of its node as worker processes (services/engine/parallel/worker.py) that meet it at a
+TCP rendezvous.
 
-The group lives and dies as one. A worker that exits, or a step that fails (a collective timed out
-or lost its peer), calls `on_failure`; a service passes one that exits the process non-zero, and
-its supervisor restarts the service, which starts a fresh group. Workers whose rank 0 is gone fail
+On one node the rendezvous is on 127.0.0.1. An engine spanning nodes (Slurm: fewer decode replicas
+than decode nodes, `RunConfig.engine_nodes`) takes its node's share of the ranks here, and every
+other node of the replica runs a node host (services/engine/parallel/node.py) that starts that
+node's ranks: rank 0 publishes the rendezvous (tcp://<its host>:<port> and a fresh group id) in
+Redis with a TTL, refreshed while it lives, and each node host beats the group id it joined.
+
+The group lives and dies as one. A local worker that exits, a node host whose beat stops or names
+another group, or a step that fails (a collective timed out or lost its peer) calls `on_failure`;
+a service passes one that exits the process non-zero, and its supervisor restarts the service,
+which starts a fresh group (a new id: the node hosts join it). Workers whose rank 0 is gone fail
 their next collective and exit too (they also get SIGTERM from `stop`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+import redis
+
+from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.common.net import free_port
 from services.engine.parallel.engine import ParallelEngine
 from services.engine.parallel.group import EngineGroups, close_engine_groups, init_engine_groups
 from services.engine.parallel.runner import rank_device
+from services.engine.parallel.worker import worker_argv
 
 log = logging.getLogger(__name__)
 
 Role = Literal["decode", "prefill"]
+# An engine spanning nodes: rank 0 refreshes its rendezvous key, and each node host its beat, every
+# BEAT_S; a key RENDEZVOUS_TTL_S old is a dead process.
+BEAT_S = 1.0
+RENDEZVOUS_TTL_S = 5.0
+
+
+def node_ranks(ranks: int, nodes: int, node: int) -> range:
+    """The engine ranks on node `node` of the `nodes` an engine spans (rank 0's node is 0)."""
+    per = ranks // nodes
+    return range(node * per, (node + 1) * per)
 
 
 class EngineRanks:
@@ -41,12 +64,24 @@ class EngineRanks:
         on_failure: Callable[[str], None],
         timeout_s: float = 300.0,
         poll_s: float = 0.5,
+        bus: Bus | None = None,
+        name: str = "",
     ) -> None:
+        """bus, name: the run's Redis and the service's name (decode.3), for an engine spanning
+        nodes (its rendezvous and the node hosts' beats)."""
         self.cfg, self.role, self.on_failure = cfg, role, on_failure
         self.engine_cfg = cfg.decode.engine if role == "decode" else (cfg.prefill.engine or cfg.decode.engine)
         self.par = cfg.decode.parallel if role == "decode" else cfg.prefill_parallel
         self.timeout_s, self.poll_s = timeout_s, poll_s
-        self.init = f"tcp://127.0.0.1:{free_port()}"
+        self.nodes = cfg.engine_nodes(role)
+        self.bus, self.name = bus, name
+        self.group_id = uuid.uuid4().hex
+        if self.nodes > 1:
+            if bus is None or not name:
+                raise ValueError("an engine spanning nodes needs the run's Redis and its service name")
+            self.init = f"tcp://{socket.gethostname()}:{free_port()}"
+        else:
+            self.init = f"tcp://127.0.0.1:{free_port()}"
         # The workers read the same resolved config this process runs with.
         self._cfg_file = tempfile.NamedTemporaryFile("w", prefix=f"relay-{role}-ranks-", suffix=".json")
         self._cfg_file.write(cfg.dump())
@@ -56,23 +91,41 @@ class EngineRanks:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._failed = ""  # why the group broke (the first report)
+        self._joined = False  # every rank is in the group
 
     def start(self) -> EngineGroups:
         """Start ranks 1.., watch them from a thread and join the group as rank 0 (blocks until
         every rank has joined)."""
-        for rank in range(1, self.par.ranks):
-            argv = [
-                sys.executable, "-m", "services.engine.parallel.worker",
-                "--config", self._cfg_file.name, "--role", self.role,
-                "--rank", str(rank), "--init", self.init, "--timeout-s", str(self.timeout_s),
-            ]  # fmt: skip
+        for rank in node_ranks(self.par.ranks, self.nodes, 0)[1:]:
+            argv = worker_argv(self._cfg_file.name, self.role, rank, self.init, self.timeout_s)
             self.procs.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[3]))
+        if self.nodes > 1:
+            self._publish()
         # Watched from the start: a worker that dies before joining fails the group at once
         # instead of leaving rank 0 in the rendezvous until its timeout.
         threading.Thread(target=self._watch, name=f"{self.role}-ranks", daemon=True).start()
         backend = "nccl" if rank_device(self.engine_cfg, 0).type == "cuda" else "gloo"
         self.groups = init_engine_groups(self.par, 0, self.init, backend, self.timeout_s)
+        self._joined = True
         return self.groups
+
+    def _publish(self) -> None:
+        """The rendezvous for the other nodes' hosts, alive for RENDEZVOUS_TTL_S unless refreshed."""
+        assert self.bus is not None
+        value = json.dumps({"init": self.init, "group": self.group_id})
+        self.bus.r.set(self.bus.k.engine_rendezvous(self.name), value, px=int(RENDEZVOUS_TTL_S * 1000))
+
+    def _remote_gone(self) -> str:
+        """A node whose host no longer beats this group's id (its ranks died, or it joined
+        another group), once every rank has joined; '' while all beat."""
+        assert self.bus is not None
+        keys = [self.bus.k.engine_node(self.name, n) for n in range(1, self.nodes)]
+        for node, got in enumerate(self.bus.r.mget(keys), start=1):
+            if got != self.group_id:
+                r = node_ranks(self.par.ranks, self.nodes, node)
+                which = f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}"
+                return f"{which} on node {node} stopped (its host's beat ended)"
+        return ""
 
     def engine(self, model_dir: str | Path, version: int | None) -> ParallelEngine:
         """Rank 0's engine; a failed step or update ends the group (on_failure)."""
@@ -101,8 +154,16 @@ class EngineRanks:
             time.sleep(0.05)
 
     def _watch(self) -> None:
+        last_beat = time.monotonic()
         while not self._stopping.wait(self.poll_s):
             dead = self._dead_rank()
+            if not dead and self.nodes > 1 and time.monotonic() - last_beat >= BEAT_S:
+                last_beat = time.monotonic()
+                try:
+                    self._publish()
+                    dead = self._remote_gone() if self._joined else ""
+                except redis.RedisError as e:  # Redis restarting: the collectives still tell
+                    log.warning("cannot refresh the %s rendezvous: %s", self.name, e)
             if dead:
                 self._fail(dead)
                 return
@@ -142,6 +203,11 @@ class EngineRanks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.nodes > 1 and self.bus is not None:
+            try:  # the node hosts stop waiting on this group at once
+                self.bus.r.delete(self.bus.k.engine_rendezvous(self.name))
+            except redis.RedisError:
+                pass  # the key expires
         if self.groups is not None:
             close_engine_groups(self.groups)
         self._cfg_file.close()

@@ -13,12 +13,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from services.common.config import load_resolved
 from services.engine.parallel.group import close_engine_groups, init_engine_groups
 from services.engine.parallel.runner import rank_device, run_worker
 
 log = logging.getLogger("relay.engine.worker")
+
+
+def worker_argv(config: str | Path, role: str, rank: int, init: str, timeout_s: float) -> list[str]:
+    """The command line of worker rank `rank` (run from the repository root)."""
+    return [
+        sys.executable, "-m", "services.engine.parallel.worker",
+        "--config", str(config), "--role", role,
+        "--rank", str(rank), "--init", init, "--timeout-s", str(timeout_s),
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
