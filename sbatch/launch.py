@@ -100,6 +100,14 @@ def local_dry_run(cfg: RunConfig) -> int:
     print("# (use --slurm.launcher=slurm to render the het-job script instead)")
     for name, argv in LocalRun.describe(cfg):
         print(f"{name}: {' '.join(argv)}")
+    par = cfg.decode.parallel
+    if par.ranks > 1:
+        print(
+            f"# each decode.i is rank 0 of an engine of {par.ranks} ranks (tp {par.tp}, dp_attention"
+            f" {par.dp_attention}, ep {par.ep}, one per GPU; CPU: gloo) and starts ranks 1-{par.ranks - 1}"
+            " as its children: python -m services.engine.parallel.worker --config <config.json> --role decode"
+            " --rank <r> --init tcp://127.0.0.1:<port>"
+        )
     return 0
 
 

@@ -52,6 +52,7 @@ class Proc:
     name: str
     argv: list[str]
     popen: subprocess.Popen[bytes] | None = None
+    gpus: str = ""  # CUDA_VISIBLE_DEVICES of this process, when it must not see every GPU
 
     @property
     def alive(self) -> bool:
@@ -103,6 +104,16 @@ def service_argv(module: str, config_path: Path, redis_url: str, index: int = 0)
     ]
 
 
+def decode_gpus(cfg: RunConfig, index: int) -> str:
+    """The GPUs of decode replica `index` when its engine has several ranks (one per GPU, the
+    service rank 0 and its workers ranks 1..): replica i takes GPUs [i x ranks, (i + 1) x ranks)
+    of the machine. One-rank replicas (and CPU engines) keep seeing every GPU, as before."""
+    ranks = cfg.decode.parallel.ranks
+    if ranks == 1 or cfg.decode.engine.device == "cpu":
+        return ""
+    return ",".join(str(g) for g in range(index * ranks, (index + 1) * ranks))
+
+
 def process_plan(cfg: RunConfig, run_dir: Path, config_path: Path, url: str) -> list[Proc]:
     plan = [
         Proc(f"sandbox.{i}", service_argv("services.sandbox", config_path, url, i))
@@ -111,7 +122,7 @@ def process_plan(cfg: RunConfig, run_dir: Path, config_path: Path, url: str) -> 
     # KV store side (when kvstore.enabled): Mooncake master, the gateway, prefill services.
     plan += [Proc(name, service_argv(module, config_path, url, i)) for name, module, i in kv_plan(cfg)]
     plan += [
-        Proc(f"decode.{i}", service_argv("services.decode", config_path, url, i))
+        Proc(f"decode.{i}", service_argv("services.decode", config_path, url, i), gpus=decode_gpus(cfg, i))
         for i in range(cfg.decode.replicas)
     ]
     plan.append(Proc("trainer", trainer_command(cfg, run_dir, url)))
@@ -157,7 +168,7 @@ class LocalRun:
         plan = process_plan(cfg, run_dir, run_dir / "config.json", url)
         if not cfg.redis.url:
             plan.insert(0, Proc("redis", server_argv("<port>", run_dir / "redis")))
-        return [(p.name, p.argv) for p in plan]
+        return [(p.name + (f" [gpus {p.gpus}]" if p.gpus else ""), p.argv) for p in plan]
 
     def _launch(self, p: Proc) -> None:
         """Start (or, from the watchdog, start again) the supervisor of `p`. Its pid is what the
@@ -177,7 +188,7 @@ class LocalRun:
             argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env=self._env,
+            env={**self._env, "CUDA_VISIBLE_DEVICES": p.gpus} if p.gpus else self._env,
             cwd=REPO_ROOT,
             start_new_session=True,
         )

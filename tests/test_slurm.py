@@ -415,3 +415,25 @@ def test_refused_submission_names_the_reason(slurm_cluster: str, tmp_path: Path)
     )
     assert out.returncode == 2
     assert "sbatch refused the job" in out.stdout and "invalid partition" in out.stdout.lower()
+
+
+def test_the_local_launcher_gives_each_multi_rank_replica_its_gpus() -> None:
+    """Locally, replica i of an engine with several ranks sees GPUs [i x ranks, (i + 1) x ranks);
+    one-rank replicas and CPU engines see what they always did."""
+    from sbatch.local import LocalRun
+
+    cfg = load_config(
+        "debug", ["--decode.parallel.tp=2", "--decode.replicas=2", "--decode.engine.device=cuda"]
+    )
+    assert [n for n, _ in LocalRun.describe(cfg) if n.startswith("decode")] == [
+        "decode.0 [gpus 0,1]",
+        "decode.1 [gpus 2,3]",
+    ]
+    for over in (["--decode.parallel.tp=2", "--decode.replicas=2"], ["--decode.replicas=2"]):
+        names = [n for n, _ in LocalRun.describe(load_config("debug", over)) if n.startswith("decode")]
+        assert names == ["decode.0", "decode.1"]  # debug's engine is on the CPU; or one rank each
+    out = subprocess.run(
+        [sys.executable, "-m", "sbatch.launch", "run", "debug", "--decode.parallel.tp=2", "--dry-run"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "each decode.i is rank 0 of an engine of 2 ranks (tp 2" in out
