@@ -20,6 +20,7 @@ import httpx
 import pytest
 from helpers.debug_weights import spread_debug_versions
 from helpers.decode_server import Server, decode_server, wait_for
+from helpers.parallel import worker_pids
 
 from services.common.auth import auth_headers
 from services.common.config import CONFIG_DIR, ParallelConfig, load_config
@@ -150,26 +151,12 @@ def test_a_weight_update_reaches_every_rank(pair: tuple[Server, Server]) -> None
     assert metric(pair[1], "relay_decode_weight_version") == 1
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and b"services.engine.parallel.worker" in cmd:
-                out.append(int(d.name))
-    return out
-
-
 def test_a_dead_rank_fails_requests_and_health_then_exits(pair: tuple[Server, Server]) -> None:
     """Last in this module: it ends the 2-rank service. Requests in flight when the worker is
     killed get a 503 naming the rank (the orchestrator retries their rollouts), /health turns 503
     naming it, and the service exits 1 within seconds (no hang on the dead peer)."""
     _one, two = pair
-    [worker] = _children(two.proc.pid)
+    [worker] = worker_pids(two.proc.pid)
     answers: list[httpx.Response] = []
     long = {"input_ids": [5, 6, 7], "sampling": {"max_tokens": 240, "ignore_eos": True, "n": 4, "seed": 1}}
 
@@ -209,7 +196,7 @@ def test_sigterm_stops_every_rank(redis_url: str, tmp_path: Path) -> None:
     with decode_server(
         redis_url, d, m, tmp_path, prefix="test-par-stop", max_seq_len=64, parallel=ParallelConfig(tp=2)
     ) as s:
-        [worker] = _children(s.proc.pid)
+        [worker] = worker_pids(s.proc.pid)
         post(s, "/v1/generate", {"input_ids": [5, 6], "sampling": {"max_tokens": 3}})
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=60) == 0

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from helpers.debug_weights import spread_debug_versions
 from helpers.decode_server import decode_server, wait_for
+from helpers.parallel import worker_pids
 from helpers.service_process import start_service
 
 from services.common.auth import auth_headers
@@ -38,20 +39,6 @@ TOL = 1e-5
 def two_nodes(cfg: RunConfig) -> None:
     cfg.slurm.launcher = "slurm"
     cfg.slurm.decode.nodes = 2  # one replica over both: engine_nodes("decode") == 2
-
-
-def workers(parent: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if ppid == parent and b"services.engine.parallel.worker" in cmd:
-                out.append(int(d.name))
-    return out
 
 
 def post(url: str, body: object) -> dict[str, Any]:
@@ -112,8 +99,8 @@ def test_an_engine_over_two_nodes(redis_url: str, tmp_path: Path) -> None:
                 what="2-node engine",
                 timeout_s=180,
             )
-            assert workers(two.proc.pid) == []  # rank 1 is the node host's, not the service's
-            [rank1] = workers(host.pid)
+            assert worker_pids(two.proc.pid) == []  # rank 1 is the node host's, not the service's
+            [rank1] = worker_pids(host.pid)
             for body, expected in zip(BODIES, want, strict=True):
                 same(expected, post(two.url, body))
 

@@ -1,5 +1,6 @@
-"""What the multi-rank engine tests share: tiny model shapes, and running a function on N gloo
-ranks (spawned processes meeting at a file rendezvous: no port to race other processes for)."""
+"""What the multi-rank engine tests share: tiny model shapes, running a function on N gloo ranks
+(spawned processes meeting at a file rendezvous: no port to race other processes for), and finding
+the worker ranks a process started."""
 
 from __future__ import annotations
 
@@ -34,3 +35,18 @@ def run_ranks(fn: Callable[..., None], nprocs: int, tmp: Path, *args: Any) -> No
     """fn(rank, init_method, *args) on `nprocs` spawned processes; a rank's exception fails the
     call (torch.multiprocessing re-raises it here)."""
     mp.start_processes(fn, args=(f"file://{tmp / 'rdzv'}", *args), nprocs=nprocs, start_method="spawn")
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The engine worker ranks (services.engine.parallel.worker) that process `parent` started."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if ppid == parent and b"services.engine.parallel.worker" in cmd:
+                out.append(int(d.name))
+    return out
