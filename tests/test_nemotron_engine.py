@@ -3,7 +3,8 @@ state cache services/engine/state_cache.py) against the trainer's forward (train
 the same published weights, float32 on CPU: sequences of different lengths batched together with
 chunked prefill, one joining mid-way, a request of several samples (forked states), preemption
 (recomputed states) and overlap scheduling; greedy tokens and log-probs equal the trainer's
-teacher-forced ones, and the engine's routed experts replay exactly."""
+teacher-forced ones (and transformers' NemotronHForCausalLM's), and the trainer routing on its own
+picks every expert set the engine recorded."""
 
 from __future__ import annotations
 
@@ -100,6 +101,16 @@ def test_engine_equals_trainer_nemotron(published: tuple[ModelConfig, torch.nn.M
     a, b = runs[0][1].response().choices
     assert a.output_ids != b.output_ids  # two samples from one forked state, drawing differently
     check_against_trainer(model, m, runs)
+    # And transformers' NemotronHForCausalLM (its torch Mamba path) on the same directory.
+    from transformers import NemotronHForCausalLM
+
+    hf = NemotronHForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    for prompt, state in runs:
+        for c in state.response().choices:
+            x = torch.tensor([prompt + c.output_ids])
+            with torch.no_grad():
+                logp = hf(input_ids=x[:, :-1]).logits.log_softmax(-1).gather(-1, x[:, 1:, None])[0, :, 0]
+            torch.testing.assert_close(logp[len(prompt) - 1 :], torch.tensor(c.logprobs), rtol=0, atol=TOL)
 
 
 def test_preempted_and_overlapped_nemotron(published: tuple[ModelConfig, torch.nn.Module, Path]) -> None:
