@@ -127,3 +127,29 @@ def test_preempted_and_overlapped_nemotron(published: tuple[ModelConfig, torch.n
                 c.output_ids for c in y.response().choices
             ]
         check_against_trainer(model, m, runs)
+
+
+def test_aborted_sequences_give_their_state_slots_back(
+    published: tuple[ModelConfig, torch.nn.Module, Path],
+) -> None:
+    """An abort mid-generation frees the request's slots at once (2 samples: 2 slots); the other
+    request's state is untouched (its greedy tokens equal a run of its own)."""
+    m, _, d = published
+    cfg = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=m.max_seq_len, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (alone,) = LLMEngine(d, cfg).generate([GenerateRequest(input_ids=PROMPTS[1], sampling=greedy)])
+    eng = LLMEngine(d, cfg)
+    states = eng.kv.states
+    assert states is not None
+    many = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=1, n=2)
+    dropped = eng.add_request(GenerateRequest(input_ids=PROMPTS[0], sampling=many))
+    kept = eng.add_request(GenerateRequest(input_ids=PROMPTS[1], sampling=greedy))
+    for _ in range(3):
+        eng.step()
+    assert states.num_free == 1  # 2 samples + 1
+    eng.abort(dropped)
+    assert states.num_free == 3
+    while not kept.finished:
+        eng.step()
+    assert kept.response().choices[0].output_ids == alone.choices[0].output_ids
+    assert states.num_free == 4
