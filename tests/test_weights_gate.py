@@ -1,11 +1,15 @@
 """Weights only from the run (services/common/weights_gate.py): what POST /update_weights may load
 (an announced version's own directory under the run's weights root), and samples carrying a
-version the trainer never announced are dropped by the orchestrator and by the trainer. Real
-Redis; the orchestrator's own group runner against a scripted decode and the real sandbox."""
+version the trainer never announced are dropped by the orchestrator and by the trainer, whose
+check waits out a Redis outage. Real Redis; the orchestrator's own group runner against a
+scripted decode and the real sandbox."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -13,12 +17,14 @@ import pytest
 from test_agent_budgets import budget_cfg, budget_sandbox, committed, run_groups
 from test_trainer_run import make_cfg, sample_group
 
+from services.common import bus as bus_module
 from services.common.bus import Bus
+from services.common.redis_server import RedisServer
 from services.common.schemas import WeightsInfo
 from services.common.weights_dir import step_dir
 from services.common.weights_gate import AnnouncedVersions, UpdateRefused, check_update
 from trainer.model import build_model
-from trainer.train import Trainer
+from trainer.train import CONSUMER, Trainer
 
 __all__ = ["budget_sandbox"]  # the real sandbox process, a module fixture used below
 
@@ -98,3 +104,57 @@ def test_trainer_drops_samples_of_unannounced_weights(redis_server: str, tmp_pat
     ledger = bus.ledger()
     assert ledger["dropped"] == {"forged": "unannounced: weight versions [999999]"}
     assert set(ledger["trained"]) == {g.group_id for g in good}  # type: ignore[arg-type]
+
+
+def test_trainer_waits_out_redis_during_the_announced_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis stops exactly when the trainer asks which versions were announced, for longer than
+    its client's own reconnect window, and comes back with its data: the trainer waits (no
+    crash), then drops the forged group with its reason (recorded and acked together) and trains
+    the rest; nothing is left pending or lost."""
+    monkeypatch.setattr(bus_module, "connect", functools.partial(bus_module.connect, reconnect_s=0.3))
+    server = RedisServer(tmp_path / "redis").start()
+    revived: list[RedisServer] = []
+    timers: list[threading.Timer] = []
+    run_dir = tmp_path / "run"
+    cfg = make_cfg(run_dir)
+    cfg.run.max_steps = 1
+    try:
+        bus = Bus(server.url, cfg.redis.prefix)
+        model = build_model(cfg.model, seed=cfg.run.seed, init_std=cfg.trainer.init_std)
+        forged = sample_group(model, 999999, 4, 3, seed=1).model_copy(update={"group_id": "forged"})
+        bus.push_group(forged)
+        good = [sample_group(model, 0, 4, 3, seed=10 + i) for i in range(cfg.orchestrator.batch_size)]
+        for g in good:
+            bus.push_group(g)
+        t = Trainer(cfg, run_dir, server.url)
+        assert t.bus is not None
+        real = t.bus.announced_versions
+
+        def restart() -> None:
+            revived.append(RedisServer(server.workdir, server.port).start())
+
+        def outage_then_ask() -> set[int]:
+            if not timers:  # the first time only
+                server.stop()
+                timers.append(threading.Timer(1.5, restart))
+                timers[0].start()
+            return real()
+
+        monkeypatch.setattr(t.bus, "announced_versions", outage_then_ask)
+        t0 = time.monotonic()
+        try:
+            assert t.run() == 0
+        finally:
+            t.d.close()
+        assert revived and time.monotonic() - t0 >= 1.5  # it waited for the restart
+        ledger = bus.ledger()
+        assert ledger["dropped"] == {"forged": "unannounced: weight versions [999999]"}
+        assert set(ledger["trained"]) == {g.group_id for g in good}  # type: ignore[arg-type]
+        assert bus.pending_count(CONSUMER) == 0  # every entry acked: the forged one with its drop
+    finally:
+        for timer in timers:
+            timer.join()  # a restart still pending is waited for, then stopped with the rest
+        for s in (server, *revived):
+            s.stop()
