@@ -139,17 +139,44 @@ class Orchestrator:
 
     async def _roll_out(self, info: WeightsInfo) -> None:
         """Ask every live decode to load `info`; the producer only starts groups of the new
-        version once they all have (so staleness is bounded by what the trainer has published)."""
+        version once they all have (so staleness is bounded by what the trainer has published).
+        A decode that cannot answer (5xx, unreachable: e.g. a 503 because its check of the
+        announced versions could not reach Redis) is asked again with back-off (0.5 s doubling
+        up to service_retry_max_delay_s) while it stays live, for up to service_retry_s; only
+        then does the roll-out go on without it (the catch-up in weights_watcher keeps trying)."""
         decodes = await self.registry.live("decode", force=True)
-        results = await asyncio.gather(
-            *(self.decode.update_weights(d.url, info.path, info.version) for d in decodes),
-            return_exceptions=True,
-        )
-        for d, r in zip(decodes, results, strict=True):
-            if isinstance(r, Exception):
-                log_event(log, "weight update failed", url=d.url, version=info.version, error=str(r))
-            else:
-                self.loaded[d.id] = info.version
+        give_up = time.monotonic() + self.o.service_retry_s
+        delay = 0.5
+        while decodes:
+            results = await asyncio.gather(
+                *(self.decode.update_weights(d.url, info.path, info.version) for d in decodes),
+                return_exceptions=True,
+            )
+            retry = []
+            for d, r in zip(decodes, results, strict=True):
+                if (
+                    isinstance(r, ServiceUnavailable)
+                    and not self.stopping
+                    and time.monotonic() + delay <= give_up
+                ):
+                    log_event(
+                        log,
+                        "weight update retry",
+                        url=d.url,
+                        version=info.version,
+                        error=str(r),
+                        retry_s=delay,
+                    )
+                    retry.append(d.id)
+                elif isinstance(r, Exception):
+                    log_event(log, "weight update failed", url=d.url, version=info.version, error=str(r))
+                else:
+                    self.loaded[d.id] = info.version
+            if not retry:
+                break
+            await asyncio.sleep(delay)
+            delay = min(self.o.service_retry_max_delay_s, delay * 2)
+            decodes = [d for d in await self.registry.live("decode", force=True) if d.id in retry]
         self.version = info.version
         self.rolled_out = info
         self.on_version(info.version)
