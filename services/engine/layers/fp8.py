@@ -22,7 +22,7 @@ from ops.fp8.dispatch import (
     quantize_weight_fast,
 )
 from services.engine.layers.moe import PER_EXPERT, ExpertWeights
-from services.engine.weight_copy import copy_weight
+from services.engine.weight_copy import copy_pieces, copy_weight
 
 
 class Fp8Linear(ref.Fp8Linear):
@@ -139,6 +139,15 @@ class Fp8Experts(nn.Module):
         copy_weight(getattr(self, f"{dst}_fp8")[index], q)
         copy_weight(getattr(self, f"{dst}_scale")[index], scale)
 
+    @torch.no_grad()
+    def copy_stacked(self, proj: str, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
+        """Every expert's already quantised `proj` at once: `weights` / `scales` are the pieces of
+        experts 0, 1, ... end to end (for gate_up_proj each expert's gate then up rows), their
+        bytes exactly the buffers' (checked by the caller): one copy per buffer, not per expert."""
+        dst = "gate_up" if proj == "gate_up_proj" else "down"
+        copy_pieces(getattr(self, f"{dst}_fp8"), weights)
+        copy_pieces(getattr(self, f"{dst}_scale"), scales)
+
     def expected_scale_shape(self, proj: str) -> tuple[int, int]:
         _, n, k = self.expected_shape(proj)
         return (ref._cdiv(n, ref.BLOCK), ref._cdiv(k, ref.BLOCK))
@@ -241,10 +250,9 @@ def load_hf_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         else:
             weights[name] = w
     expert_loads = [
-        (mod, e, proj, w, scale)
+        (mod, *_take_expert_weights(prefix, mod, rest, pairs))
         for prefix, mod in model.named_modules()
         if isinstance(mod, Fp8Experts)
-        for e, proj, w, scale in _take_expert_weights(prefix, mod, rest, pairs)
     ]
     # Float32 here; the model's load_hf_state rounds to each parameter's dtype (one rounding).
     model.load_hf_state(fp8_checkpoint.dequantize_state(rest, torch.float32))  # type: ignore[operator]
@@ -253,24 +261,32 @@ def load_hf_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     for name, (q, scale) in exact.items():
         copy_weight(mods[name].weight_fp8, q)
         copy_weight(mods[name].weight_scale, scale)
-    for mod, e, proj, w, scale in expert_loads:
-        if scale is None:
-            mod.load_expert(e, proj, w)
-        else:
-            mod.copy_expert(e, proj, w, scale)
+    for mod, stacked, singles in expert_loads:
+        for proj, (pieces, scales) in stacked.items():
+            mod.copy_stacked(proj, pieces, scales)
+        for e, proj, w, scale in singles:
+            if scale is None:
+                mod.load_expert(e, proj, w)
+            else:
+                mod.copy_expert(e, proj, w, scale)
 
 
+# One Fp8Experts' load: fused proj -> (the fp8 pieces of every expert end to end, their scales'),
+# copied as they are; and ExpertLoads one expert at a time.
+Stacked = dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]
 # (expert, fused proj, weight, scale): scale None = a high-precision weight to quantise; else the
 # weight is fp8 and (weight, scale) are copied as they are.
 ExpertLoad = tuple[int, str, torch.Tensor, torch.Tensor | None]
+ExpertLoads = tuple[Stacked, list[ExpertLoad]]
 
 
 def _take_expert_weights(
     prefix: str, mod: Fp8Experts, rest: dict[str, torch.Tensor], pairs: dict[str, str]
-) -> list[ExpertLoad]:
+) -> ExpertLoads:
     """Pop one Fp8Experts' tensors out of `rest` (fused `<prefix>.gate_up_proj`/`.down_proj`, or
     per-expert `<prefix>.<e>.{gate,up,down}_proj.weight`, each high precision or an fp8 pair whose
-    scale is popped too), checked, as ExpertLoads."""
+    scale is popped too), checked. A projection whose every expert is an exact fp8 pair is
+    stacked (one copy per buffer); the rest is loaded expert by expert."""
     per: dict[tuple[int, str], torch.Tensor] = {}
     scales: dict[tuple[int, str], torch.Tensor] = {}
     for key in [k for k in rest if k.startswith(prefix + ".")]:
@@ -282,28 +298,36 @@ def _take_expert_weights(
     fused = {p: rest.pop(f"{prefix}.{p}") for p in ("gate_up_proj", "down_proj") if f"{prefix}.{p}" in rest}
     if per and fused:
         raise ValueError(f"{prefix}: both fused and per-expert tensors given")
-    out: list[ExpertLoad] = []
+    stacked: Stacked = {}
+    singles: list[ExpertLoad] = []
     if per:
         want = {(e, p) for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")}
         if set(per) != want:
             raise ValueError(
                 f"{prefix}: per-expert tensors incomplete (missing {sorted(want - set(per))[:3]})"
             )
-        for e in range(mod.n_experts):
-            for p, (w, scale) in (
-                ("gate_up_proj", _fuse_gate_up(mod, per, scales, e)),
-                ("down_proj", (per[(e, "down_proj")], scales.get((e, "down_proj")))),
-            ):
-                if tuple(w.shape) != mod.expected_shape(p)[1:]:
+        for p in ("gate_up_proj", "down_proj"):
+            loads: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = []
+            for e in range(mod.n_experts):
+                ws, ss = _fuse_gate_up(mod, per, scales, e) if p == "gate_up_proj" else _down(per, scales, e)
+                if _stacked_shape(ws) != mod.expected_shape(p)[1:]:
                     raise ValueError(
-                        f"{prefix}.{e}.{p}: shape {tuple(w.shape)} != {mod.expected_shape(p)[1:]}"
+                        f"{prefix}.{e}.{p}: shape {_stacked_shape(ws)} != {mod.expected_shape(p)[1:]}"
                     )
-                if scale is not None and tuple(scale.shape) != mod.expected_scale_shape(p):
+                if ss is not None and _stacked_shape(ss) != mod.expected_scale_shape(p):
                     raise ValueError(
-                        f"{prefix}.{e}.{p}: scale shape {tuple(scale.shape)} != {mod.expected_scale_shape(p)}"
+                        f"{prefix}.{e}.{p}: scale shape {_stacked_shape(ss)} != {mod.expected_scale_shape(p)}"
                     )
-                out.append((e, p, w, scale))
-        return out
+                loads.append((ws, ss))
+            if all(ss is not None for _, ss in loads):
+                stacked[p] = ([w for ws, _ in loads for w in ws], [s for _, ss in loads for s in ss or ()])
+            else:
+                # Some expert not an exact pair: each on its own (pairs copied, the rest quantised).
+                singles.extend(
+                    (e, p, torch.cat(ws), None if ss is None else torch.cat(ss))
+                    for e, (ws, ss) in enumerate(loads)
+                )
+        return stacked, singles
     for p in ("gate_up_proj", "down_proj"):
         if p not in fused:
             raise ValueError(f"state dict mismatch: missing ['{prefix}.{p}']")
@@ -311,8 +335,22 @@ def _take_expert_weights(
             raise ValueError(
                 f"{prefix}.{p}: shape {tuple(fused[p].shape)} != expected {mod.expected_shape(p)}"
             )
-        out.extend((e, p, fused[p][e], None) for e in range(mod.n_experts))
-    return out
+        singles.extend((e, p, fused[p][e], None) for e in range(mod.n_experts))
+    return stacked, singles
+
+
+def _stacked_shape(pieces: list[torch.Tensor]) -> tuple[int, ...]:
+    """The shape of torch.cat(pieces) (rows end to end), without making it."""
+    rows = sum(p.shape[0] for p in pieces)
+    tails = {tuple(p.shape[1:]) for p in pieces}
+    return (rows, *tails.pop()) if len(tails) == 1 else (rows, *[-1] * (pieces[0].dim() - 1))
+
+
+def _down(
+    per: dict[tuple[int, str], torch.Tensor], scales: dict[tuple[int, str], torch.Tensor], e: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    s = scales.get((e, "down_proj"))
+    return [per[(e, "down_proj")]], None if s is None else [s]
 
 
 def _fuse_gate_up(
@@ -320,15 +358,15 @@ def _fuse_gate_up(
     per: dict[tuple[int, str], torch.Tensor],
     scales: dict[tuple[int, str], torch.Tensor],
     e: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Expert e's fused gate_up rows (gate then up, as moe.ExpertWeights fuses them; a 128-row
-    tile may span both) and, when they can be copied exactly, their scales."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Expert e's fused gate_up rows as pieces (gate then up, as moe.ExpertWeights fuses them; a
+    128-row tile may span both) and, when they can be copied exactly, their scales' pieces."""
     gate, up = per[(e, "gate_proj")], per[(e, "up_proj")]
     gs, us = scales.get((e, "gate_proj")), scales.get((e, "up_proj"))
     if gs is not None and us is not None and mod.inter % ref.BLOCK == 0:
         # Both fp8 and the gate rows fill whole 128-row tiles: the fused weight's tiles are the
         # gate's then the up's, so the checkpoint's bits and scales concatenate exactly.
-        return torch.cat([gate, up]), torch.cat([gs, us])
+        return [gate, up], [gs, us]
     # Otherwise the fused weight's tile that straddles gate and up rows has no scale of its own in
     # the checkpoint: dequantise (float32) and let load_expert re-quantise the expert 128x128.
     # Its fp8 bits then differ from the checkpoint's (docs/fp8.md).
@@ -336,4 +374,4 @@ def _fuse_gate_up(
         gate = ref.dequantize_weight(gate, gs)
     if us is not None:
         up = ref.dequantize_weight(up, us)
-    return torch.cat([gate, up]), None
+    return [gate, up], None

@@ -40,7 +40,7 @@ from torch import nn
 
 from services.common.config import ModelConfig
 from services.engine.layers.relu2_mlp import Relu2MLP
-from services.engine.weight_copy import copy_weight
+from services.engine.weight_copy import copy_pieces, copy_weight
 
 Kernel = Literal["grouped", "gather", "loop"]
 
@@ -119,6 +119,11 @@ class ExpertWeights(nn.Module):
     # The per-expert projections of a checkpoint, and the fused parameters they fill.
     PROJS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     FUSED: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    # Each fused parameter and the projections whose rows fill each expert's part of it, in order.
+    LAYOUT: dict[str, tuple[str, ...]] = {
+        "gate_up_proj": ("gate_proj", "up_proj"),
+        "down_proj": ("down_proj",),
+    }
 
     def __init__(self, m: ModelConfig):
         super().__init__()
@@ -127,17 +132,33 @@ class ExpertWeights(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.zeros(e, d, i))
 
+    def expert_slice(self, index: int, proj: str) -> torch.Tensor:
+        """The part of a fused parameter one per-expert HF tensor fills."""
+        i = self.inter
+        if proj == "down_proj":
+            return self.down_proj[index]
+        return self.gate_up_proj[index, :i] if proj == "gate_proj" else self.gate_up_proj[index, i:]
+
     @torch.no_grad()
     def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
         """Copy one per-expert HF tensor into its slice (no [E, ...] temporary)."""
-        i = self.inter
-        if proj == "down_proj":
-            dst = self.down_proj[index]
-        else:
-            dst = self.gate_up_proj[index, :i] if proj == "gate_proj" else self.gate_up_proj[index, i:]
+        dst = self.expert_slice(index, proj)
         if w.shape != dst.shape:
             raise ValueError(f"expert {index} {proj}: shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
         copy_weight(dst, w)
+
+    @torch.no_grad()
+    def load_per_expert(self, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Every expert's HF tensors ((index, proj) -> weight) into the fused parameters: one copy
+        per parameter (gate_up_proj's bytes are gate_0, up_0, gate_1, ... end to end), not one per
+        expert. Shapes are checked before anything is written."""
+        for (e, proj), w in tensors.items():
+            want = self.expert_slice(e, proj).shape
+            if w.shape != want:
+                raise ValueError(f"expert {e} {proj}: shape {tuple(w.shape)} != expected {tuple(want)}")
+        for fused, projs in self.LAYOUT.items():
+            pieces = [tensors[(e, p)] for e in range(self.n_experts) for p in projs]
+            copy_pieces(getattr(self, fused), pieces)
 
     @property
     def w_in(self) -> torch.Tensor:
@@ -216,6 +237,7 @@ class Relu2ExpertWeights(ExpertWeights):
 
     PROJS = ("up_proj", "down_proj")
     FUSED = ("up_proj", "down_proj")
+    LAYOUT = {"up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 
     def __init__(self, m: ModelConfig):
         nn.Module.__init__(self)
@@ -232,12 +254,8 @@ class Relu2ExpertWeights(ExpertWeights):
     def activate(h: torch.Tensor) -> torch.Tensor:
         return torch.square(F.relu(h))
 
-    @torch.no_grad()
-    def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
-        dst = self.up_proj[index] if proj == "up_proj" else self.down_proj[index]
-        if w.shape != dst.shape:
-            raise ValueError(f"expert {index} {proj}: shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
-        copy_weight(dst, w)
+    def expert_slice(self, index: int, proj: str) -> torch.Tensor:
+        return self.up_proj[index] if proj == "up_proj" else self.down_proj[index]
 
 
 class SharedExperts(nn.Module):

@@ -187,8 +187,8 @@ class CausalLM(nn.Module):
             if src.shape != p.shape:
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != expected {tuple(p.shape)}")
             copy_weight(p, src)
-        for experts, index, proj, w in per_expert:
-            experts.load_expert(index, proj, w)
+        for experts, tensors in per_expert:
+            experts.load_per_expert(tensors)
         for mod in self.modules():
             if isinstance(mod, Router):  # the gate in the model dtype's values (Router.round_weight_)
                 mod.round_weight_()
@@ -227,32 +227,32 @@ def _drop_mtp_layers(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str
 
 def _split_experts(
     state: dict[str, torch.Tensor], model: nn.Module
-) -> tuple[dict[str, torch.Tensor], list[tuple[ExpertWeights, int, str, torch.Tensor]]]:
-    """Take per-expert tensors (mlp.experts.<e>.{gate,up,down}_proj.weight) out of `state`. A module
-    whose experts are all there counts as providing its fused gate_up_proj/down_proj; a partial
-    set leaves those missing (an error). Fused tensors (transformers' in-memory names) pass as is."""
+) -> tuple[dict[str, torch.Tensor], list[tuple[ExpertWeights, dict[tuple[int, str], torch.Tensor]]]]:
+    """Take per-expert tensors (mlp.experts.<e>.{gate,up,down}_proj.weight) out of `state`, by
+    module. A module whose experts are all there counts as providing its fused parameters; a
+    partial set leaves those missing (an error). Fused tensors (transformers' in-memory names)
+    pass as is."""
     modules = dict(model.named_modules())
-    found: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    found: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     rest: dict[str, torch.Tensor] = {}
     for k, v in state.items():
         hit = PER_EXPERT.match(k)
         if hit is None or not isinstance(modules.get(hit[1]), ExpertWeights):
             rest[k] = v  # unknown names stay, so the mismatch check reports them
         else:
-            found.setdefault(hit[1], []).append((int(hit[2]), hit[3], v))
-    loads: list[tuple[ExpertWeights, int, str, torch.Tensor]] = []
+            found.setdefault(hit[1], {})[(int(hit[2]), hit[3])] = v
+    loads: list[tuple[ExpertWeights, dict[tuple[int, str], torch.Tensor]]] = []
     for prefix, items in found.items():
         experts = modules[prefix]
         assert isinstance(experts, ExpertWeights)
-        have = {(e, proj) for e, proj, _ in items}
         want = {(e, proj) for e in range(experts.n_experts) for proj in experts.PROJS}
-        if have != want:
-            missing = sorted(want - have)[:3]
+        if set(items) != want:
+            missing = sorted(want - set(items))[:3]
             raise ValueError(f"{prefix}: per-expert tensors incomplete (missing {missing}, of {len(want)})")
         for name in experts.FUSED:
             if f"{prefix}.{name}" in rest:
                 raise ValueError(f"{prefix}: both fused and per-expert tensors given")
-            # Stand-ins of the right shape: the fused parameters are filled slice by slice after.
+            # Stand-ins of the right shape: the fused parameters are filled after.
             rest[f"{prefix}.{name}"] = getattr(experts, name)
-        loads.extend((experts, e, proj, w) for e, proj, w in items)
+        loads.append((experts, items))
     return rest, loads
