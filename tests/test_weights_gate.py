@@ -19,8 +19,9 @@ from test_trainer_run import make_cfg, sample_group
 
 from services.common import bus as bus_module
 from services.common.bus import Bus
+from services.common.config import RunConfig
 from services.common.redis_server import RedisServer
-from services.common.schemas import WeightsInfo
+from services.common.schemas import RolloutGroup, WeightsInfo
 from services.common.weights_dir import step_dir
 from services.common.weights_gate import AnnouncedVersions, UpdateRefused, check_update
 from trainer.model import build_model
@@ -80,6 +81,18 @@ def test_orchestrator_drops_samples_of_unannounced_weights(
     assert specs[0].group_id in committed(bus)
 
 
+def push_forged_and_good(bus: Bus, cfg: RunConfig) -> list[RolloutGroup]:
+    """On the stream: a group of a version never announced ("forged"), then a batch of version 0's
+    (returned)."""
+    model = build_model(cfg.model, seed=cfg.run.seed, init_std=cfg.trainer.init_std)
+    forged = sample_group(model, 999999, 4, 3, seed=1).model_copy(update={"group_id": "forged"})
+    bus.push_group(forged)
+    good = [sample_group(model, 0, 4, 3, seed=10 + i) for i in range(cfg.orchestrator.batch_size)]
+    for g in good:
+        bus.push_group(g)
+    return good
+
+
 def test_trainer_drops_samples_of_unannounced_weights(redis_server: str, tmp_path: Path) -> None:
     """A group carrying a version the trainer never announced is dropped with the reason, the rest
     trained; a temporary weights directory a dead trainer left is removed at start."""
@@ -87,12 +100,7 @@ def test_trainer_drops_samples_of_unannounced_weights(redis_server: str, tmp_pat
     cfg = make_cfg(run_dir)
     cfg.run.max_steps = 1
     bus = Bus(redis_server, cfg.redis.prefix)
-    model = build_model(cfg.model, seed=cfg.run.seed, init_std=cfg.trainer.init_std)
-    forged = sample_group(model, 999999, 4, 3, seed=1).model_copy(update={"group_id": "forged"})
-    bus.push_group(forged)
-    good = [sample_group(model, 0, 4, 3, seed=10 + i) for i in range(cfg.orchestrator.batch_size)]
-    for g in good:
-        bus.push_group(g)
+    good = push_forged_and_good(bus, cfg)
     left = run_dir / "weights" / ".step_5.tmp-999"  # a dead trainer's unfinished write
     left.mkdir(parents=True)
     t = Trainer(cfg, run_dir, redis_server)
@@ -122,12 +130,7 @@ def test_trainer_waits_out_redis_during_the_announced_check(
     cfg.run.max_steps = 1
     try:
         bus = Bus(server.url, cfg.redis.prefix)
-        model = build_model(cfg.model, seed=cfg.run.seed, init_std=cfg.trainer.init_std)
-        forged = sample_group(model, 999999, 4, 3, seed=1).model_copy(update={"group_id": "forged"})
-        bus.push_group(forged)
-        good = [sample_group(model, 0, 4, 3, seed=10 + i) for i in range(cfg.orchestrator.batch_size)]
-        for g in good:
-            bus.push_group(g)
+        good = push_forged_and_good(bus, cfg)
         t = Trainer(cfg, run_dir, server.url)
         assert t.bus is not None
         real = t.bus.announced_versions
