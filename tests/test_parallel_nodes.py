@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def reference(model_dir: Path) -> list[dict[str, Any]]:
     """BODIES on the single-rank engine in this process."""
-    engine = LLMEngine(model_dir, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64))
+    engine = LLMEngine(model_dir, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=256))
     return [engine.generate([GenerateRequest.model_validate(b)])[0].model_dump() for b in BODIES]
 
 
@@ -81,7 +82,7 @@ def test_an_engine_over_two_nodes(redis_url: str, tmp_path: Path) -> None:
         m,
         run,
         prefix="test-nodes2",
-        max_seq_len=64,
+        max_seq_len=256,
         parallel=par,
         configure=two_nodes,
         publish=False,
@@ -104,7 +105,17 @@ def test_an_engine_over_two_nodes(redis_url: str, tmp_path: Path) -> None:
             for body, expected in zip(BODIES, want, strict=True):
                 same(expected, post(two.url, body))
 
-            # Rank 1 dies: its host stops beating the group, the service says so and exits 1.
+            # Rank 1 dies mid-generation: its host stops beating the group, the service answers
+            # the request and /health naming it, and exits 1.
+            answers: list[httpx.Response] = []
+            long = {"input_ids": [5, 6], "sampling": {"max_tokens": 240, "ignore_eos": True, "n": 4}}
+            asker = threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(f"{two.url}/v1/generate", json=long, timeout=120, headers=auth_headers())
+                )
+            )
+            asker.start()
+            wait_for(lambda: httpx.get(f"{two.url}/health").json().get("running", 0) > 0, what="generation")
             t0 = time.monotonic()
             os.kill(rank1, signal.SIGKILL)
             reasons: list[str] = []
@@ -117,9 +128,10 @@ def test_an_engine_over_two_nodes(redis_url: str, tmp_path: Path) -> None:
                     pass
                 time.sleep(0.05)
             assert two.proc.returncode == 1 and time.monotonic() - t0 < 20
-            assert reasons and reasons[0] == (
-                "engine ranks failed: rank 1 on node 1 stopped (its host's beat ended)"
-            ), reasons
+            why = "engine ranks failed: rank 1 on node 1 stopped (its host's beat ended)"
+            assert reasons and reasons[0] == why, reasons
+            asker.join(30)
+            assert [(a.status_code, a.json()["detail"]) for a in answers] == [(503, why)]
 
             # The supervisor's restart, by hand: a new group, and the same node host joins it.
             again = start_service("services.decode", run / "config.json", redis_url, run / "decode2.log")

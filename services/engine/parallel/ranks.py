@@ -136,22 +136,33 @@ class EngineRanks:
             self.par,
             self.groups,
             version,
-            on_failure=lambda e: self._fail(self._dead_rank(wait_s=1.0) or f"engine step failed: {e!r}"),
+            on_failure=lambda e: self._fail(self._broken_rank() or f"engine step failed: {e!r}"),
         )
 
-    def _dead_rank(self, wait_s: float = 0.0) -> str:
-        """'rank r exited with c' for the first worker found dead within wait_s, else ''. A step
-        that failed on a dead peer raises as soon as its socket closes, a moment before the
-        worker is reaped: waiting a little names the rank instead of the collective's error."""
-        deadline = time.monotonic() + wait_s
+    def _broken_rank(self) -> str:
+        """Which rank broke a failed step, '' when none is found. The step raises as soon as the
+        dead peer's socket closes, a moment before a local worker is reaped (waited for up to
+        1 s) or a further node's host drops its beat (it looks every BEAT_S: up to 3 s): waiting
+        names the rank instead of the collective's error."""
+        deadline = time.monotonic() + (3.0 if self.nodes > 1 else 1.0)
         while True:
-            for rank, p in enumerate(self.procs, start=1):
-                code = p.poll()
-                if code is not None:
-                    return f"rank {rank} exited with {code}"
-            if time.monotonic() >= deadline:
-                return ""
+            dead = self._dead_rank()
+            if not dead and self.nodes > 1 and self._joined:
+                try:
+                    dead = self._remote_gone()
+                except redis.RedisError:
+                    pass
+            if dead or time.monotonic() >= deadline:
+                return dead
             time.sleep(0.05)
+
+    def _dead_rank(self) -> str:
+        """'rank r exited with c' for the first local worker found dead, else ''."""
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                return f"rank {rank} exited with {code}"
+        return ""
 
     def _watch(self) -> None:
         last_beat = time.monotonic()
