@@ -1,5 +1,6 @@
 """Faults survived, each against real processes and a real Redis: a killed or stopped Redis comes
-back under its supervisor with its data and clients reconnect; a hung service is killed and
+back under its supervisor with its data and clients reconnect; decode, sandbox and the KV store
+gateway ride out a longer Redis outage without a restart; a hung service is killed and
 restarted by its supervisor's liveness probe; a service whose loop died says so on /health; a
 supervisor started after a killed one waits for the child it left; the trained ledger and the
 metrics stream stay exact when a write is retried; admission is derived from the ledger; the
@@ -22,17 +23,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
-from helpers.service_process import start_service
+from helpers.debug_weights import spread_debug_versions
+from helpers.decode_server import decode_server
+from helpers.service_process import start_service, start_with_config, wait_registered
 from test_agent_budgets import ENV, assert_accounted, budget_cfg, budget_sandbox, run_groups
+from test_sandbox_service import Sandbox
 
 from sbatch.supervisor import supervisor_argv
-from services.common.auth import REDIS_PASSWORD_ENV
+from services.common.auth import REDIS_PASSWORD_ENV, auth_headers
 from services.common.bus import Bus, Keys, connect
-from services.common.config import REPO_ROOT, RedisSection, RunConfig
+from services.common.config import REPO_ROOT, RedisSection, RunConfig, load_config
 from services.common.net import free_port
-from services.common.redis_server import secure_conf, server_argv
-from services.common.schemas import RolloutGroup, Sample, TrainerStepMetrics
+from services.common.redis_server import RedisServer, secure_conf, server_argv
+from services.common.schemas import RolloutGroup, Sample, TrainerStepMetrics, WeightsInfo
 from services.orchestrator.loop import Orchestrator, Progress
 
 __all__ = ["budget_sandbox"]  # the real sandbox process, a module fixture used below
@@ -128,6 +133,73 @@ def test_supervised_redis_comes_back_with_its_data(tmp_path: Path) -> None:
         assert bus.r.get("k") == "v" and len(bus.ledger()["trained"]) == 50  # type: ignore[arg-type]
     finally:
         stop(sup)
+
+
+# ------------------------------------------------------------------ services across a Redis outage
+
+
+@pytest.mark.full  # ~40 s (a decode process); the pipeline test kills the run's Redis in CI
+def test_services_ride_out_a_redis_outage(tmp_path: Path) -> None:
+    """The run's Redis killed (-9) and away for 4 s, longer than a supervised restart takes: the
+    decode, sandbox and KV store gateway processes neither exit nor fail /health, decode serves
+    meanwhile, and once Redis is back (same port, its data from the AOF) each one's heartbeat puts
+    it back in the registry and decode's weights gate reads the newly announced version."""
+    server = RedisServer(tmp_path / "redis").start()
+    url = server.url
+    kv_cfg = RunConfig(redis=RedisSection(url=url, prefix=f"t-outage-kv-{uuid.uuid4().hex[:6]}"))
+    kv_cfg.redis.heartbeat_s = 0.2
+    kv_cfg.kvstore.enabled = True
+    kv = start_with_config("services.kvstore", kv_cfg, url, tmp_path, "kvstore")
+    sb = Sandbox(tmp_path / "sandbox", url)
+    dec_dir = tmp_path / "decode"
+    dec_dir.mkdir()
+    v0, v1 = spread_debug_versions(dec_dir / "weights")
+    try:
+        with decode_server(
+            url, v0, load_config("debug").model, dec_dir, prefix="t-outage-dec", max_seq_len=64
+        ) as dec:
+            sb.wait_ready()
+            kv_bus = Bus(url, kv_cfg.redis.prefix)
+            wait_registered(kv_bus, "kvstore", kv, tmp_path / "kvstore.log")
+            buses = {"decode": dec.bus, "sandbox": sb.bus, "kvstore": kv_bus}
+            urls = {k: b.services(k)[0].url for k, b in buses.items()}
+            procs = {"decode": dec.proc, "sandbox": sb.proc, "kvstore": kv}
+            gen = {"input_ids": [5, 6], "sampling": {"max_tokens": 3, "ignore_eos": True}}
+
+            assert server.proc is not None
+            server.proc.kill()
+            server.proc.wait()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 4.0:  # Redis is away: what needs none of it goes on
+                for kind, u in urls.items():
+                    assert httpx.get(f"{u}/health", timeout=5).status_code == 200, kind
+                r = httpx.post(f"{urls['decode']}/v1/generate", json=gen, headers=auth_headers(), timeout=30)
+                assert r.status_code == 200 and r.json()["choices"][0]["versions"] == [0, 0, 0], r.text
+                time.sleep(0.5)
+            server = RedisServer(tmp_path / "redis", port=server.port, password=server.password).start()
+
+            for kind, bus in buses.items():  # entries the AOF brought back (not yet expired)
+                for key in bus.r.scan_iter(match=bus.k.service(kind, "*")):
+                    bus.r.delete(key)
+            for kind, bus in buses.items():  # each heartbeat writes its entry again
+                wait_for(lambda b=bus, k=kind: b.services(k), what=f"{kind} registered again")
+            dec.bus.publish_weights(WeightsInfo(version=1, path=str(v1)))
+            r = httpx.post(
+                f"{urls['decode']}/update_weights",
+                json={"path": str(v1), "version": 1},
+                headers=auth_headers(),
+                timeout=60,
+            )
+            assert r.status_code == 200 and r.json()["version"] == 1, r.text
+            for kind, proc in procs.items():
+                assert proc.poll() is None, f"{kind} exited {proc.returncode}"
+                assert httpx.get(f"{urls[kind]}/health", timeout=5).status_code == 200, kind
+    finally:
+        sb.stop()
+        if kv.poll() is None:
+            kv.terminate()
+            kv.wait(20)
+        server.stop()
 
 
 # ------------------------------------------------------------------ liveness of HTTP services

@@ -137,6 +137,11 @@ def test_run_survives_redis_hung_decode_killed_supervisor_and_orchestrator(tmp_p
     assert summary["supervisors_restarted"] == {"sandbox.0": 1}, summary
     assert "supervisor of sandbox.0 was killed" in out
     assert len(supervisor_events(run_dir, "redis", "started")) == 2
+    # No client died of the Redis kill: each service was started again only for its own fault
+    # (decode hung, sandbox's supervisor killed), the trainer never (steps contiguous, below).
+    assert len(supervisor_events(run_dir, "decode.0", "started")) == 2
+    assert len(supervisor_events(run_dir, "sandbox.0", "started")) == 2
+    assert len(supervisor_events(run_dir, "trainer", "started")) == 1
     hung = supervisor_events(run_dir, "decode.0", "child hung: killing")
     assert [h["pid"] for h in hung] == [decode], hung
     assert len(supervisor_events(run_dir, "orchestrator", "started")) == 2

@@ -139,6 +139,24 @@ def test_glm5_renders_28_gpu_nodes_plus_head(tmp_path: Path) -> None:
     assert not slurm.missing_modules(plan), slurm.missing_modules(plan)
 
 
+def test_mooncake_master_listens_on_the_head_only(tmp_path: Path) -> None:
+    """The Mooncake master has no authentication (docs/security.md): on Slurm it runs on the head
+    beside the one KV store gateway that uses it, bound to loopback, while the gateway itself
+    (token-protected) listens on every interface."""
+    from services.kvstore.mooncake import master_flags
+
+    cfg = load_config(
+        "debug", ["--slurm.launcher=slurm", "--kvstore.enabled=true", "--kvstore.mooncake.enabled=true"]
+    )
+    plan = slurm.build_plan(cfg, tmp_path / "run")
+    head = [s.name for node in plan.components[0].services for s in node]
+    assert "mooncake_master" in head and "kvstore" in head
+    res = slurm.resolved_config(cfg, plan, "redis://h:1/0")
+    assert res.kvstore.host == "0.0.0.0" and res.kvstore.mooncake.master_host == "127.0.0.1"
+    argv = master_flags(res.kvstore.mooncake)
+    assert "--rpc_address=127.0.0.1" in argv and "--http_metadata_server_host=127.0.0.1" in argv
+
+
 def test_glm5_model_is_744b_total_40b_active() -> None:
     m = load_config("glm5").model
     p = m.param_counts()

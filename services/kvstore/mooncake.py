@@ -38,8 +38,13 @@ def master_binary() -> str:
 
 
 def master_argv(sec: MooncakeSection) -> list[str]:
+    return [master_binary(), *master_flags(sec)]
+
+
+def master_flags(sec: MooncakeSection) -> list[str]:
+    """The master's flags. It authenticates no one, so it listens on `master_host` only (loopback
+    by default: the gateway that uses it runs on the same host; docs/security.md)."""
     argv = [
-        master_binary(),
         f"--rpc_port={sec.rpc_port}",
         f"--rpc_address={sec.master_host}",
         "--enable_http_metadata_server=true",
