@@ -567,11 +567,13 @@ def tail_generated(cfg: RunConfig) -> float:
 def step_times_cpu(cfg: RunConfig, rates: Rates) -> StepTimes:
     """The debug config on CPU: the measured step costs of the debug model. A step's rollouts
     decode in lockstep (every sequence of the batch in one engine step), one engine step per
-    generated token of a turn, turn after turn."""
+    generated token of a turn, turn after turn; a wave lasts as long as its longest rollout (a
+    multi-turn one generates several times the mean), so the step's rollouts take at least that."""
     w = cfg.plan
     rollouts = cfg.orchestrator.batch_size * cfg.orchestrator.group_size
     waves = math.ceil(rollouts / (cfg.decode.engine.max_batch_size * cfg.decode.replicas))
-    decode_s = waves * w.generated_tokens * rates.cpu_decode_step_s.value
+    steps = max(waves * w.generated_tokens, tail_generated(cfg))
+    decode_s = steps * rates.cpu_decode_step_s.value
     train_s = rollouts * w.rollout_tokens * rates.cpu_train_s_per_token.value
     return _combine(cfg, decode_s, 0.0, decode_s, train_s, 0.0, 0.0, decode_s)
 

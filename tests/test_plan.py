@@ -172,12 +172,29 @@ def test_mla_dsa_kv_reads() -> None:
 
 
 def test_cpu_plan_by_hand(rates: P.Rates) -> None:
-    cfg = load_config("debug", ["--plan.rollout_tokens=40", "--plan.generated_tokens=10"])
+    cfg = load_config(
+        "debug", ["--plan.rollout_tokens=40", "--plan.generated_tokens=10", "--plan.tail_factor=1.5"]
+    )
     t = P.step_times_cpu(cfg, rates)
-    # 512 rollouts in one wave (max_batch_size 512), one engine step per generated token.
-    assert t.decode_s == pytest.approx(10 * 0.05)
+    # 512 rollouts in one wave (max_batch_size 512), one engine step per generated token; the
+    # wave lasts as long as its longest rollout: 1.5 x 10 generated tokens.
+    assert t.decode_s == pytest.approx(15 * 0.05)
     assert t.train_s == pytest.approx(512 * 40 * 1e-4)
     assert t.step_async_s == pytest.approx(max(t.decode_s, t.train_s))
+    # Three waves (max_batch_size 200): 30 engine steps, more than the longest rollout's 15.
+    t = P.step_times_cpu(
+        load_config(
+            "debug",
+            [
+                "--decode.engine.max_batch_size=200",
+                "--plan.rollout_tokens=40",
+                "--plan.generated_tokens=10",
+                "--plan.tail_factor=1.5",
+            ],
+        ),
+        rates,
+    )
+    assert t.decode_s == pytest.approx(30 * 0.05)
 
 
 def test_balance_moves_nodes_to_the_slow_side(rates: P.Rates) -> None:

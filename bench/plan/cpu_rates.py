@@ -6,8 +6,9 @@ Measured in one process with the run's own engine and trainer code (no HTTP, Red
   - decode: one engine step over a full batch of the debug run's rollouts (batch_size x group_size
     sequences of the `reverse` prompt length, `sampling.max_tokens` new tokens each, EOS ignored),
     at the debug config's engine settings: seconds per engine step;
-  - train: the trainer's `train_step` on a batch of that many samples of the measured rollout
-    length: seconds per trained token.
+  - train: the trainer's `train_step` on a batch of that many samples of the config's mean
+    rollout length (`plan.rollout_tokens`, `plan.generated_tokens` of them in the loss): seconds
+    per trained token.
 Each is the median of `--reps` repetitions after a warm-up. The capacity plan (sbatch/plan.py)
 reads both from the result file named in bench/plan/rates.toml.
 """
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="debug")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--prompt-tokens", type=int, default=24, help="the reverse task's prompt length")
+    ap.add_argument("--prompt-tokens", type=int, default=8, help="the reverse task's prompt length")
     args = ap.parse_args()
     cfg = load_config(args.config)
     o, ec, tc = cfg.orchestrator, cfg.decode.engine, cfg.trainer
@@ -79,7 +80,9 @@ def main() -> None:
     trainer = Trainer(cfg, tmp, "redis://127.0.0.1:1/0", d=Dist("cpu"))
     trainer.model, trainer.degrees, trainer.meshes = parallelize(model, tc, 1, torch.device("cpu"), False)
     trainer.opt = torch.optim.AdamW(trainer.model.parameters(), lr=tc.lr, betas=tc.betas)
-    length = args.prompt_tokens + new
+    length = round(cfg.plan.rollout_tokens)
+    gen = round(cfg.plan.generated_tokens)
+    tokens = [5 + i % 50 for i in range(length - gen)] + [7] * gen
     groups = [
         RolloutGroup(
             group_id=str(g),
@@ -88,10 +91,10 @@ def main() -> None:
             samples=[
                 Sample(
                     rollout_id=f"{g}.{i}",
-                    tokens=prompt + [7] * new,
-                    loss_mask=[0] * args.prompt_tokens + [1] * new,
-                    logprobs=[0.0] * args.prompt_tokens + [-1.0] * new,
-                    versions=[-1] * args.prompt_tokens + [0] * new,
+                    tokens=tokens,
+                    loss_mask=[0] * (length - gen) + [1] * gen,
+                    logprobs=[0.0] * (length - gen) + [-1.0] * gen,
+                    versions=[-1] * (length - gen) + [0] * gen,
                     reward=float(i % 2),
                     advantage=float(i % 2) - 0.5,
                 )
@@ -117,7 +120,11 @@ def main() -> None:
         "baseline": "none: these are the inputs of the plan, checked against a measured debug run "
         "(bench/plan/README.md)",
         "config": args.config,
-        "workload": {"rollouts": rollouts, "prompt_tokens": args.prompt_tokens, "new_tokens": new},
+        "workload": {
+            "rollouts": rollouts,
+            "decode": {"prompt_tokens": args.prompt_tokens, "new_tokens": new},
+            "train": {"sample_tokens": length, "loss_tokens": gen},
+        },
         "decode": {
             "step_s": step_s,
             "runs": [{"wall_s": w, "steps": s} for w, s in dec],
