@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,9 +109,20 @@ class Faults:
                 print(f"[chaos] {now - t0:6.1f}s {name}: no live child ({e})", flush=True)
 
 
+def load_during(stop: threading.Event, out: list[float], every_s: float = 30.0) -> None:
+    """The 1-minute load average every `every_s` while a run goes: on a shared machine it says
+    how much of the wall-clock time (and so of the slowdown) other work took."""
+    while True:
+        out.append(os.getloadavg()[0])
+        if stop.wait(every_s):
+            return
+
+
 def timed_run(args: list[str], log: Path, run_dir: Path, faults: Faults | None) -> dict[str, Any]:
     watch = Watch(run_dir)
     threading.Thread(target=watch.run, daemon=True).start()
+    load: list[float] = []
+    threading.Thread(target=load_during, args=(watch.stop, load), daemon=True).start()
     t0 = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -123,7 +135,7 @@ def timed_run(args: list[str], log: Path, run_dir: Path, faults: Faults | None) 
     if faults is not None:
         faults.stop.set()
     watch.stop.set()
-    return {"exit": code, "wall_s": round(wall, 1), "watch": watch}
+    return {"exit": code, "wall_s": round(wall, 1), "watch": watch, "load": load}
 
 
 def unreadable(run_dir: Path) -> dict[str, list[str]]:
@@ -166,6 +178,12 @@ def report(run_dir: Path, res: dict[str, Any]) -> dict[str, Any]:
         "unreadable": bad,
         "stale_dropped": sum(h["dropped_stale"] for h in hist),
         "supervisors_restarted": summary.get("supervisors_restarted", {}),
+        "load_avg_1m_during": {
+            "samples": len(res["load"]),
+            "min": min(res["load"], default=None),
+            "median": statistics.median(res["load"]) if res["load"] else None,
+            "max": max(res["load"], default=None),
+        },
     }
 
 

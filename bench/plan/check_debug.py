@@ -1,6 +1,10 @@
 """The capacity plan against a measured run, stage by stage: predicted vs the run's own.
 
     python bench/plan/check_debug.py --run runs/latest --out bench/plan/results/debug_check.json
+    python bench/plan/check_debug.py --launch 80 --out bench/plan/results/debug_check.json
+
+With `--launch N` it first runs the debug pipeline itself (`sbatch.launch run debug`, N steps, no
+early stop on targets) in a fresh run directory and checks that run.
 
 Reads the run's resolved config and metrics.jsonl (steps after the first `--skip`, when compile
 and warm-up are over) and sets each stage's median per step beside `make plan`'s prediction for
@@ -24,7 +28,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -65,13 +71,26 @@ def compare(predicted: float, measured: float, step: float) -> dict[str, Any]:
     }
 
 
+def launch(steps: int) -> Path:
+    run = Path(tempfile.mkdtemp(prefix="relay-plan-check-")) / "run"
+    argv = [sys.executable, "-m", "sbatch.launch", "run", "debug", f"--run.dir={run}"]
+    argv += [f"--run.max_steps={steps}", "--run.stop_on_targets=false", "--run.time_budget_s=100000"]
+    print(f"launching the debug run in {run}", flush=True)
+    with open(run.parent / "launch.log", "w") as log:
+        code = subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise SystemExit(f"the debug run failed ({code}): {run.parent / 'launch.log'}")
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/latest")
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
+    ap.add_argument("--launch", type=int, default=0, help="run the debug pipeline for N steps first")
     args = ap.parse_args()
-    run = Path(args.run).resolve()
+    run = launch(args.launch) if args.launch else Path(args.run).resolve()
     cfg = load_resolved(run / "config.json")
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     recs = recs[args.skip :]
