@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class Rate(BaseModel):
         def get(path: str) -> float:
             node = data
             for part in path.split("."):
-                node = node[part]
+                node = node[int(part)] if isinstance(node, list) else node[part]
             return float(node)
 
         v = get(self.key) * self.scale
@@ -98,6 +99,10 @@ class Rates(BaseModel):
     apply_bytes_per_s: Rate | None = None
     cpu_decode_step_s: Rate  # the debug model: one engine step at the debug batch, CPU
     cpu_train_s_per_token: Rate  # the debug model: trainer seconds per trained token, CPU
+    # CPU-seconds per rollout the orchestrator and the sandbox spend in a debug run (CPU plan:
+    # every process shares the machine's cores).
+    cpu_orchestrator_s_per_rollout: Rate
+    cpu_sandbox_s_per_rollout: Rate
 
 
 def load_rates(path: Path = RATES_FILE, root: Path = REPO) -> Rates:
@@ -139,7 +144,7 @@ class StepTimes(BaseModel):
     step_sync_s: float
     trainer_wait_s: float
     inference_wait_s: float
-    bound_by: Literal["decode", "prefill", "train", "apply"]
+    bound_by: Literal["decode", "prefill", "train", "apply", "cpu"]
 
 
 class WeightsTraffic(BaseModel):
@@ -564,18 +569,33 @@ def tail_generated(cfg: RunConfig) -> float:
     return min(w.generated_tokens * w.tail_factor, cap)
 
 
-def step_times_cpu(cfg: RunConfig, rates: Rates) -> StepTimes:
+def step_times_cpu(cfg: RunConfig, rates: Rates, cores: int | None = None) -> StepTimes:
     """The debug config on CPU: the measured step costs of the debug model. A step's rollouts
     decode in lockstep (every sequence of the batch in one engine step), one engine step per
     generated token of a turn, turn after turn; a wave lasts as long as its longest rollout (a
-    multi-turn one generates several times the mean), so the step's rollouts take at least that."""
+    multi-turn one generates several times the mean), so the step's rollouts take at least that.
+    Unlike GPUs, the sides do not run on hardware of their own: decode, the trainer, the
+    orchestrator and the sandbox share the machine's `cores` (default: this machine's), so a step
+    takes at least their CPU-seconds over the cores ("bound by cpu")."""
     w = cfg.plan
     rollouts = cfg.orchestrator.batch_size * cfg.orchestrator.group_size
     waves = math.ceil(rollouts / (cfg.decode.engine.max_batch_size * cfg.decode.replicas))
     steps = max(waves * w.generated_tokens, tail_generated(cfg))
     decode_s = steps * rates.cpu_decode_step_s.value
     train_s = rollouts * w.rollout_tokens * rates.cpu_train_s_per_token.value
-    return _combine(cfg, decode_s, 0.0, decode_s, train_s, 0.0, 0.0, decode_s)
+    t = _combine(cfg, decode_s, 0.0, decode_s, train_s, 0.0, 0.0, decode_s)
+    env_s = rollouts * (rates.cpu_orchestrator_s_per_rollout.value + rates.cpu_sandbox_s_per_rollout.value)
+    shared = (decode_s + train_s + env_s) / (cores or os.cpu_count() or 1)
+    if shared <= t.step_async_s:
+        return t
+    return t.model_copy(
+        update={
+            "step_async_s": shared,
+            "trainer_wait_s": shared - train_s,
+            "inference_wait_s": shared - decode_s,
+            "bound_by": "cpu",
+        }
+    )
 
 
 def device_for(cfg: RunConfig, rates: Rates) -> Device:
@@ -601,7 +621,12 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
     }
     if on_cpu:
         times = step_times_cpu(cfg, rates)
-        for k in ("cpu_decode_step_s", "cpu_train_s_per_token"):
+        for k in (
+            "cpu_decode_step_s",
+            "cpu_train_s_per_token",
+            "cpu_orchestrator_s_per_rollout",
+            "cpu_sandbox_s_per_rollout",
+        ):
             used[k] = getattr(rates, k).cite()
         mem = memory(cfg, split, Device("CPU", 24e9, 1.0, 1.0))
         device = "CPU (the debug model's measured step costs)"

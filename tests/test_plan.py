@@ -36,6 +36,8 @@ def rates(tmp_path: Path) -> P.Rates:
         "apply_bytes_per_s": _rate(tmp_path, "apply", 5e9),
         "cpu_decode_step_s": _rate(tmp_path, "cpu_dec", 0.05),
         "cpu_train_s_per_token": _rate(tmp_path, "cpu_tr", 1e-4),
+        "cpu_orchestrator_s_per_rollout": _rate(tmp_path, "cpu_orch", 1e-3),
+        "cpu_sandbox_s_per_rollout": _rate(tmp_path, "cpu_sb", 1e-3),
     }
     path = tmp_path / "rates.toml"
     lines = []
@@ -175,12 +177,17 @@ def test_cpu_plan_by_hand(rates: P.Rates) -> None:
     cfg = load_config(
         "debug", ["--plan.rollout_tokens=40", "--plan.generated_tokens=10", "--plan.tail_factor=1.5"]
     )
-    t = P.step_times_cpu(cfg, rates)
+    t = P.step_times_cpu(cfg, rates, cores=8)
     # 512 rollouts in one wave (max_batch_size 512), one engine step per generated token; the
     # wave lasts as long as its longest rollout: 1.5 x 10 generated tokens.
     assert t.decode_s == pytest.approx(15 * 0.05)
     assert t.train_s == pytest.approx(512 * 40 * 1e-4)
-    assert t.step_async_s == pytest.approx(max(t.decode_s, t.train_s))
+    # 8 cores: the CPU-seconds (0.75 + 2.048 + 512 x 2e-3) / 8 = 0.478 s fit beside the sides
+    assert t.step_async_s == pytest.approx(max(t.decode_s, t.train_s)) and t.bound_by == "train"
+    # One core: every process shares it, and the step takes their CPU-seconds (3.822 s).
+    t = P.step_times_cpu(cfg, rates, cores=1)
+    assert t.step_async_s == pytest.approx(0.75 + 2.048 + 1.024) and t.bound_by == "cpu"
+    assert t.trainer_wait_s == pytest.approx(t.step_async_s - 2.048)
     # Three waves (max_batch_size 200): 30 engine steps, more than the longest rollout's 15.
     t = P.step_times_cpu(
         load_config(
