@@ -222,6 +222,26 @@ def test_engine_logprobs_equal_trainer_glm5(tmp_path: Path, replay: bool) -> Non
     assert rec.replayed.tolist() == ([n] if replay else [0.0]) * len(moe_layer_ids(m))
 
 
+def test_engine_breaks_index_score_ties_as_the_trainer_glm5(tmp_path: Path) -> None:
+    """Keys whose index scores tie (every head's ReLU 0: exactly 0, common once an indexer starts to
+    learn) go to the earlier key in the engine as in the trainer, so the trainer's log-probs of the
+    engine's samples still equal the engine's. Here every score ties: the head weights are 0."""
+    m = small_glm(max_seq_len=64)
+    model = glm_model(m, seed=3)
+    with torch.no_grad():
+        for a in glm_attentions(model):
+            a.indexer.weights_proj.weight.zero_()
+    d = save_weights_dir(m, model.state_dict(), tmp_path / "step_0", {"version": 0})
+    samples = engine_samples(d, m)
+    (mb,) = micro_batches(samples, 10_000)
+    (routes,) = micro_batch_routes(samples, m, False, 10_000)
+    with torch.no_grad(), routing(model, routes, replay=True):
+        logp, _ = token_logprobs(model, mb.tokens)
+    mask = mb.loss_mask > 0
+    assert mb.tokens.shape[1] > m.index_topk + 8
+    torch.testing.assert_close(logp[mask], mb.logp_infer[mask], rtol=0, atol=TOL)
+
+
 def test_fp8_engine_equals_fp8_trainer_glm5(tmp_path: Path) -> None:
     """decode.engine.quantization = "fp8" and trainer.fp8 on the same GLM-5 weights: the same
     block-scaled recipe on the same linears (MLA's kv_b_proj high precision on both sides, the

@@ -105,7 +105,11 @@ class Indexer(nn.Module):
         for h in range(self.n_heads):
             scores += w[..., h, None] * F.relu(torch.matmul(q[:, :, h].float(), kt) * self.scale)
         scores = scores.masked_fill(~mask[:, 0], float("-inf"))
-        top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        # Ties go to the earlier key, as in the trainer (trainer/glm5.py): keys whose every head's
+        # ReLU is 0 score exactly 0, and torch.topk breaks such ties in a shape-dependent order,
+        # so the trainer would attend to other keys than the ones the sample was drawn with.
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        top = order[..., : min(self.topk, scores.shape[-1])]
         keep = torch.zeros_like(mask[:, 0]).scatter_(-1, top, True)
         return mask & keep[:, None]
 
