@@ -15,15 +15,9 @@ from helpers import triton_interp
 # The kernels run under Triton's interpreter without CUDA (tests/helpers/triton_interp.py); if
 # triton was imported too early for that, this file's tests skip and test_kernel_tests_in_child_process
 # runs them in a child process.
-INTERPRET, IN_CHILD = triton_interp.prepare(("paged_attention", "qk_rope"))
-needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
-triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
-def test_kernel_tests_in_child_process() -> None:
-    triton_interp.run_file_in_child(__file__)
+INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_kernel_tests_in_child_process = (
+    triton_interp.kernel_test_module(("paged_attention", "qk_rope"), __file__)
+)
 
 
 from pydantic import ValidationError  # noqa: E402

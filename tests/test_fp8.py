@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from helpers.engine_forward import engine_logits
 from torch import nn
 
 from ops.fp8.recipe import (
@@ -29,8 +30,6 @@ from ops.fp8.recipe import (
     quantize_weight,
 )
 from services.common.config import ModelConfig
-from services.engine.batch import ForwardBatch, Span
-from services.engine.kv_cache import KVCache
 from services.engine.models.causal_lm import CausalLM
 
 SLACK = 1 + 1e-6  # float32 rounding of x / s (exact for power-of-two scales)
@@ -197,26 +196,6 @@ def test_fp8_linear_close_to_linear(shape: tuple[int, int], pow2: bool) -> None:
         torch.testing.assert_close(
             f8.dequantized_weight(), dequantize_weight(*quantize_weight(lin.weight * 2, pow2))
         )
-
-
-def engine_logits(model: CausalLM, m: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """Full-sequence logits of the engine decoder for each row of tokens (B, L)."""
-    bs, max_len = 16, 64
-    kv = KVCache(
-        m.n_layers,
-        tokens.shape[0] * max_len // bs,
-        bs,
-        max_len,
-        m.n_kv_heads,
-        m.head_dim,
-        torch.float32,
-        torch.device("cpu"),
-    )
-    n = max_len // bs
-    spans = [Span(list(range(i * n, (i + 1) * n)), 0, tokens[i].tolist()) for i in range(tokens.shape[0])]
-    with torch.inference_mode():
-        batch = ForwardBatch.build(spans, torch.device("cpu"), max_len, bs)
-        return model.logits(model(batch, kv)).view(*tokens.shape, -1)
 
 
 @pytest.mark.parametrize("dims", [(256, 384, 64), (192, 320, 48)], ids=["aligned", "ragged"])

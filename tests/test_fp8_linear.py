@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import triton_interp
+from helpers.engine_forward import engine_logits
 from pydantic import ValidationError
 from torch import nn
 
@@ -32,8 +33,6 @@ from ops.fp8.recipe import (
 from services.common.config import EngineConfig, ModelConfig, TrainerSection
 from services.common.weights_dir import read_model_dir
 from services.engine import LLMEngine
-from services.engine.batch import ForwardBatch, Span
-from services.engine.kv_cache import KVCache
 from services.engine.layers.fp8 import Fp8Experts, Fp8Linear, convert_model, engine_skip
 from services.engine.models.causal_lm import CausalLM
 from trainer.fp8 import CONVERTER_NAME, Fp8BlockwiseConverter, Fp8TrainLinear, convert, fp8_linear
@@ -85,30 +84,6 @@ def mean_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """Mean over positions of KL(ref || other) of the next-token distributions."""
     lp_ref, lp = torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(logits.double(), -1)
     return (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
-
-
-def engine_logits(model: CausalLM, m: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """Full-sequence logits of the engine decoder (paged KV, flat batch) for each row of tokens."""
-    bs, max_len = 16, 64
-    kv = KVCache(
-        m.n_layers,
-        tokens.shape[0] * max_len // bs,
-        bs,
-        max_len,
-        m.n_kv_heads,
-        m.head_dim,
-        torch.float32,
-        torch.device("cpu"),
-        # MoE models record each layer's routing in the cache.
-        moe_layers=m.n_layers - m.first_k_dense if m.is_moe else 0,
-        top_k=m.n_experts_per_tok,
-        n_experts=m.n_routed_experts,
-    )
-    n = max_len // bs
-    spans = [Span(list(range(i * n, (i + 1) * n)), 0, tokens[i].tolist()) for i in range(tokens.shape[0])]
-    with torch.inference_mode():
-        batch = ForwardBatch.build(spans, torch.device("cpu"), max_len, bs)
-        return model.logits(model(batch, kv)).view(*tokens.shape, -1)
 
 
 def trainer_state(seed: int) -> dict[str, torch.Tensor]:

@@ -14,15 +14,13 @@ from helpers import triton_interp
 
 # As tests/test_engine_fused_kernels.py: interpreted kernels need TRITON_INTERPRET=1 before triton
 # is first imported; otherwise this file runs itself in a child process.
-INTERPRET, IN_CHILD = triton_interp.prepare(("ops.fused_norm", "paged_attention", "qk_rope", "gemv"))
-needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
-triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
-def test_fp32_residual_kernel_tests_in_child_process() -> None:
-    triton_interp.run_file_in_child(__file__)
+(
+    INTERPRET,
+    IN_CHILD,
+    needs_interpreter,
+    triton_interpreter,
+    test_fp32_residual_kernel_tests_in_child_process,
+) = triton_interp.kernel_test_module(("ops.fused_norm", "paged_attention", "qk_rope", "gemv"), __file__)
 
 
 from ops import fused_norm  # noqa: E402

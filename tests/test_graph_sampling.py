@@ -16,17 +16,11 @@ from helpers import triton_interp
 
 # The kernels run under Triton's interpreter without CUDA (tests/helpers/triton_interp.py); if
 # triton was imported too early for that, this file's tests skip and the child-process test runs them.
-INTERPRET, IN_CHILD = triton_interp.prepare(
-    ("feed", "sampling", "paged_attention", "qk_rope", "ops.fused_norm", "gemv")
+INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_graph_sampling_tests_in_child_process = (
+    triton_interp.kernel_test_module(
+        ("feed", "sampling", "paged_attention", "qk_rope", "ops.fused_norm", "gemv"), __file__
+    )
 )
-needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
-triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
-def test_graph_sampling_tests_in_child_process() -> None:
-    triton_interp.run_file_in_child(__file__)
 
 
 from services.common.config import EngineConfig, load_config  # noqa: E402

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import string
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,8 @@ import aiohttp
 import httpx
 import pytest
 import torch
+from helpers.bigram_chat import ENDOFTEXT, IM_END, IM_START, bigram_chat_dir
 from helpers.decode_server import Server, decode_server, sse_events
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from services.common.auth import auth_headers
 from services.common.chat import ChatTemplate
@@ -62,15 +61,12 @@ from services.orchestrator.clients import DecodeClient, Router
 from services.orchestrator.rollout import GroupSpec, RolloutRunner
 from trainer.model import build_model, load_weights_dir, save_weights_dir, to_hf_state
 
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 BAD = '{"name": broken'
 WORDS = ["Sure", "<tool_call>", "</tool_call>", CALL, "<tool_call>\n", "</tool_call>\n", BAD]
-CHARS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
 # The assistant turn the bigram model writes after the generation prompt (which ends with "\n").
 CHAIN = ["\n", "Sure", "<tool_call>", CALL, "</tool_call>", "<tool_call>\n", BAD, "</tool_call>\n", IM_END]
 TURN_TEXT = "".join(CHAIN[1:-1])
-VOCAB = 128  # >= the tokenizer's size; also the model width, so embeddings can be one-hot
 MAX_LEN = 1024
 
 # ChatML with tools, in the shape of Qwen's template (tool results go back in a user turn).
@@ -95,50 +91,14 @@ TOOLS = [
 ]
 
 
-def build_tokenizer() -> Tokenizer:
-    vocab = {t: i for i, t in enumerate([ENDOFTEXT, IM_START, IM_END, *CHARS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=ENDOFTEXT))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([ENDOFTEXT, IM_START, IM_END])
-    tok.add_tokens(WORDS)
-    return tok
-
-
 def qwen_style_dir(dest: Path, turn_end: str = IM_END) -> Path:
     """The bigram chat model described in the module docstring, as an HF directory; its turns end
-    with `turn_end` (<|endoftext|>: a turn that ends on the other EOS id)."""
-    chain = [*CHAIN[:-1], turn_end]
-    tok = build_tokenizer()
-    ids = {t: tok.token_to_id(t) for t in [*CHAIN, "q", ENDOFTEXT]}
-    assert tok.get_vocab_size() <= VOCAB and None not in ids.values()
-    m = ModelConfig(
-        arch="qwen3", vocab_size=VOCAB, dim=VOCAB, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
-        hidden_dim=64, max_seq_len=MAX_LEN, rope_theta=1e6, tie_embeddings=False, tokenizer="hf",
-    )  # fmt: skip
-    hf = to_hf_state(m, build_model(m, seed=0).state_dict())
-    for name, w in hf.items():
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-            hf[name] = torch.zeros_like(w)  # each layer adds nothing: h = embedding
-    hf["model.embed_tokens.weight"] = torch.eye(VOCAB)
-    succ = {t: ids[ENDOFTEXT] for t in range(VOCAB)}  # anything else ends the text
-    for a, b in zip(chain, chain[1:], strict=False):
-        succ[ids[a]] = ids[b]
-    # After <|im_end|> the table goes on ("qqq..."): only the generation_config EOS stops there.
-    succ[ids[IM_END]] = succ[ids["q"]] = ids["q"]
-    head = torch.zeros(VOCAB, VOCAB)
-    for t, nxt in succ.items():
-        head[nxt, t] = 5.0  # logit 5 * sqrt(dim) ~ 57 over 0: greedy and T=1 agree
-    hf["lm_head.weight"] = head
-    tokdir = dest.parent / f"{dest.name}-tokenizer"
-    tokdir.mkdir(parents=True)
-    tok.save(str(tokdir / "tokenizer.json"))
-    # Qwen3 base: tokenizer_config and config.json name <|endoftext|>; the turn ends with <|im_end|>.
-    tok_cfg = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "chat_template": TEMPLATE}
-    (tokdir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    d = write_model_dir(dest, hf, hf_config(m, ids[ENDOFTEXT]), tokdir, {"version": 0})
-    gen = {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "temperature": 0.7}
-    (d / "generation_config.json").write_text(json.dumps(gen))
+    with `turn_end` (<|endoftext|>: a turn that ends on the other EOS id). After <|im_end|> the
+    table goes on ("qqq..."): only the generation_config EOS stops there."""
+    chains = [[*CHAIN[:-1], turn_end], [IM_END, "q", "q"]]
+    d = bigram_chat_dir(dest, chains, WORDS, template=TEMPLATE)
+    gen_file = d / "generation_config.json"
+    gen_file.write_text(json.dumps({**json.loads(gen_file.read_text()), "temperature": 0.7}))
     return d
 
 

@@ -14,17 +14,11 @@ import torch
 from helpers import triton_interp
 
 # As the other kernel test files: TRITON_INTERPRET=1 before triton's first import, else a child.
-INTERPRET, IN_CHILD = triton_interp.prepare(
-    ("megakernel", "ops.fused_norm", "paged_attention", "qk_rope", "gemv")
+INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_megakernel_tests_in_child_process = (
+    triton_interp.kernel_test_module(
+        ("megakernel", "ops.fused_norm", "paged_attention", "qk_rope", "gemv"), __file__
+    )
 )
-needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
-triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
-def test_megakernel_tests_in_child_process() -> None:
-    triton_interp.run_file_in_child(__file__)
 
 
 from services.common.config import EngineConfig, ModelConfig, load_config  # noqa: E402

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers.moe import (
     RouterTap,
+    check_packed_replay_equals_padded,
     nemotron_model,
     own_choice,
     random_routes,
@@ -27,7 +28,6 @@ from services.common.config import ModelConfig, RunConfig
 from services.common.modeldir import hf_config, model_config_from_hf
 from services.common.schemas import RolloutGroup, TrainerStepMetrics
 from services.common.weights_dir import read_model_dir, step_dir
-from trainer.batch import micro_batches
 from trainer.loss import token_logprobs
 from trainer.model import adapter, build_model, from_hf_state, load_weights_dir, save_weights_dir, to_hf_state
 from trainer.replay import UNRECORDED, micro_batch_routes, routing
@@ -238,31 +238,11 @@ def test_weights_round_trip_in_both_hf_layouts(tmp_path: Path) -> None:
 def test_packed_equals_padded_nemotron() -> None:
     """A packed row (every Mamba layer restarts its state and convolution at each sample, the
     attention is document-masked) gives each sample's log-probs of a padded batch."""
-    from trainer.attention import enable_document_attention, micro_batch_attention, packed_logprobs
-    from trainer.packing import packed_micro_batches
+    from trainer.attention import enable_document_attention
 
     m = small_nemotron()
     model = enable_document_attention(nemotron_model(m), "sdpa")
-    rng = np.random.default_rng(0)
-    samples = [routed_sample(f"s{i}", n, m, rng)[0] for i, n in enumerate([13, 9, 21])]
-    (mb,) = micro_batches(samples, 10_000)
-    (routes,) = micro_batch_routes(samples, m, False, 10_000)
-    with torch.no_grad(), routing(model, routes, replay=True):
-        logp, _ = token_logprobs(model, mb.tokens)
-    padded = {}
-    for row in range(mb.tokens.shape[0]):
-        n = int(mb.loss_mask[row].sum()) + 2
-        padded[tuple(mb.tokens[row, :n].tolist())] = logp[row, 1 : n - 1]
-    (pmb,) = packed_micro_batches(samples, 10_000)
-    (proutes,) = micro_batch_routes(samples, m, True, 10_000)
-    assert len(pmb.seq_lens) == 3
-    with torch.no_grad(), routing(model, proutes, replay=True), micro_batch_attention(model, pmb):
-        plogp, _ = packed_logprobs(model, pmb)
-    start = 0
-    for seg in pmb.seq_lens:
-        toks = pmb.inputs[0, start : start + seg].tolist() + [int(pmb.targets[0, start + seg - 1])]
-        torch.testing.assert_close(plogp[0, start + 1 : start + seg], padded[tuple(toks)], rtol=0, atol=1e-5)
-        start += seg
+    check_packed_replay_equals_padded(model, m, [13, 9, 21], rtol=0, atol=1e-5)
 
 
 def test_replay_routes_exactly_as_recorded_nemotron() -> None:

@@ -8,15 +8,9 @@ import pytest
 import torch
 from helpers import triton_interp
 
-INTERPRET, IN_CHILD = triton_interp.prepare(("page_copy",))
-needs_interpreter = pytest.mark.skipif(IN_CHILD, reason=triton_interp.CHILD_REASON)
-triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
-def test_kernel_tests_in_child_process() -> None:
-    triton_interp.run_file_in_child(__file__)
+INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_kernel_tests_in_child_process = (
+    triton_interp.kernel_test_module(("page_copy",), __file__)
+)
 
 
 from services.engine.kernels import page_copy  # noqa: E402

@@ -30,20 +30,15 @@ import pytest
 import torch
 from helpers import triton_interp
 
-INTERPRET, IN_CHILD = triton_interp.prepare(
-    ("sampling", "ops.fused_norm", "paged_attention", "qk_rope", "gemv")
+INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_pdl_kernel_tests_in_child_process = (
+    triton_interp.kernel_test_module(
+        ("sampling", "ops.fused_norm", "paged_attention", "qk_rope", "gemv"), __file__
+    )
 )
 # These run CPU tensors under the interpreter (on a GPU host the H200 bench checks the real thing).
 needs_interpreter = pytest.mark.skipif(
     IN_CHILD or not INTERPRET, reason=triton_interp.CHILD_REASON if IN_CHILD else "no interpreter with CUDA"
 )
-triton_interpreter = triton_interp.interpreter_fixture(INTERPRET and not IN_CHILD)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not IN_CHILD, reason="the kernel tests run in this process")
-def test_pdl_kernel_tests_in_child_process() -> None:
-    triton_interp.run_file_in_child(__file__)
 
 
 from pydantic import ValidationError  # noqa: E402

@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers.moe import (
     RouterTap,
+    check_packed_replay_equals_padded,
     choice_sample,
     random_routes,
     replay_engine_samples,
-    routed_sample,
     run_one_step,
     small_ds,
     tokens,
@@ -245,41 +245,13 @@ def test_engine_routing_replays_in_the_trainer_deepseek(tmp_path: Path) -> None:
 def test_packed_replay_equals_padded_replay() -> None:
     """The trainer's packed micro-batches (document-masked SDPA, RoPE positions restarting per
     sample) give the MLA model the same replayed log-probs as a padded batch."""
-    import numpy as np
-
-    from trainer.attention import enable_document_attention, micro_batch_attention, packed_logprobs
-    from trainer.batch import micro_batches
-    from trainer.packing import packed_micro_batches
-    from trainer.replay import micro_batch_routes
+    from trainer.attention import enable_document_attention
 
     m = small_ds()
     model = enable_document_attention(ds_model(m), "sdpa")
-    rng = np.random.default_rng(0)
-    layers = len(moe_layer_ids(m))
-    # One generator for all three, drawn in order (each sample's ids, then its tokens).
-    samples = [routed_sample(f"s{i}", n, m, rng)[0] for i, n in enumerate([9, 5, 12])]
-    per_sample: dict[str, dict[tuple[int, ...], torch.Tensor]] = {"padded": {}, "packed": {}}
-    (mb,) = micro_batches(samples, 10_000)
-    (routes,) = micro_batch_routes(samples, m, False, 10_000)
-    with torch.no_grad(), routing(model, routes, replay=True):
-        logp, _ = token_logprobs(model, mb.tokens)
-    for row in range(mb.tokens.shape[0]):
-        n = int(mb.loss_mask[row].sum()) + 2
-        per_sample["padded"][tuple(mb.tokens[row, :n].tolist())] = logp[row, 1 : n - 1]
-    (pmb,) = packed_micro_batches(samples, 10_000)
-    (proutes,) = micro_batch_routes(samples, m, True, 10_000)
-    assert len(pmb.seq_lens) == 3
-    with torch.no_grad(), routing(model, proutes, replay=True) as rec, micro_batch_attention(model, pmb):
-        plogp, _ = packed_logprobs(model, pmb)
-    assert rec.replayed.tolist() == [float(sum(len(s.tokens) - 1 for s in samples))] * layers
-    start = 0
-    for seg in pmb.seq_lens:
-        toks = pmb.inputs[0, start : start + seg].tolist() + [int(pmb.targets[0, start + seg - 1])]
-        per_sample["packed"][tuple(toks)] = plogp[0, start + 1 : start + seg]
-        start += seg
-    assert set(per_sample["packed"]) == set(per_sample["padded"])
-    for k, v in per_sample["padded"].items():
-        torch.testing.assert_close(per_sample["packed"][k], v, rtol=1e-5, atol=1e-5)
+    packed = check_packed_replay_equals_padded(model, m, [9, 5, 12], rtol=1e-5, atol=1e-5)
+    trained = float(sum(len(s.tokens) - 1 for s in packed.samples))
+    assert packed.replayed == [trained] * len(moe_layer_ids(m))
 
 
 # ------------------------------------------------------------------ one trainer step, end to end

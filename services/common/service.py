@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -322,6 +322,26 @@ async def authorize_update(service: Service, req: UpdateWeightsRequest) -> None:
         raise HTTPException(
             503, f"cannot check the announced weights: {e}", headers={"Retry-After": "1"}
         ) from None
+
+
+def add_update_weights_route(
+    app: FastAPI,
+    service: Service,
+    load: Callable[[str, int], Awaitable[int]],
+    refused: type[Exception],
+) -> None:
+    """POST /update_weights of a service that serves weights (decode, prefill): authorised as
+    `authorize_update` says, then `load(path, version)`; a load raising `refused` (the directory
+    cannot be served) is a 400 naming the path."""
+
+    @app.post("/update_weights")
+    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        await authorize_update(service, req)
+        try:
+            version = await load(req.path, req.version)
+        except refused as e:
+            raise HTTPException(400, f"path: {e}") from None
+        return {"version": version, "path": req.path}
 
 
 def load_service_config(args: argparse.Namespace) -> RunConfig:

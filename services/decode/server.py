@@ -38,11 +38,10 @@ from services.common.schemas import (
     GenerateResponse,
     TokenizeRequest,
     TokenizeResponse,
-    UpdateWeightsRequest,
 )
 from services.common.service import (
     Service,
-    authorize_update,
+    add_update_weights_route,
     create_app,
     loaded,
     log_event,
@@ -433,14 +432,7 @@ def build_app(service: Service) -> FastAPI:
         except PromptError as e:
             raise HTTPException(400, str(e)) from None
 
-    @app.post("/update_weights")
-    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
-        await authorize_update(service, req)
-        try:
-            version = await state.load(req.path, req.version)
-        except WeightsError as e:
-            raise HTTPException(400, f"path: {e}") from None
-        return {"version": version, "path": req.path}
+    add_update_weights_route(app, service, state.load, WeightsError)
 
     @app.post("/pause")
     async def pause() -> dict[str, Any]:

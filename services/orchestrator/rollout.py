@@ -244,6 +244,31 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
+    def sample(
+        self,
+        rollout_id: str,
+        reward: float,
+        advantage: float,
+        token_advantages: list[float] | None = None,
+        segments: list[SampleSegment] | None = None,
+    ) -> Sample:
+        """The trajectory as the trainer's sample (routed experts: None when no turn returned them);
+        `segments`: what `segments()` returned, taken before the trajectory's tokens were read."""
+        return Sample(
+            rollout_id=rollout_id,
+            tokens=self.tokens,
+            loss_mask=self.mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            reward=reward,
+            advantage=advantage,
+            token_advantages=token_advantages,
+            turns=self.turns,
+            finish_reason=self.finish_reason,
+            segments=segments or [],
+            routed_experts=self.routing.finish(len(self.tokens)),
+        )
+
     def drop_env(self, n: int) -> None:
         """Remove the last `n` (environment) tokens: an observation whose answer never came is
         dead weight in the sample. O(n), like the append it undoes."""
@@ -688,20 +713,7 @@ class RolloutRunner:
                 [t.mask for t in trajs],
             )
         samples = [
-            Sample(
-                rollout_id=sample_id(spec.group_id, i),
-                tokens=t.tokens,
-                loss_mask=t.mask,
-                logprobs=t.logprobs,
-                versions=t.versions,
-                reward=r,
-                advantage=a,
-                token_advantages=None if per_token is None else per_token[i],
-                turns=t.turns,
-                finish_reason=t.finish_reason,
-                segments=segs,
-                routed_experts=t.routing.finish(len(t.tokens)),
-            )
+            t.sample(sample_id(spec.group_id, i), r, a, None if per_token is None else per_token[i], segs)
             for i, (t, r, a, segs) in enumerate(zip(trajs, rewards, advantages, segments, strict=True))
         ]
         return RolloutGroup(group_id=spec.group_id, env=spec.env, seed=spec.seed, samples=samples)

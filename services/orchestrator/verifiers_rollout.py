@@ -19,7 +19,6 @@ from __future__ import annotations
 from services.common.config import RunConfig
 from services.common.schemas import (
     RolloutGroup,
-    Sample,
     SamplingParams,
     VerifiersGroupRequest,
     VerifiersRollout,
@@ -89,17 +88,5 @@ async def run_verifiers_group(
     for i, (t, r, a) in enumerate(zip(trajs, rewards, advs, strict=True)):
         if t is None:  # a rollout that failed before its first turn has no tokens to train on
             continue
-        samples.append(
-            Sample(
-                rollout_id=sample_id(spec.group_id, i),
-                tokens=t.tokens,
-                loss_mask=t.mask,
-                logprobs=t.logprobs,
-                versions=t.versions,
-                reward=r,
-                advantage=a,
-                turns=t.turns,
-                finish_reason=t.finish_reason,
-            )
-        )
+        samples.append(t.sample(sample_id(spec.group_id, i), r, a))
     return RolloutGroup(group_id=spec.group_id, env=spec.env, seed=spec.seed, samples=samples)

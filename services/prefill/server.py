@@ -36,10 +36,10 @@ from services.common.prefill_schemas import (
     PrefillRequest,
     PrefillResponse,
 )
-from services.common.schemas import GenerateRequest, UpdateWeightsRequest
+from services.common.schemas import GenerateRequest
 from services.common.service import (
     Service,
-    authorize_update,
+    add_update_weights_route,
     create_app,
     loaded,
     log_event,
@@ -291,14 +291,7 @@ def build_app(service: Service) -> FastAPI:
         handoff (services/kvstore/router.py, KVRouter.premap_segments)."""
         return state.segments()
 
-    @app.post("/update_weights")
-    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
-        await authorize_update(service, req)
-        try:
-            version = await state.load(req.path, req.version)
-        except WeightsError as e:
-            raise HTTPException(400, f"path: {e}") from None
-        return {"version": version, "path": req.path}
+    add_update_weights_route(app, service, state.load, WeightsError)
 
     return app
 

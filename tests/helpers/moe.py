@@ -216,6 +216,49 @@ def routed_sample(rid: str, n: int, m: ModelConfig, rng: np.random.Generator) ->
     return s, arr
 
 
+class PackedReplay(NamedTuple):
+    samples: list[Sample]
+    seq_lens: list[int]  # the packed row's documents
+    replayed: list[float]  # tokens replayed per MoE layer in the packed forward
+
+
+def check_packed_replay_equals_padded(
+    model: torch.nn.Module, m: ModelConfig, lengths: list[int], rtol: float, atol: float
+) -> PackedReplay:
+    """Random routed samples of `lengths` (one generator, seed 0): the trainer's packed micro-batch
+    (document attention: `model` has it enabled; positions restarting per sample) replays each
+    sample's recorded routes to the log-probs a padded batch gives it, within rtol/atol."""
+    from trainer.attention import micro_batch_attention, packed_logprobs
+    from trainer.packing import packed_micro_batches
+
+    rng = np.random.default_rng(0)
+    # One generator for all, drawn in order (each sample's ids, then its tokens).
+    samples = [routed_sample(f"s{i}", n, m, rng)[0] for i, n in enumerate(lengths)]
+    (mb,) = micro_batches(samples, 10_000)
+    (routes,) = micro_batch_routes(samples, m, False, 10_000)
+    with torch.no_grad(), routing(model, routes, replay=True):
+        logp, _ = token_logprobs(model, mb.tokens)
+    padded = {}
+    for row in range(mb.tokens.shape[0]):
+        n = int(mb.loss_mask[row].sum()) + 2
+        padded[tuple(mb.tokens[row, :n].tolist())] = logp[row, 1 : n - 1]
+    (pmb,) = packed_micro_batches(samples, 10_000)
+    (proutes,) = micro_batch_routes(samples, m, True, 10_000)
+    assert len(pmb.seq_lens) == len(lengths)
+    with torch.no_grad(), routing(model, proutes, replay=True) as rec, micro_batch_attention(model, pmb):
+        plogp, _ = packed_logprobs(model, pmb)
+    packed = {}
+    start = 0
+    for seg in pmb.seq_lens:
+        toks = pmb.inputs[0, start : start + seg].tolist() + [int(pmb.targets[0, start + seg - 1])]
+        packed[tuple(toks)] = plogp[0, start + 1 : start + seg]
+        start += seg
+    assert set(packed) == set(padded)
+    for k, v in padded.items():
+        torch.testing.assert_close(packed[k], v, rtol=rtol, atol=atol)
+    return PackedReplay(samples, list(pmb.seq_lens), rec.replayed.tolist())
+
+
 def choice_sample(
     rid: str, prompt: list[int], c: GenerateChoice, reward: float = 0.0, advantage: float = 0.0
 ) -> Sample:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -62,6 +62,40 @@ def interpreter_fixture(active: bool) -> Callable[[], Iterator[None]]:
             set_interpret(saved)
 
     return triton_interpreter
+
+
+class KernelTestModule(NamedTuple):
+    """What a kernel test module sets up at import (`kernel_test_module`)."""
+
+    interpret: bool  # no CUDA: the kernels run under the interpreter
+    in_child: bool  # this process cannot interpret: the module's tests skip, the child test runs them
+    needs_interpreter: pytest.MarkDecorator  # for each test that runs a kernel here
+    triton_interpreter: Callable[[], Iterator[None]]  # the module's autouse fixture
+    child_test: Callable[[], None]  # `test_kernel_tests_in_child_process`
+
+
+def kernel_test_module(kernel_modules: tuple[str, ...], file: str) -> KernelTestModule:
+    """Call at a kernel test module's import, assigning the fields to module names (pytest
+    collects the fixture and the child test from there):
+
+        INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_kernel_tests_in_child_process = (
+            triton_interp.kernel_test_module(("page_copy",), __file__)
+        )
+    """
+    interpret, in_child = prepare(kernel_modules)
+
+    @pytest.mark.slow
+    @pytest.mark.skipif(not in_child, reason="the kernel tests run in this process")
+    def test_kernel_tests_in_child_process() -> None:
+        run_file_in_child(file)
+
+    return KernelTestModule(
+        interpret,
+        in_child,
+        pytest.mark.skipif(in_child, reason=CHILD_REASON),
+        interpreter_fixture(interpret and not in_child),
+        test_kernel_tests_in_child_process,
+    )
 
 
 def run_file_in_child(file: str) -> None:
