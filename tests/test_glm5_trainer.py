@@ -9,15 +9,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from helpers.moe import (
     RouterTap,
+    check_packed_replay_equals_padded,
     choice_sample,
     own_choice,
     random_routes,
-    routed_sample,
     run_one_step,
     small_glm,
     tokens,
@@ -288,31 +287,12 @@ def test_replay_routes_exactly_as_recorded_glm5() -> None:
 def test_packed_equals_padded_glm5() -> None:
     """Packed micro-batches (positions restart per sample; the indexer selects within a sample)
     give the same replayed log-probs as a padded batch."""
-    from trainer.attention import enable_document_attention, micro_batch_attention, packed_logprobs
-    from trainer.packing import packed_micro_batches
+    from trainer.attention import enable_document_attention
 
     m = small_glm()
     model = enable_document_attention(glm_model(m), "sdpa")
-    rng = np.random.default_rng(0)
-    samples = [routed_sample(f"s{i}", n, m, rng)[0] for i, n in enumerate([13, 9, 16])]
-    (mb,) = micro_batches(samples, 10_000)
-    (routes,) = micro_batch_routes(samples, m, False, 10_000)
-    with torch.no_grad(), routing(model, routes, replay=True):
-        logp, _ = token_logprobs(model, mb.tokens)
-    padded = {}
-    for row in range(mb.tokens.shape[0]):
-        n = int(mb.loss_mask[row].sum()) + 2
-        padded[tuple(mb.tokens[row, :n].tolist())] = logp[row, 1 : n - 1]
-    (pmb,) = packed_micro_batches(samples, 10_000)
-    (proutes,) = micro_batch_routes(samples, m, True, 10_000)
-    assert len(pmb.seq_lens) == 3 and max(pmb.seq_lens) > m.index_topk
-    with torch.no_grad(), routing(model, proutes, replay=True), micro_batch_attention(model, pmb):
-        plogp, _ = packed_logprobs(model, pmb)
-    start = 0
-    for seg in pmb.seq_lens:
-        toks = pmb.inputs[0, start : start + seg].tolist() + [int(pmb.targets[0, start + seg - 1])]
-        torch.testing.assert_close(plogp[0, start + 1 : start + seg], padded[tuple(toks)], rtol=0, atol=TOL)
-        start += seg
+    packed = check_packed_replay_equals_padded(model, m, [13, 9, 16], rtol=0, atol=TOL)
+    assert max(packed.seq_lens) > m.index_topk
 
 
 # ------------------------------------------------------------------ the indexer's training modes
