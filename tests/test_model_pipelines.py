@@ -29,6 +29,7 @@ STEPS = 3
         # ~1 min on the loaded 2-core CI machine, as debug-kimi: `make test-full` only; the engine
         # side is covered in `make test` by tests/test_nemotron_engine.py
         pytest.param("debug-nemotron", marks=pytest.mark.full),
+        pytest.param("debug-glm5", marks=pytest.mark.full),
     ],
 )
 def test_short_run_engine_equals_trainer_on_policy(tmp_path: Path, config: str) -> None:
