@@ -235,6 +235,9 @@ def test_metrics(decode: Decode) -> None:
         (p.stat().st_size for p in decode.weights[1].glob("*.safetensors")), 0
     ) - 3 * _header_bytes(decode.weights[1])
     assert values["relay_decode_weight_apply_seconds_total"] > 0
+    # The pools' bytes: a dense model's pages, and no Mamba-2 state slots.
+    assert values["relay_decode_kv_cache_bytes"] > 0
+    assert values["relay_decode_state_cache_bytes"] == 0
 
 
 def _header_bytes(d: Path) -> int:

@@ -91,6 +91,14 @@ class EngineCollector(Collector):
             "KV cache pages held by sequences",
             value=kv.num_blocks - kv.num_free,
         )
+        yield GaugeMetricFamily(
+            "relay_decode_kv_cache_bytes", "Bytes of the KV page pools", value=kv.kv_bytes
+        )
+        yield GaugeMetricFamily(
+            "relay_decode_state_cache_bytes",
+            "Bytes of the Mamba-2 state slots (0 without Mamba-2 layers)",
+            value=kv.state_bytes,
+        )
         cumulative, buckets = 0, []
         for bound, count in zip([*map(str, BATCH_BUCKETS), "+Inf"], s.batch_size_buckets, strict=True):
             cumulative += count

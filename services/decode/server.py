@@ -137,6 +137,8 @@ class Decode:
                     max_batch_size=self.cfg.decode.engine.max_batch_size,
                     max_seq_len=engine.max_seq_len,
                     kv_blocks=engine.kv.num_blocks,
+                    kv_bytes=engine.kv.kv_bytes,
+                    state_bytes=engine.kv.state_bytes,  # Mamba-2 slots, out of the same budget
                     **engine.memory_cap,
                     **memory_held(engine.device),  # weights, KV pool, CUDA graph pools
                 )

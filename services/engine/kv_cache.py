@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.config import ModelConfig
+from services.common.config import EngineConfig, ModelConfig
 from services.common.routing import routing_dtype, unrecorded
 from services.engine.block_manager import BlockManager
 from services.engine.state_cache import StateCache
@@ -108,6 +108,16 @@ class KVCache:
     ) -> int:
         return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the page pools (the routing store's pad row included)."""
+        return sum(t.nbytes for t in (self.k, self.v, self.index_k, self.routing) if t is not None)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the Mamba-2 state slots (0 without them)."""
+        return self.states.nbytes if self.states is not None else 0
+
     def pools(self) -> list[torch.Tensor]:
         """Every per-slot tensor, each [layers, num_blocks * block_size, ...]: what a page is made
         of (copy_block, kv_transfer's page bytes). Empty V pools (MLA) are left out."""
@@ -179,6 +189,32 @@ class KVCache:
             ids = self.routing[:, rows].permute(1, 0, 2).cpu().numpy()
             out[:num_cached] = ids.view(self.routing_dtype)
         return out
+
+
+def pool_blocks(cfg: EngineConfig, m: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> int:
+    """Pages of the pool for engine `cfg` over model `m` (a rank's shapes under tensor parallelism).
+
+    num_kv_blocks is taken as it is. A byte budget (kv_cache_bytes) holds the hybrid model's Mamba-2
+    state slots first, one per sequence that may run (StateCache.bytes_for), and pages in what
+    is left; it must leave at least one max_seq_len sequence's pages, or the engine could admit no
+    request of full length. Neither: max_batch_size sequences of max_seq_len."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if cfg.kv_cache_bytes is None:
+        return cfg.max_batch_size * -(-max_seq_len // cfg.block_size)
+    per_block = KVCache.bytes_per_block_for(m, cfg.block_size, dtype)
+    states = StateCache.bytes_for(m, cfg.max_batch_size, dtype)
+    if not states:
+        return max(1, cfg.kv_cache_bytes // per_block)
+    least = -(-max_seq_len // cfg.block_size)
+    if cfg.kv_cache_bytes - states < least * per_block:
+        raise ValueError(
+            f"decode.engine.kv_cache_bytes: {cfg.kv_cache_bytes:,} bytes cannot hold the Mamba-2 state"
+            f" slots ({cfg.max_batch_size} x {states // cfg.max_batch_size:,} = {states:,} bytes, one per"
+            f" max_batch_size) plus one max_seq_len sequence's KV pages ({least} x {per_block:,} bytes):"
+            f" raise kv_cache_bytes to at least {states + least * per_block:,} or lower max_batch_size"
+        )
+    return (cfg.kv_cache_bytes - states) // per_block
 
 
 def kv_layers(m: ModelConfig) -> int:

@@ -29,7 +29,7 @@ from services.engine.batch import (
     num_sms,
 )
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, pool_blocks
 from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import PendingSample, Sampler
 from services.engine.loader import Checkpoint
@@ -256,13 +256,7 @@ class ModelRunner:
         return self.sampler.launch(logits, [s.params for s in seqs], [s.rng for s in seqs])
 
     def _num_kv_blocks(self) -> int:
-        cfg, m = self.cfg, self.model_config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_bytes is not None:
-            per_block = KVCache.bytes_per_block_for(m, cfg.block_size, self.dtype)
-            return max(1, cfg.kv_cache_bytes // per_block)
-        return cfg.max_batch_size * -(-self.max_seq_len // cfg.block_size)
+        return pool_blocks(self.cfg, self.model_config, self.max_seq_len, self.dtype)
 
     # ------------------------------------------------------------------ weights
 

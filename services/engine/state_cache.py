@@ -10,6 +10,10 @@ after the prefill that both share. Prefix caching is off for these models (the s
 `prefix_caching` is False whenever a state cache exists): a cached page would skip tokens whose
 effect on the state was never computed. The slots number the engine's max_batch_size, the most
 sequences that run at once.
+
+The slots are allocated whole at start-up, ahead of the KV pages, and come out of the same byte
+budget (decode.engine.kv_cache_bytes): `bytes_for` is what the engine subtracts before sizing the
+page pool (model_runner.py).
 """
 
 from __future__ import annotations
@@ -41,26 +45,39 @@ class StateCache:
         )
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
+    @staticmethod
+    def _shape(m: ModelConfig) -> tuple[int, int, int, int, int, int] | None:
+        """(Mamba-2 layers, conv_dim, conv_kernel, heads, head_dim, state); None without any."""
+        n = m.hybrid_pattern.count("M") if m.is_hybrid else 0
+        if not n:
+            return None
+        conv_dim = m.mamba_n_heads * m.mamba_head_dim + 2 * m.mamba_n_groups * m.ssm_state_size
+        return n, conv_dim, m.mamba_conv_kernel, m.mamba_n_heads, m.mamba_head_dim, m.ssm_state_size
+
+    @classmethod
+    def bytes_for(cls, m: ModelConfig, slots: int, dtype: torch.dtype) -> int:
+        """Bytes of the cache `for_model` allocates (0 for a model without Mamba-2 layers)."""
+        shape = cls._shape(m)
+        if shape is None:
+            return 0
+        n, conv_dim, kernel, heads, head_dim, state = shape
+        per_slot = conv_dim * (kernel - 1) * dtype.itemsize + heads * head_dim * state * 4
+        return n * slots * per_slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
     @classmethod
     def for_model(
         cls, m: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device
     ) -> StateCache | None:
         """The cache of model `m`'s Mamba-2 layers; None for a model without any."""
-        n = m.hybrid_pattern.count("M") if m.is_hybrid else 0
-        if not n:
+        shape = cls._shape(m)
+        if shape is None:
             return None
-        conv_dim = m.mamba_n_heads * m.mamba_head_dim + 2 * m.mamba_n_groups * m.ssm_state_size
-        return cls(
-            n,
-            slots,
-            conv_dim,
-            m.mamba_conv_kernel,
-            m.mamba_n_heads,
-            m.mamba_head_dim,
-            m.ssm_state_size,
-            dtype,
-            device,
-        )
+        n, conv_dim, kernel, heads, head_dim, state = shape
+        return cls(n, slots, conv_dim, kernel, heads, head_dim, state, dtype, device)
 
     @property
     def num_free(self) -> int:

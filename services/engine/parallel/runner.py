@@ -27,7 +27,7 @@ from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.modeldir import model_config_from_hf
 from services.common.schemas import SamplingParams
 from services.engine.batch import ForwardBatch, Span
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, pool_blocks
 from services.engine.layers.sampler import SampleOutput
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.parallel.group import EngineGroups
@@ -173,14 +173,7 @@ def check_engine(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig) -> None
 def kv_blocks(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig, max_seq_len: int) -> int:
     """Pages in every rank's pool (the same number on all: rank 0's page tables index them all);
     a byte budget counts the rank's own KV heads."""
-    if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks
-    if cfg.kv_cache_bytes is not None:
-        per_block = KVCache.bytes_per_block_for(
-            local_config(m, par), cfg.block_size, getattr(torch, cfg.dtype)
-        )
-        return max(1, cfg.kv_cache_bytes // per_block)
-    return cfg.max_batch_size * -(-max_seq_len // cfg.block_size)
+    return pool_blocks(cfg, local_config(m, par), max_seq_len, getattr(torch, cfg.dtype))
 
 
 def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
