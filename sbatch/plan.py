@@ -126,9 +126,10 @@ class Memory(BaseModel):
     trainer_fits: bool
     inference_weights_gb: float  # per inference GPU
     inference_kv_gb: float  # per inference GPU, at the planned concurrency and mean context
+    inference_state_gb: float  # per inference GPU: the Mamba-2 state slots (0 without Mamba layers)
     inference_total_gb: float
     inference_fits: bool
-    kv_tokens_capacity: int  # tokens of KV one decode engine holds after its weights
+    kv_tokens_capacity: int  # tokens of KV one decode engine holds after its weights and state slots
     device_gb: float
 
 
@@ -320,12 +321,15 @@ class EngineLayout(BaseModel):
     sequences_per_group: float  # of the engine's max_batch_size, per attention group
     weights_gb: float  # per GPU
     kv_gb: float  # per GPU, at the planned concurrency and mean context
-    kv_room_tokens: int  # per attention group: tokens of KV its GPUs hold after their weights
+    # Per GPU: the engine's Mamba-2 state slots, one per sequence of max_batch_size (the engine
+    # allocates them whole, out of the KV budget: services/engine/kv_cache.pool_blocks).
+    state_gb: float
+    kv_room_tokens: int  # per attention group: tokens of KV its GPUs hold after weights and state slots
     device_gb: float
 
     @property
     def fits(self) -> bool:
-        return (self.weights_gb + self.kv_gb) * 1e9 <= self.device_gb * 1e9 * HBM_USABLE
+        return (self.weights_gb + self.kv_gb + self.state_gb) * 1e9 <= self.device_gb * 1e9 * HBM_USABLE
 
 
 def engine_layout(cfg: RunConfig, role: Literal["decode", "prefill"], dev: Device) -> EngineLayout:
@@ -339,8 +343,9 @@ def engine_layout(cfg: RunConfig, role: Literal["decode", "prefill"], dev: Devic
     per_group = engine.max_batch_size / par.dp_attention
     ctx = cfg.plan.rollout_tokens / 2  # a rollout's mean context over its lifetime
     token_kv = kv_bytes_per_token(m) * kv_share_per_rank(m, par.tp)
-    kv = per_group * (ctx * token_kv + recurrent_state_bytes(m))
-    room = max(0.0, dev.hbm_bytes * HBM_USABLE - weights) / token_kv
+    kv = per_group * ctx * token_kv
+    states = per_group * recurrent_state_bytes(m)
+    room = max(0.0, dev.hbm_bytes * HBM_USABLE - weights - states) / token_kv
     return EngineLayout(
         role=role,
         engines=engines,
@@ -353,6 +358,7 @@ def engine_layout(cfg: RunConfig, role: Literal["decode", "prefill"], dev: Devic
         sequences_per_group=per_group,
         weights_gb=weights / 1e9,
         kv_gb=kv / 1e9,
+        state_gb=states / 1e9,
         kv_room_tokens=int(room),
         device_gb=dev.hbm_bytes / 1e9,
     )
@@ -380,7 +386,9 @@ def render_layout(m: EngineLayout, gpus_per_node: int) -> list[str]:
         + (f", {m.experts_per_rank} routed experts" if m.experts_per_rank else "")
         + f", {m.vocab_per_rank:,} vocabulary rows; attention group of {p.tp} rank(s) serves"
         f" {m.sequences_per_group:g} sequences",
-        f"    per GPU: weights {m.weights_gb:.1f} GB + KV {m.kv_gb:.1f} GB of {m.device_gb:.0f}:"
+        f"    per GPU: weights {m.weights_gb:.1f} GB + KV {m.kv_gb:.1f} GB"
+        + (f" + Mamba-2 states {m.state_gb:.1f} GB" if m.state_gb else "")
+        + f" of {m.device_gb:.0f}:"
         f" {'fits' if m.fits else 'DOES NOT FIT'}; KV room {m.kv_room_tokens:,} tokens per attention group",
     ]
 
@@ -418,7 +426,7 @@ def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
     tokens = cfg.trainer.micro_batch_tokens / cfg.trainer.cp
     act = tokens * m.dim * 2 * m.n_layers + tokens * m.dim * 34
     lay = engine_layout(cfg, "decode", dev)
-    weights, kv = lay.weights_gb * 1e9, lay.kv_gb * 1e9
+    weights, kv, states = lay.weights_gb * 1e9, lay.kv_gb * 1e9, lay.state_gb * 1e9
     usable = dev.hbm_bytes * HBM_USABLE
     kv_cap = lay.kv_room_tokens * cfg.decode.parallel.dp_attention
     return Memory(
@@ -428,8 +436,9 @@ def memory(cfg: RunConfig, split: Split, dev: Device) -> Memory:
         trainer_fits=state + act <= usable,
         inference_weights_gb=weights / 1e9,
         inference_kv_gb=kv / 1e9,
-        inference_total_gb=(weights + kv) / 1e9,
-        inference_fits=weights + kv <= usable,
+        inference_state_gb=states / 1e9,
+        inference_total_gb=(weights + kv + states) / 1e9,
+        inference_fits=weights + kv + states <= usable,
         kv_tokens_capacity=int(kv_cap),
         device_gb=dev.hbm_bytes / 1e9,
     )
@@ -710,7 +719,9 @@ def render(plan: Plan, budget_s: float | None = None) -> str:
         f"  trainer   {mm.trainer_total_gb:8.1f} GB (state {mm.trainer_state_gb:.1f}, activations "
         f"{mm.trainer_activations_gb:.1f}) of {mm.device_gb:.0f}: {'fits' if mm.trainer_fits else 'DOES NOT FIT'}",
         f"  inference {mm.inference_total_gb:8.1f} GB (weights {mm.inference_weights_gb:.1f}, KV "
-        f"{mm.inference_kv_gb:.1f}) of {mm.device_gb:.0f}: {'fits' if mm.inference_fits else 'DOES NOT FIT'}; "
+        f"{mm.inference_kv_gb:.1f}"
+        + (f", Mamba-2 states {mm.inference_state_gb:.1f}" if mm.inference_state_gb else "")
+        + f") of {mm.device_gb:.0f}: {'fits' if mm.inference_fits else 'DOES NOT FIT'}; "
         f"KV room per engine {mm.kv_tokens_capacity:,} tokens",
         "step time (s):",
         f"  rollout {t.rollout_s:8.1f}  (decode {t.decode_s:.1f}, prefill {t.prefill_s:.1f}; longest rollout "

@@ -231,6 +231,29 @@ def test_plan_generated_over_rollout_is_an_error_naming_the_key() -> None:
         load_config("debug", ["--plan.generated_tokens=100", "--plan.rollout_tokens=10"])
 
 
+def test_plan_counts_the_state_slots(rates: P.Rates) -> None:
+    """nemotron3: every decode GPU holds max_batch_size Mamba-2 state slots beside its KV, and
+    the KV room is what is left after weights and slots."""
+    cfg = load_config("nemotron3")
+    dev = P.device_for(cfg, rates)
+    lay = P.engine_layout(cfg, "decode", dev)
+    states = 64 * P.recurrent_state_bytes(cfg.model)
+    assert states == pytest.approx(64 * 49e6, rel=0.02)  # ~49 MB a sequence, 23 Mamba-2 layers
+    assert lay.state_gb == pytest.approx(states / 1e9)
+    assert lay.kv_gb == pytest.approx(64 * 24000 * P.kv_bytes_per_token(cfg.model) / 1e9)
+    room = (dev.hbm_bytes * P.HBM_USABLE - lay.weights_gb * 1e9 - states) / P.kv_bytes_per_token(cfg.model)
+    assert lay.kv_room_tokens == int(room)
+    plan = P.build_plan(cfg, rates, balance=False)
+    mm = plan.memory
+    assert mm.inference_state_gb == pytest.approx(states / 1e9)
+    assert mm.inference_total_gb == pytest.approx(mm.inference_weights_gb + mm.inference_kv_gb + states / 1e9)
+    assert f"Mamba-2 states {states / 1e9:.1f}" in P.render(plan)
+    assert " + Mamba-2 states " in P.render_layout(lay, 8)[2]
+    # A model without Mamba-2 layers prints no state term.
+    dense = P.build_plan(load_config("glm5"), rates, balance=False)
+    assert dense.memory.inference_state_gb == 0 and "Mamba-2" not in P.render(dense)
+
+
 @pytest.mark.parametrize("model", ["glm5", "debug"])
 def test_make_plan_command(model: str) -> None:
     out = subprocess.run(
