@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.nn.functional as F
 
+from bench.kernels import triton_gemm_variants as variants
 from ops.fp8 import dispatch as fl
 from ops.fp8 import recipe as ref
 from ops.fp8 import triton_gemm as kern
@@ -247,15 +248,15 @@ def check_dense_shape(m: int, n: int, k: int, dev: torch.device) -> list[dict[st
         kern.GemmConfig(64, 256, 3, 1, 8, 4, fused_reduce=True),
     ]
     cfgs += [
-        kern.GemmConfig(128, 256, 1, 8, 8, 3, kernel="tma"),
-        kern.GemmConfig(128, 128, 1, 8, 8, 4, kernel="tma", warp_spec=True),
+        variants.VariantConfig(128, 256, 1, 8, 8, 3, kernel="tma"),
+        variants.VariantConfig(128, 128, 1, 8, 8, 4, kernel="tma", warp_spec=True),
     ]
     choice = fl.auto_choice(m, n, k, dev)
     if isinstance(choice, kern.GemmConfig):
         cfgs.append(choice)
-    for cfg in dict.fromkeys(c for c in cfgs if kern.supports(c, m, n, k)):
-        o32, e32 = attempt(partial(kern.triton_fp8_gemm, *ops, torch.float32, cfg))
-        o16, e16 = attempt(partial(kern.triton_fp8_gemm, *ops, torch.bfloat16, cfg))
+    for cfg in dict.fromkeys(c for c in cfgs if variants.supports(c, m, n, k)):
+        o32, e32 = attempt(partial(variants.variant_fp8_gemm, *ops, torch.float32, cfg))
+        o16, e16 = attempt(partial(variants.variant_fp8_gemm, *ops, torch.bfloat16, cfg))
         acc = accuracy(o32, o16, want, absref, mma_kind(cfg.block_m))
         rows.append({"shape": [m, n, k], "variant": f"triton {cfg.name()}"} | acc | {"error": e32 or e16})
     o32, e32 = attempt(partial(ref.fp8_gemm, *ops, torch.float32, "torch"))

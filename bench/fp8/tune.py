@@ -54,11 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.nn.functional as F
 
+from bench.kernels import triton_gemm_variants as variants
 from ops.fp8 import recipe as ref
 from ops.fp8 import triton_gemm as kern
 from ops.fp8.cuda import fp8_wgmma
 
-GemmConfig = kern.GemmConfig
+GemmConfig = variants.VariantConfig  # the product configs and the candidate-only ones
 TUNE_M = (64, 128, 256, 4096, 8192)
 SMALL_M_MAX = 256  # decode sizes: choose by the whole linear, try the fused quantiser
 SMEM_BYTES = 227 * 1024  # Hopper: max dynamic shared memory per block
@@ -117,7 +118,7 @@ def dense_grid(m: int, n: int, k: int, sms: int = kern.NUM_SMS_DEFAULT) -> list[
             GemmConfig(64, 256, 1, 8, 8, 4),
             GemmConfig(128, 128, 1, 8, 8, 3, lag=True),
         ]
-    out = [c for c in out if smem_estimate(c) <= SMEM_BYTES and kern.supports(c, m, n, k)]
+    out = [c for c in out if smem_estimate(c) <= SMEM_BYTES and variants.supports(c, m, n, k)]
     return list(dict.fromkeys(out))
 
 
@@ -189,7 +190,13 @@ def compile_task(task: tuple[str, dict[str, Any], int, int, int, int]) -> dict[s
     jits = {
         "grouped": kern._grouped_fp8_gemm_kernel,
         "fused": kern._fp8_linear_fused_kernel,
-        "dense": kern._fp8_gemm_tma_kernel if cfg_d.get("kernel") == "tma" else kern._fp8_gemm_kernel,
+        "dense": (
+            variants._fp8_gemm_tma_kernel
+            if cfg_d.get("kernel") == "tma"
+            else variants._fp8_gemm_lag_kernel
+            if cfg_d.get("lag")
+            else kern._fp8_gemm_kernel
+        ),
     }
     before = set(_compiled_kernels(jits[kind]))  # a worker runs many tasks: only this one's count
     try:
@@ -212,7 +219,7 @@ def compile_task(task: tuple[str, dict[str, Any], int, int, int, int]) -> dict[s
                 kern.triton_fp8_linear_fused(x, wq, ws, torch.bfloat16, cfg)
             else:
                 aq, as_ = kern.triton_quantize_act(x)
-                kern.triton_fp8_gemm(aq, as_, wq, ws, torch.bfloat16, cfg)
+                variants.variant_fp8_gemm(aq, as_, wq, ws, torch.bfloat16, cfg)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         new = [ck for key, ck in _compiled_kernels(jits[kind]).items() if key not in before]
@@ -402,7 +409,7 @@ def tune_dense(
             row["errors"]["screen"] = "stopped: time budget"
             break
         us, err = attempt(
-            partial(timer.time, partial(kern.triton_fp8_gemm, *ops, torch.bfloat16, cfg), SCREEN_REPS)
+            partial(timer.time, partial(variants.variant_fp8_gemm, *ops, torch.bfloat16, cfg), SCREEN_REPS)
         )
         if err:
             row["errors"][cfg.name()] = err
@@ -414,10 +421,10 @@ def tune_dense(
     final: list[tuple[float, GemmConfig]] = []
     row["checked"] = {}
     for _, cfg in screen[:TOP]:
-        fn = partial(kern.triton_fp8_gemm, *ops, torch.bfloat16, cfg)
+        fn = partial(variants.variant_fp8_gemm, *ops, torch.bfloat16, cfg)
         us, err = attempt(partial(timer.time, fn, FINAL_REPS))
         out, err2 = attempt(fn)
-        out32, err3 = fp32_output(partial(kern.triton_fp8_gemm, *ops, torch.float32, cfg), dev)
+        out32, err3 = fp32_output(partial(variants.variant_fp8_gemm, *ops, torch.float32, cfg), dev)
         if err or err2 or err3:
             row["errors"][cfg.name()] = err or err2 or err3
             continue
@@ -447,14 +454,15 @@ def tune_dense(
         cuda_us = cuda_option(row, ops, rows, want, absref, timer)
         if cuda_us is not None:
             options.append((cuda_us, "cuda", None, "separate"))
-        options += [(us, "triton", cfg, "separate") for us, cfg in final]
+        # The table holds product configs only: a candidate-only variant is timed, not chosen.
+        options += [(us, "triton", cfg, "separate") for us, cfg in final if cfg.product() is not None]
     if not options:
         row["errors"]["choice"] = "no verified option"
         return row
     us, what, cfg, linear = min(options, key=lambda t: t[0])
     row["choice"] = {
         "choice": what,
-        "config": None if cfg is None else dataclasses.asdict(cfg),
+        "config": None if cfg is None else dataclasses.asdict(cfg.product()),  # type: ignore[arg-type]
         "linear": linear,
     }
     gemm_us = row["us"][what] if what in ("torch", "cuda") else dict((c, u) for u, c in final)[cfg]  # type: ignore[index]
@@ -510,7 +518,7 @@ def linear_options(
         q, s = kern.triton_quantize_act(x)
         if cfg is None:
             return ref.fp8_gemm(q, s, wq, ws, torch.bfloat16, "torch")
-        return kern.triton_fp8_gemm(q, s, wq, ws, torch.bfloat16, cfg)
+        return variants.variant_fp8_gemm(q, s, wq, ws, torch.bfloat16, cfg)
 
     opts: list[tuple[float, str, GemmConfig | None, str]] = []
     lin: dict[str, Any] = {}

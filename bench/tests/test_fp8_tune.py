@@ -17,7 +17,7 @@ import pytest
 from ops.fp8 import triton_gemm as kern
 
 REPO = Path(__file__).resolve().parents[2]
-TMA = {"block_m": 128, "block_n": 256, "group_m": 8, "num_warps": 8, "num_stages": 3, "kernel": "tma"}
+LARGE = {"block_m": 128, "block_n": 256, "group_m": 8, "num_warps": 8, "num_stages": 3}
 
 
 def _table(dense: list[dict], grouped: list[dict] | None = None, buckets: list[int] | None = None) -> dict:
@@ -46,7 +46,7 @@ def test_tune_skip_triton_keeps_the_tables_triton_entries() -> None:
     old = kern.Fp8Table.model_validate(
         _table(
             [
-                {"m": 512, "n": 2048, "k": 7168, "choice": "triton", "config": TMA},
+                {"m": 512, "n": 2048, "k": 7168, "choice": "triton", "config": LARGE},
                 {"m": 4096, "n": 2048, "k": 7168, "choice": "torch"},
             ]
         )

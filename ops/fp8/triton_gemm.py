@@ -7,15 +7,12 @@ M = 128 and N = 2048 gives 16 CTAs for 132 SMs. At small M the GEMM is weight-ba
 fp8 weights are half the bytes of bf16 ones, so a kernel that keeps every SM streaming weights
 can approach 2x bf16.
 
-Kernels (GemmConfig.kernel):
-- "tiled" (`_fp8_gemm_kernel`): one program per BLOCK_M x BLOCK_N tile and K split; BLOCK_M
+Kernels:
+- tiled (`_fp8_gemm_kernel`): one program per BLOCK_M x BLOCK_N tile and K split; BLOCK_M
   16/32 (mma.sync) or 64+ (wgmma), BLOCK_N up to 256, deep pipelines (num_stages up to 6) and
   split-K for decode M. Split-K partials are float32; they are summed either by a second small
   kernel or, with `fused_reduce`, by the last split to finish each tile (a per-tile arrival
   counter; one launch; the sum runs in a fixed order, so the bits do not depend on timing).
-- "tma" (`_fp8_gemm_tma_kernel`): persistent (one program per SM looping over tiles in grouped
-  order for L2 reuse), operands through TMA tensor descriptors, 128x256 / 256x128 tiles with
-  8 warps for large M; optional `warp_spec` (Triton's warp specialisation of the tile loop).
 - fused linear (`_fp8_linear_fused_kernel`): the tiled kernel with the 1x128 activation
   quantisation in its prologue, so a decode-M linear is one launch instead of two.
 All apply the scales DeepGEMM's way: per 128-wide K block, in float32 registers,
@@ -24,8 +21,8 @@ acc += dot(a_kb, w_kb^T) * a_s[:, None] * w_s[None, :].
 Operand conventions are those of ops/fp8/recipe.py: a (M, K) fp8 with a_scale (M, KB) (any
 strides), w (N, K) fp8 with w_scale (NB, KB), decoding scales, KB = ceil(K/128), NB = ceil(N/128).
 Ragged M/N/K are masked (zero fill), which is exactly the reference's ragged-trailing-block rule
-("tma" needs K and N multiples of 16 for its descriptors; `supports` says which shapes a config
-can run).
+(the tuning candidates that no table entry selects, a persistent TMA kernel and a lagged scaling
+loop, are bench/kernels/triton_gemm_variants.py).
 
 Dispatch table: fp8_configs.json next to this file (or $RELAY_FP8_CONFIGS), measured from
 CUDA-graph timings on the H200 and H100 (docs/fp8.md, "The table"): per (M bucket, N, K) the fastest verified
@@ -70,19 +67,11 @@ try:  # triton is a hard dependency (torchtitan imports it), but keep CPU-only i
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     HAS_TRITON = False
 
-try:  # host-side TMA descriptors (triton >= 3.3); without them the "tma" kernel is unavailable
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    HAS_TMA = HAS_TRITON
-except ImportError:  # pragma: no cover
-    HAS_TMA = False
-
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
 AMAX_EPS = 1e-12  # same as ops/fp8/recipe.py: an all-zero block gets scale 1e-12 / 448
 NUM_SMS_DEFAULT = 132  # H200; the real count is read from the device when there is one
-KERNELS: tuple[str, ...] = ("tiled", "tma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +86,10 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    # Sweep only, large M: scale block kb-1's product while block kb's dot runs, so the dot's
-    # result is not consumed in the iteration that issues it (see _fp8_gemm_kernel).
-    lag: bool = False
-    kernel: str = "tiled"  # "tiled" | "tma" (module docstring)
     # split-K partials summed by the last split of each tile (one launch) instead of a 2nd kernel
     fused_reduce: bool = False
-    warp_spec: bool = False  # "tma" only: tl.range(warp_specialize=True) over the tile loop
 
     def __post_init__(self) -> None:
-        if self.kernel not in KERNELS:
-            raise ValueError(f"GemmConfig.kernel must be one of {KERNELS}, got {self.kernel!r}")
         for f in ("block_m", "block_n"):
             v = getattr(self, f)
             if v < 16 or v > 256 or v & (v - 1):
@@ -119,12 +101,9 @@ class GemmConfig:
             or self.num_warps not in (1, 2, 4, 8, 16)
         ):
             raise ValueError(f"GemmConfig: bad split_k/group_m/num_stages/num_warps in {self}")
-        if self.kernel == "tma" and (self.split_k != 1 or self.fused_reduce):
-            raise ValueError("GemmConfig: the persistent tma kernel has no split-K")
 
     def name(self) -> str:
-        tail = ("_lag" if self.lag else "") + ("_fr" if self.fused_reduce else "")
-        tail += ("_tma" if self.kernel == "tma" else "") + ("_ws" if self.warp_spec else "")
+        tail = "_fr" if self.fused_reduce else ""
         return (
             f"m{self.block_m}n{self.block_n}k128_s{self.split_k}_g{self.group_m}"
             f"_w{self.num_warps}_st{self.num_stages}" + tail
@@ -150,14 +129,6 @@ def num_sms(device: torch.device) -> int:
 def _cuda_sms(index: int) -> int:
     # Cached: get_device_properties costs host time on every decode-step GEMM otherwise.
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def supports(cfg: GemmConfig, m: int, n: int, k: int) -> bool:
-    """Whether `cfg` can run this shape: TMA descriptors need 16-byte aligned row strides (fp8:
-    K % 16 == 0) and the kernel's availability; the tiled kernel runs anything."""
-    if cfg.kernel == "tma":
-        return HAS_TMA and k % 16 == 0 and n % 16 == 0
-    return True
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
@@ -199,9 +170,6 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) ->
             GemmConfig(128, 128, 1, 8, 8, 4),
             GemmConfig(128, 256, 1, 8, 8, 3),
             GemmConfig(256, 128, 1, 8, 8, 3),
-            GemmConfig(128, 128, 1, 8, 8, 3, lag=True),
-            GemmConfig(128, 256, 1, 8, 8, 3, kernel="tma"),
-            GemmConfig(128, 128, 1, 8, 8, 4, kernel="tma"),
         ]
     else:
         for bm in (16, 32, 64):
@@ -209,7 +177,6 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) ->
                 for split in (1, 2, 4, 8):
                     if kb // split >= 2:
                         out.append(GemmConfig(bm, bn, split, 1, 4, 4, fused_reduce=split > 1))
-    out = [c for c in out if supports(c, m, n, k)]
     return list(dict.fromkeys(out))
 
 
@@ -231,10 +198,7 @@ class TableConfig(BaseModel):
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    lag: bool = False
-    kernel: Literal["tiled", "tma"] = "tiled"
     fused_reduce: bool = False
-    warp_spec: bool = False
 
     def gemm(self) -> GemmConfig:
         return GemmConfig(**self.model_dump())
@@ -486,15 +450,11 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
         GROUP_M: tl.constexpr,
-        LAG: tl.constexpr,
         FUSED_REDUCE: tl.constexpr,
     ):
         """C[pid_k] (M, N) = sum over this split's K blocks of scaled fp8 block products
         (SPLIT_K > 1: float32 partials, reduced in-kernel with FUSED_REDUCE or by
-        _splitk_reduce_kernel; deterministic either way, unlike atomic accumulation).
-        LAG: the plain loop consumes each dot's result right away (scale, add), so Hopper's async
-        wgmma must finish before the scaling FMAs start. With LAG the scaling of block kb-1 is
-        issued after block kb's dot and before its result is needed; same products and order."""
+        _splitk_reduce_kernel; deterministic either way, unlike atomic accumulation)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -517,36 +477,17 @@ if HAS_TRITON:
         ws_ptrs = ws_ptr + (rn_l // BLOCK_K) * stride_wsn + kb_start * stride_wsk
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LAG:
-            prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            prev_as = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            prev_ws = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for kb in range(kb_start, kb_end):
-                k_left = K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-                w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-                a_s = tl.load(as_ptrs)
-                w_s = tl.load(ws_ptrs)
-                d = tl.dot(a, w)
-                acc += prev * prev_as[:, None] * prev_ws[None, :]  # 0 * 0 on the first step
-                prev, prev_as, prev_ws = d, a_s, w_s
-                a_ptrs += BLOCK_K * stride_ak
-                w_ptrs += BLOCK_K * stride_wk
-                as_ptrs += stride_ask
-                ws_ptrs += stride_wsk
-            acc += prev * prev_as[:, None] * prev_ws[None, :]
-        else:
-            for kb in range(kb_start, kb_end):
-                k_left = K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-                w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
-                a_s = tl.load(as_ptrs)
-                w_s = tl.load(ws_ptrs)
-                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-                a_ptrs += BLOCK_K * stride_ak
-                w_ptrs += BLOCK_K * stride_wk
-                as_ptrs += stride_ask
-                ws_ptrs += stride_wsk
+        for kb in range(kb_start, kb_end):
+            k_left = K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            a_s = tl.load(as_ptrs)
+            w_s = tl.load(ws_ptrs)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+            as_ptrs += stride_ask
+            ws_ptrs += stride_wsk
 
         _store_or_reduce(
             acc, rm, rn, M, N, c_ptr, stride_cs, stride_cm, stride_cn, out_ptr, cnt_ptr, pid, pid_k,
@@ -645,108 +586,6 @@ if HAS_TRITON:
             acc, rm, rn, M, N, c_ptr, stride_cs, stride_cm, stride_cn, out_ptr, cnt_ptr, pid, pid_k,
             SPLIT_K, FUSED_REDUCE,
         )  # fmt: skip
-
-    @triton.jit(do_not_specialize=["stride_wsn", "NUM_PROGS"])
-    def _fp8_gemm_tma_kernel(
-        a_desc,
-        w_desc,
-        as_ptr,
-        ws_ptr,
-        c_ptr,
-        M,
-        N,
-        K,
-        stride_asm,
-        stride_ask,
-        stride_wsn,
-        stride_wsk,
-        stride_cm,
-        stride_cn,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-        NUM_PROGS,
-        LAG: tl.constexpr,
-        WARP_SPEC: tl.constexpr,
-    ):
-        """Large M: persistent (grid = #SMs, each program loops over output tiles in grouped
-        order, so consecutive tiles of one SM and neighbouring SMs share weight tiles in L2), A
-        and W tiles through TMA descriptors (the copy engine fills the pipeline's shared-memory
-        stages; out-of-range rows/cols/K come back as zeros, which is the ragged rule), block
-        scales in float32 registers per K block."""
-        start_pid = tl.program_id(0)
-        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        # warp_specialize is passed only when asked for: a Triton without it still runs the rest.
-        if WARP_SPEC:
-            for tile in tl.range(start_pid, num_tiles, NUM_PROGS, warp_specialize=True):
-                _tma_tile(
-                    tile, a_desc, w_desc, as_ptr, ws_ptr, c_ptr, M, N, K, stride_asm, stride_ask,
-                    stride_wsn, stride_wsk, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, LAG,
-                )  # fmt: skip
-        else:
-            for tile in range(start_pid, num_tiles, NUM_PROGS):
-                _tma_tile(
-                    tile, a_desc, w_desc, as_ptr, ws_ptr, c_ptr, M, N, K, stride_asm, stride_ask,
-                    stride_wsn, stride_wsk, stride_cm, stride_cn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, LAG,
-                )  # fmt: skip
-
-    @triton.jit
-    def _tma_tile(
-        tile,
-        a_desc,
-        w_desc,
-        as_ptr,
-        ws_ptr,
-        c_ptr,
-        M,
-        N,
-        K,
-        stride_asm,
-        stride_ask,
-        stride_wsn,
-        stride_wsk,
-        stride_cm,
-        stride_cn,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-        LAG: tl.constexpr,
-    ):
-        """One output tile of _fp8_gemm_tma_kernel (inlined into its tile loop)."""
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
-        as_ptrs = as_ptr + tl.minimum(rm, M - 1) * stride_asm
-        ws_ptrs = ws_ptr + (tl.minimum(rn, N - 1) // BLOCK_K) * stride_wsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LAG:
-            prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            prev_as = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            prev_ws = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for kb in range(0, k_tiles):
-                a = a_desc.load([off_m, kb * BLOCK_K])
-                w = w_desc.load([off_n, kb * BLOCK_K])
-                a_s = tl.load(as_ptrs + kb * stride_ask)
-                w_s = tl.load(ws_ptrs + kb * stride_wsk)
-                d = tl.dot(a, w.T)
-                acc += prev * prev_as[:, None] * prev_ws[None, :]  # 0 * 0 on the first step
-                prev, prev_as, prev_ws = d, a_s, w_s
-            acc += prev * prev_as[:, None] * prev_ws[None, :]
-        else:
-            for kb in range(0, k_tiles):
-                a = a_desc.load([off_m, kb * BLOCK_K])
-                w = w_desc.load([off_n, kb * BLOCK_K])
-                a_s = tl.load(as_ptrs + kb * stride_ask)
-                w_s = tl.load(ws_ptrs + kb * stride_wsk)
-                acc += tl.dot(a, w.T) * a_s[:, None] * w_s[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _splitk_reduce_kernel(p_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -953,9 +792,6 @@ def triton_fp8_gemm(
     cfg = config or pick_config(m, n, k, num_sms(a.device))
     a_scale = a_scale.float()
     w_scale = w_scale.float()
-    if cfg.kernel == "tma":
-        _launch_tma(a, a_scale, w, w_scale, out, cfg)
-        return out
     split = max(1, min(cfg.split_k, _cdiv(k, BLOCK)))
     fused = cfg.fused_reduce and split > 1
     n_tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
@@ -987,57 +823,12 @@ def triton_fp8_gemm(
         BLOCK_K=BLOCK,
         SPLIT_K=split,
         GROUP_M=cfg.group_m,
-        LAG=cfg.lag,
         FUSED_REDUCE=fused,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     _finish_split(c3, out, m, n, split, fused)
     return out
-
-
-def _launch_tma(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    out: torch.Tensor,
-    cfg: GemmConfig,
-) -> None:
-    m, k = a.shape
-    n = w.shape[0]
-    if not supports(cfg, m, n, k):
-        raise ValueError(f"tma config {cfg.name()} cannot run ({m}, {n}, {k}): needs K, N % 16 == 0")
-    # Host descriptors (passed by value: CUDA-graph safe, no device scratch allocator needed).
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
-    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, BLOCK])
-    sms = num_sms(a.device)
-    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
-    _fp8_gemm_tma_kernel[(min(sms, tiles),)](
-        a_desc,
-        w_desc,
-        a_scale,
-        w_scale,
-        out,
-        m,
-        n,
-        k,
-        a_scale.stride(0),
-        a_scale.stride(1),
-        w_scale.stride(0),
-        w_scale.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=BLOCK,
-        GROUP_M=cfg.group_m,
-        NUM_PROGS=min(sms, tiles),
-        LAG=cfg.lag,
-        WARP_SPEC=cfg.warp_spec,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
 
 
 def triton_fp8_linear_fused(
@@ -1050,7 +841,7 @@ def triton_fp8_linear_fused(
 ) -> torch.Tensor:
     """x (M, K) high precision -> (M, N): the 1x128 quantisation of x fused into the block-scaled
     GEMM (one launch; two with split-K without fused_reduce). Same bits as triton_quantize_act +
-    triton_fp8_gemm with the same config. A "tma" config runs as the tiled kernel with its tiles."""
+    triton_fp8_gemm with the same config."""
     _require_triton()
     if x.dim() != 2 or w.dtype != FP8_DTYPE or x.shape[1] != w.shape[1]:
         raise ValueError(
