@@ -31,7 +31,7 @@ launch: $(STAMP)
 	$(PY) -m sbatch.launch run $(MODEL) $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 # make plan MODEL=glm5 [NODES=28]: memory per GPU, predicted step time and the balanced node split
-# from the config and the rates measured in bench/ (bench/plan/rates.toml, docs/capacity.md).
+# from the config and the rates measured in bench/ (configs/plan/rates.toml, docs/capacity.md).
 plan: $(STAMP)
 	$(PY) -m sbatch.plan $(MODEL) $(if $(NODES),--nodes $(NODES)) $(ARGS)
 

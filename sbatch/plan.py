@@ -1,7 +1,7 @@
 """The capacity plan: memory per GPU, predicted step time and the node split that balances it.
 
 `make plan MODEL=<config> [NODES=<n>]` reads the model and cluster from a run config, the workload
-assumptions from its `[plan]` table and the rates measured in `bench/` (`bench/plan/rates.toml`,
+assumptions from its `[plan]` table and the rates measured in `bench/` (`configs/plan/rates.toml`,
 each rate with the result file it was read from), and prints what one RL step costs.
 
 The step model (asynchronous, `max_off_policy_steps >= 1`): the rollout side (decode, prefill,
@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from services.common.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
-RATES_FILE = REPO / "bench" / "plan" / "rates.toml"
+RATES_FILE = REPO / "configs" / "plan" / "rates.toml"
 # Share of HBM a plan may fill: the rest is the allocator's slack, CUDA graphs, NCCL buffers.
 HBM_USABLE = 0.9
 
@@ -85,7 +85,7 @@ class Rate(BaseModel):
 
 
 class Rates(BaseModel):
-    """The rates the planner uses, each read from a result file in `bench/` (bench/plan/rates.toml)."""
+    """The rates the planner uses, each read from a result file in `bench/` (configs/plan/rates.toml)."""
 
     copy_bytes_per_s_h100: Rate  # device copy bandwidth, the decode roofline's
     copy_bytes_per_s_h200: Rate

@@ -97,6 +97,7 @@ def test_rate_with_divisor_and_missing_key(tmp_path: Path) -> None:
 
 
 def test_shipped_rates_read_from_bench_results() -> None:
+    assert P.RATES_FILE == REPO / "configs" / "plan" / "rates.toml"
     rates = P.load_rates()
     for name, rate in rates:
         if rate is None:

@@ -20,7 +20,7 @@ The roofline (the best any engine could do on this card and workload):
 Also measured alone in the same process: the prefill of the 64 prompts (max_tokens = 1), which
 gives the prefill's fraction of the bf16 peak, and W1 (the engine README's workload), for the
 comparison the GRPO number is read against. Both fractions feed the capacity plan
-(bench/plan/rates.toml).
+(configs/plan/rates.toml).
 """
 
 from __future__ import annotations

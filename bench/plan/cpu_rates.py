@@ -10,7 +10,7 @@ Measured in one process with the run's own engine and trainer code (no HTTP, Red
     rollout length (`plan.rollout_tokens`, `plan.generated_tokens` of them in the loss): seconds
     per trained token.
 Each is the median of `--reps` repetitions after a warm-up. The capacity plan (sbatch/plan.py)
-reads both from the result file named in bench/plan/rates.toml.
+reads both from the result file named in configs/plan/rates.toml.
 """
 
 from __future__ import annotations
