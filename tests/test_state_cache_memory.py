@@ -82,3 +82,10 @@ def test_engine_pool_from_the_budget(tmp_path: Path) -> None:
     assert eng.kv.kv_bytes - 40 * per_block == eng.kv.routing[:, -1].nbytes
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         LLMEngine(d, cfg.model_copy(update={"kv_cache_bytes": states}))
+    # cuda_memory_gib: weights + pages + slots must fit it (checked before the pools are allocated).
+    weights = sum(t.nbytes for t in (*eng.runner.model.parameters(), *eng.runner.model.buffers()))
+    need = weights + 40 * per_block + states
+    LLMEngine(d, cfg.model_copy(update={"cuda_memory_gib": need / (1 << 30)}))
+    short = (need - states // 2) / (1 << 30)  # room for weights and pages, half the slots
+    with pytest.raises(ValueError, match=r"cuda_memory_gib: .* 8 Mamba-2 state slots"):
+        LLMEngine(d, cfg.model_copy(update={"cuda_memory_gib": short}))

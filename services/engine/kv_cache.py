@@ -217,6 +217,27 @@ def pool_blocks(cfg: EngineConfig, m: ModelConfig, max_seq_len: int, dtype: torc
     return (cfg.kv_cache_bytes - states) // per_block
 
 
+def check_memory_cap(
+    cfg: EngineConfig, m: ModelConfig, blocks: int, weight_bytes: int, dtype: torch.dtype
+) -> None:
+    """Refuse, before allocating them, a KV pool and state slots that with the weights already
+    exceed cuda_memory_gib: past the cap the allocator would fail mid-start-up with a bare out of
+    memory. A lower bound (activations and CUDA graph pools come on top), so any engine that fits
+    its cap passes; checked on every device, so a CPU run catches a GPU config's mistake too."""
+    if cfg.cuda_memory_gib is None:
+        return
+    kv = blocks * KVCache.bytes_per_block_for(m, cfg.block_size, dtype)
+    states = StateCache.bytes_for(m, cfg.max_batch_size, dtype)
+    cap = int(cfg.cuda_memory_gib * (1 << 30))
+    if weight_bytes + kv + states > cap:
+        raise ValueError(
+            f"decode.engine.cuda_memory_gib: {cfg.cuda_memory_gib:g} GiB ({cap:,} bytes) cannot hold the"
+            f" weights ({weight_bytes:,} bytes) and {blocks} KV pages ({kv:,} bytes)"
+            + (f" and {cfg.max_batch_size} Mamba-2 state slots ({states:,} bytes)" if states else "")
+            + ": raise it, or lower kv_cache_bytes / num_kv_blocks / max_batch_size"
+        )
+
+
 def kv_layers(m: ModelConfig) -> int:
     """Layers with a KV pool: every layer, or a hybrid model's attention layers (in order: the
     pool index of the i-th "*" of its hybrid_pattern is i)."""

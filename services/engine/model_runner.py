@@ -29,7 +29,7 @@ from services.engine.batch import (
     num_sms,
 )
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
-from services.engine.kv_cache import KVCache, pool_blocks
+from services.engine.kv_cache import KVCache, check_memory_cap, pool_blocks
 from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import PendingSample, Sampler
 from services.engine.loader import Checkpoint
@@ -76,9 +76,12 @@ class ModelRunner:
         self.model.logits_fp32 = cfg.logits_fp32  # float32 logits: the trainer's (docs/replay.md)
         # GQA or MLA-latent layout, plus the routed-expert store of an MoE model and the Mamba-2
         # state slots of a hybrid one, one per sequence that may run (kv_cache.py).
+        blocks = self._num_kv_blocks()
+        weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
+        check_memory_cap(cfg, m, blocks, weight_bytes, self.dtype)
         self.kv = KVCache.for_model(
             m,
-            self._num_kv_blocks(),
+            blocks,
             cfg.block_size,
             self.max_seq_len,
             self.dtype,
