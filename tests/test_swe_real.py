@@ -51,11 +51,37 @@ def mgr(root: Path, bwrap: str) -> Iterator[WorkspaceManager]:
 
 
 @pytest.fixture(scope="module")
-def tasks(mgr: WorkspaceManager, tmp_path_factory: pytest.TempPathFactory) -> list[Task]:
-    results = tmp_path_factory.mktemp("swe-real") / "verified.jsonl"  # verify for real, no cache
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("swe-real") / "verified.jsonl"  # verify for real, no cache
+
+
+@pytest.fixture(scope="module")
+def tasks(mgr: WorkspaceManager, results: Path) -> list[Task]:
     out = build(seed=0, total=4, projects=PROJECTS, mgr=mgr, max_tries=40, results=results)
     assert {t.project for t in out} == {p.name for p in PROJECTS}, out
     return out
+
+
+def test_build_resumes_from_its_results(
+    mgr: WorkspaceManager, tasks: list[Task], results: Path, tmp_path: Path
+) -> None:
+    """A build stopped mid-append (its last line cut) and run again: the same tasks, no suite
+    run again (mutations and baselines come from the results file), and progress lines."""
+    resumed = tmp_path / "verified.jsonl"
+    resumed.write_text(results.read_text() + '{"id": "inflection.cut-off", "fail')
+    lines: list[str] = []
+    again = build(
+        seed=0,
+        total=4,
+        projects=PROJECTS,
+        mgr=mgr,
+        max_tries=40,
+        results=resumed,
+        log=lines.append,
+        progress_s=0,
+    )
+    assert [t.id for t in again] == [t.id for t in tasks]
+    assert lines[-1].startswith("progress: 4/4 tasks kept") and " 0 suite runs" in lines[-1], lines
 
 
 def test_verified_tasks_fail_with_the_bug_and_pass_without(mgr: WorkspaceManager, tasks: list[Task]) -> None:

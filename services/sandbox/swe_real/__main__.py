@@ -5,8 +5,11 @@
 Builds each project's base (pip), tries its mutations in the seed's order in sandbox workspaces
 and keeps the verified ones, spread over the projects (tasks.build), then writes the index
 (`.cache/swe-real/tasks.jsonl` by default: what the swe-real env reads). Verification results are
-cached, so a stopped build resumes where it was and a rebuild from the same seed is the same set.
-Needs root and bubblewrap, as the sandbox does."""
+cached (`verified.jsonl`, one line per suite run, appended as it finishes), so a stopped build
+(Ctrl-C, a killed job) resumes where it was when run again, and a rebuild from the same seed is
+the same set. Prints a progress line every `--progress-s` seconds: tasks kept, mutations tried,
+suite runs and their mean time, the time left at the current rate. Needs root and bubblewrap,
+as the sandbox does."""
 
 from __future__ import annotations
 
@@ -28,12 +31,18 @@ def main() -> None:
     ap.add_argument("--projects", default="", help="comma-separated names (default: all)")
     ap.add_argument("--out", type=Path, default=DEFAULT_CACHE / "tasks.jsonl")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
     a = ap.parse_args()
     projects = tuple(BY_NAME[n] for n in a.projects.split(",")) if a.projects else PROJECTS
     t0 = time.monotonic()
     mgr = WorkspaceManager.temporary(max_concurrent=a.workers)
     try:
-        tasks = build(a.seed, a.tasks, projects, mgr, workers=a.workers, log=lambda m: print(m, flush=True))
+        tasks = build(
+            a.seed, a.tasks, projects, mgr, workers=a.workers, log=lambda m: print(m, flush=True),
+            progress_s=a.progress_s,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        sys.exit("stopped: every finished suite run is cached; run it again (make tasks) to resume")
     finally:
         mgr.shutdown()
     write_index(tasks, a.out)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import random
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -106,10 +107,19 @@ class Verifier:
         self.cache_file = results or cache / "verified.jsonl"
         self._lock = threading.Lock()
         self.done: dict[str, dict[str, Any]] = {}
+        # suite runs made by this Verifier (not from the cache) and their seconds: progress, ETA
+        self.runs, self.run_s = 0, 0.0
         if self.cache_file.exists():
-            for line in self.cache_file.read_text().splitlines():
-                if line.strip():
+            text = self.cache_file.read_text()
+            if text and not text.endswith("\n"):  # cut mid-append: later records start a line
+                with open(self.cache_file, "a") as f:
+                    f.write("\n")
+            for line in text.splitlines():
+                try:
                     rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a stop mid-append: that mutation is run again
+                if isinstance(rec, dict) and "id" in rec:
                     self.done[rec["id"]] = rec
 
     def _record(self, rec: dict[str, Any]) -> None:
@@ -118,12 +128,29 @@ class Verifier:
             with open(self.cache_file, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
+    def _run(self, ws: Workspace, project: Project) -> TestRun:
+        t0 = time.monotonic()
+        run = run_tests(ws, project)
+        with self._lock:
+            self.runs += 1
+            self.run_s += time.monotonic() - t0
+        return run
+
     def baseline(self, project: Project) -> TestRun:
-        ws = workspace(self.mgr, project, self.cache)
-        try:
-            return run_tests(ws, project)
-        finally:
-            self.mgr.release(ws)
+        """The unmutated project's run (cached like the mutations': a resumed build skips it)."""
+        key = f"{project.key}:baseline"
+        rec = self.done.get(key)
+        if rec is None:
+            ws = workspace(self.mgr, project, self.cache)
+            try:
+                run = self._run(ws, project)
+            finally:
+                self.mgr.release(ws)
+            rec = {"id": key, "failed": run.failed, "passed": run.passed, "code": run.code}
+            if not run.failed:  # a failing baseline may be the machine's fault: try it again next time
+                self._record(rec)
+            return run
+        return TestRun(rec["failed"], rec["passed"], rec["code"], "")
 
     def verify(self, project: Project, m: Mutation, passed_before: int) -> Task | None:
         mid = mutation_id(project, m)
@@ -133,7 +160,7 @@ class Verifier:
             ws = workspace(self.mgr, project, self.cache)
             try:
                 ws.seed_files({m.path: m.apply(src.read_text())})
-                run = run_tests(ws, project)
+                run = self._run(ws, project)
             finally:
                 self.mgr.release(ws)
             rec = {"id": mid, "failed": run.failed, "output": run.output[-3000:]}
@@ -164,14 +191,34 @@ def build(
     max_tries: int | None = None,
     log: Any = print,
     results: Path | None = None,
+    progress_s: float = 30.0,
 ) -> list[Task]:
     """At least `total` verified tasks if the projects have them, spread over the projects: in
     rounds, each project's next mutations (in the seed's order) are verified until it holds
     `ceil(total / projects)` tasks, then projects with mutations left make up for those that ran
     out, up to twice that share each. `max_tries` bounds the mutations tried per project;
-    `results`: the verification cache (default `<cache>/verified.jsonl`)."""
+    `results`: the verification cache (default `<cache>/verified.jsonl`). Logs a progress line
+    at most every `progress_s` seconds (tasks kept, suite runs and their mean time, an ETA)."""
     mgr = mgr or WorkspaceManager.temporary(max_concurrent=workers)
     ver = Verifier(mgr, cache, results)
+    t0 = last = time.monotonic()
+
+    def progress(final: bool = False) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if not final and now - last < progress_s:
+            return
+        last = now
+        n, tried = sum(len(v) for v in kept.values()), sum(pos.values())
+        line = f"progress: {n}/{total} tasks kept, {tried} mutations tried, {ver.runs} suite runs"
+        if ver.runs:
+            line += f" ({ver.run_s / ver.runs:.1f} s each)"
+            fresh = max(1, tried - cached_at_start)
+            per_task = max(tried, 1) / max(n, 1)  # mutations tried per task kept so far
+            eta = (total - n) * per_task * (now - t0) / fresh if n < total else 0.0
+            line += f", {now - t0:.0f} s elapsed, ~{eta / 60:.0f} min left"
+        log(line)
+
     share = -(-total // len(projects))
     live: dict[str, tuple[Project, list[Mutation], int]] = {}
     kept: dict[str, list[Task]] = {}
@@ -183,6 +230,7 @@ def build(
         live[p.name] = (p, project_mutations(p, seed, cache)[: max_tries or None], base.passed)
         kept[p.name] = []
     pos = dict.fromkeys(live, 0)
+    cached_at_start = 0  # mutations whose result came from the cache (cost no run)
     with ThreadPoolExecutor(workers) as pool:
         for cap in (share, 2 * share):
             while True:
@@ -194,13 +242,16 @@ def build(
                     p, muts, passed = live[k]
                     chunk = muts[pos[k] : pos[k] + 4 * workers]
                     pos[k] += len(chunk)
+                    cached_at_start += sum(mutation_id(p, m) in ver.done for m in chunk)
                     for t in pool.map(lambda m, p=p, n=passed: ver.verify(p, m, n), chunk):
                         if t is not None and len(kept[k]) < cap:
                             kept[k].append(t)
+                    progress()
             for k, ts in kept.items():
                 log(f"{live[k][0].key}: {len(ts)} tasks after {pos[k]} of {len(live[k][1])} mutations")
             if sum(len(v) for v in kept.values()) >= total:
                 break
+    progress(final=True)
     return [t for k in live for t in kept[k]]
 
 
