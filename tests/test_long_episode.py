@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import pytest
 from helpers.bigram_chat import IM_END, bigram_chat_dir, bigram_model_config
 from helpers.decode_server import Server, decode_server
 from helpers.long_tool_env import CALLS, CMD, TOOLS, tool_output
+from helpers.sandbox import session_root
 from test_sandbox_service import Sandbox
 
 from services.common.auth import auth_headers
@@ -62,23 +64,16 @@ def decode(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def sandbox(redis_url: str, tmp_path_factory: pytest.TempPathFactory, bwrap: str) -> Iterator[Sandbox]:
-    import random
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="relay-long-episode-"))
-    root.chmod(0o711)
-    uid_base = random.randrange(1_000_000, 50_000_000, 1000)
-    sb = Sandbox(
-        tmp_path_factory.mktemp("sb"),
-        redis_url,
-        workdir_root=str(root),
-        uid_base=uid_base,
-        plugins=["helpers.long_tool_env"],
-    ).wait_ready()
-    yield sb
-    sb.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    with session_root("relay-long-episode-") as root:
+        sb = Sandbox(
+            tmp_path_factory.mktemp("sb"),
+            redis_url,
+            workdir_root=str(root),
+            uid_base=random.randrange(1_000_000, 50_000_000, 1000),
+            plugins=["helpers.long_tool_env"],
+        ).wait_ready()
+        yield sb
+        sb.stop()
 
 
 def conversation(turns: int) -> list[dict[str, Any]]:
@@ -202,4 +197,5 @@ def test_long_tool_episode_past_the_context(
     sequences = flatten([stored])
     assert [q.tokens for q in sequences] == [p.tokens for s in group.samples for p in s.parts()]
     assert sum(sum(q.loss_mask) for q in sequences) == 2 * CALLS * 4
-    assert took < 90, took  # ~N s on a quiet 2-core machine
+    # catches a per-turn cost that grows with the episode (20-60 s on 2 cores, with the load)
+    assert took < 90, took
