@@ -24,6 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.results
+from bench.results import write_result  # noqa: E402
+
 SERVICES = ("trainer", "services.decode", "services.sandbox", "services.orchestrator")
 
 
@@ -106,7 +109,7 @@ def main() -> None:
         "baseline": f"the first --code ({args.code[0]}), measured in this process before the others",
         "results": results,
     }
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_result(args.out, doc)
     print(json.dumps(doc, indent=1))
 
 

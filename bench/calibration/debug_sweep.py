@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.results import write_result
 from sbatch.local import targets_met
 from services.common.config import REPO_ROOT, TaskSpec, load_config
 
@@ -201,7 +202,7 @@ def main() -> None:
                 )
             doc["results"][mode]["summary"] = aggregate(doc["results"][mode]["runs"])
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(doc, indent=1) + "\n")
+            write_result(args.out, doc)
     for mode in modes:
         print(mode, json.dumps(doc["results"][mode]["summary"]))
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import random
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from bench.calibration.inprocess import episodes
+from bench.results import dumps, write_result
 from services.common.config import EngineConfig, load_resolved
 from services.common.tokenizer import eos_id, load_tokenizer
 from services.engine import LLMEngine
@@ -201,10 +201,9 @@ def main() -> None:
         "baseline": "positions: the same run's earlier steps; ratio-band: the trainer's own band",
         "results": results,
     }
-    text = json.dumps(doc, indent=1)
     if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+        write_result(args.out, doc)
+    print(dumps(doc), end="")
 
 
 if __name__ == "__main__":

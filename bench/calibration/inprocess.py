@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results import write_result
 from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams
 from services.common.tokenizer import eos_id, load_tokenizer
@@ -200,7 +201,7 @@ def main() -> None:
                 "steps_done": step,
                 "history": hist,
             }
-            Path(args.out).write_text(json.dumps(out, indent=1))
+            write_result(args.out, out)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import redis
 import torch
 
 from bench.machine import machine
+from bench.results import dumps, write_result
 from services.common.auth import AuthError, load_run_secrets, with_credentials
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, load_resolved
@@ -235,11 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     if "baseline" in out and out["baseline"]["wall_s"]:
         out["slowdown"] = round(chaos["wall_s"] / out["baseline"]["wall_s"], 3)
     out["workdir"] = str(work)
-    text = json.dumps(out, indent=2)
-    print(text)
+    print(dumps(out), end="")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        write_result(args.out, out)
     ok = chaos["exit"] == 0 and not chaos["rollouts_lost"] and not chaos["trained_twice"]
     ok = ok and not chaos["versions_out_of_order"] and not chaos["checkpoints_unreadable"]
     return 0 if ok else 1

@@ -52,6 +52,7 @@ from bench.engine.gemv_chain import (  # noqa: E402
     setup,
     time_variants,
 )
+from bench.results import write_result
 from ops.fp8.cuda import nvcc  # noqa: E402
 
 SOURCE = Path(__file__).with_name("dataflow_kernel.cu")
@@ -319,7 +320,7 @@ def main() -> None:
     time_variants(runners, results, time_us, args.rounds, args.launches, L, report["dram_read_us"])
     report["watchdog_end"] = full.watchdog()
     report["variants"] = results
-    out.write_text(json.dumps(report, indent=1))
+    write_result(out, report)
     print(
         json.dumps(
             {k: {kk: vv for kk, vv in v.items() if kk != "traceback"} for k, v in results.items()}, indent=1

@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.results
+from bench.results import write_result  # noqa: E402
+
 
 @triton.jit
 def _barrier_chain(buf_ptr, bar_ptr, E, N: tl.constexpr, R: tl.constexpr, P: tl.constexpr):
@@ -139,7 +142,7 @@ def main() -> None:
         results[f"N={n}"] = row
         print(n, json.dumps(row))
     report["sizes"] = results
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from bench.results import write_result  # noqa: E402
 
 
 def check_sampler() -> dict[str, Any]:
@@ -171,7 +172,7 @@ def main() -> None:
                 result[name] = fn()
             except Exception:  # noqa: BLE001 - record and go on to the next check
                 result[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
-            args.out.write_text(json.dumps(result, indent=1) + "\n")
+            write_result(args.out, result)
             print(f"[fused_check] {name}: {json.dumps(result[name])[:400]}", flush=True)
     checks = [result[k] for k in ("sampler", "norms", "engine")]
     sys.exit(0 if all(v.get("ok") for v in checks) else 1)

@@ -52,6 +52,7 @@ from bench.engine.w1 import (  # noqa: E402
     w1_prompts,
 )
 from bench.engine.w1 import roofline as w1_roofline  # noqa: E402
+from bench.results import write_result  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}  # dense, datasheet
 
@@ -215,7 +216,7 @@ def main() -> None:
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, default=str))
+        write_result(out, report, default=str)
 
     work = workload(args, kw["vocab_size"] - 1)
     nums = model_numbers(kw, torch.tensor([], dtype=dtype).element_size())

@@ -31,6 +31,7 @@ import torch
 
 from bench.engine.profile_batch1 import engine_config
 from bench.engine.w1 import build_model_dir, profile_setup
+from bench.results import write_result
 
 
 def run_steps(eng: Any, n: int) -> None:
@@ -141,7 +142,7 @@ def main() -> None:
         while not state.finished:
             eng.step()
         eng.flush()
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1)[:12000])
 
 

@@ -20,7 +20,6 @@ runs while the next step computes. `overlap_median_ms` times those phases the sa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.results import dumps, write_result  # noqa: E402
 from services.common.config import EngineConfig, load_config  # noqa: E402
 from services.common.modeldir import hf_config  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
@@ -167,10 +167,9 @@ def main() -> None:
         result["overlap_median_ms"] = med
     if args.sampler_reps > 0:
         result["sampler_cpu_ms[batch x 151936]"] = round(sampler_ms(args.batch, 151936, args.sampler_reps), 1)
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(dumps(result), end="")
     if args.out:
-        args.out.write_text(text + "\n")
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

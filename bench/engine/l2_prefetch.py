@@ -38,7 +38,6 @@ import statistics
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ import triton
 import triton.language as tl
 
 from bench.engine.w1 import QWEN3_0_6B, measure_bandwidth, profile_setup
+from bench.results import write_result
 from ops import pdl
 from ops.fused_norm import add_rms_norm, silu_mul
 from services.engine.kernels.gemv import gemv, replay_us
@@ -261,7 +261,7 @@ def main() -> None:
             **({"over_chain": round(ms / base, 4)} if base else {}),
         )
     report["variants"] = results
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1)[:6000])
     if any(r.get("outputs_equal_chain") is False for r in results.values()):
         sys.exit("a prefetch variant changed the GEMV outputs (see outputs_equal_chain)")

@@ -33,7 +33,6 @@ layers' weights at the measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -41,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.results
+from bench.results import write_result  # noqa: E402
 
 PHASE_NAMES = ("qkv", "attn", "merge", "o", "gate_up", "down")
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -220,7 +222,7 @@ def main() -> None:
             results[name].update({k: getattr(mk.compiled, k, None) for k in ("n_regs", "n_spills")})
         except Exception as e:  # noqa: BLE001
             results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-        out.write_text(json.dumps({**report, "variants": results}, indent=1))
+        write_result(out, {**report, "variants": results})
     for _ in range(args.rounds):
         for name in names:
             if "error" in results[name]:
@@ -247,7 +249,7 @@ def main() -> None:
             r["rel_diff_vs_full"] = float((outputs[name] - ref).abs().max() / ref.abs().max())
             r["finite"] = bool(torch.isfinite(outputs[name]).all())
     report["variants"] = results
-    out.write_text(json.dumps(report, indent=1))
+    write_result(out, report)
     for name, r in results.items():
         print(name, {k: v for k, v in r.items() if k not in ("us", "tuning")})
 

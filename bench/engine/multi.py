@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.machine import machine  # noqa: E402
+from bench.results import write_result  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig  # noqa: E402
 from services.common.schemas import SamplingParams  # noqa: E402
 from services.engine.batch import Span  # noqa: E402
@@ -326,7 +327,7 @@ def main() -> int:
                 " tokens on the host"
             ),
         }
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         print(
             json.dumps(
                 {k: result[k] for k in ("multi_rank", "baseline_one_gpu", "tok_s_per_gpu_ratio")}, indent=2

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from bench.engine.w1 import build_model_dir, measure_bandwidth, profile_setup
+from bench.results import write_result
 from services.engine.kernels.gemv import graph_time_us, replay_us
 
 
@@ -448,7 +449,7 @@ def main() -> None:
         )
     else:
         profile_one(args, cuda, device, root, report, weight_bytes)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
     skip = ("kernels", "machine")
     brief = {k: v for k, v in report.items() if k not in skip}
     if "compare" in brief:

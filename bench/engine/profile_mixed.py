@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.engine.w1 import build_model_dir, profile_setup  # noqa: E402
+from bench.results import write_result
 
 
 def sync(cuda: bool) -> None:
@@ -225,7 +226,7 @@ def main() -> None:
                 )
             ),
         }
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k not in ("machine", "config")}, indent=1)[:8000])
 
 

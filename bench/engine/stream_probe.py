@@ -60,6 +60,7 @@ from bench.engine.gemv_chain import (  # noqa: E402
     setup,
     time_variants,
 )
+from bench.results import write_result  # noqa: E402
 
 P = 128
 # The CTA-wide barrier (Triton 3.6: gl.thread_barrier; later Gluon: gl.barrier).
@@ -627,7 +628,7 @@ def main() -> None:
             results["triton"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
     time_variants(runners, results, time_us, args.rounds, args.launches, L, report["dram_read_us"])
     report["variants"] = results
-    out.write_text(json.dumps(report, indent=1))
+    write_result(out, report)
     print(json.dumps({k: v for k, v in results.items()}, indent=1)[:6000])
 
 

@@ -47,6 +47,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from bench.results import write_result  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on CPU (slowly)
@@ -90,7 +91,7 @@ class Report:
         with self.lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, indent=2, default=str))
+            write_result(tmp, self.data, default=str)
             tmp.replace(self.path)
 
     def phase(self, key: str, fn: Callable[[], Any]) -> Any:

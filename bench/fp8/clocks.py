@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.results import write_result  # noqa: E402
 
 SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu"
 REPS = 20  # GEMM calls per graph replay
@@ -159,7 +160,7 @@ def main() -> None:
             w["speed_vs_bf16"] = w["tflops"] / bf16["tflops"]
             w["speed_vs_bf16_at_bf16_clock"] = w["speed_vs_bf16"] / clock_ratio
             w["ceiling_vs_bf16_at_these_clocks"] = 2.0 * clock_ratio
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     for w in result["windows"]:
         print(
             f"{w['gemm']:22s} {w['tflops']:6.0f} TFLOP/s  SM {w.get('sm_mhz_median', 0):5.0f} MHz "

@@ -42,6 +42,7 @@ import gemm as bench  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.results import write_result
 from ops.fp8 import dispatch as fl  # noqa: E402
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8 import triton_gemm as kern  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> None:
                 flush=True,
             )
             result["rows"].append(row)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_result(args.out, result)
 
 
 if __name__ == "__main__":

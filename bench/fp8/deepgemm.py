@@ -47,6 +47,7 @@ from wgmma import (  # noqa: E402
 )
 
 from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
+from bench.results import write_result
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 from ops.fp8.cuda.nvcc import nvcc_path  # noqa: E402
@@ -280,10 +281,10 @@ def main() -> None:
     }
     result["check"] = self_check(dg, dev) + check_ours(dev)
     result["check_ok"] = all(r["ok"] for r in result["check"])
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     if result["check_ok"] and not args.skip_timing:
         result["rows"] = time_rows(dg, dev)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_result(args.out, result)
     print("check_ok", result["check_ok"])
     for r in result.get("rows", []):
         ours = "".join(

@@ -19,6 +19,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.results import write_result
 from services.engine.layers.fp8 import Fp8Linear, fuse_fp8_rows  # noqa: E402
 
 GROUPS = {"qkv": (1024, (2048, 1024, 1024)), "gate_up": (1024, (3072, 3072))}
@@ -89,7 +90,7 @@ def main() -> None:
         "ok": ok,
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print("ok" if ok else "MISMATCH")
 
 

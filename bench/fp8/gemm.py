@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels import triton_gemm_variants as variants
+from bench.results import write_result
 from ops.fp8 import dispatch as fl
 from ops.fp8 import recipe as ref
 from ops.fp8 import triton_gemm as kern
@@ -733,7 +734,7 @@ def main() -> None:
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)
         result["triton_failures_in_auto"] = dict(fl.TRITON_FAILURES)
-        out.write_text(json.dumps(result, indent=1))
+        write_result(out, result)
 
     for section, fn in (
         ("self_check", lambda: self_check(dev)),

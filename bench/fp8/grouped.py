@@ -19,7 +19,6 @@ in the same process, at DeepSeek-V3's expert shapes over a range of rows per exp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from datetime import UTC, datetime
 from functools import partial
@@ -35,6 +34,7 @@ import gemm as bench  # noqa: E402
 from wgmma import MAX_REL_ERR, ROUNDS, add_tflops, bench_rounds  # noqa: E402
 
 from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
+from bench.results import write_result
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8 import triton_gemm as kern  # noqa: E402
 from ops.fp8.cuda import fp8_wgmma  # noqa: E402
@@ -154,7 +154,7 @@ def main() -> None:
     result["check"] = self_check(dev)
     result["check_ok"] = all(r["ok"] for r in result["check"])
     print("check_ok", result["check_ok"], flush=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(out, result)
     if args.skip_timing or not result["check_ok"]:
         return
     result["rows"] = []
@@ -169,7 +169,7 @@ def main() -> None:
                 + " ".join(f"{name} {sp:.2f}x" for name, sp in row["speedup_vs_bf16"].items()),
                 flush=True,
             )
-            out.write_text(json.dumps(result, indent=1))
+            write_result(out, result)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import gemm as bench  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.results import write_result
 from ops.fp8 import dispatch as fl  # noqa: E402
 from ops.fp8 import recipe as ref  # noqa: E402
 
@@ -64,7 +65,7 @@ def main() -> None:
     result["profile_linear_fp8_auto"] = {"shape": [m, n, k], "host_top": top}
     for name, calls, ms in top:
         print(f"{ms * 1e3:8.2f} us  {calls:3d}x  {name}")
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

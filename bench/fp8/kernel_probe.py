@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.results import write_result
 from ops.fp8 import recipe as ref  # noqa: E402
 
 SHAPES = [(4096, 4096, 7168), (4096, 7168, 2048), (8192, 18432, 7168)]
@@ -168,7 +169,7 @@ def main() -> None:
         "baseline": "bf16 cuBLAS (F.linear) and torch block-wise scaled_mm, same process",
         "rows": rows,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

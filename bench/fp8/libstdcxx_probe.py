@@ -22,6 +22,9 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.results
+from bench.results import write_result  # noqa: E402
+
 SOURCE = r"""
 #include <regex>
 #include <sstream>
@@ -83,7 +86,7 @@ def main() -> None:
         "baseline": "the default link, in the same run",
         "modes": rows,
     }
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_result(args.out, report)
     for name, row in rows.items():
         print(
             f"{name:18s} returncode {row['returncode']:4d}  libstdc++.so linked: {row.get('links_libstdcxx_so')}  ok: {row['ok']}"

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from torch import nn
 
+from bench.results import write_result
 from ops.fp8 import dispatch as fl
 from services.common.config import EngineConfig, ModelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
@@ -247,7 +248,7 @@ def main() -> None:
 
     def save() -> None:
         res["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        out.write_text(json.dumps(res, indent=1))
+        write_result(out, res)
 
     res["self_check"] = self_check(dev)
     print("self-check:", json.dumps(res["self_check"]), flush=True)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
+from bench.results import write_result
 from ops.fp8.triton_gemm import triton_quantize_act  # noqa: E402
 from ops.fp8.triton_quant import triton_quantize_act_both, triton_quantize_act_t  # noqa: E402
 
@@ -57,7 +58,7 @@ def main() -> None:
             )
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
+from bench.results import write_result
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8.dispatch import fp8_gemm_dispatch, quantize_activation  # noqa: E402
 from ops.fp8.triton_quant import (  # noqa: E402
@@ -253,7 +254,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - record it, still time the variants
         result["self_check"] = {"ok": False, "error": traceback.format_exc()[-2000:]}
     print(json.dumps(result["self_check"]), flush=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(out, result)
     if args.skip_timing:
         return
     for m, n, k in SHAPES:
@@ -271,7 +272,7 @@ def main() -> None:
             + (f" | errors {row['errors']}" if row["errors"] else ""),
             flush=True,
         )
-        out.write_text(json.dumps(result, indent=1))
+        write_result(out, result)
 
 
 if __name__ == "__main__":

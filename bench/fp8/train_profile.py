@@ -22,7 +22,6 @@ a training step's time, next to bf16 F.linear, at a few of train_linear.py's sha
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gemm as bench  # noqa: E402
 
+from bench.results import write_result
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8.dispatch import (  # noqa: E402
     fp8_gemm_dispatch,
@@ -247,7 +247,7 @@ def main() -> None:
                 print(f"    stage {us:8.1f} us {name}")
             for name, count, us in row["cpu_ops"][:20]:
                 print(f"    cpu_op {us:8.1f} us x{count} {name}")
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels import triton_gemm_variants as variants
+from bench.results import write_result
 from ops.fp8 import recipe as ref
 from ops.fp8 import triton_gemm as kern
 from ops.fp8.cuda import fp8_wgmma
@@ -824,7 +825,7 @@ def main() -> None:
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        out.write_text(json.dumps(result, indent=1, default=str))
+        write_result(out, result, default=str)
 
     compile_deadline = t0 + args.budget_s * args.compile_share
     compiled: dict[tuple[str, Any], dict[str, Any]] | None = {}

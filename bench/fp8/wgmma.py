@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm as bench  # noqa: E402
 
 from bench.kernels import fp8_wgmma_variants as variants  # noqa: E402
+from bench.results import write_result
 from ops.fp8 import recipe as ref  # noqa: E402
 from ops.fp8.cuda import fp8_wgmma  # noqa: E402
 
@@ -196,10 +197,10 @@ def main() -> None:
     }
     result["check"] = self_check(dev)
     result["check_ok"] = all(r["ok"] for r in result["check"])
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     if result["check_ok"] and not args.skip_timing:
         result["rows"] = time_rows(dev)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_result(args.out, result)
     print("check_ok", result["check_ok"])
     for r in result.get("rows", []):
         print(

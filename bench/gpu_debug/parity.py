@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results import write_result
 from services.common.config import EngineConfig, load_config
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
@@ -134,7 +135,7 @@ def main() -> None:
     }
     print(json.dumps(out, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_result(args.out, out)
 
 
 if __name__ == "__main__":

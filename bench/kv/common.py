@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import signal
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from bench import results
 from services.common.auth import standalone_secrets
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, EngineConfig, ModelConfig, RunConfig
@@ -121,7 +121,7 @@ def write_result(path: Path, result: dict[str, Any], quiet: bool = False) -> Non
     }
     # Written under a temporary name, then renamed: a run killed mid-write leaves the last file.
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(full, indent=2))
+    tmp.write_text(results.dumps(full))
     tmp.replace(path)
     if not quiet:
         print(f"wrote {path}")

@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.results import write_result
 from services.common import routing  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.common.schemas import GenerateRequest, SamplingParams  # noqa: E402
@@ -251,7 +252,7 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
-        path.write_text(json.dumps(result, indent=2, default=str))
+        write_result(path, result, default=str)
 
     cuda = device.type == "cuda"
     fp32: dict[str, Any] = {"dtype": "float32"}

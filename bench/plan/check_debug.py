@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.machine import machine  # noqa: E402
+from bench.results import write_result  # noqa: E402
 from sbatch.plan import build_plan, load_rates  # noqa: E402
 from services.common.config import load_resolved  # noqa: E402
 
@@ -132,7 +133,7 @@ def main() -> None:
         "within_2x": all(s["ok"] for s in stages.values()),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     print(json.dumps({"within_2x": out["within_2x"], "stages": stages}, indent=1))
     if not out["within_2x"]:
         raise SystemExit(1)

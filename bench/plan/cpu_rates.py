@@ -31,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.results import write_result  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
@@ -137,7 +138,7 @@ def main() -> None:
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_result(args.out, out)
     print(json.dumps({"decode_step_s": step_s, "train_step_s": train_s}))
 
 

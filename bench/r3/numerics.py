@@ -66,7 +66,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import json
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -80,6 +79,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.machine import machine  # noqa: E402
+from bench.results import write_result  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, Span  # noqa: E402
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             "baseline": "the float32 engine against the float32 trainer in the same process "
             "(fp32_engine_vs_fp32_trainer); each bf16 row is also measured against float32",
         }
-        args.out.write_text(json.dumps({**record, **res}, indent=1))
+        write_result(args.out, {**record, **res})
     return 0
 
 

@@ -108,6 +108,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
+from bench.results import write_result  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import GenerateRequest, Sample, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
@@ -773,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         result["headline"] = headline(result)
-        path.write_text(json.dumps(result, indent=2, default=str))
+        write_result(path, result, default=str)
 
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="r3-") as tmp:

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from bench.machine import machine
+from bench.results import write_result
 from services.common.auth import auth_headers, standalone_secrets
 from services.common.bus import Bus
 from services.common.config import REPO_ROOT, RunConfig
@@ -189,7 +190,7 @@ def main() -> None:
             "baseline_copy_s": {"median": round(statistics.median(copies), 4), "max": round(max(copies), 4)},
         }
         print(json.dumps(out, indent=2))
-        a.out.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(a.out, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -37,6 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.results import write_result  # noqa: E402
 from bench.system.report import compare, log_events, run_report, table  # noqa: E402
 from sbatch.launch import run_redis_url  # noqa: E402
 from services.common.bus import Bus  # noqa: E402
@@ -248,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(runs_dir / mode / "weights", ignore_errors=True)
         # Written after every run: a call cut short keeps what it measured.
         comparison = compare(runs)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps({**result, "runs": runs, "comparison": comparison, "errors": errors}, indent=1)
-        )
+        write_result(out, {**result, "runs": runs, "comparison": comparison, "errors": errors})
     if runs:
         print(table({m: runs[m] for m in MODES if m in runs}, compare(runs)))
     print(f"report: {out}")

@@ -33,7 +33,6 @@ default: one document = sdpa/trainer; a pack = the dense mask through the same m
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from bench.results import write_result
 from trainer.attention import (  # noqa: E402
     DocumentAttention,
     _varlen_causal_kwargs,
@@ -338,7 +338,7 @@ def main() -> int:
 
     def save() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_result(args.out, report)
 
     try:
         report["correctness"] = correctness(device, args.flex_autotune)

@@ -65,6 +65,8 @@ import step  # noqa: E402  (installs the carried wheels on the GPU machine, puts
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from bench.results import write_result  # noqa: E402
+
 CATEGORIES = (
     "attention_fwd",
     "attention_bwd",
@@ -579,7 +581,7 @@ def main() -> int:
         report["results"][key]["wall_s"] = time.monotonic() - t
         step.free()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_result(args.out, report)
         r = report["results"][key]
         cats = {c: round(ms, 1) for c, ms in r.get("categories_ms_per_step", {}).items()}
         copies = f"copies {r.get('copies_per_step', 0):.0f}/step ({r.get('copies_ms_per_step', 0):.1f} ms)"
@@ -595,7 +597,7 @@ def main() -> int:
                 flush=True,
             )
     report["total_s"] = time.monotonic() - ctx.t0
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_result(args.out, report)
     return 0
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import platform
@@ -85,6 +84,7 @@ _ensure_wheels()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.results import write_result  # noqa: E402
 from bench.shapes import SHAPES, VOCAB  # noqa: E402
 from services.common.config import ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import Sample  # noqa: E402
@@ -789,7 +789,7 @@ def main() -> int:
     def save() -> None:
         if ctx.main:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=2))
+            write_result(args.out, report)
 
     def attempt(key: str, fn: Any) -> None:
         if time.monotonic() - ctx.t0 > args.budget_s:

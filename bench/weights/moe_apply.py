@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.machine import machine  # noqa: E402
+from bench.results import write_result
 from bench.weights.publish_apply import engine, free, model_config, publish  # noqa: E402
 from services.engine.layers import fp8 as engine_fp8  # noqa: E402
 from services.engine.layers import moe as engine_moe  # noqa: E402
@@ -124,7 +125,7 @@ def main() -> None:
                 quant, args.layers, args.vocab, device, Path(root), args.repeats
             )
         print(json.dumps({prec: rec}), flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

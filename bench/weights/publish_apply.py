@@ -43,6 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.machine import machine  # noqa: E402
+from bench.results import write_result
 from bench.shapes import SHAPES, VOCAB  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig  # noqa: E402
 from services.common.weights_dir import read_model_dir  # noqa: E402
@@ -324,12 +325,12 @@ def main() -> None:
 
             def done(part: dict[str, Any], shape: str = shape) -> None:
                 result["shapes"][shape] = part
-                Path(args.out).write_text(json.dumps(result, indent=2))
+                write_result(args.out, result)
 
             run_shape(shape, device, root / shape, quants, done)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
