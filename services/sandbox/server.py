@@ -100,6 +100,12 @@ REWARD = Histogram(
 )
 
 
+class NDJSONResponse(StreamingResponse):
+    """A stream of JSON lines: its media type is what the OpenAPI document states for the route."""
+
+    media_type = "application/x-ndjson"
+
+
 def env_catalog() -> list[dict[str, Any]]:
     out = []
     for name in env_names():
@@ -314,7 +320,11 @@ def build_app(
             )
         return StepResponse(observation=observation, done=done)
 
-    @app.post("/v1/sessions/steps")
+    @app.post(
+        "/v1/sessions/steps",
+        response_class=NDJSONResponse,
+        responses={200: {"model": StepResult, "description": "one StepResult per line, as the steps finish"}},
+    )
     async def step_many(
         req: StepsRequest,
         score: bool = Query(False, description="score and close each session its step ends"),
@@ -339,7 +349,7 @@ def build_app(
             for done in asyncio.as_completed(pending):
                 yield (await done).model_dump_json().encode() + b"\n"
 
-        return StreamingResponse(results(), media_type="application/x-ndjson")
+        return NDJSONResponse(results())
 
     @app.post("/v1/sessions/{session_id}/score")
     def score_session(

@@ -4,6 +4,7 @@ the worker ranks a process started."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,16 @@ def tiny_moe(max_seq_len: int) -> ModelConfig:
 def run_ranks(fn: Callable[..., None], nprocs: int, tmp: Path, *args: Any) -> None:
     """fn(rank, init_method, *args) on `nprocs` spawned processes; a rank's exception fails the
     call (torch.multiprocessing re-raises it here)."""
-    mp.start_processes(fn, args=(f"file://{tmp / 'rdzv'}", *args), nprocs=nprocs, start_method="spawn")
+    mp.start_processes(
+        _run_then_exit, args=(fn, f"file://{tmp / 'rdzv'}", *args), nprocs=nprocs, start_method="spawn"
+    )
+
+
+def _run_then_exit(rank: int, fn: Callable[..., None], init: str, *args: Any) -> None:
+    fn(rank, init, *args)
+    # Done and its results written: leave without the process groups' destructors, which abort
+    # the process (SIGABRT) when a peer has already gone, as after a dead-peer check.
+    os._exit(0)
 
 
 def worker_pids(parent: int) -> list[int]:
