@@ -168,8 +168,8 @@ def stale_share(hist: list[dict[str, Any]], batch: int) -> float:
 
 
 def test_trainer_restart_and_resume_keep_admission_right(tmp_path: Path) -> None:
-    """The trainer is killed after step 4 (checkpoint at 3: it resumes as version 5, one step's
-    update lost), later the run is stopped (`make stop`) and resumed (`make resume`) with more
+    """The trainer is killed after step 4 or later (it resumes from its last checkpoint as a new
+    version, the updates since lost), later the run is stopped (`make stop`) and resumed (`make resume`) with more
     steps. Admission, derived from the ledger, keeps stale drops as low after each as before; the
     resumed run prints only its new steps and its ledger counts both parts."""
     run_dir = tmp_path / "run"
@@ -201,13 +201,17 @@ def test_trainer_restart_and_resume_keep_admission_right(tmp_path: Path) -> None
     assert summary["ledger"]["started"] > first_summary["ledger"]["started"]
     hist = steps(run_dir)
     done = [h["step"] for h in hist]
-    assert 5 not in done and done[:4] == [1, 2, 3, 4], done  # resumed from 3 as version 5
+    # Killed after step k >= 4 (k depends on how fast the steps go): the restart publishes its
+    # checkpoint's model as the next version, k + 1 (k + 2 if the killed step's weights were already
+    # out), never a number already used, and trains on from there; every step once.
+    k = next(i for i, step in enumerate(done) if step != i + 1)
+    assert k >= 4 and done[k] in (k + 2, k + 3) and done == sorted(set(done)), done
     # The version the restart skipped makes at most one batch of what was pending stale at once.
-    assert hist[4]["step"] == 6 and hist[4]["dropped_stale"] <= batch, hist[4]
+    assert hist[k]["dropped_stale"] <= batch, hist[k]
     # From then on admission is as before. (By version number, the restart admitted a batch more
     # for the rest of the run, and the resumed run on a fresh Redis everything it could: a third
     # to a half of the groups were dropped as stale.)
-    after_restart = [h for h in hist if 6 < h["step"] <= last]
+    after_restart = [h for h in hist if done[k] < h["step"] <= last]
     after_resume = [h for h in hist if h["step"] > last]
     shares = [stale_share(x, batch) for x in (after_restart, after_resume)]
     assert max(shares) <= 0.15, shares
