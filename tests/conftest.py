@@ -20,6 +20,29 @@ os.environ.setdefault(TOKEN_ENV, new_token())
 os.environ.setdefault(REDIS_PASSWORD_ENV, new_token())
 
 
+# `make test` hands whole modules to its two xdist workers (--dist loadfile) in collection order:
+# the longest go first, so that neither worker is left running one of them alone at the end.
+LONGEST_FIRST = [
+    "test_slurm_e2e.py",
+    "test_e2e.py",
+    "test_faults_pipeline.py",
+    "test_trainer_run.py",
+    "test_schemathesis.py",
+    "test_engine_fused_kernels.py",
+    "test_engine_kernels.py",
+    "test_verifiers_pipeline.py",
+    "test_trainer_compile.py",
+    "test_launch_budget.py",
+    "test_dashboard.py",
+    "test_parallel_decode.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis-protocol server (bundled valkey) for the whole test session; yields its URL.

@@ -283,6 +283,9 @@ def test_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Pat
     check_ledger(run_dir, steps)
 
 
+# 66 s: make test has the same resume through the local launcher in test_faults_pipeline.py
+# (trainer SIGKILLed, resumed as a new version, nothing trained twice) and test_trainer_run.py
+@pytest.mark.full
 def test_trainer_killed_resumes_from_checkpoint_locally(tmp_path: Path) -> None:
     """The trainer is SIGKILLed mid-run (local launcher): restarted by its supervisor, it resumes from
     its last checkpoint; nothing is trained twice and the published weight versions never go back."""
