@@ -175,7 +175,7 @@ def copy_pieces(dst: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
 @torch.no_grad()
 def copy_each(dst: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
     """What copy_pieces does, one `copy_weight` per piece into its part of dst (contiguous): for
-    pieces it must cast; bench/weights/moe_apply.py's baseline (one copy per expert tensor)."""
+    pieces it must cast (one copy per piece, so a copy per expert tensor)."""
     flat, off = dst.view(-1), 0
     for p in pieces:
         copy_weight(flat[off : off + p.numel()], p.reshape(-1))

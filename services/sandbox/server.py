@@ -263,7 +263,7 @@ def build_app(
 
     # Starts get their own threads (sandbox.session_start_threads): a start takes milliseconds,
     # but on the shared request threadpool it waits for a free thread, and under load every one
-    # may be running a step that lasts a whole test suite (bench/sandbox: 56 s vs 0.06 s).
+    # may be running a step that lasts a whole test suite: a start would wait for a suite to end.
     start_limiter = anyio.CapacityLimiter(sec.session_start_threads) if sec.session_start_threads else None
 
     async def off_loop(fn: Callable[..., R], *args: Any) -> R:
