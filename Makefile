@@ -64,10 +64,11 @@ cluster-stop:
 # Two xdist workers: most tests wait on subprocesses, servers and sockets, so two share the CI's
 # 2 cores well (on the 2-core dev machine: 14.4 min serial, 8.9 in two workers; CI took up to
 # 21.7 min serial). Each test module runs whole, in order, on one worker (--dist loadfile: some
-# modules' tests build on the ones before them); tests of the one Slurm cluster take a lock
-# (tests/conftest.py).
+# modules' tests build on the ones before them), the longest modules first (tests/conftest.py
+# LONGEST_FIRST; xdist would otherwise order them by test count); tests of the one Slurm cluster
+# take a lock (tests/conftest.py).
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -ra -m "not full" -n 2 --dist loadfile
+	$(PY) -m pytest -q -ra -m "not full" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-full: $(STAMP) chromium
 	$(PY) -m pytest -q -ra
