@@ -57,13 +57,26 @@ MLA = dict(
     tie_embeddings=False,
 )
 MODELS["deepseek-ep2"] = (ModelConfig(**MLA, arch="deepseek_v3"), ParallelConfig(tp=2, ep=2))
-MODELS["glm5-ep2"] = (
-    ModelConfig(**MLA, arch="glm_moe_dsa", index_topk=8, index_n_heads=4, index_head_dim=16),
-    ParallelConfig(tp=2, ep=2),
-)
+GLM5 = ModelConfig(**MLA, arch="glm_moe_dsa", index_topk=8, index_n_heads=4, index_head_dim=16)
+MODELS["glm5-ep2"] = (GLM5, ParallelConfig(tp=2, ep=2))
+# Data-parallel attention: 2 attention groups of one rank, each with its own requests and pages,
+# the experts split over both (GLM-5's layout, tp = 1, dp_attention = ep).
+DP2 = ParallelConfig(dp_attention=2, ep=2)
+MODELS["moe-dp2"] = (tiny_moe(64), DP2)
+MODELS["glm5-dp2"] = (GLM5, DP2)
+MODELS["deepseek-dp2"] = (MODELS["deepseek-ep2"][0], DP2)
 # 12 pages of 4 tokens: the first round's four sequences (two prompts, one forked in two) need
 # more than that by their end, so the scheduler preempts and recomputes.
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4, num_kv_blocks=12)
+# With dp_attention 2 every attention group schedules its own pool, so preemptions would fall on
+# other steps than one pool's, and a sequence recomputed after the weight update continues from
+# other KV: the pools are big enough that nobody is preempted (a group's preemption is the
+# single-rank scheduler's, tested above).
+DP_CFG = CFG.model_copy(update={"num_kv_blocks": 24})
+
+
+def engine_cfg(par: ParallelConfig) -> EngineConfig:
+    return DP_CFG if par.dp_attention > 1 else CFG
 
 
 def requests(moe: bool, tag: str) -> list[GenerateRequest]:
@@ -93,10 +106,16 @@ def requests(moe: bool, tag: str) -> list[GenerateRequest]:
 
 
 def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
-    """Round 1: three requests, the weights updated after 4 steps; round 2: the same prompts again."""
+    """Round 1: three requests, the weights updated after 4 steps; round 2: the same prompts again;
+    round 3: the first prompt alone (its pages cached by round 2; with data-parallel attention
+    the other attention group is idle)."""
     out: dict[str, object] = {}
-    for rnd in ("r1", "r2"):
-        states = [engine.add_request(r) for r in requests(moe, rnd)]
+    for rnd in ("r1", "r2", "r3"):
+        reqs = requests(moe, rnd)
+        if rnd == "r3":
+            reqs = [reqs[0].model_copy(update={"sampling": reqs[1].sampling})]
+        hits = engine.stats.prefix_cache_hit_tokens
+        states = [engine.add_request(r) for r in reqs]
         steps = 0
         while not all(s.finished for s in states):
             engine.step()
@@ -106,6 +125,7 @@ def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
         for s in states:
             resp = s.response()
             out[resp.request_id] = [c.model_dump(mode="json") for c in resp.choices]
+        out[f"{rnd}_hits"] = engine.stats.prefix_cache_hit_tokens - hits
     out["preemptions"] = engine.stats.preemptions_total
     out["prefix_hits"] = engine.stats.prefix_cache_hit_tokens
     return out
@@ -113,16 +133,17 @@ def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
 
 def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: bool) -> None:
     m, par = MODELS[name]
+    cfg = engine_cfg(par)
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
     if rank != 0:
         if die:  # build the shard, take one order, then leave without a word
             start = groups.world.broadcast_object(None)
-            runner = build_runner(start.path, CFG, par, groups)
+            runner = build_runner(start.path, cfg, par, groups)
             runner.run(groups.world.broadcast_object(None))
             return
-        run_worker(CFG, par, groups)
+        run_worker(cfg, par, groups)
         return
-    eng = ParallelEngine(dirs[0], CFG, par, groups)
+    eng = ParallelEngine(dirs[0], cfg, par, groups)
     if die:
         eng.add_request(requests(False, "d")[1])
         eng.step()
@@ -137,7 +158,7 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
         return
     got = drive(eng, m.is_moe, dirs[1])
     eng.close()
-    want = drive(LLMEngine(dirs[0], CFG), m.is_moe, dirs[1])
+    want = drive(LLMEngine(dirs[0], cfg), m.is_moe, dirs[1])
     Path(out_dir, f"{name}.json").write_text(json.dumps({"got": got, "want": want}))
 
 
@@ -149,16 +170,31 @@ def run(name: str, tmp_path: Path, die: bool = False) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen3-tp2", "moe-ep2", "glm5-ep2", pytest.param("deepseek-ep2", marks=pytest.mark.full)],
+    [
+        "qwen3-tp2",
+        "moe-ep2",
+        "glm5-ep2",
+        pytest.param("deepseek-ep2", marks=pytest.mark.full),
+        pytest.param("moe-dp2", marks=pytest.mark.full),
+        "glm5-dp2",
+        pytest.param("deepseek-dp2", marks=pytest.mark.full),
+    ],
 )
 def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Path) -> None:
     run(name, tmp_path)
     r = json.loads((tmp_path / f"{name}.json").read_text())
     got, want = r["got"], r["want"]
-    assert got["preemptions"] == want["preemptions"] > 0
-    assert got["prefix_hits"] == want["prefix_hits"] > 0
+    if MODELS[name][1].dp_attention > 1:
+        assert got["preemptions"] == want["preemptions"] == 0
+    else:
+        assert got["preemptions"] == want["preemptions"] > 0
+        assert got["prefix_hits"] == want["prefix_hits"] > 0
+    # Round 3's prompt: its two full pages from round 2's first request (with data-parallel
+    # attention: placed in the group that holds them; the other group idles through the MoE layers).
+    assert got["r3_hits"] == want["r3_hits"] == 8
     moe = MODELS[name][0].is_moe
-    for rid in (f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"):
+    rids = [f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"] + ["r3-a"]
+    for rid in rids:
         for g, w in zip(got[rid], want[rid], strict=True):
             assert g["output_ids"] == w["output_ids"], rid
             assert g["versions"] == w["versions"] and g["finish_reason"] == w["finish_reason"], rid

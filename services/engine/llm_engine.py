@@ -28,6 +28,7 @@ from services.common.config import EngineConfig
 from services.common.schemas import GenerateRequest, GenerateResponse
 from services.engine.batch import BlockTables, Span
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
+from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.layers.sampler import PendingSample, SampleOutput, Sampler
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
@@ -301,6 +302,11 @@ class LLMEngine:
         if plan.forks:
             self.scheduler.finish_forks(plan)
 
+    def routing_pool(self, seq: Sequence) -> KVCache:
+        """The cache whose routing store holds `seq`'s expert ids (a data-parallel engine keeps one
+        per attention group)."""
+        return self.kv
+
     def commit(
         self, seqs: list[Sequence], out: SampleOutput, version: int | None = None
     ) -> list[RequestState]:
@@ -324,7 +330,7 @@ class LLMEngine:
                 done.append(seq)
                 if seq.request.return_routed_experts and self.kv.routing is not None:
                     # Every forwarded token's expert ids, read from its pages before they are freed.
-                    ids = self.kv.read_routing(seq.block_table, seq.num_cached, seq.num_tokens)
+                    ids = self.routing_pool(seq).read_routing(seq.block_table, seq.num_cached, seq.num_tokens)
                     seq.routed_experts = routing.encode(ids)
                 if seq.request.finished:
                     finished.append(seq.request)

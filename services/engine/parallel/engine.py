@@ -7,8 +7,13 @@ step it sends the forward's inputs to the other ranks (`StepOrder`), runs its ow
 the sampled tokens, identical on every rank. Weight updates go to every rank in step order, each
 rank reading its own slices.
 
-What the multi-rank engine does not do yet: data-parallel attention (one scheduler per attention
-group), FP8, the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
+With data-parallel attention (`dp_attention` > 1) rank 0 keeps one scheduler and page pool per
+attention group (services/engine/parallel/dp.py): each step it sends every group its own part of
+the plan (`GroupStepOrder`; an idle group joins the MoE layers' exchanges with no tokens) and each
+group's first rank sends back its samples and the routed expert ids of the tokens it forwarded
+(Router Replay reads them from rank 0's copy of the group's routing store).
+
+What the multi-rank engine does not do yet: FP8, the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
 scheduling: it runs the torch attention path on any device) and KV page export/import (pages
 are split by KV heads across ranks).
 """
@@ -16,6 +21,7 @@ are split by KV heads across ranks).
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,13 +32,17 @@ from tokenizers import Tokenizer
 from services.common.config import EngineConfig, ParallelConfig
 from services.common.gpu_memory import cap_process_memory
 from services.engine.batch import Span
+from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.layers.sampler import SampleOutput
 from services.engine.llm_engine import LLMEngine
 from services.engine.loader import Checkpoint, WeightsError
 from services.engine.overlap import Feed
+from services.engine.parallel.dp import GroupedScheduler, group_pages
 from services.engine.parallel.group import EngineGroups
+from services.engine.parallel.model import local_config
 from services.engine.parallel.runner import (
+    GroupStepOrder,
     RecordingKVCache,
     StartOrder,
     StepOrder,
@@ -89,9 +99,21 @@ class ParallelEngine(LLMEngine):
         self.max_seq_len = self.runner.max_seq_len
         self.model, self.kv = self.runner.model, self.runner.kv
         self.stats = EngineStats()
-        self.scheduler = Scheduler(
-            self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
-        )
+        self.grouped: GroupedScheduler | None = None
+        if par.dp_attention > 1:
+            kv = self.kv
+            pools = [kv] + [
+                group_pages(local_config(m, par), kv.num_blocks, kv.block_size, self.max_seq_len)
+                for _ in range(1, par.dp_attention)
+            ]
+            self.grouped = GroupedScheduler(
+                pools, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
+            )
+            self.scheduler = self.grouped  # type: ignore[assignment]
+        else:
+            self.scheduler = Scheduler(
+                self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
+            )
         self.model.pdl = False
         self.eos_token_ids = set(ckpt.eos_token_ids)
         tok_file = ckpt.path / "tokenizer.json"
@@ -127,13 +149,67 @@ class ParallelEngine(LLMEngine):
     ) -> Sampled | None:
         assert feed is None, "a multi-rank engine does not overlap steps"
         params = [s.params for s in seqs]
+        draws = ShardedSampler.draws(params, [s.rng for s in seqs])
+        if self.grouped is not None:
+            return Sampled(self._launch_groups(self.grouped, spans, seqs, rows, draws))
         kv = self.kv
         assert isinstance(kv, RecordingKVCache)
-        draws = ShardedSampler.draws(params, [s.rng for s in seqs])
         order = StepOrder(spans, rows, params, draws, kv.take_copies())
         self.groups.world.broadcast_object(order)
         out = self.runner.step(replace(order, copies=[]))  # rank 0 made its page copies already
         return Sampled(out) if out is not None else None
+
+    def _launch_groups(
+        self,
+        grouped: GroupedScheduler,
+        spans: list[Span],
+        seqs: list[Sequence],
+        rows: list[int],
+        draws: list[float],
+    ) -> SampleOutput:
+        """One step over the attention groups: each its part of the plan, the samples back in
+        `seqs` order, other groups' routed ids into rank 0's copy of their routing store."""
+        bounds = grouped.bounds()
+        pools = [s.kv for s in grouped.groups]
+        parts = []
+        for g, pool in enumerate(pools):
+            assert isinstance(pool, RecordingKVCache)
+            # Every forwarded token's ids come back, not only those of requests asking now: a later
+            # request that asks may reuse these pages from the prefix cache.
+            part = spans[bounds[g] : bounds[g + 1]]
+            parts.append(StepOrder(part, copies=pool.take_copies(), routing=g > 0))
+        where: list[list[int]] = [[] for _ in parts]  # each group's samples' places in `seqs`
+        for i, (seq, row) in enumerate(zip(seqs, rows, strict=True)):
+            g = bisect_right(bounds, row) - 1
+            part = parts[g]
+            part.rows.append(row - bounds[g])
+            part.params.append(seq.params)
+            part.draws.append(draws[i])
+            where[g].append(i)
+        self.groups.world.broadcast_object(GroupStepOrder(parts))
+        own = self.runner.step_group(replace(parts[0], copies=[]))  # rank 0 made its copies already
+        results = self.runner.gather_group(own)
+        assert results is not None
+        n = len(seqs)
+        out = SampleOutput([0] * n, [0.0] * n, [None] * n)
+        tp = self.par.tp
+        for g, places in enumerate(where):
+            res = results[g * tp]
+            if g > 0 and res is not None and res.routing is not None:
+                routing = pools[g].routing
+                assert routing is not None and res.slots is not None
+                routing[:, torch.from_numpy(res.slots)] = torch.from_numpy(res.routing)
+            if not places:
+                continue
+            got = res.out if res is not None else None
+            if got is None or len(got.tokens) != len(places):
+                raise RuntimeError(f"attention group {g} returned no samples for {len(places)} rows")
+            for j, i in enumerate(places):
+                out.tokens[i], out.logprobs[i], out.top[i] = got.tokens[j], got.logprobs[j], got.top[j]
+        return out
+
+    def routing_pool(self, seq: Sequence) -> KVCache:
+        return self.kv if self.grouped is None else self.grouped.pool_of(seq)
 
     def read_weights(self, path: str | Path) -> Checkpoint:
         """This rank's slices of a weights directory, checked against the served model."""

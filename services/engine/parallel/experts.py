@@ -186,6 +186,8 @@ def split_even(n: int, parts: int, index: int) -> tuple[int, int]:
 def gather_parts(group: RankGroup, part: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """Each rank's `part` ([sizes[rank], ...]) concatenated in rank order on every rank."""
     pad = max(sizes)
+    if pad == 0:  # an idle attention group: the same on all its ranks, nothing to exchange
+        return part
     buf = part.new_zeros((pad, *part.shape[1:]))
     buf[: part.shape[0]] = part
     got = group.all_gather(buf)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
@@ -30,6 +31,7 @@ from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache, pool_blocks
 from services.engine.layers.sampler import SampleOutput
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
+from services.engine.parallel.experts import ExpertParallelMoE
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import (
     build_parallel_model,
@@ -53,6 +55,26 @@ class StepOrder:
     params: list[SamplingParams] = field(default_factory=list)
     draws: list[float] = field(default_factory=list)  # ShardedSampler.draws, made on rank 0
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages, before the forward
+    # Send the forwarded tokens' routed expert ids back (an attention group other than rank 0's:
+    # rank 0 keeps a copy of that group's routing store).
+    routing: bool = False
+
+
+@dataclass
+class GroupStepOrder:
+    """One step of an engine with data-parallel attention: `parts[g]` is attention group g's
+    StepOrder (no spans: the group is idle this step and only joins the MoE layers' exchanges)."""
+
+    parts: list[StepOrder]
+
+
+@dataclass
+class GroupResult:
+    """What an attention group's first rank sends rank 0 after a step."""
+
+    out: SampleOutput | None
+    slots: np.ndarray | None = None  # [T] the forwarded tokens' cache rows
+    routing: np.ndarray | None = None  # [moe layers, T, k] their routed ids (the store's dtype)
 
 
 @dataclass
@@ -73,7 +95,7 @@ class StopOrder:
     pass
 
 
-Order = StartOrder | StepOrder | WeightsOrder | StopOrder
+Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | StopOrder
 
 
 class RecordingKVCache(KVCache):
@@ -148,9 +170,47 @@ class RankRunner:
         logits = sharded_logits(self.model, hidden[index], self.groups, self.model_config.vocab_size)
         return self.sampler.sample(logits, order.params, order.draws)
 
+    @torch.inference_mode()
+    def step_group(self, order: StepOrder) -> GroupResult | None:
+        """This rank's attention group's part of a GroupStepOrder; every rank then sends its
+        result to rank 0 (`gather_group`)."""
+        for src, dst in order.copies:
+            self.kv.copy_block(src, dst)
+        if not order.spans:
+            self.idle_forward()
+            return None
+        batch = ForwardBatch.build(order.spans, self.device, self.max_seq_len, self.kv.block_size)
+        hidden = self.model(batch, self.kv)
+        res = GroupResult(None)
+        if order.routing and self.kv.routing is not None:
+            slots = batch.slot_mapping
+            res.slots = slots.cpu().numpy()
+            res.routing = self.kv.routing[:, slots.to(self.kv.routing.device)].cpu().numpy()
+        if order.rows:
+            index = batch.last_index[torch.tensor(order.rows, device=batch.last_index.device)]
+            logits = sharded_logits(self.model, hidden[index], self.groups, self.model_config.vocab_size)
+            res.out = self.sampler.sample(logits, order.params, order.draws)
+        return res
+
+    def idle_forward(self) -> None:
+        """An attention group with nothing to run: its ranks still take part in every MoE layer's
+        all-to-alls (in layer order, as the busy groups' forwards do), with no tokens."""
+        x = torch.empty((0, self.model_config.dim), dtype=self.dtype, device=self.device)
+        for layer in self.model.model.layers:
+            if isinstance(layer.mlp, ExpertParallelMoE):
+                layer.mlp(x)
+
+    def gather_group(self, res: GroupResult | None) -> list[GroupResult | None] | None:
+        """Every attention group's result on rank 0 (its first rank's: a tp group's ranks sample
+        the same tokens); None on the other ranks."""
+        return self.groups.world.gather_objects(res if self.groups.tp.rank == 0 else None)
+
     def run(self, order: Order) -> SampleOutput | None:
         if isinstance(order, StepOrder):
             return self.step(order)
+        if isinstance(order, GroupStepOrder):
+            self.gather_group(self.step_group(order.parts[self.groups.dp_rank]))
+            return None
         if isinstance(order, WeightsOrder):
             self.load(self.read(order.path))
         return None
