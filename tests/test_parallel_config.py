@@ -49,6 +49,15 @@ REPO = Path(__file__).resolve().parent.parent
         ),
         (
             "debug-moe",
+            [
+                "--decode.engine.max_batch_size=1",
+                "--decode.parallel.dp_attention=2",
+                "--decode.parallel.ep=2",
+            ],
+            r"decode\.parallel\.dp_attention \(2\) exceeds decode\.engine\.max_batch_size \(1\)",
+        ),
+        (
+            "debug-moe",
             ["--model.moe_hidden_dim=62", "--decode.parallel.tp=4"],
             r"decode\.parallel\.tp \(4\) must divide model\.moe_hidden_dim \(62\)",
         ),

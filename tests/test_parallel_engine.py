@@ -65,6 +65,8 @@ DP2 = ParallelConfig(dp_attention=2, ep=2)
 MODELS["moe-dp2"] = (tiny_moe(64), DP2)
 MODELS["glm5-dp2"] = (GLM5, DP2)
 MODELS["deepseek-dp2"] = (MODELS["deepseek-ep2"][0], DP2)
+# 2 attention groups of tp 2 (4 ranks): heads split inside a group, experts over all four.
+MODELS["moe-tp2-dp2"] = (tiny_moe(64), ParallelConfig(tp=2, dp_attention=2, ep=4))
 # 12 pages of 4 tokens: the first round's four sequences (two prompts, one forked in two) need
 # more than that by their end, so the scheduler preempts and recomputes.
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4, num_kv_blocks=12)
@@ -178,6 +180,7 @@ def run(name: str, tmp_path: Path, die: bool = False) -> None:
         pytest.param("moe-dp2", marks=pytest.mark.full),
         "glm5-dp2",
         pytest.param("deepseek-dp2", marks=pytest.mark.full),
+        pytest.param("moe-tp2-dp2", marks=pytest.mark.full),
     ],
 )
 def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Path) -> None:

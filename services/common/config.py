@@ -497,6 +497,16 @@ class ParallelConfig(Strict):
             )
 
 
+def _check_groups_batch(par: ParallelConfig, engine: EngineConfig, key: str, engine_key: str) -> None:
+    """An engine's max_batch_size is shared out over its attention groups: each needs one."""
+    if par.dp_attention > engine.max_batch_size:
+        raise ValueError(
+            f"{key}.dp_attention ({par.dp_attention}) exceeds {engine_key}.max_batch_size"
+            f" ({engine.max_batch_size}): each attention group runs max_batch_size / dp_attention"
+            " sequences, at least one"
+        )
+
+
 class DecodeSection(ServiceSection):
     engine: EngineConfig = EngineConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -1040,10 +1050,13 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _engine_layouts(self) -> RunConfig:
         self.decode.parallel.check(self.model, "decode.parallel")
+        _check_groups_batch(self.decode.parallel, self.decode.engine, "decode.parallel", "decode.engine")
         self._check_gpus(self.decode.parallel, "decode", self.decode.replicas)
         if self.prefill.replicas > 0 or self.slurm.prefill.nodes > 0:
             key = "prefill.parallel" if self.prefill.parallel else "decode.parallel"
             self.prefill_parallel.check(self.model, key)
+            ekey = "prefill.engine" if self.prefill.engine else "decode.engine"
+            _check_groups_batch(self.prefill_parallel, self.prefill.engine or self.decode.engine, key, ekey)
             # One prefill service per prefill node (sbatch/slurm.py).
             self._check_gpus(self.prefill_parallel, "prefill", self.slurm.prefill.nodes, key)
         return self

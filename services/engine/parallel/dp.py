@@ -59,10 +59,12 @@ class GroupedScheduler:
         prefix_caching: bool,
         stats: EngineStats,
     ) -> None:
-        """pools[g]: group g's cache (rank 0's real one for its own group). Every group gets the
-        engine's batch limits (they are per attention group: each runs its own batch)."""
+        """pools[g]: group g's cache (rank 0's real one for its own group). `max_batch_size` is
+        the engine's, shared out over the groups (as the capacity plan counts it, sbatch/plan.py);
+        `max_num_batched_tokens` bounds each group's forward, as it bounds one rank's."""
+        per_group = max(1, max_batch_size // len(pools))
         self.groups = [
-            Scheduler(kv, max_batch_size, max_num_batched_tokens, prefix_caching, stats) for kv in pools
+            Scheduler(kv, per_group, max_num_batched_tokens, prefix_caching, stats) for kv in pools
         ]
         self.kv = pools[0]
         self.stats = stats

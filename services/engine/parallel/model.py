@@ -35,11 +35,6 @@ SPLIT_ARCHS = ("qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
 def check_supported(m: ModelConfig, par: ParallelConfig) -> None:
     if par.ranks > 1 and m.arch not in SPLIT_ARCHS:
         raise ValueError(f"the engine splits {', '.join(SPLIT_ARCHS)} over ranks; not arch {m.arch}")
-    if par.dp_attention > 1 and par.tp > 1:
-        raise ValueError(
-            f"parallel.tp ({par.tp}) > 1 with parallel.dp_attention ({par.dp_attention}) > 1: the engine"
-            " runs data-parallel attention with tp = 1 (one rank per attention group)"
-        )
 
 
 def local_config(m: ModelConfig, par: ParallelConfig) -> ModelConfig:
