@@ -3,7 +3,9 @@ single-rank LLMEngine, float32 CPU: the same requests through the same steps giv
 and seeded tokens, log-probs and top-n (1e-5) and routed expert ids, with forked samples (n = 2),
 truncated sampling, preemption (a small KV pool), prefix-cache hits, and a weight update in the
 middle of generation. Qwen3 at TP 2, Qwen3-MoE, GLM-5 and DeepSeek-V3 at EP 2 (attention heads
-over the same 2 ranks); and a worker that dies makes rank 0's next step fail instead of hanging."""
+over the same 2 ranks); the MoE models with data-parallel attention (dp_attention 2: two attention
+groups, their own requests and pages, one group idle while the other serves a lone request); and a
+worker that dies makes rank 0's next step fail instead of hanging."""
 
 from __future__ import annotations
 
