@@ -130,6 +130,7 @@ def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
             resp = s.response()
             out[resp.request_id] = [c.model_dump(mode="json") for c in resp.choices]
         out[f"{rnd}_hits"] = engine.stats.prefix_cache_hit_tokens - hits
+    out["pools"] = [p.num_blocks for p in engine.kv_pools]
     out["preemptions"] = engine.stats.preemptions_total
     out["prefix_hits"] = engine.stats.prefix_cache_hit_tokens
     return out
@@ -190,6 +191,7 @@ def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Pat
     r = json.loads((tmp_path / f"{name}.json").read_text())
     got, want = r["got"], r["want"]
     if MODELS[name][1].dp_attention > 1:
+        assert got["pools"] == [24, 24] and want["pools"] == [24]  # a page pool per attention group
         assert got["preemptions"] == want["preemptions"] == 0
     else:
         assert got["preemptions"] == want["preemptions"] > 0

@@ -85,11 +85,14 @@ class EngineCollector(Collector):
             value=s.prefix_cache_hit_rate,
         )
         kv = eng.engine.kv
-        yield GaugeMetricFamily("relay_decode_kv_blocks", "KV cache pages in the pool", value=kv.num_blocks)
+        pools = eng.engine.kv_pools  # one per attention group with data-parallel attention
+        yield GaugeMetricFamily(
+            "relay_decode_kv_blocks", "KV cache pages in the pool(s)", value=sum(p.num_blocks for p in pools)
+        )
         yield GaugeMetricFamily(
             "relay_decode_kv_blocks_used",
             "KV cache pages held by sequences",
-            value=kv.num_blocks - kv.num_free,
+            value=sum(p.num_blocks - p.num_free for p in pools),
         )
         yield GaugeMetricFamily(
             "relay_decode_kv_cache_bytes", "Bytes of the KV page pools", value=kv.kv_bytes

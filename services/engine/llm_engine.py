@@ -302,6 +302,11 @@ class LLMEngine:
         if plan.forks:
             self.scheduler.finish_forks(plan)
 
+    @property
+    def kv_pools(self) -> list[KVCache]:
+        """The page pools this engine schedules (a data-parallel engine: one per attention group)."""
+        return [self.kv]
+
     def routing_pool(self, seq: Sequence) -> KVCache:
         """The cache whose routing store holds `seq`'s expert ids (a data-parallel engine keeps one
         per attention group)."""

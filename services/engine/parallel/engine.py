@@ -208,6 +208,10 @@ class ParallelEngine(LLMEngine):
                 out.tokens[i], out.logprobs[i], out.top[i] = got.tokens[j], got.logprobs[j], got.top[j]
         return out
 
+    @property
+    def kv_pools(self) -> list[KVCache]:
+        return [self.kv] if self.grouped is None else [s.kv for s in self.grouped.groups]
+
     def routing_pool(self, seq: Sequence) -> KVCache:
         return self.kv if self.grouped is None else self.grouped.pool_of(seq)
 
