@@ -6,27 +6,26 @@ multiple of 128 and one that is not, a DeepSeek-V3 (MLA's kv_b_proj stays high p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers.debug_weights import random_model_dir
+from helpers.fp8_dirs import QCFG, fp8_model_dir, hf_config_of, quantise_state, write_dir
 from helpers.hf_random import engine, engine_logprobs
 from helpers.moe import small_ds, small_moe
 
 from ops.fp8.checkpoint import dequantize_state, fp8_pairs, parse_quantization_config
-from ops.fp8.recipe import FP8_DTYPE, default_skip, dequantize_weight, quantize_weight
+from ops.fp8.recipe import FP8_DTYPE, dequantize_weight, quantize_weight
 from services.common.config import EngineConfig, ModelConfig
-from services.common.weights_dir import read_model_dir, write_model_dir
+from services.common.weights_dir import read_model_dir
 from services.engine import LLMEngine
 from services.engine.layers import fp8 as engine_fp8
 from services.engine.layers.fp8 import Fp8Experts
 from services.engine.loader import WeightsError, read_checkpoint
 from trainer.model import load_weights_dir
 
-QCFG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # dim 192 and FFN 320: ragged K and N tiles (the last block covers 64 elements).
 DENSE = ModelConfig(
     vocab_size=300,
@@ -51,47 +50,6 @@ TOKENS = [5, 17, 33, 8, 21, 2, 40, 41, 42, 9, 9, 9, 11, 30]
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
-def per_expert(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Fused expert tensors (the engine's parameter names) under HF's per-expert names, which is
-    how FP8 MoE checkpoints ship them."""
-    out: dict[str, torch.Tensor] = {}
-    i = m.moe_hidden_dim
-    for key, v in state.items():
-        prefix, _, leaf = key.rpartition(".")
-        if not (prefix.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj")):
-            out[key] = v
-            continue
-        for e in range(v.shape[0]):
-            if leaf == "gate_up_proj":
-                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :i].clone()
-                out[f"{prefix}.{e}.up_proj.weight"] = v[e, i:].clone()
-            else:
-                out[f"{prefix}.{e}.down_proj.weight"] = v[e].clone()
-    return out
-
-
-def quantise_state(hp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An FP8 checkpoint's tensors: every attention/MLP/expert linear weight (incl. MLA's kv_b_proj,
-    as DeepSeek-V3 ships it) as E4M3 + weight_scale_inv; embeddings, norms, lm_head, routers bf16.
-    pow2 scales: a re-quantisation with the engine's exact scales gives other bits, so the tests
-    below can tell a copy from a re-quantisation."""
-    out: dict[str, torch.Tensor] = {}
-    for key, v in hp.items():
-        if key.endswith(".weight") and v.dim() == 2 and not default_skip(key.removesuffix(".weight")):
-            out[key], out[key + "_scale_inv"] = quantize_weight(v, pow2=True)
-        else:
-            out[key] = v.to(torch.bfloat16)
-    return out
-
-
-def hf_config_of(d: Path) -> dict[str, Any]:
-    return json.loads((d / "config.json").read_text())
-
-
-def write_dir(dest: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
-    return write_model_dir(dest, state, config, None, {"version": 0})
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict[str, torch.Tensor]]]:
     """Per model: (fp8 checkpoint dir, the same weights dequantised to float32 in a plain HF dir,
@@ -100,9 +58,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     for name, m in MODELS.items():
         root = tmp_path_factory.mktemp(name)
         hp_dir = random_model_dir(m, root / "hp", seed=3, std=0.08)
-        cfg, hp = read_model_dir(hp_dir)
-        state = quantise_state(per_expert(hp, m))
-        fp8_dir = write_dir(root / "fp8", state, cfg | {"quantization_config": QCFG})
+        cfg = hf_config_of(hp_dir)
+        fp8_dir, state = fp8_model_dir(hp_dir, m, root / "fp8")
         # Dequantised here with the recipe's own function, not the module under test.
         deq = {
             k: dequantize_weight(v, state[k + "_scale_inv"]) if k + "_scale_inv" in state else v

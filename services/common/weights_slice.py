@@ -6,12 +6,15 @@ along their input columns, the rest replicated) and expert parallel (`ep_rank` o
 contiguous range of routed experts, each whole). `read_slices` looks every tensor up in the
 directory's index and maps only the rows/columns the rank needs (services/common/weights_dir.py).
 FP8 block scales (`X.weight_scale_inv`, one per `block` x `block` tile: the checkpoint's
-weight_block_size) follow their weight's slice, so a split must fall on a tile boundary.
+weight_block_size) follow their weight's slice, so a split must fall on a tile boundary; so must
+the split of a high-precision weight that an FP8 engine quantises at load (`tiled`), for the rank
+to quantise the same tiles as a single-rank engine.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,10 +108,25 @@ def tensor_slice(name: str, shape: tuple[int, ...], spec: SliceSpec, n_experts: 
     return None
 
 
+def check_tiles(name: str, dim: int, start: int, stop: int, n: int, spec: SliceSpec, block: int) -> None:
+    """A cut of a block-scaled weight (`n` long along `dim`) must fall on its tiles."""
+    if start % block or (stop % block and stop != n):
+        raise ValueError(
+            f"{name}: tp_size {spec.tp_size} cuts dim {dim} (size {n}) at rows/columns {start}:{stop}, "
+            f"not on the {block}x{block} FP8 tiles (each rank's part must be a multiple of {block})"
+        )
+
+
 def read_slices(
-    reader: WeightsReader, spec: SliceSpec, n_experts: int = 0, block: int = 128
+    reader: WeightsReader,
+    spec: SliceSpec,
+    n_experts: int = 0,
+    block: int = 128,
+    tiled: Callable[[str, tuple[int, ...]], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor this rank needs, as memory-mapped views of its slice (nothing else is read)."""
+    """Every tensor this rank needs, as memory-mapped views of its slice (nothing else is read).
+    `tiled(name, shape)`: whether a (high-precision) weight is held in `block` x `block` FP8 tiles
+    by the engine reading it, which then requires its cut on them too."""
     out: dict[str, torch.Tensor] = {}
     for name, e in reader.entries.items():
         owner = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
@@ -128,11 +146,9 @@ def read_slices(
             parts = [reader.tensor(name, (start + h, stop + h), 1) for h in (0, half)]
             out[name] = torch.cat(parts, dim=1)
             continue
+        if owner != name or (tiled is not None and tiled(name, tuple(w.shape))):
+            check_tiles(owner, dim, start, stop, w.shape[dim], spec, block)
         if owner != name:  # a block scale: the weight's slice in tiles
-            if start % block or (stop % block and stop != w.shape[dim]):
-                raise ValueError(
-                    f"{owner}: slice {start}:{stop} of dim {dim} is not on a {block}-wide tile boundary"
-                )
             start, stop = start // block, -(-stop // block)
         out[name] = reader.tensor(name, (start, stop), dim)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,13 @@ class Checkpoint:
         return arch(self.config) == arch(other)
 
 
-def read_checkpoint(path: str | Path, spec: SliceSpec | None = None) -> Checkpoint:
-    """The directory's config and the tensors (or slices, `spec`) a rank applies."""
+def read_checkpoint(
+    path: str | Path,
+    spec: SliceSpec | None = None,
+    tiled: Callable[[str, tuple[int, ...]], bool] | None = None,
+) -> Checkpoint:
+    """The directory's config and the tensors (or slices, `spec`) a rank applies. `tiled`: the
+    weights the rank quantises in 128x128 tiles (services/common/weights_slice.read_slices)."""
     t0 = time.monotonic()
     p = Path(path)
     if not p.is_dir():
@@ -66,7 +72,7 @@ def read_checkpoint(path: str | Path, spec: SliceSpec | None = None) -> Checkpoi
         hf = json.loads((p / "config.json").read_text())
         config = model_config_from_hf(hf)
         reader = WeightsReader.open(p)
-        state = read_slices(reader, spec or SliceSpec(), config.n_routed_experts)
+        state = read_slices(reader, spec or SliceSpec(), config.n_routed_experts, tiled=tiled)
         reader.prefetch()
         meta = read_meta(p)
         fp8 = check_checkpoint(hf, state)

@@ -13,7 +13,7 @@ the plan (`GroupStepOrder`; an idle group joins the MoE layers' exchanges with n
 group's first rank sends back its samples and the routed expert ids of the tokens it forwarded
 (Router Replay reads them from rank 0's copy of the group's routing store).
 
-What the multi-rank engine does not do yet: FP8, the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
+What the multi-rank engine does not do yet: the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
 scheduling: it runs the torch attention path on any device) and KV page export/import (pages
 are split by KV heads across ranks).
 """

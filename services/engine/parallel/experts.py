@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
+from services.engine.layers.fp8 import Fp8Experts
 from services.engine.layers.moe import ExpertWeights, MoE, Router
 from services.engine.parallel.group import EngineGroups, RankGroup
 from services.engine.parallel.linear import (
@@ -58,6 +59,29 @@ def expert_outputs(
                 ys[start : start + n] = F.linear(F.silu(gate) * up, down[e])
                 start += n
     return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
+def run_experts(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """expert_outputs for a layer's experts as the rank holds them: bf16/float32
+    (moe.ExpertWeights) or FP8 (Fp8Experts, whose grouped GEMMs quantise each row's activations
+    1x128 on their own: a row's output does not depend on the other rows of the call)."""
+    if isinstance(experts, Fp8Experts):
+        ones = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
+        return experts(x, ids[:, None], ones)
+    assert isinstance(experts, ExpertWeights)
+    return expert_outputs(experts.gate_up_proj, experts.down_proj, x, ids)
+
+
+def combine_slots(experts: nn.Module, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, k, D] expert outputs, weights [T, k] -> [T, D] by the rule of the single-rank layer
+    of the same kind: moe.ExpertWeights.combine (float32 sum, one rounding), or Fp8Experts'
+    (each output weighted in the activations' dtype and summed there)."""
+    if not isinstance(experts, Fp8Experts):
+        return ExpertWeights.combine(y, weights)
+    out = y[:, 0] * weights[:, :1].to(y.dtype)
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * weights[:, j : j + 1].to(y.dtype)
+    return out
 
 
 class SharedExpertsTP(nn.Module):
@@ -117,7 +141,7 @@ class ExpertParallelMoE(MoE):
         bounds = [split_even(x.shape[0], tp.size, r) for r in range(tp.size)]
         lo, hi = bounds[tp.rank]
         y = self._dispatch(x[lo:hi], ids[lo:hi])
-        out = ExpertWeights.combine(y, weights[lo:hi])
+        out = combine_slots(self.experts, y, weights[lo:hi])
         if tp.size > 1:
             out = gather_parts(tp, out, [h - low for low, h in bounds])
         if self.shared_experts is not None:
@@ -136,7 +160,7 @@ class ExpertParallelMoE(MoE):
         send_l, recv_l = send.tolist(), recv.tolist()
         rows = ep.all_to_all(x[order // k], send_l, recv_l)
         local = ep.all_to_all((flat - dest * self.n_local)[order], send_l, recv_l)
-        out = expert_outputs(self.experts.gate_up_proj, self.experts.down_proj, rows, local)
+        out = run_experts(self.experts, rows, local)
         back = ep.all_to_all(out, recv_l, send_l)
         return torch.empty_like(back).index_copy_(0, order, back).view(t, k, x.shape[1])
 
@@ -166,7 +190,7 @@ class TensorParallelMoE(MoE):
         weights, ids = self.gate(x)
         t, k = ids.shape
         rows = x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, -1)
-        y = expert_outputs(self.experts.gate_up_proj, self.experts.down_proj, rows, ids.reshape(-1))
+        y = run_experts(self.experts, rows, ids.reshape(-1))
         y = y.view(t, k, x.shape[1])
         w = weights.to(y.dtype).float()
         out = self.tp.all_reduce(torch.bmm(w[:, None, :], y.float()).squeeze(1)).to(x.dtype)

@@ -20,11 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ops.fp8.dispatch import prepare_cuda_kernel
 from services.common.config import ModelConfig, ParallelConfig
+from services.common.weights_dir import SCALE_SUFFIX
 from services.common.weights_slice import SliceSpec
 from services.engine.layers.moe import PER_EXPERT, MoE
 from services.engine.models.causal_lm import CausalLM
 from services.engine.parallel.experts import ExpertParallelMoE, TensorParallelMoE
+from services.engine.parallel.fp8 import convert_parallel_model
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import RowParallelLinear, split_range
 from services.engine.parallel.vocab import ShardedLogits, VocabParallelEmbedding
@@ -62,9 +65,11 @@ def build_parallel_model(
     attention_bias: bool,
     device: torch.device,
     dtype: torch.dtype,
+    fp8: bool = False,
 ) -> CausalLM:
     """The rank's CausalLM, built on the meta device and materialised once on `device` (no
-    full-size tensor is ever allocated); weights uninitialised until `load_hf_state`."""
+    full-size tensor is ever allocated); weights uninitialised until `load_hf_state`. `fp8`: its
+    linears and experts FP8 from the start (parallel/fp8.py; loaded by layers/fp8.load_hf_state)."""
     check_supported(m, par)
     local = local_config(m, par)
     tp = groups.tp
@@ -85,8 +90,13 @@ def build_parallel_model(
                 )
             else:
                 mlp.down_proj = RowParallelLinear(local.hidden_dim, m.dim, tp)
-    model = model.to(dtype).to_empty(device=device)
+        model = model.to(dtype)
+        if fp8:
+            convert_parallel_model(model)  # after the cast: it would turn fp8 buffers into dtype
+    model = model.to_empty(device=device)
     model.reset_rope()
+    if fp8:
+        prepare_cuda_kernel(device)
     return model
 
 
@@ -100,14 +110,18 @@ def local_state(
     state: dict[str, torch.Tensor], m: ModelConfig, groups: EngineGroups
 ) -> dict[str, torch.Tensor]:
     """A rank's slices (read with `slice_spec`) under the names its model loads: per-expert
-    tensors renumbered from the rank's first expert (the model's experts are indexed locally)."""
+    tensors (and their FP8 scales) renumbered from the rank's first expert (the model's experts
+    are indexed locally)."""
     if groups.ep.size == 1 or not m.is_moe:
         return state
     first, _ = split_range(m.n_routed_experts, groups.ep.size, groups.ep.rank)
     out = {}
     for name, t in state.items():
-        hit = PER_EXPERT.match(name)
-        out[name if hit is None else f"{hit[1]}.{int(hit[2]) - first}.{hit[3]}.weight"] = t
+        # An FP8 checkpoint's block scales (X.weight_scale_inv) follow their weight's name.
+        weight = name.removesuffix(SCALE_SUFFIX)
+        hit = PER_EXPERT.match(weight)
+        local = weight if hit is None else f"{hit[1]}.{int(hit[2]) - first}.{hit[3]}.weight"
+        out[local + name[len(weight) :]] = t
     return out
 
 

@@ -24,11 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ops.fp8.checkpoint import dequantize_state, is_fp8_weight
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.modeldir import model_config_from_hf
 from services.common.schemas import SamplingParams
 from services.engine.batch import ForwardBatch, Span
 from services.engine.kv_cache import KVCache, pool_blocks
+from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import SampleOutput
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.parallel.experts import ExpertParallelMoE
@@ -136,7 +138,10 @@ class RankRunner:
         self.model_config = m
         self.max_seq_len = max_seq_len
         bias = ckpt.attention_bias if ckpt is not None else False
-        self.model = build_parallel_model(m, par, groups, max_seq_len, bias, device, self.dtype).eval()
+        self.fp8 = cfg.quantization == "fp8"
+        self.model = build_parallel_model(
+            m, par, groups, max_seq_len, bias, device, self.dtype, fp8=self.fp8
+        ).eval()
         self.model.logits_fp32 = cfg.logits_fp32
         if ckpt is not None:
             self.load(ckpt)
@@ -148,13 +153,18 @@ class RankRunner:
 
     def read(self, path: str | Path) -> Checkpoint:
         """This rank's slices of a weights directory (memory-mapped; services/common/weights_slice.py)."""
-        return read_checkpoint(path, slice_spec(self.model_config, self.par, self.groups))
+        return read_rank_checkpoint(path, self.cfg, self.par, self.groups, self.model_config)
 
     @torch.no_grad()
     def load(self, ckpt: Checkpoint) -> None:
-        if ckpt.fp8:
-            raise ValueError(f"{ckpt.path}: FP8 checkpoints are not served by a multi-rank engine yet")
-        self.model.load_hf_state(local_state(ckpt.state, ckpt.config, self.groups))
+        """Apply this rank's slices in place, as ModelRunner.load_state does on one rank: an FP8
+        engine copies an FP8 checkpoint's bits and scales and quantises high-precision weights
+        128x128; a high-precision engine dequantises an FP8 checkpoint's pairs."""
+        state = local_state(ckpt.state, ckpt.config, self.groups)
+        if self.fp8:
+            fp8_linear.load_hf_state(self.model, state)
+        else:
+            self.model.load_hf_state(dequantize_state(state, self.dtype) if ckpt.fp8 else state)
 
     @torch.inference_mode()
     def step(self, order: StepOrder) -> SampleOutput | None:
@@ -226,8 +236,19 @@ def config_of(path: str | Path) -> ModelConfig:
 
 def check_engine(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig) -> None:
     check_supported(m, par)
-    if par.ranks > 1 and cfg.quantization != "none":
-        raise ValueError("quantization: a multi-rank engine serves bf16/float32 weights only")
+    if cfg.quantization == "fp8" and m.is_hybrid:
+        raise ValueError("quantization: fp8 does not cover nemotron_h (its Mamba-2 layers)")
+
+
+def read_rank_checkpoint(
+    path: str | Path, cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups, m: ModelConfig
+) -> Checkpoint:
+    """The rank's slices of a weights directory. Under quantization = "fp8" every weight the
+    engine holds in FP8 must be cut on 128-row/column tiles (a WeightsError names the first that
+    is not), so that the rank quantises the single-rank engine's tiles; an FP8 checkpoint's
+    scales need that cut whatever the engine (services/common/weights_slice.py)."""
+    tiled = is_fp8_weight if cfg.quantization == "fp8" else None
+    return read_checkpoint(path, slice_spec(m, par, groups), tiled=tiled)
 
 
 def kv_blocks(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig, max_seq_len: int) -> int:
@@ -251,7 +272,7 @@ def build_runner(
 ) -> RankRunner:
     """The rank's runner on the weights of `model_dir` (its slices only)."""
     torch.set_num_threads(cfg.torch_threads)
-    ckpt = read_checkpoint(model_dir, slice_spec(config_of(model_dir), par, groups))
+    ckpt = read_rank_checkpoint(model_dir, cfg, par, groups, config_of(model_dir))
     m = ckpt.config
     check_engine(cfg, m, par)
     max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
