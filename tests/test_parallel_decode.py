@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers.debug_weights import spread_debug_versions
+from helpers.debug_weights import random_model_dir, spread_debug_versions
 from helpers.decode_server import Server, decode_server, wait_for
-from helpers.parallel import worker_pids
+from helpers.parallel import tiny_moe, worker_pids
 
 from services.common.auth import auth_headers
 from services.common.config import CONFIG_DIR, ParallelConfig, load_config
@@ -206,3 +206,59 @@ def test_sigterm_stops_every_rank(redis_url: str, tmp_path: Path) -> None:
         assert (
             not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
         )
+
+
+@pytest.mark.full
+def test_data_parallel_attention_decode_equals_one_rank(redis_url: str, tmp_path: Path) -> None:
+    """A decode service over 2 attention groups (dp_attention = ep = 2, a tiny Qwen3-MoE) answers
+    concurrent /v1/generate requests as the 1-rank service does: tokens, log-probs and routed
+    expert ids (a request arriving while group 0 has work goes to group 1, whose ids come back to
+    rank 0)."""
+    m = tiny_moe(128)
+    weights = random_model_dir(m, tmp_path / "weights" / "step_0", std=0.2)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "dp").mkdir()
+    bodies = [
+        {
+            "input_ids": [3 + i, 17, 5, 9, 30, 2, 11][: 4 + i],
+            "sampling": {
+                "temperature": 1.0 if i % 2 else 0.0,
+                "seed": i,
+                "max_tokens": 20,
+                "ignore_eos": True,
+            },
+            "return_routed_experts": True,
+        }
+        for i in range(4)
+    ]
+    got: dict[str, list[dict[str, Any]]] = {}
+    with (
+        decode_server(redis_url, weights, m, tmp_path / "one", prefix="test-dp1", max_seq_len=128) as one,
+        decode_server(
+            redis_url,
+            weights,
+            m,
+            tmp_path / "dp",
+            prefix="test-dp2",
+            max_seq_len=128,
+            parallel=ParallelConfig(dp_attention=2, ep=2),
+        ) as dp,
+    ):
+        for name, s in (("one", one), ("dp", dp)):
+            out: list[dict[str, Any]] = [{} for _ in bodies]
+
+            def ask(i: int, s: Server = s, out: list[dict[str, Any]] = out) -> None:
+                out[i] = post(s, "/v1/generate", bodies[i])
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            got[name] = out
+        assert metric(dp, "relay_decode_kv_blocks") == 2 * metric(one, "relay_decode_kv_blocks")
+    for a, b in zip(got["one"], got["dp"], strict=True):
+        x, y = a["choices"][0], b["choices"][0]
+        assert x["output_ids"] == y["output_ids"] and len(x["output_ids"]) == 20
+        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) <= TOL
+        assert x["routed_experts"] is not None and x["routed_experts"] == y["routed_experts"]
