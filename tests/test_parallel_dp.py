@@ -99,3 +99,23 @@ def test_abort_frees_the_groups_pages() -> None:
     assert s.abort_all() == [r[0], r[2], r[1]]  # group 0's, then group 1's
     assert not s.has_work() and not s.group_of
     assert all(g.kv.num_free == 16 for g in s.groups)
+
+
+def test_a_group_preempts_in_its_own_pool() -> None:
+    s = grouped(pages=6)
+    a = request("a", list(range(1, 10)), max_tokens=10)
+    s.add(a)
+    run_step(s)  # a's two full prompt pages are cached in group 0
+    b = request("b", list(range(1, 9)) + [44], max_tokens=10)
+    s.add(b)
+    assert s.group_of[b] == 0  # its prefix is there, though group 1 is idle
+    while s.has_work() and s.stats.preemptions_total == 0:
+        run_step(s)
+        for q in s.running:
+            if q.num_tokens >= q.max_len:
+                q.status = Status.FINISHED
+        s.release_finished()
+    # Group 0's 6 pages cannot hold both to the end: the newer one gave its pages back; group 1's
+    # pool was never touched.
+    assert s.stats.preemptions_total == 1 and list(s.groups[0].waiting) == b.seqs
+    assert s.groups[1].kv.num_free == 6 and not s.groups[1].has_work()
