@@ -27,9 +27,11 @@ def test_state_bytes_are_the_tensors_bytes(dtype: torch.dtype) -> None:
     cache = StateCache.for_model(m, SLOTS, dtype, torch.device("cpu"))
     assert cache is not None
     assert StateCache.bytes_for(m, SLOTS, dtype) == cache.nbytes == cache.conv.nbytes + cache.ssm.nbytes
-    assert StateCache.bytes_for(m, 1, dtype) * SLOTS == cache.nbytes
+    # The slots and the padding slot a captured decode graph's padding rows use (state_cache.py).
+    assert StateCache.slot_bytes(m, dtype) * (SLOTS + 1) == cache.nbytes
+    assert cache.conv.shape[1] == cache.ssm.shape[1] == SLOTS + 1 and cache.pad_slot == SLOTS
     # The capacity plan's per-sequence figure (bf16 conv state) is the engine's slot.
-    assert recurrent_state_bytes(m) == StateCache.bytes_for(m, 1, torch.bfloat16)
+    assert recurrent_state_bytes(m) == StateCache.slot_bytes(m, torch.bfloat16)
 
 
 def test_dense_model_has_no_state_bytes() -> None:

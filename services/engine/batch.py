@@ -317,6 +317,7 @@ class HostBatch:
     q_lens: np.ndarray  # [S]
     ctx_lens: np.ndarray  # [S] start + len
     tables: np.ndarray  # [S, P] block tables, zero-padded
+    state_slots: np.ndarray | None = None  # [S] a hybrid model's Mamba-2 state slots (Span.state_slot)
 
     @property
     def decode_only(self) -> bool:
@@ -346,7 +347,10 @@ class HostBatch:
             seq = np.repeat(np.arange(n), lens)
             positions = starts[seq] + np.arange(total) - q_start[seq]
         slots = table[seq, positions // block_size] * block_size + positions % block_size
-        return HostBatch(ids, positions, slots, q_start, lens, starts + lens, table)
+        states = None
+        if n and spans[0].state_slot >= 0:
+            states = np.fromiter((s.state_slot for s in spans), np.int64, n)
+        return HostBatch(ids, positions, slots, q_start, lens, starts + lens, table, states)
 
     def to_forward_batch(self, device: torch.device, n_kv_heads: int, num_sms: int) -> ForwardBatch:
         """The eager paged batch: decode spans (1 token) go to the decode kernel, the rest to the

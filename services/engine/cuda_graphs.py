@@ -26,6 +26,13 @@ them, so no request's random stream moves).
 
 Weights are updated in place (CausalLM.load_hf_state), so captured graphs stay valid across
 weight versions; the KV pool is allocated once, so its addresses never change either.
+
+A hybrid model (nemotron_h) also carries its Mamba-2 states (state_cache.py) through the graph:
+each row's state slot is one more static buffer, its Mamba-2 layers gather those slots' states and
+write the new ones back in place (the pool is allocated once too), and padding rows name the
+cache's padding slot, so they touch no sequence's state. Slots of sequences whose first token
+this step feeds are zeroed before the replay, outside the graph. Mixed steps of a hybrid model run
+eagerly: a prompt chunk's chunked scan runs span by span.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from services.engine.batch import (
     HostBatch,
     PagedMeta,
     PrefillMeta,
+    StateMeta,
+    host_to_device,
     item_capacity,
     plan_decode,
 )
@@ -125,8 +134,9 @@ class InputBuffers:
     the H2D copy is asynchronous; the next fill waits for it (an event) before rewriting the host
     mirror, which with overlap scheduling can come before the previous step's tokens are read."""
 
-    def __init__(self, max_batch: int, width: int, capacity: int, device: torch.device):
-        self.max_batch, self.width = max_batch, width
+    def __init__(self, max_batch: int, width: int, capacity: int, device: torch.device, pad_state: int = -1):
+        """pad_state: the state slot of padding rows (a hybrid model's StateCache.pad_slot)."""
+        self.max_batch, self.width, self.pad_state = max_batch, width, pad_state
         b = max_batch
         parts = {
             "ids": b,
@@ -137,6 +147,7 @@ class InputBuffers:
             "temps": b,  # float32 in the first half of these int64 slots (host and device alike)
             "seeds": b,
             "feed": b,  # the row of the in-flight step's tokens to take, or -1: the host's id
+            "state": b,  # each row's Mamba-2 state slot (a hybrid model's; padding: pad_state)
             **WorkBuffers.sizes(b, capacity),
         }
         self.host, self.dev, h, d = carve(parts, device)
@@ -146,9 +157,11 @@ class InputBuffers:
         self.ids, self.pos, self.slots, self.ctx = d["ids"], d["pos"], d["slots"], d["ctx"]
         self.tables = d["tables"].view(b, width)
         self.temps, self.seeds, self.feed = d["temps"].view(torch.float32)[:b], d["seeds"], d["feed"]
+        self.h_state, self.state = h["state"], d["state"]
         self.work = WorkBuffers(h, d)
         self.h_slots[:] = -1  # every row starts as padding
         self.h_feed[:] = -1
+        self.h_state[:] = pad_state
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def fill(
@@ -179,6 +192,9 @@ class InputBuffers:
         self.h_pos[n:size] = 0
         self.h_slots[n:size] = -1
         self.h_ctx[n:size] = 0
+        if hb.state_slots is not None:
+            self.h_state[:n] = hb.state_slots
+        self.h_state[n:size] = self.pad_state
         if sample is not None:
             self.h_temps[:n], self.h_seeds[:n] = sample
             self.h_temps[n:size] = 0.0
@@ -230,7 +246,10 @@ class DecodeGraphs:
         self.sample_in_graph, self.pdl = sample_in_graph, pdl
         self.capacity = {size: item_capacity(size, self.n_kv_heads, num_sms) for size in self.sizes}
         b = self.sizes[-1]
-        self.buf = InputBuffers(b, self.width, self.capacity[b], device)
+        states = kv.states
+        self.buf = InputBuffers(
+            b, self.width, self.capacity[b], device, -1 if states is None else states.pad_slot
+        )
         # Keyed (size, ragged): one program per row, or the ragged work list (module docstring).
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}  # each graph's logits [size, vocab]
@@ -251,8 +270,11 @@ class DecodeGraphs:
         b = self.buf
         work = b.work.work(size, self.capacity[size]) if ragged else None
         decode = DecodeMeta(self.arange[:size], b.tables[:size], b.ctx[:size], work)
+        state = None
+        if self.kv.states is not None:  # every row a one-token span on its static slot
+            state = StateMeta(self.arange[:0], self.arange[:size], b.state[:size], [])
         return ForwardBatch(
-            b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None)
+            b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None), state
         )
 
     def body(self, size: int, ragged: bool) -> torch.Tensor:
@@ -319,12 +341,23 @@ class DecodeGraphs:
         )
         if not inside:
             feed_pending(self.buf.ids, feed)
+        self.reset_fresh_states(hb)
         key = self.last_key = (size, plan is not None)
         graph = self.graphs.get(key)
         if graph is None:  # never captured (CPU tests): the same work, eagerly
             return self.body(*key)[:n]
         graph.replay()
         return self.outputs[key][:n]
+
+    def reset_fresh_states(self, hb: HostBatch) -> None:
+        """Zero the state slots of rows at position 0 (a one-token prompt's first step): the
+        graph's Mamba-2 layers continue every row's state."""
+        states = self.kv.states
+        if states is None or hb.state_slots is None:
+            return
+        fresh = hb.state_slots[hb.positions == 0]
+        if len(fresh):
+            states.reset(host_to_device(torch.from_numpy(fresh), self.device))
 
     def pending(self, n: int) -> PendingSample:
         """The tokens the last replay sampled for its first n rows, on their way to the host."""

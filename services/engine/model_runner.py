@@ -101,8 +101,12 @@ class ModelRunner:
         cfg = self.cfg
         self.attention_backend = self._attention_backend()
         # Before graph capture: fused residual-add + RMSNorm and SiLU-mul kernels on CUDA.
+        # (A hybrid model's forward has no fused path: models/nemotron_h.py.)
         self.model.fused_elementwise = (
-            self.device.type == "cuda" and self.attention_backend != "torch" and cfg.fused_kernels
+            self.device.type == "cuda"
+            and self.attention_backend != "torch"
+            and cfg.fused_kernels
+            and not self.model_config.is_hybrid
         )
         if self.model.fused_elementwise:
             self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (bf16 or fp8)
@@ -136,11 +140,6 @@ class ModelRunner:
         # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
         # shapes) of at least 16 (tl.dot); MLA keeps its torch path (layers/mla.py).
         d = self.model_config.head_dim
-        if self.model_config.is_hybrid:
-            # The paged kernels and CUDA graphs do not carry the Mamba-2 state (models/nemotron_h.py).
-            if want not in ("auto", "torch"):
-                raise ValueError(f"attention_backend: {want!r}: nemotron_h runs the torch path")
-            return "torch"
         plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
         if want == "auto":
             want = "triton" if self.device.type == "cuda" and plain else "torch"
@@ -172,7 +171,8 @@ class ModelRunner:
         return graphs
 
     def _capture_mixed_graphs(self) -> MixedGraphs | None:
-        if self.graphs is None or not self.cfg.cuda_graph_mixed:
+        # A hybrid model's prompt chunks scan span by span (layers/mamba2.py): no fixed-shape step.
+        if self.graphs is None or not self.cfg.cuda_graph_mixed or self.model_config.is_hybrid:
             return None
         graphs = MixedGraphs(
             self.model,
@@ -206,7 +206,7 @@ class ModelRunner:
             hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
             if self.graphs is not None and self.graphs.can_run(hb):
                 return self._launch_graph(hb, seqs, rows, feed)
-            hidden, last_index = self._forward(hb, feed)
+            hidden, last_index = self._forward(hb, spans, feed)
         return self.launch_sample(hidden, last_index, seqs, rows) if seqs else None
 
     def _launch_graph(
@@ -235,13 +235,17 @@ class ModelRunner:
             logits = logits.index_select(0, host_to_device(torch.tensor(rows), logits.device))
         return self.sampler.launch(logits, params, [s.rng for s in seqs])
 
-    def _forward(self, hb: HostBatch, feed: Feed | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, hb: HostBatch, spans: list[Span], feed: Feed | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states of a paged batch the decode graphs do not take (a mixed-step graph
         or eager) and the row of each span's last token. `feed`: rows whose token is still on
         the device (overlap scheduling), written in before the forward."""
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(hb):
             return self.mixed_graphs.run(hb, feed)
         batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
+        if self.kv.states is not None:
+            batch.state = StateMeta.build(spans, self.device)
         feed_pending(batch.input_ids, feed)
         return self.model(batch, self.kv), batch.last_index
 

@@ -13,7 +13,10 @@ sequences that run at once.
 
 The slots are allocated whole at start-up, ahead of the KV pages, and come out of the same byte
 budget (decode.engine.kv_cache_bytes): `bytes_for` is what the engine subtracts before sizing the
-page pool (model_runner.py).
+page pool (model_runner.py). One more row than `slots` exists: the padding slot (`pad_slot`, never
+allocated), where the padding rows of a captured decode graph (cuda_graphs.py) read and write, so
+a graph's fixed batch advances its real rows' states in place and leaves every other slot as it
+was (the routing store's pad row does the same for expert ids, kv_cache.py).
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ class StateCache:
         device: torch.device,
     ):
         self.slots = slots
+        self.pad_slot = slots  # the extra row (module docstring)
         # [layer, slot, ...]: one layer's view [slot, ...] has each slot contiguous, the layout
         # ops/mamba2_triton.ssd_step_pool updates in place.
-        self.conv = torch.zeros(n_layers, slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+        self.conv = torch.zeros(n_layers, slots + 1, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
         self.ssm = torch.zeros(
-            n_layers, slots, n_heads, head_dim, state_size, dtype=torch.float32, device=device
+            n_layers, slots + 1, n_heads, head_dim, state_size, dtype=torch.float32, device=device
         )
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
@@ -55,14 +59,19 @@ class StateCache:
         return n, conv_dim, m.mamba_conv_kernel, m.mamba_n_heads, m.mamba_head_dim, m.ssm_state_size
 
     @classmethod
-    def bytes_for(cls, m: ModelConfig, slots: int, dtype: torch.dtype) -> int:
-        """Bytes of the cache `for_model` allocates (0 for a model without Mamba-2 layers)."""
+    def slot_bytes(cls, m: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one slot, every Mamba-2 layer's states (0 for a model without any)."""
         shape = cls._shape(m)
         if shape is None:
             return 0
         n, conv_dim, kernel, heads, head_dim, state = shape
-        per_slot = conv_dim * (kernel - 1) * dtype.itemsize + heads * head_dim * state * 4
-        return n * slots * per_slot
+        return n * (conv_dim * (kernel - 1) * dtype.itemsize + heads * head_dim * state * 4)
+
+    @classmethod
+    def bytes_for(cls, m: ModelConfig, slots: int, dtype: torch.dtype) -> int:
+        """Bytes of the cache `for_model` allocates: `slots` and the padding slot (0 for a model
+        without Mamba-2 layers)."""
+        return (slots + 1) * cls.slot_bytes(m, dtype)
 
     @property
     def nbytes(self) -> int:

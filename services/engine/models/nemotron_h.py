@@ -12,9 +12,11 @@ Every layer is `x + mixer(RMSNorm(x))` with the mixer chosen by ModelConfig.hybr
   E  MoE with sigmoid routing and squared-ReLU routed and shared experts (layers/moe.py), whose
      expert ids go to the cache's routing store (Router Replay)
 
-The residual stream stays in the model dtype, as the trainer's NemotronHModel keeps it. The engine
-runs it on the torch attention path (model_runner.py): no paged Triton attention, CUDA graphs or
-FP8 for this family; on CUDA the Mamba-2 decode step is the Triton kernel.
+The residual stream stays in the model dtype, as the trainer's NemotronHModel keeps it. On CUDA the
+attention layers run the paged Triton kernels, the Mamba-2 decode step is the Triton kernel over the
+state pool, and decode-only steps replay CUDA graphs (cuda_graphs.py: each row's state slot in a
+static buffer, padding rows on the cache's padding slot); steps with prompt chunks run eagerly (a
+chunk's scan is per span). No fused elementwise path or batch-1 megakernel for this family.
 """
 
 from __future__ import annotations
