@@ -48,6 +48,7 @@ from torch import nn
 from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
 from torchtitan.models.deepseek_v3.model.model import Attention, apply_rotary_emb
 
+from ops.topk import topk_first
 from services.common.config import ModelConfig
 from trainer.moe_routing import (
     LATENT_NORM_EPS,
@@ -104,11 +105,10 @@ class DSAIndexer(nn.Module):
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """scores [B, T, T], visible [B|1, T, T] bool -> the visible keys among each query's
         index_topk best (bool [B, T, T]); invisible keys score -inf. Equal scores go to the
-        earlier key (a stable sort): keys whose every head's ReLU is 0 all score exactly 0, and
+        earlier key (as a stable sort): keys whose every head's ReLU is 0 all score exactly 0, and
         torch.topk would break those ties by its own (shape-dependent) order."""
         masked = scores.masked_fill(~visible, float("-inf"))
-        order = masked.sort(dim=-1, descending=True, stable=True).indices
-        top = order[..., : min(self.topk, masked.shape[-1])]
+        top = topk_first(masked, self.topk)  # a stable sort's first index_topk (ops/topk.py)
         keep = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, top, True)
         return keep & visible
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ops.topk import topk_first
 from services.common.config import ModelConfig
 from services.engine.batch import ForwardBatch
 from services.engine.kv_cache import KVCache
@@ -108,8 +109,7 @@ class Indexer(nn.Module):
         # Ties go to the earlier key, as in the trainer (trainer/glm5.py): keys whose every head's
         # ReLU is 0 score exactly 0, and torch.topk breaks such ties in a shape-dependent order,
         # so the trainer would attend to other keys than the ones the sample was drawn with.
-        order = scores.sort(dim=-1, descending=True, stable=True).indices
-        top = order[..., : min(self.topk, scores.shape[-1])]
+        top = topk_first(scores, self.topk)
         keep = torch.zeros_like(mask[:, 0]).scatter_(-1, top, True)
         return mask & keep[:, None]
 
