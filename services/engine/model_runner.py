@@ -60,8 +60,6 @@ class ModelRunner:
         self.model_config = m = ckpt.config
         # Positions past the model's own limit were never trained (and the trainer cannot score them).
         self.max_seq_len = min(cfg.max_seq_len, m.max_seq_len)
-        if m.is_hybrid and cfg.quantization == "fp8":
-            raise ValueError("decode.engine.quantization: fp8 does not cover nemotron_h (its Mamba-2 layers)")
         if cfg.quantization == "fp8":
             # Attention/MLP linears and experts are FP8 from the start (their high-precision
             # weights are never allocated); lm_head, norms, embeddings, routers stay in dtype. The

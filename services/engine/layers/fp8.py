@@ -21,7 +21,7 @@ from ops.fp8.dispatch import (
     quantize_activation,
     quantize_weight_fast,
 )
-from services.engine.layers.moe import PER_EXPERT, ExpertWeights
+from services.engine.layers.moe import PER_EXPERT, ExpertWeights, Relu2ExpertWeights
 from services.engine.weight_copy import copy_pieces, copy_weight
 
 
@@ -91,7 +91,13 @@ class Fp8Experts(nn.Module):
     """MoE experts (services/engine/moe.ExpertWeights' interface and function) with fp8 weights:
     gate_up [E, 2I, D] and down [E, D, I], each expert quantised 128x128 on its own; per call the
     expert inputs are quantised 1x128 and both GEMMs run grouped (one Triton launch each on CUDA,
-    no host sync, so CUDA-graph capturable; a per-expert loop on the CPU reference path)."""
+    no host sync, so CUDA-graph capturable; a per-expert loop on the CPU reference path).
+    Fp8Relu2Experts below: Nemotron-H's squared-ReLU experts (an `up` in-projection alone)."""
+
+    IN = "gate_up"  # the in-projection's buffers (<IN>_fp8, <IN>_scale)
+    FUSED = ("gate_up_proj", "down_proj")  # HF fused names: the in-projection's, the down's
+    PER_EXPERT = ("gate_proj", "up_proj", "down_proj")  # per-expert HF names
+    IN_ROWS = 2  # in-projection rows per intermediate unit
 
     def __init__(
         self,
@@ -105,7 +111,7 @@ class Fp8Experts(nn.Module):
         super().__init__()
         self.n_experts, self.inter, self.dim = n_experts, inter, dim
         self.pow2_scales, self.backend = pow2_scales, backend
-        for name, (n, k) in (("gate_up", (2 * inter, dim)), ("down", (dim, inter))):
+        for name, (n, k) in ((self.IN, (self.IN_ROWS * inter, dim)), ("down", (dim, inter))):
             q = torch.zeros(n_experts, n, k, dtype=ref.FP8_DTYPE, device=device)
             self.register_buffer(f"{name}_fp8", q)
             shape = (n_experts, ref._cdiv(n, ref.BLOCK), ref._cdiv(k, ref.BLOCK))
@@ -115,38 +121,51 @@ class Fp8Experts(nn.Module):
     def from_experts(
         cls, experts: ExpertWeights, pow2_scales: bool = False, backend: str = "auto"
     ) -> Fp8Experts:
-        e, two_i, d = experts.gate_up_proj.shape
-        mod = cls(e, two_i // 2, d, pow2_scales, backend, experts.gate_up_proj.device)
-        mod.load_fused("gate_up_proj", experts.gate_up_proj)
+        mod = cls.empty_like(experts, pow2_scales, backend)
+        mod.load_fused(cls.FUSED[0], experts.w_in)
         mod.load_fused("down_proj", experts.down_proj)
         return mod
 
+    @classmethod
+    def empty_like(
+        cls, experts: ExpertWeights, pow2_scales: bool = False, backend: str = "auto"
+    ) -> Fp8Experts:
+        """The layout of `experts` in fp8, nothing quantised yet."""
+        e, rows, d = experts.w_in.shape
+        return cls(e, rows // cls.IN_ROWS, d, pow2_scales, backend, experts.w_in.device)
+
+    def buffers_of(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 weights, scales) of a fused projection name."""
+        dst = self.IN if proj == self.FUSED[0] else "down"
+        return getattr(self, f"{dst}_fp8"), getattr(self, f"{dst}_scale")
+
     def expected_shape(self, proj: str) -> tuple[int, int, int]:
-        n, k = (2 * self.inter, self.dim) if proj == "gate_up_proj" else (self.dim, self.inter)
-        return (self.n_experts, n, k)
+        if proj == self.FUSED[0]:
+            return (self.n_experts, self.IN_ROWS * self.inter, self.dim)
+        return (self.n_experts, self.dim, self.inter)
 
     @torch.no_grad()
     def load_expert(self, index: int, proj: str, w: torch.Tensor) -> None:
         """Quantise one expert's fused weight (gate_up_proj [2I, D] or down_proj [D, I]) in place."""
-        q, s, _ = quantize_weight_fast(w.to(self.gate_up_fp8.device), self.pow2_scales)
+        q, s, _ = quantize_weight_fast(w.to(self.down_fp8.device), self.pow2_scales)
         self.copy_expert(index, proj, q, s)
 
     @torch.no_grad()
     def copy_expert(self, index: int, proj: str, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Copy one expert's already quantised weight (an fp8 checkpoint's bits and 128x128
         scales) into the buffers in place, without re-quantising."""
-        dst = "gate_up" if proj == "gate_up_proj" else "down"
-        copy_weight(getattr(self, f"{dst}_fp8")[index], q)
-        copy_weight(getattr(self, f"{dst}_scale")[index], scale)
+        fp8, scales = self.buffers_of(proj)
+        copy_weight(fp8[index], q)
+        copy_weight(scales[index], scale)
 
     @torch.no_grad()
     def copy_stacked(self, proj: str, weights: list[torch.Tensor], scales: list[torch.Tensor]) -> None:
         """Every expert's already quantised `proj` at once: `weights` / `scales` are the pieces of
         experts 0, 1, ... end to end (for gate_up_proj each expert's gate then up rows), their
         bytes exactly the buffers' (checked by the caller): one copy per buffer, not per expert."""
-        dst = "gate_up" if proj == "gate_up_proj" else "down"
-        copy_pieces(getattr(self, f"{dst}_fp8"), weights)
-        copy_pieces(getattr(self, f"{dst}_scale"), scales)
+        fp8, scale = self.buffers_of(proj)
+        copy_pieces(fp8, weights)
+        copy_pieces(scale, scales)
 
     def expected_scale_shape(self, proj: str) -> tuple[int, int]:
         _, n, k = self.expected_shape(proj)
@@ -175,14 +194,31 @@ class Fp8Experts(nn.Module):
         )
         offs = counts.cumsum(0).to(torch.int32)
         xq, xsc = quantize_activation(xs, self.pow2_scales)
-        h = grouped_fp8_gemm_dispatch(
-            xq, xsc, self.gate_up_fp8, self.gate_up_scale, offs, x.dtype, self.backend
-        )
-        gate, up = h.chunk(2, dim=-1)
-        aq, asc = quantize_activation((F.silu(gate) * up).contiguous(), self.pow2_scales)
+        w_in, s_in = self.buffers_of(self.FUSED[0])
+        h = grouped_fp8_gemm_dispatch(xq, xsc, w_in, s_in, offs, x.dtype, self.backend)
+        aq, asc = quantize_activation(self.activate(h).contiguous(), self.pow2_scales)
         ys = grouped_fp8_gemm_dispatch(aq, asc, self.down_fp8, self.down_scale, offs, x.dtype, self.backend)
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
+
+    @staticmethod
+    def activate(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class Fp8Relu2Experts(Fp8Experts):
+    """Nemotron-H's squared-ReLU experts (moe.Relu2ExpertWeights) in fp8: up [E, I, D] and down
+    [E, D, I], down(relu(up(x))^2), each expert quantised 128x128 on its own."""
+
+    IN = "up"
+    FUSED = ("up_proj", "down_proj")
+    PER_EXPERT = ("up_proj", "down_proj")
+    IN_ROWS = 1
+
+    @staticmethod
+    def activate(h: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(h))
 
 
 def engine_skip(name: str) -> bool:
@@ -207,11 +243,11 @@ def convert_model(
     for name, mod in experts:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        cls = Fp8Relu2Experts if isinstance(mod, Relu2ExpertWeights) else Fp8Experts
         if empty:
-            e, two_i, d = mod.gate_up_proj.shape
-            new = Fp8Experts(e, two_i // 2, d, pow2_scales, backend, mod.gate_up_proj.device)
+            new = cls.empty_like(mod, pow2_scales, backend)
         else:
-            new = Fp8Experts.from_experts(mod, pow2_scales, backend)
+            new = cls.from_experts(mod, pow2_scales, backend)
         setattr(parent, child, new)
     return names + [n for n, _ in experts]
 
@@ -295,21 +331,24 @@ def _take_expert_weights(
             per[(int(hit[2]), hit[3])] = rest.pop(key)
             if key in pairs:
                 scales[(int(hit[2]), hit[3])] = rest.pop(pairs[key])
-    fused = {p: rest.pop(f"{prefix}.{p}") for p in ("gate_up_proj", "down_proj") if f"{prefix}.{p}" in rest}
+    fused = {p: rest.pop(f"{prefix}.{p}") for p in mod.FUSED if f"{prefix}.{p}" in rest}
     if per and fused:
         raise ValueError(f"{prefix}: both fused and per-expert tensors given")
     stacked: Stacked = {}
     singles: list[ExpertLoad] = []
     if per:
-        want = {(e, p) for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+        want = {(e, p) for e in range(mod.n_experts) for p in mod.PER_EXPERT}
         if set(per) != want:
             raise ValueError(
                 f"{prefix}: per-expert tensors incomplete (missing {sorted(want - set(per))[:3]})"
             )
-        for p in ("gate_up_proj", "down_proj"):
+        for p in mod.FUSED:
             loads: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = []
             for e in range(mod.n_experts):
-                ws, ss = _fuse_gate_up(mod, per, scales, e) if p == "gate_up_proj" else _down(per, scales, e)
+                if p == "gate_up_proj":
+                    ws, ss = _fuse_gate_up(mod, per, scales, e)
+                else:  # one per-expert tensor of the same name (down_proj; Nemotron-H's up_proj)
+                    ws, ss = _single(per, scales, e, p)
                 if _stacked_shape(ws) != mod.expected_shape(p)[1:]:
                     raise ValueError(
                         f"{prefix}.{e}.{p}: shape {_stacked_shape(ws)} != {mod.expected_shape(p)[1:]}"
@@ -328,7 +367,7 @@ def _take_expert_weights(
                     for e, (ws, ss) in enumerate(loads)
                 )
         return stacked, singles
-    for p in ("gate_up_proj", "down_proj"):
+    for p in mod.FUSED:
         if p not in fused:
             raise ValueError(f"state dict mismatch: missing ['{prefix}.{p}']")
         if tuple(fused[p].shape) != mod.expected_shape(p):
@@ -346,11 +385,11 @@ def _stacked_shape(pieces: list[torch.Tensor]) -> tuple[int, ...]:
     return (rows, *tails.pop()) if len(tails) == 1 else (rows, *[-1] * (pieces[0].dim() - 1))
 
 
-def _down(
-    per: dict[tuple[int, str], torch.Tensor], scales: dict[tuple[int, str], torch.Tensor], e: int
+def _single(
+    per: dict[tuple[int, str], torch.Tensor], scales: dict[tuple[int, str], torch.Tensor], e: int, proj: str
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    s = scales.get((e, "down_proj"))
-    return [per[(e, "down_proj")]], None if s is None else [s]
+    s = scales.get((e, proj))
+    return [per[(e, proj)]], None if s is None else [s]
 
 
 def _fuse_gate_up(

@@ -206,9 +206,10 @@ def build_fp8_model(
     CausalLM(...).to(device, dtype) + fp8_linear.convert_model."""
     from ops.fp8.dispatch import prepare_cuda_kernel
     from services.engine.layers import fp8 as fp8_linear
+    from services.engine.models.registry import engine_model  # (it imports this module)
 
     with torch.device("meta"):
-        model = CausalLM(m, max_seq_len, attention_bias).to(dtype)
+        model = engine_model(m, max_seq_len, attention_bias).to(dtype)
     fp8_linear.convert_model(model, empty=True)
     model.to_empty(device=device)
     model.reset_rope()
