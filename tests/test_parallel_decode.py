@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from helpers.decode_server import Server, decode_server, wait_for
 from helpers.parallel import tiny_moe, worker_pids
 
 from services.common.auth import auth_headers
-from services.common.config import CONFIG_DIR, ParallelConfig, load_config
+from services.common.config import CONFIG_DIR, ModelConfig, ParallelConfig, load_config
 from services.common.schemas import WeightsInfo
 from trainer.model import build_model, save_weights_dir
 
@@ -43,25 +44,35 @@ def run_weights(run_dir: Path) -> tuple[Path, Path]:
     return dirs
 
 
+@contextmanager
+def one_and_split(
+    redis_url: str,
+    weights: tuple[Path, Path],
+    m: ModelConfig,
+    tmp: tuple[Path, Path],
+    prefix: str,
+    max_seq_len: int,
+    parallel: ParallelConfig,
+) -> Iterator[tuple[Server, Server]]:
+    """A 1-rank decode service and one over `parallel`'s ranks, on their own weights and dirs."""
+    with (
+        decode_server(redis_url, weights[0], m, tmp[0], prefix=f"{prefix}1", max_seq_len=max_seq_len) as one,
+        decode_server(
+            redis_url, weights[1], m, tmp[1], prefix=f"{prefix}2", max_seq_len=max_seq_len, parallel=parallel
+        ) as split,
+    ):
+        yield one, split
+
+
 @pytest.fixture(scope="module")
 def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     tmp = tmp_path_factory.mktemp("par-decode")
     m = load_config(CONFIG_DIR / "debug.toml").model  # 4 heads, 2 KV heads, vocabulary 64
     (tmp / "one").mkdir()
     (tmp / "two").mkdir()
-    v0_one, v0_two = run_weights(tmp / "one")[0], run_weights(tmp / "two")[0]
-    with (
-        decode_server(redis_url, v0_one, m, tmp / "one", prefix="test-par1", max_seq_len=256) as one,
-        decode_server(
-            redis_url,
-            v0_two,
-            m,
-            tmp / "two",
-            prefix="test-par2",
-            max_seq_len=256,
-            parallel=ParallelConfig(tp=2),
-        ) as two,
-    ):
+    weights = run_weights(tmp / "one")[0], run_weights(tmp / "two")[0]
+    dirs = tmp / "one", tmp / "two"
+    with one_and_split(redis_url, weights, m, dirs, "test-par", 256, ParallelConfig(tp=2)) as (one, two):
         yield one, two
 
 
@@ -232,18 +243,9 @@ def test_data_parallel_attention_decode_equals_one_rank(redis_url: str, tmp_path
         for i in range(4)
     ]
     got: dict[str, list[dict[str, Any]]] = {}
-    with (
-        decode_server(redis_url, weights, m, tmp_path / "one", prefix="test-dp1", max_seq_len=128) as one,
-        decode_server(
-            redis_url,
-            weights,
-            m,
-            tmp_path / "dp",
-            prefix="test-dp2",
-            max_seq_len=128,
-            parallel=ParallelConfig(dp_attention=2, ep=2),
-        ) as dp,
-    ):
+    dirs = tmp_path / "one", tmp_path / "dp"
+    dp2 = ParallelConfig(dp_attention=2, ep=2)
+    with one_and_split(redis_url, (weights, weights), m, dirs, "test-dp", 128, dp2) as (one, dp):
         for name, s in (("one", one), ("dp", dp)):
             out: list[dict[str, Any]] = [{} for _ in bodies]
 
