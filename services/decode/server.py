@@ -10,8 +10,6 @@ swaps them at a step boundary while requests keep running.
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -64,13 +62,12 @@ from services.decode.streaming import sse_events
 from services.decode.tokenize import detokenize, tokenize
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
-from services.engine.parallel.ranks import EngineRanks
+from services.engine.parallel.ranks import EngineRanks, end_replica
 from services.kvstore.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
 # A broken rank group exits this long after /health turned 503 and the requests it held were
 # answered: their 503s reach the clients first, and the supervisor restarts the group promptly.
-RANKS_FAILED_EXIT_S = 2.0
 
 
 class Decode:
@@ -168,21 +165,7 @@ class Decode:
         return self.ranks.engine(path, version)
 
     def _ranks_failed(self, why: str) -> None:
-        """A rank died or a step broke the group: this replica cannot go on. /health turns 503
-        naming the rank, every request waiting or in flight is answered 503 with the reason (the
-        orchestrator retries its rollout elsewhere), the other workers are killed, and the process
-        exits 1 after RANKS_FAILED_EXIT_S, for its supervisor to restart the whole group. Called
-        from the ranks' watcher or the engine loop thread: nothing here waits on the engine."""
-        reason = f"engine ranks failed: {why}"
-        self.service.failed = reason
-        log_event(self.log, "engine ranks failed", reason=why)
-        if self.engine is not None:
-            self.engine.fail(reason)
-        if self.ranks is not None:
-            self.ranks.kill()
-        exit_timer = threading.Timer(RANKS_FAILED_EXIT_S, os._exit, (1,))
-        exit_timer.daemon = True
-        exit_timer.start()
+        end_replica(self.service, self.engine, self.ranks, why)
 
     async def wait_for_weights(self) -> None:
         """Poll Redis for the latest published weights until an engine is up (or another path,

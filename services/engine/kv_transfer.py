@@ -564,6 +564,18 @@ class PageExchange:
     def pending(self) -> bool:
         return bool(self._staged or self._landing)
 
+    # Whether pages from elsewhere can be imported (stage / drain) into this engine's pool.
+    imports = True
+
+    @property
+    def page_bytes(self) -> int:
+        """The bytes of one exported page (what the store, the near tier and a reader get)."""
+        return page_nbytes(self.kv)
+
+    def blob(self, pages: Seq[int]) -> torch.Tensor:
+        """`pages` as one [n, page_bytes] uint8 tensor: what export hands on (export_blob)."""
+        return export_blob(self.kv, pages)
+
     def stage(
         self,
         hashes: list[bytes],
@@ -744,11 +756,11 @@ class PageExchange:
         data: bytes | HostPages | None = None
         if self.host_pages is not None and pages:
             try:
-                data = self.host_pages(hashes, export_blob(self.kv, pages))
+                data = self.host_pages(hashes, self.blob(pages))
             except (RuntimeError, ValueError) as e:  # e.g. pinned memory refused: bytes instead
                 log.warning(f"exporting {len(pages)} kv pages into host slots failed ({e}); copying")
         if data is None:
-            data = export_pages(self.kv, pages)
+            data = self.blob(pages).cpu().numpy().tobytes() if pages else b""
         self._mark(hashes)
         self.exported_pages_total += len(hashes)
         self.sink(hashes, data, finished)
@@ -776,6 +788,6 @@ class PageExchange:
                 continue  # the samples of one request share the prompt (forked copies)
             seen.add(key)
             try:
-                self.tail_sink(key, export_blob(self.kv, [s.block_table[full]]))
+                self.tail_sink(key, self.blob([s.block_table[full]]))
             except (RuntimeError, ValueError) as e:  # the decode computes the tail then
                 log.warning(f"exporting a prompt's partial last page failed: {e}")

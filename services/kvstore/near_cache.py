@@ -461,10 +461,8 @@ def near_budget(section: KVNearSection, device_type: str) -> int:
 def near_for_engine(engine: LLMEngine, section: KVNearSection, shared: bool = False) -> NearCache | None:
     """The near tier for this engine's page layout (None when its budget is under one page).
     `shared`: in named shared-memory segments, handed off to same-host readers (a prefill's)."""
-    from services.engine.kv_transfer import page_nbytes
-
     device = engine.kv.k.device.type
-    per = page_nbytes(engine.kv)
+    per = engine.pages.page_bytes  # a multi-rank engine's exported pages are whole (parallel/pages.py)
     budget = near_budget(section, device)
     if budget < per:
         log.info(f"kv near tier off (kvstore.near.bytes={budget})")

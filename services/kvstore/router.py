@@ -133,7 +133,7 @@ def attach_near(engine: LLMEngine, store: KVStoreClient, cfg: RunConfig, shared:
             # Every segment exists from the start, so a decode's first handoff lists (and maps)
             # the whole tier at once (handoff.HandoffLeases.grant).
             store.near.reserve()
-    if store.near is not None and store.near.page_bytes == page_nbytes(engine.kv):
+    if store.near is not None and store.near.page_bytes == engine.pages.page_bytes:
         # Exports go device -> pinned slots once; the publisher sends from there.
         engine.pages.host_pages = store.near.hold_export
 

@@ -48,7 +48,8 @@ from services.common.service import (
 )
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
-from services.engine.kv_transfer import chain_hashes, page_nbytes, prompt_tail_key
+from services.engine.kv_transfer import chain_hashes, prompt_tail_key
+from services.engine.parallel.ranks import EngineRanks, end_replica
 from services.kvstore.client import PagePublisher
 from services.kvstore.handoff import HandoffLeases, segment_list
 from services.kvstore.pull_policy import PullPolicy
@@ -79,13 +80,26 @@ class Prefill:
         self.leases = HandoffLeases(lease_s, f"{service.url}/v1/handoff/ack") if lease_s > 0 else None
         self._lock = asyncio.Lock()
         self.served = 0
+        # prefill.parallel over several ranks: this process is rank 0 (the HTTP front and the
+        # scheduler) and starts the others with the engine (services/engine/parallel/ranks.py).
+        # Its exports are whole pages (services/engine/parallel/pages.py); it pulls nothing.
+        self.par = self.cfg.prefill_parallel
+        self.ranks: EngineRanks | None = None
+        if self.par.ranks > 1 and self.par.dp_attention > 1:
+            raise SystemExit(
+                "prefill.parallel.dp_attention: a multi-rank prefill runs one attention group "
+                "(tp and ep); set prefill.parallel = { tp = ..., ep = ... }"
+            )
 
     async def load(self, path: str, version: int) -> int:
         async with self._lock:
             if self.engine is None:
-                eng = await asyncio.to_thread(LLMEngine, path, self.engine_cfg, version)
+                if self.par.ranks > 1:
+                    eng = await asyncio.to_thread(self._start_ranks, path, version)
+                else:
+                    eng = await asyncio.to_thread(LLMEngine, path, self.engine_cfg, version)
                 attach_near(eng, self.store, self.cfg, shared=self.leases is not None)
-                self.publisher = PagePublisher(self.store, page_nbytes(eng.kv), **self._publish_bound())
+                self.publisher = PagePublisher(self.store, eng.pages.page_bytes, **self._publish_bound())
                 eng.pages.sink = self.publisher
                 if self.leases is not None and self.store.near is not None:
                     keep_tails(eng, self.store.near)  # handed off with the full pages
@@ -99,6 +113,18 @@ class Prefill:
                 log_event(self.service.log, "weights updated", path=path, version=version)
             self.service.version = self.engine.version
             return self.engine.version
+
+    def _start_ranks(self, path: str, version: int) -> LLMEngine:
+        name = f"prefill.{self.service.index}"
+        self.ranks = EngineRanks(self.cfg, "prefill", self._ranks_failed, bus=self.service.bus, name=name)
+        self.ranks.start()
+        log_event(
+            self.service.log, "engine ranks joined", ranks=self.par.ranks, tp=self.par.tp, ep=self.par.ep
+        )
+        return self.ranks.engine(path, version)
+
+    def _ranks_failed(self, why: str) -> None:
+        end_replica(self.service, self.engine, self.ranks, why)
 
     def _publish_bound(self) -> dict[str, int]:
         """With a shared near tier, the publisher may hold at most half of it: it sends from the
@@ -130,6 +156,8 @@ class Prefill:
         return loaded(self.engine)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        if self.service.failed:  # a broken rank group: it exits in a moment, retry elsewhere
+            raise HTTPException(503, self.service.failed)
         aengine = self.ready()
         eng = aengine.engine
         rid = req.request_id or uuid.uuid4().hex
@@ -145,7 +173,7 @@ class Prefill:
         version = eng.version
         keys = prompt_keys(eng, req.input_ids)
         local = local_prefix_pages(eng, keys)
-        pulled = await pull_pages(eng, self.store, keys, self.policy)
+        pulled = await pull_pages(eng, self.store, keys, self.policy) if eng.pages.imports else 0
         assert self.publisher is not None  # set with the engine
         published = self.publisher.expect(rid)
         try:
@@ -257,6 +285,9 @@ def build_app(service: Service) -> FastAPI:
                 sweeper.cancel()
                 if state.engine is not None:
                     await asyncio.to_thread(state.engine.stop)
+                if state.ranks is not None:
+                    engine = state.engine.engine if state.engine is not None else None
+                    await asyncio.to_thread(state.ranks.stop, engine)  # type: ignore[arg-type]
                 if state.publisher is not None:
                     await asyncio.to_thread(state.publisher.close)
                 state.close_near()

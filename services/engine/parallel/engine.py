@@ -14,8 +14,8 @@ group's first rank sends back its samples and the routed expert ids of the token
 (Router Replay reads them from rank 0's copy of the group's routing store).
 
 What the multi-rank engine does not do yet: the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
-scheduling: it runs the torch attention path on any device) and KV page export/import (pages
-are split by KV heads across ranks).
+scheduling: it runs the torch attention path on any device) and KV page import. Page export
+(one attention group) gathers every rank's KV heads into single-rank pages (parallel/pages.py).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from services.engine.overlap import Feed
 from services.engine.parallel.dp import GroupedScheduler, group_pages
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import local_config
+from services.engine.parallel.pages import GatheringPageExchange
 from services.engine.parallel.runner import (
     GroupStepOrder,
     RecordingKVCache,
@@ -121,8 +122,14 @@ class ParallelEngine(LLMEngine):
         self.watchers = {}
         self.model_dir = ckpt.path
         self.version = self.scheduler.version = version if version is not None else (ckpt.version or 0)
-        self.layout = self.scheduler.layout = layout_id(m.arch, self.kv) + f"|tp{par.tp}"
-        self.pages = PageExchange(self.kv, layout=self.layout)
+        if par.dp_attention == 1:
+            # Exports are full pages under the single-rank layout (parallel/pages.py).
+            self.pages = GatheringPageExchange(self.kv, m, groups)
+            self.layout = self.scheduler.layout = self.pages.layout
+        else:
+            self.layout = self.scheduler.layout = layout_id(m.arch, self.kv) + f"|tp{par.tp}"
+            self.pages = PageExchange(self.kv, layout=self.layout)
+            self.pages.imports = False
         self.scheduler.landing = self.pages.landing_keys
         self._born_finished = []
         self._inflight = None

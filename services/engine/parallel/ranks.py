@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import tempfile
@@ -34,6 +35,8 @@ import redis
 from services.common.bus import Bus
 from services.common.config import RunConfig
 from services.common.net import free_port
+from services.common.service import Service, log_event
+from services.engine.async_engine import AsyncEngine
 from services.engine.parallel.engine import ParallelEngine
 from services.engine.parallel.group import EngineGroups, close_engine_groups, init_engine_groups
 from services.engine.parallel.runner import rank_device
@@ -222,3 +225,25 @@ class EngineRanks:
         if self.groups is not None:
             close_engine_groups(self.groups)
         self._cfg_file.close()
+
+
+# A service whose rank group broke exits this long after answering what it held with 503s.
+RANKS_FAILED_EXIT_S = 2.0
+
+
+def end_replica(service: Service, engine: AsyncEngine | None, ranks: EngineRanks | None, why: str) -> None:
+    """A rank died or a step broke the group: the service's replica cannot go on. /health turns
+    503 naming the rank, every request waiting or in flight is answered 503 with the reason (the
+    caller retries elsewhere), the other workers are killed, and the process exits 1 after
+    RANKS_FAILED_EXIT_S, for its supervisor to restart the whole group. Called from the ranks'
+    watcher or the engine loop thread: nothing here waits on the engine."""
+    reason = f"engine ranks failed: {why}"
+    service.failed = reason
+    log_event(service.log, "engine ranks failed", reason=why)
+    if engine is not None:
+        engine.fail(reason)
+    if ranks is not None:
+        ranks.kill()
+    exit_timer = threading.Timer(RANKS_FAILED_EXIT_S, os._exit, (1,))
+    exit_timer.daemon = True
+    exit_timer.start()

@@ -43,6 +43,7 @@ from services.engine.parallel.model import (
     sharded_logits,
     slice_spec,
 )
+from services.engine.parallel.pages import ExportOrder, gather_pages
 from services.engine.parallel.vocab import ShardedSampler
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class StopOrder:
     pass
 
 
-Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | StopOrder
+Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | ExportOrder | StopOrder
 
 
 class RecordingKVCache(KVCache):
@@ -223,6 +224,8 @@ class RankRunner:
             return None
         if isinstance(order, WeightsOrder):
             self.load(self.read(order.path))
+        if isinstance(order, ExportOrder):
+            gather_pages(self.kv, order.pages, self.model_config, self.groups)
         return None
 
 

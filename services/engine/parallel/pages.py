@@ -1,0 +1,110 @@
+"""KV page export from a multi-rank engine: the full page, as a single-rank engine writes it.
+
+Under tensor parallelism a GQA model's K and V pools are split by KV heads over the tp ranks
+(`kv_head_range`: rank r holds heads [r * H / tp, (r + 1) * H / tp), or one head shared by
+tp / H ranks when H < tp); MLA's latent, the DSA indexer's keys and the routing store are whole
+on every rank. An export (`GatheringPageExchange.blob`, called from rank 0's step loop, between
+steps) is an order every rank carries out: each rank cuts its part of the pages out of its pools
+and the tp group all-gathers the head-split ones, which rank 0 puts back in head order. The bytes
+are then exactly a single-rank engine's page (`kv_transfer.export_blob`'s layout: per pool,
+[layers, block_size, heads, head_dim] per page), under the single-rank page layout id
+(`full_layout`), so a decode with any number of ranks that imports single-rank pages continues
+from them, and the KV store, the near tier and the handoffs see ordinary pages.
+
+Imports into a multi-rank engine (pulls from the store, handoffs) are not built: they would have
+to put each rank's heads into its pool. `imports` is False; its prefill service computes every
+prompt page it does not hold in its own prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from services.common.config import ModelConfig
+from services.engine.kv_cache import KVCache
+from services.engine.kv_transfer import PageExchange, layout_id, pool_tensors
+from services.engine.parallel.group import EngineGroups
+
+
+@dataclass
+class ExportOrder:
+    """Cut these pages out of every rank's pools and gather them on rank 0."""
+
+    pages: list[int]
+
+
+def heads_split(m: ModelConfig, groups: EngineGroups) -> bool:
+    """Whether the rank's K/V pools hold only its share of the KV heads."""
+    return groups.tp.size > 1 and not m.is_mla
+
+
+def page_parts(kv: KVCache, pages: Seq[int]) -> list[torch.Tensor]:
+    """Each pool's rows of `pages`, [n, layers, block_size, ...] (export_blob's per-pool layout)."""
+    bs = kv.block_size
+    idx = torch.tensor(list(pages), dtype=torch.long, device=kv.k.device)
+    rows = (idx[:, None] * bs + torch.arange(bs, device=idx.device)).reshape(-1)
+    n = len(pages)
+    return [
+        t[:, rows].reshape(t.shape[0], n, bs, *t.shape[2:]).transpose(0, 1).contiguous()
+        for t in pool_tensors(kv)
+    ]
+
+
+def gather_pages(kv: KVCache, pages: Seq[int], m: ModelConfig, groups: EngineGroups) -> torch.Tensor:
+    """The full pages as one [n, page bytes] uint8 tensor (every rank of the tp group calls it;
+    only rank 0's result is used). The K and V pools of a head-split cache are gathered from the
+    tp group and put back in head order, one copy of each replicated head; every other pool is
+    whole on each rank already."""
+    parts = page_parts(kv, pages)
+    n = len(pages)
+    if heads_split(m, groups):
+        tp = groups.tp
+        # Ranks holding distinct heads: all of them, or the first of each run sharing a head.
+        every = max(1, tp.size // m.n_kv_heads)
+        for i in range(2):  # k, v: [n, L, bs, H_local, head_dim]
+            got = tp.all_gather(parts[i])[::every]  # [holders, n, L, bs, H_local, d]
+            parts[i] = got.permute(1, 2, 3, 0, 4, 5).reshape(*got.shape[1:4], -1, got.shape[-1])
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(n, -1) for p in parts], dim=1)
+
+
+def full_pools(m: ModelConfig, kv: KVCache, groups: EngineGroups) -> list[torch.Tensor]:
+    """One page of each pool as a single-rank engine holds it (meta tensors [layers, block_size,
+    ...]): the K and V pools with every KV head."""
+    out = []
+    for i, t in enumerate(pool_tensors(kv)):
+        rest = (m.n_kv_heads, *t.shape[3:]) if i < 2 and heads_split(m, groups) else t.shape[2:]
+        out.append(torch.empty((t.shape[0], kv.block_size, *rest), dtype=t.dtype, device="meta"))
+    return out
+
+
+def full_layout(m: ModelConfig, kv: KVCache, groups: EngineGroups) -> str:
+    """The single-rank engine's layout id for this model and page size (what gathered pages are)."""
+    pools = full_pools(m, kv, groups)
+    return layout_id(m.arch, SimpleNamespace(block_size=kv.block_size, pools=lambda: pools))  # type: ignore[arg-type]
+
+
+class GatheringPageExchange(PageExchange):
+    """Rank 0's page exchange of a multi-rank engine (one attention group): exports full pages
+    (gather_pages); imports nothing."""
+
+    imports = False
+
+    def __init__(self, kv: KVCache, m: ModelConfig, groups: EngineGroups) -> None:
+        super().__init__(kv, layout=full_layout(m, kv, groups))
+        self.model_config, self.groups = m, groups
+        self._page_bytes = sum(t.numel() * t.element_size() for t in full_pools(m, kv, groups))
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    def blob(self, pages: Seq[int]) -> torch.Tensor:
+        if not pages:
+            return torch.empty((0, self._page_bytes), dtype=torch.uint8, device=self.kv.k.device)
+        if heads_split(self.model_config, self.groups):
+            self.groups.world.broadcast_object(ExportOrder(list(pages)))
+        return gather_pages(self.kv, pages, self.model_config, self.groups)

@@ -1,0 +1,103 @@
+"""A prefill service whose engine spans 2 ranks (prefill.parallel.tp = 2: the service is rank 0
+and the HTTP front, rank 1 its worker process) in front of a 1-rank decode, every piece a real
+process (Redis, the KV store gateway, the services), on the debug model (2 KV heads: one per
+rank). The prefill's exported pages are whole (each rank's KV head gathered into the single-rank
+page layout): the decode takes every prompt page from it (the same-host handoff and the store)
+and continues exactly as a colocated 1-rank engine generates, tokens equal and log-probs to 1e-5;
+after a weight update both ranks serve the new version."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_prefill_service import ENGINE, P1, Cluster, colocated, generate, req, same
+
+from services.common.auth import auth_headers
+from services.common.bus import Bus
+from services.common.config import ParallelConfig, RunConfig, load_config
+from services.common.schemas import WeightsInfo
+from services.kvstore.router import DISCOVERY_TTL_S
+from trainer.model import build_model, save_weights_dir
+
+pytestmark = pytest.mark.slow  # four processes (gateway, 2 prefill ranks, decode) on two cores
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("par-prefill")
+    m = load_config("debug").model
+    paths = []
+    for v in (0, 1):
+        state = build_model(m, seed=v).state_dict()
+        state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
+        paths.append(save_weights_dir(m, state, tmp / "weights" / f"step_{v}", {"version": v}))
+    cfg = RunConfig(model=m)
+    cfg.redis.prefix = f"test-par-prefill-{uuid.uuid4().hex[:8]}"
+    cfg.redis.heartbeat_s = 0.2
+    cfg.decode.engine = ENGINE
+    cfg.prefill.parallel = ParallelConfig(tp=2)
+    cfg.kvstore.enabled = True
+    cfg.kvstore.retry_after_s = 0.5
+    cfg.prefill.min_new_tokens = 16
+    cfg.kvstore.pull.mode = "always"
+    c = Cluster(tmp, redis_url, cfg, Bus(redis_url, cfg.redis.prefix), paths[0], paths[1])
+    c.bus.publish_weights(WeightsInfo(version=0, path=str(paths[0])))
+    c.start("kvstore", "services.kvstore")
+    c.start("prefill", "services.prefill")
+    c.start("decode", "services.decode")
+    c.url("prefill", "prefill")
+    c.url("decode", "decode")
+    time.sleep(DISCOVERY_TTL_S + 0.2)
+    try:
+        yield c
+    finally:
+        for name in list(c.procs):
+            assert c.stop(name) == 0, f"{name} did not exit cleanly"
+
+
+def test_two_rank_prefill_pages_continue_like_one_rank(cluster: Cluster) -> None:
+    c = cluster
+    reqs = [
+        req(P1, temperature=1.0, seed=7, n=3, max_tokens=8, ignore_eos=True),
+        req(P1[::-1], temperature=0.0, max_tokens=5, ignore_eos=True),
+    ]
+    before = c.health("decode", "decode")["kv"]
+    outs = [generate(c, r) for r in reqs]
+    for out, ref in zip(outs, colocated(c, reqs), strict=True):
+        same(out, ref)
+    kv = c.health("decode", "decode")["kv"]
+    assert kv["remote"] - before["remote"] == 2  # both prompts were prefilled by the 2 ranks
+    assert kv["pulled_pages"] - before["pulled_pages"] == 2 * 10  # their 10 full pages each
+    prefill = c.health("prefill", "prefill")
+    assert prefill["served"] >= 2 and prefill["published_pages"] >= 20
+    # Decode computed no prompt token: every page (the partial last one too) came from the
+    # prefill; per sample the prefilled token, then decode steps.
+    assert kv["computed_tokens"] - before["computed_tokens"] == 3 * 7 + 1 * 4
+
+
+def test_a_weight_update_reaches_both_prefill_ranks(cluster: Cluster) -> None:
+    c = cluster
+    # The prefill follows the latest published version; the decode is told (as the orchestrator does).
+    c.bus.publish_weights(WeightsInfo(version=1, path=str(c.weights_v1)))
+    r = httpx.post(
+        f"{c.url('decode', 'decode')}/update_weights",
+        json={"path": str(c.weights_v1), "version": 1},
+        timeout=60,
+        headers=auth_headers(),
+    )
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while not all(s.version == 1 for kind in ("prefill", "decode") for s in c.bus.services(kind)):
+        assert time.monotonic() < deadline, "the services never loaded version 1"
+        time.sleep(0.2)
+    time.sleep(DISCOVERY_TTL_S + 0.2)  # decode's view of the prefill's version
+    r2 = req([(3 * i + 4) % 60 for i in range(33)], temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
+    before = c.health("decode", "decode")["kv"]
+    out = generate(c, r2)
+    same(out, colocated(c, [r2], version=1)[0])
+    assert out.choices[0].versions == [1] * 6
+    assert c.health("decode", "decode")["kv"]["remote"] - before["remote"] == 1
