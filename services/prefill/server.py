@@ -8,6 +8,10 @@ pulls pages the store already has before computing (a growing multi-turn context
 and follows the trainer's published weights by polling Redis (decode only routes to a prefill
 service registered with its own weight version). POST /update_weights works as on decode.
 
+With prefill.parallel over several ranks this process is rank 0 (the HTTP front and the
+scheduler) and starts the other ranks; its exported pages are whole single-rank pages (the ranks'
+KV heads gathered: services/engine/parallel/pages.py) and it pulls nothing from the store.
+
 Same host (kvstore.near.shared_lease_s > 0): the near tier lives in /dev/shm segments and the
 answer carries a handoff of the prompt's pages there (services/kvstore/handoff.py); it is sent as
 soon as the pages are in that tier, the gateway publish going on in the background. The decode
