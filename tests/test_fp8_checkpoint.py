@@ -353,7 +353,7 @@ def test_fp8_engine_never_allocates_high_precision_linears(
     dirs: dict[str, tuple[Path, Path, dict[str, torch.Tensor]]], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """quantization = "fp8" builds the model in its FP8 layout on the meta device first
-    (model.build_fp8_model), so a model whose bf16 weights would not fit is still served: no
+    (models/registry.build_fp8_model), so a model whose bf16 weights would not fit is still served: no
     nn.Linear or expert weight is created anywhere but on meta, and the engine equals one built
     the plain way (high-precision model, load, convert) on the same high-precision weights."""
     from torch import nn

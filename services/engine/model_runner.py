@@ -33,8 +33,7 @@ from services.engine.kv_cache import KVCache, check_memory_cap, pool_blocks
 from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import PendingSample, Sampler
 from services.engine.loader import Checkpoint
-from services.engine.models.causal_lm import build_fp8_model
-from services.engine.models.registry import engine_model
+from services.engine.models.registry import build_fp8_model, engine_model
 from services.engine.overlap import Feed, feed_pending
 from services.engine.sequence import Sequence
 

@@ -233,7 +233,7 @@ def convert_model(
     """Quantise every attention/MLP nn.Linear of an engine model in place (see engine_skip for
     what stays) and every MoE ExpertWeights into Fp8Experts. Returns the converted names. Call
     after the weights are loaded and after any `.to(dtype)`: a later dtype cast would turn the fp8
-    buffers into that dtype. `empty`: only the layout (no quantisation; see model.build_fp8_model)."""
+    buffers into that dtype. `empty`: only the layout (no quantisation; see models/registry.build_fp8_model)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
     names = ref.convert_to_fp8(
