@@ -233,13 +233,14 @@ def test_plan_generated_over_rollout_is_an_error_naming_the_key() -> None:
 
 
 def test_plan_counts_the_state_slots(rates: P.Rates) -> None:
-    """nemotron3: every decode GPU holds max_batch_size Mamba-2 state slots beside its KV, and
-    the KV room is what is left after weights and slots."""
+    """nemotron3: every decode GPU holds max_batch_size Mamba-2 state slots and the padding slot
+    (the engine's StateCache) beside its KV, and the KV room is what is left after weights and
+    slots."""
     cfg = load_config("nemotron3")
     dev = P.device_for(cfg, rates)
     lay = P.engine_layout(cfg, "decode", dev)
-    states = 64 * P.recurrent_state_bytes(cfg.model)
-    assert states == pytest.approx(64 * 49e6, rel=0.02)  # ~49 MB a sequence, 23 Mamba-2 layers
+    states = (64 + 1) * P.recurrent_state_bytes(cfg.model)
+    assert states == pytest.approx(65 * 49e6, rel=0.02)  # ~49 MB a sequence, 23 Mamba-2 layers
     assert lay.state_gb == pytest.approx(states / 1e9)
     assert lay.kv_gb == pytest.approx(64 * 24000 * P.kv_bytes_per_token(cfg.model) / 1e9)
     room = (dev.hbm_bytes * P.HBM_USABLE - lay.weights_gb * 1e9 - states) / P.kv_bytes_per_token(cfg.model)
