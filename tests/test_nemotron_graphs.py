@@ -41,9 +41,16 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Pa
 
 
 @needs_interpreter
-def test_graph_static_batch_matches_eager_nemotron(published: tuple[ModelConfig, Path]) -> None:
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_graph_static_batch_matches_eager_nemotron(
+    published: tuple[ModelConfig, Path], quantization: str
+) -> None:
+    """bf16 and FP8 weights (tests/test_nemotron_fp8.py) alike."""
     m, d = published
-    engine = LLMEngine(d, EngineConfig(**BASE, max_seq_len=m.max_seq_len, attention_backend="triton"))
+    cfg = EngineConfig(
+        **BASE, max_seq_len=m.max_seq_len, attention_backend="triton", quantization=quantization
+    )
+    engine = LLMEngine(d, cfg)
     states = engine.kv.states
     assert engine.attention_backend == "triton" and states is not None
     for i, n in enumerate((5, 40, 17)):
