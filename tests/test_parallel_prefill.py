@@ -9,54 +9,24 @@ after a weight update both ranks serve the new version."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_prefill_service import ENGINE, P1, Cluster, colocated, generate, req, same
+from test_prefill_service import P1, Cluster, colocated, generate, req, running_cluster, same
 
 from services.common.auth import auth_headers
-from services.common.bus import Bus
-from services.common.config import ParallelConfig, RunConfig, load_config
+from services.common.config import ParallelConfig
 from services.common.schemas import WeightsInfo
 from services.kvstore.router import DISCOVERY_TTL_S
-from trainer.model import build_model, save_weights_dir
 
 pytestmark = pytest.mark.slow  # four processes (gateway, 2 prefill ranks, decode) on two cores
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("par-prefill")
-    m = load_config("debug").model
-    paths = []
-    for v in (0, 1):
-        state = build_model(m, seed=v).state_dict()
-        state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
-        paths.append(save_weights_dir(m, state, tmp / "weights" / f"step_{v}", {"version": v}))
-    cfg = RunConfig(model=m)
-    cfg.redis.prefix = f"test-par-prefill-{uuid.uuid4().hex[:8]}"
-    cfg.redis.heartbeat_s = 0.2
-    cfg.decode.engine = ENGINE
-    cfg.prefill.parallel = ParallelConfig(tp=2)
-    cfg.kvstore.enabled = True
-    cfg.kvstore.retry_after_s = 0.5
-    cfg.prefill.min_new_tokens = 16
-    cfg.kvstore.pull.mode = "always"
-    c = Cluster(tmp, redis_url, cfg, Bus(redis_url, cfg.redis.prefix), paths[0], paths[1])
-    c.bus.publish_weights(WeightsInfo(version=0, path=str(paths[0])))
-    c.start("kvstore", "services.kvstore")
-    c.start("prefill", "services.prefill")
-    c.start("decode", "services.decode")
-    c.url("prefill", "prefill")
-    c.url("decode", "decode")
-    time.sleep(DISCOVERY_TTL_S + 0.2)
-    try:
+    with running_cluster(redis_url, tmp_path_factory.mktemp("par-prefill"), ParallelConfig(tp=2)) as c:
         yield c
-    finally:
-        for name in list(c.procs):
-            assert c.stop(name) == 0, f"{name} did not exit cleanly"
 
 
 def test_two_rank_prefill_pages_continue_like_one_rank(cluster: Cluster) -> None:

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 
 from services.common.auth import auth_headers
 from services.common.bus import Bus
-from services.common.config import REPO_ROOT, EngineConfig, RunConfig, load_config
+from services.common.config import REPO_ROOT, EngineConfig, ParallelConfig, RunConfig, load_config
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
 from services.engine import LLMEngine
 from services.kvstore.router import DISCOVERY_TTL_S
@@ -75,9 +76,12 @@ class Cluster:
         return httpx.get(f"{self.url(kind, name)}/health", timeout=10).json()
 
 
-@pytest.fixture(scope="module")
-def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("disagg")
+@contextmanager
+def running_cluster(
+    redis_url: str, tmp: Path, prefill_parallel: ParallelConfig | None = None
+) -> Iterator[Cluster]:
+    """Redis, the gateway, a prefill service (over `prefill_parallel` ranks) and a decode on the
+    debug model's versions 0 and 1 (0 published), decode routing long prompts to the prefill."""
     m = load_config("debug").model
     state = build_model(m, seed=0).state_dict()
     state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
@@ -89,6 +93,7 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     cfg.redis.prefix = f"test-disagg-{uuid.uuid4().hex[:8]}"
     cfg.redis.heartbeat_s = 0.2
     cfg.decode.engine = ENGINE
+    cfg.prefill.parallel = prefill_parallel
     cfg.kvstore.enabled = True
     cfg.kvstore.retry_after_s = 0.5
     cfg.prefill.min_new_tokens = 16  # prompts with >= 16 uncached tokens go to the prefill service
@@ -112,6 +117,12 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         for name in list(c.procs):
             assert c.stop(name) == 0, f"{name} did not exit cleanly"
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(redis_url, tmp_path_factory.mktemp("disagg")) as c:
+        yield c
 
 
 def generate(c: Cluster, req: GenerateRequest, name: str = "decode") -> GenerateResponse:
