@@ -28,9 +28,10 @@ def order_key(scores: torch.Tensor) -> torch.Tensor:
     bits = (scores.detach() + 0.0).view(torch.int32).to(torch.int64)
     # IEEE-754 floats order as sign-magnitude integers: flipping the 31 magnitude bits of the
     # negative ones makes them order as two's-complement integers (-inf lowest, NaN never met).
-    high = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     pos = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
-    return (high << 32) | (_LOW - pos)
+    # In place: a prefill's scores are [B, Lq, ctx]; one int64 copy of them is enough.
+    return key.bitwise_left_shift_(32).bitwise_or_(_LOW - pos)
 
 
 def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
