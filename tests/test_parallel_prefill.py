@@ -4,15 +4,19 @@ process (Redis, the KV store gateway, the services), on the debug model (2 KV he
 rank). The prefill's exported pages are whole (each rank's KV head gathered into the single-rank
 page layout): the decode takes every prompt page from it (the same-host handoff and the store)
 and continues exactly as a colocated 1-rank engine generates, tokens equal and log-probs to 1e-5;
-after a weight update both ranks serve the new version."""
+after a weight update both ranks serve the new version; a killed rank ends the service (503, exit 1)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
+from helpers.parallel import worker_pids
 from test_prefill_service import P1, Cluster, colocated, generate, req, running_cluster, same
 
 from services.common.auth import auth_headers
@@ -71,3 +75,34 @@ def test_a_weight_update_reaches_both_prefill_ranks(cluster: Cluster) -> None:
     same(out, colocated(c, [r2], version=1)[0])
     assert out.choices[0].versions == [1] * 6
     assert c.health("decode", "decode")["kv"]["remote"] - before["remote"] == 1
+
+
+def test_a_dead_prefill_rank_ends_the_service(cluster: Cluster) -> None:
+    """Last in this module: it ends the 2-rank prefill. With its worker killed, /health turns 503
+    naming the rank, /v1/prefill answers 503 (the decode computes the prompt itself), and the
+    service exits 1 within seconds, for its supervisor to restart the group."""
+    c = cluster
+    url = c.url("prefill", "prefill")
+    proc = c.procs["prefill"]
+    [worker] = worker_pids(proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    health: dict[str, Any] = {}
+    refused: httpx.Response | None = None
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 503 and not health:
+                health = r.json()
+                body = {"input_ids": P1, "sampling": {"max_tokens": 1}}
+                refused = httpx.post(f"{url}/v1/prefill", json=body, timeout=10, headers=auth_headers())
+        except httpx.HTTPError:
+            pass  # exited meanwhile
+        time.sleep(0.05)
+    assert proc.wait(30) == 1
+    c.procs.pop("prefill")
+    assert health.get("status") == "failed" and "rank 1 exited with -9" in health["reason"], health
+    assert refused is not None and refused.status_code == 503, refused
+    # The decode still answers, computing the prompt itself (the prefill is gone).
+    out = generate(c, req(P1[::-1], temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out.choices[0].output_ids) == 3
