@@ -74,8 +74,10 @@ def run_experts(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch
 
 def combine_slots(experts: nn.Module, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T, k, D] expert outputs, weights [T, k] -> [T, D] by the rule of the single-rank layer
-    of the same kind: moe.ExpertWeights.combine (float32 sum, one rounding), or Fp8Experts'
-    (each output weighted in the activations' dtype and summed there)."""
+    of the same kind: moe.ExpertWeights.combine (float32 sum, one rounding), or Fp8Experts' (each
+    output weighted in the activations' dtype and summed there; in slot order, where Fp8Experts
+    adds a token's terms in expert order: the same sum for k = 2, a last-bit difference at most
+    for larger k)."""
     if not isinstance(experts, Fp8Experts):
         return ExpertWeights.combine(y, weights)
     out = y[:, 0] * weights[:, :1].to(y.dtype)
