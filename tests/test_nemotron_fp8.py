@@ -154,3 +154,36 @@ def test_fp8_relu2_experts_nemotron(published: tuple[ModelConfig, Path]) -> None
         # E4M3's ~3.7% per GEMM (tests/test_fp8_linear.py bounds a SwiGLU expert by 0.06); the
         # square doubles the relative error of up's output (measured 6.7e-2 here).
         assert ((out - plain).norm() / plain.norm()).item() < 0.1
+
+
+def test_fp8_checkpoint_bits_nemotron(published: tuple[ModelConfig, Path], tmp_path: Path) -> None:
+    """An FP8 checkpoint of Nemotron-H (E4M3 + 128x128 pow2 scales for every linear the engine
+    holds in FP8, the experts per expert, as the trainer publishes for an FP8 engine): the FP8
+    engine holds its bits and scales as they are (a re-quantisation gives other scales), and an
+    unquantised engine loads the dequantised weights."""
+    from helpers.fp8_dirs import fp8_model_dir
+
+    m, d = published
+    fp8_dir, state = fp8_model_dir(d, m, tmp_path / "fp8")
+    eng = engine(fp8_dir, m, "fp8")
+    linears = {n: mod for n, mod in eng.model.named_modules() if isinstance(mod, Fp8Linear)}
+    assert "backbone.layers.0.mixer.in_proj" in linears
+    for n, mod in linears.items():
+        assert torch.equal(mod.weight_fp8.view(torch.uint8), state[f"{n}.weight"].view(torch.uint8)), n
+        assert torch.equal(mod.weight_scale, state[f"{n}.weight_scale_inv"]), n
+    experts = {n: mod for n, mod in eng.model.named_modules() if isinstance(mod, Fp8Relu2Experts)}
+    assert len(experts) == m.hybrid_pattern.count("E")
+    for n, mod in experts.items():
+        for e in range(m.n_routed_experts):
+            for buf, proj in (("up", "up_proj"), ("down", "down_proj")):
+                key = f"{n}.{e}.{proj}.weight"
+                assert torch.equal(
+                    getattr(mod, f"{buf}_fp8")[e].view(torch.uint8), state[key].view(torch.uint8)
+                )
+                assert torch.equal(getattr(mod, f"{buf}_scale")[e], state[f"{key}_scale_inv"])
+    requantised = engine(d, m, "fp8").model.backbone.layers[0].mixer.in_proj.weight_scale
+    assert not torch.equal(requantised, linears["backbone.layers.0.mixer.in_proj"].weight_scale)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    req = [GenerateRequest(input_ids=[5, 9, 14, 20], sampling=greedy)]
+    assert len(eng.generate(req)[0].choices[0].output_ids) == 4
+    assert len(engine(fp8_dir, m, "none").generate(req)[0].choices[0].output_ids) == 4
