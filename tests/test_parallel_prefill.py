@@ -4,6 +4,7 @@ process (Redis, the KV store gateway, the services), on the debug model (2 KV he
 rank). The prefill's exported pages are whole (each rank's KV head gathered into the single-rank
 page layout): the decode takes every prompt page from it (the same-host handoff and the store)
 and continues exactly as a colocated 1-rank engine generates, tokens equal and log-probs to 1e-5;
+a second turn's prefill pulls the pages the decode published (each rank taking its KV head);
 after a weight update both ranks serve the new version; a killed rank ends the service (503, exit 1)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers.parallel import worker_pids
-from test_prefill_service import P1, Cluster, colocated, generate, req, running_cluster, same
+from test_prefill_service import P1, Cluster, colocated, generate, req, running_cluster, same, wait_published
 
 from services.common.auth import auth_headers
 from services.common.config import ParallelConfig
@@ -51,6 +52,34 @@ def test_two_rank_prefill_pages_continue_like_one_rank(cluster: Cluster) -> None
     # Decode computed no prompt token: every page (the partial last one too) came from the
     # prefill; per sample the prefilled token, then decode steps.
     assert kv["computed_tokens"] - before["computed_tokens"] == 3 * 7 + 1 * 4
+
+
+def test_two_rank_prefill_pulls_what_the_decode_published(cluster: Cluster) -> None:
+    """A second turn: the decode published the 2 pages it filled while generating turn 1; the
+    2-rank prefill pulls them from the store (each rank writing its KV head of them), reuses its
+    own 7 from turn 1, and the decode's continuation is still the colocated one."""
+    c = cluster
+    turn1 = req([(7 * i + 5) % 60 for i in range(30)], temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    out1 = generate(c, turn1)
+    history = turn1.input_ids + out1.choices[0].output_ids  # 38 tokens; 37 have KV (9 full pages)
+    wait_published(c, 2)
+    turn2 = req(
+        history + [(3 * i + 1) % 60 for i in range(20)],
+        temperature=1.0,
+        seed=4,
+        max_tokens=6,
+        ignore_eos=True,
+    )
+    r = httpx.post(
+        f"{c.url('prefill', 'prefill')}/v1/prefill",
+        json={"input_ids": turn2.input_ids, "sampling": turn2.sampling.model_dump(), "request_id": "t2"},
+        timeout=60,
+        headers=auth_headers(),
+    ).json()
+    assert (r["local_tokens"], r["pulled_tokens"]) == (28, 8), r
+    out2 = generate(c, turn2)
+    for out, ref in zip([out1, out2], colocated(c, [turn1, turn2]), strict=True):
+        same(out, ref)
 
 
 def test_a_weight_update_reaches_both_prefill_ranks(cluster: Cluster) -> None:

@@ -576,6 +576,10 @@ class PageExchange:
         """`pages` as one [n, page_bytes] uint8 tensor: what export hands on (export_blob)."""
         return export_blob(self.kv, pages)
 
+    def import_batch(self, hashes: list[bytes], data: PageBytes, pin: list[bytes]) -> int:
+        """A staged batch into the pool at once (drain without a copy stream): import_pages."""
+        return import_pages(self.kv, hashes, data, pin)
+
     def stage(
         self,
         hashes: list[bytes],
@@ -617,7 +621,7 @@ class PageExchange:
                     release = None  # called when the copy has landed
                     continue
                 t0 = time.perf_counter()
-                got = import_pages(self.kv, hashes, data, pin)
+                got = self.import_batch(hashes, data, pin)
             except (ValueError, RuntimeError) as e:
                 self.dropped_batches_total += 1
                 self._unqueue(hashes)

@@ -49,7 +49,6 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.kv_transfer import (
     PromptTail,
     chain_hashes,
-    page_nbytes,
     prompt_tail_key,
     reusable_pages,
 )
@@ -164,7 +163,7 @@ def reserve_pinned(engine: LLMEngine, store: KVStoreClient, buffers: int = 2) ->
         return
     if store.near is not None:
         store.near.reserve()
-    seq_bytes = engine.kv.blocks_for(engine.cfg.max_seq_len) * page_nbytes(engine.kv)
+    seq_bytes = engine.kv.blocks_for(engine.cfg.max_seq_len) * engine.pages.page_bytes
     engine.pages.buffers.reserve(buffers, min(seq_bytes, 4 << 30))
 
 
@@ -240,7 +239,7 @@ def ack_handoff(handoff: KVHandoff) -> None:
 
 def _pull_handoff(engine: LLMEngine, keys: list[bytes], have: int, missing: list[bytes], h: KVHandoff) -> int:
     """Stage the leading pages of `missing` (keys[have:]) that copy intact from handoff `h`."""
-    if h.page_bytes != page_nbytes(engine.kv):
+    if h.page_bytes != engine.pages.page_bytes:
         return 0
     got, pages = HANDOFF_READER.fetch(h, missing, have, engine.kv.k.device)
     if got and pages is not None:
@@ -259,7 +258,7 @@ def _pull_tail(
     other tokens, weights or layout never matches). The scheduler uses it only on top of the
     prompt's full pages (Scheduler._tail)."""
     bs = engine.kv.block_size
-    if not h.tail_tokens or h.tail_tokens != len(prompt) % bs or h.page_bytes != page_nbytes(engine.kv):
+    if not h.tail_tokens or h.tail_tokens != len(prompt) % bs or h.page_bytes != engine.pages.page_bytes:
         return False
     key = prompt_tail_key(prompt, engine.version, engine.layout, bs, keys=keys)
     if key is None:
@@ -304,7 +303,7 @@ def _pull_store(
     missing: list[bytes],
     policy: PullPolicy | None,
 ) -> int:
-    per = page_nbytes(engine.kv)
+    per = engine.pages.page_bytes
     near = store.near.run_length(missing) if store.near is not None and store.near.page_bytes == per else 0
     near_limit = None
     if policy is not None:
@@ -447,7 +446,7 @@ class KVRouter:
         self.policy = engine_policy(engine, self.cfg.kvstore.pull)
         attach_near(engine, self.store, self.cfg)
         reserve_pinned(engine, self.store)
-        self.publisher = PagePublisher(self.store, page_nbytes(engine.kv))
+        self.publisher = PagePublisher(self.store, engine.pages.page_bytes)
         engine.pages.sink = self.publisher
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -474,7 +473,7 @@ class KVRouter:
         if self._premap_view is None or engine is None:
             return 0
         here = socket.gethostname()
-        per = page_nbytes(engine.kv)
+        per = engine.pages.page_bytes
         pin = engine.kv.k.device.type == "cuda"
         new = 0
         for svc in await self._premap_view.live("prefill"):

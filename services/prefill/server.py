@@ -9,8 +9,8 @@ and follows the trainer's published weights by polling Redis (decode only routes
 service registered with its own weight version). POST /update_weights works as on decode.
 
 With prefill.parallel over several ranks this process is rank 0 (the HTTP front and the
-scheduler) and starts the other ranks; its exported pages are whole single-rank pages (the ranks'
-KV heads gathered: services/engine/parallel/pages.py) and it pulls nothing from the store.
+scheduler) and starts the other ranks; its pages are whole single-rank pages (the ranks' KV heads
+gathered on export and scattered on a pull: services/engine/parallel/pages.py).
 
 Same host (kvstore.near.shared_lease_s > 0): the near tier lives in /dev/shm segments and the
 answer carries a handoff of the prompt's pages there (services/kvstore/handoff.py); it is sent as
@@ -86,7 +86,7 @@ class Prefill:
         self.served = 0
         # prefill.parallel over several ranks: this process is rank 0 (the HTTP front and the
         # scheduler) and starts the others with the engine (services/engine/parallel/ranks.py).
-        # Its exports are whole pages (services/engine/parallel/pages.py); it pulls nothing.
+        # Its pages in and out are whole single-rank pages (services/engine/parallel/pages.py).
         self.par = self.cfg.prefill_parallel
         self.ranks: EngineRanks | None = None
         if self.par.ranks > 1 and self.par.dp_attention > 1:

@@ -14,8 +14,8 @@ group's first rank sends back its samples and the routed expert ids of the token
 (Router Replay reads them from rank 0's copy of the group's routing store).
 
 What the multi-rank engine does not do yet: the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
-scheduling: it runs the torch attention path on any device) and KV page import. Page export
-(one attention group) gathers every rank's KV heads into single-rank pages (parallel/pages.py).
+scheduling: it runs the torch attention path on any device). KV pages (one attention group) move
+whole: an export gathers every rank's KV heads, an import scatters them (parallel/pages.py).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ are then exactly a single-rank engine's page (`kv_transfer.export_blob`'s layout
 (`full_layout`), so a decode with any number of ranks that imports single-rank pages continues
 from them, and the KV store, the near tier and the handoffs see ordinary pages.
 
-Imports into a multi-rank engine (pulls from the store, handoffs) are not built: they would have
-to put each rank's heads into its pool. `imports` is False; its prefill service computes every
-prompt page it does not hold in its own prefix cache.
+Imports (pages pulled from the store, handed off) go the other way: rank 0 claims the pages in its
+page table (`GatheringPageExchange.import_batch`, from the step loop's drain, between steps) and
+sends the whole pages to every rank (`ImportOrder`), each rank writing its own KV heads of them (and
+the pools every rank holds whole) into its pool (`scatter_pages`), synchronously.
 """
 
 from __future__ import annotations
@@ -21,13 +22,26 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from services.common.config import ModelConfig
 from services.engine.kv_cache import KVCache
-from services.engine.kv_transfer import PageExchange, layout_id, pool_tensors
+from services.engine.kv_transfer import (
+    HostPages,
+    PageBytes,
+    PageExchange,
+    _claim,
+    _nbytes,
+    _register,
+    as_uint8,
+    layout_id,
+    pool_tensors,
+    write_pages,
+)
 from services.engine.parallel.group import EngineGroups
+from services.engine.parallel.linear import kv_head_range
 
 
 @dataclass
@@ -35,6 +49,14 @@ class ExportOrder:
     """Cut these pages out of every rank's pools and gather them on rank 0."""
 
     pages: list[int]
+
+
+@dataclass
+class ImportOrder:
+    """Write these whole pages' (`data`: [n, page bytes] uint8) parts into every rank's pools."""
+
+    pages: list[int]
+    data: Any  # numpy uint8 array (pickled by the broadcast)
 
 
 def heads_split(m: ModelConfig, groups: EngineGroups) -> bool:
@@ -87,16 +109,34 @@ def full_layout(m: ModelConfig, kv: KVCache, groups: EngineGroups) -> str:
     return layout_id(m.arch, SimpleNamespace(block_size=kv.block_size, pools=lambda: pools))  # type: ignore[arg-type]
 
 
-class GatheringPageExchange(PageExchange):
-    """Rank 0's page exchange of a multi-rank engine (one attention group): exports full pages
-    (gather_pages); imports nothing."""
+def scatter_pages(
+    kv: KVCache, pages: Seq[int], full: torch.Tensor, m: ModelConfig, groups: EngineGroups
+) -> None:
+    """Write whole pages (`full` [n, page bytes] uint8, the single-rank layout) into this rank's
+    pools: its KV heads of the K and V pools when they are head-split, every other pool whole."""
+    n = len(pages)
+    local, at = [], 0
+    for i, t in enumerate(full_pools(m, kv, groups)):
+        size = t.numel() * t.element_size()
+        part = full[:, at : at + size]
+        at += size
+        if i < 2 and heads_split(m, groups):
+            first, last = kv_head_range(m.n_kv_heads, groups.tp.size, groups.tp.rank)
+            part = part.view(t.dtype).reshape(n, *t.shape)[:, :, :, first:last].contiguous()
+            part = part.view(torch.uint8).reshape(n, -1)
+        local.append(part)
+    write_pages(kv, pages, torch.cat(local, dim=1).contiguous())
 
-    imports = False
+
+class GatheringPageExchange(PageExchange):
+    """Rank 0's page exchange of a multi-rank engine (one attention group): exports and imports
+    whole pages (gather_pages, scatter_pages)."""
 
     def __init__(self, kv: KVCache, m: ModelConfig, groups: EngineGroups) -> None:
         super().__init__(kv, layout=full_layout(m, kv, groups))
         self.model_config, self.groups = m, groups
         self._page_bytes = sum(t.numel() * t.element_size() for t in full_pools(m, kv, groups))
+        self._copy_stream = None  # imports are orders to every rank, in step order: synchronous
 
     @property
     def page_bytes(self) -> int:
@@ -108,3 +148,20 @@ class GatheringPageExchange(PageExchange):
         if heads_split(self.model_config, self.groups):
             self.groups.world.broadcast_object(ExportOrder(list(pages)))
         return gather_pages(self.kv, pages, self.model_config, self.groups)
+
+    def import_batch(self, hashes: list[bytes], data: PageBytes, pin: list[bytes]) -> int:
+        """Claim the pages that are not cached yet in rank 0's page table, have every rank write
+        its parts of them, register them (kv_transfer.import_pages over the ranks)."""
+        per = self._page_bytes
+        if _nbytes(data) != len(hashes) * per:
+            raise ValueError(f"{_nbytes(data)} bytes for {len(hashes)} pages of {per} bytes")
+        claim = _claim(self.kv, hashes, pin)
+        if claim.pages:
+            if isinstance(data, HostPages):
+                full = data.to_device_pages(torch.device("cpu"), claim.todo)
+            else:
+                full = as_uint8(data).reshape(len(hashes), per)[claim.todo]
+            full = full.cpu().contiguous()
+            self.groups.world.broadcast_object(ImportOrder(claim.pages, full.numpy()))
+            scatter_pages(self.kv, claim.pages, full, self.model_config, self.groups)
+        return _register(self.kv, claim)

@@ -43,7 +43,7 @@ from services.engine.parallel.model import (
     sharded_logits,
     slice_spec,
 )
-from services.engine.parallel.pages import ExportOrder, gather_pages
+from services.engine.parallel.pages import ExportOrder, ImportOrder, gather_pages, scatter_pages
 from services.engine.parallel.vocab import ShardedSampler
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class StopOrder:
     pass
 
 
-Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | ExportOrder | StopOrder
+Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | ExportOrder | ImportOrder | StopOrder
 
 
 class RecordingKVCache(KVCache):
@@ -226,6 +226,8 @@ class RankRunner:
             self.load(self.read(order.path))
         if isinstance(order, ExportOrder):
             gather_pages(self.kv, order.pages, self.model_config, self.groups)
+        if isinstance(order, ImportOrder):
+            scatter_pages(self.kv, order.pages, torch.from_numpy(order.data), self.model_config, self.groups)
         return None
 
 
