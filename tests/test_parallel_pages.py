@@ -23,7 +23,7 @@ from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import pool_tensors
 from services.engine.parallel.engine import ParallelEngine
-from services.engine.parallel.group import init_engine_groups
+from services.engine.parallel.group import EngineGroups, init_engine_groups
 from services.engine.parallel.runner import run_worker
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
@@ -65,12 +65,17 @@ def as_floats(eng: LLMEngine, blob: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def worker(rank: int, init: str, name: str, model_dir: str, out_dir: str) -> None:
+def worker(rank: int, init: str, name: str, model_dir: str, out_dir: str, mode: str) -> None:
     _, par = CASES[name]
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
     if rank != 0:
         run_worker(CFG, par, groups)
         return
+    (check_export if mode == "export" else check_import)(name, model_dir, out_dir, par, groups)
+
+
+def check_export(name: str, model_dir: str, out_dir: str, par: ParallelConfig, groups: EngineGroups) -> None:
+    """Both engines prefill PROMPT; the multi-rank one's exported pages against the single rank's."""
     eng = ParallelEngine(model_dir, CFG, par, groups)
     got = eng.pages.blob(prefilled(eng)[0])
     one = LLMEngine(model_dir, CFG)
@@ -95,7 +100,7 @@ def worker(rank: int, init: str, name: str, model_dir: str, out_dir: str) -> Non
 def test_a_multi_rank_engine_exports_single_rank_pages(name: str, tmp_path: Path) -> None:
     m, par = CASES[name]
     d = random_model_dir(m, tmp_path / "w", seed=3, std=0.2)
-    run_ranks(worker, par.ranks, tmp_path, name, str(d), str(tmp_path))
+    run_ranks(worker, par.ranks, tmp_path, name, str(d), str(tmp_path), "export")
     r = json.loads((tmp_path / f"{name}.json").read_text())
     assert r["layout"][0] == r["layout"][1] and "|tp" not in r["layout"][0]
     assert r["page_bytes"][0] == r["page_bytes"][1] == r["page_bytes"][2]
@@ -104,13 +109,8 @@ def test_a_multi_rank_engine_exports_single_rank_pages(name: str, tmp_path: Path
     assert r["filled"]
 
 
-def import_worker(rank: int, init: str, name: str, model_dir: str, out_dir: str) -> None:
+def check_import(name: str, model_dir: str, out_dir: str, par: ParallelConfig, groups: EngineGroups) -> None:
     """A multi-rank engine continues from pages a single-rank engine exported (as from the store)."""
-    _, par = CASES[name]
-    groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
-    if rank != 0:
-        run_worker(CFG, par, groups)
-        return
     one = LLMEngine(model_dir, CFG)
     pages, keys = prefilled(one)
     data = one.pages.blob(pages).numpy().tobytes()
@@ -133,7 +133,7 @@ def test_a_multi_rank_engine_continues_from_imported_pages(name: str, tmp_path: 
     pages are then prefix-cache hits and the generation is the one a single rank computes."""
     m, par = CASES[name]
     d = random_model_dir(m, tmp_path / "w", seed=3, std=0.2)
-    run_ranks(import_worker, par.ranks, tmp_path, name, str(d), str(tmp_path))
+    run_ranks(worker, par.ranks, tmp_path, name, str(d), str(tmp_path), "import")
     r = json.loads((tmp_path / f"{name}.json").read_text())
     full = len(PROMPT) // CFG.block_size
     assert r["imported"] == full and r["hits"] == full * CFG.block_size

@@ -18,7 +18,17 @@ from typing import Any
 import httpx
 import pytest
 from helpers.parallel import worker_pids
-from test_prefill_service import P1, Cluster, colocated, generate, req, running_cluster, same, wait_published
+from test_prefill_service import (
+    P1,
+    Cluster,
+    check_disaggregated_equals_colocated,
+    colocated,
+    generate,
+    req,
+    running_cluster,
+    same,
+    wait_published,
+)
 
 from services.common.auth import auth_headers
 from services.common.config import ParallelConfig
@@ -35,23 +45,9 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_two_rank_prefill_pages_continue_like_one_rank(cluster: Cluster) -> None:
-    c = cluster
-    reqs = [
-        req(P1, temperature=1.0, seed=7, n=3, max_tokens=8, ignore_eos=True),
-        req(P1[::-1], temperature=0.0, max_tokens=5, ignore_eos=True),
-    ]
-    before = c.health("decode", "decode")["kv"]
-    outs = [generate(c, r) for r in reqs]
-    for out, ref in zip(outs, colocated(c, reqs), strict=True):
-        same(out, ref)
-    kv = c.health("decode", "decode")["kv"]
-    assert kv["remote"] - before["remote"] == 2  # both prompts were prefilled by the 2 ranks
-    assert kv["pulled_pages"] - before["pulled_pages"] == 2 * 10  # their 10 full pages each
-    prefill = c.health("prefill", "prefill")
-    assert prefill["served"] >= 2 and prefill["published_pages"] >= 20
-    # Decode computed no prompt token: every page (the partial last one too) came from the
-    # prefill; per sample the prefilled token, then decode steps.
-    assert kv["computed_tokens"] - before["computed_tokens"] == 3 * 7 + 1 * 4
+    """The 1-rank prefill's test, word for word: the decode takes every prompt page from the 2
+    ranks' whole pages and generates what a colocated 1-rank engine generates."""
+    check_disaggregated_equals_colocated(cluster)
 
 
 def test_two_rank_prefill_pulls_what_the_decode_published(cluster: Cluster) -> None:
