@@ -25,6 +25,16 @@ def test_dotted_overrides_are_toml_values():
         (["--orchestrator.group_size=1"], "orchestrator.group_size", "greater than 1"),
         (["--model.n_heads=3"], "model", "multiple of n_kv_heads"),
         (["--orchestrator.advantage_std_norm=true"], "advantage_std_norm", "advantage = 'token'"),
+        (["--orchestrator.baseline_prior=-1"], "orchestrator.baseline_prior", "greater than or equal"),
+        (
+            [
+                "--orchestrator.advantage=sequence",
+                "--orchestrator.advantage_std_norm=true",
+                "--orchestrator.baseline_prior=2",
+            ],
+            "baseline_prior",
+            "advantage_std_norm",
+        ),
     ],
 )
 def test_bad_values_name_the_key(override, key, reason):

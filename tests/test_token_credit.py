@@ -114,6 +114,32 @@ def test_group_token_advantages_per_position_baseline() -> None:
     assert mixed is not None and mixed[2][n:] == [-0.5, -0.5]
 
 
+def test_baseline_prior_pushes_down_a_position_the_whole_group_got_wrong() -> None:
+    # 'abc' -> 'cba'; every sample writes 'a' at position 2 (wrong: the answer has 'a' last), so
+    # the plain per-position baseline gives it 0; with a prior of k full-credit samples it gets
+    # -k / (n + k), and the position every sample got right (the first) keeps 0.
+    prompt = TOK.encode("rev abc:").ids
+    answers = ["caa", "caa", "cba", "caa"]
+    credits = [[positional_credit(a, "cba", True)] for a in answers]
+    tokens = [prompt + [*TOK.encode(a).ids, EOS] for a in answers]
+    spans = [[ActionSpan(len(prompt), 3, True)] for _ in answers]
+    masks = [[0] * len(prompt) + [1] * 4 for _ in answers]
+    seq_adv = [0.0] * 4
+    n, k = len(prompt), 2.0
+    plain = group_token_advantages(TOK, tokens, spans, credits, seq_adv, masks)
+    shifted = group_token_advantages(TOK, tokens, spans, credits, seq_adv, masks, prior=k)
+    assert plain is not None and shifted is not None
+    # positions: 'c' (all right), middle ('a' wrong x3, 'b' right x1), 'a' (right: 'cba'[2] == 'a'), EOS
+    assert plain[0][n:] == pytest.approx([0.0, -1 / 4, 0.0, 0.0])
+    assert shifted[0][n:] == pytest.approx([0.0, -(1 + k) / (4 + k), 0.0, 0.0])
+    assert shifted[2][n:] == pytest.approx([0.0, 1 - (1 + k) / (4 + k), 0.0, 0.0])
+    wrong = [[positional_credit("cbb", "cba", True)] for _ in answers]
+    all_wrong_tokens = [prompt + [*TOK.encode("cbb").ids, EOS] for _ in answers]
+    stuck = group_token_advantages(TOK, all_wrong_tokens, spans, wrong, seq_adv, masks, prior=k)
+    assert stuck is not None
+    assert stuck[1][n:] == pytest.approx([0.0, 0.0, -k / (4 + k), 0.0])
+
+
 def sample(tokens: list[int], mask: list[int], adv: float, token_adv: list[float] | None) -> Sample:
     return Sample(
         rollout_id="r",

@@ -713,6 +713,12 @@ class OrchestratorSection(ServiceSection):
     # credit at the same (turn, token index), so the right and wrong parts of one answer are
     # told apart; groups without credit fall back to "sequence" (docs/loss.md, "Token credit").
     advantage: Literal["sequence", "token"] = "sequence"
+    # > 0: the group baseline (per answer, and per position with token credit) counts this many
+    # more samples of full reward / credit (1.0): b = (sum + k) / (n + k). A position (or group)
+    # every sample got wrong then gets -k / (n + k) instead of 0, so a confidently wrong token is
+    # pushed down although no sample found the right one; an all-right group still gets 0
+    # (docs/loss.md, "Baseline prior"). Rewards and credit are in [0, 1] by the env contract.
+    baseline_prior: float = Field(0.0, ge=0)
     # A group whose decode or sandbox is unavailable (connection refused, 5xx, no live replica) is
     # re-run with back-off (0.5 s doubling up to service_retry_max_delay_s) for up to
     # service_retry_s before it is dropped: a service restarting under its supervisor loses none.
@@ -739,6 +745,12 @@ class OrchestratorSection(ServiceSection):
             raise ValueError(
                 "advantage_std_norm: not combinable with advantage = 'token' (token credit is not "
                 "std-normalised); set one of them"
+            )
+        if self.baseline_prior > 0 and self.advantage_std_norm:
+            # A group that got nothing has std 0: its shifted advantage cannot be normalised.
+            raise ValueError(
+                "baseline_prior: not combinable with advantage_std_norm (an all-zero group's "
+                "std is 0); set one of them"
             )
         return self
 

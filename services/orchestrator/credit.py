@@ -84,9 +84,12 @@ def group_token_advantages(
     credits: list[list[list[float]] | None],
     sequence_advantages: list[float],
     loss_masks: list[list[int]],
+    prior: float = 0.0,
 ) -> list[list[float]] | None:
     """Per-token advantages for one group (one list per sample, aligned with its tokens, 0.0
-    outside the loss mask), or None when no sample of the group has credit."""
+    outside the loss mask), or None when no sample of the group has credit. `prior`
+    (orchestrator.baseline_prior) counts that many more samples of full credit (1.0) in each
+    position's baseline: a position every sample got wrong gets -prior / (n + prior) instead of 0."""
     if all(c is None for c in credits):
         return None
     placed = [
@@ -98,7 +101,7 @@ def group_token_advantages(
         for key, (_, value) in p.items():
             by_key[key].append(value)
     # A position only one sample reaches has no group baseline (its own value would cancel it).
-    baseline = {key: sum(v) / len(v) for key, v in by_key.items() if len(v) > 1}
+    baseline = {key: (sum(v) + prior) / (len(v) + prior) for key, v in by_key.items() if len(v) > 1}
     out: list[list[float]] = []
     for p, seq_adv, mask in zip(placed, sequence_advantages, loss_masks, strict=True):
         adv = [seq_adv if m else 0.0 for m in mask]

@@ -701,9 +701,10 @@ class RolloutRunner:
             await asyncio.gather(*(s.close() for s in sessions))
         rewards = [r for r, _ in scored]
         segments = [t.segments() for t in trajs]  # before reading the trajectories' last parts
-        advantages = group_advantages(rewards, self.cfg.orchestrator.advantage_std_norm)
+        o = self.cfg.orchestrator
+        advantages = group_advantages(rewards, o.advantage_std_norm, o.baseline_prior)
         per_token = None
-        if self.cfg.orchestrator.advantage == "token":
+        if o.advantage == "token":
             per_token = group_token_advantages(
                 self.tok,
                 [t.tokens for t in trajs],
@@ -711,6 +712,7 @@ class RolloutRunner:
                 [c for _, c in scored],
                 advantages,
                 [t.mask for t in trajs],
+                o.baseline_prior,
             )
         samples = [
             t.sample(sample_id(spec.group_id, i), r, a, None if per_token is None else per_token[i], segs)
@@ -732,8 +734,11 @@ async def _gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
         raise
 
 
-def group_advantages(rewards: list[float], std_norm: bool) -> list[float]:
-    mean = sum(rewards) / len(rewards)
+def group_advantages(rewards: list[float], std_norm: bool, prior: float = 0.0) -> list[float]:
+    """Reward minus the group's baseline; `prior` (orchestrator.baseline_prior) counts that many
+    more samples of full reward (1.0) in the baseline, so a group that got nothing is pushed
+    away from what it sampled instead of getting advantage 0."""
+    mean = (sum(rewards) + prior) / (len(rewards) + prior)
     adv = [r - mean for r in rewards]
     if not std_norm:
         return adv

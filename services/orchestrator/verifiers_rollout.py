@@ -83,7 +83,7 @@ async def run_verifiers_group(
             f"{spec.env}: no rollout reached the model ({'; '.join(sorted(errors)) or 'no turns'})"
         )
     rewards = [r.reward for r in resp.rollouts]
-    advs = group_advantages(rewards, o.advantage_std_norm)
+    advs = group_advantages(rewards, o.advantage_std_norm, o.baseline_prior)
     samples = []
     for i, (t, r, a) in enumerate(zip(trajs, rewards, advs, strict=True)):
         if t is None:  # a rollout that failed before its first turn has no tokens to train on
