@@ -5,6 +5,7 @@ samples one step stale), so the trainer's ratio band sees the same policy lag.
 
     python bench/calibration/inprocess.py --env reverse --steps 150 --out /tmp/inprocess-reverse.json
     python bench/calibration/inprocess.py --env reverse --env reverse --env reverse-turns --stale 1 --out /tmp/s.json
+    python bench/calibration/inprocess.py ... --init-weights RUN_DIR/weights/step_200 --steps 60   # from a run's state
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from services.engine import LLMEngine
 from services.orchestrator.credit import ActionSpan, group_token_advantages
 from services.orchestrator.rollout import group_advantages
 from services.sandbox.envs import get_env_class, load_plugins
-from trainer.model import build_model, save_weights_dir
+from trainer.model import build_model, load_weights_dir, save_weights_dir
 from trainer.parallel import parallelize
 from trainer.train import Dist, Trainer
 
@@ -43,6 +44,7 @@ def episodes(
     max_tokens: int,
     std_norm: bool,
     token_credit: bool = False,
+    prior: float = 0.0,
 ) -> list[RolloutGroup]:
     """One group of `g` samples per (env, seed), every group's turn generated in one engine call
     (a step's whole batch at once, as decode batches the pipeline's concurrent requests)."""
@@ -92,14 +94,14 @@ def episodes(
     for k, (env_name, seed) in enumerate(specs):
         ks = [(k, i) for i in range(g)]
         rw = [rewards[key] for key in ks]
-        advantages = group_advantages(rw, std_norm)
+        advantages = group_advantages(rw, std_norm, prior)
         per_token = None
         if token_credit:
             credits = [envs[k][i].credit() for i in range(g)]
             toks = [trajs[key][0] for key in ks]
             masks = [trajs[key][1] for key in ks]
             per_token = group_token_advantages(
-                tok, toks, [spans[key] for key in ks], credits, advantages, masks
+                tok, toks, [spans[key] for key in ks], credits, advantages, masks, prior
             )
         samples = [
             Sample(
@@ -134,12 +136,20 @@ def main() -> None:
     ap.add_argument(
         "--set", action="append", default=[], help="config override, e.g. --set=--trainer.lr=5e-4"
     )
+    ap.add_argument(
+        "--init-weights",
+        default="",
+        help="start from this weights directory (e.g. a run's weights/step_200) instead of the "
+        "seeded init: recipes compared from one late-phase state (the optimizer starts fresh)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     load_plugins(args.plugin)
     cfg = load_config("debug", args.set)
     tc, o = cfg.trainer, cfg.orchestrator
     model = build_model(cfg.model, seed=cfg.run.seed, init_std=tc.init_std)
+    if args.init_weights:
+        model.load_state_dict(load_weights_dir(args.init_weights)[1])
     tmp = Path(tempfile.mkdtemp())
     rng = random.Random(0)
     # No Redis is reached: train_step only uses the model, optimizer and process group.
@@ -170,6 +180,7 @@ def main() -> None:
             o.sampling.max_tokens,
             o.advantage_std_norm,
             o.advantage == "token",
+            o.baseline_prior,
         )
         # The trainer's own step (same batching, loss, clipping and optimizer as a run).
         res = trainer.train_step(groups)
