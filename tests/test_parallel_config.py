@@ -74,7 +74,7 @@ REPO = Path(__file__).resolve().parent.parent
         ),
         (
             "glm5",
-            ["--prefill.parallel.dp_attention=4", "--prefill.parallel.ep=4"],
+            ["--prefill.parallel.tp=1", "--prefill.parallel.dp_attention=4", "--prefill.parallel.ep=4"],
             r"prefill\.parallel: tp x dp_attention = 4 rank\(s\) per engine, but each prefill replica gets 8",
         ),
     ],

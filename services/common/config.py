@@ -1071,6 +1071,13 @@ class RunConfig(Strict):
             _check_groups_batch(self.prefill_parallel, self.prefill.engine or self.decode.engine, key, ekey)
             # One prefill service per prefill node (sbatch/slurm.py).
             self._check_gpus(self.prefill_parallel, "prefill", self.slurm.prefill.nodes, key)
+            par = self.prefill_parallel
+            if par.ranks > 1 and par.dp_attention > 1:
+                unset = "" if self.prefill.parallel else ", from decode.parallel (prefill.parallel unset)"
+                raise ValueError(
+                    f"prefill.parallel.dp_attention ({par.dp_attention}{unset}): a multi-rank prefill"
+                    " runs one attention group; set prefill.parallel = { tp = ..., ep = ... }"
+                )
         return self
 
     def _check_gpus(self, par: ParallelConfig, role: str, replicas: int, key: str = "") -> None:

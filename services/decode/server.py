@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY
 from tokenizers import Tokenizer
 
 from services.common.chat import ChatTemplate, ChatTemplateError
+from services.common.config import RunConfig
 from services.common.gate import BodyLimit
 from services.common.gpu_memory import memory_held
 from services.common.schemas import (
@@ -63,11 +64,27 @@ from services.decode.tokenize import detokenize, tokenize
 from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
 from services.engine.parallel.ranks import EngineRanks, end_replica
+from services.engine.parallel.runner import check_engine
 from services.kvstore.router import KVRouter
 
 WEIGHTS_POLL_S = 0.5
 # A broken rank group exits this long after /health turned 503 and the requests it held were
 # answered: their 503s reach the clients first, and the supervisor restarts the group promptly.
+
+
+def start_checks(cfg: RunConfig) -> None:
+    """What the decode service refuses to start with (SystemExit naming the key), on the config
+    alone: the test of the shipped configs runs it without building an engine."""
+    par = cfg.decode.parallel
+    if par.ranks > 1 and cfg.kvstore.enabled:
+        raise SystemExit(
+            "decode.parallel: a multi-rank engine does not move KV pages yet; set kvstore.enabled = false"
+        )
+    if par.ranks > 1:
+        try:
+            check_engine(cfg.decode.engine, cfg.model, par)
+        except ValueError as e:
+            raise SystemExit(f"decode.parallel: {e}") from None
 
 
 class Decode:
@@ -90,10 +107,7 @@ class Decode:
         # decode.parallel over several ranks: this process is rank 0 and starts the others with
         # the engine (services/engine/parallel/ranks.py).
         self.ranks: EngineRanks | None = None
-        if self.cfg.decode.parallel.ranks > 1 and self.kv is not None:
-            raise SystemExit(
-                "decode.parallel: a multi-rank engine does not move KV pages yet; set kvstore.enabled = false"
-            )
+        start_checks(self.cfg)
 
     # ------------------------------------------------------------------ weights
 

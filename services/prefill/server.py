@@ -30,7 +30,7 @@ from typing import Any
 import redis
 from fastapi import FastAPI, HTTPException
 
-from services.common.config import EngineConfig
+from services.common.config import EngineConfig, RunConfig
 from services.common.gate import BodyLimit
 from services.common.prefill_schemas import (
     FirstToken,
@@ -54,6 +54,7 @@ from services.engine import AsyncEngine, InvalidRequest, LLMEngine, WeightsError
 from services.engine.host_tuning import tune_after_startup
 from services.engine.kv_transfer import chain_hashes, prompt_tail_key
 from services.engine.parallel.ranks import EngineRanks, end_replica
+from services.engine.parallel.runner import check_engine
 from services.kvstore.client import PagePublisher
 from services.kvstore.handoff import HandoffLeases, segment_list
 from services.kvstore.pull_policy import PullPolicy
@@ -69,6 +70,23 @@ from services.kvstore.router import (
 
 WEIGHTS_POLL_S = 0.5
 LEASE_SWEEP_S = 1.0
+
+
+def start_checks(cfg: RunConfig) -> None:
+    """What the prefill service refuses to start with (SystemExit naming the key), on the config
+    alone: the test of the shipped configs runs it without building an engine. RunConfig refuses
+    a multi-rank prefill.parallel with dp_attention > 1 at load; this holds for one built otherwise."""
+    par = cfg.prefill_parallel
+    if par.ranks > 1 and par.dp_attention > 1:
+        raise SystemExit(
+            "prefill.parallel.dp_attention: a multi-rank prefill runs one attention group "
+            "(tp and ep); set prefill.parallel = { tp = ..., ep = ... }"
+        )
+    if par.ranks > 1:
+        try:
+            check_engine(cfg.prefill.engine or cfg.decode.engine, cfg.model, par)
+        except ValueError as e:
+            raise SystemExit(f"prefill.parallel: {e}") from None
 
 
 class Prefill:
@@ -89,11 +107,7 @@ class Prefill:
         # Its pages in and out are whole single-rank pages (services/engine/parallel/pages.py).
         self.par = self.cfg.prefill_parallel
         self.ranks: EngineRanks | None = None
-        if self.par.ranks > 1 and self.par.dp_attention > 1:
-            raise SystemExit(
-                "prefill.parallel.dp_attention: a multi-rank prefill runs one attention group "
-                "(tp and ep); set prefill.parallel = { tp = ..., ep = ... }"
-            )
+        start_checks(self.cfg)
 
     async def load(self, path: str, version: int) -> int:
         async with self._lock:
