@@ -15,7 +15,7 @@ from services.prefill.server import start_checks as prefill_checks
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
-# A multi-rank decode does not move KV pages yet, and these decode multi-rank with the KV store on.
+# A decode with data-parallel attention does not move KV pages yet; these run one with the KV store on.
 DECODE_KV_MULTI_RANK = {"glm5.toml", "kimi-k2.toml"}
 
 
@@ -35,7 +35,7 @@ def test_prefill_starts(name: str) -> None:
         pytest.param(
             n,
             marks=pytest.mark.xfail(
-                strict=True, raises=SystemExit, reason="multi-rank decode with kvstore.enabled"
+                strict=True, raises=SystemExit, reason="decode dp_attention > 1 with kvstore.enabled"
             ),
         )
         if n in DECODE_KV_MULTI_RANK

@@ -78,10 +78,14 @@ class Cluster:
 
 @contextmanager
 def running_cluster(
-    redis_url: str, tmp: Path, prefill_parallel: ParallelConfig | None = None
+    redis_url: str,
+    tmp: Path,
+    prefill_parallel: ParallelConfig | None = None,
+    decode_parallel: ParallelConfig | None = None,
 ) -> Iterator[Cluster]:
-    """Redis, the gateway, a prefill service (over `prefill_parallel` ranks) and a decode on the
-    debug model's versions 0 and 1 (0 published), decode routing long prompts to the prefill."""
+    """Redis, the gateway, a prefill service (over `prefill_parallel` ranks) and a decode (over
+    `decode_parallel` ranks) on the debug model's versions 0 and 1 (0 published), decode routing
+    long prompts to the prefill."""
     m = load_config("debug").model
     state = build_model(m, seed=0).state_dict()
     state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
@@ -94,6 +98,7 @@ def running_cluster(
     cfg.redis.heartbeat_s = 0.2
     cfg.decode.engine = ENGINE
     cfg.prefill.parallel = prefill_parallel
+    cfg.decode.parallel = decode_parallel or ParallelConfig()
     cfg.kvstore.enabled = True
     cfg.kvstore.retry_after_s = 0.5
     cfg.prefill.min_new_tokens = 16  # prompts with >= 16 uncached tokens go to the prefill service

@@ -29,7 +29,7 @@ admission or fork and given back with the pages; its prefix caching is off.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import block_hash, root_hash
@@ -86,6 +86,9 @@ class Scheduler:
         # sequence seeded with its first token: used, or dropped, at its first admission.
         self.tails: dict[Sequence, PromptTail] = {}
         self.tail_pages_used = 0
+        # Writes a tail into the sequence's page: here, into this cache; a multi-rank engine's
+        # ranks each write their part of it (parallel/pages.py GatheringPageExchange.write_tail).
+        self.write_tail: Callable[[PromptTail, int], None] = lambda tail, page: tail.write(self.kv, page)
         # Prompt page keys computed off the loop thread (the pull that staged the pages), per
         # waiting sequence: (weight version, keys). Used at first admission when the version is
         # still the salt, else recomputed; dropped either way.
@@ -224,7 +227,7 @@ class Scheduler:
         seq.block_table, seq.block_hashes, seq.num_cached = hits, hashes, cached
         self._grow(seq, cached + n)
         if tail is not None:  # into its own page after the hits, never a cached one
-            tail.write(self.kv, seq.block_table[len(hashes)])
+            self.write_tail(tail, seq.block_table[len(hashes)])
             self.tail_pages_used += 1
         self.stats.prefix_cache_queried_tokens += seq.num_tokens
         self.stats.prefix_cache_hit_tokens += cached

@@ -126,6 +126,7 @@ class ParallelEngine(LLMEngine):
             # Exports are full pages under the single-rank layout (parallel/pages.py).
             self.pages = GatheringPageExchange(self.kv, m, groups)
             self.layout = self.scheduler.layout = self.pages.layout
+            self.scheduler.write_tail = self.pages.write_tail
         else:
             self.layout = self.scheduler.layout = layout_id(m.arch, self.kv) + f"|tp{par.tp}"
             self.pages = PageExchange(self.kv, layout=self.layout)

@@ -14,7 +14,9 @@ from them, and the KV store, the near tier and the handoffs see ordinary pages.
 Imports (pages pulled from the store, handed off) go the other way: rank 0 claims the pages in its
 page table (`GatheringPageExchange.import_batch`, from the step loop's drain, between steps) and
 sends the whole pages to every rank (`ImportOrder`), each rank writing its own KV heads of them (and
-the pools every rank holds whole) into its pool (`scatter_pages`), synchronously.
+the pools every rank holds whole) into its pool (`scatter_pages`), synchronously. A handoff's
+partial last prompt page (`PromptTail`, written by the scheduler at admission into the sequence's
+own page) goes the same way (`GatheringPageExchange.write_tail`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from services.engine.kv_transfer import (
     HostPages,
     PageBytes,
     PageExchange,
+    PromptTail,
     _claim,
     _nbytes,
     _register,
@@ -165,3 +168,13 @@ class GatheringPageExchange(PageExchange):
             self.groups.world.broadcast_object(ImportOrder(claim.pages, full.numpy()))
             scatter_pages(self.kv, claim.pages, full, self.model_config, self.groups)
         return _register(self.kv, claim)
+
+    def write_tail(self, tail: PromptTail, page: int) -> None:
+        """The scheduler's tail write (Scheduler.write_tail) over the ranks: the whole page to
+        every rank, each writing its parts into `page` of its pool, before the step that reads it
+        (orders run in step order)."""
+        full = tail.data.reshape(1, -1).cpu().contiguous()
+        if full.shape[1] != self._page_bytes:
+            raise ValueError(f"a tail of {full.shape[1]} bytes for pages of {self._page_bytes} bytes")
+        self.groups.world.broadcast_object(ImportOrder([page], full.numpy()))
+        scatter_pages(self.kv, [page], full, self.model_config, self.groups)
