@@ -12,6 +12,8 @@ from sbatch import plan as P
 from services.common.config import load_config
 from services.decode.server import start_checks as decode_checks
 from services.prefill.server import start_checks as prefill_checks
+from trainer.model import MLA_ARCHS, moe_args
+from trainer.moe_routing import deepseek_args
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
@@ -67,3 +69,14 @@ def test_glm5_prefill_layout_fits() -> None:
     assert (par.tp, par.dp_attention, par.ep) == (8, 1, 8)
     lay = P.engine_layout(cfg, "prefill", P.DEVICES["h200"])
     assert lay.heads_per_rank == 8 and lay.experts_per_rank == 32 and lay.fits
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_trainer_model_args(name: str) -> None:
+    """The trainer's model arguments (what it refuses before building anything) for every
+    shipped model: MoE routing settings, MLA's and DSA's torchtitan arguments."""
+    m = load_config(f"configs/{name}").model
+    if m.arch in MLA_ARCHS:
+        deepseek_args(m)
+    if m.is_moe and m.arch != "nemotron_h":
+        moe_args(m)
