@@ -169,11 +169,13 @@ def run_redis_after(run_dir: Path) -> tuple[redis.Redis | None, str]:
         return None, ""
 
 
-def test_kill9_decode_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
-    """decode's process is SIGKILLed mid-run: its supervisor restarts it, it loads the current weights,
-    the orchestrator re-issues what it lost, and the run finishes with every rollout accounted for."""
+def test_kill9_decode_and_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
+    """One run, two faults (each a run of its own would cost a Slurm start-up): decode's process is
+    SIGKILLed (its supervisor restarts it, it loads the current weights, the orchestrator re-issues
+    what it lost), then `make restart SERVICE=orchestrator` (the CLI behind it) restarts the
+    orchestrator, which resumes from Redis state. The run finishes with every rollout accounted for."""
     run_dir = tmp_path / "run"
-    steps = 7
+    steps = 9
     proc = launch(run_dir, steps, *SLURM)
     wait_steps(run_dir, 2, proc)
     r, prefix = run_redis(run_dir)
@@ -190,6 +192,33 @@ def test_kill9_decode_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> No
         assert time.monotonic() < deadline, st
         time.sleep(0.2)
     assert st["last_exit"] == -9 and st["child_pid"] != before["child_pid"]
+
+    # The orchestrator is restarted once the restarted decode serves again (a step after the kill).
+    wait_steps(run_dir, killed_at + 1, proc)
+    first_pid = supervisor_state(r, prefix, "orchestrator")["child_pid"]
+    env = {**os.environ, "RELAY_RUN_DIR": str(run_dir)}
+    out = subprocess.run(
+        [sys.executable, "-m", "sbatch.launch", "restart", "orchestrator"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "restart requested: orchestrator" in out.stdout, out.stdout + out.stderr
+    deadline = time.monotonic() + 120
+    while True:
+        st = supervisor_state(r, prefix, "orchestrator")
+        if st["restarts"] == 1 and st["state"] == "running" and st["child_pid"] != first_pid:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert st["failures"] == 0
+    # status shows the supervisors while the run goes on
+    status = subprocess.run(
+        [sys.executable, "-m", "sbatch.launch", "status"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    # the services table: name, state, restarts ("1 (last exit 0)"), ...
+    rows = [line.split() for line in status.stdout.splitlines() if line.split()[:1] == ["orchestrator"]]
+    assert len(rows) == 1 and rows[0][2] == "1", status.stdout
+
     finish(proc, run_dir)
     check_ledger(run_dir, steps)
     ready = [
@@ -239,48 +268,6 @@ def test_redis_and_a_supervisor_killed_then_resumed_on_slurm(slurm_cluster: str,
     assert summary["ledger"]["started"] > first["ledger"]["started"]
     printed = [int(x.split()[0]) for x in out.splitlines() if x.strip() and x.split()[0].isdigit()]
     assert printed == [steps + 1, steps + 2, steps + 3], out
-
-
-def test_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
-    """`make restart SERVICE=orchestrator` (the CLI behind it) mid-run: it resumes from Redis state."""
-    run_dir = tmp_path / "run"
-    steps = 7
-    proc = launch(run_dir, steps, *SLURM)
-    wait_steps(run_dir, 2, proc)
-    r, prefix = run_redis(run_dir)
-    first_pid = supervisor_state(r, prefix, "orchestrator")["child_pid"]
-    env = {**os.environ, "RELAY_RUN_DIR": str(run_dir)}
-    out = subprocess.run(
-        [sys.executable, "-m", "sbatch.launch", "restart", "orchestrator"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0 and "restart requested: orchestrator" in out.stdout, out.stdout + out.stderr
-    deadline = time.monotonic() + 120
-    while True:
-        st = supervisor_state(r, prefix, "orchestrator")
-        if st["restarts"] == 1 and st["state"] == "running" and st["child_pid"] != first_pid:
-            break
-        assert time.monotonic() < deadline, st
-        time.sleep(0.2)
-    assert st["failures"] == 0
-    # status shows the supervisors while the run goes on
-    status = subprocess.run(
-        [sys.executable, "-m", "sbatch.launch", "status"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    # the services table: name, state, restarts ("1 (last exit 0)"), ...
-    rows = [line.split() for line in status.stdout.splitlines() if line.split()[:1] == ["orchestrator"]]
-    assert len(rows) == 1 and rows[0][2] == "1", status.stdout
-    finish(proc, run_dir)
-    check_ledger(run_dir, steps)
 
 
 # 66 s: make test has the same resume through the local launcher in test_faults_pipeline.py
