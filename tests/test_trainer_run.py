@@ -441,7 +441,13 @@ def _one_step(
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
 @pytest.mark.parametrize(
-    ("nproc", "tied"), [(2, True), (4, True), (2, False)], ids=["tp2", "dp2xtp2", "tp2-untied"]
+    ("nproc", "tied"),
+    [
+        # tp 2 alone is what every dp replica of dp2xtp2 runs: a repeat, make test-full only
+        pytest.param(2, True, id="tp2", marks=pytest.mark.full),
+        pytest.param(4, True, id="dp2xtp2"),
+        pytest.param(2, False, id="tp2-untied"),
+    ],
 )
 def test_tensor_parallel_matches_one_process(
     redis_server: str, tmp_path: Path, nproc: int, tied: bool
@@ -467,7 +473,14 @@ def test_tensor_parallel_matches_one_process(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
-@pytest.mark.parametrize("fast", [False, True], ids=["padded", "packed-chunked"])
+@pytest.mark.parametrize(
+    "fast",
+    [
+        pytest.param(False, id="padded"),
+        # packing and chunked log-probs over processes: also what test_tensor_parallel_matches_one_process runs
+        pytest.param(True, id="packed-chunked", marks=pytest.mark.full),
+    ],
+)
 def test_two_processes_match_one(redis_server: str, tmp_path: Path, fast: bool) -> None:
     """The same batch through 1 process and through torchrun --nproc_per_node=2 (gloo, FSDP2)
     gives the same update. A small micro-batch budget makes the ranks run different numbers of
