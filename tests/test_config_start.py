@@ -17,8 +17,6 @@ from trainer.moe_routing import deepseek_args
 
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
-# A decode with data-parallel attention does not move KV pages yet; these run one with the KV store on.
-DECODE_KV_MULTI_RANK = {"glm5.toml", "kimi-k2.toml"}
 
 
 def test_configs_found() -> None:
@@ -31,20 +29,7 @@ def test_prefill_starts(name: str) -> None:
     prefill_checks(cfg)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(
-                strict=True, raises=SystemExit, reason="decode dp_attention > 1 with kvstore.enabled"
-            ),
-        )
-        if n in DECODE_KV_MULTI_RANK
-        else n
-        for n in CONFIGS
-    ],
-)
+@pytest.mark.parametrize("name", CONFIGS)
 def test_decode_starts(name: str) -> None:
     cfg = load_config(f"configs/{name}")
     decode_checks(cfg)

@@ -76,13 +76,6 @@ def start_checks(cfg: RunConfig) -> None:
     """What the decode service refuses to start with (SystemExit naming the key), on the config
     alone: the test of the shipped configs runs it without building an engine."""
     par = cfg.decode.parallel
-    if par.dp_attention > 1 and cfg.kvstore.enabled:
-        # Pages move whole for one attention group (parallel/pages.py); with several, a page
-        # would have to land in the pool of the group that later admits its request.
-        raise SystemExit(
-            "decode.parallel.dp_attention: a decode with data-parallel attention does not move KV"
-            " pages yet; set kvstore.enabled = false"
-        )
     if par.ranks > 1:
         try:
             check_engine(cfg.decode.engine, cfg.model, par)

@@ -93,13 +93,16 @@ def store_client(cfg: RunConfig, lookup: Lookup | None) -> KVStoreClient:
 def local_prefix_pages(engine: LLMEngine, keys: list[bytes]) -> int:
     """Leading pages of `keys` in the engine's prefix cache. Read from outside the loop thread, so
     only a hint (a page may be evicted before admission; the engine then computes it)."""
-    n = 0
-    by_hash = engine.kv.blocks.by_hash
-    for k in keys:
-        if k not in by_hash:
-            break
-        n += 1
-    return n
+    best = 0
+    for kv in engine.kv_pools:  # with data-parallel attention: the group holding the most
+        n = 0
+        by_hash = kv.blocks.by_hash
+        for k in keys:
+            if k not in by_hash:
+                break
+            n += 1
+        best = max(best, n)
+    return best
 
 
 def prompt_keys(engine: LLMEngine, prompt: list[int], seeded: bool = False) -> list[bytes]:

@@ -21,7 +21,7 @@ request to one attention rank and then runs all ranks in lockstep:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 
@@ -75,6 +75,10 @@ class GroupedScheduler:
         self.known_keys: dict[Sequence, tuple[int, list[bytes]]] = {}
         self.tails: dict[Sequence, PromptTail] = {}
         self.plans: list[StepPlan] = []  # the groups' parts of the last schedule()
+        # Set by the engine when pages move (parallel/pages.py GroupedPageExchange): the keys of
+        # pages staged for import, and the import of a prompt's staged pages into its group.
+        self.incoming: Callable[[], set[bytes]] = set
+        self.place: Callable[[set[bytes], int], int] | None = None
 
     # The settings the engine writes apply to every group.
     @property
@@ -114,37 +118,61 @@ class GroupedScheduler:
 
     # ------------------------------------------------------------------ placement
 
-    def choose(self, request: RequestState) -> int:
-        """The group a new request runs in: longest cached prompt prefix, then least work."""
-        hits = self._cached_pages(request.prompt)
+    def choose(self, request: RequestState, keys: list[bytes] | None = None) -> int:
+        """The group a new request runs in: the longest prompt prefix it will hold (cached, or
+        staged for import and fitting in its free pages), then least work."""
+        keys = self._prompt_keys(request.prompt) if keys is None else keys
+        staged = self.incoming() if self.place is not None else set()
+        if not any(k in staged for k in keys):
+            # The page holding the last prompt token is computed for its logits anyway.
+            keys = keys[: (len(request.prompt) - 1) // self.kv.block_size]
+        hits = self._prefix_pages(keys, staged)
         load = [self._work(g) for g in self.groups]
         return min(range(len(self.groups)), key=lambda g: (-hits[g], load[g], g))
 
-    def _cached_pages(self, prompt: list[int]) -> list[int]:
-        """Per group, how many of the prompt's leading full pages its prefix cache holds."""
-        n = len(self.groups)
+    def _prompt_keys(self, prompt: list[int]) -> list[bytes]:
+        """The keys of the prompt's full pages (the chain the prefix cache and the store use)."""
         if not self.prefix_caching:
-            return [0] * n
+            return []
         bs = self.kv.block_size
         prev = root_hash(self.version, self.layout)
-        counts, alive = [0] * n, set(range(n))
-        for i in range((len(prompt) - 1) // bs):
+        out = []
+        for i in range(len(prompt) // bs):
             prev = block_hash(prev, prompt[i * bs : (i + 1) * bs])
-            for g in list(alive):
-                if self.groups[g].blocks.lookup(prev) is None:
-                    alive.discard(g)
-                else:
-                    counts[g] += 1
-            if not alive:
-                break
+            out.append(prev)
+        return out
+
+    def _prefix_pages(self, keys: list[bytes], staged: set[bytes]) -> list[int]:
+        """Per group, how many of the prompt's leading pages it would hold once the staged pages
+        are imported there: cached ones, then staged ones while its free pages last."""
+        counts = []
+        for s in self.groups:
+            free, n = s.blocks.num_free, 0
+            for k in keys:
+                if s.blocks.lookup(k) is None:
+                    if k not in staged or free == 0:
+                        break
+                    free -= 1
+                n += 1
+            counts.append(n)
         return counts
+
+    def chain_group(self, hashes: list[bytes], pin: list[bytes]) -> int:
+        """Where a staged chain no request claimed goes: the group holding most of its cached head
+        (`pin`) and pages, then least work."""
+        held = [sum(s.blocks.lookup(h) is not None for h in (*pin, *hashes)) for s in self.groups]
+        load = [self._work(s) for s in self.groups]
+        return min(range(len(self.groups)), key=lambda g: (-held[g], load[g], g))
 
     @staticmethod
     def _work(s: Scheduler) -> int:
         return sum(q.max_len - q.num_cached for q in (*s.waiting, *s.running))
 
     def add(self, request: RequestState) -> None:
-        g = self.choose(request)
+        keys = self._prompt_keys(request.prompt)
+        g = self.choose(request, keys)
+        if self.place is not None:
+            self.place(set(keys), g)  # the prompt's staged pages land in its group's pool
         self.group_of[request] = g
         sched = self.groups[g]
         for s in request.seqs:

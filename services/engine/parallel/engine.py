@@ -14,8 +14,9 @@ group's first rank sends back its samples and the routed expert ids of the token
 (Router Replay reads them from rank 0's copy of the group's routing store).
 
 What the multi-rank engine does not do yet: the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
-scheduling: it runs the torch attention path on any device). KV pages (one attention group) move
-whole: an export gathers every rank's KV heads, an import scatters them (parallel/pages.py).
+scheduling: it runs the torch attention path on any device). KV pages move whole: an export
+gathers the KV heads of the ranks of the sequence's attention group, an import scatters them to
+the ranks of the group its request is placed in (parallel/pages.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from services.common.config import EngineConfig, ParallelConfig
 from services.common.gpu_memory import cap_process_memory
 from services.engine.batch import Span
 from services.engine.kv_cache import KVCache
-from services.engine.kv_transfer import PageExchange, layout_id
 from services.engine.layers.sampler import SampleOutput
 from services.engine.llm_engine import LLMEngine
 from services.engine.loader import Checkpoint, WeightsError
@@ -41,7 +41,7 @@ from services.engine.overlap import Feed
 from services.engine.parallel.dp import GroupedScheduler, group_pages
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import local_config
-from services.engine.parallel.pages import GatheringPageExchange
+from services.engine.parallel.pages import GatheringPageExchange, GroupedPageExchange
 from services.engine.parallel.runner import (
     GroupStepOrder,
     RecordingKVCache,
@@ -122,15 +122,21 @@ class ParallelEngine(LLMEngine):
         self.watchers = {}
         self.model_dir = ckpt.path
         self.version = self.scheduler.version = version if version is not None else (ckpt.version or 0)
-        if par.dp_attention == 1:
-            # Exports are full pages under the single-rank layout (parallel/pages.py).
+        # Pages move whole under the single-rank layout (parallel/pages.py), each attention
+        # group's through its own ranks.
+        if self.grouped is None:
             self.pages = GatheringPageExchange(self.kv, m, groups)
-            self.layout = self.scheduler.layout = self.pages.layout
             self.scheduler.write_tail = self.pages.write_tail
         else:
-            self.layout = self.scheduler.layout = layout_id(m.arch, self.kv) + f"|tp{par.tp}"
-            self.pages = PageExchange(self.kv, layout=self.layout)
-            self.pages.imports = False
+            grouped = self.grouped
+            parts = [GatheringPageExchange(s.kv, m, groups, g) for g, s in enumerate(grouped.groups)]
+            for s, part in zip(grouped.groups, parts, strict=True):
+                s.write_tail = part.write_tail
+            self.pages = GroupedPageExchange(
+                parts, lambda seq: grouped.group_of[seq.request], grouped.chain_group
+            )
+            grouped.incoming, grouped.place = self.pages.staged_keys, self.pages.import_for
+        self.layout = self.scheduler.layout = self.pages.layout
         self.scheduler.landing = self.pages.landing_keys
         self._born_finished = []
         self._inflight = None

@@ -21,6 +21,9 @@ own page) goes the same way (`GatheringPageExchange.write_tail`).
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -45,21 +48,30 @@ from services.engine.kv_transfer import (
 )
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import kv_head_range
+from services.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ExportOrder:
-    """Cut these pages out of every rank's pools and gather them on rank 0."""
+    """Cut these pages out of the pools of attention group `group`'s ranks and gather them in its
+    first rank; with `send` that rank sends them to rank 0 (a gather over the whole engine, every
+    rank taking part), which does not hold that group's pages."""
 
     pages: list[int]
+    group: int = 0
+    send: bool = False
 
 
 @dataclass
 class ImportOrder:
-    """Write these whole pages' (`data`: [n, page bytes] uint8) parts into every rank's pools."""
+    """Write these whole pages' (`data`: [n, page bytes] uint8) parts into the pools of attention
+    group `group`'s ranks (the other groups' ranks have other pages under these ids)."""
 
     pages: list[int]
     data: Any  # numpy uint8 array (pickled by the broadcast)
+    group: int = 0
 
 
 def heads_split(m: ModelConfig, groups: EngineGroups) -> bool:
@@ -131,13 +143,29 @@ def scatter_pages(
     write_pages(kv, pages, torch.cat(local, dim=1).contiguous())
 
 
-class GatheringPageExchange(PageExchange):
-    """Rank 0's page exchange of a multi-rank engine (one attention group): exports and imports
-    whole pages (gather_pages, scatter_pages)."""
+def run_export(order: ExportOrder, kv: KVCache, m: ModelConfig, groups: EngineGroups) -> None:
+    """A worker rank's part of an export: its group's gather, and the send to rank 0."""
+    mine = order.group == groups.dp_rank
+    part = gather_pages(kv, order.pages, m, groups) if mine else None
+    if order.send:
+        groups.world.gather_objects(part.cpu().numpy() if part is not None and groups.tp.rank == 0 else None)
 
-    def __init__(self, kv: KVCache, m: ModelConfig, groups: EngineGroups) -> None:
+
+def run_import(order: ImportOrder, kv: KVCache, m: ModelConfig, groups: EngineGroups) -> None:
+    """A worker rank's part of an import: only the ranks of the order's attention group write."""
+    if order.group == groups.dp_rank:
+        scatter_pages(kv, order.pages, torch.from_numpy(order.data), m, groups)
+
+
+class GatheringPageExchange(PageExchange):
+    """Rank 0's page exchange for one attention group's pool (`group`; the only one without
+    data-parallel attention): exports and imports whole pages (gather_pages, scatter_pages) through
+    that group's ranks. For a group other than rank 0's, `kv` is rank 0's bookkeeping of its pool
+    (dp.group_pages): pages are claimed and registered there, their bytes live on the group's ranks."""
+
+    def __init__(self, kv: KVCache, m: ModelConfig, groups: EngineGroups, group: int = 0) -> None:
         super().__init__(kv, layout=full_layout(m, kv, groups))
-        self.model_config, self.groups = m, groups
+        self.model_config, self.groups, self.group = m, groups, group
         self._page_bytes = sum(t.numel() * t.element_size() for t in full_pools(m, kv, groups))
         self._copy_stream = None  # imports are orders to every rank, in step order: synchronous
 
@@ -147,10 +175,22 @@ class GatheringPageExchange(PageExchange):
 
     def blob(self, pages: Seq[int]) -> torch.Tensor:
         if not pages:
-            return torch.empty((0, self._page_bytes), dtype=torch.uint8, device=self.kv.k.device)
+            device = self.kv.k.device if self.group == 0 else torch.device("cpu")
+            return torch.empty((0, self._page_bytes), dtype=torch.uint8, device=device)
+        if self.group != 0:
+            self.groups.world.broadcast_object(ExportOrder(list(pages), self.group, send=True))
+            got = self.groups.world.gather_objects(None)
+            assert got is not None
+            return torch.from_numpy(got[self.group * self.groups.tp.size])
         if heads_split(self.model_config, self.groups):
             self.groups.world.broadcast_object(ExportOrder(list(pages)))
         return gather_pages(self.kv, pages, self.model_config, self.groups)
+
+    def _scatter(self, pages: list[int], full: torch.Tensor) -> None:
+        """Every rank of the group writes its parts of the whole pages (rank 0 when it is one)."""
+        self.groups.world.broadcast_object(ImportOrder(pages, full.numpy(), self.group))
+        if self.group == 0:
+            scatter_pages(self.kv, pages, full, self.model_config, self.groups)
 
     def import_batch(self, hashes: list[bytes], data: PageBytes, pin: list[bytes]) -> int:
         """Claim the pages that are not cached yet in rank 0's page table, have every rank write
@@ -164,9 +204,7 @@ class GatheringPageExchange(PageExchange):
                 full = data.to_device_pages(torch.device("cpu"), claim.todo)
             else:
                 full = as_uint8(data).reshape(len(hashes), per)[claim.todo]
-            full = full.cpu().contiguous()
-            self.groups.world.broadcast_object(ImportOrder(claim.pages, full.numpy()))
-            scatter_pages(self.kv, claim.pages, full, self.model_config, self.groups)
+            self._scatter(claim.pages, full.cpu().contiguous())
         return _register(self.kv, claim)
 
     def write_tail(self, tail: PromptTail, page: int) -> None:
@@ -176,5 +214,83 @@ class GatheringPageExchange(PageExchange):
         full = tail.data.reshape(1, -1).cpu().contiguous()
         if full.shape[1] != self._page_bytes:
             raise ValueError(f"a tail of {full.shape[1]} bytes for pages of {self._page_bytes} bytes")
-        self.groups.world.broadcast_object(ImportOrder([page], full.numpy()))
-        scatter_pages(self.kv, [page], full, self.model_config, self.groups)
+        self._scatter([page], full)
+
+
+class GroupedPageExchange(PageExchange):
+    """Rank 0's page exchange with data-parallel attention: one GatheringPageExchange per attention
+    group (`parts`), behind the single exchange's interface (stage, drain, export, ...).
+
+    Placement comes first: when a request is added, the grouped scheduler picks its group (taking
+    into account the pages staged for its prompt, `staged_keys`) and calls `import_for`, which
+    imports the staged batches of that prompt into that group's pool at once. A staged batch no
+    request claimed is imported at the next drain into the group that holds most of its chain's
+    cached head (`choose_group`). Exports read each sequence's pages from its own group's ranks."""
+
+    def __init__(
+        self,
+        parts: list[GatheringPageExchange],
+        group_of: Callable[[Sequence], int],
+        choose_group: Callable[[list[bytes], list[bytes]], int],
+    ) -> None:
+        super().__init__(parts[0].kv, layout=parts[0].layout)
+        self.parts, self.group_of, self.choose_group = parts, group_of, choose_group
+        self._copy_stream = None  # imports are orders to the ranks, in step order: synchronous
+        self._export_group = 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.parts[0].page_bytes
+
+    def blob(self, pages: Seq[int]) -> torch.Tensor:
+        return self.parts[self._export_group].blob(pages)
+
+    def import_batch(self, hashes: list[bytes], data: PageBytes, pin: list[bytes]) -> int:
+        return self.parts[self.choose_group(hashes, pin)].import_batch(hashes, data, pin)
+
+    def staged_keys(self) -> set[bytes]:
+        """The keys of every page staged and not imported yet (placement reads them)."""
+        return {h for hashes, _, _, _ in self._staged for h in hashes}
+
+    def import_for(self, keys: set[bytes], group: int) -> int:
+        """Import the staged batches holding any of `keys` (a prompt's pages) into `group`'s pool
+        now, before the request is admitted there. Returns the pages imported."""
+        n = 0
+        rest: list[tuple[list[bytes], PageBytes, list[bytes], Callable[[], None] | None]] = []
+        for batch in self._staged:
+            hashes, data, pin, release = batch
+            if keys.isdisjoint(hashes):
+                rest.append(batch)
+                continue
+            t0 = time.perf_counter()
+            try:
+                got = self.parts[group].import_batch(hashes, data, pin)
+            except (ValueError, RuntimeError) as e:  # as drain(): its tokens are computed instead
+                self.dropped_batches_total += 1
+                log.warning(f"dropped {len(hashes)} staged kv pages: {e}")
+                continue
+            finally:
+                if release is not None:
+                    release()
+            if got:
+                self._count(got, time.perf_counter() - t0, isinstance(data, HostPages))
+            self._mark(hashes)
+            n += got
+        self._staged.clear()
+        self._staged.extend(rest)
+        self.imported_pages_total += n
+        return n
+
+    def export(self, seqs: Seq[Sequence], finished: list[str]) -> None:
+        """Each group's sequences from its own ranks (page ids are per group); the finished
+        request ids go with the last call."""
+        by_group: dict[int, list[Sequence]] = {}
+        for s in seqs:
+            by_group.setdefault(self.group_of(s), []).append(s)
+        order = sorted(by_group) or [0]
+        for i, g in enumerate(order):
+            self._export_group = g
+            try:
+                super().export(by_group.get(g, []), finished if i == len(order) - 1 else [])
+            finally:
+                self._export_group = 0

@@ -43,7 +43,7 @@ from services.engine.parallel.model import (
     sharded_logits,
     slice_spec,
 )
-from services.engine.parallel.pages import ExportOrder, ImportOrder, gather_pages, scatter_pages
+from services.engine.parallel.pages import ExportOrder, ImportOrder, run_export, run_import
 from services.engine.parallel.vocab import ShardedSampler
 
 log = logging.getLogger(__name__)
@@ -225,9 +225,9 @@ class RankRunner:
         if isinstance(order, WeightsOrder):
             self.load(self.read(order.path))
         if isinstance(order, ExportOrder):
-            gather_pages(self.kv, order.pages, self.model_config, self.groups)
+            run_export(order, self.kv, self.model_config, self.groups)
         if isinstance(order, ImportOrder):
-            scatter_pages(self.kv, order.pages, torch.from_numpy(order.data), self.model_config, self.groups)
+            run_import(order, self.kv, self.model_config, self.groups)
         return None
 
 
