@@ -23,7 +23,7 @@ from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import PromptTail, chain_hashes, prompt_tail_key
 from services.engine.parallel.engine import ParallelEngine
-from services.engine.parallel.group import init_engine_groups
+from services.engine.parallel.group import EngineGroups, init_engine_groups
 from services.engine.parallel.runner import run_worker
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
@@ -62,6 +62,11 @@ def worker(rank: int, init: str, model_dir: str, out_dir: str) -> None:
     if rank != 0:
         run_worker(CFG, PAR, groups)
         return
+    scenario(model_dir, out_dir, groups)
+
+
+def scenario(model_dir: str, out_dir: str, groups: EngineGroups) -> None:
+    """Rank 0's part (the other ranks run run_worker with CFG); writes dp_kv.json."""
     bs = CFG.block_size
     # The prefill: hands off HANDED (sampling its first token) and publishes PULLED's pages.
     pre = LLMEngine(model_dir, CFG)
@@ -124,10 +129,16 @@ def worker(rank: int, init: str, model_dir: str, out_dir: str) -> None:
     Path(out_dir, "dp_kv.json").write_text(json.dumps(result))
 
 
+@pytest.mark.full  # `make test` runs the scenario in test_parallel_engine's glm5-dp2 ranks
 def test_two_attention_groups_continue_from_a_handoff_and_a_pulled_prefix(tmp_path: Path) -> None:
     d = random_model_dir(M, tmp_path / "w", seed=3, std=0.2)
     run_ranks(worker, PAR.ranks, tmp_path, str(d), str(tmp_path))
-    r = json.loads((tmp_path / "dp_kv.json").read_text())
+    check(tmp_path)
+
+
+def check(out_dir: Path) -> None:
+    """What scenario() wrote, against what it must be."""
+    r = json.loads((out_dir / "dp_kv.json").read_text())
     # Placement first: the handoff's request in group 0, the pulled one in group 1 (less work),
     # each group's pool holding its own request's pages and not the other's.
     assert r["placed"] == [0, 1]

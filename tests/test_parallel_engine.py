@@ -79,6 +79,11 @@ CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4,
 DP_CFG = CFG.model_copy(update={"num_kv_blocks": 24})
 
 
+# Its ranks then run tests/test_parallel_dp_kv.py's scenario too (a handoff and a pulled prefix
+# over 2 attention groups): a second spawn of ranks would cost `make test` more than the scenario.
+KV_CASE = "glm5-dp2"
+
+
 def engine_cfg(par: ParallelConfig) -> EngineConfig:
     return DP_CFG if par.dp_attention > 1 else CFG
 
@@ -147,6 +152,8 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
             runner.run(groups.world.broadcast_object(None))
             return
         run_worker(cfg, par, groups)
+        if name == KV_CASE:
+            run_worker(cfg, par, groups)
         return
     eng = ParallelEngine(dirs[0], cfg, par, groups)
     if die:
@@ -165,6 +172,10 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
     eng.close()
     want = drive(LLMEngine(dirs[0], cfg), m.is_moe, dirs[1])
     Path(out_dir, f"{name}.json").write_text(json.dumps({"got": got, "want": want}))
+    if name == KV_CASE:  # the same ranks again: KV pages with data-parallel attention
+        from test_parallel_dp_kv import scenario
+
+        scenario(dirs[0], out_dir, groups)
 
 
 def run(name: str, tmp_path: Path, die: bool = False) -> None:
@@ -189,6 +200,10 @@ def run(name: str, tmp_path: Path, die: bool = False) -> None:
 )
 def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Path) -> None:
     run(name, tmp_path)
+    if name == KV_CASE:
+        from test_parallel_dp_kv import check
+
+        check(tmp_path)  # tests/test_parallel_dp_kv.py: its scenario ran on these ranks too
     r = json.loads((tmp_path / f"{name}.json").read_text())
     got, want = r["got"], r["want"]
     if MODELS[name][1].dp_attention > 1:
