@@ -9,9 +9,11 @@ request to one attention rank and then runs all ranks in lockstep:
   share the prompt's pages) and keeps one `Scheduler` per group over that group's pool. It offers
   the single `Scheduler`'s interface to LLMEngine, so the engine's step (schedule, spans, sampling
   rows, page bookkeeping, commit) runs unchanged over the groups' concatenated plans.
-- The policy: the group whose prefix cache holds the longest prefix of the prompt (its pages are
+- The policy: the group that would hold the longest prefix of the prompt (its cached pages, then
+  the pages staged for import from a prefill's handoff or a store pull while its free pages last:
   reused instead of recomputed), then the group with the least outstanding work (tokens still to
-  compute or generate), then the lowest index.
+  compute or generate), then the lowest index. The staged pages are then imported into the chosen
+  group's pool (`place`: parallel/pages.py GroupedPageExchange), before admission.
 - `group_pages` is a group's pool as rank 0 tracks it without holding it: the page allocator and
   prefix cache (on the meta device: no KV memory) and the routing store on the host, filled from
   the routed ids the group's ranks send back after each step (Router Replay reads them at commit).

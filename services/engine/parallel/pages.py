@@ -17,6 +17,10 @@ sends the whole pages to every rank (`ImportOrder`), each rank writing its own K
 the pools every rank holds whole) into its pool (`scatter_pages`), synchronously. A handoff's
 partial last prompt page (`PromptTail`, written by the scheduler at admission into the sequence's
 own page) goes the same way (`GatheringPageExchange.write_tail`).
+
+With data-parallel attention every attention group has its own pool and page ids: an exchange per
+group (`GroupedPageExchange`) sends its imports to that group's ranks only and reads its exports
+from them (another group's first rank sends the gathered pages to rank 0).
 """
 
 from __future__ import annotations
