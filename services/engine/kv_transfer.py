@@ -604,38 +604,59 @@ class PageExchange:
         n = 0
         while self._staged:
             hashes, data, pin, release = self._staged.popleft()
-            try:
-                if self._copy_stream is not None:
-                    per = max(1, IMPORT_BYTES_PER_STEP // page_nbytes(self.kv))
-                    if isinstance(data, torch.Tensor) and data.is_cuda and len(hashes) > per:
-                        # The rest waits for the next step; its keys count as landing meanwhile,
-                        # so the scheduler does not admit past them and compute them instead.
-                        rest = hashes[per:]
-                        self._staged.appendleft((rest, data[per:], pin + hashes[:per], release))
-                        self._queued.update(rest)
-                        self.landing_keys.update(rest)
-                        release = None  # the last piece's
-                        self._launch(hashes[:per], data[:per], pin, None)
-                        break
-                    self._launch(hashes, data, pin, release)
-                    release = None  # called when the copy has landed
-                    continue
-                t0 = time.perf_counter()
-                got = self.import_batch(hashes, data, pin)
-            except (ValueError, RuntimeError) as e:
-                self.dropped_batches_total += 1
-                self._unqueue(hashes)
-                log.warning(f"dropped {len(hashes)} staged kv pages: {e}")
+            if self._copy_stream is None:
+                n += self.import_now(hashes, data, pin, release, self.import_batch)
                 continue
+            try:
+                per = max(1, IMPORT_BYTES_PER_STEP // page_nbytes(self.kv))
+                if isinstance(data, torch.Tensor) and data.is_cuda and len(hashes) > per:
+                    # The rest waits for the next step; its keys count as landing meanwhile,
+                    # so the scheduler does not admit past them and compute them instead.
+                    rest = hashes[per:]
+                    self._staged.appendleft((rest, data[per:], pin + hashes[:per], release))
+                    self._queued.update(rest)
+                    self.landing_keys.update(rest)
+                    release = None  # the last piece's
+                    self._launch(hashes[:per], data[:per], pin, None)
+                    break
+                self._launch(hashes, data, pin, release)
+                release = None  # called when the copy has landed
+            except (ValueError, RuntimeError) as e:
+                self._drop(hashes, e)
             finally:
                 if release is not None:
                     release()
-            if got:
-                self._count(got, time.perf_counter() - t0, isinstance(data, HostPages))
-            n += got
-            self._mark(hashes)
-        self.imported_pages_total += n
         return landed + n + self._land()
+
+    def import_now(
+        self,
+        hashes: list[bytes],
+        data: PageBytes,
+        pin: list[bytes],
+        release: Callable[[], None] | None,
+        importer: Callable[[list[bytes], PageBytes, list[bytes]], int],
+    ) -> int:
+        """One staged batch into a pool at once (`importer`: import_batch, or another pool's); one
+        that cannot be imported is dropped as drain() drops it. Returns the pages imported."""
+        t0 = time.perf_counter()
+        try:
+            got = importer(hashes, data, pin)
+        except (ValueError, RuntimeError) as e:
+            self._drop(hashes, e)
+            return 0
+        finally:
+            if release is not None:
+                release()
+        if got:
+            self._count(got, time.perf_counter() - t0, isinstance(data, HostPages))
+        self._mark(hashes)
+        self.imported_pages_total += got
+        return got
+
+    def _drop(self, hashes: list[bytes], e: Exception) -> None:
+        self.dropped_batches_total += 1
+        self._unqueue(hashes)
+        log.warning(f"dropped {len(hashes)} staged kv pages: {e}")
 
     def finish(self) -> int:
         """Wait for every import in flight and register it (tests, shutdown)."""

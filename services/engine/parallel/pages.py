@@ -25,8 +25,6 @@ from them (another group's first rank sends the gathered pages to rank 0).
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -53,8 +51,6 @@ from services.engine.kv_transfer import (
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import kv_head_range
 from services.engine.sequence import Sequence
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -260,29 +256,15 @@ class GroupedPageExchange(PageExchange):
         """Import the staged batches holding any of `keys` (a prompt's pages) into `group`'s pool
         now, before the request is admitted there. Returns the pages imported."""
         n = 0
-        rest: list[tuple[list[bytes], PageBytes, list[bytes], Callable[[], None] | None]] = []
+        rest = []
         for batch in self._staged:
             hashes, data, pin, release = batch
             if keys.isdisjoint(hashes):
                 rest.append(batch)
-                continue
-            t0 = time.perf_counter()
-            try:
-                got = self.parts[group].import_batch(hashes, data, pin)
-            except (ValueError, RuntimeError) as e:  # as drain(): its tokens are computed instead
-                self.dropped_batches_total += 1
-                log.warning(f"dropped {len(hashes)} staged kv pages: {e}")
-                continue
-            finally:
-                if release is not None:
-                    release()
-            if got:
-                self._count(got, time.perf_counter() - t0, isinstance(data, HostPages))
-            self._mark(hashes)
-            n += got
+            else:
+                n += self.import_now(hashes, data, pin, release, self.parts[group].import_batch)
         self._staged.clear()
         self._staged.extend(rest)
-        self.imported_pages_total += n
         return n
 
     def export(self, seqs: Seq[Sequence], finished: list[str]) -> None:
