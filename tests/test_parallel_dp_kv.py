@@ -84,6 +84,7 @@ def scenario(model_dir: str, out_dir: str, groups: EngineGroups) -> None:
     eng.pages.stage(keys_h, torch.stack([store.pages[k] for k in keys_h]).numpy().tobytes())
     eng.pages.stage_tail("handed", PromptTail(tail_key, len(HANDED) % bs, tails[tail_key].reshape(-1)))
     eng.pages.stage_first("handed", [(first.output_ids[0], first.logprobs[0], first.versions[0])])
+    eng.pages.stage_keys("handed", eng.version, keys_h)  # placement reads them; the pulled one hashes
     eng.pages.stage(keys_p, torch.stack([store.pages[k] for k in keys_p]).numpy().tobytes())
     published = Published()
     eng.pages.sink = published

@@ -120,11 +120,14 @@ class GroupedScheduler:
 
     # ------------------------------------------------------------------ placement
 
-    def choose(self, request: RequestState, keys: list[bytes] | None = None) -> int:
+    def choose(
+        self, request: RequestState, keys: list[bytes] | None = None, staged: set[bytes] | None = None
+    ) -> int:
         """The group a new request runs in: the longest prompt prefix it will hold (cached, or
         staged for import and fitting in its free pages), then least work."""
-        keys = self._prompt_keys(request.prompt) if keys is None else keys
-        staged = self.incoming() if self.place is not None else set()
+        if staged is None:
+            staged = self.incoming() if self.place is not None else set()
+        keys = self._prompt_keys(request, staged) if keys is None else keys
         if not any(k in staged for k in keys):
             # The page holding the last prompt token is computed for its logits anyway.
             keys = keys[: (len(request.prompt) - 1) // self.kv.block_size]
@@ -132,15 +135,23 @@ class GroupedScheduler:
         load = [self._work(g) for g in self.groups]
         return min(range(len(self.groups)), key=lambda g: (-hits[g], load[g], g))
 
-    def _prompt_keys(self, prompt: list[int]) -> list[bytes]:
-        """The keys of the prompt's full pages (the chain the prefix cache and the store use)."""
+    def _prompt_keys(self, request: RequestState, staged: set[bytes]) -> list[bytes]:
+        """The keys of the prompt's leading full pages (the chain the prefix cache and the store
+        use) that some group caches or that are staged: the pull's keys when it left them
+        (admission's known_keys), else hashed here up to the first page nobody has."""
         if not self.prefix_caching:
             return []
-        bs = self.kv.block_size
+        for seq in request.seqs:
+            known = self.known_keys.get(seq)
+            if known is not None and known[0] == self.version:
+                return known[1]
+        prompt, bs = request.prompt, self.kv.block_size
         prev = root_hash(self.version, self.layout)
         out = []
         for i in range(len(prompt) // bs):
             prev = block_hash(prev, prompt[i * bs : (i + 1) * bs])
+            if prev not in staged and all(s.blocks.lookup(prev) is None for s in self.groups):
+                break
             out.append(prev)
         return out
 
@@ -171,8 +182,9 @@ class GroupedScheduler:
         return sum(q.max_len - q.num_cached for q in (*s.waiting, *s.running))
 
     def add(self, request: RequestState) -> None:
-        keys = self._prompt_keys(request.prompt)
-        g = self.choose(request, keys)
+        staged = self.incoming() if self.place is not None else set()
+        keys = self._prompt_keys(request, staged)
+        g = self.choose(request, keys, staged)
         if self.place is not None:
             self.place(set(keys), g)  # the prompt's staged pages land in its group's pool
         self.group_of[request] = g
