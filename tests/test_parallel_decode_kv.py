@@ -2,7 +2,9 @@
 heads: one per rank) with the KV store on, behind a 1-rank prefill, every piece a real process.
 It continues from the prefill's same-host handoff (every full page and the partial last one
 written through both ranks, each taking its KV head) and pulls a prefix the prefill published to
-the store: tokens equal and log-probs to 1e-5 of a colocated 1-rank engine."""
+the store: tokens equal and log-probs to 1e-5 of a colocated 1-rank engine. The same again with
+the debug model made an MoE and a decode of two attention groups (tp 1 x dp_attention 2 = ep 2):
+each request's pages land in the pool of the group it is placed in."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from test_prefill_service import (
 )
 
 from services.common.auth import auth_headers
-from services.common.config import ParallelConfig
+from services.common.config import ParallelConfig, load_config
 
-# Five processes (gateway, prefill, 2 decode ranks) on two cores: ~80 s, over the budget of `make test`.
+# Five processes (gateway, prefill, 2 decode ranks) per cluster on two cores: ~80 s each, over the
+# budget of `make test`.
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
@@ -45,7 +48,35 @@ def test_two_rank_decode_pulls_a_published_prefix(cluster: Cluster) -> None:
     """The prefill publishes a prompt's 10 full pages to the store; the decode, prefilling locally
     (top-n log-probs keep a request off the prefill service), pulls them into both ranks and
     computes only the last prompt token."""
-    c = cluster
+    check_pulled_prefix(cluster)
+
+
+@pytest.fixture(scope="module")
+def dp_cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The debug model made an MoE (data-parallel attention needs one), its decode two attention
+    groups of one rank (tp 1 x dp_attention 2 = ep 2), the prefill one rank."""
+    tmp = tmp_path_factory.mktemp("dp-decode-kv")
+    moe = load_config("debug").model.model_copy(
+        update=dict(
+            arch="qwen3_moe", n_routed_experts=4, n_experts_per_tok=2, moe_hidden_dim=64, first_k_dense=1
+        )
+    )
+    dp = ParallelConfig(dp_attention=2, ep=2)
+    with running_cluster(redis_url, tmp, ParallelConfig(), dp, model=moe) as c:
+        yield c
+
+
+def test_data_parallel_attention_decode_continues_from_the_handoff(dp_cluster: Cluster) -> None:
+    """The handed-off pages (and the partial last one) land in the pool of the attention group the
+    request is placed in: nothing of the prompt computed, the colocated 1-rank engine's output."""
+    check_disaggregated_equals_colocated(dp_cluster)
+
+
+def test_data_parallel_attention_decode_pulls_a_published_prefix(dp_cluster: Cluster) -> None:
+    check_pulled_prefix(dp_cluster)
+
+
+def check_pulled_prefix(c: Cluster) -> None:
     prompt = [(11 * i + 3) % 60 for i in range(41)]
     r = req(prompt, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True, logprobs=2)
     body = {"input_ids": prompt, "sampling": {"max_tokens": 1}, "request_id": "publish"}

@@ -24,7 +24,14 @@ import pytest
 
 from services.common.auth import auth_headers
 from services.common.bus import Bus
-from services.common.config import REPO_ROOT, EngineConfig, ParallelConfig, RunConfig, load_config
+from services.common.config import (
+    REPO_ROOT,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    load_config,
+)
 from services.common.schemas import GenerateRequest, GenerateResponse, SamplingParams, WeightsInfo
 from services.engine import LLMEngine
 from services.kvstore.router import DISCOVERY_TTL_S
@@ -82,11 +89,12 @@ def running_cluster(
     tmp: Path,
     prefill_parallel: ParallelConfig | None = None,
     decode_parallel: ParallelConfig | None = None,
+    model: ModelConfig | None = None,
 ) -> Iterator[Cluster]:
     """Redis, the gateway, a prefill service (over `prefill_parallel` ranks) and a decode (over
-    `decode_parallel` ranks) on the debug model's versions 0 and 1 (0 published), decode routing
-    long prompts to the prefill."""
-    m = load_config("debug").model
+    `decode_parallel` ranks) on the debug model's (or `model`'s) versions 0 and 1 (0 published),
+    decode routing long prompts to the prefill."""
+    m = model or load_config("debug").model
     state = build_model(m, seed=0).state_dict()
     state["norm.weight"] = state["norm.weight"] * 0.3  # spread-out distributions
     weights = save_weights_dir(m, state, tmp / "weights" / "step_0", {"version": 0})
