@@ -210,7 +210,10 @@ def test_slices_refuse_what_does_not_split(tmp_path: Path) -> None:
     d = write_model_dir(
         tmp_path / "w", {"a.q_proj.weight": q, "a.q_proj.weight_scale_inv": s}, CONFIG, None, {}
     )
-    with pytest.raises(ValueError, match=r"a.q_proj.weight: tp_size 2 cuts dim 0 \(size 192\) at rows/columns 96:192, not on the 128x128"):
+    with pytest.raises(
+        ValueError,
+        match=r"a.q_proj.weight: tp_size 2 cuts dim 0 \(size 192\) at rows/columns 96:192, not on the 128x128",
+    ):
         read_slices(WeightsReader.open(d), SliceSpec(tp_rank=1, tp_size=2))
 
 
