@@ -98,33 +98,6 @@ def check_ledger(run_dir: Path, steps: int, contiguous: bool = True) -> dict[str
     return summary
 
 
-def test_debug_run_as_het_job_completes(slurm_cluster: str, tmp_path: Path) -> None:
-    """The debug run as one het job, the trainer as torchrun across two (virtual) nodes."""
-    run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    proc = launch(run_dir, 4, *SLURM, "--slurm.trainer.nodes=2", "--trainer.nproc=2")
-    out = finish(proc, run_dir)
-    info = json.loads((run_dir / "slurm.json").read_text())
-    assert f"submitted het job {info['job_id']} (3 components)" in out
-    assert " running after " in out
-    summary = check_ledger(run_dir, 4)
-    assert summary["stop_reason"] == "trainer finished" and summary["slurm_job_id"] == str(info["job_id"])
-    assert job_states(str(info["job_id"])) == [], "the job should have left the queue"
-    r, prefix = run_redis_after(run_dir)
-    if r is not None:  # Redis stops with the job; when it is still reachable, states must be final
-        assert all(s["state"] in FINAL_STATES for s in read_states(r, prefix))
-    for name in ("redis", "sandbox.0", "orchestrator", "decode.0", "trainer.0", "trainer.1"):
-        assert (run_dir / "logs" / f"{name}.log").exists()
-    ready = [
-        json.loads(x)
-        for n in (0, 1)
-        for x in (run_dir / "logs" / f"trainer.{n}.log").read_text().splitlines()
-        if '"trainer ready"' in x
-    ]
-    assert sorted((t["rank"], t["world"]) for t in ready) == [(0, 2), (1, 2)], "torchrun across both nodes"
-    print(f"debug het-job run: {time.monotonic() - t0:.0f}s for 4 steps")
-
-
 @pytest.mark.full  # 90 s: learning is CI's test_e2e (same code path); Slurm is the other tests here
 def test_debug_run_on_slurm_learns(slurm_cluster: str, tmp_path: Path) -> None:
     """The same debug run as locally, as a het job: the reward rises from its random-init level
@@ -169,14 +142,19 @@ def run_redis_after(run_dir: Path) -> tuple[redis.Redis | None, str]:
         return None, ""
 
 
-def test_kill9_decode_and_restart_orchestrator_mid_run_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
-    """One run, two faults (each a run of its own would cost a Slurm start-up): decode's process is
+def test_het_job_survives_decode_kill9_and_orchestrator_restart_on_slurm(
+    slurm_cluster: str, tmp_path: Path
+) -> None:
+    """The debug run as one het job, the trainer as torchrun across two (virtual) nodes, with two
+    faults in the same run (each a run of its own would cost a Slurm start-up): decode's process is
     SIGKILLed (its supervisor restarts it, it loads the current weights, the orchestrator re-issues
     what it lost), then `make restart SERVICE=orchestrator` (the CLI behind it) restarts the
-    orchestrator, which resumes from Redis state. The run finishes with every rollout accounted for."""
+    orchestrator, which resumes from Redis state. The job completes with every rollout accounted
+    for and leaves the queue."""
     run_dir = tmp_path / "run"
     steps = 9
-    proc = launch(run_dir, steps, *SLURM)
+    t0 = time.monotonic()
+    proc = launch(run_dir, steps, *SLURM, "--slurm.trainer.nodes=2", "--trainer.nproc=2")
     wait_steps(run_dir, 2, proc)
     r, prefix = run_redis(run_dir)
     before = supervisor_state(r, prefix, "decode.0")
@@ -219,8 +197,8 @@ def test_kill9_decode_and_restart_orchestrator_mid_run_on_slurm(slurm_cluster: s
     rows = [line.split() for line in status.stdout.splitlines() if line.split()[:1] == ["orchestrator"]]
     assert len(rows) == 1 and rows[0][2] == "1", status.stdout
 
-    finish(proc, run_dir)
-    check_ledger(run_dir, steps)
+    out = finish(proc, run_dir)
+    summary = check_ledger(run_dir, steps)
     ready = [
         json.loads(x)
         for x in (run_dir / "logs" / "decode.0.log").read_text().splitlines()
@@ -228,6 +206,28 @@ def test_kill9_decode_and_restart_orchestrator_mid_run_on_slurm(slurm_cluster: s
     ]
     assert len(ready) == 2, "decode should have started twice"
     assert ready[1]["version"] >= killed_at - 1 >= 1, "the restarted decode must load the current weights"
+
+    # The het job: three components, gone from the queue, every service's log, torchrun on both nodes.
+    info = json.loads((run_dir / "slurm.json").read_text())
+    assert f"submitted het job {info['job_id']} (3 components)" in out
+    assert " running after " in out
+    assert summary["stop_reason"] == "trainer finished" and summary["slurm_job_id"] == str(info["job_id"])
+    assert job_states(str(info["job_id"])) == [], "the job should have left the queue"
+    r_after, prefix = run_redis_after(run_dir)
+    if r_after is not None:  # Redis stops with the job; when it is still reachable, states must be final
+        assert all(x["state"] in FINAL_STATES for x in read_states(r_after, prefix))
+    for name in ("redis", "sandbox.0", "orchestrator", "decode.0", "trainer.0", "trainer.1"):
+        assert (run_dir / "logs" / f"{name}.log").exists()
+    trainer_ready = [
+        json.loads(x)
+        for n in (0, 1)
+        for x in (run_dir / "logs" / f"trainer.{n}.log").read_text().splitlines()
+        if '"trainer ready"' in x
+    ]
+    assert sorted((t["rank"], t["world"]) for t in trainer_ready) == [(0, 2), (1, 2)], (
+        "torchrun across both nodes"
+    )
+    print(f"debug het-job run with two faults: {time.monotonic() - t0:.0f}s for {steps} steps")
 
 
 def test_redis_and_a_supervisor_killed_then_resumed_on_slurm(slurm_cluster: str, tmp_path: Path) -> None:
