@@ -273,9 +273,11 @@ class DecodeGraphs:
         state = None
         if self.kv.states is not None:  # every row a one-token span on its static slot
             state = StateMeta(self.arange[:0], self.arange[:size], b.state[:size], [])
-        return ForwardBatch(
-            b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], PagedMeta(decode, None), state
-        )
+        # padded: the ragged work list covers only the real rows, so the padding rows' attention
+        # output is zeros rather than uninitialised memory (NaN there reaches an MoE router or FP8
+        # activation scales, and a hybrid model's padding state slot).
+        paged = PagedMeta(decode, None, padded=True)
+        return ForwardBatch(b.ids[:size], b.pos[:size], b.slots[:size], [], self.arange[:size], paged, state)
 
     def body(self, size: int, ragged: bool) -> torch.Tensor:
         """The device work of a decode step of `size` rows on the static buffers (what a graph
