@@ -62,7 +62,7 @@ cluster-stop:
 	bash sbatch/cluster.sh stop
 
 # Two xdist workers: most tests wait on subprocesses, servers and sockets, so two share the CI's
-# 2 cores well (the whole of `make test` with its install: 14.8 min on the quiet 2-core dev
+# 2 cores well (the whole of `make test` with its install: 15.4 min on the quiet 2-core dev
 # machine). Each test module runs whole, in order, on one worker (--dist loadfile: some
 # modules' tests build on the ones before them), the longest modules first (tests/conftest.py
 # LONGEST_FIRST; xdist would otherwise order them by test count); tests of the one Slurm cluster
