@@ -29,6 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from sbatch.all_to_all import ELEM_BYTES, Fabric, moe_all_to_all_s, spans_nodes, trainer_exchanges
 from services.common.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,9 +44,10 @@ class Device:
     hbm_bytes: float
     bf16_flops: float  # dense peak, per GPU
     hbm_bytes_per_s: float = 0.0  # the device copy bandwidth measured on it (Rates)
+    nvlink_bytes_per_s: float = 450e9  # NVLink 4, one direction (900 GB/s both ways)
 
 
-# Datasheet numbers (SXM parts): memory size and the bf16 peak MFU is read against. The memory
+# Datasheet numbers (SXM parts): memory size, the bf16 peak MFU is read against, NVLink. The memory
 # bandwidth is the copy bandwidth measured on each card (Rates).
 DEVICES = {
     "h100": Device("H100 SXM", 80e9, 989e12),
@@ -97,6 +99,10 @@ class Rates(BaseModel):
     # Per inference rank: weights read and applied. None until measured: the plan then says so
     # and counts no apply time.
     apply_bytes_per_s: Rate | None = None
+    # Per GPU: bytes leaving it per second in an all-to-all among the GPUs of one node (the
+    # all-to-all bus bandwidth). None until measured: the plan then takes the NVLink datasheet's
+    # rate and says so (docs/capacity.md names the entry to add).
+    all_to_all_bytes_per_s: Rate | None = None
     cpu_decode_step_s: Rate  # the debug model: one engine step at the debug batch, CPU
     cpu_train_s_per_token: Rate  # the debug model: trainer seconds per trained token, CPU
     # CPU-seconds per rollout the orchestrator and the sandbox spend in a debug run (CPU plan:
@@ -146,6 +152,11 @@ class StepTimes(BaseModel):
     trainer_wait_s: float
     inference_wait_s: float
     bound_by: Literal["decode", "prefill", "train", "apply", "cpu"]
+    # Expert-parallel all-to-all of the step (sbatch/all_to_all.py), counted inside decode_s,
+    # prefill_s and train_s.
+    all_to_all_decode_s: float = 0.0
+    all_to_all_prefill_s: float = 0.0
+    all_to_all_train_s: float = 0.0
 
 
 class WeightsTraffic(BaseModel):
@@ -503,6 +514,20 @@ def weights_traffic(cfg: RunConfig, split: Split, share: float = 0.1) -> Weights
     )
 
 
+def fabric(cfg: RunConfig, dev: Device, rates: Rates) -> Fabric:
+    """The all-to-all rates: within a node the measured one, else the NVLink datasheet's; across
+    nodes the cluster's stated network bandwidth per GPU (plan.nic_gb_per_s)."""
+    a2a = rates.all_to_all_bytes_per_s
+    return Fabric(a2a.value if a2a else dev.nvlink_bytes_per_s, cfg.plan.nic_gb_per_s * 1e9)
+
+
+def gpus_per_node(cfg: RunConfig, role: Literal["trainer", "decode", "prefill"], ranks: int) -> int:
+    """GPUs of a node of `role` under Slurm; the local launcher's processes share one machine."""
+    if cfg.slurm.launcher == "slurm":
+        return max(1, getattr(cfg.slurm, role).gpus_per_node)
+    return ranks
+
+
 def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> StepTimes:
     m, w = cfg.model, cfg.plan
     p = m.param_counts()
@@ -516,27 +541,109 @@ def step_times_gpu(cfg: RunConfig, split: Split, dev: Device, rates: Rates) -> S
     engines = max(1, dgpus // par.ranks)
     batch = cfg.decode.engine.max_batch_size
     ctx = w.rollout_tokens / 2
-    # The ranks of an engine step together: a step takes as long as one rank's reads.
+    net = fabric(cfg, dev, rates)
+    # The ranks of an engine step together: a step takes as long as one rank's reads, then its
+    # share of the batch's rows through every MoE layer's dispatch and combine.
     step_bytes = decode_step_bytes_per_rank(m, par, batch, ctx, _weight_bytes(cfg))
-    t_step = step_bytes / (rates.decode_hbm_fraction.value * dev.hbm_bytes_per_s)
-    decode_s = generated / (engines * batch) * t_step
+    a2a_step = moe_all_to_all_s(
+        m,
+        batch / par.ranks,
+        par.ep,
+        gpus_per_node(cfg, "decode", par.ranks),
+        ELEM_BYTES[cfg.decode.engine.dtype],
+        net,
+    )
+    t_step = step_bytes / (rates.decode_hbm_fraction.value * dev.hbm_bytes_per_s) + a2a_step
+    steps = generated / (engines * batch)
+    decode_s = steps * t_step
     tail_s = tail_generated(cfg) * t_step
     pre_flops = new_prompt * (2 * p["active"] + attention_flops_per_token(m, ctx / 2))
     colocated = pre_gpus == 0
+    pre_par, pre_role, pre_engine = cfg.prefill_parallel, "prefill", cfg.prefill.engine or cfg.decode.engine
     if colocated:
-        pre_gpus = dgpus
-    prefill_s = pre_flops / (rates.prefill_mfu.value * dev.bf16_flops * pre_gpus)
+        pre_gpus, pre_par, pre_role, pre_engine = dgpus, par, "decode", cfg.decode.engine
+    # Each rank of a prefill engine dispatches its share of the engine's prompt tokens.
+    a2a_prefill = moe_all_to_all_s(
+        m,
+        new_prompt / pre_gpus,
+        pre_par.ep,
+        gpus_per_node(cfg, pre_role, pre_par.ranks),  # type: ignore[arg-type]
+        ELEM_BYTES[pre_engine.dtype],
+        net,
+    )
+    prefill_s = pre_flops / (rates.prefill_mfu.value * dev.bf16_flops * pre_gpus) + a2a_prefill
     rollout_s = decode_s + prefill_s if colocated else max(decode_s, prefill_s)
     tokens = rollouts * w.rollout_tokens
-    recompute = 4 / 3 if cfg.trainer.activation_checkpoint != "none" else 1.0
+    tc = cfg.trainer
+    recompute = 4 / 3 if tc.activation_checkpoint != "none" else 1.0
     train_flops = tokens * (6 * p["active"] * recompute + 3 * attention_flops_per_token(m, ctx))
-    train_s = train_flops / (_mfu(cfg, rates).value * dev.bf16_flops * tgpus)
+    a2a_train = moe_all_to_all_s(
+        m,
+        tokens / tgpus,
+        tc.ep,
+        gpus_per_node(cfg, "trainer", tgpus),
+        ELEM_BYTES[tc.dtype],
+        net,
+        trainer_exchanges(tc.activation_checkpoint),
+    )
+    train_s = train_flops / (_mfu(cfg, rates).value * dev.bf16_flops * tgpus) + a2a_train
     version = version_bytes(m, cfg.decode.engine.quantization)
     publish_s = version / tgpus / rates.publish_bytes_per_s.value
     apply = rates.apply_bytes_per_s
     # Each rank reads and applies its own slice, all ranks at once.
     apply_s = rank_version_bytes(cfg, cfg.decode.parallel) / apply.value if apply else 0.0
-    return _combine(cfg, decode_s, prefill_s, rollout_s, train_s, publish_s, apply_s, tail_s)
+    t = _combine(cfg, decode_s, prefill_s, rollout_s, train_s, publish_s, apply_s, tail_s)
+    return t.model_copy(
+        update={
+            "all_to_all_decode_s": steps * a2a_step,
+            "all_to_all_prefill_s": a2a_prefill,
+            "all_to_all_train_s": a2a_train,
+        }
+    )
+
+
+def all_to_all_notes(cfg: RunConfig, dev: Device, rates: Rates, used: dict[str, str]) -> dict[str, str]:
+    """The all-to-all rates the plan used, into `used` when measured, as assumptions otherwise."""
+    m = cfg.model
+    if not m.is_moe:
+        return {}
+    tc, dec, pre = cfg.trainer, cfg.decode.parallel, cfg.prefill_parallel
+    groups = {
+        "decode": (dec.ep, gpus_per_node(cfg, "decode", dec.ranks)),
+        "prefill": (pre.ep, gpus_per_node(cfg, "prefill", pre.ranks)),
+        "trainer": (tc.ep, gpus_per_node(cfg, "trainer", tc.nproc)),
+    }
+    ep_sides = [k for k, (ep, _) in groups.items() if ep > 1]
+    where = ", ".join(f"{k} ep {groups[k][0]}" for k in ep_sides) or "no side runs expert parallel"
+    notes: dict[str, str] = {}
+    a2a = rates.all_to_all_bytes_per_s
+    if a2a:
+        used["all_to_all_bytes_per_s"] = a2a.cite()
+    else:
+        used["all_to_all_bytes_per_s"] = (
+            "NOT MEASURED: no all-to-all rate in bench/ (bench/engine/multi.py has not run on 2 GPUs; "
+            "bench/trainer/results/multi_h200x2_ep.json times whole EP steps only); the intra-node "
+            "rate is an assumption below"
+        )
+        notes["all_to_all_intra_node"] = (
+            f"{dev.nvlink_bytes_per_s / 1e9:g} GB/s leaving each GPU to GPUs of its node "
+            f"({dev.name} datasheet: NVLink 4, 900 GB/s both ways; NCCL reaches less) ({where})"
+        )
+    across = [k for k in ep_sides if spans_nodes(*groups[k])]
+    notes["all_to_all_inter_node"] = (
+        f"{cfg.plan.nic_gb_per_s:g} GB/s leaving each GPU to other nodes (plan.nic_gb_per_s, the "
+        "cluster's stated network bandwidth per GPU; not measured: no multi-node machine); "
+        + (f"used by {', '.join(across)}" if across else "unused: every EP group is inside one node")
+    )
+    notes["all_to_all_not_counted"] = (
+        "per-collective latency (an engine MoE layer issues 4: counts, rows, expert ids, outputs)"
+        + (
+            "; train_mfu_moe's measured step holds its own EP-2 all-to-all, counted again here"
+            if tc.ep > 1
+            else ""
+        )
+    )
+    return notes
 
 
 def _combine(
@@ -653,11 +760,7 @@ def build_plan(cfg: RunConfig, rates: Rates, split: Split | None = None, balance
             f"{dev.name}: {dev.hbm_bytes / 1e9:.0f} GB, {dev.bf16_flops / 1e12:.0f} TFLOP/s bf16 (datasheet), "
             f"{dev.hbm_bytes_per_s / 1e12:.2f} TB/s copy (measured)"
         )
-        if cfg.model.is_moe:
-            used["all_to_all_bytes_per_s"] = (
-                "NOT MEASURED: expert-parallel dispatch and combine are not counted "
-                "(no multi-GPU measurement in bench/ yet)"
-            )
+        assumptions |= all_to_all_notes(cfg, dev, rates, used)
         assumptions |= {
             "tail_factor": f"the longest rollout generates {w.tail_factor:g}x the mean (plan.tail_factor)",
             "prefill_miss": f"{w.prefill_miss:g} of prompt tokens are prefilled (the rest hit the prefix cache; plan.prefill_miss)",
@@ -732,6 +835,12 @@ def render(plan: Plan, budget_s: float | None = None) -> str:
         f"{t.trainer_wait_s:.1f} s, inference waits {t.inference_wait_s:.1f} s",
         f"  synchronous step {t.step_sync_s:.1f} s",
     ]
+    if t.all_to_all_decode_s or t.all_to_all_prefill_s or t.all_to_all_train_s:
+        lines.insert(
+            -2,
+            f"  expert-parallel all-to-all (in the times above): decode {t.all_to_all_decode_s:.2f}, "
+            f"prefill {t.all_to_all_prefill_s:.2f}, train {t.all_to_all_train_s:.2f}",
+        )
     if (wt := plan.weights) is not None:
         lines += [
             "weights per step (shared filesystem):",

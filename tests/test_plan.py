@@ -38,6 +38,7 @@ def rates(tmp_path: Path) -> P.Rates:
         "cpu_train_s_per_token": _rate(tmp_path, "cpu_tr", 1e-4),
         "cpu_orchestrator_s_per_rollout": _rate(tmp_path, "cpu_orch", 1e-3),
         "cpu_sandbox_s_per_rollout": _rate(tmp_path, "cpu_sb", 1e-3),
+        "all_to_all_bytes_per_s": _rate(tmp_path, "a2a", 1e6),
     }
     path = tmp_path / "rates.toml"
     lines = []
@@ -143,6 +144,88 @@ def test_dense_gpu_arithmetic_by_hand(rates: P.Rates) -> None:
     assert t.step_sync_s == pytest.approx(max(t.rollout_s, t.tail_s) + t.apply_s + trainer)
     assert t.trainer_wait_s == pytest.approx(t.step_async_s - trainer)
     assert t.inference_wait_s == pytest.approx(t.step_async_s - infer)
+
+
+def _small_moe_cfg(**over: str):
+    # debug-moe (2 MoE layers, dim 64, top-2 of 8) on GPUs: one decode engine of 2 ranks
+    # (data-parallel attention, EP 2), prefill on the decode GPUs, the trainer EP 2 over 2 GPUs.
+    args = [
+        "--slurm.launcher=slurm",
+        "--decode.engine.device=cuda",
+        "--decode.engine.dtype=bfloat16",
+        "--decode.engine.max_batch_size=4",
+        "--decode.parallel.dp_attention=2",
+        "--decode.parallel.ep=2",
+        "--orchestrator.batch_size=2",
+        "--orchestrator.group_size=4",
+        "--slurm.trainer.nodes=1",
+        "--slurm.trainer.gpus_per_node=2",
+        "--slurm.decode.nodes=1",
+        "--slurm.decode.gpus_per_node=2",
+        "--trainer.nproc=2",
+        "--trainer.ep=2",
+        "--trainer.dtype=bfloat16",
+        "--plan.gpu=h100",
+        "--plan.rollout_tokens=200",
+        "--plan.generated_tokens=100",
+        "--plan.nic_gb_per_s=0.0001",
+    ] + [f"--{k}={v}" for k, v in over.items()]
+    return load_config("debug-moe", args)
+
+
+def test_all_to_all_by_hand(rates: P.Rates) -> None:
+    """Every MoE layer's dispatch and combine: a rank sends tokens x top-2 rows of 64 bf16 values,
+    half of them to the other rank of its EP 2 group; within a node at the measured 1e6 B/s,
+    across nodes at plan.nic_gb_per_s (1e5 B/s)."""
+    cfg = _small_moe_cfg()
+    m = cfg.model
+    assert (len(m.moe_layers()), m.n_experts_per_tok, m.dim) == (2, 2, 64)
+    dev = P.device_for(cfg, rates)
+    split = P.Split(trainer_nodes=1, decode_nodes=1, prefill_nodes=0)
+    t = P.step_times_gpu(cfg, split, dev, rates)
+    # Decode: batch 4 over 2 ranks = 2 tokens a rank; 2 x 2 x 64 x 2 = 512 bytes of rows, 256
+    # leave; 2 layers x 2 exchanges x 256 B / 1e6 B/s a step, over 8 x 100 / 4 = 200 steps.
+    a2a_step = 2 * 2 * 256 / 1e6
+    assert t.all_to_all_decode_s == pytest.approx(200 * a2a_step)
+    step_bytes = P.decode_step_bytes_per_rank(m, cfg.decode.parallel, 4, 100, 2.0)
+    assert t.decode_s == pytest.approx(200 * (step_bytes / (0.5 * 2e12) + a2a_step))
+    assert t.tail_s == pytest.approx(P.tail_generated(cfg) * (step_bytes / (0.5 * 2e12) + a2a_step))
+    # Prefill on the decode GPUs: 8 x 100 prompt tokens over 2 ranks = 400 a rank; 400 x 2 x 64 x 2
+    # = 102,400 bytes, half leave, 2 layers x 2 exchanges.
+    assert t.all_to_all_prefill_s == pytest.approx(2 * 2 * 51_200 / 1e6)
+    # Trainer: 1,600 tokens over 2 GPUs = 800 a rank, 102,400 bytes leave an exchange; forward
+    # dispatch + combine and their backward: 4 a layer.
+    assert t.all_to_all_train_s == pytest.approx(2 * 4 * 102_400 / 1e6)
+    full = P.step_times_gpu(_small_moe_cfg(**{"trainer.activation_checkpoint": "full"}), split, dev, rates)
+    assert full.all_to_all_train_s == pytest.approx(2 * 6 * 102_400 / 1e6)  # the recompute's forward
+    # One GPU a node: the one decode engine's 2 ranks on 2 nodes, every leaving row over the network.
+    two = _small_moe_cfg(**{"slurm.decode.gpus_per_node": "1", "slurm.decode.nodes": "2"})
+    t2 = P.step_times_gpu(two, P.Split(trainer_nodes=1, decode_nodes=2, prefill_nodes=0), dev, rates)
+    assert t2.all_to_all_decode_s == pytest.approx(200 * 2 * 2 * 256 / 1e5)
+    # Without a measured rate, NVLink's datasheet rate within a node, said as an assumption.
+    bare = rates.model_copy(update={"all_to_all_bytes_per_s": None})
+    t3 = P.step_times_gpu(cfg, split, dev, bare)
+    assert t3.all_to_all_train_s == pytest.approx(2 * 4 * 102_400 / 450e9)
+    plan = P.build_plan(cfg, bare, split, balance=False)
+    assert plan.rates_used["all_to_all_bytes_per_s"].startswith("NOT MEASURED")
+    assert "450 GB/s" in plan.assumptions["all_to_all_intra_node"]
+    assert "not measured" in plan.assumptions["all_to_all_inter_node"]
+    assert "expert-parallel all-to-all" in P.render(plan)
+    # A measured rate is cited with its file.
+    plan = P.build_plan(cfg, rates, split, balance=False)
+    assert plan.rates_used["all_to_all_bytes_per_s"].endswith("a2a.json)")
+    assert "all_to_all_intra_node" not in plan.assumptions
+    # No expert parallelism anywhere: no all-to-all.
+    dense_ep = _small_moe_cfg(
+        **{
+            "decode.parallel.dp_attention": "1",
+            "decode.parallel.ep": "1",
+            "decode.replicas": "2",
+            "trainer.ep": "1",
+        }
+    )
+    t4 = P.step_times_gpu(dense_ep, split, dev, rates)
+    assert t4.all_to_all_decode_s == t4.all_to_all_prefill_s == t4.all_to_all_train_s == 0
 
 
 def test_memory_by_hand(rates: P.Rates) -> None:

@@ -1007,6 +1007,9 @@ class PlanSection(Strict):
     tail_factor: float = Field(10.0, ge=1)  # the longest rollout's generated tokens / the mean
     prefill_miss: float = Field(1.0, ge=0, le=1)  # share of new prompt tokens not in a prefix cache
     step_target_s: float | None = Field(None, gt=0)  # the step time the plan is checked against
+    # A GPU's network bandwidth to GPUs of other nodes, GB/s, as the cluster states it (one 400 Gb/s
+    # NIC a GPU: 50): the rate of an expert-parallel all-to-all across nodes, until one is measured.
+    nic_gb_per_s: float = Field(50.0, gt=0)
 
     @model_validator(mode="after")
     def _lengths(self) -> PlanSection:
