@@ -61,7 +61,16 @@ REPO = Path(__file__).resolve().parent.parent
             ["--model.moe_hidden_dim=62", "--decode.parallel.tp=4"],
             r"decode\.parallel\.tp \(4\) must divide model\.moe_hidden_dim \(62\)",
         ),
-        ("debug-nemotron", ["--decode.parallel.tp=2"], r"decode\.parallel: arch nemotron_h runs on one rank"),
+        (
+            "debug-nemotron",
+            ["--decode.parallel.tp=4"],
+            r"decode\.parallel\.tp \(4\) must divide model\.mamba_n_groups \(2\)",
+        ),
+        (
+            "debug-nemotron",
+            ["--decode.parallel.dp_attention=2", "--decode.parallel.ep=2"],
+            r"decode\.parallel\.dp_attention \(2\) must be 1 for arch nemotron_h",
+        ),
         (
             "debug",
             ["--prefill.replicas=1", "--prefill.parallel.tp=3"],
@@ -95,6 +104,10 @@ def test_good_layouts() -> None:
     assert cfg.decode.parallel.ranks == 4
     # Experts tensor-parallel with everything else (ep = 1).
     assert load_config("debug-moe", ["--decode.parallel.tp=2"]).decode.parallel.ep == 1
+    # Nemotron-H: Mamba-2 heads and B/C groups split, experts tensor- or expert-parallel.
+    for extra in ([], ["--decode.parallel.ep=2"]):
+        cfg = load_config("debug-nemotron", ["--decode.parallel.tp=2", *extra])
+        assert cfg.decode.parallel.ranks == 2
     with pytest.raises(ValueError, match="ep"):
         ParallelConfig(tp=2, ep=3)
 

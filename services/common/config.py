@@ -468,8 +468,8 @@ class ParallelConfig(Strict):
     def check(self, m: ModelConfig, key: str) -> None:
         """Raise ValueError naming `key`.<field> when the model's shape cannot be split this way."""
         tp, what = self.tp, f"{key}.tp ({self.tp})"
-        if self.ranks > 1 and m.is_hybrid:
-            raise ValueError(f"{key}: arch nemotron_h runs on one rank (tp = dp_attention = ep = 1)")
+        if m.is_hybrid:
+            self._check_hybrid(m, key)
         if m.n_heads % tp:
             raise ValueError(f"{what} must divide model.n_heads ({m.n_heads})")
         if not m.is_mla and m.n_kv_heads % tp and tp % m.n_kv_heads:
@@ -479,7 +479,8 @@ class ParallelConfig(Strict):
             )
         if m.vocab_size % tp:
             raise ValueError(f"{what} must divide model.vocab_size ({m.vocab_size}): vocab-parallel head")
-        if (not m.is_moe or m.first_k_dense) and m.hidden_dim % tp:
+        dense = "-" in m.hybrid_pattern if m.is_hybrid else (not m.is_moe or m.first_k_dense)
+        if dense and m.hidden_dim % tp:
             raise ValueError(f"{what} must divide model.hidden_dim ({m.hidden_dim})")
         if m.is_moe and m.shared_width % tp:
             raise ValueError(f"{what} must divide the shared experts' width ({m.shared_width})")
@@ -494,6 +495,20 @@ class ParallelConfig(Strict):
             raise ValueError(
                 f"{what} must divide model.moe_hidden_dim ({m.moe_hidden_dim}) (experts tensor-parallel"
                 " with ep = 1)"
+            )
+
+    def _check_hybrid(self, m: ModelConfig, key: str) -> None:
+        """nemotron_h: a Mamba-2 layer splits its heads with their B/C groups (each rank's heads
+        read only its own groups, and the gated norm's groups fall whole on one rank)."""
+        if self.dp_attention > 1:
+            raise ValueError(
+                f"{key}.dp_attention ({self.dp_attention}) must be 1 for arch nemotron_h (its Mamba-2"
+                " state slots live in one attention group)"
+            )
+        if "M" in m.hybrid_pattern and m.mamba_n_groups % self.tp:
+            raise ValueError(
+                f"{key}.tp ({self.tp}) must divide model.mamba_n_groups ({m.mamba_n_groups}):"
+                " each rank holds whole B/C groups of its Mamba-2 heads"
             )
 
 

@@ -9,6 +9,11 @@ FP8 block scales (`X.weight_scale_inv`, one per `block` x `block` tile: the chec
 weight_block_size) follow their weight's slice, so a split must fall on a tile boundary; so must
 the split of a high-precision weight that an FP8 engine quantises at load (`tiled`), for the rank
 to quantise the same tiles as a single-rank engine.
+
+A Mamba-2 layer (nemotron_h, `SliceSpec.mamba`) splits by its heads and their B/C groups: a rank
+holds its heads' rows of z, x and dt and its groups' rows of B and C in `in_proj` ([z | x | B | C |
+dt] rows, read as one copy of those five runs), the same runs of x, B and C in `conv1d`, its
+heads' `dt_bias`, `A_log`, `D` and gated-norm scale, and `out_proj`'s columns of its heads.
 """
 
 from __future__ import annotations
@@ -23,11 +28,23 @@ from services.common.weights_dir import SCALE_SUFFIX, WeightsReader
 
 # Module names (the last component before .weight / .bias) split along the output (dim 0) ...
 COLUMN = frozenset(
-    {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "embed_tokens", "lm_head"}
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "q_b_proj",
+        "kv_b_proj",
+        "embed_tokens",
+        "embeddings",  # nemotron_h's backbone.embeddings
+        "lm_head",
+    }
 )
 # ... and along the input (dim 1, the weight only: a bias is added after the all-reduce).
-ROW = frozenset({"o_proj", "down_proj"})
-PER_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+ROW = frozenset({"o_proj", "down_proj", "out_proj"})
+PER_EXPERT = re.compile(r"\.(?:mlp|mixer)\.experts\.(\d+)\.")
+MAMBA_HEADS = frozenset({"dt_bias", "A_log", "D"})  # a Mamba-2 mixer's per-head parameters
 FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -41,6 +58,8 @@ class SliceSpec:
     # each KV head lives whole on tp_size / kv_heads consecutive ranks (replicated) instead of
     # being cut. 0: k/v split like any column-parallel projection.
     kv_heads: int = 0
+    # A Mamba-2 layer's (inner = heads x head_dim, groups x state, heads); () without one.
+    mamba: tuple[int, int, int] | tuple[()] = ()
 
     def __post_init__(self) -> None:
         for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.ep_rank, self.ep_size, "ep")):
@@ -74,6 +93,28 @@ class SliceSpec:
         step = n // self.tp_size
         return self.tp_rank * step, (self.tp_rank + 1) * step
 
+    def mamba_rows(self, name: str) -> list[tuple[int, int]] | None:
+        """This rank's runs of rows of a Mamba-2 `in_proj` or `conv1d` tensor (module docstring);
+        None for any other tensor."""
+        if not self.mamba or self.tp_size == 1:
+            return None
+        inner, gn, heads = self.mamba
+        runs = [(0, inner), (inner, inner + gn), (inner + gn, inner + 2 * gn)]  # x, B, C
+        if name.endswith(".mixer.in_proj.weight"):
+            conv = inner + 2 * gn
+            runs = (
+                [(0, inner)]
+                + [(inner + a, inner + b) for a, b in runs]
+                + [(inner + conv, inner + conv + heads)]
+            )
+        elif not name.endswith((".mixer.conv1d.weight", ".mixer.conv1d.bias")):
+            return None
+        out = []
+        for a, b in runs:
+            start, stop = self.part(b - a)
+            out.append((a + start, a + stop))
+        return out
+
 
 Slice = tuple[int, int, int] | None  # (dim, start, stop), or None for the whole tensor
 
@@ -99,6 +140,8 @@ def tensor_slice(name: str, shape: tuple[int, ...], spec: SliceSpec, n_experts: 
     module, kind = _module(name)
     if fused is not None:  # [E, N, K]: gate_up split along N (read_slices: in halves), down along K
         return (1, *spec.part(shape[1] // 2)) if fused[1] == "gate_up_proj" else (2, *spec.part(shape[2]))
+    if spec.mamba and (kind in MAMBA_HEADS and module == "mixer" or name.endswith(".mixer.norm.weight")):
+        return (0, *spec.part(shape[0]))  # per head (the norm: per head's features, whole groups)
     if module in ("k_proj", "v_proj"):
         return (0, *spec.kv_rows(shape[0]))
     if module in COLUMN:
@@ -133,6 +176,12 @@ def read_slices(
         w = reader.entries.get(owner, e)
         sl = tensor_slice(owner, w.shape, spec, n_experts)
         if sl is False:
+            continue
+        runs = spec.mamba_rows(owner)
+        if runs is not None:
+            if owner != name:
+                raise ValueError(f"{owner}: a block-scaled Mamba-2 projection does not split over tp ranks")
+            out[name] = torch.cat([reader.tensor(name, r, 0) for r in runs])
             continue
         if sl is None or sl is True:
             out[name] = reader.tensor(name)

@@ -29,6 +29,8 @@ from services.engine.state_cache import StateCache
 
 
 class KVCache:
+    state_cache: type[StateCache] = StateCache  # what `for_model` builds a hybrid model's states as
+
     def __init__(
         self,
         n_layers: int,
@@ -89,7 +91,7 @@ class KVCache:
         model's attention layers only, and its Mamba-2 layers' state cache with `max_seqs`
         slots)."""
         kv = cls(kv_layers(m), num_blocks, block_size, max_seq_len, dtype=dtype, device=device, **_layout(m))
-        kv.states = StateCache.for_model(m, max_seqs, dtype, device)
+        kv.states = cls.state_cache.for_model(m, max_seqs, dtype, device)
         return kv
 
     @staticmethod

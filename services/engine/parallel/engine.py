@@ -168,9 +168,10 @@ class ParallelEngine(LLMEngine):
             return Sampled(self._launch_groups(self.grouped, spans, seqs, rows, draws))
         kv = self.kv
         assert isinstance(kv, RecordingKVCache)
-        order = StepOrder(spans, rows, params, draws, kv.take_copies())
+        order = StepOrder(spans, rows, params, draws, kv.take_copies(), kv.take_state_copies())
         self.groups.world.broadcast_object(order)
-        out = self.runner.step(replace(order, copies=[]))  # rank 0 made its page copies already
+        # Rank 0 made its page and state copies already.
+        out = self.runner.step(replace(order, copies=[], state_copies=[]))
         return Sampled(out) if out is not None else None
 
     def _launch_groups(

@@ -22,13 +22,15 @@ read on the host (no CUDA-graph capture of this layer).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
 from services.engine.layers.fp8 import Fp8Experts
-from services.engine.layers.moe import ExpertWeights, MoE, Router
+from services.engine.layers.moe import ExpertWeights, MoE, Relu2ExpertWeights, Router
 from services.engine.parallel.group import EngineGroups, RankGroup
 from services.engine.parallel.linear import (
     ColumnParallelLinear,
@@ -39,24 +41,28 @@ from services.engine.parallel.linear import (
 
 
 def expert_outputs(
-    gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, experts: torch.Tensor
+    w_in: torch.Tensor,
+    down: torch.Tensor,
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    activate: Callable[[torch.Tensor], torch.Tensor] = ExpertWeights.activate,
 ) -> torch.Tensor:
-    """x [R, D] rows, each for one expert (`experts` [R], indices into gate_up [E, 2I, D] /
-    down [E, D, I]) -> [R, D]: each row through its expert's SwiGLU (not weighted)."""
+    """x [R, D] rows, each for one expert (`experts` [R], indices into w_in [E, rows, D] /
+    down [E, D, I]) -> [R, D]: each row through its expert (not weighted); `activate` between
+    the GEMMs (SwiGLU by default; moe.Relu2ExpertWeights' squared ReLU for nemotron_h)."""
     order = experts.argsort(stable=True)
     xs = x[order]
-    counts = torch.bincount(experts, minlength=gate_up.shape[0])
+    counts = torch.bincount(experts, minlength=w_in.shape[0])
     if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and down.shape[-1] % 8 == 0:
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+        h = activate(torch._grouped_mm(xs, w_in.transpose(-2, -1), offs=offs))
+        ys = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
     else:
         ys = torch.empty((xs.shape[0], down.shape[1]), dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                gate, up = F.linear(xs[start : start + n], gate_up[e]).chunk(2, dim=-1)
-                ys[start : start + n] = F.linear(F.silu(gate) * up, down[e])
+                ys[start : start + n] = F.linear(activate(F.linear(xs[start : start + n], w_in[e])), down[e])
                 start += n
     return torch.empty_like(ys).index_copy_(0, order, ys)
 
@@ -69,7 +75,7 @@ def run_experts(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch
         ones = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
         return experts(x, ids[:, None], ones)
     assert isinstance(experts, ExpertWeights)
-    return expert_outputs(experts.gate_up_proj, experts.down_proj, x, ids)
+    return expert_outputs(experts.w_in, experts.down_proj, x, ids, experts.activate)
 
 
 def combine_slots(experts: nn.Module, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -108,10 +114,31 @@ class SharedExpertsTP(nn.Module):
         self.down_proj.load_full(state["down_proj.weight"], self.cols)
 
 
+class SharedRelu2TP(nn.Module):
+    """nemotron_h's shared expert (relu2_mlp.Relu2MLP) with its width split over the tp group."""
+
+    def __init__(self, m: ModelConfig, tp: RankGroup) -> None:
+        super().__init__()
+        local = len(shard_indices(m.shared_width, tp.size, tp.rank))
+        self.up_proj = ColumnParallelLinear(m.dim, local)
+        self.down_proj = RowParallelLinear(local, m.dim, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
+def shared_tp(m: ModelConfig, tp: RankGroup) -> nn.Module | None:
+    """An MoE layer's shared experts split over the tp group (None without any)."""
+    if not m.n_shared_experts:
+        return None
+    return SharedRelu2TP(m, tp) if m.is_hybrid else SharedExpertsTP(m, tp)
+
+
 def local_experts(m: ModelConfig, n_experts: int, width: int) -> ExpertWeights:
-    """moe.ExpertWeights holding `n_experts` experts of `width` (HF names and per-expert loads
-    unchanged, indices local to the rank)."""
-    return ExpertWeights(m.model_copy(update={"n_routed_experts": n_experts, "moe_hidden_dim": width}))
+    """moe.ExpertWeights (nemotron_h: Relu2ExpertWeights) holding `n_experts` experts of `width`
+    (HF names and per-expert loads unchanged, indices local to the rank)."""
+    local = m.model_copy(update={"n_routed_experts": n_experts, "moe_hidden_dim": width})
+    return Relu2ExpertWeights(local) if m.is_hybrid else ExpertWeights(local)
 
 
 class ExpertParallelMoE(MoE):
@@ -127,7 +154,7 @@ class ExpertParallelMoE(MoE):
         self.n_local = last - self.first
         self.gate = Router(m)
         self.experts = local_experts(m, self.n_local, m.moe_hidden_dim)
-        self.shared_experts = SharedExpertsTP(m, groups.tp) if m.n_shared_experts else None  # type: ignore[assignment]
+        self.shared_experts = shared_tp(m, groups.tp)
 
     @torch.no_grad()
     def load_full(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -180,7 +207,7 @@ class TensorParallelMoE(MoE):
         self.inter = m.moe_hidden_dim
         self.gate = Router(m)
         self.experts = local_experts(m, m.n_routed_experts, len(self.cols))
-        self.shared_experts = SharedExpertsTP(m, tp) if m.n_shared_experts else None  # type: ignore[assignment]
+        self.shared_experts = shared_tp(m, tp)
 
     @torch.no_grad()
     def load_full(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:

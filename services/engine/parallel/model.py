@@ -11,8 +11,13 @@ checks, and the attention code, the KV cache
 
 MLA models (deepseek_v3, glm_moe_dsa) split their heads the same way (q_b_proj / q_proj and
 kv_b_proj by heads, o_proj by its input): the low-rank down-projections, the cached latent and
-GLM-5's DSA indexer are every head's, so every rank of a tp group keeps them whole. nemotron_h
-(Mamba-2 layers) is not split.
+GLM-5's DSA indexer are every head's, so every rank of a tp group keeps them whole.
+
+nemotron_h splits its Mamba-2 layers by heads with their B/C groups (in_proj's z/x/dt rows of the
+rank's heads and B/C rows of its groups, conv1d's channels likewise, out_proj by its input: one
+all-reduce per layer, as attention's o_proj); each rank's state slots hold its heads' states
+(`local_config`: mamba_n_heads / tp, mamba_n_groups / tp), under the slot numbers rank 0's
+scheduler gives every rank.
 """
 
 from __future__ import annotations
@@ -26,18 +31,21 @@ from services.common.weights_dir import SCALE_SUFFIX
 from services.common.weights_slice import SliceSpec
 from services.engine.layers.moe import PER_EXPERT, MoE
 from services.engine.models.causal_lm import CausalLM
+from services.engine.models.registry import engine_model
 from services.engine.parallel.experts import ExpertParallelMoE, TensorParallelMoE
 from services.engine.parallel.fp8 import convert_parallel_model
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import RowParallelLinear, split_range
 from services.engine.parallel.vocab import ShardedLogits, VocabParallelEmbedding
 
-SPLIT_ARCHS = ("qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa")
+SPLIT_ARCHS = ("qwen3", "llama3", "qwen3_moe", "deepseek_v3", "glm_moe_dsa", "nemotron_h")
 
 
 def check_supported(m: ModelConfig, par: ParallelConfig) -> None:
     if par.ranks > 1 and m.arch not in SPLIT_ARCHS:
         raise ValueError(f"the engine splits {', '.join(SPLIT_ARCHS)} over ranks; not arch {m.arch}")
+    if m.is_hybrid:
+        par.check(m, "parallel")  # Mamba-2 heads with whole B/C groups, one attention group
 
 
 def local_config(m: ModelConfig, par: ParallelConfig) -> ModelConfig:
@@ -54,6 +62,9 @@ def local_config(m: ModelConfig, par: ParallelConfig) -> ModelConfig:
     }
     if m.is_moe and par.ep == 1:
         update["moe_hidden_dim"] = m.moe_hidden_dim // tp
+    if m.is_hybrid and "M" in m.hybrid_pattern:
+        update["mamba_n_heads"] = m.mamba_n_heads // tp
+        update["mamba_n_groups"] = m.mamba_n_groups // tp
     return m.model_copy(update=update)
 
 
@@ -74,22 +85,18 @@ def build_parallel_model(
     local = local_config(m, par)
     tp = groups.tp
     with torch.device("meta"):
-        model = CausalLM(local, max_seq_len, attention_bias)
-        model.model.embed_tokens = VocabParallelEmbedding(m.vocab_size, m.dim, tp)
+        model = engine_model(local, max_seq_len, attention_bias)
         if model.lm_head is not None:
             model.lm_head = nn.Linear(m.dim, m.vocab_size // tp.size, bias=False)
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            o = attn.o_proj  # (MLA's reads heads x v_head_dim)
-            attn.o_proj = RowParallelLinear(o.in_features, m.dim, tp, bias=o.bias is not None)
-            mlp = layer.mlp
-            if isinstance(mlp, MoE):
-                index = mlp.moe_index
-                layer.mlp = (
-                    ExpertParallelMoE(m, index, groups) if par.ep > 1 else TensorParallelMoE(m, index, tp)
-                )
-            else:
-                mlp.down_proj = RowParallelLinear(local.hidden_dim, m.dim, tp)
+        if m.is_hybrid:
+            _split_hybrid(model, m, local, par, groups)
+        else:
+            model.model.embed_tokens = VocabParallelEmbedding(m.vocab_size, m.dim, tp)
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                layer.mlp = _split_ffn(layer.mlp, m, local, par, groups)
+                o = attn.o_proj  # (MLA's reads heads x v_head_dim)
+                attn.o_proj = RowParallelLinear(o.in_features, m.dim, tp, bias=o.bias is not None)
         model = model.to(dtype)
         if fp8:
             convert_parallel_model(model)  # after the cast: it would turn fp8 buffers into dtype
@@ -100,10 +107,43 @@ def build_parallel_model(
     return model
 
 
+def _split_ffn(
+    mlp: nn.Module, m: ModelConfig, local: ModelConfig, par: ParallelConfig, groups: EngineGroups
+) -> nn.Module:
+    """A dense MLP with its down_proj row-parallel, or an MoE layer's expert- or tensor-parallel
+    version."""
+    if isinstance(mlp, MoE):
+        index = mlp.moe_index
+        return ExpertParallelMoE(m, index, groups) if par.ep > 1 else TensorParallelMoE(m, index, groups.tp)
+    mlp.down_proj = RowParallelLinear(local.hidden_dim, m.dim, groups.tp)
+    return mlp
+
+
+def _split_hybrid(
+    model: CausalLM, m: ModelConfig, local: ModelConfig, par: ParallelConfig, groups: EngineGroups
+) -> None:
+    """nemotron_h's layers (module docstring): each mixer's last projection row-parallel."""
+    tp = groups.tp
+    stack = model.backbone
+    stack.embeddings = VocabParallelEmbedding(m.vocab_size, m.dim, tp)
+    for layer in stack.layers:
+        mixer = layer.mixer
+        if layer.kind == "M":
+            mixer.out_proj = RowParallelLinear(mixer.inner, m.dim, tp)
+        elif layer.kind == "*":
+            o = mixer.o_proj
+            mixer.o_proj = RowParallelLinear(o.in_features, m.dim, tp, bias=o.bias is not None)
+        else:
+            layer.mixer = _split_ffn(mixer, m, local, par, groups)
+
+
 def slice_spec(m: ModelConfig, par: ParallelConfig, groups: EngineGroups) -> SliceSpec:
     """Which part of each checkpoint tensor this rank reads (services/common/weights_slice.py)."""
     ep = groups.ep
-    return SliceSpec(groups.tp.rank, groups.tp.size, ep.rank, ep.size, kv_heads=m.n_kv_heads)
+    mamba: tuple[int, int, int] | tuple[()] = ()
+    if m.is_hybrid and "M" in m.hybrid_pattern:
+        mamba = (m.mamba_n_heads * m.mamba_head_dim, m.mamba_n_groups * m.ssm_state_size, m.mamba_n_heads)
+    return SliceSpec(groups.tp.rank, groups.tp.size, ep.rank, ep.size, kv_heads=m.n_kv_heads, mamba=mamba)
 
 
 def local_state(

@@ -28,7 +28,7 @@ from ops.fp8.checkpoint import dequantize_state, is_fp8_weight
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.modeldir import model_config_from_hf
 from services.common.schemas import SamplingParams
-from services.engine.batch import ForwardBatch, Span
+from services.engine.batch import ForwardBatch, Span, StateMeta
 from services.engine.kv_cache import KVCache, pool_blocks
 from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import SampleOutput
@@ -45,6 +45,7 @@ from services.engine.parallel.model import (
 )
 from services.engine.parallel.pages import ExportOrder, ImportOrder, run_export, run_import
 from services.engine.parallel.vocab import ShardedSampler
+from services.engine.state_cache import StateCache
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class StepOrder:
     params: list[SamplingParams] = field(default_factory=list)
     draws: list[float] = field(default_factory=list)  # ShardedSampler.draws, made on rank 0
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages, before the forward
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) Mamba-2 state slots
     # Send the forwarded tokens' routed expert ids back (an attention group other than rank 0's:
     # rank 0 keeps a copy of that group's routing store).
     routing: bool = False
@@ -101,9 +103,26 @@ class StopOrder:
 Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | ExportOrder | ImportOrder | StopOrder
 
 
+class RecordingStateCache(StateCache):
+    """Rank 0's Mamba-2 state slots: a forked sample's copy of its parent's states (made after the
+    forward that prefilled both) is recorded for the other ranks, which make it before the next
+    forward. Slot numbers are rank 0's scheduler's on every rank; zeroing a sequence's slot is
+    part of the forward (its first span), so allocation, release and preemption need no order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.copies: list[tuple[int, int]] = []
+
+    def copy(self, src: int, dst: int) -> None:
+        super().copy(src, dst)
+        self.copies.append((src, dst))
+
+
 class RecordingKVCache(KVCache):
     """Rank 0's KV cache: the page copies its scheduler makes (a forked sample's private copy of
     its parent's last prompt page) are done here and recorded for the other ranks' caches."""
+
+    state_cache = RecordingStateCache
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -115,6 +134,12 @@ class RecordingKVCache(KVCache):
 
     def take_copies(self) -> list[tuple[int, int]]:
         out, self.copies = self.copies, []
+        return out
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        if not isinstance(self.states, RecordingStateCache):
+            return []
+        out, self.states.copies = self.states.copies, []
         return out
 
 
@@ -147,7 +172,13 @@ class RankRunner:
         if ckpt is not None:
             self.load(ckpt)
         self.kv = kv_cls.for_model(
-            local_config(m, par), num_blocks, cfg.block_size, max_seq_len, self.dtype, device
+            local_config(m, par),
+            num_blocks,
+            cfg.block_size,
+            max_seq_len,
+            self.dtype,
+            device,
+            cfg.max_batch_size,
         )
         self.sampler = ShardedSampler()
         self.checkpoint = ckpt  # the one read at start: rank 0's engine takes its metadata
@@ -167,13 +198,25 @@ class RankRunner:
         else:
             self.model.load_hf_state(dequantize_state(state, self.dtype) if ckpt.fp8 else state)
 
-    @torch.inference_mode()
-    def step(self, order: StepOrder) -> SampleOutput | None:
+    def _copies(self, order: StepOrder) -> None:
         for src, dst in order.copies:
             self.kv.copy_block(src, dst)
+        for src, dst in order.state_copies:
+            assert self.kv.states is not None
+            self.kv.states.copy(src, dst)
+
+    def _batch(self, spans: list[Span]) -> ForwardBatch:
+        batch = ForwardBatch.build(spans, self.device, self.max_seq_len, self.kv.block_size)
+        if self.kv.states is not None:
+            batch.state = StateMeta.build(spans, self.device)
+        return batch
+
+    @torch.inference_mode()
+    def step(self, order: StepOrder) -> SampleOutput | None:
+        self._copies(order)
         if not order.spans:
             return None
-        batch = ForwardBatch.build(order.spans, self.device, self.max_seq_len, self.kv.block_size)
+        batch = self._batch(order.spans)
         hidden = self.model(batch, self.kv)
         if not order.rows:
             return None
@@ -185,12 +228,11 @@ class RankRunner:
     def step_group(self, order: StepOrder) -> GroupResult | None:
         """This rank's attention group's part of a GroupStepOrder; every rank then sends its
         result to rank 0 (`gather_group`)."""
-        for src, dst in order.copies:
-            self.kv.copy_block(src, dst)
+        self._copies(order)
         if not order.spans:
             self.idle_forward()
             return None
-        batch = ForwardBatch.build(order.spans, self.device, self.max_seq_len, self.kv.block_size)
+        batch = self._batch(order.spans)
         hidden = self.model(batch, self.kv)
         res = GroupResult(None)
         if order.routing and self.kv.routing is not None:
@@ -242,7 +284,7 @@ def config_of(path: str | Path) -> ModelConfig:
 def check_engine(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig) -> None:
     check_supported(m, par)
     if cfg.quantization == "fp8" and m.is_hybrid:
-        raise ValueError("quantization: fp8 does not cover nemotron_h (its Mamba-2 layers)")
+        raise ValueError("quantization: fp8 serves nemotron_h on one rank only (parallel.tp = ep = 1)")
 
 
 def read_rank_checkpoint(
