@@ -4,7 +4,9 @@ one prompt (its full pages, its partial last page and its first token) and publi
 prompt's pages. The 2-group decode places each request first (the second goes to the other group,
 which takes its pulled pages), imports the pages into that group's pool only, and generates what a
 colocated 1-rank engine generates (tokens equal, log-probs to 1e-5); the pages it then publishes
-are read from each sequence's own group and are the 1-rank engine's pages."""
+are read from each sequence's own group and are the 1-rank engine's pages. The same scenario runs
+on tests/test_parallel_engine.py's glm5-dp2 ranks (`make test`) and on its moe-tp2-dp2 ranks (`full`:
+tp 2 inside each group, a page's KV heads gathered from and scattered to the group's two ranks)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from helpers.parallel import run_ranks
 from test_parallel_engine import DP_CFG, MODELS
 from test_parallel_pages import as_floats
 
+from services.common.config import EngineConfig, ParallelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.kv_transfer import PromptTail, chain_hashes, prompt_tail_key
@@ -62,19 +65,21 @@ def worker(rank: int, init: str, model_dir: str, out_dir: str) -> None:
     if rank != 0:
         run_worker(CFG, PAR, groups)
         return
-    scenario(model_dir, out_dir, groups)
+    scenario(model_dir, out_dir, groups, CFG, PAR)
 
 
-def scenario(model_dir: str, out_dir: str, groups: EngineGroups) -> None:
-    """Rank 0's part (the other ranks run run_worker with CFG); writes dp_kv.json."""
-    bs = CFG.block_size
+def scenario(
+    model_dir: str, out_dir: str, groups: EngineGroups, cfg: EngineConfig, par: ParallelConfig
+) -> None:
+    """Rank 0's part (the other ranks run run_worker with `cfg`); writes dp_kv.json."""
+    bs = cfg.block_size
     # The prefill: hands off HANDED (sampling its first token) and publishes PULLED's pages.
-    pre = LLMEngine(model_dir, CFG)
+    pre = LLMEngine(model_dir, cfg)
     store, tails = Published(), {}
     pre.pages.sink = store
     pre.pages.tail_sink = lambda key, blob: tails.__setitem__(key, blob.clone())
     first = pre.generate([handed(1), pulled(1)])[0].choices[0]
-    eng = ParallelEngine(model_dir, CFG, PAR, groups)
+    eng = ParallelEngine(model_dir, cfg, par, groups)
     assert eng.layout == pre.layout
     keys_h = chain_hashes(HANDED, eng.version, eng.layout, bs)
     keys_p = chain_hashes(PULLED, eng.version, eng.layout, bs)[: (len(PULLED) - 1) // bs]
@@ -103,7 +108,7 @@ def scenario(model_dir: str, out_dir: str, groups: EngineGroups) -> None:
     computed = eng.stats.computed_tokens_total - computed0
     got = [s.response().model_dump(mode="json")["choices"][0] for s in states]
     eng.close()
-    ref = LLMEngine(model_dir, CFG)
+    ref = LLMEngine(model_dir, cfg)
     ref_pages = Published()
     ref.pages.sink = ref_pages
     want = [r.model_dump(mode="json")["choices"][0] for r in ref.generate([handed(10), pulled(8)])]

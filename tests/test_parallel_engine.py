@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -87,9 +88,12 @@ CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4,
 DP_CFG = CFG.model_copy(update={"num_kv_blocks": 24})
 
 
-# Its ranks then run tests/test_parallel_dp_kv.py's scenario too (a handoff and a pulled prefix
-# over 2 attention groups): a second spawn of ranks would cost `make test` more than the scenario.
-KV_CASE = "glm5-dp2"
+# These cases' ranks then run the KV page scenarios with data-parallel attention (a second spawn of
+# ranks would cost more than a scenario): tests/test_parallel_dp_kv.py (a handoff and a pulled
+# prefix) and tests/test_parallel_dp_near.py (histories pulled from the near tier); moe-tp2-dp2's
+# with tp 2 inside each attention group (KV heads split over a group's ranks).
+KV_SCENARIOS = ("test_parallel_dp_kv", "test_parallel_dp_near")
+KV_CASES = ("glm5-dp2", "moe-tp2-dp2")
 
 
 def engine_cfg(par: ParallelConfig) -> EngineConfig:
@@ -159,8 +163,7 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
             runner = build_runner(start.path, cfg, par, groups)
             runner.run(groups.world.broadcast_object(None))
             return
-        run_worker(cfg, par, groups)
-        if name == KV_CASE:
+        for _ in range(1 + len(KV_SCENARIOS) * (name in KV_CASES)):
             run_worker(cfg, par, groups)
         return
     eng = ParallelEngine(dirs[0], cfg, par, groups)
@@ -180,10 +183,9 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
     eng.close()
     want = drive(LLMEngine(dirs[0], cfg), m.is_moe, dirs[1])
     Path(out_dir, f"{name}.json").write_text(json.dumps({"got": got, "want": want}))
-    if name == KV_CASE:  # the same ranks again: KV pages with data-parallel attention
-        from test_parallel_dp_kv import scenario
-
-        scenario(dirs[0], out_dir, groups)
+    if name in KV_CASES:  # the same ranks again: KV pages with data-parallel attention
+        for mod in KV_SCENARIOS:
+            import_module(mod).scenario(dirs[0], out_dir, groups, cfg, par)
 
 
 def weights(m: ModelConfig, dest: Path, version: int) -> Path:
@@ -217,10 +219,9 @@ def run(name: str, tmp_path: Path, die: bool = False) -> None:
 )
 def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Path) -> None:
     run(name, tmp_path)
-    if name == KV_CASE:
-        from test_parallel_dp_kv import check
-
-        check(tmp_path)  # tests/test_parallel_dp_kv.py: its scenario ran on these ranks too
+    if name in KV_CASES:  # the scenarios ran on these ranks too
+        import_module("test_parallel_dp_kv").check(tmp_path)
+        import_module("test_parallel_dp_near").check(tmp_path, DP_CFG.block_size)
     r = json.loads((tmp_path / f"{name}.json").read_text())
     got, want = r["got"], r["want"]
     if MODELS[name][1].dp_attention > 1:

@@ -717,7 +717,9 @@ class PageExchange:
         return n
 
     def _count(self, pages: int, seconds: float, near: bool) -> None:
-        nbytes = pages * page_nbytes(self.kv)
+        # The pages' bytes as moved (page_bytes: a multi-rank engine's whole pages, not the share
+        # of them rank 0's pool holds), which the pull policy divides by the seconds.
+        nbytes = pages * self.page_bytes
         if near:
             self.near_import_seconds_total += seconds
             self.near_import_bytes_total += nbytes
