@@ -289,10 +289,16 @@ def on_policy_groups(model: torch.nn.Module, m: ModelConfig) -> list[RolloutGrou
 
 
 def train_nemotron_step(
-    m: ModelConfig, model: torch.nn.Module, run_dir: Path, redis_url: str, **trainer: object
+    m: ModelConfig,
+    model: torch.nn.Module,
+    run_dir: Path,
+    redis_url: str,
+    groups: list[RolloutGroup] | None = None,
+    **trainer: object,
 ) -> tuple[TrainerStepMetrics, dict[str, torch.Tensor], Path]:
-    """One trainer.train.run step (torchrun for nproc > 1) from `model`'s weights on its own
-    on-policy groups: (metrics, the published step_1 tensors, step_0's directory)."""
+    """One trainer.train.run step (torchrun for nproc > 1) from `model`'s weights on `groups`
+    (default: its own on-policy groups): (metrics, the published step_1 tensors, step_0's
+    directory)."""
     import shutil
     import uuid
 
@@ -304,7 +310,7 @@ def train_nemotron_step(
     tree["run"].update(max_steps=1, dir=str(run_dir))
     tree["orchestrator"].update(batch_size=2, group_size=4)
     tree["trainer"].update(lr=1e-2, micro_batch_tokens=64, **trainer)
-    groups = on_policy_groups(model, m)
+    groups = groups or on_policy_groups(model, m)
     mt, w1 = run_one_step(RunConfig.model_validate(tree), run_dir, redis_url, groups, timeout_s=300)
     return mt, w1, d0
 
@@ -340,15 +346,53 @@ def test_trainer_step_publishes_a_model_hf_loads(redis_server: str, tmp_path: Pa
     hf_model(step_dir(tmp_path / "run", 1))
 
 
-@pytest.mark.full  # EP itself: test_two_processes_match_one_deepseek, test_trainer_parallel.py
-@pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
-def test_fsdp_and_expert_parallel_match_one_process_nemotron(redis_server: str, tmp_path: Path) -> None:
-    """FSDP2 with the squared-ReLU experts split over 2 EP ranks (torchrun, gloo) trains the
-    nemotron_h step (packed: Mamba-2 layers split per sample) as one process does."""
+def test_trainer_step_in_fp8_nemotron(redis_server: str, tmp_path: Path) -> None:
+    """trainer.fp8 on nemotron_h (trainer/fp8.py: FP8 linears and squared-ReLU experts, the FP8
+    backward): the step's forward is the FP8 model's, so samples scored by that model are on-policy
+    (mismatch ~0; the high-precision model's scores are not), and every kind of layer moves."""
+    import copy
+
+    from trainer.fp8 import convert
+
     m = small_nemotron()
     model = nemotron_model(m, seed=5)
-    m1, w1, _ = train_nemotron_step(m, model, tmp_path / "run1", redis_server, packing=True)
-    m2, w2, _ = train_nemotron_step(m, model, tmp_path / "run2", redis_server, packing=True, nproc=2, ep=2)
+    fp8 = copy.deepcopy(model)
+    convert(fp8)
+    groups = on_policy_groups(fp8, m)
+    mt, w1, d0 = train_nemotron_step(m, model, tmp_path / "run", redis_server, groups, packing=True, fp8=True)
+    assert mt.routing_replayed_frac == 1.0 and mt.loss != 0.0 and abs(mt.mismatch_kl_k3) < 1e-6
+    w0 = read_model_dir(d0)[1]
+    for k in (
+        "backbone.layers.0.mixer.in_proj.weight",
+        "backbone.layers.0.mixer.conv1d.weight",
+        "backbone.layers.1.mixer.q_proj.weight",
+        "backbone.layers.2.mixer.experts.0.up_proj.weight",
+        "backbone.layers.2.mixer.experts.0.down_proj.weight",
+        "backbone.layers.2.mixer.shared_experts.up_proj.weight",
+        "backbone.layers.4.mixer.down_proj.weight",
+    ):
+        assert (w1[k] - w0[k]).abs().max() > 0, k
+    hp, _, _ = train_nemotron_step(m, model, tmp_path / "hp", redis_server, groups, packing=True)
+    print(f"fp8 step mismatch {mt.mismatch_kl_k3:.2e}, high-precision step {hp.mismatch_kl_k3:.2e}")
+    assert hp.mismatch_kl_k3 > 1e-5
+
+
+@pytest.mark.full  # EP itself: test_two_processes_match_one_deepseek, test_trainer_parallel.py
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun/gloo test runs on Linux")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fsdp_and_expert_parallel_match_one_process_nemotron(
+    redis_server: str, tmp_path: Path, fp8: bool
+) -> None:
+    """FSDP2 with the squared-ReLU experts split over 2 EP ranks (torchrun, gloo) trains the
+    nemotron_h step (packed: Mamba-2 layers split per sample) as one process does; with
+    trainer.fp8 too (the FP8 experts on each rank's local experts)."""
+    m = small_nemotron()
+    model = nemotron_model(m, seed=5)
+    # fp8_backward off: its weight gradients quantise along the tokens, in 128-token blocks that
+    # differ when the tokens are split over ranks; the forward and the STE backward do not.
+    kw = {"packing": True, "fp8": fp8, "fp8_backward": False}
+    m1, w1, _ = train_nemotron_step(m, model, tmp_path / "run1", redis_server, **kw)
+    m2, w2, _ = train_nemotron_step(m, model, tmp_path / "run2", redis_server, nproc=2, ep=2, **kw)
     assert m2.routing_replayed_frac == 1.0
     for f in ("loss", "grad_norm", "mismatch_kl_k3"):
         assert getattr(m2, f) == pytest.approx(getattr(m1, f), rel=1e-5, abs=1e-7), f

@@ -18,9 +18,12 @@ Backward (straight-through: the quantisers count as identity):
   grad_b = sum of grad_out.
 The module stays an nn.Linear subclass with the same `weight`/`bias` parameters, so state dicts,
 checkpoints, FSDP2 and the HF weight export are unchanged and the optimizer updates the master
-weights. Converted: attention wq/wk/wv/wo, dense MLP w1/w2/w3 and the MoEs' routed experts
-(`Fp8RoutedExperts`: the engine's Fp8Experts recipe; straight-through backward, its dgrads in FP8
-with `fp8_dgrad`); kept: `output` (lm_head), MoE routers (`...router.gate`), embeddings, norms.
+weights. Converted: every nn.Linear but those kept (attention wq/wk/wv/wo, dense MLP and shared
+expert w1/w2/w3, Nemotron-H's Mamba-2 in_proj/out_proj) and the MoEs' routed experts
+(`Fp8RoutedExperts`, `Fp8Relu2RoutedExperts`: the engine's Fp8Experts / Fp8Relu2Experts recipes;
+straight-through backward, their dgrads in FP8 with `fp8_dgrad`); kept: `output` (lm_head), MoE
+routers (`...router.gate`), embeddings, norms, and what is not a linear (Mamba-2's conv1d, dt/A/D).
+Experts of a kind with no FP8 recipe are an error, not left in high precision.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
 from ops.fp8.dispatch import (
@@ -52,6 +56,7 @@ from ops.fp8.recipe import (
     fp8_gemm_tokens,
 )
 from trainer.moe_routing import RoutedExperts
+from trainer.nemotron import Relu2Experts, relu2
 from trainer.swiglu_bwd import swiglu_backward
 
 CONVERTER_NAME = "quantize.linear.fp8_blockwise"
@@ -240,21 +245,37 @@ def _token_backend(backend: str) -> str:
     return "torch" if backend == "triton" else backend
 
 
+def _activate(gu: torch.Tensor, squared_relu: bool) -> torch.Tensor:
+    """The experts' activation on the in-projection's output, as the engine's Fp8Experts.activate
+    (SiLU-mul of the gate and up halves) or Fp8Relu2Experts.activate (relu(up)^2)."""
+    if squared_relu:
+        return relu2(gu).contiguous()
+    gate, up = gu.chunk(2, dim=-1)
+    return (F.silu(gate) * up).contiguous()
+
+
+def _relu2_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """d relu(h)^2 / dh = 2 relu(h), times da, in float32 math, in h's dtype."""
+    return (da.float() * 2 * F.relu(h.float())).to(h.dtype)
+
+
 class _Fp8ExpertsFn(torch.autograd.Function):
-    """The routed experts through the engine's FP8 MoE recipe (services/engine/fp8_linear.Fp8Experts):
+    """The routed experts through the engine's FP8 MoE recipe (services/engine/layers/fp8.Fp8Experts):
     gate and up fused as one [E, 2I, D] weight and each expert quantised 128x128 (a 128-row tile may
     hold gate and up rows, as in the engine), the expert inputs and the SiLU-mul output quantised
-    1x128, both GEMMs grouped.
+    1x128, both GEMMs grouped. `w3` None: Nemotron-H's squared-ReLU experts (Fp8Relu2Experts), the
+    up weight [E, I, D] alone as the in-projection and relu(h)^2 as the activation.
 
     Backward, `fp8_backward` (trainer.fp8_backward, the default): the straight-through gradients of
     the function the forward computed, from what it saved (no recompute). The two dgrads are
     grouped FP8 GEMMs as the dense linear's (grad_out, then the SiLU-mul's input gradient, quantised
     1x128; each expert's 128x128 tiles transposed, written by the weight quantiser in the same
     pass); the SiLU-mul backward is one pass in float32 math on the forward's gate and up
-    (trainer/swiglu_bwd.py); the weight gradients are bf16 grouped GEMMs over each expert's tokens
-    (grad^T @ the GEMM's input before its quantisation, as the quantisers are the identity to the
-    straight-through backward). Without it: the gradients of the experts' high-precision function
-    at the dequantised weights, recomputed (RoutedExperts.run, loop or grouped GEMMs as configured)."""
+    (trainer/swiglu_bwd.py; the squared ReLU's, 2 relu(h) da, likewise); the weight gradients are
+    bf16 grouped GEMMs over each expert's tokens (grad^T @ the GEMM's input before its
+    quantisation, as the quantisers are the identity to the straight-through backward). Without
+    it: the gradients of the experts' high-precision function at the dequantised weights,
+    recomputed (the module's `run`, loop or grouped GEMMs as configured)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -262,7 +283,7 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         x: torch.Tensor,
         w1: torch.Tensor,
         w2: torch.Tensor,
-        w3: torch.Tensor,
+        w3: torch.Tensor | None,
         counts: torch.Tensor,
         experts: nn.Module,
         pow2: bool,
@@ -270,7 +291,9 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         fp8_backward: bool,
     ) -> torch.Tensor:
         out_dtype = _out_dtype(x)
-        gu_q, gu_s, gu_t = quantize_weight_fast(torch.cat([w1, w3], dim=1).detach(), pow2, fp8_backward)
+        ctx.squared_relu = w3 is None
+        w_in = w1 if w3 is None else torch.cat([w1, w3], dim=1)
+        gu_q, gu_s, gu_t = quantize_weight_fast(w_in.detach(), pow2, fp8_backward)
         dn_q, dn_s, dn_t = quantize_weight_fast(w2.detach(), pow2, fp8_backward)
         # Rows past the counted ones (an EP dispatch's padding) go to the last group: computed,
         # then dropped by whoever padded them, as torchtitan's grouped path leaves them.
@@ -279,8 +302,7 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         xh = x.detach().to(out_dtype)
         xq, xs = quantize_activation(xh, pow2)
         gu = grouped_fp8_gemm_dispatch(xq, xs, gu_q, gu_s, offs, out_dtype, backend)
-        gate, up = gu.chunk(2, dim=-1)
-        a = (F.silu(gate) * up).contiguous()
+        a = _activate(gu, ctx.squared_relu)
         aq, a_s = quantize_activation(a, pow2)
         out = grouped_fp8_gemm_dispatch(aq, a_s, dn_q, dn_s, offs, out_dtype, backend)
         if fp8_backward:
@@ -297,8 +319,15 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         if ctx.fp8_backward:
             return (*_fp8_experts_backward(ctx, grad_out), None, None, None, None, None, None)
         x, gu_q, gu_s, dn_q, dn_s, counts = ctx.saved_tensors
-        w1, w3 = dequantize_weight(gu_q, gu_s).to(ctx.w_dtype).split(ctx.inter, dim=1)
+        w_in = dequantize_weight(gu_q, gu_s).to(ctx.w_dtype)
         w2 = dequantize_weight(dn_q, dn_s).to(ctx.w_dtype)
+        if ctx.squared_relu:
+            leaves = [t.detach().requires_grad_() for t in (x, w_in, w2)]
+            with torch.enable_grad():
+                out = ctx.experts.run(leaves[1], leaves[2], leaves[0], counts)
+                gx, gw1, gw2 = torch.autograd.grad(out, leaves, grad_out)
+            return gx, gw1, gw2, None, None, None, None, None, None
+        w1, w3 = w_in.split(ctx.inter, dim=1)
         leaves = [t.detach().requires_grad_() for t in (x, w1, w2, w3)]
         with torch.enable_grad():
             out = ctx.experts.run(leaves[1], leaves[2], leaves[3], leaves[0], counts)
@@ -306,20 +335,22 @@ class _Fp8ExpertsFn(torch.autograd.Function):
         return gx, gw1, gw2, gw3, None, None, None, None, None
 
 
-def _fp8_experts_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """_Fp8ExpertsFn's FP8 backward: (grad x, grad w1, grad w2, grad w3)."""
+def _fp8_experts_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """_Fp8ExpertsFn's FP8 backward: (grad x, grad w1, grad w2, grad w3; None for squared-ReLU experts)."""
     xh, gu, a, gu_t, gu_s, dn_t, dn_s, offs = ctx.saved_tensors
     g = grad_out.contiguous().to(xh.dtype)
     dtype = g.dtype
     gq, gs = quantize_activation(g, ctx.pow2)
     # grad of the SiLU-mul output: grad_out @ w2 per expert, w2^T's tiles (E, I, D) on the kernel.
     da = grouped_fp8_gemm_dispatch(gq, gs, dn_t, dn_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
-    dgu = swiglu_backward(gu, da)
+    dgu = _relu2_backward(gu, da) if ctx.squared_relu else swiglu_backward(gu, da)
     dq, ds = quantize_activation(dgu, ctx.pow2)
     gx = grouped_fp8_gemm_dispatch(dq, ds, gu_t, gu_s.transpose(1, 2).contiguous(), offs, dtype, ctx.backend)
     # Weight gradients against the GEMMs' high-precision inputs (the quantisers as identity).
     gw2 = _grouped_wgrad(g, a, offs)
     gw13 = _grouped_wgrad(dgu, xh, offs)
+    if ctx.squared_relu:
+        return gx, gw13.to(ctx.w_dtype), gw2.to(ctx.w_dtype), None
     gw1, gw3 = gw13.to(ctx.w_dtype).split(ctx.inter, dim=1)
     return gx, gw1, gw2.to(ctx.w_dtype), gw3
 
@@ -347,6 +378,28 @@ class Fp8RoutedExperts(RoutedExperts):
         return _Fp8ExpertsFn.apply(  # type: ignore[no-any-return]
             x, w1, w2, w3, num_tokens_per_expert, self, self.pow2_scales, self.backend, self.fp8_backward
         )
+
+
+class Fp8Relu2RoutedExperts(Relu2Experts):
+    """Nemotron-H's Relu2Experts (same parameters w1 = up, w2 = down) whose forward runs the
+    engine's Fp8Relu2Experts recipe (_Fp8ExpertsFn without w3). Made by re-classing in place."""
+
+    pow2_scales: bool = False
+    backend: str = "auto"
+    fp8_backward: bool = False
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.local_weights()
+        return _Fp8ExpertsFn.apply(  # type: ignore[no-any-return]
+            x, w1, w2, None, num_tokens_per_expert, self, self.pow2_scales, self.backend, self.fp8_backward
+        )
+
+
+# Routed experts with an FP8 recipe, by their high-precision class.
+FP8_EXPERTS: dict[type[nn.Module], type[nn.Module]] = {
+    RoutedExperts: Fp8RoutedExperts,
+    Relu2Experts: Fp8Relu2RoutedExperts,
+}
 
 
 def fp8_linear(
@@ -396,11 +449,26 @@ def convert(
     min_weights: int = 0,
 ) -> list[str]:
     """Re-class every nn.Linear not matched by `trainer_skip` and of at least `min_weights`
-    weights as Fp8TrainLinear, and every MoE's RoutedExperts as Fp8RoutedExperts (the engine's
-    Fp8Experts recipe), in place. Returns the converted names. Call before FSDP/compile wrapping
-    (like torchtitan's converters)."""
+    weights as Fp8TrainLinear, and every MoE's routed experts as their FP8 class (FP8_EXPERTS: the
+    engine's Fp8Experts / Fp8Relu2Experts recipes), in place. Returns the converted names. Routed
+    experts of another class are a ValueError naming them: left in high precision they would
+    silently differ from an FP8 engine's. Call before FSDP/compile wrapping (like torchtitan's
+    converters)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown fp8 backend {backend!r}: one of {BACKENDS}")
+    done = set(FP8_EXPERTS.values())
+    unknown = [
+        f"{name} ({type(mod).__name__})"
+        for name, mod in model.named_modules()
+        if isinstance(mod, (GroupedExperts, Relu2Experts))
+        and type(mod) not in FP8_EXPERTS
+        and type(mod) not in done
+    ]
+    if unknown:
+        raise ValueError(
+            f"trainer.fp8: no FP8 recipe for the routed experts {', '.join(unknown)}; "
+            f"FP8 experts exist for {', '.join(c.__name__ for c in FP8_EXPERTS)}"
+        )
     names = []
     for name, mod in model.named_modules():
         if type(mod) is nn.Linear and not trainer_skip(name) and mod.weight.numel() >= min_weights:
@@ -408,8 +476,8 @@ def convert(
             mod.pow2_scales, mod.backend = pow2_scales, backend
             mod.fp8_dgrad, mod.fp8_wgrad = fp8_dgrad, fp8_wgrad
             names.append(name)
-        elif type(mod) is RoutedExperts:
-            mod.__class__ = Fp8RoutedExperts
+        elif type(mod) in FP8_EXPERTS:
+            mod.__class__ = FP8_EXPERTS[type(mod)]
             mod.pow2_scales, mod.backend = pow2_scales, backend
             mod.fp8_backward = fp8_dgrad  # the dgrads in FP8; the weight gradients stay bf16
             names.append(name)

@@ -198,7 +198,16 @@ class Relu2Experts(nn.Module):
         self.use_grouped_mm = False
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        return self.run(*self.local_weights(), x, num_tokens_per_expert)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w1, w2 as plain tensors (an EP shard's local experts under DTensor)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))  # type: ignore[return-value]
+
+    def run(
+        self, w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, num_tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """This module's function with the given (local) weights: the loop or the grouped GEMMs."""
         if self.use_grouped_mm:
             offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
             dt = (
