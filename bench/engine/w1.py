@@ -289,15 +289,26 @@ def measure_bandwidth(device: torch.device) -> float:
 
 
 def roofline(
-    prompts: list[list[int]], new_tokens: int, weight_bytes: int, kv_per_token: int, bw: float
+    prompts: list[list[int]],
+    new_tokens: int,
+    weight_bytes: int,
+    kv_per_token: int,
+    bw: float,
+    state_bytes_per_seq: int = 0,
 ) -> dict:
-    """Decode steps only: step t reads the weights once and every sequence's KV (prompt + t)."""
+    """Decode steps only: step t reads the weights once and every sequence's KV (prompt + t), and
+    moves `state_bytes_per_seq` for every sequence (a recurrent state read and written back)."""
     plens = [len(p) for p in prompts]
-    total_s = sum((weight_bytes + kv_per_token * sum(p + t for p in plens)) / bw for t in range(new_tokens))
+    per_step_state = state_bytes_per_seq * len(plens)
+    total_s = sum(
+        (weight_bytes + per_step_state + kv_per_token * sum(p + t for p in plens)) / bw
+        for t in range(new_tokens)
+    )
     return {
         "bandwidth_bytes_s": bw,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
+        "state_bytes_per_seq": state_bytes_per_seq,
         "decode_time_s": round(total_s, 3),
         "tok_s": round(len(prompts) * new_tokens / total_s, 1),
     }

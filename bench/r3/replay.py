@@ -68,7 +68,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,21 +220,109 @@ def tiny_moe() -> ModelConfig:
     )
 
 
+def model_toml(name: str) -> ModelConfig:
+    """configs/models/<name>.toml as a ModelConfig."""
+    with open(REPO / "configs" / "models" / f"{name}.toml", "rb") as f:
+        return ModelConfig(**tomllib.load(f))
+
+
+def reshaped(m: ModelConfig, **update: Any) -> ModelConfig:
+    return ModelConfig.model_validate({**m.model_dump(), **update})
+
+
+# GLM-5 reduced in depth: one leading dense layer, then MoE layers. Full width (hidden 6144, MLA
+# and DSA dims, expert width 2048, vocabulary 154880); the routed experts per MoE layer are
+# `experts` of GLM-5's 256 (top-8 kept): one full-width MoE layer is 9.7B parameters.
+GLM5_EXPERTS = 32  # what one GPU of an EP=8 group holds of the 256: the same per-expert load
+# Nemotron-3 Nano at full width (hidden 2688, all 128 experts top-6, Mamba-2 64 x 64 heads):
+# three Mamba-2, two MoE and one attention layer (bench/engine/nemotron_gpu.py's pattern).
+NEMOTRON3_PATTERN = "MEM*EM"
+BF16_MAX_SEQ = 4096  # RoPE tables of the reduced shapes (the prompts stay below)
+
+
+def glm5_reduced(layers: int, experts: int = GLM5_EXPERTS) -> ModelConfig:
+    """configs/models/glm5.toml with `layers` layers (the first dense) and `experts` routed experts."""
+    if layers < 2:
+        raise ValueError("--layers: the GLM-5 shape needs >= 2 (one dense, then MoE)")
+    return reshaped(
+        model_toml("glm5"),
+        n_layers=layers,
+        first_k_dense=1,
+        n_routed_experts=experts,
+        n_mtp_layers=0,
+        max_seq_len=BF16_MAX_SEQ,
+    )
+
+
+def nemotron3_reduced(pattern: str = NEMOTRON3_PATTERN) -> ModelConfig:
+    """configs/models/nemotron3.toml with the layers of `pattern` (M Mamba-2, E MoE, * attention)."""
+    return reshaped(
+        model_toml("nemotron3"), n_layers=len(pattern), hybrid_pattern=pattern, max_seq_len=BF16_MAX_SEQ
+    )
+
+
+def bf16_shape(args: argparse.Namespace) -> ModelConfig:
+    """The model of the bf16 rows, from --shape (and --layers, --experts, --pattern)."""
+    if args.shape == "glm5":
+        return glm5_reduced(args.layers, args.experts)
+    if args.shape == "nemotron3":
+        return nemotron3_reduced(args.pattern)
+    if args.shape in ("smoke-glm5", "smoke-nemotron"):
+        # the debug config at CPU size with smoke_moe's vocabulary, width and routing (untied:
+        # the "peaked" init redraws only the output matrix)
+        return reshaped(
+            tiny_of(args.shape),
+            vocab_size=1024,
+            dim=128,
+            n_routed_experts=16,
+            n_experts_per_tok=4,
+            tie_embeddings=False,
+        )
+    shapes = {"qwen3-30b-a3b": qwen3_30b_a3b, "mid": mid_moe, "smoke": smoke_moe}
+    return shapes[args.shape](args.layers)
+
+
+def tiny_of(shape: str) -> ModelConfig:
+    """The float32 sanity row's model for the bf16 rows' architecture: debug-moe-sized qwen3_moe,
+    or the debug-glm5 / debug-nemotron configs (GLM-5's indexer keeping 16 keys, so prompts
+    longer than that run sparse attention on both sides)."""
+    if "glm5" in shape:
+        return model_toml("debug-glm5")
+    if "nemotron" in shape:
+        return model_toml("debug-nemotron")
+    return tiny_moe()
+
+
+def default_inits(shape: str) -> str:
+    """Qwen3-MoE: torchtitan's and transformers' inits; GLM-5 / Nemotron-3: transformers' (the
+    layers' share of the residual stream a trained model has, where routing flips show)."""
+    return "hf" if ("glm5" in shape or "nemotron" in shape) else "trainer,hf"
+
+
 @torch.no_grad()
 def build_trainer_model(m: ModelConfig, init: str, seed: int, device: torch.device) -> torch.nn.Module:
     """The trainer's model (float32, on `device`) with random weights drawn by `init`."""
+    if init == "peaked":
+        # torchtitan's init with the output matrix redrawn at std 4/sqrt(dim): the final norm's
+        # output has RMS 1, so logits have a std of ~4 and next-token distributions are neither
+        # flat (random weights otherwise give ~log(vocab) entropy, where any KL is tiny) nor
+        # one-hot (bench/engine/nemotron_gpu.py draws its model the same way).
+        return build_model(m, seed=seed, device=device, init_std=4 / m.dim**0.5)
     model = build_model(m, seed=seed, device=device)
     if init == "hf":
-        # transformers' Qwen3MoePreTrainedModel._init_weights: N(0, initializer_range=0.02) for
-        # every linear (router gate and experts included) and the embedding; RMSNorm weights 1.
+        # transformers' _init_weights (Qwen3-MoE, GlmMoeDsa, NemotronH): N(0, initializer_range=
+        # 0.02) for every linear (router gate and experts included) and the embedding; RMSNorm
+        # weights 1. Other vectors (Mamba-2's A_log, D, dt_bias; the indexer's LayerNorm bias)
+        # and Mamba-2's depthwise convolution keep the trainer's init, as transformers keeps
+        # their own.
         g = torch.Generator(device=device).manual_seed(seed)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and p.dim() == 1 and not name.endswith("bias"):
                 p.fill_(1.0)
-            else:
+            elif p.dim() >= 2 and "conv" not in name:
                 p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 0.02)
     elif init != "trainer":
-        raise ValueError(f"--inits: unknown initialisation {init!r} (trainer, hf)")
+        raise ValueError(f"--inits: unknown initialisation {init!r} (trainer, hf, peaked)")
     return model
 
 
@@ -255,11 +345,21 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+EngineHook = Callable[[LLMEngine], dict[str, Any]]
+
+
 def sample_with_engine(
-    model_dir: Path, ecfg: EngineConfig, prompts: list[list[int]], new_tokens: int, seed: int
+    model_dir: Path,
+    ecfg: EngineConfig,
+    prompts: list[list[int]],
+    new_tokens: int,
+    seed: int,
+    with_engine: EngineHook | None = None,
 ) -> tuple[list[Sample], dict[str, Any]]:
     """Sample from our engine and turn each completion into the trainer's `Sample` (one turn: the
-    choice's routed_experts already has one row per token, the last one unrecorded)."""
+    choice's routed_experts already has one row per token, the last one unrecorded).
+    with_engine: run on the loaded engine after sampling (its result lands under "with_engine"),
+    so another measurement shares the weight load."""
     t0 = time.perf_counter()
     eng = LLMEngine(model_dir, ecfg)
     load_s = time.perf_counter() - t0
@@ -297,6 +397,8 @@ def sample_with_engine(
         "prompt_tokens": sum(len(p) for p in prompts),
         "sampled_tokens": sum(sum(s.loss_mask) for s in samples),
     }
+    if with_engine is not None:
+        info["with_engine"] = _try(lambda: with_engine(eng))
     del eng
     free()
     return samples, info
@@ -313,11 +415,14 @@ def publish_and_sample(
     new_tokens: int,
     seed: int,
     logits_fp32: bool = True,
+    with_engine: EngineHook | None = None,
+    engine_update: dict[str, Any] | None = None,
 ) -> tuple[list[Sample], dict[str, Any]]:
     """Publish `model` as version 0 at `dest` and sample `new_tokens` per prompt from our engine
-    loading it in `dtype`: the samples, and the publish and engine numbers for the report."""
+    loading it in `dtype`: the samples, and the publish and engine numbers for the report.
+    engine_update: EngineConfig fields over these (a larger batch or context for `with_engine`)."""
     info = publish(model, m, dest)
-    ecfg = EngineConfig(
+    fields: dict[str, Any] = dict(
         device=device.type,
         dtype=dtype,
         max_batch_size=len(prompts),
@@ -325,7 +430,8 @@ def publish_and_sample(
         torch_threads=engine_threads(device),
         logits_fp32=logits_fp32,
     )
-    samples, info["engine"] = sample_with_engine(dest, ecfg, prompts, new_tokens, seed)
+    ecfg = EngineConfig(**{**fields, **(engine_update or {})})
+    samples, info["engine"] = sample_with_engine(dest, ecfg, prompts, new_tokens, seed, with_engine)
     return samples, info
 
 
@@ -511,16 +617,18 @@ def phase_bf16(
     workdir: Path,
     logits_fp32: bool = True,
     fp32_residual: bool = True,
+    with_engine: EngineHook | None = None,
+    engine_update: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One initialisation: publish, sample with the bf16 engine, score in the bf16 trainer.
     logits_fp32: both sides' LM head with a float32 output (else rounded to bf16).
-    fp32_residual: ModelConfig.fp32_residual on both sides (else the bf16 residual stream)."""
+    fp32_residual: ModelConfig.fp32_residual on both sides (else the bf16 residual stream).
+    with_engine, engine_update: see publish_and_sample."""
     cuda = device.type == "cuda"
-    shapes = {"qwen3-30b-a3b": qwen3_30b_a3b, "mid": mid_moe, "smoke": smoke_moe}
-    m = shapes[args.shape](args.layers).model_copy(update={"fp32_residual": fp32_residual})
+    m = bf16_shape(args).model_copy(update={"fp32_residual": fp32_residual})
     out: dict[str, Any] = {
         "init": init,
-        "model": m.model_dump(include=_SHAPE_FIELDS),
+        "model": m.model_dump(include=SHAPE_FIELDS),
         "logits_fp32": logits_fp32,
         "fp32_residual": fp32_residual,
     }
@@ -542,6 +650,8 @@ def phase_bf16(
         new_tokens=args.new_tokens,
         seed=args.seed,
         logits_fp32=logits_fp32,
+        with_engine=with_engine,
+        engine_update=engine_update,
     )
     out.update(info)
     tc = TrainerSection(
@@ -605,11 +715,13 @@ def phase_logits_check(args: argparse.Namespace, device: torch.device) -> dict[s
 
 
 def phase_fp32_sanity(args: argparse.Namespace, device: torch.device, workdir: Path) -> dict[str, Any]:
-    """Engine and trainer both in float32 on a tiny config: replay on must agree on every expert
-    set and leave only float32 rounding in the log-probs."""
-    m = tiny_moe()
-    model = build_trainer_model(m, "hf", args.seed, device)
-    out: dict[str, Any] = {"model": m.model_dump(include=_SHAPE_FIELDS)}
+    """Engine and trainer both in float32 on a tiny config of the bf16 rows' architecture
+    (tiny_of): replay on must agree on every expert set and leave only float32 rounding in the
+    log-probs."""
+    m = tiny_of(args.shape)
+    init = "hf"  # (the debug configs are tied: "peaked" would make them near one-hot)
+    model = build_trainer_model(m, init, args.seed, device)
+    out: dict[str, Any] = {"model": m.model_dump(include=SHAPE_FIELDS), "arch": m.arch, "init": init}
     prompts = make_prompts(8 if args.smoke else 32, 8, 64, m.vocab_size, args.seed + 1)
     samples, info = publish_and_sample(
         model,
@@ -618,7 +730,7 @@ def phase_fp32_sanity(args: argparse.Namespace, device: torch.device, workdir: P
         device,
         "float32",
         prompts,
-        max_seq_len=64 + 64 + 16,
+        max_seq_len=min(m.max_seq_len, 64 + 64 + 16),
         new_tokens=16 if args.smoke else 64,
         seed=args.seed,
     )
@@ -630,7 +742,7 @@ def phase_fp32_sanity(args: argparse.Namespace, device: torch.device, workdir: P
     return out
 
 
-_SHAPE_FIELDS = {
+SHAPE_FIELDS = {
     "vocab_size",
     "dim",
     "n_layers",
@@ -640,6 +752,10 @@ _SHAPE_FIELDS = {
     "n_routed_experts",
     "n_experts_per_tok",
     "moe_hidden_dim",
+    "arch",
+    "first_k_dense",
+    "hybrid_pattern",
+    "index_topk",
 }
 
 
@@ -705,11 +821,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--shape",
         default=None,
-        choices=["qwen3-30b-a3b", "mid", "smoke"],
-        help="model of the bf16 rows (default qwen3-30b-a3b; smoke with --smoke)",
+        choices=["qwen3-30b-a3b", "mid", "smoke", "glm5", "nemotron3", "smoke-glm5", "smoke-nemotron"],
+        help="model of the bf16 rows (default qwen3-30b-a3b; smoke with --smoke). glm5 / nemotron3: "
+        "full width, reduced depth (glm5_reduced, nemotron3_reduced); smoke-glm5 / smoke-nemotron: "
+        "configs/models/debug-glm5 / debug-nemotron",
     )
-    ap.add_argument("--layers", type=int, default=None, help="MoE layers (default 4; smoke 2)")
-    ap.add_argument("--inits", default="trainer,hf", help="comma-separated: trainer, hf")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="layers (default 4; glm5 3: one dense + MoE; smoke 2)"
+    )
+    ap.add_argument("--experts", type=int, default=GLM5_EXPERTS, help="glm5: routed experts per MoE layer")
+    ap.add_argument("--pattern", default=NEMOTRON3_PATTERN, help="nemotron3: the layers (M, E, *)")
+    ap.add_argument(
+        "--inits",
+        default=None,
+        help="comma-separated: trainer, hf, peaked (default trainer,hf; glm5/nemotron shapes hf)",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="default 64 (smoke 6)")
     ap.add_argument("--new-tokens", type=int, default=None, help="per prompt; default 64 (smoke 12)")
     ap.add_argument("--prompt-min", type=int, default=None, help="default 32 (smoke 8)")
@@ -741,7 +867,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.smoke
         else {"layers": 4, "prompts": 64, "new_tokens": 64, "prompt_min": 32, "prompt_max": 256}
     )
-    defaults["shape"] = "smoke" if args.smoke else "qwen3-30b-a3b"
+    if args.shape is None:
+        args.shape = "smoke" if args.smoke else "qwen3-30b-a3b"
+    if args.shape == "glm5":
+        # prompts longer than GLM-5's index_topk (2048): every sampled token's attention is sparse
+        defaults.update(layers=3, prompts=32, prompt_min=2112, prompt_max=2560)
+    if args.shape == "smoke-glm5":
+        defaults.update(prompt_min=16, prompt_max=32)  # debug-glm5 keeps 16 keys
+    defaults["inits"] = default_inits(args.shape)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
