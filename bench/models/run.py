@@ -9,7 +9,8 @@ Shapes: full width, reduced depth (bench/r3/replay.py glm5_reduced, nemotron3_re
   - GLM-5 (configs/models/glm5.toml: MLA, DSA indexer keeping 2048 keys, sigmoid-routed MoE
     with a correction bias and a shared expert, vocabulary 154880): one dense layer, then MoE
     layers with --experts of the 256 routed experts (top-8 kept; default 32, what one GPU of an
-    EP=8 group holds: the same tokens per expert as the full model there);
+    EP=8 group holds: the same tokens per expert as the full model there; the MFU phase's own
+    shape: --mfu-layers 2, --mfu-experts 16, EP=16's share, what fits float32 AdamW);
   - Nemotron-3 Nano (configs/models/nemotron3.toml: Mamba-2, attention, all 128 squared-ReLU
     experts top-6 + a shared one, vocabulary 131072), layers --pattern (default "MEM*EM").
 
@@ -61,12 +62,11 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.r3 import replay as r3  # noqa: E402  (installs the carried wheels when missing)
-
 import torch  # noqa: E402
 
 from bench.engine import w1  # noqa: E402
 from bench.machine import machine  # noqa: E402
+from bench.r3 import replay as r3  # noqa: E402  (installs the carried wheels when missing)
 from bench.results import write_result  # noqa: E402
 from services.common.config import ModelConfig  # noqa: E402
 from services.engine.kv_cache import KVCache  # noqa: E402
@@ -80,6 +80,11 @@ _spec.loader.exec_module(step)
 GOALS = {"mismatch_kl_max": 1e-3, "replay_ratio_min": 5.0, "mfu_min": 0.35, "roofline_fraction_min": 0.5}
 # Dense bf16 tensor-core peak FLOP/s by device name (no sparsity); the first match wins.
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12)]
+# The MFU shape's routed experts: one GPU's share of GLM-5's 256 under EP=16. With T tokens a GPU,
+# each expert of an EP group of G GPUs receives G*T*8/256 picks on average, as each of 256/G experts
+# does from a top-8 router on one GPU alone: the same grouped-GEMM shapes. (32, EP=8's share, plans 71.6 GiB with 2-row
+# micro-batches, at the 92% line of an 80 GB card; 66.9 GiB with --mfu-mb-rows 1.)
+MFU_EXPERTS = 16
 MEM_HEADROOM = 0.92  # of the card's memory a phase may plan to use (allocator slack, CUDA context)
 GIB = 2**30
 
@@ -106,7 +111,9 @@ def check_fits(need: dict[str, float], total: float | None) -> dict[str, Any]:
     return out
 
 
-def mismatch_memory(m: ModelConfig, args: argparse.Namespace, r3_args: argparse.Namespace) -> dict[str, float]:
+def mismatch_memory(
+    m: ModelConfig, args: argparse.Namespace, r3_args: argparse.Namespace
+) -> dict[str, float]:
     """Bytes the mismatch + decode phase holds at its peak: the trainer's float32 model stays on the
     card while the bf16 engine runs, and under autocast the scoring keeps bf16 copies of the
     weights (the engine is gone by then; its 2 bytes per parameter are the same size)."""
@@ -125,15 +132,18 @@ def mismatch_memory(m: ModelConfig, args: argparse.Namespace, r3_args: argparse.
     }
 
 
-def mfu_memory(m: ModelConfig, mb_tokens: int, head_cache_gib: float) -> dict[str, float]:
+def mfu_memory(m: ModelConfig, mb_tokens: int, chunk: int, head_cache_gib: float) -> dict[str, float]:
     """Bytes of one GPU's training step: float32 weights, gradients and AdamW's two moments for
     every trained parameter (the frozen DSA indexer has weights only), autocast's bf16 weight
     copies saved for backward, one micro-batch's saved activations (no activation checkpointing;
-    per token and layer, bf16, x1.5 for what is not itemised) and the LM head's cached
-    probabilities."""
+    per token and layer, bf16, x1.5 for what is not itemised) and the chunked LM head: one
+    chunk's float32 logits and probabilities, the probabilities of the micro-batch's other chunks
+    kept for backward up to head_cache_gib."""
     total = m.param_counts()["total"]
     d, h = m.dim, m.n_heads
-    indexer = (m.q_lora_rank or d) * m.index_n_heads * m.index_head_dim + d * (m.index_head_dim + m.index_n_heads)
+    indexer = (m.q_lora_rank or d) * m.index_n_heads * m.index_head_dim + d * (
+        m.index_head_dim + m.index_n_heads
+    )
     frozen = m.n_layers * indexer if m.index_topk else 0
     attn = (
         d
@@ -145,12 +155,13 @@ def mfu_memory(m: ModelConfig, mb_tokens: int, head_cache_gib: float) -> dict[st
     moe = m.n_experts_per_tok * (d + 3 * m.moe_hidden_dim) + m.n_shared_experts * (d + 3 * m.moe_hidden_dim)
     dense = d + 3 * m.hidden_dim
     per_token = sum(attn + 4 * d + (dense if i < m.first_k_dense else moe) for i in range(m.n_layers))
-    head = min(head_cache_gib * GIB, mb_tokens * m.vocab_size * 4.0)
+    live = min(chunk, mb_tokens)
+    head = 2.0 * live * m.vocab_size * 4 + min(head_cache_gib * GIB, (mb_tokens - live) * m.vocab_size * 4.0)
     return {
         "weights_grads_adamw_fp32": 16.0 * (total - frozen) + 4.0 * frozen,
         "autocast_bf16_weight_copies": 2.0 * total,
         "activations_one_micro_batch": 1.5 * 2 * per_token * mb_tokens,
-        "head_logits_and_cache": head + 2.0 * 4096 * m.vocab_size * 4,
+        "head_logits_and_cache": head,
     }
 
 
@@ -166,7 +177,9 @@ def glm5_step_flops(m: ModelConfig, rows: list[int]) -> dict[str, float]:
     if any(t > m.index_topk for t in rows):
         raise ValueError(f"rows must be <= index_topk ({m.index_topk}): the dense-attention path")
     d, n = m.dim, m.n_layers
-    indexer = (m.q_lora_rank or d) * m.index_n_heads * m.index_head_dim + d * (m.index_head_dim + m.index_n_heads)
+    indexer = (m.q_lora_rank or d) * m.index_n_heads * m.index_head_dim + d * (
+        m.index_head_dim + m.index_n_heads
+    )
     norms = n * (2 * d + m.q_lora_rank + m.kv_lora_rank) + d
     matmul = m.param_counts()["active"] - m.vocab_size * d - norms - n * indexer
     tokens = sum(rows)
@@ -305,7 +318,7 @@ def phase_mfu(args: argparse.Namespace, device: torch.device, env: dict[str, Any
         m = r3.glm5_reduced(args.mfu_layers, args.mfu_experts)
     row_len = min(2048, m.index_topk)
     mb_tokens = args.mfu_mb_rows * row_len
-    memory = check_fits(mfu_memory(m, mb_tokens, 12.0), env.get("memory_bytes"))
+    memory = check_fits(mfu_memory(m, mb_tokens, step.CHUNK, 12.0), env.get("memory_bytes"))
     ctx = step.Ctx(device.type)  # a 1-rank process group, as the trainer under torchrun has
     knobs: dict[str, Any] = {"fsdp": "auto"}  # no FSDP at world 1: the one-GPU trainer
     if device.type == "cuda":
@@ -424,9 +437,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=450.0, help="phases not started once this is spent")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=3, help="GLM-5 mismatch/decode: layers (1 dense + MoE)")
-    ap.add_argument("--experts", type=int, default=r3.GLM5_EXPERTS, help="GLM-5: routed experts per MoE layer")
+    ap.add_argument(
+        "--experts", type=int, default=r3.GLM5_EXPERTS, help="GLM-5: routed experts per MoE layer"
+    )
     ap.add_argument("--pattern", default=r3.NEMOTRON3_PATTERN, help="Nemotron-3: its layers (M, E, *)")
-    ap.add_argument("--prompts", type=int, default=None, help="mismatch prompts (replay.py's default per shape)")
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="mismatch prompts (replay.py's default per shape)"
+    )
     ap.add_argument("--new-tokens", type=int, default=None, help="mismatch: sampled tokens per prompt")
     ap.add_argument("--chunk", type=int, default=2048, help="trainer.logprob_chunk_tokens when scoring")
     ap.add_argument("--no-decode", dest="decode", action="store_false", help="skip the W1 decode runs")
@@ -436,16 +453,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--w1-new-tokens", type=int, default=None, help="default 512 (smoke 8)")
     ap.add_argument("--w1-cap-s", type=float, default=90.0, help="cap on one W1 run")
     ap.add_argument("--mfu-layers", type=int, default=2, help="GLM-5 MFU shape: layers (1 dense + MoE)")
-    ap.add_argument("--mfu-experts", type=int, default=r3.GLM5_EXPERTS)
+    ap.add_argument(
+        "--mfu-experts",
+        type=int,
+        default=MFU_EXPERTS,
+        help="GLM-5 MFU shape: routed experts (16: one GPU's share under EP=16)",
+    )
     ap.add_argument("--mfu-rows", type=int, default=None, help="rows per step (default 8; smoke 4)")
     ap.add_argument("--mfu-mb-rows", type=int, default=2, help="rows per micro-batch")
-    ap.add_argument("--mfu-steps", type=int, default=None, help="timed steps, median of the 3rd on (default 8)")
+    ap.add_argument(
+        "--mfu-steps", type=int, default=None, help="timed steps, median of the 3rd on (default 8)"
+    )
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
     defaults = (
         dict(w1_prompts=8, w1_min_prompt=8, w1_max_prompt=24, w1_new_tokens=8, mfu_rows=4, mfu_steps=3)
         if args.smoke
-        else dict(w1_prompts=256, w1_min_prompt=100, w1_max_prompt=1024, w1_new_tokens=512, mfu_rows=8, mfu_steps=8)
+        else dict(
+            w1_prompts=256, w1_min_prompt=100, w1_max_prompt=1024, w1_new_tokens=512, mfu_rows=8, mfu_steps=8
+        )
     )
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -459,7 +485,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     t_all = time.monotonic()

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import gc
 import json
 import os
@@ -398,7 +399,7 @@ def sample_with_engine(
         "sampled_tokens": sum(sum(s.loss_mask) for s in samples),
     }
     if with_engine is not None:
-        info["with_engine"] = _try(lambda: with_engine(eng))
+        info["with_engine"] = _try(functools.partial(with_engine, eng))
     del eng
     free()
     return samples, info
