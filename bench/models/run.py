@@ -123,12 +123,14 @@ def mismatch_memory(
     bf16 = torch.bfloat16
     kv = KVCache.bytes_per_block_for(m, 1, bf16) * seqs * ctx + StateCache.bytes_for(m, seqs, bf16)
     chunk = r3_args.chunk or r3_args.micro_batch_tokens
+    sampling_ctx = r3_args.prompt_max + r3_args.new_tokens
     return {
         "trainer_fp32_weights": 4.0 * p,
         "engine_bf16_weights_or_autocast_copies": 2.0 * p,
         "engine_kv_and_state": float(kv),
         # float32 logits and log-softmax of one scoring chunk, and an activation allowance
         "activations": 2.0 * chunk * m.vocab_size * 4 + 4 * GIB,
+        "engine_mla_sampling_transient": mla_decode_transient(m, r3_args.prompts, sampling_ctx),
     }
 
 
@@ -219,25 +221,75 @@ def roofline_bytes(m: ModelConfig, batch: int) -> dict[str, Any]:
     }
 
 
+def mla_decode_transient(m: ModelConfig, batch: int, ctx: int) -> float:
+    """Bytes the engine's MLA decode step holds for one layer beyond its caches: attention runs on
+    the torch path (services/engine/layers/mla.py: no paged kernel for MLA) as SDPA over the
+    gathered latents with one key head shared by all heads and a mask, which PyTorch's math kernel
+    computes by expanding keys [c | k_pe] and values c to every head; plus the gathered context."""
+    if not m.is_mla:
+        return 0.0
+    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    return 2.0 * batch * ctx * (m.n_heads * (latent + m.kv_lora_rank) + latent)
+
+
+def decode_batch(m: ModelConfig, args: argparse.Namespace, resident: float, total: float | None) -> int:
+    """The engine's batch for the W1 run: --w1-batch, else every prompt at once where the memory
+    plan allows it, else the largest power of two that fits (the MLA decode's transient grows with
+    the batch)."""
+    if args.w1_batch:
+        return args.w1_batch
+    ctx = args.w1_max_prompt + args.w1_new_tokens
+    b = args.w1_prompts
+    while total is not None and b > 1 and resident + mla_decode_transient(m, b, ctx) > MEM_HEADROOM * total:
+        b = 1 << ((b - 1).bit_length() - 1)  # the power of two below
+    return b
+
+
+def wave_roofline(
+    m: ModelConfig, prompts: list[list[int]], new_tokens: int, batch: int, bw: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """w1.roofline over the prompts run `batch` at a time (in order, each wave decoding together:
+    with fewer sequences a step, the weights are read for fewer tokens). Returns (roofline, the
+    first wave's byte accounting)."""
+    waves = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    time_s, accts = 0.0, []
+    for wave in waves:
+        acct = roofline_bytes(m, len(wave))
+        r = w1.roofline(
+            wave,
+            new_tokens,
+            acct["weight_bytes"],
+            acct["kv_bytes_per_token"],
+            bw,
+            acct["state_bytes_per_seq"],
+        )
+        time_s += len(wave) * new_tokens / r["tok_s"]  # (decode_time_s is rounded to ms)
+        accts.append(acct)
+    out = {
+        "bandwidth_bytes_s": bw,
+        "batch": batch,
+        "waves": len(waves),
+        "weight_bytes": accts[0]["weight_bytes"],
+        "kv_bytes_per_token": accts[0]["kv_bytes_per_token"],
+        "state_bytes_per_seq": accts[0]["state_bytes_per_seq"],
+        "decode_time_s": round(time_s, 6),
+        "tok_s": round(len(prompts) * new_tokens / time_s, 1),
+    }
+    return out, accts[0]
+
+
 def decode_w1(
-    eng: Any, m: ModelConfig, args: argparse.Namespace, bw: float, bw_source: str
+    eng: Any, m: ModelConfig, args: argparse.Namespace, bw: float, bw_source: str, batch: int
 ) -> dict[str, Any]:
-    """W1 on the loaded engine: warm-up, then every prompt to completion (w1.drive)."""
+    """W1 on the loaded engine (at most `batch` sequences at once): warm-up, then every prompt to
+    completion (w1.drive)."""
     prompts = w1.w1_prompts(
         args.w1_prompts, args.w1_min_prompt, args.w1_max_prompt, min(10000, m.vocab_size - 1)
     )
     eng.generate(w1.requests([p[:300] for p in prompts[: min(40, len(prompts))]], 8, 1.0))
     w1.sync()
     run = w1.drive(eng, w1.requests(prompts, args.w1_new_tokens, 1.0), args.w1_cap_s)
-    acct = roofline_bytes(m, len(prompts))
-    roof = w1.roofline(
-        prompts,
-        args.w1_new_tokens,
-        acct["weight_bytes"],
-        acct["kv_bytes_per_token"],
-        bw,
-        acct["state_bytes_per_seq"],
-    )
+    roof, acct = wave_roofline(m, prompts, args.w1_new_tokens, batch, bw)
     roof["bandwidth_source"] = bw_source
     tps = run["output_tok_s"]
     return {
@@ -246,6 +298,7 @@ def decode_w1(
             "prompt_tokens": [args.w1_min_prompt, args.w1_max_prompt],
             "new_tokens": args.w1_new_tokens,
             "temperature": 1.0,
+            "engine_batch": batch,
         },
         "engine": {"attention_backend": eng.attention_backend, "cuda_graphs": eng.graphs is not None},
         "w1": run,
@@ -283,17 +336,25 @@ def phase_mismatch(
     """(mismatch row, decode row): replay.phase_bf16 with decode_w1 on its loaded engine."""
     ra = r3_args(args, shape)
     m = r3.bf16_shape(ra)
-    memory = check_fits(mismatch_memory(m, args, ra), env.get("memory_bytes"))
+    plan = mismatch_memory(m, args, ra)
+    memory = check_fits(plan, env.get("memory_bytes"))
     hook: Callable[[Any], dict[str, Any]] | None = None
     update: dict[str, Any] | None = None
     if args.decode:
         bw, source = env["bandwidth_bytes_s"], env["bandwidth_source"]
+        # the W1 run's transient replaces the replay sampling's
+        resident = sum(plan.values()) - plan["engine_mla_sampling_transient"]
+        batch = decode_batch(m, args, resident, env.get("memory_bytes"))
+        memory["decode_batch"] = batch
+        memory["decode_mla_transient_gib"] = round(
+            mla_decode_transient(m, batch, args.w1_max_prompt + args.w1_new_tokens) / GIB, 2
+        )
 
         def hook(eng: Any) -> dict[str, Any]:
-            return decode_w1(eng, m, args, bw, source)
+            return decode_w1(eng, m, args, bw, source, batch)
 
         update = {
-            "max_batch_size": max(ra.prompts, args.w1_prompts),
+            "max_batch_size": max(ra.prompts, batch),
             "max_seq_len": max(ra.prompt_max + ra.new_tokens + 16, args.w1_max_prompt + args.w1_new_tokens),
         }
     init = ra.inits.split(",")[0]
@@ -451,7 +512,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--w1-min-prompt", type=int, default=None, help="default 100 (smoke 8)")
     ap.add_argument("--w1-max-prompt", type=int, default=None, help="default 1024 (smoke 24)")
     ap.add_argument("--w1-new-tokens", type=int, default=None, help="default 512 (smoke 8)")
-    ap.add_argument("--w1-cap-s", type=float, default=90.0, help="cap on one W1 run")
+    ap.add_argument("--w1-cap-s", type=float, default=60.0, help="cap on one W1 run")
+    ap.add_argument(
+        "--w1-batch",
+        type=int,
+        default=0,
+        help="the engine's batch in the W1 run (0: every prompt, or what the memory plan allows)",
+    )
     ap.add_argument("--mfu-layers", type=int, default=2, help="GLM-5 MFU shape: layers (1 dense + MoE)")
     ap.add_argument(
         "--mfu-experts",
