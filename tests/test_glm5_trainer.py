@@ -15,6 +15,7 @@ from helpers.moe import (
     RouterTap,
     check_packed_replay_equals_padded,
     choice_sample,
+    engine_samples,
     own_choice,
     random_routes,
     run_one_step,
@@ -23,7 +24,7 @@ from helpers.moe import (
 )
 
 from services.common.config import EngineConfig, ModelConfig, RunConfig
-from services.common.schemas import GenerateRequest, RolloutGroup, Sample, SamplingParams, TrainerStepMetrics
+from services.common.schemas import GenerateRequest, RolloutGroup, SamplingParams, TrainerStepMetrics
 from services.common.weights_dir import read_model_dir, step_dir
 from trainer.batch import micro_batches
 from trainer.glm5 import GlmAttention, glm_attentions, indexer_kl, indexer_loss, set_indexer_mode
@@ -179,24 +180,6 @@ def test_trainer_gradients_match_hf_float32(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ engine = trainer
-
-
-def engine_samples(d: Path, m: ModelConfig, quantization: str = "none") -> list[Sample]:
-    """The engine's samples from `d` (prompts + 12 sampled tokens, contexts past index_topk on
-    prefill and decode), with their routed experts."""
-    from services.engine import LLMEngine
-
-    cfg = EngineConfig(
-        device="cpu", max_batch_size=8, max_seq_len=m.max_seq_len, block_size=4, quantization=quantization
-    )
-    eng = LLMEngine(d, cfg)
-    prompts = [[5, 9, 14, 20, 3, 7, 11, 2, 30], [30, 31, 2, 8, 11, 12, 40, 41, 13, 50, 6]]
-    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=4)
-    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
-    return [
-        choice_sample(f"s{i}", p, r.choices[0])
-        for i, (p, r) in enumerate(zip(prompts, eng.generate(reqs), strict=True))
-    ]
 
 
 @pytest.mark.parametrize("replay", [True, False])

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.moe import choice_sample, nemotron_model, small_nemotron
+from helpers.moe import engine_samples, nemotron_model, small_nemotron
 from torch import nn
 
 from ops.fp8.recipe import dequantize_weight, fp8_gemm_reference, quantize_act, quantize_weight
 from services.common.config import EngineConfig, ModelConfig
-from services.common.schemas import GenerateRequest, Sample, SamplingParams
 from services.engine import LLMEngine
 from services.engine.layers.fp8 import Fp8Linear, Fp8Relu2Experts
 from trainer.batch import micro_batches
@@ -71,19 +70,6 @@ def test_trainer_converts_what_the_engine_holds_in_fp8(
     assert list(trainer.state_dict()) == list(model.state_dict())  # same names: checkpoints unchanged
 
 
-def engine_samples(eng: LLMEngine) -> list[Sample]:
-    prompts = [
-        [5, 9, 14, 20, 3, 7, 11, 2, 30],
-        [30, 31, 2, 8, 11, 12, 40, 41, 13, 50, 6, 7, 8, 9, 10, 11, 12],
-    ]
-    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=4)
-    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
-    return [
-        choice_sample(f"s{i}", p, r.choices[0])
-        for i, (p, r) in enumerate(zip(prompts, eng.generate(reqs), strict=True))
-    ]
-
-
 @pytest.mark.parametrize("replay", [True, False])
 def test_fp8_engine_equals_fp8_trainer_nemotron(
     published: tuple[ModelConfig, nn.Module, Path], replay: bool
@@ -92,7 +78,7 @@ def test_fp8_engine_equals_fp8_trainer_nemotron(
     after it); trainer.fp8 on the same weights scores the samples: the engine's log-probs to 1e-5,
     with its routes replayed or routing on its own (then every top-k set is the engine's)."""
     m, model, d = published
-    samples = engine_samples(fp8_engine(d, m))
+    samples = engine_samples(d, m, quantization="fp8")
     trainer = copy.deepcopy(model)
     convert(trainer)
     (mb,) = micro_batches(samples, 10_000)

@@ -1,7 +1,7 @@
 """What the MoE / Router Replay test modules (test_router_replay.py, test_router_replay_deepseek.py,
 test_mismatch.py) share: small random Qwen3-MoE and DeepSeek-V3 configs, random tokens and
-recorded routes, a tap on the MoE routers, samples carrying routed experts, the engine -> trainer
-replay check and one trainer step run in-process or under torchrun. Weight inits stay in their
+recorded routes, a tap on the MoE routers, samples carrying routed experts, a CPU engine's samples,
+the engine -> trainer replay check and one trainer step run in-process or under torchrun. Weight inits stay in their
 modules: each draws its random weights in its own order, which the tests' numbers depend on."""
 
 from __future__ import annotations
@@ -274,6 +274,25 @@ def choice_sample(
         advantage=advantage,
         routed_experts=c.routed_experts,
     )
+
+
+def engine_samples(d: Path, m: ModelConfig, quantization: str = "none") -> list[Sample]:
+    """The CPU engine's samples from the weights directory `d`: two prompts + 12 sampled tokens
+    each (contexts past a small model's DSA top-k and over several Mamba-2 chunks, on prefill and
+    decode), with their routed experts."""
+    from services.engine import LLMEngine  # the engine is heavy: only the tests that use it
+
+    cfg = EngineConfig(
+        device="cpu", max_batch_size=8, max_seq_len=m.max_seq_len, block_size=4, quantization=quantization
+    )
+    eng = LLMEngine(d, cfg)
+    prompts = [[5, 9, 14, 20, 3, 7, 11, 2, 30], [30, 31, 2, 8, 11, 12, 40, 41, 13, 50, 6]]
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=4)
+    reqs = [GenerateRequest(input_ids=p, sampling=params, return_routed_experts=True) for p in prompts]
+    return [
+        choice_sample(f"s{i}", p, r.choices[0])
+        for i, (p, r) in enumerate(zip(prompts, eng.generate(reqs), strict=True))
+    ]
 
 
 def replay_engine_samples(
