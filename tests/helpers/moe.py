@@ -1,8 +1,9 @@
 """What the MoE / Router Replay test modules (test_router_replay.py, test_router_replay_deepseek.py,
 test_mismatch.py) share: small random Qwen3-MoE and DeepSeek-V3 configs, random tokens and
-recorded routes, a tap on the MoE routers, samples carrying routed experts, a CPU engine's samples,
-the engine -> trainer replay check and one trainer step run in-process or under torchrun. Weight inits stay in their
-modules: each draws its random weights in its own order, which the tests' numbers depend on."""
+recorded routes, a tap on the MoE routers, samples carrying routed experts, a CPU engine's
+samples, the engine -> trainer replay check and one trainer step run in-process or under
+torchrun. Weight inits stay in their modules: each draws its random weights in its own order,
+which the tests' numbers depend on."""
 
 from __future__ import annotations
 
