@@ -323,6 +323,8 @@ def r3_args(args: argparse.Namespace, shape: str) -> argparse.Namespace:
         argv += ["--pattern", args.pattern]
     # a chunked LM head in scoring: 154880 / 131072-entry vocabularies in float32
     argv += ["--chunk", str(args.chunk), "--seed", str(args.seed)]
+    # the directory in bf16, as trainer/train.py publishes for bf16 engines
+    argv += ["--publish-dtype", "engine"]
     if args.prompts is not None:
         argv += ["--prompts", str(args.prompts)]
     if args.new_tokens is not None:

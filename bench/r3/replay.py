@@ -330,12 +330,19 @@ def build_trainer_model(m: ModelConfig, init: str, seed: int, device: torch.devi
 # ------------------------------------------------------------------ engine side
 
 
-def publish(model: torch.nn.Module, m: ModelConfig, dest: Path) -> dict[str, Any]:
-    """Write the model as version 0 with the trainer's own publisher (float32 HF directory)."""
+def publish(
+    model: torch.nn.Module, m: ModelConfig, dest: Path, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Write the model as version 0 with the trainer's own publisher (an HF directory in `dtype`;
+    None: the parameters' float32)."""
     t0 = time.perf_counter()
-    pub = Publisher(m)
+    pub = Publisher(m, dtype=dtype)
     pub.publish(model, 0, dest, background=False)
-    out = {"publish_s": round(time.perf_counter() - t0, 2), "bytes": pub.last.bytes if pub.last else None}
+    out = {
+        "publish_s": round(time.perf_counter() - t0, 2),
+        "bytes": pub.last.bytes if pub.last else None,
+        "publish_dtype": str(dtype or torch.float32),
+    }
     del pub  # drops the pinned host buffers
     gc.collect()
     return out
@@ -418,11 +425,14 @@ def publish_and_sample(
     logits_fp32: bool = True,
     with_engine: EngineHook | None = None,
     engine_update: dict[str, Any] | None = None,
+    publish_in_engine_dtype: bool = False,
 ) -> tuple[list[Sample], dict[str, Any]]:
     """Publish `model` as version 0 at `dest` and sample `new_tokens` per prompt from our engine
     loading it in `dtype`: the samples, and the publish and engine numbers for the report.
-    engine_update: EngineConfig fields over these (a larger batch or context for `with_engine`)."""
-    info = publish(model, m, dest)
+    engine_update: EngineConfig fields over these (a larger batch or context for `with_engine`).
+    publish_in_engine_dtype: write the directory in `dtype`, as trainer/train.py publishes for its
+    engines (else float32; the engine rounds to `dtype` at load: the same values)."""
+    info = publish(model, m, dest, getattr(torch, dtype) if publish_in_engine_dtype else None)
     fields: dict[str, Any] = dict(
         device=device.type,
         dtype=dtype,
@@ -653,6 +663,7 @@ def phase_bf16(
         logits_fp32=logits_fp32,
         with_engine=with_engine,
         engine_update=engine_update,
+        publish_in_engine_dtype=args.publish_dtype == "engine",
     )
     out.update(info)
     tc = TrainerSection(
@@ -846,6 +857,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP2 trainer path")
     ap.add_argument("--no-sanity", dest="sanity", action="store_false", help="skip the float32 row")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--publish-dtype",
+        default="fp32",
+        choices=["fp32", "engine"],
+        help="the bf16 rows' published directory: fp32, or the engine's dtype (as trainer/train.py "
+        "publishes; half the bytes to write and load, the same values loaded)",
+    )
     ap.add_argument(
         "--logits",
         default="fp32",

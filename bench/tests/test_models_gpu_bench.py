@@ -71,7 +71,7 @@ def test_report_records_run_and_every_phase_without_error(result: dict[str, Any]
 def test_mismatch_replay_on_below_off(result: dict[str, Any], shape: str) -> None:
     row = result["phases"][f"mismatch/{shape}"]
     eng = row["engine"]
-    assert eng["engine_dtype"] == "bfloat16"
+    assert eng["engine_dtype"] == "bfloat16" and row["publish_dtype"] == "torch.bfloat16"
     assert eng["sampled_tokens"] == eng["prompts"] * row["new_tokens_per_prompt"]
     assert row["model"]["arch"] == ("glm_moe_dsa" if shape == "glm5" else "nemotron_h")
     if shape == "glm5":  # every sampled token sees more keys than the indexer keeps: sparse
