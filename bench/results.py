@@ -46,6 +46,17 @@ def dumps(obj: Any, default: Callable[[Any], Any] | None = None) -> str:
     return _encode(obj, 0, default) + "\n"
 
 
+def errors(node: Any, where: str = "") -> list[str]:
+    """Every "error" entry anywhere in a result (a phase that failed records its traceback there),
+    each as "<path>: <the error's last 1500 characters>"."""
+    if isinstance(node, dict):
+        found = [f"{where}: {str(node['error'])[-1500:]}"] if "error" in node else []
+        for k, v in node.items():
+            found += errors(v, f"{where}/{k}")
+        return found
+    return []
+
+
 def write_result(path: str | Path, obj: Any, default: Callable[[Any], Any] | None = None) -> Path:
     """Write `obj` to `path` (parents created) as dumps gives it; returns the path."""
     p = Path(path)

@@ -554,11 +554,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = r3.bench_device(args.device)
     t_all = time.monotonic()
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *(sys.argv if argv is None else [__file__, *argv])]),

@@ -904,14 +904,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def bench_device(kind: str) -> torch.device:
+    """ "cuda" (the current card, made current) or "cpu". An indexed device: NCCL's
+    init_process_group(device_id=...) wants one."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # An indexed device: NCCL's init_process_group(device_id=...) wants one.
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = bench_device(args.device)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from bench.results import errors
+
 REPO = Path(__file__).resolve().parents[2]
 PHASES = {
     "environment",
@@ -24,15 +26,6 @@ PHASES = {
     "fp32_sanity/glm5",
     "fp32_sanity/nemotron3",
 }
-
-
-def errors(node: Any, where: str = "") -> list[str]:
-    if isinstance(node, dict):
-        found = [f"{where}: {str(node['error'])[-1500:]}"] if "error" in node else []
-        for k, v in node.items():
-            found += errors(v, f"{where}/{k}")
-        return found
-    return []
 
 
 @pytest.fixture(scope="module")

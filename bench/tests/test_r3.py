@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from bench.results import errors
+
 # bench/ is not an installed package: load the script by path.
 _spec = importlib.util.spec_from_file_location(
     "bench_r3_replay", Path(__file__).resolve().parents[2] / "bench" / "r3" / "replay.py"
@@ -18,16 +20,6 @@ _spec = importlib.util.spec_from_file_location(
 assert _spec is not None and _spec.loader is not None
 r3 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(r3)
-
-
-def errors(node: Any, where: str = "") -> list[str]:
-    """Every 'error' entry anywhere in the result (each phase reports its traceback there)."""
-    if isinstance(node, dict):
-        found = [f"{where}: {node['error'][-1500:]}"] if "error" in node else []
-        for k, v in node.items():
-            found += errors(v, f"{where}/{k}")
-        return found
-    return []
 
 
 def check_row(row: dict[str, Any], layers: int, sampled: int) -> None:
