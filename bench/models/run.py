@@ -333,9 +333,15 @@ def r3_args(args: argparse.Namespace, shape: str) -> argparse.Namespace:
 
 
 def phase_mismatch(
-    args: argparse.Namespace, shape: str, device: torch.device, workdir: Path, env: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(mismatch row, decode row): replay.phase_bf16 with decode_w1 on its loaded engine."""
+    args: argparse.Namespace,
+    shape: str,
+    device: torch.device,
+    workdir: Path,
+    env: dict[str, Any],
+    on_decode: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """replay.phase_bf16 with decode_w1 on its loaded engine; the decode row (or its error) goes to
+    `on_decode` as soon as it is measured, before the trainer scores."""
     ra = r3_args(args, shape)
     m = r3.bf16_shape(ra)
     plan = mismatch_memory(m, args, ra)
@@ -353,7 +359,14 @@ def phase_mismatch(
         )
 
         def hook(eng: Any) -> dict[str, Any]:
-            return decode_w1(eng, m, args, bw, source, batch)
+            t0 = time.monotonic()
+            try:
+                row = decode_w1(eng, m, args, bw, source, batch)
+            except Exception:  # noqa: BLE001 - recorded; the mismatch phase goes on
+                row = {"error": traceback.format_exc()}
+            row["phase_s"] = round(time.monotonic() - t0, 1)
+            on_decode(row)
+            return {"recorded_as": f"decode phase of {shape}"}
 
         update = {
             "max_batch_size": max(ra.prompts, batch),
@@ -365,8 +378,7 @@ def phase_mismatch(
     row["params"] = m.param_counts()
     row["prompt_tokens_range"] = [ra.prompt_min, ra.prompt_max]
     row["new_tokens_per_prompt"] = ra.new_tokens
-    decode = row.get("engine", {}).pop("with_engine", None)
-    return row, decode
+    return row
 
 
 def phase_mfu(args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -> dict[str, Any]:
@@ -604,13 +616,13 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             key = "nemotron3" if "nemotron" in shape else "glm5"
 
-            def mismatch(shape: str = shape, key: str = key) -> dict[str, Any]:
-                row, decode = phase_mismatch(args, shape, device, Path(tmp), env)
-                if decode is not None:
-                    decode["shape"] = shape
-                    decode["phase_s"] = None  # measured inside the mismatch phase's engine
-                    result["phases"][f"decode/{key}"] = decode
-                return row
+            def decoded(row: dict[str, Any], shape: str = shape, key: str = key) -> None:
+                row["shape"] = shape
+                result["phases"][f"decode/{key}"] = row
+                save()  # before the trainer scores: a cut-short run keeps it
+
+            def mismatch(shape: str = shape, decoded: Callable[..., None] = decoded) -> dict[str, Any]:
+                return phase_mismatch(args, shape, device, Path(tmp), env, decoded)
 
             run(f"mismatch/{key}", mismatch)
             for d in Path(tmp).iterdir():  # each model directory is GBs at full width
