@@ -67,11 +67,6 @@ REPO = Path(__file__).resolve().parent.parent
             r"decode\.parallel\.tp \(4\) must divide model\.mamba_n_groups \(2\)",
         ),
         (
-            "debug-nemotron",
-            ["--decode.parallel.dp_attention=2", "--decode.parallel.ep=2"],
-            r"decode\.parallel\.dp_attention \(2\) must be 1 for arch nemotron_h",
-        ),
-        (
             "debug",
             ["--prefill.replicas=1", "--prefill.parallel.tp=3"],
             r"prefill\.parallel\.tp \(3\) must divide model\.n_heads",
@@ -108,6 +103,8 @@ def test_good_layouts() -> None:
     for extra in ([], ["--decode.parallel.ep=2"]):
         cfg = load_config("debug-nemotron", ["--decode.parallel.tp=2", *extra])
         assert cfg.decode.parallel.ranks == 2
+    layout = ["--decode.parallel.dp_attention=2", "--decode.parallel.ep=2"]  # its own state slots a group
+    assert load_config("debug-nemotron", layout).decode.parallel.ranks == 2
     with pytest.raises(ValueError, match="ep"):
         ParallelConfig(tp=2, ep=3)
 

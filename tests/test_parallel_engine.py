@@ -7,7 +7,8 @@ over the same 2 ranks); the MoE models with data-parallel attention (dp_attentio
 groups, their own requests and pages, one group idle while the other serves a lone request); and a
 worker that dies makes rank 0's next step fail instead of hanging. Nemotron-H (Mamba-2, attention,
 squared-ReLU MLP and MoE layers; no prefix cache) at TP 2, its Mamba-2 heads, B/C groups and state
-slots split over the ranks, and with its experts at EP 2."""
+slots split over the ranks, with its experts at EP 2, and at EP 2 x dp_attention 2 (each attention
+group its own state slots)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ MODELS["moe-tp2-dp2"] = (tiny_moe(64), ParallelConfig(tp=2, dp_attention=2, ep=4
 # widths split over tp 2 (its experts tensor-parallel), or its 8 experts over EP 2.
 MODELS["nemotron-tp2"] = (small_nemotron(), ParallelConfig(tp=2))
 MODELS["nemotron-ep2"] = (small_nemotron(), ParallelConfig(tp=2, ep=2))
+MODELS["nemotron-dp2"] = (small_nemotron(), DP2)  # each attention group its own state slots
 # 12 pages of 4 tokens: the first round's four sequences (two prompts, one forked in two) need
 # more than that by their end, so the scheduler preempts and recomputes.
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4, num_kv_blocks=12)
@@ -129,12 +131,14 @@ def requests(moe: bool, tag: str) -> list[GenerateRequest]:
 def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
     """Round 1: three requests, the weights updated after 4 steps; round 2: the same prompts again;
     round 3: the first prompt alone (its pages cached by round 2; with data-parallel attention
-    the other attention group is idle)."""
+    the other attention group is idle). A hybrid model has no prefix cache: its round 3 is the
+    second request then the forked first (with data-parallel attention: forked in group 1)."""
     out: dict[str, object] = {}
     for rnd in ("r1", "r2", "r3"):
         reqs = requests(moe, rnd)
         if rnd == "r3":
-            reqs = [reqs[0].model_copy(update={"sampling": reqs[1].sampling})]
+            first = reqs[0].model_copy(update={"sampling": reqs[1].sampling})
+            reqs = [reqs[1], reqs[0]] if engine.model_config.is_hybrid else [first]
         hits = engine.stats.prefix_cache_hit_tokens
         states = [engine.add_request(r) for r in reqs]
         steps = 0
@@ -215,6 +219,7 @@ def run(name: str, tmp_path: Path, die: bool = False) -> None:
         pytest.param("moe-tp2-dp2", marks=pytest.mark.full),
         "nemotron-tp2",
         pytest.param("nemotron-ep2", marks=pytest.mark.full),
+        pytest.param("nemotron-dp2", marks=pytest.mark.full),
     ],
 )
 def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Path) -> None:
@@ -240,6 +245,8 @@ def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Pat
         assert got["r3_hits"] == want["r3_hits"] == 8
     moe = MODELS[name][0].is_moe
     rids = [f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"] + ["r3-a"]
+    if MODELS[name][0].is_hybrid:
+        rids.append("r3-b")
     for rid in rids:
         for g, w in zip(got[rid], want[rid], strict=True):
             assert g["output_ids"] == w["output_ids"], rid

@@ -468,8 +468,13 @@ class ParallelConfig(Strict):
     def check(self, m: ModelConfig, key: str) -> None:
         """Raise ValueError naming `key`.<field> when the model's shape cannot be split this way."""
         tp, what = self.tp, f"{key}.tp ({self.tp})"
-        if m.is_hybrid:
-            self._check_hybrid(m, key)
+        if m.is_hybrid and "M" in m.hybrid_pattern and m.mamba_n_groups % tp:
+            # A Mamba-2 layer splits its heads with their B/C groups: each rank's heads read only
+            # its own groups, and the gated norm's groups fall whole on one rank.
+            raise ValueError(
+                f"{what} must divide model.mamba_n_groups ({m.mamba_n_groups}): each rank holds whole"
+                " B/C groups of its Mamba-2 heads"
+            )
         if m.n_heads % tp:
             raise ValueError(f"{what} must divide model.n_heads ({m.n_heads})")
         if not m.is_mla and m.n_kv_heads % tp and tp % m.n_kv_heads:
@@ -495,20 +500,6 @@ class ParallelConfig(Strict):
             raise ValueError(
                 f"{what} must divide model.moe_hidden_dim ({m.moe_hidden_dim}) (experts tensor-parallel"
                 " with ep = 1)"
-            )
-
-    def _check_hybrid(self, m: ModelConfig, key: str) -> None:
-        """nemotron_h: a Mamba-2 layer splits its heads with their B/C groups (each rank's heads
-        read only its own groups, and the gated norm's groups fall whole on one rank)."""
-        if self.dp_attention > 1:
-            raise ValueError(
-                f"{key}.dp_attention ({self.dp_attention}) must be 1 for arch nemotron_h (its Mamba-2"
-                " state slots live in one attention group)"
-            )
-        if "M" in m.hybrid_pattern and m.mamba_n_groups % self.tp:
-            raise ValueError(
-                f"{key}.tp ({self.tp}) must divide model.mamba_n_groups ({m.mamba_n_groups}):"
-                " each rank holds whole B/C groups of its Mamba-2 heads"
             )
 
 

@@ -38,11 +38,14 @@ from services.engine.sequence import RequestState, Sequence
 from services.engine.stats import EngineStats
 
 
-def group_pages(m: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int) -> RecordingKVCache:
+def group_pages(
+    m: ModelConfig, num_blocks: int, block_size: int, max_seq_len: int, max_seqs: int = 1
+) -> RecordingKVCache:
     """Another attention group's pool as rank 0 keeps it: pages and prefix cache (meta tensors),
-    the routing store on the host; page copies recorded for the group's ranks."""
+    the routing store on the host, a hybrid model's `max_seqs` state slots (numbers handed out
+    here, states on meta tensors); page and state copies recorded for the group's ranks."""
     kv = RecordingKVCache.for_model(
-        m, num_blocks, block_size, max_seq_len, torch.float32, torch.device("meta")
+        m, num_blocks, block_size, max_seq_len, torch.float32, torch.device("meta"), max_seqs
     )
     if kv.routing is not None:
         fill = unrecorded(kv.routing_dtype) if kv.routing.dtype == torch.uint8 else -1

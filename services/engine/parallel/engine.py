@@ -103,8 +103,9 @@ class ParallelEngine(LLMEngine):
         self.grouped: GroupedScheduler | None = None
         if par.dp_attention > 1:
             kv = self.kv
+            local = local_config(m, par)
             pools = [kv] + [
-                group_pages(local_config(m, par), kv.num_blocks, kv.block_size, self.max_seq_len)
+                group_pages(local, kv.num_blocks, kv.block_size, self.max_seq_len, cfg.max_batch_size)
                 for _ in range(1, par.dp_attention)
             ]
             self.grouped = GroupedScheduler(
@@ -192,7 +193,8 @@ class ParallelEngine(LLMEngine):
             # Every forwarded token's ids come back, not only those of requests asking now: a later
             # request that asks may reuse these pages from the prefix cache.
             part = spans[bounds[g] : bounds[g + 1]]
-            parts.append(StepOrder(part, copies=pool.take_copies(), routing=g > 0))
+            copies, state_copies = pool.take_copies(), pool.take_state_copies()
+            parts.append(StepOrder(part, copies=copies, state_copies=state_copies, routing=g > 0))
         where: list[list[int]] = [[] for _ in parts]  # each group's samples' places in `seqs`
         for i, (seq, row) in enumerate(zip(seqs, rows, strict=True)):
             g = bisect_right(bounds, row) - 1
@@ -202,7 +204,7 @@ class ParallelEngine(LLMEngine):
             part.draws.append(draws[i])
             where[g].append(i)
         self.groups.world.broadcast_object(GroupStepOrder(parts))
-        own = self.runner.step_group(replace(parts[0], copies=[]))  # rank 0 made its copies already
+        own = self.runner.step_group(replace(parts[0], copies=[], state_copies=[]))  # made already
         results = self.runner.gather_group(own)
         assert results is not None
         n = len(seqs)

@@ -45,7 +45,7 @@ def check_supported(m: ModelConfig, par: ParallelConfig) -> None:
     if par.ranks > 1 and m.arch not in SPLIT_ARCHS:
         raise ValueError(f"the engine splits {', '.join(SPLIT_ARCHS)} over ranks; not arch {m.arch}")
     if m.is_hybrid:
-        par.check(m, "parallel")  # Mamba-2 heads with whole B/C groups, one attention group
+        par.check(m, "parallel")  # its Mamba-2 heads split with whole B/C groups
 
 
 def local_config(m: ModelConfig, par: ParallelConfig) -> ModelConfig:

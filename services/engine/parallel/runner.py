@@ -249,9 +249,11 @@ class RankRunner:
         """An attention group with nothing to run: its ranks still take part in every MoE layer's
         all-to-alls (in layer order, as the busy groups' forwards do), with no tokens."""
         x = torch.empty((0, self.model_config.dim), dtype=self.dtype, device=self.device)
-        for layer in self.model.model.layers:
-            if isinstance(layer.mlp, ExpertParallelMoE):
-                layer.mlp(x)
+        hybrid = self.model_config.is_hybrid  # (nemotron_h: backbone.layers[i].mixer)
+        for layer in (self.model.backbone if hybrid else self.model.model).layers:
+            moe = layer.mixer if hybrid else layer.mlp
+            if isinstance(moe, ExpertParallelMoE):
+                moe(x)
 
     def gather_group(self, res: GroupResult | None) -> list[GroupResult | None] | None:
         """Every attention group's result on rank 0 (its first rank's: a tp group's ranks sample
