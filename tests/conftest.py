@@ -24,6 +24,7 @@ os.environ.setdefault(REDIS_PASSWORD_ENV, new_token())
 # the longest go first, so that neither worker is left running one of them alone at the end.
 LONGEST_FIRST = [
     "test_slurm_e2e.py",
+    "test_interpreted_kernels.py",
     "test_e2e.py",
     "test_faults_pipeline.py",
     "test_trainer_run.py",
@@ -38,7 +39,12 @@ LONGEST_FIRST = [
 ]
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m have selected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The interpreted kernel files this process cannot run go to one child process together.
+    from helpers import triton_interp
+
+    triton_interp.group_child_tests(config, items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 

@@ -3,7 +3,12 @@
 The interpreter works only in a process where TRITON_INTERPRET=1 was set before triton was first
 imported (its standard library, e.g. the combine functions of tl.sum, is decorated then). In a
 longer session something may have imported it earlier (the engine imports the fp8 kernels): then a
-kernel test file runs itself in a child process instead (`run_file_in_child`)."""
+kernel test file runs itself in a child process instead (`run_file_in_child`). When the session
+also holds tests/test_interpreted_kernels.py, those files' child tests give way to its one test,
+which runs all of them in a single child process (`group_child_tests`): one start-up of torch,
+triton and the engine instead of one a file. Each file still runs under TRITON_INTERPRET=1 in a
+process of its own kind; the modules that must not see that variable (the fp8 dispatch, ...) are
+never in the group: they run their interpreted scripts through `run_script_interpreted`."""
 
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ import pytest
 import torch
 
 CHILD_REASON = "triton was imported before TRITON_INTERPRET=1: run in a child process instead"
+
+# The kernel test files that this process cannot interpret (in collection order), and those of
+# them whose child tests `group_child_tests` handed to the one group test.
+IN_CHILD_FILES: list[str] = []
+GROUPED_FILES: list[str] = []
+FILE_ATTR = "interpreted_kernel_file"  # on a file's child test: the file it runs
+GROUP_ATTR = "interpreted_kernel_group"  # on the group test
 
 
 def set_interpret(value: str | None) -> str | None:
@@ -83,11 +95,15 @@ def kernel_test_module(kernel_modules: tuple[str, ...], file: str) -> KernelTest
         )
     """
     interpret, in_child = prepare(kernel_modules)
+    if in_child:
+        IN_CHILD_FILES.append(str(Path(file).resolve()))
 
     @pytest.mark.slow
     @pytest.mark.skipif(not in_child, reason="the kernel tests run in this process")
     def test_kernel_tests_in_child_process() -> None:
         run_file_in_child(file)
+
+    setattr(test_kernel_tests_in_child_process, FILE_ATTR, str(Path(file).resolve()))
 
     return KernelTestModule(
         interpret,
@@ -98,12 +114,28 @@ def kernel_test_module(kernel_modules: tuple[str, ...], file: str) -> KernelTest
     )
 
 
-def run_file_in_child(file: str) -> None:
-    """Run the test file `file` in a fresh interpreter process with TRITON_INTERPRET=1."""
+def group_child_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """From tests/conftest.py's pytest_collection_modifyitems, after -k / -m have selected: if the
+    group test is selected, the selected child tests of files this process cannot interpret are
+    deselected and their files recorded in GROUPED_FILES, which the group test runs in one child.
+    Without the group test (a few files picked by hand) each file keeps its own child test."""
+    if not any(getattr(getattr(i, "function", None), GROUP_ATTR, False) for i in items):
+        return
+    grouped = [i for i in items if getattr(getattr(i, "function", None), FILE_ATTR, None) in IN_CHILD_FILES]
+    if not grouped:
+        return
+    GROUPED_FILES[:] = [getattr(i.function, FILE_ATTR) for i in grouped]  # type: ignore[attr-defined]
+    config.hook.pytest_deselected(items=grouped)
+    gone = set(map(id, grouped))
+    items[:] = [i for i in items if id(i) not in gone]
+
+
+def run_file_in_child(*files: str, timeout_s: float = 900) -> None:
+    """Run the test files in one fresh interpreter process with TRITON_INTERPRET=1."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", file],
-        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *files],
+        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
