@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -60,12 +61,29 @@ class Published:
             self.pages.update(zip(hashes, rows, strict=True))
 
 
-def worker(rank: int, init: str, model_dir: str, out_dir: str) -> None:
+def page_diffs(ref: LLMEngine, got: Published, want: Published) -> dict[str, float]:
+    """Per page key both published (hex): the largest difference of its values (float pools) or
+    1.0 where its ids differ (the routing store), as `ref`'s pools lay a page out."""
+    diffs = {}
+    for k, page in got.pages.items():
+        if k in want.pages:
+            parts = zip(as_floats(ref, page[None]), as_floats(ref, want.pages[k][None]), strict=True)
+            diffs[k.hex()] = max(
+                (a.float() - b.float()).abs().max().item()
+                if a.is_floating_point()
+                else float(not torch.equal(a, b))
+                for a, b in parts
+            )
+    return diffs
+
+
+def worker(rank: int, init: str, model_dir: str, out_dir: str, module: str = "test_parallel_dp_kv") -> None:
+    """`module`'s scenario on rank 0 (this one's, or test_parallel_dp_near's), run_worker elsewhere."""
     groups = init_engine_groups(PAR, rank, init, "gloo", timeout_s=30)
     if rank != 0:
         run_worker(CFG, PAR, groups)
         return
-    scenario(model_dir, out_dir, groups, CFG, PAR)
+    import_module(module).scenario(model_dir, out_dir, groups, CFG, PAR)
 
 
 def scenario(
@@ -112,16 +130,7 @@ def scenario(
     ref_pages = Published()
     ref.pages.sink = ref_pages
     want = [r.model_dump(mode="json")["choices"][0] for r in ref.generate([handed(10), pulled(8)])]
-    diffs = {}
-    for k, page in published.pages.items():
-        if k in ref_pages.pages:
-            parts = zip(as_floats(ref, page[None]), as_floats(ref, ref_pages.pages[k][None]), strict=True)
-            diffs[k.hex()] = max(
-                (a.float() - b.float()).abs().max().item()
-                if a.is_floating_point()
-                else float(not torch.equal(a, b))
-                for a, b in parts
-            )
+    diffs = page_diffs(ref, published, ref_pages)
     result = {
         "placed": placed,
         "held": held,

@@ -17,19 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from helpers.debug_weights import random_model_dir
 from helpers.parallel import run_ranks
 from test_kv_near_cache import MB, Gateway
-from test_parallel_dp_kv import CFG, PAR, M, Published
-from test_parallel_pages import as_floats
+from test_parallel_dp_kv import CFG, PAR, M, Published, page_diffs, worker
 
 from services.common.config import EngineConfig, KVNearSection, ParallelConfig, RunConfig
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.parallel.engine import ParallelEngine
-from services.engine.parallel.group import EngineGroups, init_engine_groups
-from services.engine.parallel.runner import run_worker
+from services.engine.parallel.group import EngineGroups
 from services.kvstore.client import PagePublisher
 from services.kvstore.router import attach_near, prompt_keys, pull_prefix
 
@@ -115,16 +112,7 @@ def scenario(
     ref.pages.sink = ref_pages
     want1, _ = run_all(ref, [request(p, a, 6) for a, p in enumerate(TURN1)])
     want2, _ = run_all(LLMEngine(model_dir, cfg), [request(p, a, 6) for a, p in enumerate(turn2)])
-    diffs = {}
-    for k, page in seen.pages.items():
-        if k in ref_pages.pages:  # the first turns' pages (the fillers' are not in ref)
-            parts = zip(as_floats(ref, page[None]), as_floats(ref, ref_pages.pages[k][None]), strict=True)
-            diffs[k.hex()] = max(
-                (a.float() - b.float()).abs().max().item()
-                if a.is_floating_point()
-                else float(not torch.equal(a, b))
-                for a, b in parts
-            )
+    diffs = page_diffs(ref, seen, ref_pages)  # the first turns' pages (ref has no filler's)
     result = {
         "placed": [placed1, placed2],
         "evicted": evicted,
@@ -175,13 +163,5 @@ def check(out_dir: Path, block_size: int) -> None:
 @pytest.mark.full  # `make test` runs the scenario in test_parallel_engine's glm5-dp2 ranks
 def test_two_attention_groups_pull_their_histories_from_the_near_tier(tmp_path: Path) -> None:
     d = random_model_dir(M, tmp_path / "w", seed=3, std=0.2)
-    run_ranks(worker, PAR.ranks, tmp_path, str(d), str(tmp_path))
+    run_ranks(worker, PAR.ranks, tmp_path, str(d), str(tmp_path), "test_parallel_dp_near")
     check(tmp_path, CFG.block_size)
-
-
-def worker(rank: int, init: str, model_dir: str, out_dir: str) -> None:
-    groups = init_engine_groups(PAR, rank, init, "gloo", timeout_s=30)
-    if rank != 0:
-        run_worker(CFG, PAR, groups)
-        return
-    scenario(model_dir, out_dir, groups, CFG, PAR)
