@@ -355,8 +355,9 @@ def engine_layout(cfg: RunConfig, role: Literal["decode", "prefill"], dev: Devic
     ctx = cfg.plan.rollout_tokens / 2  # a rollout's mean context over its lifetime
     token_kv = kv_bytes_per_token(m) * kv_share_per_rank(m, par.tp)
     kv = per_group * ctx * token_kv
-    # The engine's slots and its padding slot (services/engine/state_cache.py); 0 without Mamba-2.
-    states = (per_group + 1) * recurrent_state_bytes(m)
+    # The engine's slots and its padding slot (services/engine/state_cache.py), a rank holding its
+    # tp share of the Mamba-2 heads' states; 0 without Mamba-2.
+    states = (per_group + 1) * recurrent_state_bytes(m) / par.tp
     room = max(0.0, dev.hbm_bytes * HBM_USABLE - weights - states) / token_kv
     return EngineLayout(
         role=role,

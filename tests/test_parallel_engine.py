@@ -152,6 +152,7 @@ def drive(engine: LLMEngine, moe: bool, update: str) -> dict[str, object]:
             out[resp.request_id] = [c.model_dump(mode="json") for c in resp.choices]
         out[f"{rnd}_hits"] = engine.stats.prefix_cache_hit_tokens - hits
     out["pools"] = [p.num_blocks for p in engine.kv_pools]
+    out["slots"] = [p.states.slots for p in engine.kv_pools if p.states is not None]
     out["preemptions"] = engine.stats.preemptions_total
     out["prefix_hits"] = engine.stats.prefix_cache_hit_tokens
     return out
@@ -236,6 +237,10 @@ def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Pat
         assert got["preemptions"] == want["preemptions"] > 0
     if MODELS[name][0].is_hybrid:  # no prefix cache: a Mamba-2 state does not end at a page
         assert got["prefix_hits"] == want["prefix_hits"] == 0
+        # A state slot per sequence that may run: max_batch_size, shared out over attention groups.
+        assert want["slots"] == [8] and got["slots"] == [8 // MODELS[name][1].dp_attention] * len(
+            got["pools"]
+        )
     else:
         if MODELS[name][1].dp_attention == 1:
             assert got["prefix_hits"] == want["prefix_hits"] > 0

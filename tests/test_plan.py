@@ -334,6 +334,9 @@ def test_plan_counts_the_state_slots(rates: P.Rates) -> None:
     assert mm.inference_total_gb == pytest.approx(mm.inference_weights_gb + mm.inference_kv_gb + states / 1e9)
     assert f"Mamba-2 states {states / 1e9:.1f}" in P.render(plan)
     assert " + Mamba-2 states " in P.render_layout(lay, 8)[2]
+    # Over tp 2 a rank holds half of each slot (its Mamba-2 heads' states).
+    split = load_config("nemotron3", ["--decode.replicas=8", "--decode.parallel.tp=2"])
+    assert P.engine_layout(split, "decode", dev).state_gb == pytest.approx(states / 2 / 1e9)
     # A model without Mamba-2 layers prints no state term.
     dense = P.build_plan(load_config("glm5"), rates, balance=False)
     assert dense.memory.inference_state_gb == 0 and "Mamba-2" not in P.render(dense)

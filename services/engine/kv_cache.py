@@ -193,11 +193,14 @@ class KVCache:
         return out
 
 
-def pool_blocks(cfg: EngineConfig, m: ModelConfig, max_seq_len: int, dtype: torch.dtype) -> int:
+def pool_blocks(
+    cfg: EngineConfig, m: ModelConfig, max_seq_len: int, dtype: torch.dtype, slots: int | None = None
+) -> int:
     """Pages of the pool for engine `cfg` over model `m` (a rank's shapes under tensor parallelism).
 
     num_kv_blocks is taken as it is. A byte budget (kv_cache_bytes) holds the hybrid model's Mamba-2
-    state slots first, one per sequence that may run (StateCache.bytes_for), and pages in what
+    state slots first, one per sequence that may run (`slots`, default max_batch_size: an attention
+    group's share of it with data-parallel attention; StateCache.bytes_for), and pages in what
     is left; it must leave at least one max_seq_len sequence's pages, or the engine could admit no
     request of full length. Neither: max_batch_size sequences of max_seq_len."""
     if cfg.num_kv_blocks is not None:
@@ -205,14 +208,15 @@ def pool_blocks(cfg: EngineConfig, m: ModelConfig, max_seq_len: int, dtype: torc
     if cfg.kv_cache_bytes is None:
         return cfg.max_batch_size * -(-max_seq_len // cfg.block_size)
     per_block = KVCache.bytes_per_block_for(m, cfg.block_size, dtype)
-    states = StateCache.bytes_for(m, cfg.max_batch_size, dtype)
+    slots = cfg.max_batch_size if slots is None else slots
+    states = StateCache.bytes_for(m, slots, dtype)
     if not states:
         return max(1, cfg.kv_cache_bytes // per_block)
     least = -(-max_seq_len // cfg.block_size)
     if cfg.kv_cache_bytes - states < least * per_block:
         raise ValueError(
             f"decode.engine.kv_cache_bytes: {cfg.kv_cache_bytes:,} bytes cannot hold the Mamba-2 state"
-            f" slots ({cfg.max_batch_size} x {states // cfg.max_batch_size:,} = {states:,} bytes, one per"
+            f" slots ({slots} x {states // slots:,} = {states:,} bytes, one per"
             f" max_batch_size) plus one max_seq_len sequence's KV pages ({least} x {per_block:,} bytes):"
             f" raise kv_cache_bytes to at least {states + least * per_block:,} or lower max_batch_size"
         )

@@ -50,6 +50,7 @@ from services.engine.parallel.runner import (
     StopOrder,
     WeightsOrder,
     build_runner,
+    group_slots,
     rank_device,
 )
 from services.engine.parallel.vocab import ShardedSampler
@@ -105,7 +106,7 @@ class ParallelEngine(LLMEngine):
             kv = self.kv
             local = local_config(m, par)
             pools = [kv] + [
-                group_pages(local, kv.num_blocks, kv.block_size, self.max_seq_len, cfg.max_batch_size)
+                group_pages(local, kv.num_blocks, kv.block_size, self.max_seq_len, group_slots(cfg, par))
                 for _ in range(1, par.dp_attention)
             ]
             self.grouped = GroupedScheduler(

@@ -178,7 +178,7 @@ class RankRunner:
             max_seq_len,
             self.dtype,
             device,
-            cfg.max_batch_size,
+            group_slots(cfg, par),
         )
         self.sampler = ShardedSampler()
         self.checkpoint = ckpt  # the one read at start: rank 0's engine takes its metadata
@@ -300,10 +300,17 @@ def read_rank_checkpoint(
     return read_checkpoint(path, slice_spec(m, par, groups), tiled=tiled)
 
 
+def group_slots(cfg: EngineConfig, par: ParallelConfig) -> int:
+    """The sequences one attention group runs at once (dp.GroupedScheduler's share of
+    max_batch_size): a hybrid model's Mamba-2 state slots per rank."""
+    return max(1, cfg.max_batch_size // par.dp_attention)
+
+
 def kv_blocks(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig, max_seq_len: int) -> int:
     """Pages in every rank's pool (the same number on all: rank 0's page tables index them all);
-    a byte budget counts the rank's own KV heads."""
-    return pool_blocks(cfg, local_config(m, par), max_seq_len, getattr(torch, cfg.dtype))
+    a byte budget counts the rank's own KV heads and state slots."""
+    local = local_config(m, par)
+    return pool_blocks(cfg, local, max_seq_len, getattr(torch, cfg.dtype), group_slots(cfg, par))
 
 
 def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
