@@ -26,7 +26,20 @@ from itertools import chain
 import numpy as np
 import torch
 
+from services.common.config import ModelConfig
+
 DECODE_BLOCK_N = 64  # keys per tile in the paged decode kernel (4 pages of 16)
+MLA_BLOCK_H = 16  # query heads per program of the MLA decode kernel (kernels/mla_decode.py)
+
+
+def decode_layout(m: ModelConfig) -> tuple[int, int]:
+    """(programs per work item, keys-per-row cap) of model m's decode kernel, what plan_decode
+    sizes the work list by: GQA runs one program per KV head over every key; MLA one per block
+    of MLA_BLOCK_H query heads (all heads share the one latent); with DSA (index_topk) a row
+    attends at most index_topk selected keys (cap 0: none)."""
+    if m.is_mla:
+        return -(-m.n_heads // MLA_BLOCK_H), m.index_topk
+    return m.n_kv_heads, 0
 
 
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -133,6 +146,19 @@ class ForwardBatch:
 
         last = [o + len(s.tokens) - 1 for o, s in zip(offsets, spans, strict=True)]
         return ForwardBatch(t(ids), t(pos), t(slots), groups, t(last))
+
+
+def prefill_groups(spans: list[Span], device: torch.device, max_ctx: int, block_size: int) -> list[AttnGroup]:
+    """The torch path's attention group of the spans feeding several tokens (flat rows in span
+    order, as in a paged batch): MLA's expanded prefill route on the paged path (layers/mla.py)."""
+    offsets, at = [], 0
+    for s in spans:
+        offsets.append(at)
+        at += len(s.tokens)
+    pre = [i for i, s in enumerate(spans) if len(s.tokens) > 1]
+    if not pre:
+        return []
+    return [_group([spans[i] for i in pre], [offsets[i] for i in pre], device, max_ctx, block_size)]
 
 
 def next_pow2(n: int) -> int:
@@ -299,6 +325,11 @@ def plan_decode(ctx: np.ndarray, q_loc: np.ndarray, n_kv_heads: int, num_sms: in
     return DecodePlan(partition, row, q_loc[row], start, end, merge, first, n.astype(np.int64))
 
 
+def capped(ctx: np.ndarray, key_cap: int) -> np.ndarray:
+    """Keys each row's decode attends: its context, or at most key_cap selected ones (DSA)."""
+    return np.minimum(ctx, key_cap) if key_cap else ctx
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors: sizes the decode split."""
     if device.type == "cuda":
@@ -352,9 +383,12 @@ class HostBatch:
             states = np.fromiter((s.state_slot for s in spans), np.int64, n)
         return HostBatch(ids, positions, slots, q_start, lens, starts + lens, table, states)
 
-    def to_forward_batch(self, device: torch.device, n_kv_heads: int, num_sms: int) -> ForwardBatch:
+    def to_forward_batch(
+        self, device: torch.device, n_kv_heads: int, num_sms: int, key_cap: int = 0
+    ) -> ForwardBatch:
         """The eager paged batch: decode spans (1 token) go to the decode kernel, the rest to the
-        prefill kernel; everything reaches the device in one copy."""
+        prefill kernel; everything reaches the device in one copy. n_kv_heads, key_cap: the
+        decode kernel's programs per item and keys-per-row cap (decode_layout)."""
         dec = np.flatnonzero(self.q_lens == 1)
         pre = np.flatnonzero(self.q_lens > 1)
         parts = [
@@ -370,7 +404,9 @@ class HostBatch:
             self.ctx_lens[pre],
             self.tables[pre].ravel(),
         ]
-        plan = plan_decode(self.ctx_lens[dec], self.q_start[dec], n_kv_heads, num_sms) if len(dec) else None
+        plan = None
+        if len(dec):
+            plan = plan_decode(capped(self.ctx_lens[dec], key_cap), self.q_start[dec], n_kv_heads, num_sms)
         if plan is not None:
             parts += plan.arrays()
         # Each part starts 16-byte aligned (even int64 count before it): Triton specialises kernels

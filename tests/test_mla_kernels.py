@@ -1,0 +1,135 @@
+"""The paged MLA decode kernels (services/engine/kernels/mla_decode.py) under the Triton interpreter
+against plain torch: absorbed MLA over the latent pool, dense and DSA-sparse (top-k below the
+context), rows of different lengths on shuffled pages with partial last pages, split into work
+items and merged, and the DSA indexer's paged scoring and top-k."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import triton_interp
+
+INTERPRET, IN_CHILD, needs_interpreter, triton_interpreter, test_kernel_tests_in_child_process = (
+    triton_interp.kernel_test_module(("paged_attention", "mla_decode"), __file__)
+)
+
+from ops.topk import topk_first  # noqa: E402
+from services.engine.batch import ForwardBatch, HostBatch, Span  # noqa: E402
+from services.engine.kernels.mla_decode import (  # noqa: E402
+    index_scores,
+    mla_decode,
+    reference_mla_decode,
+    select_topk,
+    store_rows,
+)
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PAGE = 4
+RANK, ROPE = 32, 8  # the debug configs' latent (rope padded to 16 inside the kernel)
+
+
+def decode_batch(
+    ctx: list[int], sms: int, heads: int, key_cap: int = 0, seed: int = 0
+) -> tuple[HostBatch, ForwardBatch, int]:
+    """One-token spans with contexts `ctx` on shuffled pages; returns the pool's row count too."""
+    rng = np.random.default_rng(seed)
+    n_pages = sum(-(-c // PAGE) for c in ctx) + 2
+    free = list(rng.permutation(n_pages))
+    spans = [Span([int(free.pop()) for _ in range(-(-c // PAGE))], c - 1, [1]) for c in ctx]
+    hb = HostBatch.build(spans, PAGE)
+    programs = -(-heads // 16)
+    return hb, hb.to_forward_batch(DEV, programs, sms, key_cap), n_pages * PAGE
+
+
+def tables(hb: HostBatch) -> list[list[int]]:
+    return [hb.tables[i].tolist() for i in range(len(hb.ctx_lens))]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sms", [4, 64])  # 4: one program per row; 64: split rows and the merge
+def test_dense_decode_matches_reference_float32(sms: int) -> None:
+    ctx = [1, 7, 70, 133, 5]  # partial last pages; 133 keys split into several items at 64 SMs
+    heads = 20  # two head blocks, the second partly masked
+    hb, fb, rows = decode_batch(ctx, sms, heads)
+    dec = fb.paged.decode  # type: ignore[union-attr]
+    assert dec is not None and (dec.work is not None) == (sms == 64)
+    torch.manual_seed(0)
+    pool = torch.randn(rows, RANK + ROPE, device=DEV)
+    q = torch.randn(len(ctx), heads, RANK + ROPE, device=DEV)
+    scale = 24**-0.5
+    out = mla_decode(q, pool, dec, scale, PAGE, RANK)
+    ref = reference_mla_decode(q, pool, list(range(len(ctx))), ctx, tables(hb), scale, PAGE, RANK)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_dense_decode_bfloat16_and_padding_rows_zero() -> None:
+    ctx = [9, 40, 0]  # the last row is padding (context 0): zeros when padded
+    hb, fb, rows = decode_batch(ctx[:2], 4, 4)
+    dec = fb.paged.decode  # type: ignore[union-attr]
+    assert dec is not None
+    # A graph-style batch: one more query row than decode rows; padded output is zero there.
+    torch.manual_seed(1)
+    pool = torch.randn(rows, RANK + ROPE, device=DEV).bfloat16()
+    q = torch.randn(3, 4, RANK + ROPE, device=DEV).bfloat16()
+    out = mla_decode(q, pool, dec, 0.2, PAGE, RANK, padded=True)
+    ref = reference_mla_decode(q, pool, [0, 1], ctx[:2], tables(hb), 0.2, PAGE, RANK)
+    torch.testing.assert_close(out[:2].float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[2].float().cpu(), torch.zeros(4, RANK))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sms", [2, 64])  # 2: one program per row
+def test_sparse_decode_attends_only_the_selected_keys(sms: int) -> None:
+    topk = 80  # above one 64-key partition, so rows split at 64 SMs
+    ctx = [5, 79, 300, 130]  # below, at and above top-k
+    heads = 4
+    hb, fb, rows = decode_batch(ctx, sms, heads, key_cap=topk, seed=2)
+    dec = fb.paged.decode  # type: ignore[union-attr]
+    assert dec is not None and (dec.work is not None) == (sms == 64)
+    torch.manual_seed(2)
+    pool = torch.randn(rows, RANK + ROPE, device=DEV)
+    q = torch.randn(len(ctx), heads, RANK + ROPE, device=DEV)
+    width = dec.block_tables.shape[1] * PAGE
+    scores = torch.randn(len(ctx), width, device=DEV)
+    scores[torch.arange(width, device=DEV)[None, :] >= torch.tensor(ctx, device=DEV)[:, None]] = float("-inf")
+    idx = select_topk(scores, topk)
+    keep = [sorted(topk_first(scores[i, :c][None], topk)[0].tolist()) for i, c in enumerate(ctx)]
+    assert [sorted(idx[i, : min(c, topk)].tolist()) for i, c in enumerate(ctx)] == keep
+    out = mla_decode(q, pool, dec, 0.3, PAGE, RANK, indices=idx)
+    ref = reference_mla_decode(q, pool, list(range(len(ctx))), ctx, tables(hb), 0.3, PAGE, RANK, keep)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    dense = reference_mla_decode(q, pool, list(range(len(ctx))), ctx, tables(hb), 0.3, PAGE, RANK)
+    assert not torch.allclose(ref[2], dense[2])  # the long row really is sparse
+
+
+@needs_interpreter
+def test_index_scores_over_pages_match_the_indexer_formula() -> None:
+    ctx = [3, 70, 17]
+    hb, fb, rows = decode_batch(ctx, 4, 4, seed=3)
+    dec = fb.paged.decode  # type: ignore[union-attr]
+    assert dec is not None
+    torch.manual_seed(3)
+    hi, di = 5, 12  # padded to 16 x 16 in the kernel
+    keys = torch.randn(rows, di, device=DEV)
+    q = torch.randn(len(ctx), hi, di, device=DEV)
+    w = torch.randn(len(ctx), hi, device=DEV)
+    got = index_scores(q, w, keys, dec, di**-0.5, PAGE).cpu()
+    width = dec.block_tables.shape[1] * PAGE
+    assert got.shape == (len(ctx), width)
+    for i, (c, table) in enumerate(zip(ctx, tables(hb), strict=True)):
+        kk = keys[[table[p // PAGE] * PAGE + p % PAGE for p in range(c)]].cpu()
+        want = (w[i, :, None].cpu() * torch.relu(q[i].cpu() @ kk.T * di**-0.5)).sum(0)
+        torch.testing.assert_close(got[i, :c], want, atol=1e-5, rtol=1e-5)
+        assert torch.isinf(got[i, c:]).all() and (got[i, c:] < 0).all()
+
+
+@needs_interpreter
+def test_store_rows_skips_negative_slots() -> None:
+    pool = torch.zeros(8, 5, device=DEV)
+    x = torch.arange(15, dtype=torch.float32, device=DEV).view(3, 5) + 1
+    store_rows(x, pool, torch.tensor([6, -1, 2], device=DEV))
+    want = torch.zeros(8, 5)
+    want[6], want[2] = x[0].cpu(), x[2].cpu()
+    assert torch.equal(pool.cpu(), want)
