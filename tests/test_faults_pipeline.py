@@ -111,10 +111,22 @@ def supervisor_events(run_dir: Path, name: str, msg: str) -> list[dict[str, Any]
     return out
 
 
-def test_run_survives_redis_hung_decode_killed_supervisor_and_orchestrator(tmp_path: Path) -> None:
+def test_service_faults_then_trainer_restart_stop_and_resume(tmp_path: Path) -> None:
+    """One run, its faults one after another (a run each would pay the debug run's start-up again).
+
+    First the services: the run's Redis killed (back with its data), decode hung (SIGSTOP: only the
+    liveness probe can tell), a supervisor killed (the launcher's watchdog starts it again), the
+    orchestrator killed (the task order must go on). Each service is started again only for its own
+    fault: no client died of the Redis kill, the trainer was never restarted and the step lines
+    stayed contiguous through all of them.
+
+    Then the trainer is killed (it resumes from its last checkpoint as a new version, the updates
+    since lost), later the run is stopped (`make stop`) and resumed (`make resume`) with more steps.
+    Admission, derived from the ledger, keeps stale drops as low after each as before; the resumed
+    run prints only its new steps and its ledger counts both parts."""
     run_dir = tmp_path / "run"
-    steps_total = 12
-    proc = launch(run_dir, f"--run.max_steps={steps_total}")
+    batch = 16
+    proc = launch(run_dir, "--run.max_steps=100", "--trainer.checkpoint_every=3")
     try:
         wait_step(run_dir, 2, proc)
         os.kill(child_pid(run_dir, "redis"), signal.SIGKILL)  # the run's Redis: back with its data
@@ -126,28 +138,66 @@ def test_run_survives_redis_hung_decode_killed_supervisor_and_orchestrator(tmp_p
         os.kill(int(sup), signal.SIGKILL)  # a supervisor: the launcher's watchdog starts it again
         wait_step(run_dir, 8, proc)
         os.kill(child_pid(run_dir, "orchestrator"), signal.SIGKILL)  # the task order must go on
+        # Two steps on from the orchestrator's restart, the service faults are behind the run:
+        # the trainer has not been restarted for any of them.
+        wait_step(run_dir, 10, proc)
+        assert len(supervisor_events(run_dir, "trainer", "started")) == 1
+        killed_after = steps(run_dir)[-1]["step"]
+        os.kill(child_pid(run_dir, "trainer"), signal.SIGKILL)
+        wait_step(run_dir, killed_after + 7, proc)
+        proc.send_signal(signal.SIGTERM)  # what `make stop` does
         out = finish(proc, run_dir)
+        assert proc.returncode == 130, out[-4000:]
+        first = steps(run_dir)
+        first_summary = json.loads((run_dir / "summary.json").read_text())
+        assert first_summary["status"] == "stopped"
+
+        # The service faults, as the first part of the run left them.
+        assert first_summary["supervisors_restarted"] == {"sandbox.0": 1}, first_summary
+        assert "supervisor of sandbox.0 was killed" in out
+        assert len(supervisor_events(run_dir, "redis", "started")) == 2
+        # No client died of the Redis kill: each service was started again only for its own fault
+        # (decode hung, sandbox's supervisor killed, orchestrator killed, trainer killed).
+        assert len(supervisor_events(run_dir, "decode.0", "started")) == 2
+        assert len(supervisor_events(run_dir, "sandbox.0", "started")) == 2
+        assert len(supervisor_events(run_dir, "trainer", "started")) == 2
+        hung = supervisor_events(run_dir, "decode.0", "child hung: killing")
+        assert [h["pid"] for h in hung] == [decode], hung
+        assert len(supervisor_events(run_dir, "orchestrator", "started")) == 2
+        # The restarted orchestrator went on with the task order: no (task, seed) was drawn twice.
+        seeds = transcript_seeds(run_dir)  # the run's Redis is down between the stop and the resume
+        assert len(seeds) >= len(first) * batch and len(set(seeds.values())) == len(seeds)
+
+        last = first[-1]["step"]
+        proc = launch(run_dir, f"--run.max_steps={last + 6}", resume=True)
+        out = finish(proc, run_dir, resume=True)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-5000:]
+    assert f"resuming after step {last}" in out
+    printed = [int(x.split()[0]) for x in out.splitlines() if x.strip() and x.split()[0].isdigit()]
+    assert printed == list(range(last + 1, last + 7)), out  # the new steps only, once each
     summary = check_ledger(run_dir)
-    assert summary["status"] == "completed" and summary["steps"] == steps_total
-    assert [h["step"] for h in steps(run_dir)] == list(range(1, steps_total + 1))
-    assert summary["supervisors_restarted"] == {"sandbox.0": 1}, summary
-    assert "supervisor of sandbox.0 was killed" in out
-    assert len(supervisor_events(run_dir, "redis", "started")) == 2
-    # No client died of the Redis kill: each service was started again only for its own fault
-    # (decode hung, sandbox's supervisor killed), the trainer never (steps contiguous, below).
-    assert len(supervisor_events(run_dir, "decode.0", "started")) == 2
-    assert len(supervisor_events(run_dir, "sandbox.0", "started")) == 2
-    assert len(supervisor_events(run_dir, "trainer", "started")) == 1
-    hung = supervisor_events(run_dir, "decode.0", "child hung: killing")
-    assert [h["pid"] for h in hung] == [decode], hung
-    assert len(supervisor_events(run_dir, "orchestrator", "started")) == 2
-    # The restarted orchestrator went on with the task order: no (task, seed) was drawn twice.
-    seeds = transcript_seeds(run_dir)
-    assert len(seeds) >= steps_total * 16 and len(set(seeds.values())) == len(seeds)
+    assert summary["status"] == "completed" and summary["steps"] == last + 6
+    assert summary["ledger"]["started"] > first_summary["ledger"]["started"]
+    hist = steps(run_dir)
+    done = [h["step"] for h in hist]
+    # Killed after step k (k depends on how fast the steps go): the restart publishes its
+    # checkpoint's model as the next version, k + 1 (k + 2 if the killed step's weights were already
+    # out), never a number already used, and trains on from there; every step once. Up to the
+    # kill the steps ran 1, 2, ... k: none of the service faults broke the counter.
+    k = next(i for i, step in enumerate(done) if step != i + 1)
+    assert k >= killed_after >= 10 and done[k] in (k + 2, k + 3) and done == sorted(set(done)), done
+    # The version the restart skipped makes at most one batch of what was pending stale at once.
+    assert hist[k]["dropped_stale"] <= batch, hist[k]
+    # From then on admission is as before. (By version number, the restart admitted a batch more
+    # for the rest of the run, and the resumed run on a fresh Redis everything it could: a third
+    # to a half of the groups were dropped as stale.)
+    after_restart = [h for h in hist if done[k] < h["step"] <= last]
+    after_resume = [h for h in hist if h["step"] > last]
+    shares = [stale_share(x, batch) for x in (after_restart, after_resume)]
+    assert max(shares) <= 0.15, shares
 
 
 def transcript_seeds(run_dir: Path) -> dict[str, int]:
@@ -165,56 +215,6 @@ def transcript_seeds(run_dir: Path) -> dict[str, int]:
 def stale_share(hist: list[dict[str, Any]], batch: int) -> float:
     """Groups dropped as stale per group trained, over these steps."""
     return sum(h["dropped_stale"] for h in hist) / (batch * len(hist))
-
-
-def test_trainer_restart_and_resume_keep_admission_right(tmp_path: Path) -> None:
-    """The trainer is killed after step 4 or later (it resumes from its last checkpoint as a new
-    version, the updates since lost), later the run is stopped (`make stop`) and resumed (`make resume`) with more
-    steps. Admission, derived from the ledger, keeps stale drops as low after each as before; the
-    resumed run prints only its new steps and its ledger counts both parts."""
-    run_dir = tmp_path / "run"
-    batch = 16
-    proc = launch(run_dir, "--run.max_steps=100", "--trainer.checkpoint_every=3")
-    try:
-        wait_step(run_dir, 4, proc)
-        os.kill(child_pid(run_dir, "trainer"), signal.SIGKILL)
-        wait_step(run_dir, 11, proc)
-        proc.send_signal(signal.SIGTERM)  # what `make stop` does
-        out = finish(proc, run_dir)
-        assert proc.returncode == 130, out[-4000:]
-        first = steps(run_dir)
-        first_summary = json.loads((run_dir / "summary.json").read_text())
-        assert first_summary["status"] == "stopped"
-
-        last = first[-1]["step"]
-        proc = launch(run_dir, f"--run.max_steps={last + 6}", resume=True)
-        out = finish(proc, run_dir, resume=True)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-5000:]
-    assert f"resuming after step {last}" in out
-    printed = [int(x.split()[0]) for x in out.splitlines() if x.strip() and x.split()[0].isdigit()]
-    assert printed == list(range(last + 1, last + 7)), out  # the new steps only, once each
-    summary = check_ledger(run_dir)
-    assert summary["status"] == "completed" and summary["steps"] == last + 6
-    assert summary["ledger"]["started"] > first_summary["ledger"]["started"]
-    hist = steps(run_dir)
-    done = [h["step"] for h in hist]
-    # Killed after step k >= 4 (k depends on how fast the steps go): the restart publishes its
-    # checkpoint's model as the next version, k + 1 (k + 2 if the killed step's weights were already
-    # out), never a number already used, and trains on from there; every step once.
-    k = next(i for i, step in enumerate(done) if step != i + 1)
-    assert k >= 4 and done[k] in (k + 2, k + 3) and done == sorted(set(done)), done
-    # The version the restart skipped makes at most one batch of what was pending stale at once.
-    assert hist[k]["dropped_stale"] <= batch, hist[k]
-    # From then on admission is as before. (By version number, the restart admitted a batch more
-    # for the rest of the run, and the resumed run on a fresh Redis everything it could: a third
-    # to a half of the groups were dropped as stale.)
-    after_restart = [h for h in hist if done[k] < h["step"] <= last]
-    after_resume = [h for h in hist if h["step"] > last]
-    shares = [stale_share(x, batch) for x in (after_restart, after_resume)]
-    assert max(shares) <= 0.15, shares
 
 
 @pytest.fixture
