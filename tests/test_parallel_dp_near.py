@@ -5,7 +5,8 @@ publishes their pages through the near tier; other prompts then evict them from 
 caches. Each agent's second turn pulls its history from the near tier (no gateway round trip), the
 pages land in the pool of the group the request is placed in and in no other, only the tokens after
 them are computed, and the tokens and log-probs are a 1-rank engine's that recomputes everything
-(1e-5); the pages each group published are the 1-rank engine's pages. On tiny GLM-5 (tp 1 x
+(1e-5); the pages each group published are the 1-rank engine's pages. With group 0's pool filled
+by a running request, a prefix in the near tier is still pulled whole into idle group 1. On tiny GLM-5 (tp 1 x
 dp_attention 2, on tests/test_parallel_engine.py's glm5-dp2 ranks in `make test`) and on Qwen3-MoE
 with tp 2 inside each group (KV heads split: pages gathered from and scattered to a group's two
 ranks; its moe-tp2-dp2 ranks, `full`)."""
@@ -27,7 +28,7 @@ from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.parallel.engine import ParallelEngine
 from services.engine.parallel.group import EngineGroups
-from services.kvstore.client import PagePublisher
+from services.kvstore.client import KVStoreClient, PagePublisher
 from services.kvstore.router import attach_near, prompt_keys, pull_prefix
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
@@ -36,6 +37,8 @@ TURN1 = [[3, 17, 5, 9, 30, 2, 11, 7, 1, 40, 22, 6, 13], [8, 21, 34, 12, 4, 19, 2
 MORE = [[14, 29, 3, 38, 7, 20, 1, 9], [36, 5, 23, 11, 42, 16, 8, 31]]
 # Two rounds of two long prompts (16 pages each, one per group): the second round evicts the
 # first turns' cached pages from both 24-page pools.
+THIRD = [(5 * i + 2) % 47 for i in range(17)]  # 4 full pages, then the last token
+BUSY = [(3 * i + 1) % 47 for i in range(40)]  # 10 pages, then 6 more for each of 2 samples
 FILLERS = [[[(7 * i + 13 * r + 5 * j) % 47 for i in range(56)] for j in range(2)] for r in range(2)]
 
 
@@ -103,6 +106,7 @@ def scenario(
     computed = eng.stats.computed_tokens_total - computed0
     near_bytes = eng.pages.near_import_bytes_total
     page_bytes = eng.pages.page_bytes
+    third = busy_group_then_pull(eng, client, model_dir, cfg)
     eng.close()
     publisher.close()
     client.close()
@@ -129,8 +133,46 @@ def scenario(
         "want": want1 + want2,
         "diffs": diffs,
         "ref_pages": len(ref_pages.pages),
+        "third": third,
     }
     Path(out_dir, "dp_near.json").write_text(json.dumps(result))
+
+
+def busy_group_then_pull(
+    eng: ParallelEngine, client: KVStoreClient, model_dir: str, cfg: EngineConfig
+) -> dict:
+    """Group 0's pool filled by a running request (two samples of a long prompt) while group 1 is
+    idle: a prompt whose pages are in the near tier is still pulled whole (the roomiest group's
+    free pages bound the pull), placed in group 1 and continued from them."""
+    near, grouped = client.near, eng.grouped
+    assert near is not None and grouped is not None
+    pre = LLMEngine(model_dir, cfg)  # the prompt's pages, as a 1-rank engine publishes them
+    pre_pages = Published()
+    pre.pages.sink = pre_pages
+    want = pre.generate([request(THIRD, 1, 6)])[0].model_dump(mode="json")["choices"][0]
+    keys = prompt_keys(eng, THIRD)
+    assert near.put(keys, b"".join(pre_pages.pages[k].numpy().tobytes() for k in keys)) == len(keys)
+    sampling = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=24, ignore_eos=True)
+    busy = eng.add_request(GenerateRequest(input_ids=BUSY, sampling=sampling))
+    while grouped.groups[0].blocks.num_free >= len(keys):
+        eng.step()
+    free = [s.blocks.num_free for s in grouped.groups]
+    pulled = pull_prefix(eng, client, keys)
+    state = eng.add_request(request(THIRD, 1, 6))
+    held = [[s.blocks.lookup(k) is not None for k in keys] for s in grouped.groups]
+    placed = [grouped.group_of[busy], grouped.group_of[state]]
+    while not (busy.finished and state.finished):
+        eng.step()
+    got = state.response().model_dump(mode="json")["choices"][0]
+    return {
+        "free": free,
+        "pulled": pulled,
+        "keys": len(keys),
+        "held": held,
+        "placed": placed,
+        "got": got,
+        "want": want,
+    }
 
 
 def check(out_dir: Path, block_size: int) -> None:
@@ -155,6 +197,13 @@ def check(out_dir: Path, block_size: int) -> None:
         assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) <= 1e-5
         for tg, tw in zip(g["top_logprobs"], w["top_logprobs"], strict=True):
             assert [t for t, _ in tg] == [t for t, _ in tw]
+    t = r["third"]
+    # Group 0 busy (fewer free pages than the pull), group 1 idle: the whole prefix is pulled into
+    # group 1, where the request goes, and it continues as the 1-rank engine does.
+    assert t["free"][0] < t["keys"] <= t["free"][1] and t["pulled"] == t["keys"] == 4
+    assert t["placed"] == [0, 1] and t["held"] == [[False] * 4, [True] * 4]
+    assert t["got"]["output_ids"] == t["want"]["output_ids"]
+    assert max(abs(a - b) for a, b in zip(t["got"]["logprobs"], t["want"]["logprobs"], strict=True)) <= 1e-5
     # The first turns' pages, published from both groups, are the 1-rank engine's.
     assert len(r["diffs"]) == r["ref_pages"] >= n0 + n1
     assert max(r["diffs"].values()) <= 1e-5, r["diffs"]

@@ -283,8 +283,10 @@ def _pull_prefix(
     have = local_prefix_pages(engine, keys)
     missing = keys[have:]
     # Pages the import could take without evicting the cached head it extends (a hint: read off
-    # the loop thread); more would be moved over the network only to be dropped.
-    missing = missing[: max(0, engine.kv.blocks.num_free - have)]
+    # the loop thread); more would be moved over the network only to be dropped. With
+    # data-parallel attention the request may go to any group's pool: the roomiest one counts.
+    free = max(kv.blocks.num_free for kv in engine.kv_pools)
+    missing = missing[: max(0, free - have)]
     if not missing:
         return 0
     handed = _pull_handoff(engine, keys, have, missing, handoff) if handoff is not None else 0
