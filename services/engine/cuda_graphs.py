@@ -53,6 +53,8 @@ from services.engine.batch import (
     PagedMeta,
     PrefillMeta,
     StateMeta,
+    capped,
+    decode_layout,
     host_to_device,
     item_capacity,
     plan_decode,
@@ -241,7 +243,8 @@ class DecodeGraphs:
         self.model, self.kv, self.device = model, kv, device
         self.sizes = ladder(max_batch)
         self.width = -(-kv.max_seq_len // kv.block_size)
-        self.n_kv_heads = model.config.n_kv_heads
+        # Programs per work item and keys-per-row cap of the model's decode kernel (GQA or MLA).
+        self.n_kv_heads, self.key_cap = decode_layout(model.config)
         self.num_sms = num_sms
         self.sample_in_graph, self.pdl = sample_in_graph, pdl
         self.capacity = {size: item_capacity(size, self.n_kv_heads, num_sms) for size in self.sizes}
@@ -336,7 +339,9 @@ class DecodeGraphs:
         assert size is not None and hb.decode_only
         assert sample is None or self.sample_in_graph
         n_rows = len(hb.ctx_lens)
-        plan = plan_decode(hb.ctx_lens, np.arange(n_rows), self.n_kv_heads, self.num_sms)
+        plan = plan_decode(
+            capped(hb.ctx_lens, self.key_cap), np.arange(n_rows), self.n_kv_heads, self.num_sms
+        )
         inside = self.feeds_itself(feed)
         self.buf.fill(
             hb, size, plan, self.capacity[size], sample, (feed.dst, feed.src) if inside and feed else None

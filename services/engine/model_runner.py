@@ -25,8 +25,10 @@ from services.engine.batch import (
     HostBatch,
     Span,
     StateMeta,
+    decode_layout,
     host_to_device,
     num_sms,
+    prefill_groups,
 )
 from services.engine.cuda_graphs import DecodeGraphs, MixedGraphs
 from services.engine.kv_cache import KVCache, check_memory_cap, pool_blocks
@@ -134,16 +136,19 @@ class ModelRunner:
 
     def _attention_backend(self) -> str:
         want = self.cfg.attention_backend
+        m = self.model_config
         # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
-        # shapes) of at least 16 (tl.dot); MLA keeps its torch path (layers/mla.py).
-        d = self.model_config.head_dim
-        plain = not self.model_config.is_mla and d >= 16 and d & (d - 1) == 0
+        # shapes) of at least 16 (tl.dot), and MLA's decode (kernels/mla_decode.py) with a
+        # power-of-two kv_lora_rank >= 16; MLA's prefill spans keep the torch route (layers/mla.py).
+        d, r = m.head_dim, m.kv_lora_rank
+        if m.is_mla:
+            ok, need = r >= 16 and r & (r - 1) == 0, "MLA with a power-of-two kv_lora_rank >= 16"
+        else:
+            ok, need = d >= 16 and d & (d - 1) == 0, "standard attention with a power-of-two head_dim >= 16"
         if want == "auto":
-            want = "triton" if self.device.type == "cuda" and plain else "torch"
-        if want == "triton" and not plain:
-            raise ValueError(
-                f"attention_backend: {want!r} needs standard attention with a power-of-two head_dim >= 16"
-            )
+            want = "triton" if self.device.type == "cuda" and ok else "torch"
+        if want == "triton" and not ok:
+            raise ValueError(f"attention_backend: {want!r} needs {need}")
         return want
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -168,8 +173,10 @@ class ModelRunner:
         return graphs
 
     def _capture_mixed_graphs(self) -> MixedGraphs | None:
-        # A hybrid model's prompt chunks scan span by span (layers/mamba2.py): no fixed-shape step.
-        if self.graphs is None or not self.cfg.cuda_graph_mixed or self.model_config.is_hybrid:
+        # A hybrid model's prompt chunks scan span by span (layers/mamba2.py), MLA's run the
+        # torch expanded route over gathered groups (layers/mla.py): no fixed-shape step.
+        m = self.model_config
+        if self.graphs is None or not self.cfg.cuda_graph_mixed or m.is_hybrid or m.is_mla:
             return None
         graphs = MixedGraphs(
             self.model,
@@ -240,7 +247,11 @@ class ModelRunner:
         the device (overlap scheduling), written in before the forward."""
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(hb):
             return self.mixed_graphs.run(hb, feed)
-        batch = hb.to_forward_batch(self.device, self.model_config.n_kv_heads, self.num_sms)
+        m = self.model_config
+        programs, key_cap = decode_layout(m)
+        batch = hb.to_forward_batch(self.device, programs, self.num_sms, key_cap)
+        if m.is_mla and not hb.decode_only:  # MLA's prefill spans: the torch expanded route
+            batch.groups = prefill_groups(spans, self.device, self.kv.max_seq_len, self.kv.block_size)
         if self.kv.states is not None:
             batch.state = StateMeta.build(spans, self.device)
         feed_pending(batch.input_ids, feed)

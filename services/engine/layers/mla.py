@@ -19,6 +19,12 @@ Attention reads the latents and takes one of two equal routes:
     per head) and W_UV applied after attention, so attention is MQA directly over the cached
     latents (keys [c | k_pe], values c) and the context is never expanded.
 
+On the GPU path (attention_backend "triton", kernels/mla_decode.py) the decode rows of a step take
+the absorbed route in Triton: the latents are read straight from the page pool (no gathered
+copy), GLM-5's indexer scores the paged indexer keys and the query attends its top-k through
+the page table, and a decode step is CUDA-graph capturable (cuda_graphs.DecodeGraphs). Prefill
+spans of the same step keep the expanded torch route over their gathered groups.
+
 RoPE is DeepSeek's interleaved variant (pairs (x0, x1), (x2, x3), ... share a frequency; HF's
 rope_interleave = true, torchtitan's complex-number RoPE), written out in HF's de-interleaved
 order; q and k use the same order, so scores are those of the original.
@@ -142,8 +148,6 @@ class MLAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
-        if batch.paged is not None:
-            raise ValueError("MLA has no paged (Triton) kernel: use attention_backend 'torch' or 'auto'")
         t, h = x.shape[0], self.n_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else x
         q = self.q_b_proj(q_resid) if self.q_lora else self.q_proj(x)
@@ -153,23 +157,77 @@ class MLAttention(nn.Module):
         latent = torch.cat(
             (self.kv_a_layernorm(c), apply_rope_interleaved(k_pe[:, None], cos, sin)[:, 0]), -1
         )
-        kv.store(self.layer_idx, batch.slot_mapping, latent[:, None], latent.new_empty(t, 1, 0))
+        iq = iw = ik = None
         if self.indexer is not None:
             iq, iw, ik = self.indexer.project(x, q_resid, cos, sin)
-            kv.store_index(self.layer_idx, batch.slot_mapping, ik)
-
-        out = q.new_empty(t, h, self.v_dim)
+        if batch.paged is not None:
+            out = self._paged_decode(q_nope, q_pe, latent, iq, iw, ik, batch, kv)
+        else:
+            kv.store(self.layer_idx, batch.slot_mapping, latent[:, None], latent.new_empty(t, 1, 0))
+            if ik is not None:
+                kv.store_index(self.layer_idx, batch.slot_mapping, ik)
+            out = q.new_empty(t, h, self.v_dim)
+        # The torch path's groups; on the paged path only the prefill spans' (expanded route).
         for g in batch.groups:
             ctx = kv.load(self.layer_idx, g.block_tables)[0][:, :, 0]  # [B, ctx, rank + rope]
             qn, qp = q_nope[g.q_index], q_pe[g.q_index]  # [B, Lq, H, *]
             mask = g.mask
             if self.indexer is not None and g.ctx_len > self.indexer.topk:
+                assert iq is not None and iw is not None
                 keys = kv.load_index(self.layer_idx, g.block_tables)
                 mask = self.indexer.select(iq[g.q_index], iw[g.q_index], keys, mask)
             absorb = self.absorb if self.absorb is not None else qn.shape[1] == 1
             o = self._absorbed(qn, qp, ctx, mask) if absorb else self._expanded(qn, qp, ctx, mask)
             out[g.out_index] = o[g.q_valid]
-        return self.o_proj(out.view(t, h * self.v_dim))
+        return self.o_proj(out.reshape(t, h * self.v_dim))  # (the absorbed einsum's layout may differ)
+
+    def _paged_decode(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        iq: torch.Tensor | None,
+        iw: torch.Tensor | None,
+        ik: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv: KVCache,
+    ) -> torch.Tensor:
+        """The GPU path (attention_backend "triton", kernels/mla_decode.py): stores this step's
+        latents (and indexer keys) in the pools, then the decode rows attend over the pool in the
+        absorbed form, DSA rows over their indexer's top-k. [T, H, v_dim]: decode rows filled,
+        prefill rows left to the groups (their expanded route), padding rows zero."""
+        # Imported here so the CPU path never loads Triton.
+        from services.engine.kernels.mla_decode import index_scores, mla_decode, select_topk, store_rows
+
+        paged = batch.paged
+        assert paged is not None
+        pool = kv.k[self.layer_idx].view(kv.k.shape[1], -1)  # [rows, rank + rope]
+        store_rows(latent, pool, batch.slot_mapping)
+        if ik is not None:
+            assert kv.index_k is not None
+            store_rows(ik, kv.index_k[self.layer_idx], batch.slot_mapping)
+        dec = paged.decode
+        if dec is None:
+            return q_nope.new_empty(q_nope.shape[0], self.n_heads, self.v_dim)
+        w_uk, w_uv = self._absorb_weights(q_nope.dtype)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        top = None
+        if self.indexer is not None:
+            assert iq is not None and iw is not None and kv.index_k is not None
+            scores = index_scores(iq, iw, kv.index_k[self.layer_idx], dec, self.indexer.scale, kv.block_size)
+            top = select_topk(scores, self.indexer.topk)
+        o_lat = mla_decode(
+            torch.cat((q_lat, q_pe), -1), pool, dec, self.scale, kv.block_size, self.rank, top, paged.padded
+        )
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, rank] and W_UV [H, v_dim, rank] out of kv_b_proj."""
+        lin = self.kv_b_proj
+        # fp8 quantisation (fp8_linear) replaces the Linear: absorb its dequantised weight.
+        weight = lin.dequantized_weight() if hasattr(lin, "dequantized_weight") else lin.weight
+        w = weight.to(dtype).view(self.n_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
 
     def _expanded(
         self, qn: torch.Tensor, qp: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
@@ -190,11 +248,7 @@ class MLAttention(nn.Module):
     def _absorbed(
         self, qn: torch.Tensor, qp: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        lin = self.kv_b_proj
-        # fp8 quantisation (fp8_linear) replaces the Linear: absorb its dequantised weight.
-        weight = lin.dequantized_weight() if hasattr(lin, "dequantized_weight") else lin.weight
-        w = weight.to(qn.dtype).view(self.n_heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, rank], [H, v_dim, rank]
+        w_uk, w_uv = self._absorb_weights(qn.dtype)
         q_lat = torch.einsum("blhn,hnr->bhlr", qn, w_uk)
         o_lat = F.scaled_dot_product_attention(
             torch.cat((q_lat, qp.transpose(1, 2)), -1),  # [B, H, Lq, rank + rope]
