@@ -130,7 +130,9 @@ def mismatch_memory(
         "engine_kv_and_state": float(kv),
         # float32 logits and log-softmax of one scoring chunk, and an activation allowance
         "activations": 2.0 * chunk * m.vocab_size * 4 + 4 * GIB,
-        "engine_mla_sampling_transient": mla_decode_transient(m, r3_args.prompts, sampling_ctx),
+        "engine_mla_sampling_transient": mla_decode_transient(
+            m, r3_args.prompts, sampling_ctx, args.mla_backend_used
+        ),
     }
 
 
@@ -221,14 +223,19 @@ def roofline_bytes(m: ModelConfig, batch: int) -> dict[str, Any]:
     }
 
 
-def mla_decode_transient(m: ModelConfig, batch: int, ctx: int) -> float:
-    """Bytes the engine's MLA decode step holds for one layer beyond its caches: attention runs on
-    the torch path (services/engine/layers/mla.py: no paged kernel for MLA) as SDPA over the
-    gathered latents with one key head shared by all heads and a mask, which PyTorch's math kernel
-    computes by expanding keys [c | k_pe] and values c to every head; plus the gathered context."""
+def mla_decode_transient(m: ModelConfig, batch: int, ctx: int, backend: str = "torch") -> float:
+    """Bytes the engine's MLA decode step holds for one layer beyond its caches. The torch path
+    (services/engine/layers/mla.py) runs SDPA over the gathered latents with one key head shared by
+    all heads and a mask, which PyTorch's math kernel computes by expanding keys [c | k_pe] and
+    values c to every head; plus the gathered context. The Triton path (kernels/mla_decode.py)
+    reads the pool in place: the absorbed queries and outputs, the split partials, and with DSA
+    the indexer's float32 scores and their int64 sort keys over the table width."""
     if not m.is_mla:
         return 0.0
     latent = m.kv_lora_rank + m.qk_rope_head_dim
+    if backend == "triton":
+        per_row = m.n_heads * (2 * latent + 3 * 4 * m.kv_lora_rank)  # q, out (bf16); partials (f32)
+        return float(batch * per_row + (12.0 * batch * ctx if m.index_topk else 0.0))
     return 2.0 * batch * ctx * (m.n_heads * (latent + m.kv_lora_rank) + latent)
 
 
@@ -240,7 +247,12 @@ def decode_batch(m: ModelConfig, args: argparse.Namespace, resident: float, tota
         return args.w1_batch
     ctx = args.w1_max_prompt + args.w1_new_tokens
     b = args.w1_prompts
-    while total is not None and b > 1 and resident + mla_decode_transient(m, b, ctx) > MEM_HEADROOM * total:
+    backend = args.mla_backend_used
+    while (
+        total is not None
+        and b > 1
+        and resident + mla_decode_transient(m, b, ctx, backend) > MEM_HEADROOM * total
+    ):
         b = 1 << ((b - 1).bit_length() - 1)  # the power of two below
     return b
 
@@ -355,7 +367,9 @@ def phase_mismatch(
         batch = decode_batch(m, args, resident, env.get("memory_bytes"))
         memory["decode_batch"] = batch
         memory["decode_mla_transient_gib"] = round(
-            mla_decode_transient(m, batch, args.w1_max_prompt + args.w1_new_tokens) / GIB, 2
+            mla_decode_transient(m, batch, args.w1_max_prompt + args.w1_new_tokens, args.mla_backend_used)
+            / GIB,
+            2,
         )
 
         def hook(eng: Any) -> dict[str, Any]:
@@ -372,6 +386,8 @@ def phase_mismatch(
             "max_batch_size": max(ra.prompts, batch),
             "max_seq_len": max(ra.prompt_max + ra.new_tokens + 16, args.w1_max_prompt + args.w1_new_tokens),
         }
+    if m.is_mla:  # (a fallback to torch after a failed mla_check concerns MLA only)
+        update = {**(update or {}), "attention_backend": args.mla_backend}
     init = ra.inits.split(",")[0]
     row = r3.phase_bf16(ra, init, device, workdir, with_engine=hook, engine_update=update)
     row["memory_plan"] = memory
@@ -379,6 +395,15 @@ def phase_mismatch(
     row["prompt_tokens_range"] = [ra.prompt_min, ra.prompt_max]
     row["new_tokens_per_prompt"] = ra.new_tokens
     return row
+
+
+def phase_mla_check() -> dict[str, Any]:
+    """bench/models/mla_check.py: the paged MLA kernels at GLM-5's width and the engine's Triton
+    MLA backend (eager and graphs) against torch, compiled on this card."""
+    from bench.models import mla_check
+
+    with tempfile.TemporaryDirectory(prefix="mla-check-") as tmp:
+        return mla_check.run_checks(Path(tmp), torch.device("cuda"))
 
 
 def phase_mfu(args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -> dict[str, Any]:
@@ -533,6 +558,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the engine's batch in the W1 run (0: every prompt, or what the memory plan allows)",
     )
+    ap.add_argument(
+        "--attention-backend",
+        dest="mla_backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="the engine's attention backend (auto on CUDA: the Triton paged kernels, MLA's included,"
+        " with CUDA graphs); auto falls back to torch for MLA if the mla_check phase fails",
+    )
     ap.add_argument("--mfu-layers", type=int, default=2, help="GLM-5 MFU shape: layers (1 dense + MoE)")
     ap.add_argument(
         "--mfu-experts",
@@ -547,6 +580,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = ap.parse_args(argv)
     args.device = "cpu" if args.smoke else "cuda"
+    # The MLA engines' backend as run (main: "triton" on CUDA unless asked or mla_check failed).
+    args.mla_backend_used = "torch"
     defaults = (
         dict(w1_prompts=8, w1_min_prompt=8, w1_max_prompt=24, w1_new_tokens=8, mfu_rows=4, mfu_steps=3)
         if args.smoke
@@ -611,6 +646,15 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     env = run("environment", lambda: environment(device, args.smoke)) or {}
+    # The MLA decode kernels checked compiled before any phase times them (bench/models/mla_check.py);
+    # if they fail, "auto" runs the MLA engines on the torch path and says so.
+    args.mla_backend_used = "triton" if device.type == "cuda" and args.mla_backend != "torch" else "torch"
+    if device.type == "cuda" and args.mla_backend != "torch":
+        check = run("mla_check", phase_mla_check)
+        if check is not None and not check.get("ok") and args.mla_backend == "auto":
+            args.mla_backend = args.mla_backend_used = "torch"
+            result["mla_backend_fallback"] = "mla_check failed: the MLA engines run attention_backend torch"
+    result["mla_backend_used"] = args.mla_backend_used
     shapes = ("smoke-glm5", "smoke-nemotron") if args.smoke else ("glm5", "nemotron3")
     # The short MFU phase first: a budget the long mismatch phases overrun still leaves it measured.
     run("mfu/glm5", lambda: phase_mfu(args, device, env))
