@@ -17,7 +17,7 @@ import torch
 
 from ops import pdl
 from ops.fp8.checkpoint import dequantize_state
-from services.common.config import EngineConfig
+from services.common.config import EngineConfig, ModelConfig
 from services.common.gpu_memory import cap_process_memory
 from services.engine.batch import (
     BlockTables,
@@ -49,6 +49,24 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def attention_backend(want: str, m: ModelConfig, device: torch.device) -> str:
+    """EngineConfig.attention_backend resolved for a model (a multi-rank engine's rank: its own
+    shard's shapes) on a device: "auto" is the Triton paged kernels on CUDA where they apply."""
+    # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
+    # shapes) of at least 16 (tl.dot), and MLA's decode (kernels/mla_decode.py) with a
+    # power-of-two kv_lora_rank >= 16; MLA's prefill spans keep the torch route (layers/mla.py).
+    d, r = m.head_dim, m.kv_lora_rank
+    if m.is_mla:
+        ok, need = r >= 16 and r & (r - 1) == 0, "MLA with a power-of-two kv_lora_rank >= 16"
+    else:
+        ok, need = d >= 16 and d & (d - 1) == 0, "standard attention with a power-of-two head_dim >= 16"
+    if want == "auto":
+        want = "triton" if device.type == "cuda" and ok else "torch"
+    if want == "triton" and not ok:
+        raise ValueError(f"attention_backend: {want!r} needs {need}")
+    return want
 
 
 class ModelRunner:
@@ -135,21 +153,7 @@ class ModelRunner:
         return None
 
     def _attention_backend(self) -> str:
-        want = self.cfg.attention_backend
-        m = self.model_config
-        # The paged kernels cover standard (GQA) attention with power-of-two head dims (tile
-        # shapes) of at least 16 (tl.dot), and MLA's decode (kernels/mla_decode.py) with a
-        # power-of-two kv_lora_rank >= 16; MLA's prefill spans keep the torch route (layers/mla.py).
-        d, r = m.head_dim, m.kv_lora_rank
-        if m.is_mla:
-            ok, need = r >= 16 and r & (r - 1) == 0, "MLA with a power-of-two kv_lora_rank >= 16"
-        else:
-            ok, need = d >= 16 and d & (d - 1) == 0, "standard attention with a power-of-two head_dim >= 16"
-        if want == "auto":
-            want = "triton" if self.device.type == "cuda" and ok else "torch"
-        if want == "triton" and not ok:
-            raise ValueError(f"attention_backend: {want!r} needs {need}")
-        return want
+        return attention_backend(self.cfg.attention_backend, self.model_config, self.device)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         if not (self.cfg.cuda_graphs and self.attention_backend == "triton" and self.device.type == "cuda"):

@@ -80,10 +80,12 @@ class ParallelEngine(LLMEngine):
         groups: EngineGroups,
         version: int | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        device_path: bool | None = None,
     ) -> None:
         """on_failure: called when a step or a weight update fails. The ranks are then out of step
         (a peer may have died, or missed an order), so the group cannot go on: a service exits
-        there and its supervisor restarts every rank. Without it the error is raised as is."""
+        there and its supervisor restarts every rank. Without it the error is raised as is.
+        device_path: RankRunner.prepare's (the workers' run_worker must be given the same)."""
         if groups.world.rank != 0:
             raise ValueError("ranks other than 0 run runner.run_worker")
         self.par, self.groups = par, groups
@@ -94,7 +96,7 @@ class ParallelEngine(LLMEngine):
         self.dtype = getattr(torch, cfg.dtype)
         # The workers build their shards of the same directory meanwhile.
         groups.world.broadcast_object(StartOrder(str(model_dir)))
-        self.runner = build_runner(model_dir, cfg, par, groups)
+        self.runner = build_runner(model_dir, cfg, par, groups, device_path)
         ckpt = self.runner.checkpoint
         assert ckpt is not None
         self.model_config = m = ckpt.config
@@ -117,7 +119,6 @@ class ParallelEngine(LLMEngine):
             self.scheduler = Scheduler(
                 self.kv, cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching, self.stats
             )
-        self.model.pdl = False
         self.eos_token_ids = set(ckpt.eos_token_ids)
         tok_file = ckpt.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_file)) if tok_file.is_file() else None
@@ -146,8 +147,7 @@ class ParallelEngine(LLMEngine):
         self._prefill_lag = None
         self.overlap = False
         self.background = False
-        self.model.fused_elementwise = False
-        self.model.megakernel = None
+        self.model.megakernel = None  # one kernel over every layer: no room for a collective
 
     def step(self) -> list[RequestState]:
         try:
@@ -171,6 +171,7 @@ class ParallelEngine(LLMEngine):
         kv = self.kv
         assert isinstance(kv, RecordingKVCache)
         order = StepOrder(spans, rows, params, draws, kv.take_copies(), kv.take_state_copies())
+        order.graph = self.runner.graph_size(spans)
         self.groups.world.broadcast_object(order)
         # Rank 0 made its page and state copies already.
         out = self.runner.step(replace(order, copies=[], state_copies=[]))

@@ -24,17 +24,30 @@ from typing import Any
 import numpy as np
 import torch
 
+from ops import pdl
 from ops.fp8.checkpoint import dequantize_state, is_fp8_weight
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.modeldir import model_config_from_hf
 from services.common.schemas import SamplingParams
-from services.engine.batch import ForwardBatch, Span, StateMeta
+from services.engine.batch import (
+    BlockTables,
+    ForwardBatch,
+    HostBatch,
+    Span,
+    StateMeta,
+    decode_layout,
+    num_sms,
+    prefill_groups,
+)
+from services.engine.cuda_graphs import DecodeGraphs, padded_size
 from services.engine.kv_cache import KVCache, pool_blocks
 from services.engine.layers import fp8 as fp8_linear
 from services.engine.layers.sampler import SampleOutput
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
+from services.engine.model_runner import attention_backend
 from services.engine.parallel.experts import ExpertParallelMoE
 from services.engine.parallel.group import EngineGroups
+from services.engine.parallel.linear import split_range
 from services.engine.parallel.model import (
     build_parallel_model,
     check_supported,
@@ -44,7 +57,7 @@ from services.engine.parallel.model import (
     slice_spec,
 )
 from services.engine.parallel.pages import ExportOrder, ImportOrder, run_export, run_import
-from services.engine.parallel.vocab import ShardedSampler
+from services.engine.parallel.vocab import ShardedLogits, ShardedSampler
 from services.engine.state_cache import StateCache
 
 log = logging.getLogger(__name__)
@@ -63,6 +76,8 @@ class StepOrder:
     # Send the forwarded tokens' routed expert ids back (an attention group other than rank 0's:
     # rank 0 keeps a copy of that group's routing store).
     routing: bool = False
+    # The decode graph every rank replays (its padded batch size), chosen by rank 0; None: eager.
+    graph: int | None = None
 
 
 @dataclass
@@ -182,6 +197,62 @@ class RankRunner:
         )
         self.sampler = ShardedSampler()
         self.checkpoint = ckpt  # the one read at start: rank 0's engine takes its metadata
+        # The fast path (`prepare`): torch attention and no graphs until then.
+        self.attention_backend = "torch"
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs = None  # steps with prompt tokens run eagerly on every rank
+        self.pdl = False
+        self.block_tables = BlockTables(-(-max_seq_len // cfg.block_size))
+        self.num_sms = num_sms(device)
+
+    @property
+    def expert_parallel(self) -> bool:
+        return any(isinstance(mod, ExpertParallelMoE) for mod in self.model.modules())
+
+    def prepare(self, device_path: bool | None = None) -> None:
+        """The single-rank engine's fast path (ModelRunner.prepare) on this rank's shard, on every
+        rank alike (the same config and shapes give every rank the same choices): the paged
+        attention kernels where EngineConfig.attention_backend resolves to them for the shard's
+        heads; on CUDA the fused residual-add + RMSNorm / SiLU-mul kernels with fused q/k/v and
+        gate/up GEMMs, and the decode CUDA graphs, captured by every rank in the same order
+        (the same ladder, largest first) so the collectives inside (the tp all-reduces, the
+        vocabulary all-reduce) pair up. A layer whose collective sizes are read on the host (the
+        expert-parallel all-to-all) cannot be captured: an engine with one keeps its steps eager.
+
+        device_path: run the CUDA-only parts (fused kernels, graphs) off CUDA too, the graphs
+        then uncaptured (their static batch runs eagerly): Triton-interpreter tests on CPU.
+        Default: on CUDA."""
+        cfg, m = self.cfg, self.model.config  # the shard's shapes
+        on_device = self.device.type == "cuda" if device_path is None else device_path
+        self.attention_backend = attention_backend(cfg.attention_backend, m, self.device)
+        paged = self.attention_backend != "torch"
+        self.pdl = self.model.pdl = pdl.resolve(cfg.pdl, self.device)
+        self.model.fused_elementwise = on_device and paged and cfg.fused_kernels and not m.is_hybrid
+        if self.model.fused_elementwise:
+            self.model.fuse_projections()
+        if not (on_device and paged and cfg.cuda_graphs) or self.expert_parallel:
+            return
+        size = min(cfg.max_batch_size, cfg.cuda_graph_max_batch_size)
+        graphs = DecodeGraphs(self.model, self.kv, size, self.num_sms, self.device)
+        if self.device.type == "cuda":
+            try:
+                graphs.capture()
+            except RuntimeError as e:
+                # The other ranks may be inside a collective of the same capture: the group cannot
+                # go on eagerly on its own; the way out is the config.
+                raise RuntimeError(
+                    f"rank {self.groups.world.rank}: CUDA graph capture failed ({e}); "
+                    "set engine.cuda_graphs = false to run decode steps eagerly"
+                ) from e
+        self.graphs = graphs
+
+    def graph_size(self, spans: list[Span]) -> int | None:
+        """The decode graph (padded batch size) that runs these spans, or None (eager): rank 0's
+        choice, sent in the StepOrder."""
+        g = self.graphs
+        if g is None or len(spans) > g.sizes[-1] or any(len(s.tokens) != 1 for s in spans):
+            return None
+        return padded_size(len(spans), g.sizes)
 
     def read(self, path: str | Path) -> Checkpoint:
         """This rank's slices of a weights directory (memory-mapped; services/common/weights_slice.py)."""
@@ -205,24 +276,53 @@ class RankRunner:
             assert self.kv.states is not None
             self.kv.states.copy(src, dst)
 
-    def _batch(self, spans: list[Span]) -> ForwardBatch:
-        batch = ForwardBatch.build(spans, self.device, self.max_seq_len, self.kv.block_size)
+    def _forward(self, order: StepOrder) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The order's forward: (final hidden states and each span's last row), or on a decode
+        graph (the graph's logits of the rank's vocabulary slice, one row per span, and None);
+        then the forwarded tokens' cache slots."""
+        spans = order.spans
+        if self.attention_backend == "torch":
+            batch = ForwardBatch.build(spans, self.device, self.max_seq_len, self.kv.block_size)
+        else:
+            hb = HostBatch.build(spans, self.kv.block_size, self.block_tables)
+            if order.graph is not None:
+                if self.graphs is None:
+                    raise RuntimeError(f"rank {self.groups.world.rank}: ordered a decode graph; it has none")
+                logits = self.graphs.run(hb)
+                key = self.graphs.last_key
+                if key is None or key[0] != order.graph:
+                    raise RuntimeError(
+                        f"rank {self.groups.world.rank}: ran the {key} decode graph, ordered {order.graph}"
+                    )
+                return logits, None, torch.from_numpy(hb.slots)
+            m = self.model.config  # the shard's heads
+            programs, key_cap = decode_layout(m)
+            batch = hb.to_forward_batch(self.device, programs, self.num_sms, key_cap)
+            if m.is_mla and not hb.decode_only:  # MLA's prefill spans: the torch expanded route
+                batch.groups = prefill_groups(spans, self.device, self.max_seq_len, self.kv.block_size)
         if self.kv.states is not None:
             batch.state = StateMeta.build(spans, self.device)
-        return batch
+        return self.model(batch, self.kv), batch.last_index, batch.slot_mapping
+
+    def _logits(self, out: torch.Tensor, last_index: torch.Tensor | None, rows: list[int]) -> ShardedLogits:
+        """The rank's slice of the sampled rows' logits (`_forward`'s output)."""
+        vocab = self.model_config.vocab_size
+        if last_index is None:  # a decode graph's logits
+            start, _ = split_range(vocab, self.groups.tp.size, self.groups.tp.rank)
+            shard = out.index_select(0, torch.tensor(rows, device=out.device))
+            return ShardedLogits(shard, start, vocab, self.groups.tp)
+        index = last_index[torch.tensor(rows, device=last_index.device)]
+        return sharded_logits(self.model, out[index], self.groups, vocab)
 
     @torch.inference_mode()
     def step(self, order: StepOrder) -> SampleOutput | None:
         self._copies(order)
         if not order.spans:
             return None
-        batch = self._batch(order.spans)
-        hidden = self.model(batch, self.kv)
+        out, last_index, _ = self._forward(order)
         if not order.rows:
             return None
-        index = batch.last_index[torch.tensor(order.rows, device=batch.last_index.device)]
-        logits = sharded_logits(self.model, hidden[index], self.groups, self.model_config.vocab_size)
-        return self.sampler.sample(logits, order.params, order.draws)
+        return self.sampler.sample(self._logits(out, last_index, order.rows), order.params, order.draws)
 
     @torch.inference_mode()
     def step_group(self, order: StepOrder) -> GroupResult | None:
@@ -232,16 +332,13 @@ class RankRunner:
         if not order.spans:
             self.idle_forward()
             return None
-        batch = self._batch(order.spans)
-        hidden = self.model(batch, self.kv)
+        out, last_index, slots = self._forward(order)
         res = GroupResult(None)
         if order.routing and self.kv.routing is not None:
-            slots = batch.slot_mapping
             res.slots = slots.cpu().numpy()
             res.routing = self.kv.routing[:, slots.to(self.kv.routing.device)].cpu().numpy()
         if order.rows:
-            index = batch.last_index[torch.tensor(order.rows, device=batch.last_index.device)]
-            logits = sharded_logits(self.model, hidden[index], self.groups, self.model_config.vocab_size)
+            logits = self._logits(out, last_index, order.rows)
             res.out = self.sampler.sample(logits, order.params, order.draws)
         return res
 
@@ -324,9 +421,14 @@ def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 
 
 def build_runner(
-    model_dir: str | Path, cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups
+    model_dir: str | Path,
+    cfg: EngineConfig,
+    par: ParallelConfig,
+    groups: EngineGroups,
+    device_path: bool | None = None,
 ) -> RankRunner:
-    """The rank's runner on the weights of `model_dir` (its slices only)."""
+    """The rank's runner on the weights of `model_dir` (its slices only), its fast path prepared
+    (`RankRunner.prepare`: every rank of the group calls this at start, so graphs capture in step)."""
     torch.set_num_threads(cfg.torch_threads)
     ckpt = read_rank_checkpoint(model_dir, cfg, par, groups, config_of(model_dir))
     m = ckpt.config
@@ -335,12 +437,17 @@ def build_runner(
     blocks = kv_blocks(cfg, m, par, max_seq_len)
     kv_cls = RecordingKVCache if groups.world.rank == 0 else KVCache
     device = rank_device(cfg, groups.world.rank)
-    return RankRunner(m, cfg, par, groups, device, blocks, max_seq_len, kv_cls, ckpt)
+    runner = RankRunner(m, cfg, par, groups, device, blocks, max_seq_len, kv_cls, ckpt)
+    runner.prepare(device_path)
+    return runner
 
 
-def run_worker(cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups) -> None:
+def run_worker(
+    cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups, device_path: bool | None = None
+) -> None:
     """Ranks 1..: wait for rank 0's StartOrder, build the shard, run its orders until it says stop.
-    A failed collective (a dead peer) raises out of here."""
+    A failed collective (a dead peer) raises out of here. device_path: RankRunner.prepare's, as
+    rank 0's ParallelEngine was given."""
     world = groups.world
     if world.rank == 0:
         raise ValueError("rank 0 runs ParallelEngine")
@@ -349,7 +456,7 @@ def run_worker(cfg: EngineConfig, par: ParallelConfig, groups: EngineGroups) -> 
         return
     if not isinstance(start, StartOrder):
         raise RuntimeError(f"rank {world.rank}: expected a StartOrder first, got {type(start).__name__}")
-    runner = build_runner(start.path, cfg, par, groups)
+    runner = build_runner(start.path, cfg, par, groups, device_path)
     while True:
         order = world.broadcast_object(None, src=0)
         if isinstance(order, StopOrder):
