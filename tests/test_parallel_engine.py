@@ -22,6 +22,7 @@ import pytest
 from helpers.debug_weights import random_model_dir
 from helpers.moe import nemotron_model, small_nemotron
 from helpers.parallel import TINY, run_ranks, tiny_moe
+from helpers.triton_interp import set_interpret
 
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
@@ -96,6 +97,10 @@ DP_CFG = CFG.model_copy(update={"num_kv_blocks": 24})
 # with tp 2 inside each attention group (KV heads split over a group's ranks).
 KV_SCENARIOS = ("test_parallel_dp_kv", "test_parallel_dp_near")
 KV_CASES = ("glm5-dp2", "moe-tp2-dp2")
+# And these ranks the fast path's short scenario (tests/test_parallel_fast_path.py: the paged
+# kernels and decode graphs' static batches under the Triton interpreter, a head_dim-16 model).
+FAST_CASES = ("qwen3-tp2",)
+FAST = "test_parallel_fast_path"
 
 
 def engine_cfg(par: ParallelConfig) -> EngineConfig:
@@ -170,6 +175,8 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
             return
         for _ in range(1 + len(KV_SCENARIOS) * (name in KV_CASES)):
             run_worker(cfg, par, groups)
+        if name in FAST_CASES:
+            import_module(FAST).serve(groups)
         return
     eng = ParallelEngine(dirs[0], cfg, par, groups)
     if die:
@@ -191,6 +198,8 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
     if name in KV_CASES:  # the same ranks again: KV pages with data-parallel attention
         for mod in KV_SCENARIOS:
             import_module(mod).scenario(dirs[0], out_dir, groups, cfg, par)
+    if name in FAST_CASES:
+        import_module(FAST).scenario(dirs[2:], out_dir, groups)
 
 
 def weights(m: ModelConfig, dest: Path, version: int) -> Path:
@@ -203,7 +212,17 @@ def weights(m: ModelConfig, dest: Path, version: int) -> Path:
 def run(name: str, tmp_path: Path, die: bool = False) -> None:
     m, par = MODELS[name]
     dirs = [str(weights(m, tmp_path / f"step_{v}", v)) for v in (0, 1)]
-    run_ranks(worker, par.ranks, tmp_path, name, dirs, str(tmp_path), die)
+    if name not in FAST_CASES or die:
+        run_ranks(worker, par.ranks, tmp_path, name, dirs, str(tmp_path), die)
+        return
+    dirs += import_module(FAST).fast_dirs(tmp_path)
+    # The ranks are fresh processes: Triton reads this at its first import there (the torch path
+    # runs no Triton kernel on CPU).
+    saved = set_interpret("1")
+    try:
+        run_ranks(worker, par.ranks, tmp_path, name, dirs, str(tmp_path), die)
+    finally:
+        set_interpret(saved)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +247,8 @@ def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Pat
     if name in KV_CASES:  # the scenarios ran on these ranks too
         import_module("test_parallel_dp_kv").check(tmp_path)
         import_module("test_parallel_dp_near").check(tmp_path, DP_CFG.block_size)
+    if name in FAST_CASES:
+        import_module(FAST).check(tmp_path)
     r = json.loads((tmp_path / f"{name}.json").read_text())
     got, want = r["got"], r["want"]
     if MODELS[name][1].dp_attention > 1:

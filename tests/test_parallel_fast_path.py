@@ -8,7 +8,10 @@ tests/test_parallel_engine.py (forks, truncated sampling, top-n log-probs, a pre
 update mid-generation, prefix-cache hits) give the tokens, versions, log-probs and top-n (1e-5)
 and routed ids of the eager multi-rank engine and of the single-rank LLMEngine. At EP 2 the
 expert-parallel all-to-all (sizes read on the host) keeps the steps eager: no graphs, the paged
-and fused kernels still on."""
+and fused kernels still on. Those runs are `full` (spawning ranks that interpret every kernel
+costs tens of seconds); in `make test` a short TP 2 scenario (paged kernels and decode graphs, the
+fused elementwise kernels off) runs on tests/test_parallel_engine.py's qwen3-tp2 ranks
+(`serve`, `scenario`, `check`)."""
 
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from helpers.parallel import TINY, run_ranks, tiny_moe
 from test_parallel_engine import drive, weights
 
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
+from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.parallel.engine import ParallelEngine
-from services.engine.parallel.group import init_engine_groups
+from services.engine.parallel.group import EngineGroups, init_engine_groups
 from services.engine.parallel.runner import run_worker
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
@@ -37,38 +41,105 @@ MODELS = {
 # 12 pages of 4 tokens: the first round preempts (tests/test_parallel_engine.py).
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4, num_kv_blocks=12)
 FAST = CFG.model_copy(update={"attention_backend": "triton"})
+SHORT = FAST.model_copy(update={"fused_kernels": False})
+
+
+def fast_dirs(tmp: Path) -> list[str]:
+    """The short scenario's weights (versions 0 and 1), for the ranks of another test."""
+    m = MODELS["qwen3-tp2"][0]
+    return [str(weights(m, tmp / f"fast_{v}", v)) for v in (0, 1)]
+
+
+def serve(groups: EngineGroups) -> None:
+    """A worker rank's part of the short scenario."""
+    run_worker(SHORT, MODELS["qwen3-tp2"][1], groups, device_path=True)
+
+
+def scenario(dirs: list[str], out_dir: str, groups: EngineGroups) -> None:
+    """Rank 0's part of the short scenario: the fast engine, then one rank alone."""
+    out = fast_run(dirs, groups, SHORT, "qwen3-tp2", full=False)
+    Path(out_dir, "fast-short.json").write_text(json.dumps(out))
+
+
+def check(tmp_path: Path) -> None:
+    """The short scenario: prefill eagerly on the paged kernels, then decode steps of 3 sequences
+    on the 4 graph's static batch, across a weight update: one rank's tokens and log-probs."""
+    r = json.loads((tmp_path / "fast-short.json").read_text())
+    assert r["backend"] == "triton" and r["fused"] is False
+    assert r["graphs"] == [1, 2, 4, 8]
+    assert r["ordered"][0] is None and r["ordered"].count(4) >= 3
+    assert {0, 1} <= set(r["got"]["s-b"][0]["versions"])
+    same(r["got"], r["want"], False, ["s-a", "s-b"])
+
+
+def short(engine: LLMEngine, update: str) -> dict[str, object]:
+    """A greedy request with top-2 log-probs and a seeded one forked in two, the weights updated
+    after 3 steps: decode steps of 3 sequences on the 4 graph (a padding row)."""
+    reqs = [
+        GenerateRequest(
+            request_id="s-a",
+            input_ids=[40, 1, 8, 22, 5],
+            sampling=SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True),
+        ),
+        GenerateRequest(
+            request_id="s-b",
+            input_ids=[3, 17, 5, 9, 30, 2],
+            sampling=SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=5, ignore_eos=True),
+        ),
+    ]
+    states = [engine.add_request(r) for r in reqs]
+    steps = 0
+    while not all(s.finished for s in states):
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.apply_weights(engine.read_weights(update), 1)
+    return {s.request_id: [c.model_dump(mode="json") for c in s.response().choices] for s in states}
 
 
 def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str) -> None:
-    m, par = MODELS[name]
+    par = MODELS[name][1]
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=120)
     if rank != 0:
         run_worker(FAST, par, groups, device_path=True)
         run_worker(CFG, par, groups)
         return
-    fast = ParallelEngine(dirs[0], FAST, par, groups, device_path=True)
+    out = fast_run(dirs, groups, FAST, name, full=True)
+    Path(out_dir, f"{name}.json").write_text(json.dumps(out))
+
+
+def fast_run(
+    dirs: list[str], groups: EngineGroups, cfg: EngineConfig, name: str, full: bool
+) -> dict[str, object]:
+    """Rank 0: the fast engine on `dirs` (the workers serve it), then (full) the eager one, then
+    the single-rank engine; the graph each step ordered."""
+    m, par = MODELS[name]
+    fast = ParallelEngine(dirs[0], cfg, par, groups, device_path=True)
     runner = fast.runner
     ordered: list[int | None] = []
     choose = runner.graph_size
     runner.graph_size = lambda spans: ordered.append(choose(spans)) or ordered[-1]  # type: ignore[method-assign]
-    got = drive(fast, m.is_moe, dirs[1])
+    got = drive(fast, m.is_moe, dirs[1]) if full else short(fast, dirs[1])
     fast.close()
-    info = {
+    out: dict[str, object] = {
+        "got": got,
         "backend": runner.attention_backend,
         "fused": runner.model.fused_elementwise,
         "graphs": None if runner.graphs is None else runner.graphs.sizes,
         "ordered": ordered,
     }
-    eager = ParallelEngine(dirs[0], CFG, par, groups)
-    assert eager.runner.attention_backend == "torch" and eager.runner.graphs is None
-    mine = drive(eager, m.is_moe, dirs[1])
-    eager.close()
-    want = drive(LLMEngine(dirs[0], CFG), m.is_moe, dirs[1])
-    Path(out_dir, f"{name}.json").write_text(json.dumps({"got": got, "eager": mine, "want": want, **info}))
+    if full:
+        eager = ParallelEngine(dirs[0], CFG, par, groups)
+        assert eager.runner.attention_backend == "torch" and eager.runner.graphs is None
+        out["eager"] = drive(eager, m.is_moe, dirs[1])
+        eager.close()
+        out["want"] = drive(LLMEngine(dirs[0], CFG), m.is_moe, dirs[1])
+    else:
+        out["want"] = short(LLMEngine(dirs[0], CFG), dirs[1])
+    return out
 
 
-def same(got: dict[str, object], want: dict[str, object], moe: bool) -> None:
-    rids = [f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"] + ["r3-a"]
+def same(got: dict[str, object], want: dict[str, object], moe: bool, rids: list[str]) -> None:
     for rid in rids:
         for g, w in zip(got[rid], want[rid], strict=True):  # type: ignore[call-overload]
             assert g["output_ids"] == w["output_ids"], rid
@@ -79,14 +150,14 @@ def same(got: dict[str, object], want: dict[str, object], moe: bool) -> None:
                 assert max(abs(a[1] - b[1]) for a, b in zip(tg, tw, strict=True)) <= TOL, rid
             assert (g["routed_experts"] is not None) == moe
             assert g["routed_experts"] == w["routed_experts"], rid
-    for key in ("preemptions", "prefix_hits", "r3_hits"):
-        assert got[key] == want[key], key
 
 
-@pytest.mark.parametrize("name", ["qwen3-tp2", pytest.param("moe-ep2", marks=pytest.mark.full)])
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["qwen3-tp2", "moe-ep2"])
 def test_multi_rank_fast_path_generates_what_one_rank_does(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """tests/test_parallel_engine.py's rounds: a preemption, a weight update, prefix-cache hits."""
     m, par = MODELS[name]
     dirs = [str(weights(m, tmp_path / f"step_{v}", v)) for v in (0, 1)]
     # The ranks are fresh processes: Triton reads this at its first import there.
@@ -101,7 +172,11 @@ def test_multi_rank_fast_path_generates_what_one_rank_does(
         # Decode steps of 1, 2 and 3-4 sequences ran the 1, 2 and 4 graphs (padding rows); steps
         # carrying prompt tokens ran eagerly.
         assert {1, 2, 4} <= set(r["ordered"]) and None in r["ordered"]
-    assert r["got"]["preemptions"] > 0 and r["got"]["prefix_hits"] > 0
-    assert {0, 1} <= set(r["got"]["r1-a"][0]["versions"])
-    same(r["got"], r["eager"], m.is_moe)
-    same(r["got"], r["want"], m.is_moe)
+    got = r["got"]
+    assert got["preemptions"] > 0 and got["prefix_hits"] > 0  # type: ignore[index,operator]
+    assert {0, 1} <= set(got["r1-a"][0]["versions"])  # type: ignore[index]
+    rids = [f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"] + ["r3-a"]
+    for other in (r["eager"], r["want"]):
+        same(got, other, m.is_moe, rids)  # type: ignore[arg-type]
+        for key in ("preemptions", "prefix_hits", "r3_hits"):
+            assert got[key] == other[key], key  # type: ignore[index]
