@@ -26,9 +26,11 @@ with half the experts (64, top-8) at half the batch: per GPU the same expert wei
 products and attention heads x tokens as one EP rank; for `dense8b` the whole model at the same
 batch (tok/s per GPU = the 2-GPU tok/s / 2). The ratio is 2-GPU tok/s per GPU / 1-GPU tok/s.
 
-Both sides run the torch attention path without CUDA graphs (the multi-rank engine has no CUDA
-fast path yet): the ratio is the cost of splitting the model, not the distance to the single-GPU
-fast path (bench/engine/w1.py measures that engine).
+Both sides take the multi-rank engine's fast path (RankRunner.prepare: the paged attention and
+fused elementwise kernels, and decode CUDA graphs where the layout allows them: none with expert
+parallelism, so for `moe30b` the one-GPU baseline runs without graphs too); `--eager` runs both on
+the torch attention path without graphs. The ratio is the cost of splitting the model; the
+multi-rank path with 1 rank against the single-rank engine is w1.py's `+ranks1` variant.
 
 Collectives, timed alone with the step's shapes: per MoE layer the dispatch and combine
 all-to-alls of `batch / tp x top_k` rows (plus the count exchange) and the all-gather of the tp
@@ -107,7 +109,12 @@ def randomize(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def build(
-    m: ModelConfig, par: ParallelConfig, groups: EngineGroups, args: argparse.Namespace, batch: int
+    m: ModelConfig,
+    par: ParallelConfig,
+    groups: EngineGroups,
+    args: argparse.Namespace,
+    batch: int,
+    graphs: bool = True,
 ) -> RankRunner:
     device = (
         torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -121,9 +128,12 @@ def build(
         block_size=16,
         num_kv_blocks=batch * -(-max_seq // 16),
         torch_threads=args.threads,
+        attention_backend="torch" if args.eager else "auto",
+        cuda_graphs=graphs and not args.eager,
     )
     runner = RankRunner(m, cfg, par, groups, device, cfg.num_kv_blocks or 0, max_seq)
     randomize(runner.model, device)
+    runner.prepare()  # after the weights: graph capture runs the model (every rank in step)
     return runner
 
 
@@ -159,6 +169,7 @@ def decode(runner: RankRunner, spans: list[Span], args: argparse.Namespace) -> l
         order = None
         if world.rank == 0:
             order = StepOrder(spans, list(range(len(spans))), params, ShardedSampler.draws(params, rngs))
+            order.graph = runner.graph_size(spans)
         order = world.broadcast_object(order)
         out = runner.step(order)
         assert out is not None
@@ -246,6 +257,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--comm-iters", type=int, default=50)
     ap.add_argument("--bandwidth-mib", type=int, default=256)
+    ap.add_argument("--eager", action="store_true", help="torch attention, no graphs, on both sides")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -269,6 +281,8 @@ def main() -> int:
     times = decode(runner, spans, args)
     comms = collectives(m, par, groups, args.batch, args, runner.device)
     multi = summary(times, args.batch, par.ranks)
+    path = {"attention_backend": runner.attention_backend, "cuda_graphs": runner.graphs is not None}
+    path["fused_elementwise"] = runner.model.fused_elementwise
     del runner, spans
     gc.collect()
     if args.device == "cuda":
@@ -284,7 +298,7 @@ def main() -> int:
             batch1 = args.batch // par.ranks
         else:
             m1, batch1 = m, args.batch
-        base_runner = build(m1, one, single, args, batch1)
+        base_runner = build(m1, one, single, args, batch1, graphs=path["cuda_graphs"])
         base_times = decode(base_runner, prefill(base_runner, batch1, args), args)
         base = summary(base_times, batch1, 1)
         per_layer = {
@@ -310,6 +324,8 @@ def main() -> int:
             "steps": args.steps,
             "dtype": args.dtype,
             "prefill_s": prefill_s,
+            "fast_path": path,
+            "baseline_cuda_graphs": base_runner.graphs is not None,
             "multi_rank": multi,
             "baseline_one_gpu": {
                 **base,
@@ -322,8 +338,8 @@ def main() -> int:
             "collectives_share_of_step": step_comm / (multi["step_ms_median"] / 1e3),
             "bandwidth_gb_s": {k: v for k, v in comms.items() if k.endswith("gb_s")},
             "notes": (
-                "both sides run the torch attention path without CUDA graphs (the multi-rank engine"
-                " has no CUDA fast path yet); step time is from the order's broadcast to the sampled"
+                "both sides on the same path (fast_path; the baseline's graphs only where the"
+                " multi-rank side has them); step time is from the order's broadcast to the sampled"
                 " tokens on the host"
             ),
         }

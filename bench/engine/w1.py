@@ -2,6 +2,9 @@
 
     python3 bench/engine/w1.py --out $OUT/w1.json            # on the H200 (about 5-8 minutes)
     python bench/engine/w1.py --smoke --out /tmp/w1.json     # CPU, tiny model: checks the script runs
+    # the multi-rank engine with 1 rank against the single-rank engine, same process (one GPU):
+    python3 bench/engine/w1.py --variants triton+graphs+fused,triton+graphs+fused+ranks1 \
+        --skip-hf --skip-kernels --out $OUT/w1_ranks1.json
 
 W1: a Qwen3-0.6B-shaped model with random weights
 (bf16), 256 prompts of 100-1024 tokens (random.seed(0): the 256 lengths, then each prompt's token
@@ -367,8 +370,12 @@ def engine_variant(
     mixed: bool = True,
     pdl: bool = True,
     graph_sampling: bool = True,
+    ranks1: bool = False,
 ) -> dict[str, Any]:
+    from services.common.config import ParallelConfig
     from services.engine import LLMEngine
+    from services.engine.parallel.engine import ParallelEngine
+    from services.engine.parallel.group import EngineGroups
 
     res: dict[str, Any] = {
         "attention_backend": backend,
@@ -378,12 +385,14 @@ def engine_variant(
         "overlap_schedule": overlap,
         "quantization": "fp8" if fp8 else "none",
         "graph_sampling": graph_sampling,
+        "engine": "ParallelEngine, 1 rank" if ranks1 else "LLMEngine",
     }
     t0 = time.perf_counter()
-    engine = LLMEngine(
-        model_dir,
-        engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed, pdl, graph_sampling),
-    )
+    cfg = engine_config(args, backend, graphs, args.dtype, fused, overlap, fp8, mixed, pdl, graph_sampling)
+    if ranks1:  # the multi-rank code path (orders, RankRunner, ShardedSampler) with one rank
+        engine = ParallelEngine(model_dir, cfg, ParallelConfig(), EngineGroups.single())
+    else:
+        engine = LLMEngine(model_dir, cfg)
     sync()
     res["engine_init_s"] = round(time.perf_counter() - t0, 2)
     res["pdl"] = engine.pdl  # EngineConfig.pdl (default on), as resolved on this device
@@ -840,9 +849,10 @@ def main() -> None:
         return batch1_and_latency(args, engine, prompts, weight_bytes, bw)
 
     def variant(name: str) -> None:
-        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed][+nopdl][+nogs]" (EngineConfig.fused_kernels,
-        # .overlap_schedule, .quantization; nomixed: cuda_graph_mixed off, mixed steps eager;
-        # nopdl: EngineConfig.pdl off; nogs: graph_sampling off)
+        # "<backend>[+graphs][+fused][+overlap][+fp8][+nomixed][+nopdl][+nogs][+ranks1]"
+        # (EngineConfig.fused_kernels, .overlap_schedule, .quantization; nomixed: cuda_graph_mixed
+        # off, mixed steps eager; nopdl: EngineConfig.pdl off; nogs: graph_sampling off; ranks1:
+        # the multi-rank engine with one rank, parallel/engine.py)
         backend, *opts = name.split("+")
         graphs = "graphs" in opts and cuda
         fused = "fused" in opts
@@ -872,6 +882,7 @@ def main() -> None:
                 mixed,
                 pdl,
                 graph_sampling,
+                "ranks1" in opts,
             ),
         )
         if res is not None and first:
@@ -926,6 +937,17 @@ def overlap_agreement(phases: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
+def ranks1_ratio(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """For each `...+ranks1` variant run next to the same variant without it: its W1 tok/s over the
+    single-rank engine's (the multi-rank code path's cost with one rank; goal >= 0.97)."""
+    out = {}
+    for k, v in rows.items():
+        base = rows.get(k.replace("+ranks1]", "]")) if k.endswith("+ranks1]") else None
+        if base and base["output_tok_s"]:
+            out[k] = round(v["output_tok_s"] / base["output_tok_s"], 3)
+    return out
+
+
 def summarize(report: Report, main: str | None) -> None:
     """The headline numbers next to each other."""
     phases = report.data.get("phases", {})
@@ -949,6 +971,7 @@ def summarize(report: Report, main: str | None) -> None:
                 "truncated": v["w1"]["truncated_at_time_cap"],
             }
     report.data["summary"] = {
+        "ranks1_over_single_rank": ranks1_ratio(rows),
         "overlap_same_greedy_tokens": overlap_agreement(phases),
         "main_variant": main,
         "roofline_tok_s": roof,

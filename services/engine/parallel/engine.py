@@ -13,8 +13,11 @@ the plan (`GroupStepOrder`; an idle group joins the MoE layers' exchanges with n
 group's first rank sends back its samples and the routed expert ids of the tokens it forwarded
 (Router Replay reads them from rank 0's copy of the group's routing store).
 
-What the multi-rank engine does not do yet: the CUDA fast path (paged kernels, CUDA graphs, fused sampler, overlap
-scheduling: it runs the torch attention path on any device). KV pages move whole: an export
+On CUDA every rank takes the single-rank fast path where it applies (RankRunner.prepare: paged
+attention kernels, fused elementwise kernels, decode CUDA graphs captured in step on every rank,
+none with expert parallelism); rank 0 names each decode step's graph in the StepOrder. Not on
+this path: the fused sampler (the vocabulary is split), graphs of mixed steps, the batch-1
+megakernel and overlap scheduling (each step is synchronous). KV pages move whole: an export
 gathers the KV heads of the ranks of the sequence's attention group, an import scatters them to
 the ranks of the group its request is placed in (parallel/pages.py).
 """

@@ -9,6 +9,10 @@ collectives inside the layers keep them in step) and samples with `ShardedSample
 the same tokens and log-probs on every rank: rank 0 keeps them, the others drop them. Weight
 updates are orders too, in sequence with the steps: each rank reads and applies its own slices.
 
+Every rank prepares the single-rank engine's fast path on its shard at start (`prepare`): the
+paged kernels at the shard's head counts, on CUDA the fused elementwise kernels and decode graphs
+captured in the same order on every rank; a decode step's order names the graph to replay.
+
 A rank whose peer died fails its next collective (the groups' timeout bounds the wait) and the
 error ends `serve_orders`: the process exits non-zero and its supervisor restarts the group.
 """
