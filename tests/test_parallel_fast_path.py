@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from helpers.parallel import TINY, run_ranks, tiny_moe
-from test_parallel_engine import drive, weights
+from test_parallel_engine import GLM5, drive, weights
+from test_parallel_engine import MODELS as MODELS_1
 
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.schemas import GenerateRequest, SamplingParams
@@ -33,10 +34,15 @@ from services.engine.parallel.runner import run_worker
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 
 TOL = 1e-5
-# The paged kernels need a power-of-two head_dim >= 16.
+# The paged kernels need a power-of-two head_dim >= 16 (MLA: kv_lora_rank).
 MODELS = {
     "qwen3-tp2": (ModelConfig(**dict(TINY, head_dim=16), max_seq_len=64, n_kv_heads=2), ParallelConfig(tp=2)),
     "moe-ep2": (tiny_moe(64).model_copy(update={"head_dim": 16}), ParallelConfig(tp=2, ep=2)),
+    # GLM-5: MLA (its decode on the MLA kernel at each rank's 2 heads, prompt chunks on the torch
+    # route) with the DSA indexer, experts at EP 2.
+    "glm5-ep2": (GLM5, ParallelConfig(tp=2, ep=2)),
+    # DeepSeek-V3 with tensor-parallel experts (no all-to-all): MLA decode steps on the graphs.
+    "deepseek-tp2": (MODELS_1["deepseek-ep2"][0], ParallelConfig(tp=2)),
 }
 # 12 pages of 4 tokens: the first round preempts (tests/test_parallel_engine.py).
 CFG = EngineConfig(device="cpu", max_batch_size=8, max_seq_len=64, block_size=4, num_kv_blocks=12)
@@ -153,7 +159,7 @@ def same(got: dict[str, object], want: dict[str, object], moe: bool, rids: list[
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("name", ["qwen3-tp2", "moe-ep2"])
+@pytest.mark.parametrize("name", ["qwen3-tp2", "moe-ep2", "glm5-ep2", "deepseek-tp2"])
 def test_multi_rank_fast_path_generates_what_one_rank_does(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
