@@ -234,9 +234,16 @@ def test_mla_graph_static_batch_matches_eager(mla_dir: Path) -> None:
 
 
 def test_mla_backend_resolution(mla_dir: Path) -> None:
-    # CPU: auto keeps the torch path; a latent width the kernels cannot tile is refused by name.
+    # CPU: auto keeps the torch path.
     engine = LLMEngine(mla_dir, engine_config())
     assert engine.attention_backend == "torch"
     m = load_config("debug-kimi").model
     assert decode_layout(m) == (1, 0) and decode_layout(load_config("debug-glm5").model) == (1, 16)
     assert decode_layout(load_config("glm5").model) == (4, 2048)
+
+
+def test_triton_refuses_a_latent_width_it_cannot_tile(tmp_path: Path) -> None:
+    m = load_config("debug-kimi").model.model_copy(update={"kv_lora_rank": 24})
+    d = save_weights_dir(m, build_model(m, seed=0).state_dict(), tmp_path / "step_0", {"version": 0})
+    with pytest.raises(ValueError, match="power-of-two kv_lora_rank"):
+        LLMEngine(d, engine_config(attention_backend="triton"))

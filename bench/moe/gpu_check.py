@@ -257,6 +257,14 @@ def main() -> None:
     cuda = device.type == "cuda"
     fp32: dict[str, Any] = {"dtype": "float32"}
     bf16: dict[str, Any] = {"dtype": "bfloat16"} if cuda else {"dtype": "float32", "block_size": 8}
+    # MLA: the torch path, and on CUDA the Triton MLA decode kernels (kernels/mla_decode.py) with
+    # CUDA-graph decode, each against HF.
+    mla = [fp32 | {"attention_backend": "torch"}, bf16 | {"attention_backend": "torch"}]
+    if cuda:
+        mla += [
+            fp32 | {"attention_backend": "triton", "cuda_graphs": True},
+            bf16 | {"attention_backend": "triton", "cuda_graphs": True},
+        ]
     phases: list[tuple[str, Any]] = [
         ("experts", lambda: phase_experts(device, args.smoke)),
         (
@@ -277,8 +285,8 @@ def main() -> None:
                 ),
             ),
         ),
-        ("deepseek_v3", lambda: phase_engine("deepseek_v3", device, args.smoke, [fp32, bf16])),
-        ("glm_moe_dsa", lambda: phase_engine("glm_moe_dsa", device, args.smoke, [fp32, bf16])),
+        ("deepseek_v3", lambda: phase_engine("deepseek_v3", device, args.smoke, mla)),
+        ("glm_moe_dsa", lambda: phase_engine("glm_moe_dsa", device, args.smoke, mla)),
     ]
     for name, fn in phases:
         t0 = time.perf_counter()
