@@ -37,7 +37,15 @@ import triton.language as tl
 from ops import pdl
 from ops.topk import order_key
 from services.engine.batch import MLA_BLOCK_H, DecodeMeta
-from services.engine.kernels.paged_attention import INTERPRET, LOG2E, MERGE_CHUNK, _dot, _merge_kernel, _prec
+from services.engine.kernels.paged_attention import (
+    INTERPRET,
+    LOG2E,
+    MERGE_CHUNK,
+    _decode_item,
+    _dot,
+    _merge_kernel,
+    _prec,
+)
 
 # Launch settings: first choices, not tuned on a GPU (the latent tile is [block_n, kv_lora_rank]).
 MLA_DECODE_TUNING: dict[str, int] = {"block_n": 32, "num_warps": 4, "num_stages": 2}
@@ -121,26 +129,21 @@ def _mla_decode_kernel(
     hb = tl.program_id(1)
     # Step metadata before the PDL wait (the work list, contexts, query rows, block tables);
     # the indices, q and the pool after it (earlier kernels write them).
-    if SINGLE:
-        b = w
-        ctx = tl.load(ctx_ptr + b).to(tl.int32)
-        row = tl.load(q_loc_ptr + b).to(tl.int64)
-        start = ctx * 0
-        end = ctx
-        if SPARSE:
-            end = tl.minimum(ctx, n_idx)
-        direct = ctx >= 0  # every row (a tensor, so the masks below keep one dtype)
-        merge = ctx * 0
-    else:
-        b_raw = tl.load(item_row_ptr + w)
-        valid = b_raw >= 0  # -1: a CUDA graph's unused slot
-        b = tl.maximum(b_raw, 0)
-        ctx = tl.load(ctx_ptr + b).to(tl.int32)
-        row = tl.where(valid, tl.load(item_qloc_ptr + w), -1).to(tl.int64)
-        start = tl.load(item_start_ptr + w).to(tl.int32)
-        end = tl.where(valid, tl.load(item_end_ptr + w).to(tl.int32), start)
-        merge = tl.load(item_merge_ptr + w)
-        direct = merge == 0
+    b, row, start, end, merge = _decode_item(
+        w,
+        q_loc_ptr,
+        ctx_ptr,
+        item_row_ptr,
+        item_qloc_ptr,
+        item_start_ptr,
+        item_end_ptr,
+        item_merge_ptr,
+        SINGLE,
+    )
+    direct = merge == 0
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    if SPARSE and SINGLE:
+        end = tl.minimum(end, n_idx)  # (a work list's items are planned over capped keys)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -90,6 +90,41 @@ def _store_kv_kernel(
     tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _decode_item(
+    w,
+    q_loc_ptr,
+    ctx_ptr,
+    item_row_ptr,
+    item_qloc_ptr,
+    item_start_ptr,
+    item_end_ptr,
+    item_merge_ptr,
+    SINGLE: tl.constexpr,
+):
+    """What decode program w attends: (sequence row b, its query row, first key, one past the
+    last, merge flag: 0 when the program writes the output itself). SINGLE: row w, all its keys;
+    else item w of the work list (batch.DecodeWork; row -1: a CUDA graph's unused slot, no keys,
+    no query row). Positions are int32 (loop bounds); addresses int64 (a large pool overflows 2^31
+    elements). Only step metadata is read: callers may run it before their PDL wait."""
+    if SINGLE:
+        b = w
+        ctx = tl.load(ctx_ptr + b).to(tl.int32)
+        row = tl.load(q_loc_ptr + b).to(tl.int64)
+        start = ctx * 0
+        end = ctx
+        merge = ctx * 0  # every row writes its output (a tensor, so the masks keep one dtype)
+    else:
+        b_raw = tl.load(item_row_ptr + w)
+        valid = b_raw >= 0
+        b = tl.maximum(b_raw, 0)
+        row = tl.where(valid, tl.load(item_qloc_ptr + w), -1).to(tl.int64)
+        start = tl.load(item_start_ptr + w).to(tl.int32)
+        end = tl.where(valid, tl.load(item_end_ptr + w).to(tl.int32), start)
+        merge = tl.load(item_merge_ptr + w)
+    return b, row, start, end, merge
+
+
 # Triton compiles a variant per value class of an int argument (== 1, divisible by 16): arguments
 # that change from step to step (table width) must not be specialised, or the first steps of a
 # new shape pay a compile (~1.5 s on the H200 in the first W1 run).
@@ -133,25 +168,20 @@ def _decode_kernel(
     # item writes its output, the others write partials at index w for _merge_kernel.
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    # Positions are int32 (loop bounds); addresses int64 (a large pool overflows 2^31 elements).
     # Step metadata (work list, context, query row) before the PDL wait: the host
     # copies it in before the forward and no kernel writes it (ops/pdl.py); q and the pool after.
-    if SINGLE:
-        b = w
-        ctx = tl.load(ctx_ptr + b).to(tl.int32)
-        row = tl.load(q_loc_ptr + b).to(tl.int64)
-        start = ctx * 0
-        end = ctx
-        direct = ctx >= 0  # every row (a tensor, so the masks below keep one dtype)
-    else:
-        b_raw = tl.load(item_row_ptr + w)
-        valid = b_raw >= 0  # -1: a CUDA graph's unused slot
-        b = tl.maximum(b_raw, 0)
-        row = tl.where(valid, tl.load(item_qloc_ptr + w), -1).to(tl.int64)
-        start = tl.load(item_start_ptr + w).to(tl.int32)
-        end = tl.where(valid, tl.load(item_end_ptr + w).to(tl.int32), start)
-        merge = tl.load(item_merge_ptr + w)
-        direct = merge == 0
+    b, row, start, end, merge = _decode_item(
+        w,
+        q_loc_ptr,
+        ctx_ptr,
+        item_row_ptr,
+        item_qloc_ptr,
+        item_start_ptr,
+        item_end_ptr,
+        item_merge_ptr,
+        SINGLE,
+    )
+    direct = merge == 0
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     offs_g = tl.arange(0, G_PAD)
