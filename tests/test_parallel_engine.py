@@ -269,10 +269,17 @@ def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Pat
         # attention: placed in the group that holds them; the other group idles through the MoE
         # layers).
         assert got["r3_hits"] == want["r3_hits"] == 8
-    moe = MODELS[name][0].is_moe
-    rids = [f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"] + ["r3-a"]
-    if MODELS[name][0].is_hybrid:
-        rids.append("r3-b")
+    same_choices(got, want, MODELS[name][0])
+    # The update landed mid-generation: round 1's tokens carry both versions.
+    assert {0, 1} <= set(got["r1-a"][0]["versions"])
+    assert got["r1-a"][0]["output_ids"] != got["r1-a"][1]["output_ids"]  # the fork really samples
+
+
+def same_choices(got: dict, want: dict, m: ModelConfig, rids: list[str] | None = None) -> None:
+    """`drive`'s requests (or `rids`) gave the same choices: tokens, versions, finish reasons,
+    routed ids equal, log-probs and top-n to TOL."""
+    if rids is None:
+        rids = [f"{rnd}-{x}" for rnd in ("r1", "r2") for x in "abc"] + ["r3-a"] + ["r3-b"] * m.is_hybrid
     for rid in rids:
         for g, w in zip(got[rid], want[rid], strict=True):
             assert g["output_ids"] == w["output_ids"], rid
@@ -281,11 +288,8 @@ def test_multi_rank_engine_generates_what_one_rank_does(name: str, tmp_path: Pat
             for tg, tw in zip(g["top_logprobs"] or [], w["top_logprobs"] or [], strict=True):
                 assert [t for t, _ in tg] == [t for t, _ in tw], rid
                 assert max(abs(a[1] - b[1]) for a, b in zip(tg, tw, strict=True)) <= TOL, rid
-            assert (g["routed_experts"] is not None) == moe
+            assert (g["routed_experts"] is not None) == m.is_moe
             assert g["routed_experts"] == w["routed_experts"], rid
-    # The update landed mid-generation: round 1's tokens carry both versions.
-    assert {0, 1} <= set(got["r1-a"][0]["versions"])
-    assert got["r1-a"][0]["output_ids"] != got["r1-a"][1]["output_ids"]  # the fork really samples
 
 
 def test_a_dead_worker_fails_the_step(tmp_path: Path) -> None:
