@@ -2,6 +2,7 @@
 before anything times them; one JSON out (a minute or two, mostly Triton compiles).
 
     python3 bench/models/mla_check.py --out $OUT/mla_check.json
+    python3 bench/models/mla_check.py --time --out $OUT/mla_check.json  # then time_kernels
     (bench/models/run.py runs the same checks as its first phase, mla_check)
 
   kernels  at GLM-5's width (64 heads, kv_lora_rank 512 + rope 64, indexer 32 heads x 128,
@@ -163,6 +164,92 @@ def check_engine(tmp: Path, dev: torch.device) -> dict[str, Any]:
     return out
 
 
+def time_kernels(dev: torch.device, smoke: bool = False) -> dict[str, Any]:
+    """One GLM-5-width layer's decode attention (64 heads, latent 512 + rope 64) at W1-like
+    batches under a grid of launch settings: dense over every key, and sparse over the indexer's
+    top 2048 (the indexer's scoring and top-k timed apart). Effective bandwidth = the latent bytes
+    the kernel must read / its median time, next to the device copy bandwidth measured here; the
+    torch path's gather + SDPA on the same dense batch is the baseline. Not a check: numbers to
+    tune MLA_DECODE_TUNING with."""
+    from bench.engine.w1 import measure_bandwidth
+
+    grid = [{"block_n": 32, "num_warps": 4, "num_stages": 2}]
+    if not smoke:
+        grid += [
+            {"block_n": n, "num_warps": w, "num_stages": st}
+            for n in (16, 32, 64)
+            for w in (4, 8)
+            for st in (1, 2, 3)
+            if (n, w, st) != (32, 4, 2)
+        ]
+    out: dict[str, Any] = {"copy_bandwidth_bytes_s": measure_bandwidth(dev), "settings": grid}
+    rng = np.random.default_rng(0)
+    batches = {"b16_ctx4096": [4096] * 16, "b256_w1": [int(c) for c in rng.integers(612, 1536, 256)]}
+    if smoke:
+        batches = {"b4": [40, 90, 7, 130]}
+    for name, ctx in batches.items():
+        for sparse in (False, True):
+            out[f"{name}_{'sparse' if sparse else 'dense'}"] = _time_case(ctx, sparse, grid, dev, smoke)
+    return out
+
+
+def _time_case(
+    ctx: list[int], sparse: bool, grid: list[dict[str, int]], dev: torch.device, smoke: bool
+) -> dict[str, Any]:
+    from bench.engine.w1 import _time_ms
+    from services.engine.batch import num_sms
+    from services.engine.kernels.mla_decode import index_scores, mla_decode, select_topk
+
+    heads, rank, rope, topk, hi, di = (4, 32, 8, 80, 4, 16) if smoke else (64, 512, 64, 2048, 32, 128)
+    reps = 3 if smoke else 20
+    hb, fb, rows = _batch(ctx, heads, topk if sparse else 0, num_sms(dev), 0, dev)
+    dec = fb.paged.decode
+    g = torch.Generator(device=dev).manual_seed(0)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    pool = torch.randn(rows, rank + rope, device=dev, generator=g).to(dtype)
+    q = torch.randn(len(ctx), heads, rank + rope, device=dev, generator=g).to(dtype)
+    row: dict[str, Any] = {
+        "rows": len(ctx),
+        "work_items": None if dec.work is None else len(dec.work.item_row),
+    }
+    idx = None
+    keys_read = sum(ctx)
+    if sparse:
+        ik = torch.randn(rows, di, device=dev, generator=g).to(dtype)
+        iq = torch.randn(len(ctx), hi, di, device=dev, generator=g).to(dtype)
+        iw = torch.randn(len(ctx), hi, device=dev, generator=g)
+        row["index_scores_ms"] = _time_ms(lambda: index_scores(iq, iw, ik, dec, di**-0.5, PAGE), reps)
+        scores = index_scores(iq, iw, ik, dec, di**-0.5, PAGE)
+        row["select_topk_ms"] = _time_ms(lambda: select_topk(scores, topk), reps)
+        idx = select_topk(scores, topk)
+        keys_read = sum(min(c, topk) for c in ctx)
+    nbytes = keys_read * (rank + rope) * pool.element_size()
+    row["latent_bytes"] = nbytes
+    times = []
+    for t in grid:
+        ms = _time_ms(lambda t=t: mla_decode(q, pool, dec, 0.07, PAGE, rank, idx, tuning=t), reps)
+        times.append({**t, "ms": round(ms, 4), "bytes_s": nbytes / (ms / 1e3)})
+    row["best"] = min(times, key=lambda r: r["ms"])
+    row["by_setting"] = times
+    if not sparse:
+        from services.engine.batch import ForwardBatch, Span
+
+        spans = [Span(hb.tables[i, : -(-c // PAGE)].tolist(), c - 1, [1]) for i, c in enumerate(ctx)]
+
+        def torch_path() -> None:
+            grp = ForwardBatch.build(spans, dev, max(ctx) + 1, PAGE).groups[0]
+            b, n = grp.block_tables.shape
+            at = (grp.block_tables[:, :, None] * PAGE + torch.arange(PAGE, device=dev)).view(b, n * PAGE)
+            lat = pool[at][:, None]  # [B, 1, ctx, rank + rope]: one latent head
+            qq = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, b - len(ctx)))[:, :, None]
+            torch.nn.functional.scaled_dot_product_attention(
+                qq, lat, lat[..., :rank], attn_mask=grp.mask, scale=0.07, enable_gqa=True
+            )
+
+        row["torch_gather_sdpa_ms"] = _time_ms(torch_path, max(3, reps // 4))
+    return row
+
+
 def run_checks(tmp: Path, dev: torch.device, smoke: bool = False) -> dict[str, Any]:
     """Both checks (each recorded even if the other fails); `ok` only if both pass."""
     result: dict[str, Any] = {}
@@ -182,6 +269,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (set TRITON_INTERPRET=1)")
+    ap.add_argument("--time", action="store_true", help="after the checks, time the kernels (time_kernels)")
     args = ap.parse_args()
     if not (args.smoke or torch.cuda.is_available()):
         sys.exit("needs CUDA (or --smoke under TRITON_INTERPRET=1)")
@@ -195,7 +283,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mla-check-") as tmp:
         result.update(run_checks(Path(tmp), dev, args.smoke))
     write_result(args.out, result)
-    print(result)
+    if args.time:
+        try:
+            result["timing"] = time_kernels(dev, args.smoke)
+        except Exception:  # noqa: BLE001 - recorded; the checks stand
+            result["timing"] = {"error": traceback.format_exc()[-3000:]}
+        write_result(args.out, result)
+    print({k: v for k, v in result.items() if k != "timing"})
     sys.exit(0 if result["ok"] else 1)
 
 
