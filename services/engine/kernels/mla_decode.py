@@ -8,7 +8,7 @@ latents straight from the page pool through the block tables; the torch path gat
 sequence's context into a dense copy per layer and step, which at a large batch doubles the bytes
 a memory-bound decode moves.
 
-- `mla_decode`: one program per (work item, block of MLA_BLOCK_H heads). Items are the decode
+- `mla_decode`: one program per (block of MLA_BLOCK_H heads, work item). Items are the decode
   work list of the GQA kernel (batch.DecodeWork, flash-decoding): a long row is cut into
   partitions whose partial outputs paged_attention's merge kernel combines by log-sum-exp. The
   latent tile is loaded once per key block and serves as both key and value. Output per head in
@@ -125,8 +125,10 @@ def _mla_decode_kernel(
     # block) takes item w of the work list (one partition of one row): a row of one item writes
     # its output, the others write partials at index w for paged_attention's merge kernel. Keys
     # are positions 0..ctx-1, or with SPARSE the entries indices[b, 0..min(ctx, n_idx)-1].
-    w = tl.program_id(0)
-    hb = tl.program_id(1)
+    # Head blocks vary fastest in launch order: the programs reading one item's latents run
+    # together, so all but the first find its tiles in L2.
+    hb = tl.program_id(0)
+    w = tl.program_id(1)
     # Step metadata before the PDL wait (the work list, contexts, query rows, block tables);
     # the indices, q and the pool after it (earlier kernels write them).
     b, row, start, end, merge = _decode_item(
@@ -324,7 +326,7 @@ def mla_decode(
     n_idx = indices.shape[1] if indices is not None else 0
     stride_it = indices.stride(0) if indices is not None else 0
     gdc = pdl.launch(q)
-    _mla_decode_kernel[(w, triton.cdiv(h, MLA_BLOCK_H))](
+    _mla_decode_kernel[(triton.cdiv(h, MLA_BLOCK_H), w)](
         q, k_cache, out, part_o, part_lse, meta.q_loc, meta.block_tables, meta.ctx_lens, idx, *items,
         q.stride(0), q.stride(1), k_cache.stride(0), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), stride_it, n_idx, scale * LOG2E,

@@ -212,7 +212,9 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._absorb_weights(q_nope.dtype)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         top = None
-        if self.indexer is not None:
+        # A batch whose tables span at most index_topk keys selects every key: dense attention,
+        # the indexer skipped (a static shape, so a CUDA graph decides it at capture).
+        if self.indexer is not None and dec.block_tables.shape[1] * kv.block_size > self.indexer.topk:
             assert iq is not None and iw is not None and kv.index_k is not None
             scores = index_scores(iq, iw, kv.index_k[self.layer_idx], dec, self.indexer.scale, kv.block_size)
             top = select_topk(scores, self.indexer.topk)
