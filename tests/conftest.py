@@ -23,14 +23,12 @@ os.environ.setdefault(REDIS_PASSWORD_ENV, new_token())
 # `make test` hands whole modules to its two xdist workers (--dist loadfile) in collection order:
 # the longest go first, so that neither worker is left running one of them alone at the end.
 LONGEST_FIRST = [
-    "test_slurm_e2e.py",
-    "test_interpreted_kernels.py",
+    "test_interpreted_kernels.py",  # every interpreted kernel test file, in one child process
     "test_e2e.py",
     "test_faults_pipeline.py",
+    "test_slurm_e2e.py",
     "test_trainer_run.py",
     "test_schemathesis.py",
-    "test_engine_fused_kernels.py",
-    "test_engine_kernels.py",
     "test_verifiers_pipeline.py",
     "test_trainer_compile.py",
     "test_launch_budget.py",
