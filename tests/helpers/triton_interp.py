@@ -131,10 +131,13 @@ def group_child_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 def run_file_in_child(*files: str, timeout_s: float = 900) -> None:
-    """Run the test files in one fresh interpreter process with TRITON_INTERPRET=1."""
+    """Run the test files in one fresh interpreter process with TRITON_INTERPRET=1. One file stops
+    at its first failure; several all run, so that one file's failure hides none of the others'
+    (the short summary at the end of the output names each)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    stop = ["-x"] if len(files) == 1 else []
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *files],
+        [sys.executable, "-m", "pytest", "-q", "-rfE", *stop, "-p", "no:cacheprovider", "-W", "ignore", *files],
         env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
