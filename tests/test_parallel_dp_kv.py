@@ -97,7 +97,7 @@ def scenario(
     pre.pages.sink = store
     pre.pages.tail_sink = lambda key, blob: tails.__setitem__(key, blob.clone())
     first = pre.generate([handed(1), pulled(1)])[0].choices[0]
-    eng = ParallelEngine(model_dir, cfg, par, groups)
+    eng = ParallelEngine(model_dir, cfg, par, groups, check_orders=True)
     assert eng.layout == pre.layout
     keys_h = chain_hashes(HANDED, eng.version, eng.layout, bs)
     keys_p = chain_hashes(PULLED, eng.version, eng.layout, bs)[: (len(PULLED) - 1) // bs]

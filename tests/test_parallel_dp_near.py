@@ -67,7 +67,7 @@ def scenario(
 ) -> None:
     """Rank 0's part (the other ranks run run_worker with `cfg`); writes dp_near.json."""
     gw = Gateway()
-    eng = ParallelEngine(model_dir, cfg, par, groups)
+    eng = ParallelEngine(model_dir, cfg, par, groups, check_orders=True)
     client = gw.client()
     run_cfg = RunConfig()
     run_cfg.kvstore.near = KVNearSection(bytes=1 * MB)

@@ -29,6 +29,7 @@ from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine import LLMEngine
 from services.engine.parallel.engine import ParallelEngine
 from services.engine.parallel.group import init_engine_groups
+from services.engine.parallel.orders import receive
 from services.engine.parallel.runner import build_runner, run_worker
 from trainer.model import save_weights_dir
 
@@ -169,16 +170,16 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str, die: 
     groups = init_engine_groups(par, rank, init, "gloo", timeout_s=30)
     if rank != 0:
         if die:  # build the shard, take one order, then leave without a word
-            start = groups.world.broadcast_object(None)
+            start = receive(groups)
             runner = build_runner(start.path, cfg, par, groups)
-            runner.run(groups.world.broadcast_object(None))
+            runner.run(receive(groups))
             return
         for _ in range(1 + len(KV_SCENARIOS) * (name in KV_CASES)):
             run_worker(cfg, par, groups)
         if name in FAST_CASES:
             import_module(FAST).serve(groups)
         return
-    eng = ParallelEngine(dirs[0], cfg, par, groups)
+    eng = ParallelEngine(dirs[0], cfg, par, groups, check_orders=True)
     if die:
         eng.add_request(requests(False, "d")[1])
         eng.step()

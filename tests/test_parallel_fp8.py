@@ -97,7 +97,7 @@ def worker(rank: int, init: str, name: str, dirs: list[str], out_dir: str) -> No
     if rank != 0:
         run_worker(cfg, par, groups)
         return
-    eng = ParallelEngine(dirs[0], cfg, par, groups)
+    eng = ParallelEngine(dirs[0], cfg, par, groups, check_orders=True)
     got = drive(eng, m.is_moe, dirs[1])
     eng.close()
     want = drive(LLMEngine(dirs[0], cfg), m.is_moe, dirs[1])

@@ -3,13 +3,14 @@ ranks 1.. run `run_worker` (services/engine/parallel/runner.py).
 
 Rank 0 keeps everything the single-rank engine does on the host (requests, the scheduler and its
 page tables, prefix cache, preemption, forks, stop conditions, routed-expert read-back), and each
-step it sends the forward's inputs to the other ranks (`StepOrder`), runs its own shard and takes
+step it sends the forward's inputs to the other ranks (a `LeanStep`: the page tables' changes
+only, parallel/orders.py), runs its own shard and takes
 the sampled tokens, identical on every rank. Weight updates go to every rank in step order, each
 rank reading its own slices.
 
 With data-parallel attention (`dp_attention` > 1) rank 0 keeps one scheduler and page pool per
-attention group (services/engine/parallel/dp.py): each step it sends every group its own part of
-the plan (`GroupStepOrder`; an idle group joins the MoE layers' exchanges with no tokens) and each
+attention group (services/engine/parallel/dp.py): each step it sends every group only its own part
+of the plan (an idle group joins the MoE layers' exchanges with no tokens) and each
 group's first rank sends back its samples and the routed expert ids of the tokens it forwarded
 (Router Replay reads them from rank 0's copy of the group's routing store).
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,9 +45,9 @@ from services.engine.overlap import Feed
 from services.engine.parallel.dp import GroupedScheduler, group_pages
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import local_config
+from services.engine.parallel.orders import Ledger, send, send_each
 from services.engine.parallel.pages import GatheringPageExchange, GroupedPageExchange
 from services.engine.parallel.runner import (
-    GroupStepOrder,
     RecordingKVCache,
     StartOrder,
     StepOrder,
@@ -57,7 +58,7 @@ from services.engine.parallel.runner import (
     rank_device,
 )
 from services.engine.parallel.vocab import ShardedSampler
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence
 from services.engine.stats import EngineStats
 
@@ -84,11 +85,14 @@ class ParallelEngine(LLMEngine):
         version: int | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         device_path: bool | None = None,
+        check_orders: bool = False,
     ) -> None:
         """on_failure: called when a step or a weight update fails. The ranks are then out of step
         (a peer may have died, or missed an order), so the group cannot go on: a service exits
         there and its supervisor restarts every rank. Without it the error is raised as is.
-        device_path: RankRunner.prepare's (the workers' run_worker must be given the same)."""
+        device_path: RankRunner.prepare's (the workers' run_worker must be given the same).
+        check_orders: every order carries a digest of the page tables the workers must hold (they
+        raise on a mismatch): for tests."""
         if groups.world.rank != 0:
             raise ValueError("ranks other than 0 run runner.run_worker")
         self.par, self.groups = par, groups
@@ -98,7 +102,7 @@ class ParallelEngine(LLMEngine):
         self.memory_cap = cap_process_memory(self.device, cfg.cuda_memory_gib)
         self.dtype = getattr(torch, cfg.dtype)
         # The workers build their shards of the same directory meanwhile.
-        groups.world.broadcast_object(StartOrder(str(model_dir)))
+        send(groups, StartOrder(str(model_dir)))
         self.runner = build_runner(model_dir, cfg, par, groups, device_path)
         ckpt = self.runner.checkpoint
         assert ckpt is not None
@@ -107,6 +111,9 @@ class ParallelEngine(LLMEngine):
         self.model, self.kv = self.runner.model, self.runner.kv
         self.stats = EngineStats()
         self.grouped: GroupedScheduler | None = None
+        # What each attention group's workers know of the page tables (parallel/orders.py).
+        self.ledgers = [Ledger(check_orders) for _ in range(par.dp_attention)]
+        self._span_seqs: list[Sequence] = []
         if par.dp_attention > 1:
             kv = self.kv
             local = local_config(m, par)
@@ -163,6 +170,10 @@ class ParallelEngine(LLMEngine):
         if self.on_failure is not None:
             self.on_failure(e)
 
+    def spans(self, plan: StepPlan) -> list[Span]:
+        self._span_seqs = [s for s, _ in plan.compute]  # whose page table each span carries
+        return super().spans(plan)
+
     def _launch(
         self, spans: list[Span], seqs: list[Sequence], rows: list[int], feed: Feed | None = None
     ) -> Sampled | None:
@@ -173,11 +184,12 @@ class ParallelEngine(LLMEngine):
             return Sampled(self._launch_groups(self.grouped, spans, seqs, rows, draws))
         kv = self.kv
         assert isinstance(kv, RecordingKVCache)
-        order = StepOrder(spans, rows, params, draws, kv.take_copies(), kv.take_state_copies())
-        order.graph = self.runner.graph_size(spans)
-        self.groups.world.broadcast_object(order)
+        lean = self.ledgers[0].order(spans, self._span_seqs, rows, seqs, draws)
+        lean.copies, lean.state_copies = kv.take_copies(), kv.take_state_copies()
+        lean.graph = self.runner.graph_size(spans)
+        send(self.groups, lean)
         # Rank 0 made its page and state copies already.
-        out = self.runner.step(replace(order, copies=[], state_copies=[]))
+        out = self.runner.step(StepOrder(spans, rows, params, draws, graph=lean.graph))
         return Sampled(out) if out is not None else None
 
     def _launch_groups(
@@ -188,29 +200,33 @@ class ParallelEngine(LLMEngine):
         rows: list[int],
         draws: list[float],
     ) -> SampleOutput:
-        """One step over the attention groups: each its part of the plan, the samples back in
-        `seqs` order, other groups' routed ids into rank 0's copy of their routing store."""
+        """One step over the attention groups: each only its part of the plan, the samples back
+        in `seqs` order, other groups' routed ids into rank 0's copy of their routing store."""
         bounds = grouped.bounds()
         pools = [s.kv for s in grouped.groups]
+        where: list[list[int]] = [[] for _ in pools]  # each group's samples' places in `seqs`
+        for i, row in enumerate(rows):
+            where[bisect_right(bounds, row) - 1].append(i)
         parts = []
         for g, pool in enumerate(pools):
             assert isinstance(pool, RecordingKVCache)
+            lo, hi = bounds[g], bounds[g + 1]
+            lean = self.ledgers[g].order(
+                spans[lo:hi],
+                self._span_seqs[lo:hi],
+                [rows[i] - lo for i in where[g]],
+                [seqs[i] for i in where[g]],
+                [draws[i] for i in where[g]],
+            )
+            lean.copies, lean.state_copies = pool.take_copies(), pool.take_state_copies()
             # Every forwarded token's ids come back, not only those of requests asking now: a later
             # request that asks may reuse these pages from the prefix cache.
-            part = spans[bounds[g] : bounds[g + 1]]
-            copies, state_copies = pool.take_copies(), pool.take_state_copies()
-            parts.append(StepOrder(part, copies=copies, state_copies=state_copies, routing=g > 0))
-        where: list[list[int]] = [[] for _ in parts]  # each group's samples' places in `seqs`
-        for i, (seq, row) in enumerate(zip(seqs, rows, strict=True)):
-            g = bisect_right(bounds, row) - 1
-            part = parts[g]
-            part.rows.append(row - bounds[g])
-            part.params.append(seq.params)
-            part.draws.append(draws[i])
-            where[g].append(i)
-        self.groups.world.broadcast_object(GroupStepOrder(parts))
-        own = self.runner.step_group(replace(parts[0], copies=[], state_copies=[]))  # made already
-        results = self.runner.gather_group(own)
+            lean.routing = g > 0
+            parts.append(lean)
+        send_each(self.groups, parts)
+        own = parts[0]
+        mine = StepOrder(spans[: bounds[1]], own.rows, [seqs[i].params for i in where[0]], own.draws)
+        results = self.runner.gather_group(self.runner.step_group(mine))  # copies made already
         assert results is not None
         n = len(seqs)
         out = SampleOutput([0] * n, [0.0] * n, [None] * n)
@@ -250,7 +266,7 @@ class ParallelEngine(LLMEngine):
         """Every rank loads its slices of `ckpt`'s directory, between steps."""
         t0 = time.monotonic()
         try:
-            self.groups.world.broadcast_object(WeightsOrder(str(ckpt.path), version))
+            send(self.groups, WeightsOrder(str(ckpt.path), version))
             self.runner.load(ckpt)
         except BaseException as e:
             self._failed(e)
@@ -261,4 +277,4 @@ class ParallelEngine(LLMEngine):
 
     def close(self) -> None:
         """Release the worker ranks (they return from run_worker)."""
-        self.groups.world.broadcast_object(StopOrder())
+        send(self.groups, StopOrder())

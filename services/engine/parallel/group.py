@@ -15,6 +15,7 @@ r % tp; the expert-parallel group is the whole engine when ep > 1.
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -79,6 +80,35 @@ class RankGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.pg)
         return box[0]
+
+    def scatter_object(self, objs: list[Any] | None, src: int = 0) -> Any:
+        """Rank `src` gives each rank its own object (`objs[rank]`; None elsewhere): a broadcast of
+        the pickled sizes, then one scatter padded to the largest. An object repeated in `objs` is
+        pickled once."""
+        if self.size == 1:
+            assert objs is not None
+            return objs[0]
+        nccl = dist.get_backend(self.pg) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        chunks: list[torch.Tensor] | None = None
+        if self.rank == src:
+            assert objs is not None and len(objs) == self.size
+            memo: dict[int, bytes] = {}
+            bufs = [
+                memo.get(id(o)) or memo.setdefault(id(o), pickle.dumps(o, pickle.HIGHEST_PROTOCOL))
+                for o in objs
+            ]
+            sizes = torch.tensor([len(b) for b in bufs], dtype=torch.int64, device=device)
+            n = int(sizes.max())
+            chunks = [
+                torch.frombuffer(bytearray(b.ljust(n, b"\0")), dtype=torch.uint8).to(device) for b in bufs
+            ]
+        else:
+            sizes = torch.empty(self.size, dtype=torch.int64, device=device)
+        dist.broadcast(sizes, src=self.ranks[src], group=self.pg)
+        out = torch.empty(int(sizes.max()), dtype=torch.uint8, device=device)
+        dist.scatter(out, chunks, src=self.ranks[src], group=self.pg)
+        return pickle.loads(out[: int(sizes[self.rank])].cpu().numpy().tobytes())
 
     def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank `dst`; None elsewhere."""

@@ -50,6 +50,7 @@ from services.engine.kv_transfer import (
 )
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import kv_head_range
+from services.engine.parallel.orders import send
 from services.engine.sequence import Sequence
 
 
@@ -178,17 +179,17 @@ class GatheringPageExchange(PageExchange):
             device = self.kv.k.device if self.group == 0 else torch.device("cpu")
             return torch.empty((0, self._page_bytes), dtype=torch.uint8, device=device)
         if self.group != 0:
-            self.groups.world.broadcast_object(ExportOrder(list(pages), self.group, send=True))
+            send(self.groups, ExportOrder(list(pages), self.group, send=True))
             got = self.groups.world.gather_objects(None)
             assert got is not None
             return torch.from_numpy(got[self.group * self.groups.tp.size])
         if heads_split(self.model_config, self.groups):
-            self.groups.world.broadcast_object(ExportOrder(list(pages)))
+            send(self.groups, ExportOrder(list(pages)))
         return gather_pages(self.kv, pages, self.model_config, self.groups)
 
     def _scatter(self, pages: list[int], full: torch.Tensor) -> None:
         """Every rank of the group writes its parts of the whole pages (rank 0 when it is one)."""
-        self.groups.world.broadcast_object(ImportOrder(pages, full.numpy(), self.group))
+        send(self.groups, ImportOrder(pages, full.numpy(), self.group))
         if self.group == 0:
             scatter_pages(self.kv, pages, full, self.model_config, self.groups)
 

@@ -60,6 +60,7 @@ from services.engine.parallel.model import (
     sharded_logits,
     slice_spec,
 )
+from services.engine.parallel.orders import Book, LeanStep, receive, split_orders
 from services.engine.parallel.pages import ExportOrder, ImportOrder, run_export, run_import
 from services.engine.parallel.vocab import ShardedLogits, ShardedSampler
 from services.engine.state_cache import StateCache
@@ -82,14 +83,6 @@ class StepOrder:
     routing: bool = False
     # The decode graph every rank replays (its padded batch size), chosen by rank 0; None: eager.
     graph: int | None = None
-
-
-@dataclass
-class GroupStepOrder:
-    """One step of an engine with data-parallel attention: `parts[g]` is attention group g's
-    StepOrder (no spans: the group is idle this step and only joins the MoE layers' exchanges)."""
-
-    parts: list[StepOrder]
 
 
 @dataclass
@@ -119,7 +112,7 @@ class StopOrder:
     pass
 
 
-Order = StartOrder | StepOrder | GroupStepOrder | WeightsOrder | ExportOrder | ImportOrder | StopOrder
+Order = StartOrder | StepOrder | LeanStep | WeightsOrder | ExportOrder | ImportOrder | StopOrder
 
 
 class RecordingStateCache(StateCache):
@@ -207,6 +200,7 @@ class RankRunner:
         self.mixed_graphs = None  # steps with prompt tokens run eagerly on every rank
         self.pdl = False
         self.block_tables = BlockTables(-(-max_seq_len // cfg.block_size))
+        self.book = Book()  # a worker's mirror of rank 0's page tables (parallel/orders.py)
         self.num_sms = num_sms(device)
 
     @property
@@ -330,7 +324,7 @@ class RankRunner:
 
     @torch.inference_mode()
     def step_group(self, order: StepOrder) -> GroupResult | None:
-        """This rank's attention group's part of a GroupStepOrder; every rank then sends its
+        """This rank's attention group's part of a step (its LeanStep); every rank then sends its
         result to rank 0 (`gather_group`)."""
         self._copies(order)
         if not order.spans:
@@ -361,12 +355,21 @@ class RankRunner:
         the same tokens); None on the other ranks."""
         return self.groups.world.gather_objects(res if self.groups.tp.rank == 0 else None)
 
+    def unpack(self, lean: LeanStep) -> StepOrder:
+        """The StepOrder a lean one stands for, from this rank's mirror of the page tables."""
+        spans, params = self.book.apply(lean)
+        return StepOrder(
+            spans, lean.rows, params, lean.draws, lean.copies, lean.state_copies, lean.routing, lean.graph
+        )
+
     def run(self, order: Order) -> SampleOutput | None:
+        if isinstance(order, LeanStep):
+            order = self.unpack(order)
+            if split_orders(self.groups):
+                self.gather_group(self.step_group(order))
+                return None
         if isinstance(order, StepOrder):
             return self.step(order)
-        if isinstance(order, GroupStepOrder):
-            self.gather_group(self.step_group(order.parts[self.groups.dp_rank]))
-            return None
         if isinstance(order, WeightsOrder):
             self.load(self.read(order.path))
         if isinstance(order, ExportOrder):
@@ -455,14 +458,14 @@ def run_worker(
     world = groups.world
     if world.rank == 0:
         raise ValueError("rank 0 runs ParallelEngine")
-    start = world.broadcast_object(None, src=0)
+    start = receive(groups)
     if isinstance(start, StopOrder):
         return
     if not isinstance(start, StartOrder):
         raise RuntimeError(f"rank {world.rank}: expected a StartOrder first, got {type(start).__name__}")
     runner = build_runner(start.path, cfg, par, groups, device_path)
     while True:
-        order = world.broadcast_object(None, src=0)
+        order = receive(groups)
         if isinstance(order, StopOrder):
             log.info("rank %d: stop", world.rank)
             return
