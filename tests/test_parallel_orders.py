@@ -13,7 +13,7 @@ import pytest
 
 from services.common.schemas import GenerateRequest, SamplingParams
 from services.engine.batch import Span
-from services.engine.parallel.orders import Book, Ledger, LeanStep
+from services.engine.parallel.orders import Book, LeanStep, Ledger
 from services.engine.sequence import RequestState, Sequence, Status
 
 
