@@ -28,19 +28,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.debug_weights import random_model_dir
 from helpers.fp8_dirs import fp8_model_dir
+from helpers.moe import small_nemotron
 from helpers.parallel import TINY, run_ranks
-from test_parallel_engine import MLA, drive, engine_cfg
+from test_parallel_engine import MLA, drive, engine_cfg, same_choices, weights
+from torch import nn
 
 from ops.fp8.checkpoint import is_fp8_weight
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
+from services.common.weights_dir import SCALE_SUFFIX
 from services.common.weights_slice import SliceSpec
 from services.engine import LLMEngine
+from services.engine.layers.fp8 import Fp8Linear
 from services.engine.loader import WeightsError, read_checkpoint
 from services.engine.parallel.engine import ParallelEngine
+from services.engine.parallel.fp8 import mamba_in_proj_pairs
 from services.engine.parallel.group import init_engine_groups
-from services.engine.parallel.runner import run_worker
+from services.engine.parallel.model import mamba_runs
+from services.engine.parallel.runner import check_engine, run_worker
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo process groups run on Linux")
 
@@ -75,6 +82,21 @@ GLM5 = dict(
     index_n_heads=4,
     index_head_dim=16,
 )
+# Nemotron-H with every Mamba-2 in_proj run a rank holds on the 128-row tiles: z, x of 4 heads of
+# 64 (128 rows a rank), B, C of 2 groups of 128 (128 a rank), then each rank's 2 dt rows inside
+# the one tile of the 4 (its scale that whole tile's); attention, MLP and shared expert as above.
+NEMOTRON = small_nemotron(
+    dim=64,
+    n_heads=2,
+    n_kv_heads=2,
+    head_dim=128,
+    hidden_dim=256,
+    mamba_n_heads=4,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    moe_hidden_dim=128,
+    shared_expert_hidden_dim=256,
+)
 # name: (model, parallel layout, which weights come first: "fp8" checkpoint or float32 "hp")
 MODELS = {
     "qwen3-tp2": (ModelConfig(**ATTN), ParallelConfig(tp=2), "fp8"),
@@ -83,6 +105,7 @@ MODELS = {
     "glm5-ep2": (ModelConfig(**GLM5), ParallelConfig(tp=2, ep=2), "fp8"),
     # GLM-5's own layout: data-parallel attention (tp 1), the FP8 experts over the ranks.
     "glm5-dp2": (ModelConfig(**GLM5), ParallelConfig(dp_attention=2, ep=2), "fp8"),
+    "nemotron-ep2": (NEMOTRON, ParallelConfig(tp=2, ep=2), "hp"),
 }
 
 
@@ -108,7 +131,10 @@ def weight_dirs(m: ModelConfig, root: Path, first: str) -> list[str]:
     """Versions 0 and 1: one an FP8 checkpoint, the other float32 (`first` says which is 0)."""
     out = []
     for v, kind in enumerate([first, "hp" if first == "fp8" else "fp8"]):
-        hp = random_model_dir(m, root / f"hp_{v}", seed=3 + v, version=v, std=0.2)
+        if m.is_hybrid:  # decisive routing (test_parallel_engine.weights)
+            hp = weights(m, root / f"hp_{v}", v)
+        else:
+            hp = random_model_dir(m, root / f"hp_{v}", seed=3 + v, version=v, std=0.2)
         out.append(str(hp if kind == "hp" else fp8_model_dir(hp, m, root / f"fp8_{v}", version=v)[0]))
     return out
 
@@ -121,6 +147,7 @@ def weight_dirs(m: ModelConfig, root: Path, first: str) -> list[str]:
         pytest.param("moe-tp2", marks=pytest.mark.full),
         pytest.param("glm5-ep2", marks=pytest.mark.full),
         pytest.param("glm5-dp2", marks=pytest.mark.full),
+        pytest.param("nemotron-ep2", marks=pytest.mark.full),
     ],
 )
 def test_fp8_multi_rank_engine_generates_what_one_fp8_rank_does(name: str, tmp_path: Path) -> None:
@@ -130,6 +157,11 @@ def test_fp8_multi_rank_engine_generates_what_one_fp8_rank_does(name: str, tmp_p
     run_ranks(worker, par.ranks, tmp_path, name, dirs, str(tmp_path))
     r = json.loads((tmp_path / f"{name}.json").read_text())
     got, want = r["got"], r["want"]
+    if m.is_hybrid:  # no prefix cache: test_parallel_engine's checks
+        assert got["preemptions"] == want["preemptions"] > 0
+        same_choices(got, want, m)
+        assert {0, 1} <= set(got["r1-a"][0]["versions"])
+        return
     if par.dp_attention > 1:  # pools big enough that nobody is preempted (test_parallel_engine.py)
         assert got["preemptions"] == want["preemptions"] == 0
     else:
@@ -166,3 +198,52 @@ def test_a_cut_off_the_fp8_tiles_is_refused_naming_the_tensor(tmp_path: Path) ->
     with pytest.raises(WeightsError, match=cut):
         read_checkpoint(hp, spec, tiled=is_fp8_weight)
     assert read_checkpoint(hp, spec).state  # a bf16/float32 engine may cut anywhere
+
+
+def test_a_mamba_in_proj_off_the_fp8_tiles_is_refused_at_start() -> None:
+    """4 heads of 48: a rank's z rows (96) and the first 32 of its x rows make its first tile, from
+    two tiles of the whole in_proj: an FP8 engine is refused on the config alone, naming the key
+    and the tensor; the tile-aligned one starts."""
+    cfg = fp8_cfg(ParallelConfig(tp=2))
+    with pytest.raises(
+        ValueError, match=r"parallel\.tp: quantization fp8: backbone\.layers\.0\.mixer\.in_proj"
+    ):
+        check_engine(cfg, small_nemotron(mamba_head_dim=48), ParallelConfig(tp=2))
+    check_engine(cfg, NEMOTRON, ParallelConfig(tp=2, ep=2))
+
+
+def test_a_ranks_mamba_in_proj_tiles_are_the_single_rank_ones(tmp_path: Path) -> None:
+    """Each rank's FP8 in_proj equals the single-rank engine's rows and tiles: from an FP8
+    checkpoint (its rows' bits, the scales of the tiles they lie in) and from a float32 one
+    (parallel/fp8.mamba_in_proj_pairs quantises the whole tiles), and the dt tile a rank holds
+    part of has another scale than its own rows alone would get."""
+    m = NEMOTRON
+    hp = weights(m, tmp_path / "hp", 0)
+    fp8, _ = fp8_model_dir(hp, m, tmp_path / "fp8")
+    name = "backbone.layers.0.mixer.in_proj.weight"
+    scale = name + SCALE_SUFFIX
+    whole = read_checkpoint(fp8).state
+    full = read_checkpoint(hp).state[name]
+    differs = []
+    for rank in range(2):
+        spec = SliceSpec(rank, 2, rank, 2, kv_heads=m.n_kv_heads, mamba=mamba_runs(m))  # tp 2, ep 2
+        runs = spec.mamba_rows(name)
+        assert runs is not None
+        rows = torch.cat([torch.arange(a, b) for a, b in runs])
+        tiles = spec.mamba_tiles(name, whole[name].shape[0], 128)
+        want_q, want_s = whole[name][rows].view(torch.uint8), whole[scale][tiles]
+        got = read_checkpoint(fp8, spec).state
+        assert torch.equal(got[name].view(torch.uint8), want_q) and torch.equal(got[scale], want_s)
+        state = read_checkpoint(hp, spec, tiled=is_fp8_weight).state
+        mod = Fp8Linear(m.dim, len(rows))
+        own = mod.quantize(state[name])[1]
+        model = nn.Module()
+        model.add_module("backbone", nn.ModuleDict({"layers": nn.ModuleDict({"0": nn.ModuleDict({"mixer": nn.ModuleDict({"in_proj": mod})})})}))  # fmt: skip
+        pairs = {name: state[name]}
+        mamba_in_proj_pairs(model, pairs, hp, spec)
+        # The single-rank engine quantising the whole float32 in_proj.
+        q, s = Fp8Linear(m.dim, len(full)).quantize(full)
+        assert torch.equal(pairs[name].view(torch.uint8), q[rows].view(torch.uint8))
+        assert torch.equal(pairs[scale], s[tiles])
+        differs.append(not torch.equal(own[-1], s[tiles][-1]))
+    assert any(differs)  # the dt tile: one rank's rows alone would get another scale

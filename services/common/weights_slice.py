@@ -13,7 +13,9 @@ to quantise the same tiles as a single-rank engine.
 A Mamba-2 layer (nemotron_h, `SliceSpec.mamba`) splits by its heads and their B/C groups: a rank
 holds its heads' rows of z, x and dt and its groups' rows of B and C in `in_proj` ([z | x | B | C |
 dt] rows, read as one copy of those five runs), the same runs of x, B and C in `conv1d`, its
-heads' `dt_bias`, `A_log`, `D` and gated-norm scale, and `out_proj`'s columns of its heads.
+heads' `dt_bias`, `A_log`, `D` and gated-norm scale, and `out_proj`'s columns of its heads. Block
+scales of `in_proj` follow when each of the rank's 128-row tiles lies in one of the whole
+projection's (`SliceSpec.mamba_tiles`): the rank takes that tile's scales.
 """
 
 from __future__ import annotations
@@ -115,6 +117,27 @@ class SliceSpec:
             out.append((a + start, a + stop))
         return out
 
+    def mamba_tiles(self, name: str, n: int, block: int) -> list[int]:
+        """The `block`-row tile of the whole Mamba-2 `in_proj` (`n` rows) each `block`-row tile of
+        this rank's rows lies in: a rank holds the single-rank engine's FP8 tiles (bits, and the
+        scale of the tile its rows come from) only if none of its tiles takes rows from two. A
+        ValueError naming the tensor otherwise."""
+        runs = self.mamba_rows(name)
+        assert runs is not None
+        orig = torch.cat([torch.arange(a, b) for a, b in runs]) // block
+        out = []
+        for i in range(0, len(orig), block):
+            tile = orig[i : i + block]
+            if int(tile[0]) != int(tile[-1]):
+                sizes = ", ".join(str(b - a) for a, b in runs)
+                raise ValueError(
+                    f"{name}: tp_size {self.tp_size} gives each rank runs of {sizes} rows of its {n} "
+                    f"([z | x | B | C | dt]), not on the {block}x{block} FP8 tiles (each run but dt "
+                    f"a multiple of {block} rows starting on a tile, and the dt rows in one tile)"
+                )
+            out.append(int(tile[0]))
+        return out
+
 
 Slice = tuple[int, int, int] | None  # (dim, start, stop), or None for the whole tensor
 
@@ -179,8 +202,11 @@ def read_slices(
             continue
         runs = spec.mamba_rows(owner)
         if runs is not None:
-            if owner != name:
-                raise ValueError(f"{owner}: a block-scaled Mamba-2 projection does not split over tp ranks")
+            if owner != name or (tiled is not None and tiled(name, tuple(w.shape))):
+                tiles = spec.mamba_tiles(owner, w.shape[0], block)
+                if owner != name:  # a block scale: the row of the tile each of the rank's tiles is in
+                    out[name] = reader.tensor(name)[torch.tensor(tiles)]
+                    continue
             out[name] = torch.cat([reader.tensor(name, r, 0) for r in runs])
             continue
         if sl is None or sl is True:

@@ -140,10 +140,15 @@ def _split_hybrid(
 def slice_spec(m: ModelConfig, par: ParallelConfig, groups: EngineGroups) -> SliceSpec:
     """Which part of each checkpoint tensor this rank reads (services/common/weights_slice.py)."""
     ep = groups.ep
-    mamba: tuple[int, int, int] | tuple[()] = ()
-    if m.is_hybrid and "M" in m.hybrid_pattern:
-        mamba = (m.mamba_n_heads * m.mamba_head_dim, m.mamba_n_groups * m.ssm_state_size, m.mamba_n_heads)
+    mamba = mamba_runs(m)
     return SliceSpec(groups.tp.rank, groups.tp.size, ep.rank, ep.size, kv_heads=m.n_kv_heads, mamba=mamba)
+
+
+def mamba_runs(m: ModelConfig) -> tuple[int, int, int] | tuple[()]:
+    """SliceSpec.mamba of the model: (x rows, B rows, heads) of a Mamba-2 layer, or () without one."""
+    if m.is_hybrid and "M" in m.hybrid_pattern:
+        return (m.mamba_n_heads * m.mamba_head_dim, m.mamba_n_groups * m.ssm_state_size, m.mamba_n_heads)
+    return ()
 
 
 def local_state(

@@ -33,6 +33,7 @@ from ops.fp8.checkpoint import dequantize_state, is_fp8_weight
 from services.common.config import EngineConfig, ModelConfig, ParallelConfig
 from services.common.modeldir import model_config_from_hf
 from services.common.schemas import SamplingParams
+from services.common.weights_slice import SliceSpec
 from services.engine.batch import (
     BlockTables,
     ForwardBatch,
@@ -50,6 +51,7 @@ from services.engine.layers.sampler import SampleOutput
 from services.engine.loader import Checkpoint, WeightsError, read_checkpoint
 from services.engine.model_runner import attention_backend
 from services.engine.parallel.experts import ExpertParallelMoE
+from services.engine.parallel.fp8 import mamba_in_proj_pairs
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.linear import split_range
 from services.engine.parallel.model import (
@@ -57,6 +59,7 @@ from services.engine.parallel.model import (
     check_supported,
     local_config,
     local_state,
+    mamba_runs,
     sharded_logits,
     slice_spec,
 )
@@ -263,6 +266,8 @@ class RankRunner:
         128x128; a high-precision engine dequantises an FP8 checkpoint's pairs."""
         state = local_state(ckpt.state, ckpt.config, self.groups)
         if self.fp8:
+            spec = slice_spec(self.model_config, self.par, self.groups)
+            mamba_in_proj_pairs(self.model, state, ckpt.path, spec)
             fp8_linear.load_hf_state(self.model, state)
         else:
             self.model.load_hf_state(dequantize_state(state, self.dtype) if ckpt.fp8 else state)
@@ -388,9 +393,21 @@ def config_of(path: str | Path) -> ModelConfig:
 
 
 def check_engine(cfg: EngineConfig, m: ModelConfig, par: ParallelConfig) -> None:
+    """What the weights need not be read for: the layout against the model; with FP8 weights
+    a Mamba-2 `in_proj` whose tensor-parallel runs fall on the 128x128 tiles (parallel/fp8.py)."""
     check_supported(m, par)
-    if cfg.quantization == "fp8" and m.is_hybrid:
-        raise ValueError("quantization: fp8 serves nemotron_h on one rank only (parallel.tp = ep = 1)")
+    if cfg.quantization == "fp8" and m.is_hybrid and "M" in m.hybrid_pattern and par.tp > 1:
+        layer = m.hybrid_pattern.index("M")
+        name = f"backbone.layers.{layer}.mixer.in_proj.weight"
+        runs = mamba_runs(m)
+        assert len(runs) == 3
+        inner, gn, heads = runs
+        for rank in range(par.tp):
+            spec = SliceSpec(rank, par.tp, mamba=(inner, gn, heads))
+            try:
+                spec.mamba_tiles(name, 2 * inner + 2 * gn + heads, 128)
+            except ValueError as e:
+                raise ValueError(f"parallel.tp: quantization fp8: {e}") from e
 
 
 def read_rank_checkpoint(
