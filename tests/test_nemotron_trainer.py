@@ -442,3 +442,23 @@ def test_fresh_untied_head_starts_near_uniform() -> None:
             lp = build_model(m, seed=0, init_std=std)(x).log_softmax(-1)
         entropy[std] = float(-(lp.exp() * lp).sum(-1).mean())
     assert entropy[0.02] > math.log(m.vocab_size) - 0.02 > entropy[None]
+
+
+def test_grouped_experts_take_a_float32_square_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA autocast computes square (a pow) in float32 whatever its input; the grouped path must
+    hand its second GEMM the first one's dtype again (the result is the bf16 square's bits)."""
+    import trainer.nemotron as nemotron
+
+    torch.manual_seed(0)
+    experts = nemotron.Relu2Experts(16, 32, 4)
+    for w in (experts.w1, experts.w2):
+        torch.nn.init.normal_(w, std=0.1)
+    experts.use_grouped_mm = True
+    x = torch.randn(12, 16).bfloat16()
+    counts = torch.tensor([3, 0, 5, 4])
+    w1, w2 = (w.detach().bfloat16() for w in experts.local_weights())
+    want = experts.run(w1, w2, x, counts)
+    monkeypatch.setattr(nemotron, "relu2", lambda t: torch.square(torch.relu(t.float())))
+    got = experts.run(w1, w2, x, counts)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)

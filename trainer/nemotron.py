@@ -216,7 +216,9 @@ class Relu2Experts(nn.Module):
                 else torch.get_autocast_dtype(x.device.type)
             )
             xg, w1g, w2g = x.to(dt), w1.to(dt), w2.to(dt)
-            h = relu2(torch._grouped_mm(xg, w1g.transpose(-2, -1), offs=offsets))
+            # CUDA autocast runs square (a pow) in float32: back to the GEMM's dtype, which
+            # rounds to what a bf16 square gives (the engine's bits).
+            h = relu2(torch._grouped_mm(xg, w1g.transpose(-2, -1), offs=offsets)).to(dt)
             return torch._grouped_mm(h, w2g.transpose(-2, -1), offs=offsets).to(x.dtype)
         counts = num_tokens_per_expert.tolist()  # a host sync: the loop's split sizes
         n = sum(counts)
