@@ -45,7 +45,7 @@ from services.engine.overlap import Feed
 from services.engine.parallel.dp import GroupedScheduler, group_pages
 from services.engine.parallel.group import EngineGroups
 from services.engine.parallel.model import local_config
-from services.engine.parallel.orders import Ledger, send, send_each
+from services.engine.parallel.orders import LeanStep, Ledger, send, send_each
 from services.engine.parallel.pages import GatheringPageExchange, GroupedPageExchange
 from services.engine.parallel.runner import (
     RecordingKVCache,
@@ -207,10 +207,15 @@ class ParallelEngine(LLMEngine):
         where: list[list[int]] = [[] for _ in pools]  # each group's samples' places in `seqs`
         for i, row in enumerate(rows):
             where[bisect_right(bounds, row) - 1].append(i)
-        parts = []
+        parts: list[LeanStep | None] = []
         for g, pool in enumerate(pools):
             assert isinstance(pool, RecordingKVCache)
             lo, hi = bounds[g], bounds[g + 1]
+            if g == 0 and self.par.tp == 1:  # rank 0 is its group: nobody to tell (copies made)
+                pool.take_copies()
+                pool.take_state_copies()
+                parts.append(None)
+                continue
             lean = self.ledgers[g].order(
                 spans[lo:hi],
                 self._span_seqs[lo:hi],
@@ -224,8 +229,9 @@ class ParallelEngine(LLMEngine):
             lean.routing = g > 0
             parts.append(lean)
         send_each(self.groups, parts)
-        own = parts[0]
-        mine = StepOrder(spans[: bounds[1]], own.rows, [seqs[i].params for i in where[0]], own.draws)
+        own = where[0]
+        mine = StepOrder(spans[: bounds[1]], [rows[i] for i in own], [seqs[i].params for i in own])
+        mine.draws = [draws[i] for i in own]
         results = self.runner.gather_group(self.runner.step_group(mine))  # copies made already
         assert results is not None
         n = len(seqs)

@@ -108,6 +108,8 @@ class RankGroup:
         dist.broadcast(sizes, src=self.ranks[src], group=self.pg)
         out = torch.empty(int(sizes.max()), dtype=torch.uint8, device=device)
         dist.scatter(out, chunks, src=self.ranks[src], group=self.pg)
+        if objs is not None:
+            return objs[self.rank]
         return pickle.loads(out[: int(sizes[self.rank])].cpu().numpy().tobytes())
 
     def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
