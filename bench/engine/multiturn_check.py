@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import random
 import sys
 import tempfile
@@ -53,7 +52,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-# replay's import installs the carried wheels on the GPU machine when torchtitan is missing
+# bench.r3.replay, imported before services/ and trainer/, installs the carried wheels (.whl/)
+# into /tmp/site on the GPU machine when torchtitan or pydantic is missing
+import torch  # noqa: E402
+
+from bench.machine import machine  # noqa: E402
 from bench.r3.replay import (  # noqa: E402
     build_trainer_model,
     engine_threads,
@@ -63,10 +66,6 @@ from bench.r3.replay import (  # noqa: E402
     single_process,
     tiny_moe,
 )
-
-import torch  # noqa: E402
-
-from bench.machine import machine  # noqa: E402
 from bench.results import write_result  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import GenerateRequest, Sample, SamplingParams  # noqa: E402
@@ -100,7 +99,9 @@ def parse_variant(name: str, cuda: bool) -> dict[str, bool]:
     return v
 
 
-def run_episodes(eng: LLMEngine, m: ModelConfig, args: argparse.Namespace) -> tuple[list[Sample], list[list[int]]]:
+def run_episodes(
+    eng: LLMEngine, m: ModelConfig, args: argparse.Namespace
+) -> tuple[list[Sample], list[list[int]]]:
     """Episodes as the orchestrator runs them: the samples, and per sample the turn index (1-based)
     of each token (0: prompt or observation)."""
     rng = random.Random(args.seed)
@@ -348,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(want)
     cuda = device.type == "cuda"
     variants = args.variants or (
-        "cache+graphs+fp8,nocache+graphs+fp8,cache+nographs+fp8,cache+graphs+bf16" if cuda else "cache+bf16,nocache+bf16"
+        "cache+graphs+fp8,nocache+graphs+fp8,cache+nographs+fp8,cache+graphs+bf16"
+        if cuda
+        else "cache+bf16,nocache+bf16"
     )
     m = tiny_moe() if args.smoke else model_toml(args.model)
     m = m.model_copy(update={"max_seq_len": args.max_seq_len})

@@ -40,7 +40,9 @@ def test_cpu_smoke_agrees_at_every_turn(tmp_path: Path) -> None:
         assert set(bt) == {"all", "turn1", "turn2+", *map(str, range(1, turns + 1))}
         total = sum(bt[str(t)]["engine_vs_scratch"]["tokens"] for t in range(1, turns + 1))
         assert total == bt["all"]["engine_vs_scratch"]["tokens"] > 0
-        assert bt["turn1"]["engine_vs_trainer"]["tokens"] + bt["turn2+"]["engine_vs_trainer"]["tokens"] == total
+        assert (
+            bt["turn1"]["engine_vs_trainer"]["tokens"] + bt["turn2+"]["engine_vs_trainer"]["tokens"] == total
+        )
         # not flat: a uniform distribution over the vocabulary would hide any mismatch
         assert bt["all"]["engine_logp_mean"] > -math.log(res["model"]["vocab_size"]) + 1.0
         for part, row in bt.items():
