@@ -16,7 +16,7 @@ name, so the replicated ones agree across ranks); nothing is read from disk.
 
 What runs: every rank builds its shard (services/engine/parallel/runner.RankRunner), prefills
 `--batch` sequences of `--context` random tokens, then decodes `--steps` steps the way the
-multi-rank engine does: rank 0 broadcasts each step's order (spans, sampling rows, draws), every
+multi-rank engine does: rank 0 broadcasts each step's lean order (new tokens, sampling rows, draws), every
 rank runs the forward on its shard and the sharded sampler (temperature 1). A step's time is from
 the order's broadcast to the sampled tokens on the host, after `--warmup` steps.
 
@@ -51,7 +51,8 @@ import time
 import zlib
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,10 @@ from services.common.config import EngineConfig, ModelConfig, ParallelConfig  # 
 from services.common.schemas import SamplingParams  # noqa: E402
 from services.engine.batch import Span  # noqa: E402
 from services.engine.parallel.group import EngineGroups, RankGroup, init_engine_groups  # noqa: E402
+from services.engine.parallel.orders import Ledger  # noqa: E402
 from services.engine.parallel.runner import RankRunner, StepOrder  # noqa: E402
 from services.engine.parallel.vocab import ShardedSampler  # noqa: E402
+from services.engine.sequence import Sequence, Status  # noqa: E402
 
 QWEN3_30B_A3B = dict(
     arch="qwen3_moe", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
@@ -157,21 +160,29 @@ def prefill(runner: RankRunner, batch: int, args: argparse.Namespace) -> list[Sp
 
 
 def decode(runner: RankRunner, spans: list[Span], args: argparse.Namespace) -> list[float]:
-    """Decode steps as the multi-rank engine runs them: rank 0 broadcasts the order, every rank
-    steps; returns the timed steps' seconds (after --warmup)."""
+    """Decode steps as the multi-rank engine runs them: rank 0 sends the order (a lean one:
+    parallel/orders.py; after the first, no page tables), every rank steps; returns the timed
+    steps' seconds (after --warmup)."""
     world = runner.groups.world
     params = [SamplingParams(temperature=1.0)] * len(spans)
     rngs = [random.Random(100 + i) for i in range(len(spans))]
+    # Rank 0's sequences as the ledger sees them: each one's page table, state and parameters.
+    running = Status.RUNNING
+    seqs = [SimpleNamespace(block_table=s.block_table, status=running, params=params[0]) for s in spans]
+    ledger = Ledger()
     times = []
     for step in range(args.warmup + args.steps):
         sync(runner.device)
         t0 = time.perf_counter()
-        order = None
+        rows = list(range(len(spans)))
         if world.rank == 0:
-            order = StepOrder(spans, list(range(len(spans))), params, ShardedSampler.draws(params, rngs))
-            order.graph = runner.graph_size(spans)
-        order = world.broadcast_object(order)
-        out = runner.step(order)
+            draws = ShardedSampler.draws(params, rngs)
+            lean = ledger.order(spans, cast(list[Sequence], seqs), rows, cast(list[Sequence], seqs), draws)
+            lean.graph = runner.graph_size(spans)
+            world.broadcast_object(lean)
+            out = runner.step(StepOrder(spans, rows, params, draws, graph=lean.graph))
+        else:
+            out = runner.step(runner.unpack(world.broadcast_object(None)))
         assert out is not None
         sync(runner.device)
         if step >= args.warmup:
