@@ -19,12 +19,13 @@ Per sampled token three log-probs:
 - `engine`: what the engine returned while sampling (what the trainer gets as logp_infer);
 - `scratch`: the same engine, the whole transcript prefilled from position 0 in one eager step
   on fresh pages (no prefix cache, no CUDA graph, no decode kernel);
-- `trainer`: the trainer's model scoring the sample as train_step does (trainer.batch
-  micro-batches, Router Replay on the engine's recorded experts, packed_logprobs under the
-  trainer's autocast, FP8 via trainer.fp8's converter when the variant has fp8).
+- `trainer`: the trainer's model scoring the samples as train_step does (trainer.batch
+  micro-batches of right-padded rows, Router Replay on the engine's recorded experts,
+  packed_logprobs under the trainer's autocast, FP8 via trainer.fp8's converter when the variant
+  has fp8); `trainer_alone`: the same, each sample a micro-batch of its own.
 Per turn index and overall: tokens, max |delta logp| and the mean k3 KL (exp(r) - 1 - r with
 r = logp_other - logp_engine, the trainer's mismatch KL) for engine-vs-scratch,
-engine-vs-trainer and scratch-vs-trainer. A defect in the multi-turn engine path (cached pages,
+engine-vs-trainer, scratch-vs-trainer and trainer_alone-vs-trainer. A defect in the multi-turn engine path (cached pages,
 prefill chunks at nonzero positions, mixed steps, graphs) shows as engine-vs-scratch growing past
 turn 1 while scratch-vs-trainer stays flat; a transcript the trainer scores differently from what
 the engine saw shows in scratch-vs-trainer.
@@ -73,24 +74,26 @@ from services.engine import LLMEngine  # noqa: E402
 from services.engine.batch import ForwardBatch, HostBatch, Span  # noqa: E402
 from services.orchestrator.rollout import Trajectory  # noqa: E402
 from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E402
-from trainer.batch import micro_batches  # noqa: E402
+from trainer.batch import micro_batches, plan_micro_batches  # noqa: E402
 from trainer.chunked import enable_chunked_output  # noqa: E402
 from trainer.parallel import autocast_context  # noqa: E402
 from trainer.replay import enable_router_replay, micro_batch_routes, routing  # noqa: E402
 
-SWITCHES = {
+SWITCHES: dict[str, tuple[str, Any]] = {
     "cache": ("cache", True),
     "nocache": ("cache", False),
     "graphs": ("graphs", True),
     "nographs": ("graphs", False),
     "fp8": ("fp8", True),
     "bf16": ("fp8", False),
-    "torchattn": ("torchattn", True),  # attention_backend "torch" (CUDA: instead of the Triton kernels)
+    "fp8engine": ("fp8", "engine"),  # the engine's FP8 only (CPU: the trainer's FP8 needs CUDA)
+    "torchattn": ("attention", "torch"),  # CUDA: the torch attention instead of the Triton kernels
+    "triton": ("attention", "triton"),  # CPU: the Triton kernels under TRITON_INTERPRET=1
 }
 
 
-def parse_variant(name: str, cuda: bool) -> dict[str, bool]:
-    v = {"cache": True, "graphs": cuda, "fp8": cuda, "torchattn": False}
+def parse_variant(name: str, cuda: bool) -> dict[str, Any]:
+    v: dict[str, Any] = {"cache": True, "graphs": cuda, "fp8": cuda, "attention": "auto"}
     for part in name.split("+"):
         if part not in SWITCHES:
             raise SystemExit(f"--variants: unknown switch {part!r} in {name!r} (one of {sorted(SWITCHES)})")
@@ -169,18 +172,30 @@ def scratch_logprobs(eng: LLMEngine, s: Sample) -> list[float]:
 
 @torch.no_grad()
 def trainer_logprobs(
-    model: torch.nn.Module, m: ModelConfig, s: Sample, tc: TrainerSection, device: torch.device, replay: bool
-) -> list[float]:
-    """The trainer's log-prob of every token (index t: token t; 0.0 at t=0), one sample a
-    micro-batch, as train_step computes them."""
-    (mb,) = micro_batches([s], tc.micro_batch_tokens)
-    (route,) = micro_batch_routes([s], m, packing=False, token_budget=tc.micro_batch_tokens)
-    mb = mb.to(device)
-    route = route.to(device) if route is not None else None
-    with routing(model, route, replay), micro_batch_attention(model, mb):
-        with autocast_context(tc, device, False):
-            logp, _ = packed_logprobs(model, mb, tc.logprob_chunk_tokens)
-    return [0.0, *logp[0, : len(s.tokens) - 1].float().tolist()]
+    model: torch.nn.Module,
+    m: ModelConfig,
+    samples: list[Sample],
+    tc: TrainerSection,
+    device: torch.device,
+    replay: bool,
+) -> list[list[float]]:
+    """The trainer's log-prob of every token of each sample (index t: token t; 0.0 at t=0), as
+    train_step computes them: trainer.batch's micro-batches (rows right-padded, longest first),
+    the routes aligned with them, packed_logprobs under the trainer's autocast."""
+    budget = tc.micro_batch_tokens
+    plans = plan_micro_batches([len(s.tokens) for s in samples], budget)  # micro_batches' plans
+    mbs = micro_batches(samples, budget)
+    routes = micro_batch_routes(samples, m, packing=False, token_budget=budget)
+    out: list[list[float]] = [[] for _ in samples]
+    for plan, mb, route in zip(plans, mbs, routes, strict=True):
+        mb = mb.to(device)
+        route = route.to(device) if route is not None else None
+        with routing(model, route, replay), micro_batch_attention(model, mb):
+            with autocast_context(tc, device, False):
+                logp, _ = packed_logprobs(model, mb, tc.logprob_chunk_tokens)
+        for row, i in enumerate(plan):
+            out[i] = [0.0, *logp[row, : len(samples[i].tokens) - 1].float().tolist()]
+    return out
 
 
 def compare(ref: list[float], other: list[float]) -> dict[str, Any]:
@@ -200,7 +215,12 @@ def tables(
     samples: list[Sample], turn_of: list[list[int]], lps: dict[str, list[list[float]]]
 ) -> dict[str, Any]:
     """Per turn index and overall: each pair's comparison over the sampled tokens."""
-    pairs = (("engine", "scratch"), ("engine", "trainer"), ("scratch", "trainer"))
+    pairs = (
+        ("engine", "scratch"),
+        ("engine", "trainer"),
+        ("scratch", "trainer"),
+        ("trainer_alone", "trainer"),
+    )
     buckets: dict[int, dict[str, list[float]]] = {}
     for i, s in enumerate(samples):
         for t, turn in enumerate(turn_of[i]):
@@ -230,7 +250,7 @@ def tables(
 
 def run_variant(
     name: str,
-    v: dict[str, bool],
+    v: dict[str, Any],
     args: argparse.Namespace,
     m: ModelConfig,
     model_dir: Path,
@@ -240,13 +260,13 @@ def run_variant(
     ecfg = EngineConfig(
         device=device.type,
         dtype="bfloat16",
-        quantization="fp8" if v["fp8"] else "none",
+        quantization="fp8" if v["fp8"] else "none",  # True or "engine"
         max_batch_size=args.episodes,
         max_seq_len=args.max_seq_len,
         enable_prefix_caching=v["cache"],
         cuda_graphs=v["graphs"],
         torch_threads=engine_threads(device),
-        attention_backend="torch" if v["torchattn"] else "auto",
+        attention_backend=v["attention"],
     )
     t0 = time.perf_counter()
     eng = LLMEngine(model_dir, ecfg)
@@ -270,7 +290,7 @@ def run_variant(
     tc = TrainerSection(
         device=device.type,
         dtype="bfloat16",
-        fp8=v["fp8"],
+        fp8=v["fp8"] is True,
         router_replay=not args.no_replay,
         micro_batch_tokens=16384,
     )
@@ -282,10 +302,16 @@ def run_variant(
 
         Fp8BlockwiseConverter(fp8_dgrad=False, fp8_wgrad=False, min_weights=tc.fp8_min_weights).convert(model)
     model = single_process(model, tc, device)
-    trainer = [trainer_logprobs(model, m, s, tc, device, not args.no_replay) for s in samples]
+    trainer = trainer_logprobs(model, m, samples, tc, device, not args.no_replay)
+    # each sample a micro-batch of its own: a difference from the batched rows is the trainer's
+    alone = [trainer_logprobs(model, m, [s], tc, device, not args.no_replay)[0] for s in samples]
     del model
     free()
-    out["by_turn"] = tables(samples, turn_of, {"engine": engine_lp, "scratch": scratch, "trainer": trainer})
+    out["by_turn"] = tables(
+        samples,
+        turn_of,
+        {"engine": engine_lp, "scratch": scratch, "trainer": trainer, "trainer_alone": alone},
+    )
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     return out

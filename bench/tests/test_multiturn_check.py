@@ -18,7 +18,7 @@ assert _spec is not None and _spec.loader is not None
 mt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mt)
 
-PAIRS = ("engine_vs_scratch", "engine_vs_trainer", "scratch_vs_trainer")
+PAIRS = ("engine_vs_scratch", "engine_vs_trainer", "scratch_vs_trainer", "trainer_alone_vs_trainer")
 
 
 def test_cpu_smoke_agrees_at_every_turn(tmp_path: Path) -> None:
