@@ -8,7 +8,8 @@ trainer? One JSON out.
 The model: configs/models/qwen3-30b-a3b-2l.toml (full width, 2 layers), the trainer's random
 init (trainer.model.build_model), published as version 0 in bf16 by trainer.publish.Publisher as
 the trainer publishes for its engines (--smoke: a tiny MoE). Episodes run through one LLMEngine
-the way the orchestrator runs them (services/orchestrator/rollout.py's Trajectory): all episodes
+the way the orchestrator runs them (a group's first turn one request of n = --group-size samples
+sharing the prompt's pages, each later turn a request of its own) (services/orchestrator/rollout.py's Trajectory): all episodes
 start together, and each time a turn finishes its next turn is submitted at once while the other
 episodes decode (so later turns are prefilled in mixed steps, from the prefix cache when on):
 turn k+1's input_ids = turn k's input + its sampled tokens + an observation (random ids). Sampling
@@ -106,16 +107,19 @@ def run_episodes(
     eng: LLMEngine, m: ModelConfig, args: argparse.Namespace
 ) -> tuple[list[Sample], list[list[int]]]:
     """Episodes as the orchestrator runs them: the samples, and per sample the turn index (1-based)
-    of each token (0: prompt or observation)."""
+    of each token (0: prompt or observation). A group's first turn is one request of n =
+    --group-size samples sharing the prompt's pages; each later turn is a request of its own."""
     rng = random.Random(args.seed)
     vocab = m.vocab_size
+    g = args.group_size
     trajs: list[Trajectory] = []
     turn_of: list[list[int]] = []
-    pending: dict[str, int] = {}  # request id -> episode
+    pending: dict[str, list[int]] = {}  # request id -> its episodes, in choice order
 
-    def submit(i: int) -> None:
-        traj = trajs[i]
+    def submit(episodes: list[int]) -> None:
+        traj = trajs[episodes[0]]
         params = SamplingParams(
+            n=len(episodes),
             temperature=1.0,
             max_tokens=rng.randint(max(1, args.max_tokens // 2), args.max_tokens),
             ignore_eos=True,
@@ -124,28 +128,30 @@ def run_episodes(
         req = GenerateRequest(
             input_ids=list(traj.tokens),
             sampling=params,
-            request_id=f"ep{i}-t{traj.turns + 1}",
+            request_id=f"ep{episodes[0]}-t{traj.turns + 1}",
             return_routed_experts=m.is_moe,
         )
-        pending[eng.add_request(req).request_id] = i
+        pending[eng.add_request(req).request_id] = episodes
 
-    for i in range(args.episodes):
+    for first in range(0, args.episodes, g):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
-        trajs.append(Trajectory.start(prompt))
-        turn_of.append([0] * len(prompt))
-        submit(i)
+        group = list(range(first, min(first + g, args.episodes)))
+        for _ in group:
+            trajs.append(Trajectory.start(prompt))
+            turn_of.append([0] * len(prompt))
+        submit(group)
     while pending:
         for state in eng.step():
-            i = pending.pop(state.request_id)
-            traj = trajs[i]
-            (choice,) = state.response().choices
-            traj.add_model(choice)
-            turn_of[i] += [traj.turns] * len(choice.output_ids)
-            if traj.turns < args.turns:
-                obs = [rng.randrange(1, vocab) for _ in range(rng.randint(args.obs_min, args.obs_max))]
-                traj.add_env(obs)
-                turn_of[i] += [0] * len(obs)
-                submit(i)
+            episodes = pending.pop(state.request_id)
+            for i, choice in zip(episodes, state.response().choices, strict=True):
+                traj = trajs[i]
+                traj.add_model(choice)
+                turn_of[i] += [traj.turns] * len(choice.output_ids)
+                if traj.turns < args.turns:
+                    obs = [rng.randrange(1, vocab) for _ in range(rng.randint(args.obs_min, args.obs_max))]
+                    traj.add_env(obs)
+                    turn_of[i] += [0] * len(obs)
+                    submit([i])
     samples = [t.sample(f"mt-{i}", reward=0.0, advantage=0.0) for i, t in enumerate(trajs)]
     return samples, turn_of
 
@@ -349,6 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--model", default="qwen3-30b-a3b-2l", help="configs/models/<name>.toml")
     ap.add_argument("--episodes", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=8, help="samples of a first turn (request n)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prompt-min", type=int, default=20)
@@ -365,7 +372,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.episodes, args.turns = min(args.episodes, 6), min(args.turns, 4)
+        args.episodes, args.turns, args.group_size = (
+            min(args.episodes, 6),
+            min(args.turns, 4),
+            min(args.group_size, 3),
+        )
     return args
 
 
