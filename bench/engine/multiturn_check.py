@@ -6,8 +6,8 @@ trainer? One JSON out.
     python bench/engine/multiturn_check.py --smoke --out /tmp/multiturn.json   # CPU, tiny MoE
 
 The model: configs/models/qwen3-30b-a3b-2l.toml (full width, 2 layers), the trainer's random
-init (trainer.model.build_model), published as version 0 in bf16 by trainer.publish.Publisher as
-the trainer publishes for its engines (--smoke: a tiny MoE). Episodes run through one LLMEngine
+init (trainer.model.build_model), published as version 0 by trainer.publish.Publisher as the
+trainer publishes for its engines (bf16; FP8-quantized for a variant with an FP8 engine) (--smoke: a tiny MoE). Episodes run through one LLMEngine
 the way the orchestrator runs them (a group's first turn one request of n = --group-size samples
 sharing the prompt's pages, each later turn a request of its own) (services/orchestrator/rollout.py's Trajectory): all episodes
 start together, and each time a turn finishes its next turn is submitted at once while the other
@@ -64,7 +64,6 @@ from bench.r3.replay import (  # noqa: E402
     engine_threads,
     free,
     model_toml,
-    publish,
     single_process,
     tiny_moe,
 )
@@ -78,6 +77,7 @@ from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E4
 from trainer.batch import micro_batches, plan_micro_batches  # noqa: E402
 from trainer.chunked import enable_chunked_output  # noqa: E402
 from trainer.parallel import autocast_context  # noqa: E402
+from trainer.publish import Publisher  # noqa: E402
 from trainer.replay import enable_router_replay, micro_batch_routes, routing  # noqa: E402
 
 SWITCHES: dict[str, tuple[str, Any]] = {
@@ -404,18 +404,31 @@ def main(argv: list[str] | None = None) -> int:
         "model": m.model_dump(include={"arch", "dim", "n_layers", "n_routed_experts", "vocab_size"}),
         "variants": {},
     }
+    names = [s.strip() for s in variants.split(",") if s.strip()]
+    switches = {name: parse_variant(name, cuda) for name in names}
     with tempfile.TemporaryDirectory(prefix="multiturn-") as tmp:
+        # as train.py publishes for its engines: in the engines' dtype and quantization (an FP8
+        # engine loads the trainer's quantized weights)
+        dirs = {
+            q: Path(tmp) / f"step_0_{q}" for q in {"fp8" if v["fp8"] else "none" for v in switches.values()}
+        }
         t0 = time.perf_counter()
         model = build_trainer_model(m, args.init, args.seed, device)
-        result["publish"] = publish(model, m, Path(tmp) / "step_0", torch.bfloat16)
+        result["publish"] = {}
+        for q, d in dirs.items():
+            pub = Publisher(m, dtype=torch.bfloat16, quantization=q)  # type: ignore[arg-type]
+            pub.publish(model, 0, d, background=False)
+            result["publish"][q] = {"bytes": pub.last.bytes if pub.last else None}
+            del pub
         del model
         free()
         result["publish"]["build_and_publish_s"] = round(time.perf_counter() - t0, 1)
-        for name in [s.strip() for s in variants.split(",") if s.strip()]:
-            v = parse_variant(name, cuda)
+        for name, v in switches.items():
             t0 = time.perf_counter()
             try:
-                result["variants"][name] = run_variant(name, v, args, m, Path(tmp) / "step_0", device)
+                result["variants"][name] = run_variant(
+                    name, v, args, m, dirs["fp8" if v["fp8"] else "none"], device
+                )
             except Exception:  # noqa: BLE001 - one failed variant must not lose the others
                 result["variants"][name] = {"switches": v, "error": traceback.format_exc()[-4000:]}
             result["variants"][name]["variant_s"] = round(time.perf_counter() - t0, 1)
