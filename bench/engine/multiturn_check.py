@@ -71,7 +71,9 @@ from bench.results import write_result  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import GenerateRequest, Sample, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.batch import ForwardBatch, HostBatch, Span  # noqa: E402
+from services.engine.batch import ForwardBatch, HostBatch, Span, plan_decode  # noqa: E402
+from services.engine.cuda_graphs import MixedGraphs  # noqa: E402
+from services.engine.overlap import Feed, feed_pending  # noqa: E402
 from services.orchestrator.rollout import Trajectory  # noqa: E402
 from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E402
 from trainer.batch import micro_batches, plan_micro_batches  # noqa: E402
@@ -90,11 +92,14 @@ SWITCHES: dict[str, tuple[str, Any]] = {
     "fp8engine": ("fp8", "engine"),  # the engine's FP8 only (CPU: the trainer's FP8 needs CUDA)
     "torchattn": ("attention", "torch"),  # CUDA: the torch attention instead of the Triton kernels
     "triton": ("attention", "triton"),  # CPU: the Triton kernels under TRITON_INTERPRET=1
+    # CPU with triton: mixed steps run eagerly on the padded static batch a mixed-step CUDA graph
+    # is captured on (cuda_graphs.MixedBuffers)
+    "static": ("static", True),
 }
 
 
 def parse_variant(name: str, cuda: bool) -> dict[str, Any]:
-    v: dict[str, Any] = {"cache": True, "graphs": cuda, "fp8": cuda, "attention": "auto"}
+    v: dict[str, Any] = {"cache": True, "graphs": cuda, "fp8": cuda, "attention": "auto", "static": False}
     for part in name.split("+"):
         if part not in SWITCHES:
             raise SystemExit(f"--variants: unknown switch {part!r} in {name!r} (one of {sorted(SWITCHES)})")
@@ -154,6 +159,28 @@ def run_episodes(
                     submit([i])
     samples = [t.sample(f"mt-{i}", reward=0.0, advantage=0.0) for i, t in enumerate(trajs)]
     return samples, turn_of
+
+
+class EagerMixed(MixedGraphs):
+    """Mixed steps on the padded fixed-shape batch a captured mixed-step graph runs on, run
+    eagerly (no capture: CPU under the Triton interpreter), as test_engine_kernels checks it."""
+
+    steps = 0  # mixed steps run on the static batch
+
+    def capture(self, pool: object | None = None) -> None:
+        return None
+
+    def run(self, hb: HostBatch, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.buf.fits(hb)
+        assert size is not None
+        dec = hb.q_lens == 1
+        plan = None
+        if dec.any():
+            plan = plan_decode(hb.ctx_lens[dec], hb.q_start[dec], self.buf.n_kv_heads, self.buf.num_sms)
+        last = self.buf.fill(hb, size, plan)
+        feed_pending(self.buf.d["ids"], feed)
+        self.steps += 1
+        return self.model(self.buf.static_batch(size, plan is not None), self.kv), last
 
 
 @torch.inference_mode()
@@ -283,9 +310,22 @@ def run_variant(
         "mixed_graphs": eng.mixed_graphs is not None,
         "engine_load_s": round(time.perf_counter() - t0, 1),
     }
+    if v["static"]:
+        r, c = eng.runner, eng.cfg
+        r.mixed_graphs = EagerMixed(
+            r.model,
+            r.kv,
+            c.max_num_batched_tokens,
+            min(c.max_batch_size, c.cuda_graph_max_batch_size),
+            c.cuda_graph_max_prefill_spans,
+            r.num_sms,
+            r.device,
+        )
     t0 = time.perf_counter()
     samples, turn_of = run_episodes(eng, m, args)
     out["episodes_s"] = round(time.perf_counter() - t0, 1)
+    if isinstance(eng.runner.mixed_graphs, EagerMixed):
+        out["mixed_static_steps"] = eng.runner.mixed_graphs.steps
     out["prefix_hit_tokens"] = eng.stats.prefix_cache_hit_tokens
     out["transcript_tokens"] = [len(s.tokens) for s in samples]
     engine_lp = [list(s.logprobs) for s in samples]
