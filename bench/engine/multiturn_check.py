@@ -71,9 +71,9 @@ from bench.results import write_result  # noqa: E402
 from services.common.config import EngineConfig, ModelConfig, TrainerSection  # noqa: E402
 from services.common.schemas import GenerateRequest, Sample, SamplingParams  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from services.engine.batch import ForwardBatch, HostBatch, Span, plan_decode  # noqa: E402
+from services.engine.batch import ForwardBatch, HostBatch, Span  # noqa: E402
 from services.engine.cuda_graphs import MixedGraphs  # noqa: E402
-from services.engine.overlap import Feed, feed_pending  # noqa: E402
+from services.engine.overlap import Feed  # noqa: E402
 from services.orchestrator.rollout import Trajectory  # noqa: E402
 from trainer.attention import micro_batch_attention, packed_logprobs  # noqa: E402
 from trainer.batch import micro_batches, plan_micro_batches  # noqa: E402
@@ -171,16 +171,9 @@ class EagerMixed(MixedGraphs):
         return None
 
     def run(self, hb: HostBatch, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        size = self.buf.fits(hb)
-        assert size is not None
-        dec = hb.q_lens == 1
-        plan = None
-        if dec.any():
-            plan = plan_decode(hb.ctx_lens[dec], hb.q_start[dec], self.buf.n_kv_heads, self.buf.num_sms)
-        last = self.buf.fill(hb, size, plan)
-        feed_pending(self.buf.d["ids"], feed)
+        (size, ragged), last = self.load(hb, feed)
         self.steps += 1
-        return self.model(self.buf.static_batch(size, plan is not None), self.kv), last
+        return self.model(self.buf.static_batch(size, ragged), self.kv), last
 
 
 @torch.inference_mode()

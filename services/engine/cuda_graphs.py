@@ -559,8 +559,9 @@ class MixedGraphs:
     def can_run(self, hb: HostBatch) -> bool:
         return not hb.decode_only and self.buf.fits(hb) is not None
 
-    def run(self, hb: HostBatch, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final hidden states [size, dim] with the batch's rows first, each span's last row)."""
+    def load(self, hb: HostBatch, feed: Feed | None = None) -> tuple[tuple[int, bool], torch.Tensor]:
+        """Write the batch into the static inputs: the key (size, ragged) of the graph that runs
+        it, and the device row of each span's last token."""
         size = self.buf.fits(hb)
         assert size is not None
         dec = hb.q_lens == 1
@@ -569,7 +570,11 @@ class MixedGraphs:
             plan = plan_decode(hb.ctx_lens[dec], hb.q_start[dec], self.buf.n_kv_heads, self.buf.num_sms)
         last = self.buf.fill(hb, size, plan)
         feed_pending(self.buf.d["ids"], feed)
-        key = (size, plan is not None)
+        return (size, plan is not None), last
+
+    def run(self, hb: HostBatch, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [size, dim] with the batch's rows first, each span's last row)."""
+        key, last = self.load(hb, feed)
         self.graphs[key].replay()
         return self.outputs[key], last
 
