@@ -430,6 +430,14 @@ class EngineConfig(Strict):
     # activations), for decode sharing its GPU with the trainer (trainer.cuda_memory_gib); past it
     # an allocation fails as out of memory. None: the whole device (services/common/gpu_memory.py).
     cuda_memory_gib: float | None = Field(None, gt=0)
+    # Staged weight applies (services/engine/weight_staging.py, docs/engine.md "Weight updates"):
+    # a new version is written into a staging copy of the weights on a background thread (on
+    # CUDA, its own stream) while steps run on the old ones; between two steps the loop only
+    # copies it into the live buffers, device to device. Costs one more copy of the weights
+    # (parameters and persistent buffers: FP8 weights and scales) in device memory. A
+    # single-rank engine under AsyncEngine (the decode service); a multi-rank engine applies
+    # updates on its loop as without it.
+    stage_weights: bool = False
 
 
 class ParallelConfig(Strict):

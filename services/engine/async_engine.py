@@ -4,6 +4,11 @@ Only the loop thread touches the engine's scheduler and weights. Callers hand it
 inbox under a condition variable: new requests and weight updates are taken in at step
 boundaries, so a request arriving mid-step joins the next one and a weight swap never lands
 in the middle of a forward pass. Results come back through concurrent futures.
+
+With EngineConfig.stage_weights a second thread, the stager, writes each update into the
+engine's staging copy of the weights while the loop keeps stepping, then hands it to the loop,
+which only swaps it in at the next step boundary; the stager waits for that swap before it
+stages the next update (one staging copy).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,24 +41,42 @@ def _resolve(fut: Future[T], value: T | None = None, error: BaseException | None
         pass  # the caller gave up (cancelled) meanwhile
 
 
+@dataclass
+class WeightUpdate:
+    ckpt: Checkpoint
+    version: int
+    fut: Future[int]
+    # Seconds its staging took (EngineConfig.stage_weights), once staged: the loop then swaps.
+    stage_s: float | None = None
+    # Set once the loop has applied (or swapped in) the update, or given it up: the stager then
+    # may write the staging copy again.
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._cv = threading.Condition()
         self._inbox: list[tuple[GenerateRequest, Future[GenerateResponse]]] = []
-        self._weights: list[tuple[Checkpoint, int, Future[int]]] = []
+        self._weights: list[WeightUpdate] = []  # for the loop: to apply, or staged to swap in
+        self._staging: list[WeightUpdate] = []  # for the stager (EngineConfig.stage_weights)
         self._waiters: dict[RequestState, Future[GenerateResponse]] = {}
         self._paused = False
         self._stopping = False
         # Held by the loop while it works on the engine; pause() takes it to wait out a step in flight.
         self._busy = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stager: threading.Thread | None = None
+        if engine.stager is not None:
+            self._stager = threading.Thread(target=self._stage_loop, name="weight-stager", daemon=True)
 
     # ------------------------------------------------------------------ control
 
     def start(self) -> AsyncEngine:
         self.engine.background = True
         self._thread.start()
+        if self._stager is not None:
+            self._stager.start()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -71,11 +95,14 @@ class AsyncEngine:
         with self._cv:
             self._stopping = True
             inbox, self._inbox = self._inbox, []
-            weights, self._weights = self._weights, []
+            weights, self._weights = self._weights + self._staging, []
+            self._staging = []
             self._cv.notify_all()
         # The loop thread owns _waiters; a snapshot is enough: a future answered twice is ignored.
-        for fut in [*(f for _r, f in inbox), *(f for _c, _v, f in weights), *list(self._waiters.values())]:
+        for fut in [*(f for _r, f in inbox), *(u.fut for u in weights), *list(self._waiters.values())]:
             _resolve(fut, error=error)
+        for u in weights:
+            u.done.set()
 
     def pause(self) -> None:
         """No steps run once this returns; requests queue. Weight updates still apply."""
@@ -140,14 +167,17 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     async def load_weights(self, path: str | Path, version: int) -> int:
-        """Read the directory here (raises WeightsError), swap at the next step boundary, return
-        once the new weights are live."""
+        """Read the directory here (raises WeightsError), swap at the next step boundary (staged
+        first by the stager with EngineConfig.stage_weights: a load error is raised here and the
+        old weights stay live), return once the new weights are live."""
         ckpt = await asyncio.to_thread(self.engine.read_weights, path)
-        fut: Future[int] = Future()
+        update = WeightUpdate(ckpt, version, Future())
         with self._cv:
-            self._weights.append((ckpt, version, fut))
+            if self._stopping:
+                raise RuntimeError("engine is stopping")
+            (self._weights if self._stager is None else self._staging).append(update)
             self._cv.notify_all()
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(update.fut)
 
     # ------------------------------------------------------------------ the loop
 
@@ -175,17 +205,45 @@ class AsyncEngine:
                 self._busy.release()
         self._shutdown()
 
-    def _work(
-        self,
-        inbox: list[tuple[GenerateRequest, Future[GenerateResponse]]],
-        weights: list[tuple[Checkpoint, int, Future[int]]],
-    ) -> None:
-        for ckpt, version, wfut in weights:
+    def _stage_loop(self) -> None:
+        """The stager (EngineConfig.stage_weights): stage one update while the loop steps, hand
+        it to the loop, wait for its swap, take the next."""
+        while True:
+            with self._cv:
+                while not self._stopping and not self._staging:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                update = self._staging.pop(0)
             try:
-                self.engine.apply_weights(ckpt, version)
-                _resolve(wfut, version)
+                update.stage_s = self.engine.stage_weights(update.ckpt)
+            except Exception as e:  # noqa: BLE001 - reported to the caller; the old weights stay live
+                _resolve(update.fut, error=e)
+                continue
+            with self._cv:
+                if self._stopping:
+                    _resolve(update.fut, error=RuntimeError("engine stopped"))
+                    return
+                self._weights.append(update)
+                self._cv.notify_all()
+            while not update.done.wait(0.5):
+                if self._stopping and not self._thread.is_alive():
+                    return
+
+    def _work(
+        self, inbox: list[tuple[GenerateRequest, Future[GenerateResponse]]], weights: list[WeightUpdate]
+    ) -> None:
+        for u in weights:
+            try:
+                if u.stage_s is None:
+                    self.engine.apply_weights(u.ckpt, u.version)
+                else:
+                    self.engine.swap_weights(u.ckpt, u.version, u.stage_s)
+                _resolve(u.fut, u.version)
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                _resolve(wfut, error=e)
+                _resolve(u.fut, error=e)
+            finally:
+                u.done.set()
         for req, rfut in inbox:
             try:
                 self._waiters[self.engine.add_request(req)] = rfut
@@ -231,8 +289,10 @@ class AsyncEngine:
             self._answer(self.engine.abort_all())
         with self._cv:
             inbox, self._inbox = self._inbox, []
-            weights, self._weights = self._weights, []
+            weights, self._weights = self._weights + self._staging, []
+            self._staging = []
         for _req, rfut in inbox:
             _resolve(rfut, error=RuntimeError("engine stopped"))
-        for _ckpt, _v, wfut in weights:
-            _resolve(wfut, error=RuntimeError("engine stopped"))
+        for u in weights:
+            _resolve(u.fut, error=RuntimeError("engine stopped"))
+            u.done.set()

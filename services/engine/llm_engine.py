@@ -37,6 +37,7 @@ from services.engine.overlap import Feed, InFlight
 from services.engine.scheduler import Scheduler, StepPlan
 from services.engine.sequence import RequestState, Sequence, Status
 from services.engine.stats import EngineStats
+from services.engine.weight_staging import WeightStager
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ class InvalidRequest(ValueError):
 
 
 class LLMEngine:
+    # EngineConfig.stage_weights: the staging copy of the weights (ModelRunner's; multi-rank: none).
+    stager: WeightStager | None = None
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -96,6 +100,7 @@ class LLMEngine:
         self.background = False
         # The GPU fast path (paged kernels, CUDA graphs), last: graph capture runs the model.
         runner.prepare()
+        self.stager = runner.stager
 
     def _launch(
         self, spans: list[Span], seqs: list[Sequence], rows: list[int], feed: Feed | None = None
@@ -534,15 +539,38 @@ class LLMEngine:
 
     def apply_weights(self, ckpt: Checkpoint, version: int) -> None:
         """Swap weights in place. Call between steps only. Running sequences keep their KV (computed
-        by the old weights) and continue; tokens sampled from now on are tagged `version`."""
+        by the old weights) and continue; tokens sampled from now on are tagged `version`. With
+        EngineConfig.stage_weights: staged here, then swapped (AsyncEngine stages off the loop)."""
+        if self.stager is not None:
+            self.swap_weights(ckpt, version, self.stage_weights(ckpt))
+            return
         t0 = time.monotonic()
         self.runner.load_state(ckpt)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies are done: the apply's true time
+        self._weights_live(ckpt, version, time.monotonic() - t0)
+
+    def stage_weights(self, ckpt: Checkpoint) -> float:
+        """EngineConfig.stage_weights: write `ckpt` into the staging copy of the weights, from any
+        thread while steps run (one version at a time, each swapped in before the next is staged);
+        returns the seconds taken. A failure (e.g. a tensor of the wrong shape) raises and leaves
+        the live weights and the version as they were."""
+        assert self.stager is not None, "EngineConfig.stage_weights is off"
+        return self.stager.stage(ckpt)
+
+    def swap_weights(self, ckpt: Checkpoint, version: int, stage_s: float) -> None:
+        """Between steps: the staged `ckpt` goes live (a device-to-device copy into the live
+        buffers) and tokens sampled from now on are tagged `version`."""
+        assert self.stager is not None, "EngineConfig.stage_weights is off"
+        t0 = time.monotonic()
+        self.stager.swap()
+        self._weights_live(ckpt, version, time.monotonic() - t0, stage_s)
+
+    def _weights_live(self, ckpt: Checkpoint, version: int, apply_s: float, stage_s: float = 0.0) -> None:
         # New admissions hash under the new version: pages computed by the old weights never match.
         self.version = self.scheduler.version = version
         self.model_dir = ckpt.path
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the copies are done: the apply's true time
-        self.stats.observe_weights(time.monotonic() - t0, ckpt.read_s, ckpt.nbytes)
+        self.stats.observe_weights(apply_s, ckpt.read_s, ckpt.nbytes, stage_s)
 
     def load_weights(self, path: str | Path, version: int) -> None:
         self.apply_weights(self.read_weights(path), version)

@@ -38,6 +38,7 @@ from services.engine.loader import Checkpoint
 from services.engine.models.registry import build_fp8_model, engine_model
 from services.engine.overlap import Feed, feed_pending
 from services.engine.sequence import Sequence
+from services.engine.weight_staging import WeightStager, staging_bytes
 
 if TYPE_CHECKING:
     from services.engine.kernels.megakernel import DecodeMegakernel
@@ -95,6 +96,8 @@ class ModelRunner:
         # state slots of a hybrid one, one per sequence that may run (kv_cache.py).
         blocks = self._num_kv_blocks()
         weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
+        if cfg.stage_weights:
+            weight_bytes += staging_bytes(self.model)  # the staging copy, made in prepare()
         check_memory_cap(cfg, m, blocks, weight_bytes, self.dtype)
         self.kv = KVCache.for_model(
             m,
@@ -127,6 +130,9 @@ class ModelRunner:
         )
         if self.model.fused_elementwise:
             self.model.fuse_projections()  # q/k/v and gate/up as one GEMM each (bf16 or fp8)
+        # After the fusion (the staging copy mirrors the fused buffers and their views), before
+        # the batch-1 kernel and the graphs (nothing of theirs is copied).
+        self.stager = WeightStager(self.model, self.device, self._load_into) if cfg.stage_weights else None
         self.block_tables = BlockTables(-(-self.max_seq_len // cfg.block_size))
         self.num_sms = num_sms(self.device)
         self.model.megakernel = self._megakernel()  # before graph capture
@@ -281,11 +287,15 @@ class ModelRunner:
 
     def load_state(self, ckpt: Checkpoint) -> None:
         """Swap the model's weights in place (CUDA graphs keep pointing at the same buffers)."""
+        self._load_into(self.model, ckpt)
+
+    def _load_into(self, model: torch.nn.Module, ckpt: Checkpoint) -> None:
+        """Write `ckpt` into `model`: the live one, or the stager's structural copy of it."""
         if self.cfg.quantization == "fp8":
             # Re-quantises high-precision weights into the fp8 buffers; copies an fp8 checkpoint's.
-            fp8_linear.load_hf_state(self.model, ckpt.state)
+            fp8_linear.load_hf_state(model, ckpt.state)
         else:
-            self.model.load_hf_state(self._high_precision(ckpt))
+            model.load_hf_state(self._high_precision(ckpt))  # type: ignore[operator]
 
     def _high_precision(self, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
         """The checkpoint's state with any fp8 pairs dequantised to the engine dtype."""

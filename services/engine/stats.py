@@ -22,11 +22,15 @@ class EngineStats:
     steps_total: int = 0
     step_seconds_total: float = 0.0
     weight_updates_total: int = 0
-    # Weight updates: seconds the step loop was held applying them (copies into the parameters),
-    # seconds reading them beforehand (off the loop), and the bytes read (this engine's slices).
+    # Weight updates: seconds the step loop was held applying them (copies into the parameters;
+    # with EngineConfig.stage_weights only the swap of the staged copy), seconds reading them
+    # beforehand and, staged, writing the staging copy (both off the loop), and the bytes read
+    # (this engine's slices).
     weight_apply_seconds_total: float = 0.0
     weight_apply_seconds_last: float = 0.0
     weight_read_seconds_last: float = 0.0
+    weight_stage_seconds_total: float = 0.0
+    weight_stage_seconds_last: float = 0.0
     weight_bytes_read_total: int = 0
     # Seconds the step loop had nothing to do while not paused: rollout starvation shows here.
     idle_seconds_total: float = 0.0
@@ -51,8 +55,10 @@ class EngineStats:
     # calls): what a slow step spent its time on.
     last_step_phases: dict[str, float] = field(default_factory=dict)
 
-    def observe_weights(self, apply_s: float, read_s: float, nbytes: int) -> None:
+    def observe_weights(self, apply_s: float, read_s: float, nbytes: int, stage_s: float = 0.0) -> None:
         self.weight_updates_total += 1
+        self.weight_stage_seconds_total += stage_s
+        self.weight_stage_seconds_last = stage_s
         self.weight_apply_seconds_total += apply_s
         self.weight_apply_seconds_last = apply_s
         self.weight_read_seconds_last = read_s
