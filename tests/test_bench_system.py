@@ -60,6 +60,10 @@ relay_decode_generated_tokens_total 1000.0
 relay_decode_prompt_tokens_total 500.0
 # TYPE relay_decode_weight_updates counter
 relay_decode_weight_updates_total 3.0
+# TYPE relay_decode_weight_apply_seconds counter
+relay_decode_weight_apply_seconds_total 1.0
+# TYPE relay_decode_weight_stage_seconds counter
+relay_decode_weight_stage_seconds_total 0.0
 # TYPE relay_decode_batch_size histogram
 relay_decode_batch_size_bucket{le="+Inf"} 100.0
 relay_decode_batch_size_count 100.0
@@ -72,6 +76,8 @@ DECODE_T1 = (
     .replace("generated_tokens_total 1000.0", "generated_tokens_total 9000.0")
     .replace("prompt_tokens_total 500.0", "prompt_tokens_total 2500.0")
     .replace("weight_updates_total 3.0", "weight_updates_total 7.0")
+    .replace("weight_apply_seconds_total 1.0", "weight_apply_seconds_total 3.0")
+    .replace("weight_stage_seconds_total 0.0", "weight_stage_seconds_total 4.0")
     .replace("batch_size_sum 1000.0", "batch_size_sum 9000.0")
 )
 ORCH_T0 = """# TYPE relay_orchestrator_samples_total counter
@@ -187,6 +193,9 @@ def test_one_run_report(tmp_path: Path) -> None:
         d["batch_mean"] == pytest.approx(40)
         and d["step_ms"] == pytest.approx(75)
         and d["weight_updates"] == 4
+    )
+    assert d["weights_held_share"] == pytest.approx(2 / 20) and d["weights_staging_share"] == pytest.approx(
+        4 / 20
     )
     o = r["orchestrator"]
     assert o["samples_by_finish_reason"] == {"done": 48} and o["groups_dropped_by_reason"] == {"error": 1}

@@ -225,6 +225,7 @@ def test_metrics(decode: Decode) -> None:
         "relay_decode_kv_blocks_used",
         "relay_decode_weight_apply_last_seconds",
         "relay_decode_weight_read_last_seconds",
+        "relay_decode_weight_stage_last_seconds",
     ):
         assert name in text, name
     # Every update's bytes and seconds (three updates of the debug model so far, test_update_weights).
@@ -235,6 +236,7 @@ def test_metrics(decode: Decode) -> None:
         (p.stat().st_size for p in decode.weights[1].glob("*.safetensors")), 0
     ) - 3 * _header_bytes(decode.weights[1])
     assert values["relay_decode_weight_apply_seconds_total"] > 0
+    assert values["relay_decode_weight_stage_seconds_total"] == 0  # stage_weights off
     # The pools' bytes: a dense model's pages, and no Mamba-2 state slots.
     assert values["relay_decode_kv_cache_bytes"] > 0
     assert values["relay_decode_state_cache_bytes"] == 0

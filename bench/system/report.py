@@ -144,6 +144,10 @@ def decode_time(scrapes: dict[str, Any]) -> dict[str, Any]:
         "step_ms": 1e3 * step_s / steps if steps else None,
         "batch_mean": tot.get("relay_decode_batch_size_sum", 0.0) / steps if steps else None,
         "weight_updates": tot.get("relay_decode_weight_updates_total", 0.0),
+        # The loop held by weight applies (with decode.engine.stage_weights: the swaps only), and
+        # the staging's share beside it, off the loop.
+        "weights_held_share": tot.get("relay_decode_weight_apply_seconds_total", 0.0) / (dt * replicas),
+        "weights_staging_share": tot.get("relay_decode_weight_stage_seconds_total", 0.0) / (dt * replicas),
         "preemptions": tot.get("relay_decode_preemptions_total", 0.0),
     }
 
@@ -343,6 +347,7 @@ def table(runs: dict[str, dict[str, Any]], comparison: dict[str, Any]) -> str:
     row("trainer busy share", lambda r: r["trainer"]["busy_share"], ".2f")
     row("  waiting for data", lambda r: r["trainer"]["wait_data_share"], ".2f")
     row("decode busy share", lambda r: r["decode"]["busy_share"], ".2f")
+    row("  held by weight applies", lambda r: r["decode"]["weights_held_share"], ".2f")
     row("decode mean batch", lambda r: r["decode"]["batch_mean"])
     row("staleness groups [0,1,..]", lambda r: r["staleness"]["groups_by_staleness"])
     row("staleness mean / max", lambda r: f"{_fmt(r['staleness']['mean'], '.2f')} / {r['staleness']['max']}")

@@ -434,9 +434,8 @@ class EngineConfig(Strict):
     # a new version is written into a staging copy of the weights on a background thread (on
     # CUDA, its own stream) while steps run on the old ones; between two steps the loop only
     # copies it into the live buffers, device to device. Costs one more copy of the weights
-    # (parameters and persistent buffers: FP8 weights and scales) in device memory. A
-    # single-rank engine under AsyncEngine (the decode service); a multi-rank engine applies
-    # updates on its loop as without it.
+    # (parameters and persistent buffers: FP8 weights and scales) in device memory. Single-rank
+    # engines; a multi-rank engine (decode.parallel) applies updates on its loop as without it.
     stage_weights: bool = False
 
 

@@ -38,6 +38,12 @@ class EngineCollector(Collector):
                 s.weight_apply_seconds_total,
             ),
             (
+                "relay_decode_weight_stage_seconds",
+                "Seconds spent writing weight updates into the staging copy, off the engine loop"
+                " (decode.engine.stage_weights)",
+                s.weight_stage_seconds_total,
+            ),
+            (
                 "relay_decode_weight_bytes_read",
                 "Bytes of weights read for updates",
                 s.weight_bytes_read_total,
@@ -64,8 +70,15 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("relay_decode_weight_version", "Loaded weight version", value=eng.version)
         yield GaugeMetricFamily(
             "relay_decode_weight_apply_last_seconds",
-            "Seconds the last weight update held the engine loop (copies into the parameters)",
+            "Seconds the last weight update held the engine loop (copies into the parameters;"
+            " with decode.engine.stage_weights, the swap of the staged copy)",
             value=s.weight_apply_seconds_last,
+        )
+        yield GaugeMetricFamily(
+            "relay_decode_weight_stage_last_seconds",
+            "Seconds the last weight update spent being written into the staging copy, off the loop"
+            " (decode.engine.stage_weights; 0 without it)",
+            value=s.weight_stage_seconds_last,
         )
         yield GaugeMetricFamily(
             "relay_decode_weight_read_last_seconds",
