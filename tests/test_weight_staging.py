@@ -1,7 +1,8 @@
 """Staged weight applies (EngineConfig.stage_weights, services/engine/weight_staging.py): a new
 version is written into a staging copy while the engine steps on the old weights, then swapped
 in between two steps. The tokens, log-probs, version tags and weight bits equal the direct apply's
-(float32 and FP8 engines, high-precision and FP8 checkpoints); under AsyncEngine the loop keeps
+(float32 and FP8 engines, high-precision and FP8 checkpoints), and reach the fused q/k/v and
+gate/up buffers of the CUDA layout (built on the CPU); under AsyncEngine the loop keeps
 stepping while a staging is held and the version changes only at the swap; a staging that fails
 leaves the old weights live and raises to the caller. CPU, a small MoE published by
 trainer.publish."""
@@ -224,3 +225,53 @@ def test_async_engine_steps_while_staging_and_swaps_at_a_step_boundary(
             eng.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("ckpt_quant", "quantization"), [("none", "none"), ("fp8", "fp8"), ("none", "fp8")])
+def test_staged_update_reaches_the_fused_projections(
+    tmp_path: Path, ckpt_quant: str, quantization: str
+) -> None:
+    """The CUDA layout, built on the CPU: after fuse_projections (q/k/v and gate/up one buffer
+    each, the HF-named tensors views of it, the fused GEMM's tensors held outside the module
+    tree) a staged update lands in the buffers the fused GEMMs read, as a direct load does."""
+    m = small_moe(
+        dim=160, hidden_dim=256, n_heads=4, n_kv_heads=4, head_dim=32, n_layers=2, n_routed_experts=4,
+        moe_hidden_dim=128, vocab_size=300,
+    )  # fmt: skip
+    model = build_model(m, seed=5)
+    pub = Publisher(m, dtype=torch.bfloat16, quantization=ckpt_quant)  # type: ignore[arg-type]
+    for v in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        pub.publish(model, v, tmp_path / f"step_{v}", background=False)
+    eng, ref = (engine(tmp_path / "step_1", quantization=quantization, dtype="bfloat16") for _ in range(2))
+    fused = eng.model.fuse_projections()
+    ref.model.fuse_projections()
+    assert fused  # the dense layer's attention and MLP, and the MoE layer's attention
+    stager = WeightStager(eng.model, eng.device, eng.runner._load_into)
+    ckpt = eng.read_weights(tmp_path / "step_2")
+    stager.stage(ckpt)
+    stager.swap()
+    ref.runner.load_state(ref.read_weights(tmp_path / "step_2"))
+    assert _state_diff(eng.model, ref.model) == []
+    n_fp8 = 0
+    for name in fused:
+        rows, want, staged = (_rows(mdl.get_submodule(name)) for mdl in (eng.model, ref.model, stager.model))
+        assert torch.equal(_raw(rows[0]), _raw(want[0])) and torch.equal(rows[1], want[1]), name
+        # The staging copy's fused tensors are views of its own buffers, not a copy beside them.
+        assert staged[0].untyped_storage().data_ptr() != rows[0].untyped_storage().data_ptr()
+        part = stager.model.get_submodule(name)
+        first = part.q_proj if hasattr(part, "q_proj") else part.gate_proj
+        first_weight = first.weight_fp8 if rows[2] else first.weight
+        assert staged[0].untyped_storage().data_ptr() == first_weight.untyped_storage().data_ptr()
+        n_fp8 += rows[2]
+    assert n_fp8 == (len(fused) if quantization == "fp8" else 0)
+
+
+def _rows(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(weight, scales or an empty tensor, fp8) of a fused projection: what its GEMM reads."""
+    rows = mod.qkv if hasattr(mod, "qkv") else mod.gate_up
+    if rows.fp8 is not None:
+        return rows.fp8.weight_fp8, rows.fp8.weight_scale, True
+    return rows.weight, torch.empty(0), False
