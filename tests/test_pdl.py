@@ -253,32 +253,26 @@ def test_engine_with_pdl_forced_on_equals_off(tmp_path: Path) -> None:
 
 # Loads allowed before gdc_wait, per kernel: weights (no kernel of the forward writes them) and
 # step metadata the host copies in before the forward's first kernel (ops/pdl.py).
+# The decode kernels' step metadata, read by their shared work-item prologue (_decode_item).
+DECODE_ITEM_PTRS = {
+    "ctx_ptr",
+    "q_loc_ptr",
+    "item_row_ptr",
+    "item_qloc_ptr",
+    "item_start_ptr",
+    "item_end_ptr",
+    "item_merge_ptr",
+}
 PRE_WAIT_LOADS = {
     "_gemv_kernel": {"w_ptr"},
     "_add_rms_norm": {"w_ptr"},
     "_qk_rope_store_kernel": {"qw_ptr", "kw_ptr", "slot_ptr"},
     "_store_kv_kernel": {"slot_ptr"},
-    "_decode_kernel": {
-        "ctx_ptr",
-        "q_loc_ptr",
-        "item_row_ptr",
-        "item_qloc_ptr",
-        "item_start_ptr",
-        "item_end_ptr",
-        "item_merge_ptr",
-    },
+    "_decode_kernel": DECODE_ITEM_PTRS,
     "_merge_kernel": {"q_loc_ptr", "row_first_ptr", "row_items_ptr"},
     "_prefill_kernel": {"blk_ptr"},
     "_store_rows_kernel": {"slot_ptr"},
-    "_mla_decode_kernel": {
-        "ctx_ptr",
-        "q_loc_ptr",
-        "item_row_ptr",
-        "item_qloc_ptr",
-        "item_start_ptr",
-        "item_end_ptr",
-        "item_merge_ptr",
-    },
+    "_mla_decode_kernel": DECODE_ITEM_PTRS,
     "_index_scores_kernel": {"ctx_ptr", "q_loc_ptr"},
 }
 ENGINE_KERNEL_MODULES = (
